@@ -1,0 +1,55 @@
+//! Wall clocks for the embedded store. (The Redis store reads Redis's `TIME` instead, the one
+//! clock all brokers sharing it agree on.)
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// A source of Unix epoch time.
+pub trait Clock: Send + Sync + 'static {
+    fn now_us(&self) -> u64;
+
+    fn now_ms(&self) -> u64 {
+        self.now_us() / 1000
+    }
+}
+
+/// The host's clock: correct for the embedded store, which only one broker uses.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_us(&self) -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+            .unwrap_or(0)
+    }
+}
+
+/// A clock that moves only when told to: lets tests put a lease past its expiry without
+/// sleeping.
+#[derive(Debug, Clone)]
+pub struct ManualClock(Arc<AtomicU64>);
+
+impl ManualClock {
+    /// A clock standing at `start_ms`.
+    pub fn starting_at_ms(start_ms: u64) -> Self {
+        Self(Arc::new(AtomicU64::new(start_ms * 1000)))
+    }
+
+    pub fn advance_ms(&self, ms: u64) {
+        self.0.fetch_add(ms * 1000, Ordering::SeqCst);
+    }
+
+    /// Moves the clock backwards, as an NTP step on a host would.
+    pub fn rewind_ms(&self, ms: u64) {
+        self.0.fetch_sub(ms * 1000, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_us(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+}

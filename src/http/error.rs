@@ -1,0 +1,152 @@
+//! The API's error body, `{"error": code, "message": sentence}`, and how domain errors map to it.
+
+use axum::Json;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+use crate::domain::InvalidValue;
+use crate::lock::LockError;
+use crate::store::StoreError;
+
+/// An error response. Every error the broker sends, the router's own included, is one of these.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    /// For `locked`: when the current lease ends.
+    retry_after_ms: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct Body<'a> {
+    error: &'a str,
+    message: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after_ms: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            retry_after_ms: None,
+        }
+    }
+
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+
+    pub fn not_found() -> Self {
+        Self::new(StatusCode::NOT_FOUND, "not_found", "No such endpoint.")
+    }
+
+    pub fn method_not_allowed() -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            "This endpoint does not accept that method.",
+        )
+    }
+
+    pub fn payload_too_large(limit: usize) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("The request body is larger than {limit} bytes."),
+        )
+    }
+
+    pub fn unsupported_media_type() -> Self {
+        Self::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_media_type",
+            "The request body must be JSON, sent with Content-Type: application/json.",
+        )
+    }
+
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+}
+
+impl From<InvalidValue> for ApiError {
+    fn from(e: InvalidValue) -> Self {
+        Self::invalid(e.0)
+    }
+}
+
+impl From<LockError> for ApiError {
+    fn from(e: LockError) -> Self {
+        match e {
+            LockError::Locked { retry_after_ms } => Self {
+                retry_after_ms: Some(retry_after_ms),
+                ..Self::new(
+                    StatusCode::CONFLICT,
+                    "locked",
+                    "The lock is held by someone else.",
+                )
+            },
+            LockError::NotHeld => Self::new(
+                StatusCode::NOT_FOUND,
+                "not_held",
+                "Nobody holds this lock (it was released, or its lease expired).",
+            ),
+            LockError::NotOwner => Self::new(
+                StatusCode::CONFLICT,
+                "not_owner",
+                "Someone else holds this lock now; your lease has ended.",
+            ),
+            LockError::TooManyWaiters { limit } => Self {
+                // Answered like a full queue elsewhere: a load balancer may retry another broker.
+                retry_after_ms: Some(1000),
+                ..Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too_many_waiters",
+                    format!("{limit} requests already wait on this broker; try again later."),
+                )
+            },
+            LockError::StoreUnavailable(e) => {
+                tracing::warn!(error = %e, "store unavailable");
+                Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_unavailable",
+                    match e {
+                        StoreError::Timeout(ms) => {
+                            format!("The lock store did not answer within {ms} ms.")
+                        }
+                        StoreError::Failed(_) => "The lock store could not be reached.".into(),
+                    },
+                )
+            }
+            LockError::ShuttingDown => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                "The broker is shutting down; try another broker.",
+            ),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = Json(Body {
+            error: self.code,
+            message: &self.message,
+            retry_after_ms: self.retry_after_ms.filter(|_| self.code == "locked"),
+        });
+        let mut response = (self.status, body).into_response();
+        if let Some(ms) = self.retry_after_ms {
+            // Whole seconds, rounded up, at least 1.
+            let secs = ms.div_ceil(1000).max(1);
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}

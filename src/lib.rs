@@ -1,0 +1,12 @@
+//! lockbroker: a distributed-lock broker. The seeds' Redis SETNX/GETSET lease algorithm, with its
+//! known races closed, behind a small HTTP API, on Redis or on an embedded in-memory store.
+#![forbid(unsafe_code)]
+
+pub mod clock;
+pub mod config;
+pub mod domain;
+pub mod http;
+pub mod lock;
+pub mod startup;
+pub mod store;
+pub mod telemetry;

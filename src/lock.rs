@@ -1,0 +1,359 @@
+//! The lock service: the seeds' algorithm over any [`Store`] — claim with SETNX, look with GET,
+//! take over an expired lease with a safe GETSET, release and renew only as the holder — plus
+//! waiting, fencing and the guarantees around a store that fails mid-call. Knows nothing of
+//! HTTP.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use rand::RngExt;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::domain::{LockKey, Owner, Token, Ttl, WaitFor};
+use crate::store::{Bid, Claim, Holder, Lease, Store, StoreError, TakeOver};
+
+/// Limits and defaults the service applies; validated by the configuration.
+#[derive(Debug, Clone)]
+pub struct LockSettings {
+    /// Bound on one store call; a waiting acquire ends by its wait plus this.
+    pub store_timeout: Duration,
+    /// Most acquires that may wait on this broker at once; memory per waiter is small, but
+    /// unbounded waiting is not.
+    pub max_waiters: usize,
+}
+
+/// Why an operation did not do what was asked. The http layer maps each to a status.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("the lock is held by someone else")]
+    Locked { retry_after_ms: u64 },
+    #[error("nobody holds the lock")]
+    NotHeld,
+    #[error("someone else holds the lock")]
+    NotOwner,
+    #[error("{limit} requests already wait on this broker")]
+    TooManyWaiters { limit: usize },
+    #[error(transparent)]
+    StoreUnavailable(#[from] StoreError),
+    #[error("the broker is shutting down")]
+    ShuttingDown,
+}
+
+/// An acquire as the client asked for it.
+#[derive(Debug, Clone)]
+pub struct AcquireRequest {
+    pub ttl: Ttl,
+    pub wait: WaitFor,
+    pub owner: Option<Owner>,
+}
+
+/// A live lease with the store's clock when it was read.
+#[derive(Debug, Clone)]
+pub struct LeaseView {
+    pub lease: Lease,
+    pub now_ms: u64,
+}
+
+impl LeaseView {
+    pub fn ttl_remaining_ms(&self) -> u64 {
+        self.lease.expires_at_ms.saturating_sub(self.now_ms)
+    }
+}
+
+/// The outcome of one pass of the seeds' algorithm.
+enum Attempt {
+    Granted(Lease),
+    /// Someone holds a live lease that ends in this many ms (store clock).
+    Held {
+        retry_after_ms: u64,
+    },
+    /// The state moved under us (GET returned nil, or a takeover was lost): try again at once.
+    Again,
+}
+
+/// How many passes in a row may end in [`Attempt::Again`] before the acquire naps anyway,
+/// so a key that churns very fast costs a bounded burst of store calls, not a spin.
+const MAX_IMMEDIATE_RETRIES: u32 = 8;
+
+/// Polling bounds while a waiter has no better signal: never more often than every 5 ms, and
+/// at least every 50 ms, with jitter so that waiters on many brokers do not poll in step.
+const POLL_MIN: Duration = Duration::from_millis(5);
+const POLL_MAX: Duration = Duration::from_millis(50);
+
+/// The service one broker runs. Cheap to clone.
+pub struct LockService<S> {
+    store: Arc<S>,
+    settings: LockSettings,
+    waiters: Arc<AtomicUsize>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl<S> Clone for LockService<S> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            settings: self.settings.clone(),
+            waiters: self.waiters.clone(),
+            shutdown: self.shutdown.clone(),
+        }
+    }
+}
+
+impl<S: Store> LockService<S> {
+    /// `shutdown` turns true when the broker stops: waiting acquires then end with
+    /// [`LockError::ShuttingDown`].
+    pub fn new(store: Arc<S>, settings: LockSettings, shutdown: watch::Receiver<bool>) -> Self {
+        Self {
+            store,
+            settings,
+            waiters: Arc::default(),
+            shutdown,
+        }
+    }
+
+    pub fn store(&self) -> &Arc<S> {
+        &self.store
+    }
+
+    /// Requests waiting on this broker now.
+    pub fn waiting(&self) -> usize {
+        self.waiters.load(Ordering::Relaxed)
+    }
+
+    /// Acquires `key`, waiting up to `req.wait` while someone else holds it.
+    ///
+    /// Ends by `req.wait` plus the store timeout. Dropping the returned future (the client went
+    /// away) stops the wait; a store call it interrupts is cleaned up (see [`PendingGrant`]).
+    pub async fn acquire(&self, key: &LockKey, req: AcquireRequest) -> Result<Lease, LockError> {
+        let bid = Bid {
+            token: Token::generate(),
+            ttl: req.ttl,
+            owner: req.owner,
+        };
+        let wait = req.wait.as_duration();
+        let bound = wait + self.settings.store_timeout;
+        match tokio::time::timeout(bound, self.acquire_until(key, &bid, Instant::now() + wait))
+            .await
+        {
+            Ok(result) => result,
+            // Only a store call can be running when this fires: the loop stops napping at the
+            // deadline, and a nap is shorter than the store timeout.
+            Err(_) => Err(StoreError::Timeout(duration_ms(self.settings.store_timeout)).into()),
+        }
+    }
+
+    async fn acquire_until(
+        &self,
+        key: &LockKey,
+        bid: &Bid,
+        deadline: Instant,
+    ) -> Result<Lease, LockError> {
+        let mut waiting: Option<WaiterSlot> = None;
+        let mut poll = POLL_MIN;
+        let mut immediate = 0;
+        let mut shutdown = self.shutdown.clone();
+        loop {
+            let retry_after_ms = match self.attempt(key, bid).await? {
+                Attempt::Granted(lease) => return Ok(lease),
+                Attempt::Again if immediate < MAX_IMMEDIATE_RETRIES => {
+                    immediate += 1;
+                    continue;
+                }
+                Attempt::Again => 0,
+                Attempt::Held { retry_after_ms } => retry_after_ms,
+            };
+            immediate = 0;
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(LockError::Locked { retry_after_ms });
+            }
+            if waiting.is_none() {
+                waiting = Some(self.enter_waiting()?);
+            }
+            // Wake at the holder's expiry if that comes first (+1 ms: the lease ends *after* its
+            // last millisecond), never before POLL_MIN, never past the deadline by more than that.
+            let nap = poll
+                .min(Duration::from_millis(retry_after_ms.saturating_add(1)))
+                .min(deadline - now)
+                .max(POLL_MIN);
+            poll = jittered_next(poll);
+            tokio::select! {
+                () = tokio::time::sleep(nap) => {}
+                _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
+            }
+        }
+    }
+
+    /// One pass of the seeds' algorithm.
+    async fn attempt(&self, key: &LockKey, bid: &Bid) -> Result<Attempt, LockError> {
+        // 1. SETNX: a free key is ours in one round trip.
+        if let Claim::Granted(lease) = self.guarded(key, bid, self.store.claim(key, bid)).await? {
+            return Ok(Attempt::Granted(lease));
+        }
+        // 2. GET: who holds it, and until when on the store's clock.
+        let snapshot = self.store.read(key).await?;
+        let Some(current) = snapshot.lease else {
+            // GET returned nil: the lock was released between our SETNX and GET. It is free,
+            // not expired: go straight back to SETNX.
+            return Ok(Attempt::Again);
+        };
+        if current.is_live_at(snapshot.now_ms) {
+            return Ok(Attempt::Held {
+                retry_after_ms: current.expires_at_ms - snapshot.now_ms,
+            });
+        }
+        // 3. Expired: take it over, so that exactly one contender wins it.
+        match self
+            .guarded(key, bid, self.store.take_over(key, current.fence, bid))
+            .await?
+        {
+            TakeOver::Granted(lease) => Ok(Attempt::Granted(lease)),
+            // Another contender won it (or its holder renewed it): look again.
+            TakeOver::Lost => Ok(Attempt::Again),
+        }
+    }
+
+    /// Runs a store call that may grant `bid`, so that a lease nobody knows the token of does not
+    /// outlive the call's failure or the client's departure (see [`PendingGrant`]).
+    async fn guarded<T>(
+        &self,
+        key: &LockKey,
+        bid: &Bid,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let mut pending = PendingGrant {
+            store: Some(self.store.clone()),
+            key: key.clone(),
+            token: bid.token.clone(),
+            ttl: bid.ttl,
+        };
+        let result = call.await;
+        if result.is_ok() {
+            // A definite answer: a grant goes back to the client (one that has left by now was
+            // granted at that instant, and its lease ends at its TTL).
+            pending.store = None;
+        }
+        result
+    }
+
+    fn enter_waiting(&self) -> Result<WaiterSlot, LockError> {
+        let limit = self.settings.max_waiters;
+        if self.waiters.fetch_add(1, Ordering::Relaxed) >= limit {
+            self.waiters.fetch_sub(1, Ordering::Relaxed);
+            return Err(LockError::TooManyWaiters { limit });
+        }
+        Ok(WaiterSlot(self.waiters.clone()))
+    }
+
+    /// Releases `key` if `token` holds its live lease.
+    pub async fn release(&self, key: &LockKey, token: &Token) -> Result<(), LockError> {
+        match self.store.release(key, token).await? {
+            Holder::Done(()) => Ok(()),
+            Holder::NotHeld => Err(LockError::NotHeld),
+            Holder::NotOwner => Err(LockError::NotOwner),
+        }
+    }
+
+    /// Moves the end of `token`'s live lease to `ttl` from now. Same token, same fence.
+    pub async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> Result<Lease, LockError> {
+        match self.store.renew(key, token, ttl).await? {
+            Holder::Done(lease) => Ok(lease),
+            Holder::NotHeld => Err(LockError::NotHeld),
+            Holder::NotOwner => Err(LockError::NotOwner),
+        }
+    }
+
+    /// The live lease on `key`, if any.
+    pub async fn inspect(&self, key: &LockKey) -> Result<LeaseView, LockError> {
+        let snapshot = self.store.read(key).await?;
+        match snapshot.lease {
+            Some(lease) if lease.is_live_at(snapshot.now_ms) => Ok(LeaseView {
+                lease,
+                now_ms: snapshot.now_ms,
+            }),
+            _ => Err(LockError::NotHeld),
+        }
+    }
+
+    /// Whether the store answers.
+    pub async fn ready(&self) -> Result<(), LockError> {
+        Ok(self.store.ping().await?)
+    }
+}
+
+/// A store call that may be granting a lease and has not given a definite answer yet.
+///
+/// If it is dropped still armed — the call failed or timed out (Redis may have applied the
+/// script before the answer was lost), or the client went away mid-call and the request future
+/// was dropped — nobody will ever learn the token, and the lease would block the key for its
+/// whole TTL. So it spawns a cleanup: a holder-checked release by that token, retried until the
+/// store gives any definite answer or the TTL has passed (by then the lease has ended by itself).
+/// A release by a token that holds nothing changes nothing, so a call that never applied costs
+/// one extra store call. If the store stays unreachable, the lease ends at its TTL like any
+/// other.
+struct PendingGrant<S: Store> {
+    /// `None` once disarmed.
+    store: Option<Arc<S>>,
+    key: LockKey,
+    token: Token,
+    ttl: Ttl,
+}
+
+impl<S: Store> Drop for PendingGrant<S> {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (key, token) = (self.key.clone(), self.token.clone());
+        let give_up = Instant::now() + Duration::from_millis(self.ttl.as_ms());
+        runtime.spawn(async move {
+            let mut pause = Duration::from_millis(50);
+            loop {
+                match store.release(&key, &token).await {
+                    Ok(outcome) => {
+                        if outcome == Holder::Done(()) {
+                            tracing::info!(%key, "released a lease granted to a request that failed or went away");
+                        }
+                        return;
+                    }
+                    Err(e) if Instant::now() + pause < give_up => {
+                        tracing::debug!(%key, error = %e, "cleanup of an unanswered grant failed; retrying");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                    }
+                    Err(e) => {
+                        tracing::warn!(%key, error = %e, "could not clean up an unanswered grant; it ends at its TTL");
+                        return;
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// One place in the per-broker waiter count; gives it back on drop, however the wait ends.
+struct WaiterSlot(Arc<AtomicUsize>);
+
+impl Drop for WaiterSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The next poll interval: up to three times the last, at most [`POLL_MAX`], at random
+/// ("decorrelated jitter").
+fn jittered_next(last: Duration) -> Duration {
+    let hi = (last * 3).min(POLL_MAX);
+    let ms = rand::rng()
+        .random_range(duration_ms(POLL_MIN)..=duration_ms(hi).max(duration_ms(POLL_MIN)));
+    Duration::from_millis(ms)
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,219 @@
+//! The embedded store: the same primitives as Redis, in one process. Correct for a single
+//! broker; brokers do not share it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{Bid, Claim, EXPIRY_SLACK_MS, Holder, Lease, Snapshot, Store, StoreError, TakeOver};
+use crate::clock::{Clock, SystemClock};
+use crate::domain::{Fence, LockKey, Token, Ttl};
+
+/// One key's state: its lease, if any, and its fence counter.
+#[derive(Debug)]
+struct Slot {
+    lease: Option<Lease>,
+    /// The last fence granted for this key.
+    fence: Fence,
+    /// When the slot may be dropped (the Redis store's key expiry): the fence counter goes with
+    /// it and is seeded again from the clock, which keeps fences rising (see `next_fence`).
+    drop_at_ms: u64,
+}
+
+/// The in-memory store.
+#[derive(Clone)]
+pub struct MemoryStore {
+    /// A std Mutex, not a tokio one: nothing awaits while holding it, and every critical section
+    /// is a few map operations.
+    slots: Arc<Mutex<HashMap<LockKey, Slot>>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new(Arc::new(SystemClock))
+    }
+}
+
+impl MemoryStore {
+    pub fn new(clock: Arc<dyn Clock>) -> Self {
+        Self {
+            slots: Arc::default(),
+            clock,
+        }
+    }
+
+    fn slots(&self) -> MutexGuard<'_, HashMap<LockKey, Slot>> {
+        // A panic while holding the lock cannot leave a slot half-written (each write is one
+        // assignment), so a poisoned map is still consistent.
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Drops the slots whose keys Redis would have expired by now. Returns how many were dropped.
+    pub fn sweep(&self) -> usize {
+        let now = self.clock.now_ms();
+        let mut slots = self.slots();
+        let before = slots.len();
+        slots.retain(|_, slot| slot.drop_at_ms > now);
+        before - slots.len()
+    }
+
+    /// How many keys the store keeps (live, expired or only a fence counter).
+    pub fn len(&self) -> usize {
+        self.slots().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Writes the bid into `slot` as its new lease, with the next fence.
+    fn grant(&self, slot: Option<&mut Slot>, bid: &Bid, now_us: u64) -> (Slot, Lease) {
+        let now_ms = now_us / 1000;
+        let fence = next_fence(slot.as_ref().map(|s| s.fence), now_us);
+        let lease = Lease {
+            token: bid.token.clone(),
+            fence,
+            expires_at_ms: now_ms + bid.ttl.as_ms(),
+            ttl_ms: bid.ttl.as_ms(),
+            owner: bid.owner.clone(),
+        };
+        let new = Slot {
+            lease: Some(lease.clone()),
+            fence,
+            drop_at_ms: lease.expires_at_ms + EXPIRY_SLACK_MS,
+        };
+        (new, lease)
+    }
+}
+
+/// The fence after `last`; a key with no counter (new, or dropped after its leases ended) starts
+/// from the clock in microseconds, which is above any counter the key had before as long as it
+/// never saw more than one grant per microsecond on average — the Redis store does the same, so
+/// fences keep rising across a broker restart (here) or a store that lost its data (there).
+fn next_fence(last: Option<Fence>, now_us: u64) -> Fence {
+    last.unwrap_or(now_us).max(1) + 1
+}
+
+impl Store for MemoryStore {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Claim, StoreError> {
+        let now_us = self.clock.now_us();
+        let mut slots = self.slots();
+        let slot = slots.get_mut(key);
+        if slot.as_ref().is_some_and(|s| s.lease.is_some()) {
+            return Ok(Claim::Taken);
+        }
+        let (new, lease) = self.grant(slot, bid, now_us);
+        slots.insert(key.clone(), new);
+        Ok(Claim::Granted(lease))
+    }
+
+    async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
+        let now_ms = self.clock.now_ms();
+        let slots = self.slots();
+        Ok(Snapshot {
+            now_ms,
+            lease: slots.get(key).and_then(|s| s.lease.clone()),
+        })
+    }
+
+    async fn take_over(
+        &self,
+        key: &LockKey,
+        seen: Fence,
+        bid: &Bid,
+    ) -> Result<TakeOver, StoreError> {
+        let now_us = self.clock.now_us();
+        let now_ms = now_us / 1000;
+        let mut slots = self.slots();
+        let slot = slots.get_mut(key);
+        match slot.as_ref().and_then(|s| s.lease.as_ref()) {
+            // The key vanished since it was read (the seeds' "GETSET returned nil"): it is free.
+            None => {}
+            Some(current) if current.fence == seen && !current.is_live_at(now_ms) => {}
+            // Someone else took it over or claimed it, or the holder renewed it.
+            Some(_) => return Ok(TakeOver::Lost),
+        }
+        let (new, lease) = self.grant(slot, bid, now_us);
+        slots.insert(key.clone(), new);
+        Ok(TakeOver::Granted(lease))
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<()>, StoreError> {
+        let now_ms = self.clock.now_ms();
+        let mut slots = self.slots();
+        let Some(slot) = slots.get_mut(key) else {
+            return Ok(Holder::NotHeld);
+        };
+        match &slot.lease {
+            None => Ok(Holder::NotHeld),
+            Some(lease) if !lease.is_live_at(now_ms) => Ok(Holder::NotHeld),
+            Some(lease) if lease.token != *token => Ok(Holder::NotOwner),
+            Some(_) => {
+                slot.lease = None;
+                Ok(Holder::Done(()))
+            }
+        }
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> Result<Holder<Lease>, StoreError> {
+        let now_ms = self.clock.now_ms();
+        let mut slots = self.slots();
+        let Some(slot) = slots.get_mut(key) else {
+            return Ok(Holder::NotHeld);
+        };
+        match &mut slot.lease {
+            None => Ok(Holder::NotHeld),
+            Some(lease) if !lease.is_live_at(now_ms) => Ok(Holder::NotHeld),
+            Some(lease) if lease.token != *token => Ok(Holder::NotOwner),
+            Some(lease) => {
+                lease.expires_at_ms = now_ms + ttl.as_ms();
+                lease.ttl_ms = ttl.as_ms();
+                slot.drop_at_ms = lease.expires_at_ms + EXPIRY_SLACK_MS;
+                Ok(Holder::Done(lease.clone()))
+            }
+        }
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    fn bid(ttl: u64) -> Bid {
+        Bid {
+            token: Token::generate(),
+            ttl: Ttl::from_ms(ttl),
+            owner: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn sweep_drops_keys_only_after_the_expiry_slack() {
+        let clock = ManualClock::starting_at_ms(1_000_000);
+        let store = MemoryStore::new(Arc::new(clock.clone()));
+        let key = LockKey::parse("k").unwrap();
+        let Claim::Granted(first) = store.claim(&key, &bid(100)).await.unwrap() else {
+            panic!("a free key must be granted");
+        };
+        clock.advance_ms(100 + EXPIRY_SLACK_MS - 1);
+        assert_eq!(store.sweep(), 0);
+        clock.advance_ms(1);
+        assert_eq!(store.sweep(), 1);
+        assert!(store.is_empty());
+        // The counter went with the slot; the next fence is seeded from the clock, still above.
+        let Claim::Granted(second) = store.claim(&key, &bid(100)).await.unwrap() else {
+            panic!("a swept key must be free");
+        };
+        assert!(second.fence > first.fence);
+    }
+}

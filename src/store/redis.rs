@@ -1,0 +1,378 @@
+//! The Redis store: each primitive is one Lua script, run by SHA over one multiplexed,
+//! self-reconnecting connection, reading the time from Redis's own `TIME`.
+//!
+//! Layout of one lock's Redis keys (they share a hash tag, so every script stays valid on a
+//! Redis Cluster): `<prefix>{<key>}:lock`, a hash with `token`, `fence`, `expires_at` (Unix ms on
+//! Redis's clock), `ttl` and, when given, `owner`; and `<prefix>{<key>}:fence`, the key's fence
+//! counter.
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{RedisError, Script};
+
+use super::{Bid, Claim, EXPIRY_SLACK_MS, Holder, Lease, Snapshot, Store, StoreError, TakeOver};
+use crate::domain::{Fence, LockKey, Owner, Token, Ttl};
+
+/// Shared head of every script.
+///
+/// `TIME` in a script that then writes needs effects replication: the default since Redis 5 and
+/// the only mode since 7; `replicate_commands` turns it on for older servers.
+///
+/// Numbers are formatted with `%.0f` before they are written, because Lua hands `redis.call`
+/// numbers as `%.14g`, which would round a 16-digit fence.
+const PRELUDE: &str = r#"
+if redis.replicate_commands then redis.replicate_commands() end
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function int(n) return string.format('%.0f', n) end
+"#;
+
+/// Writes ARGV's bid into KEYS[1] with the next fence from KEYS[2].
+///
+/// ARGV: token, ttl_ms, has_owner ('1'/'0'), owner, slack_ms.
+///
+/// The fence is taken in the same script as the write that grants, so fences are ordered like
+/// grants. (Taking it with INCR before a separate SETNX is not: A INCRs 5, B INCRs 6, B wins and
+/// releases, A then wins with 5.) A missing counter — a new key, a key whose counter expired with
+/// it, or a Redis that restarted empty — is seeded from Redis's clock in microseconds: above any
+/// value the counter had before as long as the key saw less than one grant per microsecond on
+/// average and Redis's clock did not step back by more than the key's expiry slack.
+const GRANT: &str = r#"
+local function grant(now)
+  if redis.call('EXISTS', KEYS[2]) == 0 then
+    redis.call('SET', KEYS[2], int(now))
+  end
+  local fence = redis.call('INCR', KEYS[2])
+  local ttl = tonumber(ARGV[2])
+  local expires = math.floor(now / 1000) + ttl
+  local keep = ttl + tonumber(ARGV[5])
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'expires_at', int(expires), 'ttl', int(ttl))
+  if ARGV[3] == '1' then redis.call('HSET', KEYS[1], 'owner', ARGV[4]) end
+  redis.call('PEXPIRE', KEYS[1], keep)
+  redis.call('PEXPIRE', KEYS[2], keep)
+  return {fence, expires}
+end
+"#;
+
+/// SETNX. Checking for the key and writing it are one step, so two claims cannot both see it
+/// free.
+const CLAIM: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+return grant(now_us())
+"#;
+
+/// GET, with Redis's clock read in the same step so the expiry is judged on the store's time.
+const READ: &str = r#"
+local now = math.floor(now_us() / 1000)
+local v = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires_at', 'ttl', 'owner')
+return {now, v[1], v[2], v[3], v[4], v[5]}
+"#;
+
+/// GETSET, made safe. The seeds GETSET blindly and compare the old value afterwards, so a loser
+/// has already overwritten the winner's value (the winner's token with it). Here the comparison
+/// comes first, in the same step: only a contender that still sees the expired lease it read
+/// (ARGV[6] is its fence) writes. A key that vanished in between (the seeds' "GETSET returned
+/// nil") is free, and the contender wins it.
+const TAKE_OVER: &str = r#"
+local now = now_us()
+local cur = redis.call('HMGET', KEYS[1], 'fence', 'expires_at')
+if cur[1] then
+  if cur[1] ~= ARGV[6] then return false end
+  if tonumber(cur[2]) > math.floor(now / 1000) then return false end
+end
+return grant(now)
+"#;
+
+/// Holder check shared by release and renew: 0 not held (absent or expired), 2 held by another
+/// token, 1 held by ARGV[1]. The check and the write are one step: the seeds' GET-then-DEL lets
+/// a client whose lease expired between the two delete its successor's lease.
+const HOLDER: &str = r#"
+local function holder(now_ms)
+  local cur = redis.call('HMGET', KEYS[1], 'token', 'expires_at')
+  if not cur[1] or tonumber(cur[2]) <= now_ms then return 0 end
+  if cur[1] ~= ARGV[1] then return 2 end
+  return 1
+end
+"#;
+
+/// ARGV: token.
+const RELEASE: &str = r#"
+local h = holder(math.floor(now_us() / 1000))
+if h == 1 then redis.call('DEL', KEYS[1]) end
+return h
+"#;
+
+/// ARGV: token, ttl_ms, slack_ms.
+const RENEW: &str = r#"
+local now = math.floor(now_us() / 1000)
+local h = holder(now)
+if h ~= 1 then return {h, false, false, false} end
+local ttl = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'expires_at', int(now + ttl), 'ttl', int(ttl))
+redis.call('PEXPIRE', KEYS[1], ttl + tonumber(ARGV[3]))
+local v = redis.call('HMGET', KEYS[1], 'fence', 'owner')
+return {1, v[1], now + ttl, v[2]}
+"#;
+
+/// Connection settings for [`RedisStore::connect`].
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    pub url: String,
+    /// Prepended to every Redis key the broker writes.
+    pub key_prefix: String,
+    /// Bound on one store call, connecting included.
+    pub timeout: Duration,
+}
+
+/// The Redis store. Cloning is cheap: the connection is multiplexed and shared.
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: String,
+    timeout: Duration,
+    scripts: std::sync::Arc<Scripts>,
+}
+
+/// Built once: each `Script` hashes its source at construction and runs by EVALSHA afterwards,
+/// loading itself on NOSCRIPT (after a Redis restart, say).
+struct Scripts {
+    claim: Script,
+    read: Script,
+    take_over: Script,
+    release: Script,
+    renew: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            claim: Script::new(&[PRELUDE, GRANT, CLAIM].concat()),
+            read: Script::new(&[PRELUDE, READ].concat()),
+            take_over: Script::new(&[PRELUDE, GRANT, TAKE_OVER].concat()),
+            release: Script::new(&[PRELUDE, HOLDER, RELEASE].concat()),
+            renew: Script::new(&[PRELUDE, HOLDER, RENEW].concat()),
+        }
+    }
+}
+
+impl RedisStore {
+    /// Sets up the connection without waiting for Redis: the broker starts (and says it is not
+    /// ready) while Redis is down, and the connection manager reconnects by itself when it
+    /// returns.
+    pub fn connect(settings: &RedisSettings) -> Result<Self, StoreError> {
+        let client = redis::Client::open(settings.url.as_str())
+            .map_err(|e| StoreError::Failed(format!("invalid Redis URL: {e}")))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(settings.timeout))
+            .set_response_timeout(Some(settings.timeout))
+            // Reconnect quickly and keep trying: a request that finds the connection down fails
+            // at once with 503, and the next one may already find it back.
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_secs(1))
+            .set_number_of_retries(3);
+        let conn = ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|e| StoreError::Failed(format!("cannot set up the Redis connection: {e}")))?;
+        Ok(Self {
+            conn,
+            prefix: settings.key_prefix.clone(),
+            timeout: settings.timeout,
+            scripts: std::sync::Arc::new(Scripts::new()),
+        })
+    }
+
+    fn keys(&self, key: &LockKey) -> [String; 2] {
+        [
+            format!("{}{{{}}}:lock", self.prefix, key),
+            format!("{}{{{}}}:fence", self.prefix, key),
+        ]
+    }
+
+    /// Runs one call with the store's time bound. The connection has the same bound on each
+    /// response; this one also covers waiting for a reconnect.
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) if e.is_timeout() => Err(self.timed_out()),
+            Ok(Err(e)) => Err(StoreError::Failed(e.to_string())),
+            Err(_) => Err(self.timed_out()),
+        }
+    }
+
+    fn timed_out(&self) -> StoreError {
+        StoreError::Timeout(u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    async fn grant_script(
+        &self,
+        script: &Script,
+        key: &LockKey,
+        bid: &Bid,
+        seen: Option<Fence>,
+    ) -> Result<Option<Lease>, StoreError> {
+        let [lock, fence] = self.keys(key);
+        let mut inv = script.key(lock);
+        inv.key(fence)
+            .arg(bid.token.as_str())
+            .arg(bid.ttl.as_ms())
+            .arg(if bid.owner.is_some() { "1" } else { "0" })
+            .arg(bid.owner.as_ref().map_or("", |o| o.as_str()))
+            .arg(EXPIRY_SLACK_MS);
+        if let Some(seen) = seen {
+            inv.arg(seen);
+        }
+        let mut conn = self.conn.clone();
+        let granted: Option<(u64, u64)> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        Ok(granted.map(|(fence, expires_at_ms)| Lease {
+            token: bid.token.clone(),
+            fence,
+            expires_at_ms,
+            ttl_ms: bid.ttl.as_ms(),
+            owner: bid.owner.clone(),
+        }))
+    }
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Failed(format!("the lock in Redis has a malformed {what}"))
+}
+
+/// The holder script's answers other than "yours".
+fn refusal<T>(code: u8) -> Result<Holder<T>, StoreError> {
+    match code {
+        0 => Ok(Holder::NotHeld),
+        2 => Ok(Holder::NotOwner),
+        _ => Err(StoreError::Failed(format!(
+            "unexpected holder code {code} from Redis"
+        ))),
+    }
+}
+
+fn parse_owner(raw: Option<String>) -> Result<Option<Owner>, StoreError> {
+    raw.map(|o| Owner::parse(&o).map_err(|_| corrupt("owner")))
+        .transpose()
+}
+
+type ReadReply = (
+    u64,
+    Option<String>,
+    Option<u64>,
+    Option<u64>,
+    Option<u64>,
+    Option<String>,
+);
+
+impl Store for RedisStore {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Claim, StoreError> {
+        Ok(
+            match self
+                .grant_script(&self.scripts.claim, key, bid, None)
+                .await?
+            {
+                Some(lease) => Claim::Granted(lease),
+                None => Claim::Taken,
+            },
+        )
+    }
+
+    async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
+        let [lock, _] = self.keys(key);
+        let mut conn = self.conn.clone();
+        let (now_ms, token, fence, expires, ttl, owner): ReadReply = self
+            .bounded(self.scripts.read.key(lock).invoke_async(&mut conn))
+            .await?;
+        let lease = match (token, fence, expires, ttl) {
+            (Some(token), Some(fence), Some(expires_at_ms), Some(ttl_ms)) => Some(Lease {
+                token: Token::parse(&token).map_err(|_| corrupt("token"))?,
+                fence,
+                expires_at_ms,
+                ttl_ms,
+                owner: parse_owner(owner)?,
+            }),
+            (None, None, None, None) => None,
+            _ => return Err(corrupt("record")),
+        };
+        Ok(Snapshot { now_ms, lease })
+    }
+
+    async fn take_over(
+        &self,
+        key: &LockKey,
+        seen: Fence,
+        bid: &Bid,
+    ) -> Result<TakeOver, StoreError> {
+        Ok(
+            match self
+                .grant_script(&self.scripts.take_over, key, bid, Some(seen))
+                .await?
+            {
+                Some(lease) => TakeOver::Granted(lease),
+                None => TakeOver::Lost,
+            },
+        )
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<()>, StoreError> {
+        let [lock, _] = self.keys(key);
+        let mut conn = self.conn.clone();
+        let code: u8 = self
+            .bounded(
+                self.scripts
+                    .release
+                    .key(lock)
+                    .arg(token.as_str())
+                    .invoke_async(&mut conn),
+            )
+            .await?;
+        match code {
+            1 => Ok(Holder::Done(())),
+            code => refusal(code),
+        }
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> Result<Holder<Lease>, StoreError> {
+        let [lock, _] = self.keys(key);
+        let mut conn = self.conn.clone();
+        let reply: (u8, Option<u64>, Option<u64>, Option<String>) = self
+            .bounded(
+                self.scripts
+                    .renew
+                    .key(lock)
+                    .arg(token.as_str())
+                    .arg(ttl.as_ms())
+                    .arg(EXPIRY_SLACK_MS)
+                    .invoke_async(&mut conn),
+            )
+            .await?;
+        match reply {
+            (1, Some(fence), Some(expires_at_ms), owner) => Ok(Holder::Done(Lease {
+                token: token.clone(),
+                fence,
+                expires_at_ms,
+                ttl_ms: ttl.as_ms(),
+                owner: parse_owner(owner)?,
+            })),
+            (1, ..) => Err(corrupt("record")),
+            (code, ..) => refusal(code),
+        }
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let _: String = self
+            .bounded(redis::cmd("PING").query_async(&mut conn))
+            .await?;
+        Ok(())
+    }
+}
