@@ -357,3 +357,7 @@ fn jittered_next(last: Duration) -> Duration {
 fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
+
+#[cfg(test)]
+#[path = "lock_tests.rs"]
+mod tests;

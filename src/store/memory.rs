@@ -57,6 +57,12 @@ impl MemoryStore {
         before - slots.len()
     }
 
+    /// Deletes `key` outright, as Redis does when the key's own expiry passes or someone runs
+    /// DEL on it: the lease and the fence counter both go.
+    pub fn evict(&self, key: &LockKey) {
+        self.slots().remove(key);
+    }
+
     /// How many keys the store keeps (live, expired or only a fence counter).
     pub fn len(&self) -> usize {
         self.slots().len()

@@ -1,0 +1,568 @@
+//! The algorithm's edge cases, each named after the seeds' pitfall it covers, over the embedded
+//! store with a manual clock. `Scripted` wraps the real store and lets a test run another
+//! client's step between two of the algorithm's steps — the interleavings the seeds' users hit.
+
+use std::future::pending;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicUsize;
+
+use futures::executor::block_on;
+
+use super::*;
+use crate::clock::ManualClock;
+use crate::store::{MemoryStore, Snapshot};
+
+type Hook = Box<dyn FnOnce(&MemoryStore) + Send>;
+
+/// How the next claim misbehaves.
+enum ClaimFault {
+    /// Redis ran the script, then the answer was lost (a response timeout).
+    FailAfterApplying,
+    /// Redis ran the script and the answer never comes.
+    HangAfterApplying,
+}
+
+#[derive(Default)]
+struct Calls {
+    claim: AtomicUsize,
+    read: AtomicUsize,
+    take_over: AtomicUsize,
+    release: AtomicUsize,
+}
+
+struct Scripted {
+    inner: MemoryStore,
+    before_read: Mutex<Option<Hook>>,
+    before_take_over: Mutex<Option<Hook>>,
+    claim_fault: Mutex<Option<ClaimFault>>,
+    calls: Calls,
+}
+
+impl Scripted {
+    fn new(inner: MemoryStore) -> Self {
+        Self {
+            inner,
+            before_read: Mutex::default(),
+            before_take_over: Mutex::default(),
+            claim_fault: Mutex::default(),
+            calls: Calls::default(),
+        }
+    }
+
+    /// Runs `hook` (another client's step) just before the algorithm's next GET.
+    fn before_next_read(&self, hook: impl FnOnce(&MemoryStore) + Send + 'static) {
+        *self.before_read.lock().unwrap() = Some(Box::new(hook));
+    }
+
+    /// Runs `hook` just before the algorithm's next takeover (GETSET).
+    fn before_next_take_over(&self, hook: impl FnOnce(&MemoryStore) + Send + 'static) {
+        *self.before_take_over.lock().unwrap() = Some(Box::new(hook));
+    }
+
+    fn fault_next_claim(&self, fault: ClaimFault) {
+        *self.claim_fault.lock().unwrap() = Some(fault);
+    }
+
+    fn count(counter: &AtomicUsize) -> usize {
+        counter.load(Ordering::SeqCst)
+    }
+}
+
+impl Store for Scripted {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Claim, StoreError> {
+        self.calls.claim.fetch_add(1, Ordering::SeqCst);
+        let claimed = self.inner.claim(key, bid).await;
+        let fault = self.claim_fault.lock().unwrap().take();
+        match fault {
+            None => claimed,
+            Some(ClaimFault::FailAfterApplying) => Err(StoreError::Timeout(2000)),
+            Some(ClaimFault::HangAfterApplying) => pending().await,
+        }
+    }
+
+    async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
+        self.calls.read.fetch_add(1, Ordering::SeqCst);
+        let hook = self.before_read.lock().unwrap().take();
+        if let Some(hook) = hook {
+            hook(&self.inner);
+        }
+        self.inner.read(key).await
+    }
+
+    async fn take_over(
+        &self,
+        key: &LockKey,
+        seen: Fence,
+        bid: &Bid,
+    ) -> Result<TakeOver, StoreError> {
+        self.calls.take_over.fetch_add(1, Ordering::SeqCst);
+        let hook = self.before_take_over.lock().unwrap().take();
+        if let Some(hook) = hook {
+            hook(&self.inner);
+        }
+        self.inner.take_over(key, seen, bid).await
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<()>, StoreError> {
+        self.calls.release.fetch_add(1, Ordering::SeqCst);
+        self.inner.release(key, token).await
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> Result<Holder<Lease>, StoreError> {
+        self.inner.renew(key, token, ttl).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.inner.ping().await
+    }
+}
+
+use crate::domain::Fence;
+
+const T0: u64 = 1_700_000_000_000;
+
+struct Harness {
+    clock: ManualClock,
+    store: Arc<Scripted>,
+    locks: LockService<Scripted>,
+    stop: watch::Sender<bool>,
+    key: LockKey,
+}
+
+fn harness() -> Harness {
+    harness_with(16)
+}
+
+fn harness_with(max_waiters: usize) -> Harness {
+    let clock = ManualClock::starting_at_ms(T0);
+    let store = Arc::new(Scripted::new(MemoryStore::new(Arc::new(clock.clone()))));
+    let (stop, stopped) = watch::channel(false);
+    let locks = LockService::new(
+        store.clone(),
+        LockSettings {
+            store_timeout: Duration::from_secs(2),
+            max_waiters,
+        },
+        stopped,
+    );
+    Harness {
+        clock,
+        store,
+        locks,
+        stop,
+        key: LockKey::parse("orders:42").unwrap(),
+    }
+}
+
+fn request(ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
+    AcquireRequest {
+        ttl: Ttl::from_ms(ttl_ms),
+        wait: WaitFor::from_ms(wait_ms),
+        owner: None,
+    }
+}
+
+fn bid(ttl_ms: u64) -> Bid {
+    Bid {
+        token: Token::generate(),
+        ttl: Ttl::from_ms(ttl_ms),
+        owner: None,
+    }
+}
+
+/// The token currently in the key, expired or not.
+fn token_in_store(h: &Harness) -> Option<Token> {
+    block_on(h.store.inner.read(&h.key))
+        .unwrap()
+        .lease
+        .map(|l| l.token)
+}
+
+#[tokio::test]
+async fn a_free_lock_is_claimed_with_setnx_in_one_store_call() {
+    let h = harness();
+    let lease = h.locks.acquire(&h.key, request(1000, 0)).await.unwrap();
+    assert_eq!(lease.expires_at_ms, T0 + 1000);
+    assert_eq!(Scripted::count(&h.store.calls.claim), 1);
+    assert_eq!(Scripted::count(&h.store.calls.read), 0);
+    assert_eq!(token_in_store(&h), Some(lease.token));
+}
+
+#[tokio::test]
+async fn get_returning_nil_after_a_failed_setnx_goes_back_to_setnx_not_to_takeover() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(10_000, 0)).await.unwrap();
+    // Between the second client's SETNX (fails: held) and its GET, the holder releases.
+    let (key, token) = (h.key.clone(), first.token.clone());
+    h.store.before_next_read(move |store| {
+        assert_eq!(
+            block_on(store.release(&key, &token)).unwrap(),
+            Holder::Done(())
+        );
+    });
+    let second = h.locks.acquire(&h.key, request(10_000, 0)).await.unwrap();
+    assert!(second.fence > first.fence);
+    assert_eq!(
+        Scripted::count(&h.store.calls.claim),
+        3,
+        "back to SETNX after the nil GET"
+    );
+    assert_eq!(
+        Scripted::count(&h.store.calls.take_over),
+        0,
+        "nil is not an expired lease"
+    );
+    assert_eq!(token_in_store(&h), Some(second.token));
+}
+
+#[tokio::test]
+async fn getset_returning_nil_means_the_contender_holds_the_lock() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+    h.clock.advance_ms(150);
+    // The expired key vanishes (Redis expired it, or its holder's cleanup deleted it) between
+    // the contender's GET and its GETSET.
+    let key = h.key.clone();
+    h.store
+        .before_next_take_over(move |store| store.evict(&key));
+    let second = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+    assert_eq!(Scripted::count(&h.store.calls.take_over), 1);
+    assert_eq!(token_in_store(&h), Some(second.token.clone()));
+    // The counter went with the key; the reseeded fence is still above the old one.
+    assert!(second.fence > first.fence);
+}
+
+#[tokio::test]
+async fn a_lost_getset_race_writes_nothing_and_leaves_the_winners_lease_intact() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+    h.clock.advance_ms(150);
+    // Another contender saw the same expired lease and takes it over first.
+    let winner = bid(5_000);
+    let (key, seen, winner_bid) = (h.key.clone(), first.fence, winner.clone());
+    h.store.before_next_take_over(move |store| {
+        let won = block_on(store.take_over(&key, seen, &winner_bid)).unwrap();
+        assert!(matches!(won, TakeOver::Granted(_)));
+    });
+    let loser = h.locks.acquire(&h.key, request(100, 0)).await;
+    match loser {
+        Err(LockError::Locked { retry_after_ms }) => assert_eq!(retry_after_ms, 5_000),
+        other => panic!("the loser must be told the lock is held, got {other:?}"),
+    }
+    // The seeds' blind GETSET would have put the loser's value in the key by now.
+    assert_eq!(token_in_store(&h), Some(winner.token.clone()));
+    h.locks.release(&h.key, &winner.token).await.unwrap();
+}
+
+#[tokio::test]
+async fn timestamps_have_millisecond_precision() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(1_500, 0)).await.unwrap();
+    assert_eq!(first.expires_at_ms, T0 + 1_500);
+    h.clock.advance_ms(1_499);
+    match h.locks.acquire(&h.key, request(1_000, 0)).await {
+        Err(LockError::Locked { retry_after_ms }) => assert_eq!(retry_after_ms, 1),
+        other => panic!("held for one more millisecond, got {other:?}"),
+    }
+    h.clock.advance_ms(1);
+    let second = h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
+    assert_eq!(second.expires_at_ms, T0 + 1_500 + 1_000);
+}
+
+#[tokio::test]
+async fn releasing_a_lease_that_expired_and_was_taken_over_is_not_owner_and_keeps_the_new_lease() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+    h.clock.advance_ms(150);
+    let second = h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
+    assert!(second.fence > first.fence);
+    assert!(matches!(
+        h.locks.release(&h.key, &first.token).await,
+        Err(LockError::NotOwner)
+    ));
+    assert_eq!(token_in_store(&h), Some(second.token.clone()));
+    h.locks.release(&h.key, &second.token).await.unwrap();
+}
+
+#[tokio::test]
+async fn releasing_a_lease_that_expired_untaken_is_not_held() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+    h.clock.advance_ms(100);
+    assert!(matches!(
+        h.locks.release(&h.key, &first.token).await,
+        Err(LockError::NotHeld)
+    ));
+    assert!(matches!(
+        h.locks.inspect(&h.key).await,
+        Err(LockError::NotHeld)
+    ));
+}
+
+#[tokio::test]
+async fn renewing_an_expired_lease_is_refused_and_never_revives_it() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+    h.clock.advance_ms(100);
+    let ttl = Ttl::from_ms(10_000);
+    assert!(matches!(
+        h.locks.renew(&h.key, &first.token, ttl).await,
+        Err(LockError::NotHeld)
+    ));
+    let second = h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
+    assert!(matches!(
+        h.locks.renew(&h.key, &first.token, ttl).await,
+        Err(LockError::NotOwner)
+    ));
+    assert_eq!(token_in_store(&h), Some(second.token));
+}
+
+#[tokio::test]
+async fn renewing_keeps_token_and_fence_and_ends_the_lease_ttl_after_now() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
+    h.clock.advance_ms(600);
+    let renewed = h
+        .locks
+        .renew(&h.key, &first.token, Ttl::from_ms(2_000))
+        .await
+        .unwrap();
+    assert_eq!(renewed.token, first.token);
+    assert_eq!(renewed.fence, first.fence);
+    assert_eq!(renewed.expires_at_ms, T0 + 600 + 2_000);
+    h.clock.advance_ms(1_000);
+    let view = h.locks.inspect(&h.key).await.unwrap();
+    assert_eq!(view.ttl_remaining_ms(), 1_000);
+}
+
+#[tokio::test]
+async fn fences_rise_in_grant_order_through_claims_releases_and_takeovers() {
+    let h = harness();
+    let mut last = 0;
+    for round in 0..20 {
+        let lease = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+        assert!(
+            lease.fence > last,
+            "round {round}: {} after {last}",
+            lease.fence
+        );
+        last = lease.fence;
+        if round % 2 == 0 {
+            h.locks.release(&h.key, &lease.token).await.unwrap();
+        } else {
+            h.clock.advance_ms(100); // left to expire: the next grant is a takeover
+        }
+    }
+    assert_eq!(Scripted::count(&h.store.calls.take_over), 9);
+}
+
+#[tokio::test]
+async fn a_host_clock_step_backwards_does_not_lower_fences_after_the_counter_is_lost() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+    h.locks.release(&h.key, &first.token).await.unwrap();
+    // The counter is lost (the store restarted empty) and the clock went back a little.
+    h.store.inner.evict(&h.key);
+    h.clock.advance_ms(crate::store::EXPIRY_SLACK_MS);
+    h.clock.rewind_ms(1_000);
+    let second = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+    assert!(second.fence > first.fence);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_acquire_is_granted_when_the_holder_releases() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    let waiter = {
+        let (locks, key) = (h.locks.clone(), h.key.clone());
+        tokio::spawn(async move { locks.acquire(&key, request(1_000, 5_000)).await })
+    };
+    while h.locks.waiting() == 0 {
+        tokio::task::yield_now().await;
+    }
+    h.locks.release(&h.key, &first.token).await.unwrap();
+    let second = waiter.await.unwrap().unwrap();
+    assert!(second.fence > first.fence);
+    assert_eq!(h.locks.waiting(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_acquire_takes_over_when_the_holders_lease_ends() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(300, 0)).await.unwrap();
+    let waiter = {
+        let (locks, key) = (h.locks.clone(), h.key.clone());
+        tokio::spawn(async move { locks.acquire(&key, request(1_000, 5_000)).await })
+    };
+    while h.locks.waiting() == 0 {
+        tokio::task::yield_now().await;
+    }
+    h.clock.advance_ms(300);
+    let second = waiter.await.unwrap().unwrap();
+    assert!(second.fence > first.fence);
+    assert_eq!(Scripted::count(&h.store.calls.take_over), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_that_runs_out_answers_locked_after_the_wait_with_the_time_left() {
+    let h = harness();
+    h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    let started = Instant::now();
+    match h.locks.acquire(&h.key, request(1_000, 250)).await {
+        Err(LockError::Locked { retry_after_ms }) => assert_eq!(retry_after_ms, 60_000),
+        other => panic!("expected locked, got {other:?}"),
+    }
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(250), "{waited:?}");
+    assert!(
+        waited < Duration::from_millis(250) + POLL_MIN * 2,
+        "{waited:?}"
+    );
+    // Polling is never faster than POLL_MIN: at most wait / POLL_MIN + 1 passes.
+    let passes = Scripted::count(&h.store.calls.claim) - 1;
+    assert!(passes <= 250 / 5 + 1, "{passes} passes");
+    assert_eq!(h.locks.waiting(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_beyond_the_cap_are_refused_at_once() {
+    let h = harness_with(1);
+    h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    let first_waiter = {
+        let (locks, key) = (h.locks.clone(), h.key.clone());
+        tokio::spawn(async move { locks.acquire(&key, request(1_000, 5_000)).await })
+    };
+    while h.locks.waiting() == 0 {
+        tokio::task::yield_now().await;
+    }
+    assert!(matches!(
+        h.locks.acquire(&h.key, request(1_000, 5_000)).await,
+        Err(LockError::TooManyWaiters { limit: 1 })
+    ));
+    // A request that need not wait is still answered.
+    assert!(matches!(
+        h.locks.acquire(&h.key, request(1_000, 0)).await,
+        Err(LockError::Locked { .. })
+    ));
+    first_waiter.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_answers_waiting_acquires_with_shutting_down() {
+    let h = harness();
+    h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    let waiter = {
+        let (locks, key) = (h.locks.clone(), h.key.clone());
+        tokio::spawn(async move { locks.acquire(&key, request(1_000, 30_000)).await })
+    };
+    while h.locks.waiting() == 0 {
+        tokio::task::yield_now().await;
+    }
+    let started = Instant::now();
+    h.stop.send(true).unwrap();
+    assert!(matches!(
+        waiter.await.unwrap(),
+        Err(LockError::ShuttingDown)
+    ));
+    assert!(started.elapsed() < Duration::from_millis(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_waiter_leaves_the_queue_and_no_lease_behind() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    let waiter = {
+        let (locks, key) = (h.locks.clone(), h.key.clone());
+        tokio::spawn(async move { locks.acquire(&key, request(1_000, 30_000)).await })
+    };
+    while h.locks.waiting() == 0 {
+        tokio::task::yield_now().await;
+    }
+    waiter.abort();
+    assert!(waiter.await.unwrap_err().is_cancelled());
+    assert_eq!(h.locks.waiting(), 0);
+    h.locks.release(&h.key, &first.token).await.unwrap();
+    assert_eq!(token_in_store(&h), None);
+}
+
+/// Lets spawned cleanup tasks run to completion.
+async fn settle() {
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn a_grant_whose_answer_was_lost_is_released_by_its_token_and_reported_unavailable() {
+    let h = harness();
+    h.store.fault_next_claim(ClaimFault::FailAfterApplying);
+    let outcome = h.locks.acquire(&h.key, request(60_000, 0)).await;
+    assert!(matches!(
+        outcome,
+        Err(LockError::StoreUnavailable(StoreError::Timeout(_)))
+    ));
+    settle().await;
+    assert_eq!(Scripted::count(&h.store.calls.release), 1);
+    assert_eq!(
+        token_in_store(&h),
+        None,
+        "nobody knows that lease's token: it must go"
+    );
+    // The key is free for the next client at once, not after 60 s.
+    h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_leaves_during_a_grant_call_leaves_no_lease_behind() {
+    let h = harness();
+    h.store.fault_next_claim(ClaimFault::HangAfterApplying);
+    let acquire = {
+        let (locks, key) = (h.locks.clone(), h.key.clone());
+        tokio::spawn(async move { locks.acquire(&key, request(60_000, 0)).await })
+    };
+    while Scripted::count(&h.store.calls.claim) == 0 {
+        tokio::task::yield_now().await;
+    }
+    assert!(token_in_store(&h).is_some(), "the store applied the claim");
+    acquire.abort();
+    let _ = acquire.await;
+    settle().await;
+    assert_eq!(token_in_store(&h), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hanging_store_call_ends_in_unavailable_within_the_wait_plus_the_store_bound() {
+    let h = harness();
+    h.store.fault_next_claim(ClaimFault::HangAfterApplying);
+    let started = Instant::now();
+    let outcome = h.locks.acquire(&h.key, request(60_000, 100)).await;
+    assert!(matches!(
+        outcome,
+        Err(LockError::StoreUnavailable(StoreError::Timeout(_)))
+    ));
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_millis(100) + Duration::from_secs(2)
+    );
+    settle().await;
+    assert_eq!(token_in_store(&h), None);
+}
+
+#[tokio::test]
+async fn an_owner_label_is_kept_with_the_lease() {
+    let h = harness();
+    let owner = Owner::parse("worker-7").unwrap();
+    let req = AcquireRequest {
+        owner: Some(owner.clone()),
+        ..request(1_000, 0)
+    };
+    h.locks.acquire(&h.key, req).await.unwrap();
+    let view = h.locks.inspect(&h.key).await.unwrap();
+    assert_eq!(view.lease.owner, Some(owner));
+    assert_eq!(view.ttl_remaining_ms(), 1_000);
+}
