@@ -10,3 +10,4 @@ pub mod lock;
 pub mod startup;
 pub mod store;
 pub mod telemetry;
+pub mod waiters;

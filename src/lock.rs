@@ -4,7 +4,6 @@
 //! HTTP.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use rand::RngExt;
@@ -13,14 +12,15 @@ use tokio::time::Instant;
 
 use crate::domain::{LockKey, Owner, Token, Ttl, WaitFor};
 use crate::store::{Bid, Claim, Holder, Lease, Store, StoreError, TakeOver};
+use crate::waiters::Waiters;
 
 /// Limits and defaults the service applies; validated by the configuration.
 #[derive(Debug, Clone)]
 pub struct LockSettings {
     /// Bound on one store call; a waiting acquire ends by its wait plus this.
     pub store_timeout: Duration,
-    /// Most acquires that may wait on this broker at once; memory per waiter is small, but
-    /// unbounded waiting is not.
+    /// Most acquires that may wait on this broker at once (an acquire that may wait counts from
+    /// its first look); memory per waiter is small, but unbounded waiting is not.
     pub max_waiters: usize,
 }
 
@@ -77,16 +77,20 @@ enum Attempt {
 /// so a key that churns very fast costs a bounded burst of store calls, not a spin.
 const MAX_IMMEDIATE_RETRIES: u32 = 8;
 
-/// Polling bounds while a waiter has no better signal: never more often than every 5 ms, and
-/// at least every 50 ms, with jitter so that waiters on many brokers do not poll in step.
+/// The shortest nap of a waiting acquire between two looks at the lock without a notice.
 const POLL_MIN: Duration = Duration::from_millis(5);
-const POLL_MAX: Duration = Duration::from_millis(50);
+
+/// The head waiter's fallback poll, in case a release notice is lost: 1 s, doubling while it
+/// waits, up to 30 s — so a long wait costs a handful of store calls, not one per interval.
+/// Notices are the normal path; after a notice channel reconnects, every head is woken anyway.
+const FALLBACK_POLL_MIN: Duration = Duration::from_secs(1);
+const FALLBACK_POLL_MAX: Duration = Duration::from_secs(30);
 
 /// The service one broker runs. Cheap to clone.
 pub struct LockService<S> {
     store: Arc<S>,
     settings: LockSettings,
-    waiters: Arc<AtomicUsize>,
+    waiters: Arc<Waiters>,
     shutdown: watch::Receiver<bool>,
 }
 
@@ -104,11 +108,15 @@ impl<S> Clone for LockService<S> {
 impl<S: Store> LockService<S> {
     /// `shutdown` turns true when the broker stops: waiting acquires then end with
     /// [`LockError::ShuttingDown`].
+    ///
+    /// Starts the store's release notices towards this service's waiters.
     pub fn new(store: Arc<S>, settings: LockSettings, shutdown: watch::Receiver<bool>) -> Self {
+        let waiters = Waiters::new(settings.max_waiters);
+        store.start_notices(&waiters);
         Self {
             store,
             settings,
-            waiters: Arc::default(),
+            waiters,
             shutdown,
         }
     }
@@ -119,7 +127,7 @@ impl<S: Store> LockService<S> {
 
     /// Requests waiting on this broker now.
     pub fn waiting(&self) -> usize {
-        self.waiters.load(Ordering::Relaxed)
+        self.waiters.len()
     }
 
     /// Acquires `key`, waiting up to `req.wait` while someone else holds it.
@@ -150,8 +158,14 @@ impl<S: Store> LockService<S> {
         bid: &Bid,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
-        let mut waiting: Option<WaiterSlot> = None;
-        let mut poll = POLL_MIN;
+        // Join the queue before the first look, so that a release landing between that look and
+        // the wait still wakes us. A full queue is only an error if we do have to wait.
+        let mut ticket = if Instant::now() < deadline {
+            self.waiters.enqueue(key)
+        } else {
+            None
+        };
+        let mut fallback = FALLBACK_POLL_MIN;
         let mut immediate = 0;
         let mut shutdown = self.shutdown.clone();
         loop {
@@ -169,18 +183,29 @@ impl<S: Store> LockService<S> {
             if now >= deadline {
                 return Err(LockError::Locked { retry_after_ms });
             }
-            if waiting.is_none() {
-                waiting = Some(self.enter_waiting()?);
-            }
-            // Wake at the holder's expiry if that comes first (+1 ms: the lease ends *after* its
-            // last millisecond), never before POLL_MIN, never past the deadline by more than that.
-            let nap = poll
-                .min(Duration::from_millis(retry_after_ms.saturating_add(1)))
-                .min(deadline - now)
-                .max(POLL_MIN);
-            poll = jittered_next(poll);
+            let Some(waiting) = &ticket else {
+                // The queue was full when we came; if there is room now, join and look again
+                // (a release may have come before we joined).
+                ticket = Some(self.waiters.enqueue(key).ok_or(LockError::TooManyWaiters {
+                    limit: self.waiters.limit(),
+                })?);
+                continue;
+            };
+            // The head wakes at the holder's expiry (+1 ms: a lease ends *after* its last
+            // millisecond) or at the fallback poll, whichever is first, never sooner than
+            // POLL_MIN; the others sleep until a notice, their promotion or their deadline.
+            let wake_at = if waiting.is_head() {
+                let nap = Duration::from_millis(retry_after_ms.saturating_add(1))
+                    .min(jittered(fallback))
+                    .max(POLL_MIN);
+                fallback = (fallback * 2).min(FALLBACK_POLL_MAX);
+                (now + nap).min(deadline)
+            } else {
+                deadline
+            };
             tokio::select! {
-                () = tokio::time::sleep(nap) => {}
+                () = waiting.woken() => {}
+                () = tokio::time::sleep_until(wake_at) => {}
                 _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
             }
         }
@@ -236,15 +261,6 @@ impl<S: Store> LockService<S> {
             pending.store = None;
         }
         result
-    }
-
-    fn enter_waiting(&self) -> Result<WaiterSlot, LockError> {
-        let limit = self.settings.max_waiters;
-        if self.waiters.fetch_add(1, Ordering::Relaxed) >= limit {
-            self.waiters.fetch_sub(1, Ordering::Relaxed);
-            return Err(LockError::TooManyWaiters { limit });
-        }
-        Ok(WaiterSlot(self.waiters.clone()))
     }
 
     /// Releases `key` if `token` holds its live lease.
@@ -336,22 +352,10 @@ impl<S: Store> Drop for PendingGrant<S> {
     }
 }
 
-/// One place in the per-broker waiter count; gives it back on drop, however the wait ends.
-struct WaiterSlot(Arc<AtomicUsize>);
-
-impl Drop for WaiterSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// The next poll interval: up to three times the last, at most [`POLL_MAX`], at random
-/// ("decorrelated jitter").
-fn jittered_next(last: Duration) -> Duration {
-    let hi = (last * 3).min(POLL_MAX);
-    let ms = rand::rng()
-        .random_range(duration_ms(POLL_MIN)..=duration_ms(hi).max(duration_ms(POLL_MIN)));
-    Duration::from_millis(ms)
+/// `d` give or take a quarter, at random, so waiters on many brokers do not poll in step.
+fn jittered(d: Duration) -> Duration {
+    let ms = duration_ms(d);
+    Duration::from_millis(rand::rng().random_range(ms - ms / 4..=ms + ms / 4))
 }
 
 fn duration_ms(d: Duration) -> u64 {

@@ -2,11 +2,12 @@
 //! broker; brokers do not share it.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use super::{Bid, Claim, EXPIRY_SLACK_MS, Holder, Lease, Snapshot, Store, StoreError, TakeOver};
 use crate::clock::{Clock, SystemClock};
 use crate::domain::{Fence, LockKey, Token, Ttl};
+use crate::waiters::Waiters;
 
 /// One key's state: its lease, if any, and its fence counter.
 #[derive(Debug)]
@@ -26,6 +27,9 @@ pub struct MemoryStore {
     /// is a few map operations.
     slots: Arc<Mutex<HashMap<LockKey, Slot>>>,
     clock: Arc<dyn Clock>,
+    /// Where release notices go: the one broker's waiters. Weak, so the store does not keep a
+    /// stopped broker's waiters alive.
+    notices: Arc<OnceLock<Weak<Waiters>>>,
 }
 
 impl Default for MemoryStore {
@@ -39,6 +43,7 @@ impl MemoryStore {
         Self {
             slots: Arc::default(),
             clock,
+            notices: Arc::default(),
         }
     }
 
@@ -70,6 +75,14 @@ impl MemoryStore {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Tells the waiters that `key` may be free earlier than they were told. Called after the
+    /// slots' lock is released.
+    fn notify(&self, key: &LockKey) {
+        if let Some(waiters) = self.notices.get().and_then(Weak::upgrade) {
+            waiters.wake(key);
+        }
     }
 
     /// Writes the bid into `slot` as its new lease, with the next fence.
@@ -145,20 +158,11 @@ impl Store for MemoryStore {
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<()>, StoreError> {
-        let now_ms = self.clock.now_ms();
-        let mut slots = self.slots();
-        let Some(slot) = slots.get_mut(key) else {
-            return Ok(Holder::NotHeld);
-        };
-        match &slot.lease {
-            None => Ok(Holder::NotHeld),
-            Some(lease) if !lease.is_live_at(now_ms) => Ok(Holder::NotHeld),
-            Some(lease) if lease.token != *token => Ok(Holder::NotOwner),
-            Some(_) => {
-                slot.lease = None;
-                Ok(Holder::Done(()))
-            }
+        let outcome = self.release_now(key, token);
+        if outcome == Holder::Done(()) {
+            self.notify(key);
         }
+        Ok(outcome)
     }
 
     async fn renew(
@@ -167,26 +171,59 @@ impl Store for MemoryStore {
         token: &Token,
         ttl: Ttl,
     ) -> Result<Holder<Lease>, StoreError> {
-        let now_ms = self.clock.now_ms();
-        let mut slots = self.slots();
-        let Some(slot) = slots.get_mut(key) else {
-            return Ok(Holder::NotHeld);
-        };
-        match &mut slot.lease {
-            None => Ok(Holder::NotHeld),
-            Some(lease) if !lease.is_live_at(now_ms) => Ok(Holder::NotHeld),
-            Some(lease) if lease.token != *token => Ok(Holder::NotOwner),
-            Some(lease) => {
-                lease.expires_at_ms = now_ms + ttl.as_ms();
-                lease.ttl_ms = ttl.as_ms();
-                slot.drop_at_ms = lease.expires_at_ms + EXPIRY_SLACK_MS;
-                Ok(Holder::Done(lease.clone()))
-            }
+        let (outcome, shortened) = self.renew_now(key, token, ttl);
+        if shortened {
+            self.notify(key);
         }
+        Ok(outcome)
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+
+    fn start_notices(&self, waiters: &Arc<Waiters>) {
+        let _ = self.notices.set(Arc::downgrade(waiters));
+    }
+}
+
+impl MemoryStore {
+    fn release_now(&self, key: &LockKey, token: &Token) -> Holder<()> {
+        let now_ms = self.clock.now_ms();
+        let mut slots = self.slots();
+        let Some(slot) = slots.get_mut(key) else {
+            return Holder::NotHeld;
+        };
+        match &slot.lease {
+            None => Holder::NotHeld,
+            Some(lease) if !lease.is_live_at(now_ms) => Holder::NotHeld,
+            Some(lease) if lease.token != *token => Holder::NotOwner,
+            Some(_) => {
+                slot.lease = None;
+                Holder::Done(())
+            }
+        }
+    }
+
+    /// The outcome, and whether the lease now ends sooner than it did.
+    fn renew_now(&self, key: &LockKey, token: &Token, ttl: Ttl) -> (Holder<Lease>, bool) {
+        let now_ms = self.clock.now_ms();
+        let mut slots = self.slots();
+        let Some(slot) = slots.get_mut(key) else {
+            return (Holder::NotHeld, false);
+        };
+        match &mut slot.lease {
+            None => (Holder::NotHeld, false),
+            Some(lease) if !lease.is_live_at(now_ms) => (Holder::NotHeld, false),
+            Some(lease) if lease.token != *token => (Holder::NotOwner, false),
+            Some(lease) => {
+                let shortened = now_ms + ttl.as_ms() < lease.expires_at_ms;
+                lease.expires_at_ms = now_ms + ttl.as_ms();
+                lease.ttl_ms = ttl.as_ms();
+                slot.drop_at_ms = lease.expires_at_ms + EXPIRY_SLACK_MS;
+                (Holder::Done(lease.clone()), shortened)
+            }
+        }
     }
 }
 

@@ -10,11 +10,13 @@ pub mod memory;
 pub mod redis;
 
 use std::future::Future;
+use std::sync::Arc;
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
 use crate::domain::{Fence, LockKey, Owner, Token, Ttl};
+use crate::waiters::Waiters;
 
 /// A lease as the store holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,9 +135,16 @@ pub trait Store: Send + Sync + 'static {
 
     /// Proves the store answers (for `/readyz`).
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// From now on, delivers every release notice (a release, or a renew that shortens a lease)
+    /// to `waiters`, including those of other brokers sharing the store. Delivery is best
+    /// effort: waiters also wake at the holder's expiry and on a slow fallback poll.
+    fn start_notices(&self, waiters: &Arc<Waiters>);
 }
 
 /// The store a running broker uses: chosen at start from the configuration.
+// One value per broker, behind an Arc: the size difference costs nothing, a Box an indirection.
+#[allow(clippy::large_enum_variant)]
 pub enum AnyStore {
     Memory(MemoryStore),
     Redis(RedisStore),
@@ -183,5 +192,12 @@ impl Store for AnyStore {
 
     async fn ping(&self) -> Result<(), StoreError> {
         delegate!(self, s => s.ping())
+    }
+
+    fn start_notices(&self, waiters: &Arc<Waiters>) {
+        match self {
+            AnyStore::Memory(s) => s.start_notices(waiters),
+            AnyStore::Redis(s) => s.start_notices(waiters),
+        }
     }
 }

@@ -6,13 +6,16 @@
 //! Redis's clock), `ttl` and, when given, `owner`; and `<prefix>{<key>}:fence`, the key's fence
 //! counter.
 
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use futures_util::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink, PubSubStream};
 use redis::{RedisError, Script};
 
 use super::{Bid, Claim, EXPIRY_SLACK_MS, Holder, Lease, Snapshot, Store, StoreError, TakeOver};
 use crate::domain::{Fence, LockKey, Owner, Token, Ttl};
+use crate::waiters::Waiters;
 
 /// Shared head of every script.
 ///
@@ -88,31 +91,38 @@ return grant(now)
 "#;
 
 /// Holder check shared by release and renew: 0 not held (absent or expired), 2 held by another
-/// token, 1 held by ARGV[1]. The check and the write are one step: the seeds' GET-then-DEL lets
-/// a client whose lease expired between the two delete its successor's lease.
+/// token, 1 held by ARGV[1]; and the lease's expiry. The check and the write are one step: the
+/// seeds' GET-then-DEL lets a client whose lease expired between the two delete its successor's
+/// lease.
 const HOLDER: &str = r#"
 local function holder(now_ms)
   local cur = redis.call('HMGET', KEYS[1], 'token', 'expires_at')
   if not cur[1] or tonumber(cur[2]) <= now_ms then return 0 end
   if cur[1] ~= ARGV[1] then return 2 end
-  return 1
+  return 1, tonumber(cur[2])
 end
 "#;
 
-/// ARGV: token.
+/// ARGV: token, notice channel, client key. Publishes the key on the channel, so every broker's
+/// waiters for it wake at once instead of polling.
 const RELEASE: &str = r#"
 local h = holder(math.floor(now_us() / 1000))
-if h == 1 then redis.call('DEL', KEYS[1]) end
+if h == 1 then
+  redis.call('DEL', KEYS[1])
+  redis.call('PUBLISH', ARGV[2], ARGV[3])
+end
 return h
 "#;
 
-/// ARGV: token, ttl_ms, slack_ms.
+/// ARGV: token, ttl_ms, slack_ms, notice channel, client key. A renew that makes the lease end
+/// sooner publishes a notice too: waiters timed for the old expiry would oversleep.
 const RENEW: &str = r#"
 local now = math.floor(now_us() / 1000)
-local h = holder(now)
+local h, expires = holder(now)
 if h ~= 1 then return {h, false, false, false} end
 local ttl = tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], 'expires_at', int(now + ttl), 'ttl', int(ttl))
+if now + ttl < expires then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
 redis.call('PEXPIRE', KEYS[1], ttl + tonumber(ARGV[3]))
 local v = redis.call('HMGET', KEYS[1], 'fence', 'owner')
 return {1, v[1], now + ttl, v[2]}
@@ -131,10 +141,15 @@ pub struct RedisSettings {
 /// The Redis store. Cloning is cheap: the connection is multiplexed and shared.
 #[derive(Clone)]
 pub struct RedisStore {
+    /// Kept for the notice subscriber, which needs a connection of its own (a subscribed
+    /// connection can issue no other commands).
+    client: redis::Client,
     conn: ConnectionManager,
     prefix: String,
+    /// `<prefix>released`: where releases publish the client key.
+    channel: String,
     timeout: Duration,
-    scripts: std::sync::Arc<Scripts>,
+    scripts: Arc<Scripts>,
 }
 
 /// Built once: each `Script` hashes its source at construction and runs by EVALSHA afterwards,
@@ -174,13 +189,15 @@ impl RedisStore {
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_secs(1))
             .set_number_of_retries(3);
-        let conn = ConnectionManager::new_lazy_with_config(client, config)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
             .map_err(|e| StoreError::Failed(format!("cannot set up the Redis connection: {e}")))?;
         Ok(Self {
+            client,
             conn,
             prefix: settings.key_prefix.clone(),
+            channel: format!("{}released", settings.key_prefix),
             timeout: settings.timeout,
-            scripts: std::sync::Arc::new(Scripts::new()),
+            scripts: Arc::new(Scripts::new()),
         })
     }
 
@@ -206,7 +223,7 @@ impl RedisStore {
     }
 
     fn timed_out(&self) -> StoreError {
-        StoreError::Timeout(u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX))
+        StoreError::Timeout(duration_ms(self.timeout))
     }
 
     async fn grant_script(
@@ -327,6 +344,8 @@ impl Store for RedisStore {
                     .release
                     .key(lock)
                     .arg(token.as_str())
+                    .arg(&self.channel)
+                    .arg(key.as_str())
                     .invoke_async(&mut conn),
             )
             .await?;
@@ -352,6 +371,8 @@ impl Store for RedisStore {
                     .arg(token.as_str())
                     .arg(ttl.as_ms())
                     .arg(EXPIRY_SLACK_MS)
+                    .arg(&self.channel)
+                    .arg(key.as_str())
                     .invoke_async(&mut conn),
             )
             .await?;
@@ -375,4 +396,100 @@ impl Store for RedisStore {
             .await?;
         Ok(())
     }
+
+    fn start_notices(&self, waiters: &Arc<Waiters>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("no runtime to listen for release notices on; waiters will poll");
+            return;
+        };
+        runtime.spawn(listen_for_notices(
+            self.client.clone(),
+            self.channel.clone(),
+            self.timeout,
+            Arc::downgrade(waiters),
+        ));
+    }
+}
+
+/// How often the notice connection is checked with a PING: a connection that silently stopped
+/// delivering (a half-open TCP connection) is replaced within this, plus the store timeout.
+const NOTICE_HEALTH_EVERY: Duration = Duration::from_secs(5);
+
+/// The broker's one subscriber connection: delivers every notice on `channel` to `waiters`,
+/// reconnecting with backoff for as long as the waiters exist. After each (re)connect every
+/// queue's head is woken, since notices published while disconnected are lost.
+async fn listen_for_notices(
+    client: redis::Client,
+    channel: String,
+    timeout: Duration,
+    waiters: Weak<Waiters>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match subscribe(&client, &channel, timeout).await {
+            Ok((mut sink, mut stream)) => {
+                tracing::debug!(%channel, "listening for release notices");
+                backoff = Duration::from_millis(100);
+                match waiters.upgrade() {
+                    Some(waiters) => waiters.wake_all(),
+                    None => return,
+                }
+                let mut health = tokio::time::interval(NOTICE_HEALTH_EVERY);
+                health.tick().await;
+                loop {
+                    tokio::select! {
+                        message = stream.next() => {
+                            let Some(message) = message else { break };
+                            let Some(waiters) = waiters.upgrade() else { return };
+                            if let Ok(key) = std::str::from_utf8(message.get_payload_bytes())
+                                .map_err(drop)
+                                .and_then(|k| LockKey::parse(k).map_err(drop))
+                            {
+                                waiters.wake(&key);
+                            }
+                        }
+                        _ = health.tick() => {
+                            if waiters.strong_count() == 0 {
+                                return;
+                            }
+                            let pong = tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await;
+                            if !matches!(pong, Ok(Ok(_))) {
+                                break;
+                            }
+                        }
+                    }
+                }
+                tracing::warn!(
+                    "release notices disconnected; waiters fall back to polling until they return"
+                );
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot subscribe to release notices yet"),
+        }
+        if waiters.strong_count() == 0 {
+            return;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
+    }
+}
+
+async fn subscribe(
+    client: &redis::Client,
+    channel: &str,
+    timeout: Duration,
+) -> Result<(PubSubSink, PubSubStream), StoreError> {
+    let connect = async {
+        let mut pubsub = client.get_async_pubsub().await?;
+        pubsub.subscribe(channel).await?;
+        Ok::<_, RedisError>(pubsub.split())
+    };
+    match tokio::time::timeout(timeout, connect).await {
+        Ok(Ok(split)) => Ok(split),
+        Ok(Err(e)) => Err(StoreError::Failed(e.to_string())),
+        Err(_) => Err(StoreError::Timeout(duration_ms(timeout))),
+    }
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
