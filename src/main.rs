@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 use clap::{Parser, Subcommand};
+use lockbroker::bench::BenchArgs;
 use lockbroker::config::{Config, ServeArgs};
 use lockbroker::startup::{Application, shutdown_signal};
 
@@ -18,6 +19,9 @@ struct Cli {
 enum Command {
     /// Run the broker.
     Serve(ServeArgs),
+    /// Load a running broker and print throughput and latency (and, with --redis-url, the
+    /// same lock cycle done directly on Redis, for comparison).
+    Bench(BenchArgs),
 }
 
 #[tokio::main]
@@ -28,6 +32,9 @@ async fn main() -> anyhow::Result<()> {
             lockbroker::telemetry::init(config.log_format, &config.log_level);
             let app = Application::build(&config).await?;
             app.run_until_stopped(shutdown_signal()).await?;
+        }
+        Command::Bench(args) => {
+            lockbroker::bench::run(args).await?;
         }
     }
     Ok(())
