@@ -149,6 +149,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
             url: url.clone(),
             key_prefix: args.key_prefix.clone(),
             timeout: Duration::from_secs(2),
+            store_loss_delay: Duration::from_secs(3600),
         })?;
         let calls = ScriptCalls::start(redis.clone()).await?;
         let mut direct = uncontended_direct(Arc::new(store), &args, &run_id, progress).await;
@@ -392,6 +393,7 @@ async fn uncontended_direct(
                         token: Token::generate(),
                         ttl: Ttl::from_ms(10_000),
                         owner: None,
+                        request_id: None,
                     };
                     let ok = match store.claim(&key, &bid).await {
                         Ok(Claim::Granted(_)) => {

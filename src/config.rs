@@ -55,6 +55,10 @@ pub struct ServeArgs {
     /// Most acquires that may wait on this broker at once [default: 10000].
     #[arg(long, env = "LOCKBROKER_MAX_WAITERS", value_name = "N")]
     pub max_waiters: Option<usize>,
+    /// After Redis is seen to have lost its data, how long nothing is granted, so that leases it
+    /// forgot end first [default: max_ttl_ms].
+    #[arg(long, env = "LOCKBROKER_STORE_LOSS_DELAY_MS", value_name = "MS")]
+    pub store_loss_delay_ms: Option<u64>,
     /// Log format [default: text].
     #[arg(long, env = "LOCKBROKER_LOG_FORMAT", value_name = "FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -77,6 +81,7 @@ pub struct FileConfig {
     pub max_wait_ms: Option<u64>,
     pub store_timeout_ms: Option<u64>,
     pub max_waiters: Option<usize>,
+    pub store_loss_delay_ms: Option<u64>,
     pub log_format: Option<LogFormat>,
     pub log_level: Option<String>,
 }
@@ -94,6 +99,8 @@ pub struct Config {
     pub max_wait_ms: u64,
     pub store_timeout_ms: u64,
     pub max_waiters: usize,
+    /// After Redis is seen to have lost its data, how long nothing is granted.
+    pub store_loss_delay_ms: u64,
     pub log_format: LogFormat,
     pub log_level: String,
 }
@@ -110,6 +117,7 @@ impl Default for Config {
             max_wait_ms: 60_000,
             store_timeout_ms: 2_000,
             max_waiters: 10_000,
+            store_loss_delay_ms: 3_600_000,
             log_format: LogFormat::Text,
             log_level: "info".into(),
         }
@@ -139,6 +147,7 @@ impl Config {
                 format!("listen: {s:?} is not an address such as 127.0.0.1:8080")
             })?,
         };
+        let max_ttl_ms = args.max_ttl_ms.or(file.max_ttl_ms).unwrap_or(d.max_ttl_ms);
         let config = Self {
             listen,
             redis_url: args
@@ -150,7 +159,7 @@ impl Config {
                 .default_ttl_ms
                 .or(file.default_ttl_ms)
                 .unwrap_or(d.default_ttl_ms),
-            max_ttl_ms: args.max_ttl_ms.or(file.max_ttl_ms).unwrap_or(d.max_ttl_ms),
+            max_ttl_ms,
             default_wait_ms: args
                 .default_wait_ms
                 .or(file.default_wait_ms)
@@ -167,6 +176,10 @@ impl Config {
                 .max_waiters
                 .or(file.max_waiters)
                 .unwrap_or(d.max_waiters),
+            store_loss_delay_ms: args
+                .store_loss_delay_ms
+                .or(file.store_loss_delay_ms)
+                .unwrap_or(max_ttl_ms),
             log_format: args.log_format.or(file.log_format).unwrap_or(d.log_format),
             log_level: args.log_level.or(file.log_level).unwrap_or(d.log_level),
         };
@@ -195,6 +208,17 @@ impl Config {
         }
         if !(10..=60_000).contains(&self.store_timeout_ms) {
             bail!("store_timeout_ms must be between 10 and 60000");
+        }
+        if self.store_loss_delay_ms > MAX_TTL_CEILING_MS {
+            bail!("store_loss_delay_ms must be at most {MAX_TTL_CEILING_MS}");
+        }
+        if self.store_loss_delay_ms < self.max_ttl_ms {
+            tracing::warn!(
+                "store_loss_delay_ms ({}) is shorter than max_ttl_ms ({}): after Redis loses its \
+                 data, a lease it forgot may still be live when its key is granted again",
+                self.store_loss_delay_ms,
+                self.max_ttl_ms
+            );
         }
         if self.max_waiters == 0 {
             bail!("max_waiters must be at least 1");

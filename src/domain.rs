@@ -198,6 +198,37 @@ impl Owner {
     }
 }
 
+/// A client-chosen id that makes an acquire safe to repeat: 1 to 64 characters of
+/// `A-Z a-z 0-9 _ -`. Repeating an acquire of the same key with the same id while the lease it
+/// produced is held returns that lease again. Anyone who knows the key and the id gets the token,
+/// so it should be random (a UUID).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestId(String);
+
+impl RequestId {
+    pub const MAX_LEN: usize = 64;
+
+    pub fn parse(raw: &str) -> Result<Self, InvalidValue> {
+        if raw.is_empty() || raw.len() > Self::MAX_LEN {
+            return Err(invalid(format!(
+                "request_id must be 1 to {} characters long.",
+                Self::MAX_LEN
+            )));
+        }
+        if !raw
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err(invalid("request_id uses only A-Z a-z 0-9 _ -"));
+        }
+        Ok(Self(raw.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,6 +263,15 @@ mod tests {
         assert_eq!(Ttl::parse(10, 10).unwrap().as_ms(), 10);
         assert!(WaitFor::parse(0, 10).is_ok());
         assert!(WaitFor::parse(11, 10).is_err());
+    }
+
+    #[test]
+    fn request_ids_are_short_plain_strings() {
+        assert!(RequestId::parse("3f2a-77_b").is_ok());
+        assert!(RequestId::parse(&"r".repeat(64)).is_ok());
+        assert!(RequestId::parse(&"r".repeat(65)).is_err());
+        assert!(RequestId::parse("").is_err());
+        assert!(RequestId::parse("a.b").is_err());
     }
 
     #[test]

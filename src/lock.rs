@@ -10,8 +10,8 @@ use rand::RngExt;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::domain::{LockKey, Owner, Token, Ttl, WaitFor};
-use crate::store::{Bid, Claim, Holder, Lease, Store, StoreError, TakeOver};
+use crate::domain::{LockKey, Owner, RequestId, Token, Ttl, WaitFor};
+use crate::store::{Bid, Claim, HeldBack, Holder, Lease, Store, StoreError, TakeOver};
 use crate::waiters::Waiters;
 
 /// Limits and defaults the service applies; validated by the configuration.
@@ -39,6 +39,16 @@ pub enum LockError {
     StoreUnavailable(#[from] StoreError),
     #[error("the broker is shutting down")]
     ShuttingDown,
+    #[error("the store lost its data; grants resume in {retry_after_ms} ms")]
+    StoreRecovering { retry_after_ms: u64 },
+}
+
+impl From<HeldBack> for LockError {
+    fn from(held: HeldBack) -> Self {
+        Self::StoreRecovering {
+            retry_after_ms: held.until_ms.saturating_sub(held.now_ms),
+        }
+    }
 }
 
 /// An acquire as the client asked for it.
@@ -47,6 +57,7 @@ pub struct AcquireRequest {
     pub ttl: Ttl,
     pub wait: WaitFor,
     pub owner: Option<Owner>,
+    pub request_id: Option<RequestId>,
 }
 
 /// A live lease with the store's clock when it was read.
@@ -139,6 +150,7 @@ impl<S: Store> LockService<S> {
             token: Token::generate(),
             ttl: req.ttl,
             owner: req.owner,
+            request_id: req.request_id,
         };
         let wait = req.wait.as_duration();
         let bound = wait + self.settings.store_timeout;
@@ -214,8 +226,10 @@ impl<S: Store> LockService<S> {
     /// One pass of the seeds' algorithm.
     async fn attempt(&self, key: &LockKey, bid: &Bid) -> Result<Attempt, LockError> {
         // 1. SETNX: a free key is ours in one round trip.
-        if let Claim::Granted(lease) = self.guarded(key, bid, self.store.claim(key, bid)).await? {
-            return Ok(Attempt::Granted(lease));
+        match self.guarded(key, bid, self.store.claim(key, bid)).await? {
+            Claim::Granted(lease) => return Ok(Attempt::Granted(lease)),
+            Claim::HeldBack(held) => return Err(held.into()),
+            Claim::Taken => {}
         }
         // 2. GET: who holds it, and until when on the store's clock.
         let snapshot = self.store.read(key).await?;
@@ -237,6 +251,7 @@ impl<S: Store> LockService<S> {
             TakeOver::Granted(lease) => Ok(Attempt::Granted(lease)),
             // Another contender won it (or its holder renewed it): look again.
             TakeOver::Lost => Ok(Attempt::Again),
+            TakeOver::HeldBack(held) => Err(held.into()),
         }
     }
 

@@ -126,7 +126,7 @@ impl Store for Scripted {
     }
 }
 
-use crate::domain::Fence;
+use crate::domain::{Fence, RequestId};
 
 const T0: u64 = 1_700_000_000_000;
 
@@ -168,6 +168,7 @@ fn request(ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
         ttl: Ttl::from_ms(ttl_ms),
         wait: WaitFor::from_ms(wait_ms),
         owner: None,
+        request_id: None,
     }
 }
 
@@ -176,6 +177,7 @@ fn bid(ttl_ms: u64) -> Bid {
         token: Token::generate(),
         ttl: Ttl::from_ms(ttl_ms),
         owner: None,
+        request_id: None,
     }
 }
 
@@ -570,4 +572,64 @@ async fn an_owner_label_is_kept_with_the_lease() {
     let view = h.locks.inspect(&h.key).await.unwrap();
     assert_eq!(view.lease.owner, Some(owner));
     assert_eq!(view.ttl_remaining_ms(), 1_000);
+}
+
+fn with_request_id(req: AcquireRequest, id: &str) -> AcquireRequest {
+    AcquireRequest {
+        request_id: Some(RequestId::parse(id).unwrap()),
+        ..req
+    }
+}
+
+#[tokio::test]
+async fn repeating_an_acquire_with_its_request_id_returns_the_same_grant_while_it_is_held() {
+    let h = harness();
+    let first = h
+        .locks
+        .acquire(&h.key, with_request_id(request(1_000, 0), "r-1"))
+        .await
+        .unwrap();
+    h.clock.advance_ms(400);
+    let again = h
+        .locks
+        .acquire(&h.key, with_request_id(request(1_000, 0), "r-1"))
+        .await
+        .unwrap();
+    assert_eq!(again.token, first.token);
+    assert_eq!(again.fence, first.fence);
+    assert_eq!(again.expires_at_ms, first.expires_at_ms);
+    // Another request id, or none, is just another contender.
+    for req in [with_request_id(request(1_000, 0), "r-2"), request(1_000, 0)] {
+        assert!(matches!(
+            h.locks.acquire(&h.key, req).await,
+            Err(LockError::Locked { .. })
+        ));
+    }
+    // Once the lease is gone, the same id gets a new grant, not the old one.
+    h.locks.release(&h.key, &first.token).await.unwrap();
+    let later = h
+        .locks
+        .acquire(&h.key, with_request_id(request(1_000, 0), "r-1"))
+        .await
+        .unwrap();
+    assert_ne!(later.token, first.token);
+    assert!(later.fence > first.fence);
+}
+
+#[tokio::test]
+async fn a_request_id_never_revives_an_expired_lease() {
+    let h = harness();
+    let first = h
+        .locks
+        .acquire(&h.key, with_request_id(request(100, 0), "r-1"))
+        .await
+        .unwrap();
+    h.clock.advance_ms(100);
+    let again = h
+        .locks
+        .acquire(&h.key, with_request_id(request(100, 0), "r-1"))
+        .await
+        .unwrap();
+    assert_ne!(again.token, first.token);
+    assert!(again.fence > first.fence);
 }

@@ -123,6 +123,18 @@ impl From<LockError> for ApiError {
                     },
                 )
             }
+            LockError::StoreRecovering { retry_after_ms } => Self {
+                retry_after_ms: Some(retry_after_ms),
+                ..Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "store_unavailable",
+                    format!(
+                        "The lock store lost its data; to keep leases it forgot from being granted \
+                         twice, grants resume in {} s.",
+                        retry_after_ms.div_ceil(1000)
+                    ),
+                )
+            },
             LockError::ShuttingDown => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "shutting_down",

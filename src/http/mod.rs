@@ -12,7 +12,7 @@ use axum::{Json, Router};
 use serde::Serialize;
 use tower_http::trace::TraceLayer;
 
-use crate::domain::{LockKey, Owner, Ttl, WaitFor};
+use crate::domain::{LockKey, Owner, RequestId, Ttl, WaitFor};
 use crate::lock::{AcquireRequest, LockService};
 use crate::store::{Lease, Store};
 pub use error::ApiError;
@@ -113,11 +113,18 @@ async fn acquire<S: Store>(
         .text("owner")?
         .map(|o| Owner::parse(&o))
         .transpose()?;
+    let request_id = params
+        .text("request_id")?
+        .map(|r| RequestId::parse(&r))
+        .transpose()?;
     params.finish()?;
-    let lease = state
-        .locks
-        .acquire(&key, AcquireRequest { ttl, wait, owner })
-        .await?;
+    let request = AcquireRequest {
+        ttl,
+        wait,
+        owner,
+        request_id,
+    };
+    let lease = state.locks.acquire(&key, request).await?;
     Ok((StatusCode::CREATED, Json(GrantBody::new(&key, &lease))).into_response())
 }
 

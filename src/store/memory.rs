@@ -95,6 +95,7 @@ impl MemoryStore {
             expires_at_ms: now_ms + bid.ttl.as_ms(),
             ttl_ms: bid.ttl.as_ms(),
             owner: bid.owner.clone(),
+            request_id: bid.request_id.clone(),
         };
         let new = Slot {
             lease: Some(lease.clone()),
@@ -118,8 +119,15 @@ impl Store for MemoryStore {
         let now_us = self.clock.now_us();
         let mut slots = self.slots();
         let slot = slots.get_mut(key);
-        if slot.as_ref().is_some_and(|s| s.lease.is_some()) {
-            return Ok(Claim::Taken);
+        if let Some(current) = slot.as_ref().and_then(|s| s.lease.as_ref()) {
+            let repeated = bid.request_id.is_some()
+                && current.request_id == bid.request_id
+                && current.is_live_at(now_us / 1000);
+            return Ok(if repeated {
+                Claim::Granted(current.clone())
+            } else {
+                Claim::Taken
+            });
         }
         let (new, lease) = self.grant(slot, bid, now_us);
         slots.insert(key.clone(), new);
@@ -237,6 +245,7 @@ mod tests {
             token: Token::generate(),
             ttl: Ttl::from_ms(ttl),
             owner: None,
+            request_id: None,
         }
     }
 

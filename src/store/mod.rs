@@ -15,7 +15,7 @@ use std::sync::Arc;
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
-use crate::domain::{Fence, LockKey, Owner, Token, Ttl};
+use crate::domain::{Fence, LockKey, Owner, RequestId, Token, Ttl};
 use crate::waiters::Waiters;
 
 /// A lease as the store holds it.
@@ -27,6 +27,8 @@ pub struct Lease {
     pub expires_at_ms: u64,
     pub ttl_ms: u64,
     pub owner: Option<Owner>,
+    /// The id of the acquire that produced the lease, if it gave one.
+    pub request_id: Option<RequestId>,
 }
 
 impl Lease {
@@ -42,13 +44,28 @@ pub struct Bid {
     pub token: Token,
     pub ttl: Ttl,
     pub owner: Option<Owner>,
+    pub request_id: Option<RequestId>,
 }
 
 /// The answer to SETNX: the lease if the key was free, or the plain fact that it was not.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
+    /// The key was free and the bid now holds it — or the key holds the live lease that an
+    /// earlier acquire with the bid's request id produced, and this is that lease again.
     Granted(Lease),
     Taken,
+    /// The store lost its data recently; no key is granted until then (see [`HeldBack`]).
+    HeldBack(HeldBack),
+}
+
+/// The store restarted empty (or lost its data otherwise) while leases may still have been live:
+/// their holders still believe they hold them. Until every such lease has ended, the store
+/// grants nothing, so one lock is never held twice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldBack {
+    /// When grants resume, on the store's clock.
+    pub until_ms: u64,
+    pub now_ms: u64,
 }
 
 /// What GET saw: the lease in the key (expired or not), with the store's clock at that moment.
@@ -67,6 +84,7 @@ pub enum TakeOver {
     /// Another contender took it over or claimed it first, or its holder renewed it; nothing was
     /// written.
     Lost,
+    HeldBack(HeldBack),
 }
 
 /// The answer to a holder-checked operation (release, renew).

@@ -11,10 +11,12 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink, PubSubStream};
-use redis::{RedisError, Script};
+use redis::{FromRedisValue, RedisError, Script, Value};
 
-use super::{Bid, Claim, EXPIRY_SLACK_MS, Holder, Lease, Snapshot, Store, StoreError, TakeOver};
-use crate::domain::{Fence, LockKey, Owner, Token, Ttl};
+use super::{
+    Bid, Claim, EXPIRY_SLACK_MS, HeldBack, Holder, Lease, Snapshot, Store, StoreError, TakeOver,
+};
+use crate::domain::{Fence, LockKey, Owner, RequestId, Token, Ttl};
 use crate::waiters::Waiters;
 
 /// Shared head of every script.
@@ -33,9 +35,43 @@ end
 local function int(n) return string.format('%.0f', n) end
 "#;
 
+/// The store's incarnation, checked before anything is granted. KEYS[3] is a hash, never
+/// expired, with `id` (Redis's clock in µs when it was created) and `hold_until` (ms).
+///
+/// A Redis that restarts empty forgets every lease while their holders still believe they hold
+/// them. The brokers notice: each remembers the id it last saw and passes it as ARGV[6]. A
+/// broker that knew an id and finds the marker missing, or finds another id (a broker that knew
+/// nothing re-created it first), holds every grant back until `store_loss_delay_ms` (ARGV[7]) after
+/// the current marker's birth, by which time every lease of the lost data has ended. A store
+/// that no running broker had seen before is indistinguishable from a new one, and is used at
+/// once. (On Redis Cluster this marker will have to be one per node; it is the one key here
+/// that belongs to no lock.)
+const INCARNATION: &str = r#"
+local function incarnation(now)
+  local m = redis.call('HMGET', KEYS[3], 'id', 'hold_until')
+  local id, hold = m[1], tonumber(m[2] or '0')
+  if not id then
+    id = int(now)
+    hold = 0
+    redis.call('HSET', KEYS[3], 'id', id, 'hold_until', '0')
+  end
+  if ARGV[6] ~= '' and ARGV[6] ~= id then
+    local until_ms = math.floor(tonumber(id) / 1000) + tonumber(ARGV[7])
+    if until_ms > hold then
+      hold = until_ms
+      redis.call('HSET', KEYS[3], 'hold_until', int(hold))
+    end
+  end
+  return id, hold
+end
+"#;
+
 /// Writes ARGV's bid into KEYS[1] with the next fence from KEYS[2].
 ///
-/// ARGV: token, ttl_ms, has_owner ('1'/'0'), owner, slack_ms.
+/// ARGV: token, ttl_ms, has_owner ('1'/'0'), owner, slack_ms, known incarnation,
+/// store_loss_delay_ms, request_id ('' for none)[, seen fence].
+/// Replies: `{1, fence, expires_at, token, ttl, incarnation}` granted; `{0, incarnation}` taken
+/// or lost; `{2, hold_until, now, incarnation}` held back after a data loss.
 ///
 /// The fence is taken in the same script as the write that grants, so fences are ordered like
 /// grants. (Taking it with INCR before a separate SETNX is not: A INCRs 5, B INCRs 6, B wins and
@@ -44,7 +80,7 @@ local function int(n) return string.format('%.0f', n) end
 /// value the counter had before as long as the key saw less than one grant per microsecond on
 /// average and Redis's clock did not step back by more than the key's expiry slack.
 const GRANT: &str = r#"
-local function grant(now)
+local function grant(now, inc)
   if redis.call('EXISTS', KEYS[2]) == 0 then
     redis.call('SET', KEYS[2], int(now))
   end
@@ -55,39 +91,58 @@ local function grant(now)
   redis.call('DEL', KEYS[1])
   redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'expires_at', int(expires), 'ttl', int(ttl))
   if ARGV[3] == '1' then redis.call('HSET', KEYS[1], 'owner', ARGV[4]) end
+  if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'request_id', ARGV[8]) end
   redis.call('PEXPIRE', KEYS[1], keep)
   redis.call('PEXPIRE', KEYS[2], keep)
-  return {fence, expires}
+  return {1, fence, expires, ARGV[1], ttl, inc}
+end
+local function checked(now)
+  local inc, hold = incarnation(now)
+  local now_ms = math.floor(now / 1000)
+  if now_ms < hold then return inc, {2, hold, now_ms, inc} end
+  return inc, nil
 end
 "#;
 
 /// SETNX. Checking for the key and writing it are one step, so two claims cannot both see it
-/// free.
+/// free. A key that holds the live lease an earlier acquire with the same request id produced
+/// answers that lease again (a client repeating an acquire whose answer it lost).
 const CLAIM: &str = r#"
-if redis.call('EXISTS', KEYS[1]) == 1 then return false end
-return grant(now_us())
+local now = now_us()
+local inc, held = checked(now)
+if held then return held end
+local cur = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires_at', 'ttl', 'request_id')
+if cur[1] then
+  if ARGV[8] ~= '' and cur[5] == ARGV[8] and tonumber(cur[3]) > math.floor(now / 1000) then
+    return {1, cur[2], cur[3], cur[1], cur[4], inc}
+  end
+  return {0, inc}
+end
+return grant(now, inc)
 "#;
 
 /// GET, with Redis's clock read in the same step so the expiry is judged on the store's time.
 const READ: &str = r#"
 local now = math.floor(now_us() / 1000)
-local v = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires_at', 'ttl', 'owner')
-return {now, v[1], v[2], v[3], v[4], v[5]}
+local v = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires_at', 'ttl', 'owner', 'request_id')
+return {now, v[1], v[2], v[3], v[4], v[5], v[6]}
 "#;
 
 /// GETSET, made safe. The seeds GETSET blindly and compare the old value afterwards, so a loser
 /// has already overwritten the winner's value (the winner's token with it). Here the comparison
 /// comes first, in the same step: only a contender that still sees the expired lease it read
-/// (ARGV[6] is its fence) writes. A key that vanished in between (the seeds' "GETSET returned
+/// (ARGV[9] is its fence) writes. A key that vanished in between (the seeds' "GETSET returned
 /// nil") is free, and the contender wins it.
 const TAKE_OVER: &str = r#"
 local now = now_us()
+local inc, held = checked(now)
+if held then return held end
 local cur = redis.call('HMGET', KEYS[1], 'fence', 'expires_at')
 if cur[1] then
-  if cur[1] ~= ARGV[6] then return false end
-  if tonumber(cur[2]) > math.floor(now / 1000) then return false end
+  if cur[1] ~= ARGV[9] then return {0, inc} end
+  if tonumber(cur[2]) > math.floor(now / 1000) then return {0, inc} end
 end
-return grant(now)
+return grant(now, inc)
 "#;
 
 /// Holder check shared by release and renew: 0 not held (absent or expired), 2 held by another
@@ -136,6 +191,9 @@ pub struct RedisSettings {
     pub key_prefix: String,
     /// Bound on one store call, connecting included.
     pub timeout: Duration,
+    /// After a broker notices that Redis lost its data, how long nothing is granted: at least
+    /// the longest lease that may have been live.
+    pub store_loss_delay: Duration,
 }
 
 /// The Redis store. Cloning is cheap: the connection is multiplexed and shared.
@@ -148,6 +206,11 @@ pub struct RedisStore {
     prefix: String,
     /// `<prefix>released`: where releases publish the client key.
     channel: String,
+    /// `<prefix>incarnation`: the marker that tells a Redis that lost its data (see INCARNATION).
+    marker: String,
+    /// The marker id this broker saw last; empty before the first grant attempt.
+    incarnation: Arc<std::sync::Mutex<String>>,
+    store_loss_delay_ms: u64,
     timeout: Duration,
     scripts: Arc<Scripts>,
 }
@@ -165,9 +228,9 @@ struct Scripts {
 impl Scripts {
     fn new() -> Self {
         Self {
-            claim: Script::new(&[PRELUDE, GRANT, CLAIM].concat()),
+            claim: Script::new(&[PRELUDE, INCARNATION, GRANT, CLAIM].concat()),
             read: Script::new(&[PRELUDE, READ].concat()),
-            take_over: Script::new(&[PRELUDE, GRANT, TAKE_OVER].concat()),
+            take_over: Script::new(&[PRELUDE, INCARNATION, GRANT, TAKE_OVER].concat()),
             release: Script::new(&[PRELUDE, HOLDER, RELEASE].concat()),
             renew: Script::new(&[PRELUDE, HOLDER, RENEW].concat()),
         }
@@ -196,6 +259,9 @@ impl RedisStore {
             conn,
             prefix: settings.key_prefix.clone(),
             channel: format!("{}released", settings.key_prefix),
+            marker: format!("{}incarnation", settings.key_prefix),
+            incarnation: Arc::default(),
+            store_loss_delay_ms: duration_ms(settings.store_loss_delay),
             timeout: settings.timeout,
             scripts: Arc::new(Scripts::new()),
         })
@@ -226,34 +292,94 @@ impl RedisStore {
         StoreError::Timeout(duration_ms(self.timeout))
     }
 
+    /// Runs CLAIM or TAKE_OVER for `bid`.
     async fn grant_script(
         &self,
         script: &Script,
         key: &LockKey,
         bid: &Bid,
         seen: Option<Fence>,
-    ) -> Result<Option<Lease>, StoreError> {
+    ) -> Result<GrantReply, StoreError> {
         let [lock, fence] = self.keys(key);
+        let known = self.known_incarnation();
         let mut inv = script.key(lock);
         inv.key(fence)
+            .key(&self.marker)
             .arg(bid.token.as_str())
             .arg(bid.ttl.as_ms())
             .arg(if bid.owner.is_some() { "1" } else { "0" })
             .arg(bid.owner.as_ref().map_or("", |o| o.as_str()))
-            .arg(EXPIRY_SLACK_MS);
+            .arg(EXPIRY_SLACK_MS)
+            .arg(&known)
+            .arg(self.store_loss_delay_ms)
+            .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()));
         if let Some(seen) = seen {
             inv.arg(seen);
         }
         let mut conn = self.conn.clone();
-        let granted: Option<(u64, u64)> = self.bounded(inv.invoke_async(&mut conn)).await?;
-        Ok(granted.map(|(fence, expires_at_ms)| Lease {
-            token: bid.token.clone(),
-            fence,
-            expires_at_ms,
-            ttl_ms: bid.ttl.as_ms(),
-            owner: bid.owner.clone(),
-        }))
+        let reply: Vec<Value> = self.bounded(inv.invoke_async(&mut conn)).await?;
+        let (outcome, incarnation) = match field::<u8>(&reply, 0)? {
+            0 => (GrantReply::Refused, field::<String>(&reply, 1)?),
+            1 => {
+                let token: String = field(&reply, 3)?;
+                let lease = Lease {
+                    // The bid's own token, or the one of the earlier grant this repeats.
+                    token: if token == bid.token.as_str() {
+                        bid.token.clone()
+                    } else {
+                        Token::parse(&token).map_err(|_| corrupt("token"))?
+                    },
+                    fence: field(&reply, 1)?,
+                    expires_at_ms: field(&reply, 2)?,
+                    ttl_ms: field(&reply, 4)?,
+                    owner: bid.owner.clone(),
+                    request_id: bid.request_id.clone(),
+                };
+                (GrantReply::Granted(lease), field::<String>(&reply, 5)?)
+            }
+            2 => (
+                GrantReply::HeldBack(HeldBack {
+                    until_ms: field(&reply, 1)?,
+                    now_ms: field(&reply, 2)?,
+                }),
+                field::<String>(&reply, 3)?,
+            ),
+            code => return Err(StoreError::Failed(format!("unexpected grant reply {code}"))),
+        };
+        if incarnation != known {
+            if !known.is_empty() {
+                tracing::error!(
+                    was = %known, now = %incarnation,
+                    "Redis lost its data (restarted empty?): grants are held back until every \
+                     lease it may have held has ended"
+                );
+            }
+            *self.incarnation.lock().unwrap_or_else(|e| e.into_inner()) = incarnation;
+        }
+        Ok(outcome)
     }
+
+    fn known_incarnation(&self) -> String {
+        self.incarnation
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// What CLAIM and TAKE_OVER answer.
+enum GrantReply {
+    Granted(Lease),
+    Refused,
+    HeldBack(HeldBack),
+}
+
+/// Element `i` of a script's array reply.
+fn field<T: FromRedisValue>(reply: &[Value], i: usize) -> Result<T, StoreError> {
+    reply
+        .get(i)
+        .ok_or_else(|| corrupt("reply"))
+        .and_then(|v| T::from_redis_value_ref(v).map_err(|_| corrupt("reply")))
 }
 
 fn corrupt(what: &str) -> StoreError {
@@ -283,6 +409,7 @@ type ReadReply = (
     Option<u64>,
     Option<u64>,
     Option<String>,
+    Option<String>,
 );
 
 impl Store for RedisStore {
@@ -292,8 +419,9 @@ impl Store for RedisStore {
                 .grant_script(&self.scripts.claim, key, bid, None)
                 .await?
             {
-                Some(lease) => Claim::Granted(lease),
-                None => Claim::Taken,
+                GrantReply::Granted(lease) => Claim::Granted(lease),
+                GrantReply::Refused => Claim::Taken,
+                GrantReply::HeldBack(held) => Claim::HeldBack(held),
             },
         )
     }
@@ -301,7 +429,7 @@ impl Store for RedisStore {
     async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
         let [lock, _] = self.keys(key);
         let mut conn = self.conn.clone();
-        let (now_ms, token, fence, expires, ttl, owner): ReadReply = self
+        let (now_ms, token, fence, expires, ttl, owner, request_id): ReadReply = self
             .bounded(self.scripts.read.key(lock).invoke_async(&mut conn))
             .await?;
         let lease = match (token, fence, expires, ttl) {
@@ -311,6 +439,7 @@ impl Store for RedisStore {
                 expires_at_ms,
                 ttl_ms,
                 owner: parse_owner(owner)?,
+                request_id: request_id.and_then(|r| RequestId::parse(&r).ok()),
             }),
             (None, None, None, None) => None,
             _ => return Err(corrupt("record")),
@@ -329,8 +458,9 @@ impl Store for RedisStore {
                 .grant_script(&self.scripts.take_over, key, bid, Some(seen))
                 .await?
             {
-                Some(lease) => TakeOver::Granted(lease),
-                None => TakeOver::Lost,
+                GrantReply::Granted(lease) => TakeOver::Granted(lease),
+                GrantReply::Refused => TakeOver::Lost,
+                GrantReply::HeldBack(held) => TakeOver::HeldBack(held),
             },
         )
     }
@@ -383,6 +513,7 @@ impl Store for RedisStore {
                 expires_at_ms,
                 ttl_ms: ttl.as_ms(),
                 owner: parse_owner(owner)?,
+                request_id: None,
             })),
             (1, ..) => Err(corrupt("record")),
             (code, ..) => refusal(code),
