@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The lockbroker test command: the README names it and CI (.ci/run) calls it.
+#
+#   scripts/test.sh [extra cargo test arguments...]
+#
+# The integration tests start their own redis-server processes on free loopback ports, so this
+# script only makes sure `redis-server` is installed (on Debian/Ubuntu it installs it with apt)
+# and then runs `cargo test --all-targets`. It never starts a Redis server itself.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [[ "${CI:-}" == "true" ]]; then
+    export CARGO_TERM_COLOR=never
+fi
+
+install_redis_server() {
+    if command -v apt-get >/dev/null 2>&1; then
+        local sudo=()
+        if [[ "$(id -u)" -ne 0 ]]; then
+            if command -v sudo >/dev/null 2>&1; then
+                sudo=(sudo)
+            else
+                echo "error: redis-server is missing and installing it needs root (no sudo here)." >&2
+                echo "       Run as root: apt-get update && apt-get install -y redis-server" >&2
+                exit 1
+            fi
+        fi
+        echo "redis-server not found: installing it with apt-get (the tests start their own servers)."
+        ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get update
+        ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server
+    else
+        cat >&2 <<'MSG'
+error: redis-server is not on PATH, and the integration tests need it (they start their own
+servers on free loopback ports; nothing needs to be running). Install it, then run this again:
+  macOS (Homebrew):       brew install redis
+  Fedora / RHEL / CentOS: sudo dnf install redis
+  Arch Linux:             sudo pacman -S redis      (or valkey, which provides redis-server)
+  Alpine:                 sudo apk add redis
+  openSUSE:               sudo zypper install redis
+  Nix:                    nix-env -iA nixpkgs.redis
+MSG
+        exit 1
+    fi
+}
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    install_redis_server
+    if ! command -v redis-server >/dev/null 2>&1; then
+        echo "error: redis-server is still not on PATH after installing it." >&2
+        exit 1
+    fi
+fi
+
+echo "Using $(command -v redis-server): $(redis-server --version)"
+
+exec cargo test --all-targets "$@"
