@@ -397,7 +397,7 @@ async fn uncontended_direct(
                     };
                     let ok = match store.claim(&key, &bid).await {
                         Ok(Claim::Granted(_)) => {
-                            matches!(store.release(&key, &bid.token).await, Ok(Holder::Done(())))
+                            matches!(store.release(&key, &bid.token).await, Ok(Holder::Done(_)))
                         }
                         _ => false,
                     };

@@ -8,6 +8,7 @@ pub mod config;
 pub mod domain;
 pub mod http;
 pub mod lock;
+pub mod metrics;
 pub mod startup;
 pub mod store;
 pub mod telemetry;

@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::domain::{LockKey, Owner, RequestId, Token, Ttl, WaitFor};
+use crate::metrics::{AcquireResult, HolderResult, Metrics, StoreOp};
 use crate::store::{Bid, Claim, HeldBack, Holder, Lease, Store, StoreError, TakeOver};
 use crate::waiters::Waiters;
 
@@ -103,6 +104,7 @@ pub struct LockService<S> {
     settings: LockSettings,
     waiters: Arc<Waiters>,
     shutdown: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
 }
 
 impl<S> Clone for LockService<S> {
@@ -112,6 +114,7 @@ impl<S> Clone for LockService<S> {
             settings: self.settings.clone(),
             waiters: self.waiters.clone(),
             shutdown: self.shutdown.clone(),
+            metrics: self.metrics.clone(),
         }
     }
 }
@@ -129,6 +132,7 @@ impl<S: Store> LockService<S> {
             settings,
             waiters,
             shutdown,
+            metrics: Arc::default(),
         }
     }
 
@@ -154,14 +158,25 @@ impl<S: Store> LockService<S> {
         };
         let wait = req.wait.as_duration();
         let bound = wait + self.settings.store_timeout;
-        match tokio::time::timeout(bound, self.acquire_until(key, &bid, Instant::now() + wait))
-            .await
+        let arrived = Instant::now();
+        let result = match tokio::time::timeout(
+            bound,
+            self.acquire_until(key, &bid, arrived + wait),
+        )
+        .await
         {
             Ok(result) => result,
-            // Only a store call can be running when this fires: the loop stops napping at the
-            // deadline, and a nap is shorter than the store timeout.
+            // Only a store call can be running when this fires: the loop stops napping at
+            // the deadline, and a nap is shorter than the store timeout.
             Err(_) => Err(StoreError::Timeout(duration_ms(self.settings.store_timeout)).into()),
-        }
+        };
+        let outcome = match &result {
+            Ok(_) => AcquireResult::Granted,
+            Err(LockError::Locked { .. }) => AcquireResult::Locked,
+            Err(_) => AcquireResult::Error,
+        };
+        self.metrics.acquired(outcome, arrived.elapsed());
+        result
     }
 
     async fn acquire_until(
@@ -226,13 +241,14 @@ impl<S: Store> LockService<S> {
     /// One pass of the seeds' algorithm.
     async fn attempt(&self, key: &LockKey, bid: &Bid) -> Result<Attempt, LockError> {
         // 1. SETNX: a free key is ours in one round trip.
-        match self.guarded(key, bid, self.store.claim(key, bid)).await? {
+        let claim = self.timed(StoreOp::claim, self.store.claim(key, bid));
+        match self.guarded(key, bid, claim).await? {
             Claim::Granted(lease) => return Ok(Attempt::Granted(lease)),
             Claim::HeldBack(held) => return Err(held.into()),
             Claim::Taken => {}
         }
         // 2. GET: who holds it, and until when on the store's clock.
-        let snapshot = self.store.read(key).await?;
+        let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
         let Some(current) = snapshot.lease else {
             // GET returned nil: the lock was released between our SETNX and GET. It is free,
             // not expired: go straight back to SETNX.
@@ -244,11 +260,15 @@ impl<S: Store> LockService<S> {
             });
         }
         // 3. Expired: take it over, so that exactly one contender wins it.
-        match self
-            .guarded(key, bid, self.store.take_over(key, current.fence, bid))
-            .await?
-        {
-            TakeOver::Granted(lease) => Ok(Attempt::Granted(lease)),
+        let take_over = self.timed(
+            StoreOp::take_over,
+            self.store.take_over(key, current.fence, bid),
+        );
+        match self.guarded(key, bid, take_over).await? {
+            TakeOver::Granted(lease) => {
+                self.metrics.took_over();
+                Ok(Attempt::Granted(lease))
+            }
             // Another contender won it (or its holder renewed it): look again.
             TakeOver::Lost => Ok(Attempt::Again),
             TakeOver::HeldBack(held) => Err(held.into()),
@@ -280,8 +300,21 @@ impl<S: Store> LockService<S> {
 
     /// Releases `key` if `token` holds its live lease.
     pub async fn release(&self, key: &LockKey, token: &Token) -> Result<(), LockError> {
-        match self.store.release(key, token).await? {
-            Holder::Done(()) => Ok(()),
+        let outcome = self
+            .timed(StoreOp::release, self.store.release(key, token))
+            .await;
+        let (result, held) = match &outcome {
+            Ok(Holder::Done(released)) => (
+                HolderResult::Done,
+                Some(Duration::from_millis(released.held_ms)),
+            ),
+            Ok(Holder::NotHeld) => (HolderResult::NotHeld, None),
+            Ok(Holder::NotOwner) => (HolderResult::NotOwner, None),
+            Err(_) => (HolderResult::Error, None),
+        };
+        self.metrics.released(result, held);
+        match outcome? {
+            Holder::Done(_) => Ok(()),
             Holder::NotHeld => Err(LockError::NotHeld),
             Holder::NotOwner => Err(LockError::NotOwner),
         }
@@ -289,7 +322,16 @@ impl<S: Store> LockService<S> {
 
     /// Moves the end of `token`'s live lease to `ttl` from now. Same token, same fence.
     pub async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> Result<Lease, LockError> {
-        match self.store.renew(key, token, ttl).await? {
+        let outcome = self
+            .timed(StoreOp::renew, self.store.renew(key, token, ttl))
+            .await;
+        self.metrics.renewed(match &outcome {
+            Ok(Holder::Done(_)) => HolderResult::Done,
+            Ok(Holder::NotHeld) => HolderResult::NotHeld,
+            Ok(Holder::NotOwner) => HolderResult::NotOwner,
+            Err(_) => HolderResult::Error,
+        });
+        match outcome? {
             Holder::Done(lease) => Ok(lease),
             Holder::NotHeld => Err(LockError::NotHeld),
             Holder::NotOwner => Err(LockError::NotOwner),
@@ -298,7 +340,7 @@ impl<S: Store> LockService<S> {
 
     /// The live lease on `key`, if any.
     pub async fn inspect(&self, key: &LockKey) -> Result<LeaseView, LockError> {
-        let snapshot = self.store.read(key).await?;
+        let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
         match snapshot.lease {
             Some(lease) if lease.is_live_at(snapshot.now_ms) => Ok(LeaseView {
                 lease,
@@ -310,7 +352,25 @@ impl<S: Store> LockService<S> {
 
     /// Whether the store answers.
     pub async fn ready(&self) -> Result<(), LockError> {
-        Ok(self.store.ping().await?)
+        Ok(self.timed(StoreOp::ping, self.store.ping()).await?)
+    }
+
+    /// Runs one store call, recording its latency and whether it failed.
+    async fn timed<T>(
+        &self,
+        op: StoreOp,
+        call: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let result = call.await;
+        self.metrics
+            .store_call(op, started.elapsed(), result.is_err());
+        result
+    }
+
+    /// The metrics, with the current number of waiters, in the OpenMetrics text format.
+    pub fn render_metrics(&self) -> String {
+        self.metrics.render(self.waiters.len())
     }
 }
 
@@ -347,7 +407,7 @@ impl<S: Store> Drop for PendingGrant<S> {
             loop {
                 match store.release(&key, &token).await {
                     Ok(outcome) => {
-                        if outcome == Holder::Done(()) {
+                        if matches!(outcome, Holder::Done(_)) {
                             tracing::info!(%key, "released a lease granted to a request that failed or went away");
                         }
                         return;

@@ -103,7 +103,11 @@ impl Store for Scripted {
         self.inner.take_over(key, seen, bid).await
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<()>, StoreError> {
+    async fn release(
+        &self,
+        key: &LockKey,
+        token: &Token,
+    ) -> Result<Holder<crate::store::Released>, StoreError> {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
         self.inner.release(key, token).await
     }
@@ -206,10 +210,10 @@ async fn get_returning_nil_after_a_failed_setnx_goes_back_to_setnx_not_to_takeov
     // Between the second client's SETNX (fails: held) and its GET, the holder releases.
     let (key, token) = (h.key.clone(), first.token.clone());
     h.store.before_next_read(move |store| {
-        assert_eq!(
+        assert!(matches!(
             block_on(store.release(&key, &token)).unwrap(),
-            Holder::Done(())
-        );
+            Holder::Done(_)
+        ));
     });
     let second = h.locks.acquire(&h.key, request(10_000, 0)).await.unwrap();
     assert!(second.fence > first.fence);
@@ -632,4 +636,40 @@ async fn a_request_id_never_revives_an_expired_lease() {
         .unwrap();
     assert_ne!(again.token, first.token);
     assert!(again.fence > first.fence);
+}
+
+#[tokio::test]
+async fn metrics_count_known_traffic_by_result() {
+    let h = harness();
+    let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
+    assert!(h.locks.acquire(&h.key, request(100, 0)).await.is_err()); // locked
+    h.locks
+        .renew(&h.key, &first.token, Ttl::from_ms(100))
+        .await
+        .unwrap();
+    h.clock.advance_ms(100);
+    h.locks.acquire(&h.key, request(100, 0)).await.unwrap(); // a takeover
+    assert!(h.locks.release(&h.key, &first.token).await.is_err()); // not_owner
+    assert!(
+        h.locks
+            .renew(&h.key, &first.token, Ttl::from_ms(1))
+            .await
+            .is_err()
+    ); // not_owner
+    let text = h.locks.render_metrics();
+    for line in [
+        "lockbroker_acquisitions_total{result=\"granted\"} 2",
+        "lockbroker_acquisitions_total{result=\"locked\"} 1",
+        "lockbroker_acquisitions_total{result=\"error\"} 0",
+        "lockbroker_takeovers_total 1",
+        "lockbroker_renewals_total{result=\"renewed\"} 1",
+        "lockbroker_renewals_total{result=\"not_owner\"} 1",
+        "lockbroker_releases_total{result=\"not_owner\"} 1",
+        "lockbroker_releases_total{result=\"released\"} 0",
+        "lockbroker_store_call_seconds_count{op=\"claim\"} 3",
+        "lockbroker_store_call_seconds_count{op=\"take_over\"} 1",
+        "lockbroker_waiters 0",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
 }

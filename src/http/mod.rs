@@ -52,6 +52,7 @@ pub fn router<S: Store>(state: AppState<S>) -> Router {
         .route("/locks/{key}/renew", post(renew::<S>))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz::<S>))
+        .route("/metrics", get(metrics::<S>))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
@@ -175,6 +176,17 @@ struct StatusBody {
 
 async fn healthz() -> Json<StatusBody> {
     Json(StatusBody { status: "ok" })
+}
+
+async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::metrics::CONTENT_TYPE,
+        )],
+        state.locks.render_metrics(),
+    )
+        .into_response()
 }
 
 async fn readyz<S: Store>(State(state): State<AppState<S>>) -> Result<Json<StatusBody>, ApiError> {

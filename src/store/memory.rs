@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
-use super::{Bid, Claim, EXPIRY_SLACK_MS, Holder, Lease, Snapshot, Store, StoreError, TakeOver};
+use super::{
+    Bid, Claim, EXPIRY_SLACK_MS, Holder, Lease, Released, Snapshot, Store, StoreError, TakeOver,
+};
 use crate::clock::{Clock, SystemClock};
 use crate::domain::{Fence, LockKey, Token, Ttl};
 use crate::waiters::Waiters;
@@ -15,6 +17,8 @@ struct Slot {
     lease: Option<Lease>,
     /// The last fence granted for this key.
     fence: Fence,
+    /// When the current lease was granted (for the hold time reported on release).
+    granted_at_ms: u64,
     /// When the slot may be dropped (the Redis store's key expiry): the fence counter goes with
     /// it and is seeded again from the clock, which keeps fences rising (see `next_fence`).
     drop_at_ms: u64,
@@ -100,6 +104,7 @@ impl MemoryStore {
         let new = Slot {
             lease: Some(lease.clone()),
             fence,
+            granted_at_ms: now_ms,
             drop_at_ms: lease.expires_at_ms + EXPIRY_SLACK_MS,
         };
         (new, lease)
@@ -165,9 +170,9 @@ impl Store for MemoryStore {
         Ok(TakeOver::Granted(lease))
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<()>, StoreError> {
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<Released>, StoreError> {
         let outcome = self.release_now(key, token);
-        if outcome == Holder::Done(()) {
+        if matches!(outcome, Holder::Done(_)) {
             self.notify(key);
         }
         Ok(outcome)
@@ -196,7 +201,7 @@ impl Store for MemoryStore {
 }
 
 impl MemoryStore {
-    fn release_now(&self, key: &LockKey, token: &Token) -> Holder<()> {
+    fn release_now(&self, key: &LockKey, token: &Token) -> Holder<Released> {
         let now_ms = self.clock.now_ms();
         let mut slots = self.slots();
         let Some(slot) = slots.get_mut(key) else {
@@ -208,7 +213,9 @@ impl MemoryStore {
             Some(lease) if lease.token != *token => Holder::NotOwner,
             Some(_) => {
                 slot.lease = None;
-                Holder::Done(())
+                Holder::Done(Released {
+                    held_ms: now_ms.saturating_sub(slot.granted_at_ms),
+                })
             }
         }
     }

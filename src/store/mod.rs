@@ -87,6 +87,12 @@ pub enum TakeOver {
     HeldBack(HeldBack),
 }
 
+/// A release done: how long the lease had been held, on the store's clock (renewals included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    pub held_ms: u64,
+}
+
 /// The answer to a holder-checked operation (release, renew).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Holder<T> {
@@ -141,7 +147,7 @@ pub trait Store: Send + Sync + 'static {
         &self,
         key: &LockKey,
         token: &Token,
-    ) -> impl Future<Output = Result<Holder<()>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Holder<Released>, StoreError>> + Send;
 
     /// Moves the expiry of `token`'s live lease to `ttl` after now.
     fn renew(
@@ -195,7 +201,7 @@ impl Store for AnyStore {
         delegate!(self, s => s.take_over(key, seen, bid))
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<()>, StoreError> {
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<Released>, StoreError> {
         delegate!(self, s => s.release(key, token))
     }
 

@@ -14,7 +14,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink, PubSubS
 use redis::{FromRedisValue, RedisError, Script, Value};
 
 use super::{
-    Bid, Claim, EXPIRY_SLACK_MS, HeldBack, Holder, Lease, Snapshot, Store, StoreError, TakeOver,
+    Bid, Claim, EXPIRY_SLACK_MS, HeldBack, Holder, Lease, Released, Snapshot, Store, StoreError,
+    TakeOver,
 };
 use crate::domain::{Fence, LockKey, Owner, RequestId, Token, Ttl};
 use crate::waiters::Waiters;
@@ -89,7 +90,7 @@ local function grant(now, inc)
   local expires = math.floor(now / 1000) + ttl
   local keep = ttl + tonumber(ARGV[5])
   redis.call('DEL', KEYS[1])
-  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'expires_at', int(expires), 'ttl', int(ttl))
+  redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fence', int(fence), 'expires_at', int(expires), 'ttl', int(ttl), 'granted_at', int(math.floor(now / 1000)))
   if ARGV[3] == '1' then redis.call('HSET', KEYS[1], 'owner', ARGV[4]) end
   if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'request_id', ARGV[8]) end
   redis.call('PEXPIRE', KEYS[1], keep)
@@ -159,14 +160,15 @@ end
 "#;
 
 /// ARGV: token, notice channel, client key. Publishes the key on the channel, so every broker's
-/// waiters for it wake at once instead of polling.
+/// waiters for it wake at once instead of polling. Replies `{code, held_ms}`.
 const RELEASE: &str = r#"
-local h = holder(math.floor(now_us() / 1000))
-if h == 1 then
-  redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], ARGV[3])
-end
-return h
+local now = math.floor(now_us() / 1000)
+local h = holder(now)
+if h ~= 1 then return {h, false} end
+local granted = tonumber(redis.call('HGET', KEYS[1], 'granted_at') or now)
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return {1, now - granted}
 "#;
 
 /// ARGV: token, ttl_ms, slack_ms, notice channel, client key. A renew that makes the lease end
@@ -465,10 +467,10 @@ impl Store for RedisStore {
         )
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<()>, StoreError> {
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<Released>, StoreError> {
         let [lock, _] = self.keys(key);
         let mut conn = self.conn.clone();
-        let code: u8 = self
+        let (code, held_ms): (u8, Option<u64>) = self
             .bounded(
                 self.scripts
                     .release
@@ -480,7 +482,9 @@ impl Store for RedisStore {
             )
             .await?;
         match code {
-            1 => Ok(Holder::Done(())),
+            1 => Ok(Holder::Done(Released {
+                held_ms: held_ms.unwrap_or(0),
+            })),
             code => refusal(code),
         }
     }

@@ -1,0 +1,238 @@
+//! The broker's Prometheus metrics, served on `GET /metrics`. Counted in the lock service, so
+//! they describe locks, not HTTP: acquisitions by result, wait and hold times, renewals and
+//! releases by result, takeovers of expired leases, store errors and latency, current waiters.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// A store primitive, as a label value.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)] // label values are written as the variants are named
+pub enum StoreOp {
+    claim,
+    read,
+    take_over,
+    release,
+    renew,
+    ping,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: StoreOp,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+/// Counters by result, created up front so every series shows from the first scrape.
+struct ByResult<const N: usize> {
+    counters: [Counter; N],
+}
+
+impl<const N: usize> ByResult<N> {
+    fn register(
+        registry: &mut Registry,
+        name: &str,
+        help: &str,
+        results: [&'static str; N],
+    ) -> Self {
+        let family = Family::<ResultLabels, Counter>::default();
+        registry.register(name, help, family.clone());
+        Self {
+            counters: results.map(|result| family.get_or_create(&ResultLabels { result }).clone()),
+        }
+    }
+}
+
+fn seconds_histogram() -> Histogram {
+    // 0.5 ms to about 65 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+}
+
+/// Everything `/metrics` shows.
+pub struct Metrics {
+    registry: Registry,
+    acquisitions: ByResult<3>,
+    acquire_wait: Histogram,
+    hold: Histogram,
+    renewals: ByResult<4>,
+    releases: ByResult<4>,
+    takeovers: Counter,
+    store_errors: Family<OpLabels, Counter>,
+    store_latency: Family<OpLabels, Histogram, fn() -> Histogram>,
+    waiters: Gauge,
+}
+
+/// An acquire's outcome, for `lockbroker_acquisitions_total`.
+#[derive(Debug, Clone, Copy)]
+pub enum AcquireResult {
+    Granted,
+    Locked,
+    Error,
+}
+
+/// A release's or renewal's outcome.
+#[derive(Debug, Clone, Copy)]
+pub enum HolderResult {
+    Done,
+    NotHeld,
+    NotOwner,
+    Error,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::default();
+        let acquisitions = ByResult::register(
+            &mut registry,
+            "lockbroker_acquisitions",
+            "Acquire requests by result: granted, locked (still held when the wait ran out), error.",
+            ["granted", "locked", "error"],
+        );
+        let acquire_wait = seconds_histogram();
+        registry.register(
+            "lockbroker_acquire_wait_seconds",
+            "Time from an acquire's arrival to its grant.",
+            acquire_wait.clone(),
+        );
+        let hold = seconds_histogram();
+        registry.register(
+            "lockbroker_hold_seconds",
+            "How long released leases had been held (grant to release, on the store's clock).",
+            hold.clone(),
+        );
+        let renewals = ByResult::register(
+            &mut registry,
+            "lockbroker_renewals",
+            "Renew requests by result.",
+            ["renewed", "not_held", "not_owner", "error"],
+        );
+        let releases = ByResult::register(
+            &mut registry,
+            "lockbroker_releases",
+            "Release requests by result.",
+            ["released", "not_held", "not_owner", "error"],
+        );
+        let takeovers = Counter::default();
+        registry.register(
+            "lockbroker_takeovers",
+            "Expired leases taken over by a new holder.",
+            takeovers.clone(),
+        );
+        let store_errors = Family::<OpLabels, Counter>::default();
+        registry.register(
+            "lockbroker_store_errors",
+            "Store calls that failed or timed out, by primitive.",
+            store_errors.clone(),
+        );
+        let store_latency = Family::<OpLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            seconds_histogram,
+        );
+        registry.register(
+            "lockbroker_store_call_seconds",
+            "Latency of store calls, by primitive.",
+            store_latency.clone(),
+        );
+        let waiters = Gauge::default();
+        registry.register(
+            "lockbroker_waiters",
+            "Acquires waiting on this broker now.",
+            waiters.clone(),
+        );
+        Self {
+            registry,
+            acquisitions,
+            acquire_wait,
+            hold,
+            renewals,
+            releases,
+            takeovers,
+            store_errors,
+            store_latency,
+            waiters,
+        }
+    }
+}
+
+impl Metrics {
+    pub fn acquired(&self, result: AcquireResult, waited: Duration) {
+        self.acquisitions.counters[result as usize].inc();
+        if let AcquireResult::Granted = result {
+            self.acquire_wait.observe(waited.as_secs_f64());
+        }
+    }
+
+    pub fn released(&self, result: HolderResult, held: Option<Duration>) {
+        self.releases.counters[result as usize].inc();
+        if let Some(held) = held {
+            self.hold.observe(held.as_secs_f64());
+        }
+    }
+
+    pub fn renewed(&self, result: HolderResult) {
+        self.renewals.counters[result as usize].inc();
+    }
+
+    pub fn took_over(&self) {
+        self.takeovers.inc();
+    }
+
+    pub fn store_call(&self, op: StoreOp, took: Duration, failed: bool) {
+        let labels = OpLabels { op };
+        self.store_latency
+            .get_or_create(&labels)
+            .observe(took.as_secs_f64());
+        if failed {
+            self.store_errors.get_or_create(&labels).inc();
+        }
+    }
+
+    /// The OpenMetrics text exposition, with the current number of waiters.
+    pub fn render(&self, waiters: usize) -> String {
+        self.waiters.set(i64::try_from(waiters).unwrap_or(i64::MAX));
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// The content type of [`Metrics::render`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exposition_names_every_series_the_docs_promise() {
+        let m = Metrics::default();
+        m.acquired(AcquireResult::Granted, Duration::from_millis(3));
+        m.released(HolderResult::Done, Some(Duration::from_millis(40)));
+        m.store_call(StoreOp::claim, Duration::from_micros(200), true);
+        let text = m.render(7);
+        for line in [
+            "lockbroker_acquisitions_total{result=\"granted\"} 1",
+            "lockbroker_acquisitions_total{result=\"locked\"} 0",
+            "lockbroker_releases_total{result=\"released\"} 1",
+            "lockbroker_renewals_total{result=\"not_owner\"} 0",
+            "lockbroker_takeovers_total 0",
+            "lockbroker_store_errors_total{op=\"claim\"} 1",
+            "lockbroker_hold_seconds_count 1",
+            "lockbroker_acquire_wait_seconds_count 1",
+            "lockbroker_store_call_seconds_count{op=\"claim\"} 1",
+            "lockbroker_waiters 7",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+    }
+}
