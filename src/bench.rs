@@ -42,6 +42,11 @@ pub struct BenchArgs {
     /// How long each phase runs (`10s`, `1500ms`, `1m`).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub duration: Duration,
+    /// Also hold a key and park this many waiting acquires on it, then report the broker's
+    /// resident memory per waiter (from its /metrics) and how fast they drain when their
+    /// clients leave. Needs a file-descriptor limit above twice this number.
+    #[arg(long, default_value_t = 0)]
+    pub waiters: usize,
     /// Print one JSON summary on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -103,6 +108,22 @@ pub struct Summary {
     /// Uncontended broker cycles/s over direct-Redis cycles/s, measured in this run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub broker_over_direct: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waiters: Option<WaitersPhase>,
+}
+
+/// The parked-waiters phase.
+#[derive(Debug, Serialize)]
+pub struct WaitersPhase {
+    /// Waiters the broker reported at the peak.
+    pub waiters: u64,
+    /// Acquires that failed instead of waiting (connection refused, 503).
+    pub errors: u64,
+    pub rss_before_mib: f64,
+    pub rss_with_waiters_mib: f64,
+    pub bytes_per_waiter: f64,
+    /// From the clients leaving to the broker reporting no waiters.
+    pub drained_ms: f64,
 }
 
 /// Runs the benchmark and prints its figures.
@@ -159,9 +180,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         }
         phases.push(direct);
     }
+    let waiters = if args.waiters > 0 {
+        Some(park_waiters(&base, args.waiters, &run_id).await?)
+    } else {
+        None
+    };
     let summary = Summary {
         phases,
         broker_over_direct,
+        waiters,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
@@ -461,6 +488,91 @@ pub fn command_calls(info: &str, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Reads one unlabelled sample from the broker's /metrics.
+async fn scrape(http: &reqwest::Client, base: &str, name: &str) -> anyhow::Result<f64> {
+    let text = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    text.lines()
+        .find_map(|line| {
+            line.strip_prefix(name)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .with_context(|| format!("/metrics has no {name}"))
+}
+
+async fn park_waiters(base: &str, n: usize, run_id: &str) -> anyhow::Result<WaitersPhase> {
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(120))
+        .build()?;
+    let url = format!("{base}/locks/bench-{run_id}-parked");
+    let held: Granted = http
+        .post(format!("{url}?ttl_ms=120000"))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let mib = |b: f64| b / (1024.0 * 1024.0);
+    let rss_before = scrape(&http, base, "process_resident_memory_bytes").await?;
+    let errors = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::with_capacity(n);
+    for i in 0..n {
+        let (http, url, errors) = (http.clone(), url.clone(), errors.clone());
+        tasks.push(tokio::spawn(async move {
+            let answer = http.post(format!("{url}?wait_ms=60000")).send().await;
+            if !matches!(answer, Ok(ref r) if r.status().is_success()) {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+        if i % 200 == 199 {
+            // Let the broker accept what is queued: the listen backlog is finite.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut peak = 0.0;
+    while Instant::now() < deadline {
+        peak = scrape(&http, base, "lockbroker_waiters").await?;
+        if peak as u64 + errors.load(Ordering::Relaxed) >= n as u64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let rss_with = scrape(&http, base, "process_resident_memory_bytes").await?;
+    let left = Instant::now();
+    for task in &tasks {
+        task.abort();
+    }
+    while scrape(&http, base, "lockbroker_waiters").await? > 0.0 {
+        if left.elapsed() > Duration::from_secs(60) {
+            bail!("waiters whose clients left were still waiting after 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let drained = left.elapsed();
+    release(&http, &url, &held.token).await?;
+    Ok(WaitersPhase {
+        waiters: peak as u64,
+        errors: errors.load(Ordering::Relaxed),
+        rss_before_mib: mib(rss_before),
+        rss_with_waiters_mib: mib(rss_with),
+        bytes_per_waiter: if peak > 0.0 {
+            (rss_with - rss_before) / peak
+        } else {
+            0.0
+        },
+        drained_ms: drained.as_secs_f64() * 1000.0,
+    })
+}
+
 fn print_table(summary: &Summary) {
     println!(
         "{:<28} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>6}",
@@ -502,6 +614,17 @@ fn print_table(summary: &Summary) {
         println!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
     }
     println!("calls: Redis script calls (EVALSHA/EVAL) per acquire+release cycle");
+    if let Some(w) = &summary.waiters {
+        println!(
+            "parked waiters: {} ({} failed); broker RSS {:.1} MiB -> {:.1} MiB, {:.0} bytes per waiter; drained {:.0} ms after their clients left",
+            w.waiters,
+            w.errors,
+            w.rss_before_mib,
+            w.rss_with_waiters_mib,
+            w.bytes_per_waiter,
+            w.drained_ms
+        );
+    }
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bench;
+pub mod client;
 pub mod clock;
 pub mod config;
 pub mod domain;

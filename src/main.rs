@@ -2,14 +2,25 @@
 //! the library, where the tests drive it.
 #![forbid(unsafe_code)]
 
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 use lockbroker::bench::BenchArgs;
+use lockbroker::client::commands::{self, AcquireArgs, ReleaseArgs, RenewArgs, StatusArgs};
+#[cfg(unix)]
+use lockbroker::client::run::{self, RunArgs};
 use lockbroker::config::{Config, ServeArgs};
 use lockbroker::startup::{Application, shutdown_signal};
 
 /// A distributed-lock broker: leases with fencing tokens over HTTP, kept in Redis.
 #[derive(Parser)]
 #[command(name = "lockbroker", version, about)]
+#[command(
+    after_help = "The client commands (acquire, release, renew, status, run) talk to the \
+                        broker at --url (LOCKBROKER_URL, default http://127.0.0.1:8080). Exit \
+                        codes: 0 done, 1 error, 2 usage, 3 locked by someone else, 4 not held, \
+                        5 lease lost during `run`; see each command's --help."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -22,20 +33,49 @@ enum Command {
     /// Load a running broker and print throughput and latency (and, with --redis-url, the
     /// same lock cycle done directly on Redis, for comparison).
     Bench(BenchArgs),
+    /// Acquire a lock; print its token and fence.
+    Acquire(AcquireArgs),
+    /// Release a lock held with --token.
+    Release(ReleaseArgs),
+    /// Extend the lease held with --token.
+    Renew(RenewArgs),
+    /// Show who holds a lock (its fence, owner and expiry; never the token).
+    Status(StatusArgs),
+    /// Run a command while holding a lock: acquire, renew while it runs, release when it
+    /// exits, and stop it if the lease is lost.
+    #[cfg(unix)]
+    Run(RunArgs),
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Serve(args) => {
-            let config = Config::load(args)?;
-            lockbroker::telemetry::init(config.log_format, &config.log_level);
-            let app = Application::build(&config).await?;
-            app.run_until_stopped(shutdown_signal()).await?;
-        }
-        Command::Bench(args) => {
-            lockbroker::bench::run(args).await?;
+        Command::Serve(args) => report(serve(args).await),
+        Command::Bench(args) => report(lockbroker::bench::run(args).await.map(drop)),
+        Command::Acquire(args) => commands::acquire(args).await,
+        Command::Release(args) => commands::release(args).await,
+        Command::Renew(args) => commands::renew(args).await,
+        Command::Status(args) => commands::status(args).await,
+        #[cfg(unix)]
+        Command::Run(args) => run::run(args).await,
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let config = Config::load(args)?;
+    lockbroker::telemetry::init(config.log_format, &config.log_level);
+    let app = Application::build(&config).await?;
+    app.run_until_stopped(shutdown_signal()).await?;
+    Ok(())
+}
+
+/// Exit 1 with the error and its causes, as `main` returning an `anyhow::Result` would.
+fn report(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            ExitCode::FAILURE
         }
     }
-    Ok(())
 }

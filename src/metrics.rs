@@ -71,6 +71,7 @@ pub struct Metrics {
     store_errors: Family<OpLabels, Counter>,
     store_latency: Family<OpLabels, Histogram, fn() -> Histogram>,
     waiters: Gauge,
+    resident_memory: Gauge,
 }
 
 /// An acquire's outcome, for `lockbroker_acquisitions_total`.
@@ -149,7 +150,14 @@ impl Default for Metrics {
             "Acquires waiting on this broker now.",
             waiters.clone(),
         );
+        let resident_memory = Gauge::default();
+        registry.register(
+            "process_resident_memory_bytes",
+            "Resident memory of the broker process (Linux; 0 elsewhere).",
+            resident_memory.clone(),
+        );
         Self {
+            resident_memory,
             registry,
             acquisitions,
             acquire_wait,
@@ -200,10 +208,21 @@ impl Metrics {
     /// The OpenMetrics text exposition, with the current number of waiters.
     pub fn render(&self, waiters: usize) -> String {
         self.waiters.set(i64::try_from(waiters).unwrap_or(i64::MAX));
+        self.resident_memory
+            .set(i64::try_from(resident_memory_bytes()).unwrap_or(i64::MAX));
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out
     }
+}
+
+/// The process's resident set size, from `/proc/self/statm` (pages × 4 KiB, the page size of
+/// every Linux platform the broker is built for); 0 where that file does not exist.
+fn resident_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |pages| pages * 4096)
 }
 
 /// The content type of [`Metrics::render`]'s output.

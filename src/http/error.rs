@@ -4,6 +4,7 @@ use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::domain::InvalidValue;
 use crate::lock::LockError;
@@ -19,11 +20,18 @@ pub struct ApiError {
     retry_after_ms: Option<u64>,
 }
 
-#[derive(Serialize)]
-struct Body<'a> {
+/// The body of every error response.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Error)]
+pub(super) struct Body<'a> {
+    /// What went wrong, for programs.
+    #[schema(value_type = super::openapi::ErrorCode)]
     error: &'a str,
+    /// One human sentence.
     message: &'a str,
+    /// Only with `locked`: milliseconds until the current lease ends.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = u64)]
     retry_after_ms: Option<u64>,
 }
 

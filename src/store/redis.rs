@@ -123,10 +123,11 @@ return grant(now, inc)
 "#;
 
 /// GET, with Redis's clock read in the same step so the expiry is judged on the store's time.
+/// Also answers the store's incarnation (KEYS[2]), so a broker that only reads learns it too.
 const READ: &str = r#"
 local now = math.floor(now_us() / 1000)
 local v = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires_at', 'ttl', 'owner', 'request_id')
-return {now, v[1], v[2], v[3], v[4], v[5], v[6]}
+return {now, v[1], v[2], v[3], v[4], v[5], v[6], redis.call('HGET', KEYS[2], 'id')}
 "#;
 
 /// GETSET, made safe. The seeds GETSET blindly and compare the old value afterwards, so a loser
@@ -361,6 +362,38 @@ impl RedisStore {
         Ok(outcome)
     }
 
+    /// Remembers the store's incarnation if this broker knew none yet. A broker that learns it
+    /// before Redis loses its data will notice the loss at its next grant, even if it never
+    /// granted anything before it (see INCARNATION). A known incarnation is only ever replaced by
+    /// a grant reply, which is where a loss is detected.
+    fn adopt_incarnation(&self, seen: Option<String>) {
+        if let Some(seen) = seen {
+            let mut known = self.incarnation.lock().unwrap_or_else(|e| e.into_inner());
+            if known.is_empty() {
+                *known = seen;
+            }
+        }
+    }
+
+    /// Reads the store's incarnation, to learn it as early as possible.
+    async fn learn_incarnation(&self) {
+        if !self.known_incarnation().is_empty() {
+            return;
+        }
+        let mut conn = self.conn.clone();
+        let seen: Result<Option<String>, _> = self
+            .bounded(
+                redis::cmd("HGET")
+                    .arg(&self.marker)
+                    .arg("id")
+                    .query_async(&mut conn),
+            )
+            .await;
+        if let Ok(seen) = seen {
+            self.adopt_incarnation(seen);
+        }
+    }
+
     fn known_incarnation(&self) -> String {
         self.incarnation
             .lock()
@@ -412,6 +445,7 @@ type ReadReply = (
     Option<u64>,
     Option<String>,
     Option<String>,
+    Option<String>,
 );
 
 impl Store for RedisStore {
@@ -431,9 +465,16 @@ impl Store for RedisStore {
     async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
         let [lock, _] = self.keys(key);
         let mut conn = self.conn.clone();
-        let (now_ms, token, fence, expires, ttl, owner, request_id): ReadReply = self
-            .bounded(self.scripts.read.key(lock).invoke_async(&mut conn))
+        let (now_ms, token, fence, expires, ttl, owner, request_id, incarnation): ReadReply = self
+            .bounded(
+                self.scripts
+                    .read
+                    .key(lock)
+                    .key(&self.marker)
+                    .invoke_async(&mut conn),
+            )
             .await?;
+        self.adopt_incarnation(incarnation);
         let lease = match (token, fence, expires, ttl) {
             (Some(token), Some(fence), Some(expires_at_ms), Some(ttl_ms)) => Some(Lease {
                 token: Token::parse(&token).map_err(|_| corrupt("token"))?,
@@ -537,12 +578,7 @@ impl Store for RedisStore {
             tracing::warn!("no runtime to listen for release notices on; waiters will poll");
             return;
         };
-        runtime.spawn(listen_for_notices(
-            self.client.clone(),
-            self.channel.clone(),
-            self.timeout,
-            Arc::downgrade(waiters),
-        ));
+        runtime.spawn(listen_for_notices(self.clone(), Arc::downgrade(waiters)));
     }
 }
 
@@ -553,15 +589,15 @@ const NOTICE_HEALTH_EVERY: Duration = Duration::from_secs(5);
 /// The broker's one subscriber connection: delivers every notice on `channel` to `waiters`,
 /// reconnecting with backoff for as long as the waiters exist. After each (re)connect every
 /// queue's head is woken, since notices published while disconnected are lost.
-async fn listen_for_notices(
-    client: redis::Client,
-    channel: String,
-    timeout: Duration,
-    waiters: Weak<Waiters>,
-) {
+///
+/// It also learns the store's incarnation at start and while it knows none (see
+/// [`RedisStore::adopt_incarnation`]).
+async fn listen_for_notices(store: RedisStore, waiters: Weak<Waiters>) {
+    let (client, channel, timeout) = (&store.client, &store.channel, store.timeout);
     let mut backoff = Duration::from_millis(100);
     loop {
-        match subscribe(&client, &channel, timeout).await {
+        store.learn_incarnation().await;
+        match subscribe(client, channel, timeout).await {
             Ok((mut sink, mut stream)) => {
                 tracing::debug!(%channel, "listening for release notices");
                 backoff = Duration::from_millis(100);
@@ -587,6 +623,7 @@ async fn listen_for_notices(
                             if waiters.strong_count() == 0 {
                                 return;
                             }
+                            store.learn_incarnation().await;
                             let pong = tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await;
                             if !matches!(pong, Ok(Ok(_))) {
                                 break;

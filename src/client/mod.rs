@@ -1,0 +1,505 @@
+//! The client side of the same binary: a small typed HTTP client for the broker's API
+//! ([`BrokerClient`]), the `acquire`, `release`, `renew` and `status` commands ([`commands`]),
+//! and `lockbroker run` ([`run`]), which holds a lock for as long as a command runs.
+//!
+//! Every command returns an exit code from [`exit`], so that a shell script can branch on
+//! "held by someone else" apart from "something went wrong".
+
+pub mod commands;
+#[cfg(unix)]
+pub mod run;
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde::{Deserialize, Serialize};
+
+use crate::domain::{LockKey, Owner, RequestId, Token};
+
+/// The exit codes of the client commands. `--help` of each command lists them (see
+/// [`EXIT_CODES_HELP`]).
+pub mod exit {
+    /// Done.
+    pub const OK: u8 = 0;
+    /// An error: the broker could not be reached, refused the request (400), answered
+    /// 5xx, or answered something unexpected.
+    pub const ERROR: u8 = 1;
+    /// A usage error, from clap: unknown flag, missing argument, or a value that can never be
+    /// valid (a bad key, duration, owner or request id).
+    pub const USAGE: u8 = 2;
+    /// Someone else holds the lock, and the wait ran out (`acquire`, `run`).
+    pub const LOCKED: u8 = 3;
+    /// Nobody holds the lock with this token: `release` and `renew` of a lease that ended or
+    /// was taken over (`not_held`, `not_owner`), `status` of a free lock.
+    pub const NOT_HELD: u8 = 4;
+    /// `run` only: the lease was lost while the command ran, and the command was stopped.
+    pub const LEASE_LOST: u8 = 5;
+    /// `run` only: the command was found but could not be started (as a shell does).
+    pub const CANNOT_EXECUTE: u8 = 126;
+    /// `run` only: the command was not found (as a shell does).
+    pub const NOT_FOUND: u8 = 127;
+}
+
+/// The exit-code table shown at the end of each client command's `--help`.
+pub const EXIT_CODES_HELP: &str = "\
+Exit codes:
+  0    done
+  1    error: broker unreachable, request refused (400), 5xx, unexpected answer
+  2    usage error (bad flag, key, duration, owner or request id)
+  3    locked: someone else holds the lock and the wait ran out
+  4    not held: the lock is free, or this token no longer holds it (not_held, not_owner)";
+
+/// The exit-code table at the end of `lockbroker run --help`.
+pub const RUN_EXIT_CODES_HELP: &str = "\
+Exit codes:
+  N      the command ran and exited with status N (0 included)
+  128+S  the command died of signal S (143 for SIGTERM)
+  1      error before the command started: broker unreachable, request refused, 5xx
+  2      usage error (bad flag, key, duration or owner; no command after --)
+  3      locked: someone else holds the lock and the wait ran out; the command did not run
+  5      the lease was lost while the command ran (a renewal answered not_held or
+         not_owner, or the broker stayed unreachable until the lease ended); the command
+         got SIGTERM, then SIGKILL after --grace
+  126    the command could not be started
+  127    the command was not found
+A command's own statuses 1, 3 and 5 look the same as run's; a job that must tell them apart
+should not exit with those.";
+
+/// Bound on one request that does not wait for a lock: well above the broker's own bound on a
+/// store call (2 s by default), so only a broker that is stuck or gone trips it.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Bound on opening a connection to the broker.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A grant, as acquire (`201`) and renew (`200`) answer it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    pub key: String,
+    pub token: String,
+    pub fence: u64,
+    pub ttl_ms: u64,
+    pub expires_at_ms: u64,
+}
+
+/// A lock's state, as `GET /locks/{key}` shows it. Never the token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LockStatus {
+    pub key: String,
+    pub fence: u64,
+    pub expires_at_ms: u64,
+    pub ttl_remaining_ms: u64,
+    pub owner: Option<String>,
+}
+
+/// What an acquire asks for. `None` leaves a parameter to the broker's default.
+#[derive(Debug, Clone, Default)]
+pub struct AcquireParams {
+    pub ttl: Option<Duration>,
+    pub wait: Option<Duration>,
+    pub owner: Option<Owner>,
+    pub request_id: Option<RequestId>,
+}
+
+/// Why a call did not give what was asked. The first three are the answers a caller branches
+/// on; the others are failures.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// `409 locked`: someone else holds the lock, and the wait ran out.
+    #[error("the lock is held by someone else{}", retry_hint(*.retry_after_ms))]
+    Locked { retry_after_ms: Option<u64> },
+    /// `404 not_held`: nobody holds the lock.
+    #[error("nobody holds the lock (it was released, or its lease expired)")]
+    NotHeld,
+    /// `409 not_owner`: someone else holds the lock; this token's lease has ended.
+    #[error("someone else holds the lock now; this token's lease has ended")]
+    NotOwner,
+    /// Any other error answer: `400 invalid_request`, `503 store_unavailable`, a proxy's 502...
+    #[error("the broker answered {status} {code}: {message}")]
+    Api {
+        status: StatusCode,
+        code: String,
+        message: String,
+    },
+    /// No answer: the connection was refused or reset, or the request timed out.
+    #[error("cannot reach the broker at {url}: {reason}")]
+    Transport { url: String, reason: String },
+    /// A success status with a body that is not what the API promises.
+    #[error("the broker's answer could not be read: {0}")]
+    BadResponse(String),
+}
+
+fn retry_hint(retry_after_ms: Option<u64>) -> String {
+    retry_after_ms.map_or_else(String::new, |ms| {
+        format!("; its lease ends in {}", format_ms(ms))
+    })
+}
+
+impl ClientError {
+    /// The exit code a command ends with after this error.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::Locked { .. } => exit::LOCKED,
+            Self::NotHeld | Self::NotOwner => exit::NOT_HELD,
+            Self::Api { .. } | Self::Transport { .. } | Self::BadResponse(_) => exit::ERROR,
+        }
+    }
+
+    /// Whether the same request may succeed later: no answer, or a 5xx (the store was
+    /// unavailable, the broker was shutting down, a proxy found no broker).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Transport { .. } => true,
+            Self::Api { status, .. } => status.is_server_error(),
+            _ => false,
+        }
+    }
+
+    /// The API's error code for this error; `unreachable` and `bad_response` for the two that
+    /// have no answer to take one from.
+    pub fn code(&self) -> &str {
+        match self {
+            Self::Locked { .. } => "locked",
+            Self::NotHeld => "not_held",
+            Self::NotOwner => "not_owner",
+            Self::Api { code, .. } => code,
+            Self::Transport { .. } => "unreachable",
+            Self::BadResponse(_) => "bad_response",
+        }
+    }
+
+    /// The error as one JSON object in the API's format, for `--json`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut body = serde_json::json!({ "error": self.code(), "message": self.to_string() });
+        if let Self::Locked {
+            retry_after_ms: Some(ms),
+        } = self
+        {
+            body["retry_after_ms"] = (*ms).into();
+        }
+        body
+    }
+}
+
+/// The API's error body; every field optional, since a proxy in front may answer otherwise.
+#[derive(Deserialize)]
+struct ErrorBody {
+    error: Option<String>,
+    message: Option<String>,
+    retry_after_ms: Option<u64>,
+}
+
+/// A client for one broker (or one load balancer in front of several).
+#[derive(Debug, Clone)]
+pub struct BrokerClient {
+    http: reqwest::Client,
+    /// The URL without a trailing `/`.
+    base: String,
+}
+
+impl BrokerClient {
+    /// A client for the broker at `url` (`http://host:port`, optionally with a path prefix).
+    pub fn new(url: &str) -> Result<Self, String> {
+        let parsed = reqwest::Url::parse(url).map_err(|e| {
+            format!("{url:?} is not a URL ({e}); give one like http://127.0.0.1:8080")
+        })?;
+        match parsed.scheme() {
+            "http" => {}
+            "https" => {
+                return Err(format!(
+                    "{url}: this build of lockbroker speaks plain HTTP only; reach the broker \
+                     over http:// (or through a local proxy that does TLS)"
+                ));
+            }
+            other => return Err(format!("{url}: unsupported scheme {other:?}; use http://")),
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(CONNECT_TIMEOUT)
+            .build()
+            .map_err(|e| format!("cannot set up the HTTP client: {e}"))?;
+        Ok(Self {
+            http,
+            base: url.trim_end_matches('/').to_owned(),
+        })
+    }
+
+    /// The broker's URL, as given.
+    pub fn url(&self) -> &str {
+        &self.base
+    }
+
+    fn lock_url(&self, key: &LockKey) -> String {
+        // The key's alphabet (A-Z a-z 0-9 . _ - :) needs no escaping in a path segment.
+        format!("{}/locks/{}", self.base, key.as_str())
+    }
+
+    /// `POST /locks/{key}`. Waits up to `params.wait` (the broker's default when `None`) for a
+    /// holder to let go.
+    pub async fn acquire(
+        &self,
+        key: &LockKey,
+        params: &AcquireParams,
+    ) -> Result<Grant, ClientError> {
+        #[derive(Serialize)]
+        struct Body<'a> {
+            #[serde(skip_serializing_if = "Option::is_none")]
+            ttl_ms: Option<u64>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            wait_ms: Option<u64>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            owner: Option<&'a str>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            request_id: Option<&'a str>,
+        }
+        let body = Body {
+            ttl_ms: params.ttl.map(millis),
+            wait_ms: params.wait.map(millis),
+            owner: params.owner.as_ref().map(Owner::as_str),
+            request_id: params.request_id.as_ref().map(RequestId::as_str),
+        };
+        let request = self
+            .http
+            .post(self.lock_url(key))
+            .json(&body)
+            .timeout(params.wait.unwrap_or_default() + REQUEST_TIMEOUT);
+        let response = self.send(request).await?;
+        expect_json(response, StatusCode::CREATED).await
+    }
+
+    /// `DELETE /locks/{key}`, the token in the `Lock-Token` header.
+    pub async fn release(&self, key: &LockKey, token: &Token) -> Result<(), ClientError> {
+        let request = self
+            .http
+            .delete(self.lock_url(key))
+            .header("Lock-Token", token.as_str())
+            .timeout(REQUEST_TIMEOUT);
+        let response = self.send(request).await?;
+        if response.status() == StatusCode::NO_CONTENT {
+            Ok(())
+        } else {
+            Err(error_from(response).await)
+        }
+    }
+
+    /// `POST /locks/{key}/renew`: the lease then ends `ttl` from now (the broker's default TTL
+    /// when `None`).
+    pub async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Option<Duration>,
+    ) -> Result<Grant, ClientError> {
+        let mut request = self
+            .http
+            .post(format!("{}/renew", self.lock_url(key)))
+            .header("Lock-Token", token.as_str())
+            .timeout(REQUEST_TIMEOUT);
+        if let Some(ttl) = ttl {
+            request = request.json(&serde_json::json!({ "ttl_ms": millis(ttl) }));
+        }
+        let response = self.send(request).await?;
+        expect_json(response, StatusCode::OK).await
+    }
+
+    /// `GET /locks/{key}`.
+    pub async fn status(&self, key: &LockKey) -> Result<LockStatus, ClientError> {
+        let request = self.http.get(self.lock_url(key)).timeout(REQUEST_TIMEOUT);
+        let response = self.send(request).await?;
+        expect_json(response, StatusCode::OK).await
+    }
+
+    async fn send(
+        &self,
+        request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, ClientError> {
+        request.send().await.map_err(|e| ClientError::Transport {
+            url: self.base.clone(),
+            reason: error_chain(&e),
+        })
+    }
+}
+
+/// Reads a success body of type `T` if the status is `expected`, the error otherwise.
+async fn expect_json<T: serde::de::DeserializeOwned>(
+    response: reqwest::Response,
+    expected: StatusCode,
+) -> Result<T, ClientError> {
+    if response.status() != expected {
+        return Err(error_from(response).await);
+    }
+    let text = response
+        .text()
+        .await
+        .map_err(|e| ClientError::BadResponse(error_chain(&e)))?;
+    serde_json::from_str(&text)
+        .map_err(|e| ClientError::BadResponse(format!("{e} in {}", excerpt(&text))))
+}
+
+/// Turns an error answer into a [`ClientError`], keeping the API's code and message.
+async fn error_from(response: reqwest::Response) -> ClientError {
+    let status = response.status();
+    let text = response.text().await.unwrap_or_default();
+    let body: Option<ErrorBody> = serde_json::from_str(&text).ok();
+    let code = body.as_ref().and_then(|b| b.error.clone());
+    match (status, code.as_deref()) {
+        (StatusCode::CONFLICT, Some("locked")) => ClientError::Locked {
+            retry_after_ms: body.and_then(|b| b.retry_after_ms),
+        },
+        (StatusCode::NOT_FOUND, Some("not_held")) => ClientError::NotHeld,
+        (StatusCode::CONFLICT, Some("not_owner")) => ClientError::NotOwner,
+        _ => ClientError::Api {
+            status,
+            code: code.unwrap_or_else(|| "unexpected_response".into()),
+            message: body
+                .and_then(|b| b.message)
+                .unwrap_or_else(|| excerpt(&text)),
+        },
+    }
+}
+
+/// An error and its causes on one line: reqwest's own `Display` stops at "error sending
+/// request", and the reason (connection refused, timed out) is further down.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// The start of a body that was not what was expected, for a message.
+fn excerpt(text: &str) -> String {
+    let text = text.trim();
+    if text.is_empty() {
+        return "(empty body)".into();
+    }
+    let cut: String = text.chars().take(200).collect();
+    if cut.len() < text.len() {
+        format!("{cut}…")
+    } else {
+        cut
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A duration in milliseconds, the way people write them: `30s`, `1m 30s`, `1s 500ms`.
+pub fn format_ms(ms: u64) -> String {
+    humantime::format_duration(Duration::from_millis(ms)).to_string()
+}
+
+/// Parses a human duration (`30s`, `1500ms`, `2m`, `1h 30m`) that is a whole number of
+/// milliseconds, the API's unit.
+pub fn parse_duration(raw: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(raw.trim())
+        .map_err(|e| format!("{e} (write a duration such as 30s, 1500ms or 2m)"))?;
+    if d.subsec_nanos() % 1_000_000 != 0 {
+        return Err("durations are whole milliseconds".into());
+    }
+    Ok(d)
+}
+
+/// A lease length: a duration of at least 1 ms.
+pub fn parse_ttl(raw: &str) -> Result<Duration, String> {
+    let d = parse_duration(raw)?;
+    if d.is_zero() {
+        return Err("a lease lasts at least 1ms".into());
+    }
+    Ok(d)
+}
+
+/// A lock key, checked here as the broker would, so a typo is a usage error.
+pub fn parse_key(raw: &str) -> Result<LockKey, String> {
+    LockKey::parse(raw).map_err(|e| e.0)
+}
+
+pub fn parse_token(raw: &str) -> Result<Token, String> {
+    Token::parse(raw).map_err(|e| e.0)
+}
+
+pub fn parse_owner(raw: &str) -> Result<Owner, String> {
+    Owner::parse(raw).map_err(|e| e.0)
+}
+
+pub fn parse_request_id(raw: &str) -> Result<RequestId, String> {
+    RequestId::parse(raw).map_err(|e| e.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_read_the_way_people_write_them() {
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1m 30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("0s"), Ok(Duration::ZERO));
+    }
+
+    #[test]
+    fn durations_without_a_unit_or_finer_than_a_millisecond_are_refused() {
+        assert!(
+            parse_duration("30")
+                .unwrap_err()
+                .contains("30s, 1500ms or 2m")
+        );
+        assert!(parse_duration("1500us").is_err());
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_ttl("0s").is_err());
+        assert_eq!(parse_ttl("1ms"), Ok(Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn durations_print_the_way_they_are_written() {
+        assert_eq!(format_ms(30_000), "30s");
+        assert_eq!(format_ms(1_500), "1s 500ms");
+    }
+
+    #[test]
+    fn each_outcome_has_its_exit_code() {
+        assert_eq!(
+            ClientError::Locked {
+                retry_after_ms: None
+            }
+            .exit_code(),
+            exit::LOCKED
+        );
+        assert_eq!(ClientError::NotHeld.exit_code(), exit::NOT_HELD);
+        assert_eq!(ClientError::NotOwner.exit_code(), exit::NOT_HELD);
+        let unavailable = ClientError::Api {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            code: "store_unavailable".into(),
+            message: "down".into(),
+        };
+        assert_eq!(unavailable.exit_code(), exit::ERROR);
+        assert!(unavailable.is_transient());
+        let refused = ClientError::Api {
+            status: StatusCode::BAD_REQUEST,
+            code: "invalid_request".into(),
+            message: "bad".into(),
+        };
+        assert!(!refused.is_transient());
+        assert!(!ClientError::NotOwner.is_transient());
+    }
+
+    #[test]
+    fn only_plain_http_urls_are_accepted() {
+        assert!(BrokerClient::new("http://127.0.0.1:8080/").is_ok());
+        assert!(BrokerClient::new("https://broker").is_err());
+        assert!(BrokerClient::new("127.0.0.1:8080").is_err());
+        assert_eq!(
+            BrokerClient::new("http://h:1/base/").unwrap().url(),
+            "http://h:1/base"
+        );
+    }
+}

@@ -1,0 +1,451 @@
+//! `lockbroker run KEY -- COMMAND [ARGS...]`: runs a command while holding a lock, for jobs that
+//! many nodes schedule but only one may run at a time (cron on every node, one run a night).
+//!
+//! It acquires the lock (with a random request id, and once more with the same id if the
+//! answer was lost, so a lost answer does not strand a lease), starts the command in a process
+//! group of its own with `LOCKBROKER_KEY`, `LOCKBROKER_FENCE`, `LOCKBROKER_TOKEN` and
+//! `LOCKBROKER_URL` in its environment, renews the lease every third of its TTL, and releases
+//! it when the command exits, exiting with the command's status.
+//!
+//! If a renewal is answered `not_held` or `not_owner`, or no renewal gets through before the
+//! lease would have ended, the lease is lost: the command's process group gets SIGTERM, then
+//! SIGKILL after `--grace`, and `run` exits [`exit::LEASE_LOST`]. Signals sent to `run`
+//! (TERM, INT, HUP, QUIT, USR1, USR2) go to the command's process group.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{ExitCode, ExitStatus};
+use std::time::Duration;
+
+use clap::Args;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::process::{Child, Command};
+use tokio::signal::unix::{SignalKind, signal as listen_for};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep_until, timeout_at};
+
+use super::commands::BrokerArgs;
+use super::{
+    AcquireParams, BrokerClient, ClientError, Grant, RUN_EXIT_CODES_HELP, exit, format_ms,
+    parse_duration, parse_key, parse_owner, parse_ttl,
+};
+use crate::domain::{LockKey, Owner, RequestId, Token};
+
+/// Shortest pause between two renewal attempts while the broker does not answer: keeps a short
+/// lease from turning an outage into a busy loop.
+const MIN_RETRY: Duration = Duration::from_millis(10);
+
+/// Longest pause between two renewal attempts while the broker does not answer: a broker that
+/// comes back is noticed within a second, whatever the TTL.
+const MAX_RETRY: Duration = Duration::from_secs(1);
+
+/// `lockbroker run` flags.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = RUN_EXIT_CODES_HELP)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// The lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
+    #[arg(value_parser = parse_key)]
+    pub key: LockKey,
+    /// Lease length, renewed every third of it while the command runs [default: the
+    /// broker's, 30s unless configured]. A lost lease is noticed within a third of it.
+    #[arg(long, value_parser = parse_ttl, value_name = "DURATION")]
+    pub ttl: Option<Duration>,
+    /// How long to wait while someone else holds the lock. With 0s, a lock held elsewhere
+    /// exits 3 at once and the command does not run.
+    #[arg(long, default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
+    pub wait: Duration,
+    /// A label for people, shown by `status` [default: HOSTNAME pid PID].
+    #[arg(long, value_parser = parse_owner)]
+    pub owner: Option<Owner>,
+    /// When the lease is lost: how long the command has between SIGTERM and SIGKILL.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    pub grace: Duration,
+    /// Print nothing when the lock is held elsewhere (exit 3 says it); cron mails whatever a
+    /// job prints. Errors are still printed.
+    #[arg(short, long)]
+    pub quiet: bool,
+    /// The command and its arguments, after `--`. It runs in a process group of its own, so
+    /// that a stop reaches everything it started; it can write to a terminal, not read from it.
+    #[arg(last = true, required = true, num_args = 1.., value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+/// `lockbroker run`.
+pub async fn run(args: RunArgs) -> ExitCode {
+    let client = match args.broker.client() {
+        Ok(client) => client,
+        Err(code) => return code,
+    };
+    // Listening first: from here on a signal is forwarded (or ends the wait for the lock)
+    // instead of killing `run` and leaving its command and its lease behind.
+    let mut signals = match Signals::listen() {
+        Ok(signals) => signals,
+        Err(e) => {
+            say(format_args!("cannot listen for signals: {e}"));
+            return ExitCode::from(exit::ERROR);
+        }
+    };
+    let params = AcquireParams {
+        ttl: args.ttl,
+        wait: Some(args.wait),
+        owner: Some(args.owner.clone().unwrap_or_else(default_owner)),
+        request_id: Some(
+            RequestId::parse(Token::generate().as_str()).expect("a token is a valid request id"),
+        ),
+    };
+    let grant = tokio::select! {
+        result = acquire(&client, &args.key, &params) => match result {
+            Ok(grant) => grant,
+            Err(e @ ClientError::Locked { .. }) => {
+                if !args.quiet {
+                    say(format_args!("cannot acquire {}: {e}; the command did not run", args.key));
+                }
+                return ExitCode::from(exit::LOCKED);
+            }
+            Err(e) => {
+                say(format_args!("cannot acquire {}: {e}", args.key));
+                return ExitCode::from(e.exit_code());
+            }
+        },
+        signal = signals.recv() => {
+            say(format_args!("got {signal} while acquiring {}; the command did not run", args.key));
+            return ExitCode::from(128 + signal as u8);
+        }
+    };
+    let granted_at = Instant::now();
+    let Ok(token) = Token::parse(&grant.token) else {
+        say(format_args!(
+            "the broker's grant of {} carries a malformed token",
+            args.key
+        ));
+        return ExitCode::from(exit::ERROR);
+    };
+    let lease = Lease {
+        client,
+        key: args.key.clone(),
+        token,
+        ttl: Duration::from_millis(grant.ttl_ms.max(1)),
+    };
+
+    let mut child = match spawn(&args.command, &lease, &grant) {
+        Ok(child) => child,
+        Err(e) => {
+            say(format_args!(
+                "cannot run {:?}: {e}",
+                args.command[0].to_string_lossy()
+            ));
+            lease.release().await;
+            return ExitCode::from(if e.kind() == io::ErrorKind::NotFound {
+                exit::NOT_FOUND
+            } else {
+                exit::CANNOT_EXECUTE
+            });
+        }
+    };
+    let group = Pid::from_raw(
+        child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .expect("a child not yet waited for has a pid"),
+    );
+    let mut keeper = AbortOnDrop(tokio::spawn(lease.clone().keep(granted_at)));
+
+    let lost = loop {
+        tokio::select! {
+            biased;
+            status = child.wait() => {
+                keeper.0.abort();
+                lease.release().await;
+                return exit_code_of(status);
+            }
+            signal = signals.recv() => send(group, signal),
+            lost = &mut keeper.0 => {
+                break lost.unwrap_or_else(|e| LeaseLost::Expired {
+                    last_error: Some(format!("the renewal task failed: {e}")),
+                });
+            }
+        }
+    };
+    say(format_args!(
+        "lost the lease on {}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
+        lease.key,
+        humantime::format_duration(args.grace)
+    ));
+    let status = terminate(&mut child, group, args.grace, &mut signals).await;
+    match status {
+        Ok(status) => say(format_args!("the command stopped ({status})")),
+        Err(e) => say(format_args!("cannot wait for the command: {e}")),
+    }
+    ExitCode::from(exit::LEASE_LOST)
+}
+
+/// Acquires, and on a transport error (the answer may have been lost after the broker granted)
+/// asks once more with the same request id, which returns that same grant if there was one.
+async fn acquire(
+    client: &BrokerClient,
+    key: &LockKey,
+    params: &AcquireParams,
+) -> Result<Grant, ClientError> {
+    match client.acquire(key, params).await {
+        Err(e @ ClientError::Transport { .. }) => {
+            say(format_args!(
+                "acquiring {key} failed ({e}); trying once more"
+            ));
+            client.acquire(key, params).await
+        }
+        other => other,
+    }
+}
+
+/// Everything needed to renew and release the lease `run` holds.
+#[derive(Clone)]
+struct Lease {
+    client: BrokerClient,
+    key: LockKey,
+    token: Token,
+    ttl: Duration,
+}
+
+/// Why the lease was lost while the command ran.
+#[derive(Debug)]
+enum LeaseLost {
+    /// A renewal was answered: nobody, or somebody else, holds the lock now.
+    Refused(ClientError),
+    /// No renewal got through before the lease ended.
+    Expired { last_error: Option<String> },
+}
+
+impl fmt::Display for LeaseLost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Refused(e) => write!(f, "a renewal was refused: {e}"),
+            Self::Expired {
+                last_error: Some(e),
+            } => write!(f, "no renewal got through before it ended (last: {e})"),
+            Self::Expired { last_error: None } => {
+                write!(f, "no renewal got through before it ended")
+            }
+        }
+    }
+}
+
+impl Lease {
+    /// Renews every third of the TTL until the lease is lost, and says why. A renewal that
+    /// fails without an answer (or with a 5xx) is retried until the lease would have ended, as
+    /// judged from when the last successful renewal was sent: the lease cannot have been
+    /// extended past that. Runs until aborted while the lease is kept.
+    async fn keep(self, granted_at: Instant) -> LeaseLost {
+        let interval = (self.ttl / 3).max(Duration::from_millis(1));
+        let retry = (interval / 4).clamp(MIN_RETRY, MAX_RETRY);
+        let mut ends_at = granted_at + self.ttl;
+        let mut next = granted_at + interval;
+        let mut trouble: Option<String> = None;
+        loop {
+            sleep_until(next).await;
+            let sent = Instant::now();
+            if sent >= ends_at {
+                return LeaseLost::Expired {
+                    last_error: trouble,
+                };
+            }
+            let renewed = timeout_at(
+                ends_at,
+                self.client.renew(&self.key, &self.token, Some(self.ttl)),
+            )
+            .await;
+            match renewed {
+                Ok(Ok(_)) => {
+                    if trouble.take().is_some() {
+                        say(format_args!("renewed the lease on {} again", self.key));
+                    }
+                    ends_at = sent + self.ttl;
+                    next = sent + interval;
+                }
+                Ok(Err(e @ (ClientError::NotHeld | ClientError::NotOwner))) => {
+                    return LeaseLost::Refused(e);
+                }
+                Ok(Err(e)) => {
+                    if trouble.is_none() {
+                        say(format_args!(
+                            "cannot renew the lease on {} ({e}); retrying until it ends in {}",
+                            self.key,
+                            format_ms(u64::try_from((ends_at - sent).as_millis()).unwrap_or(0))
+                        ));
+                    }
+                    trouble = Some(e.to_string());
+                    next = (Instant::now() + retry).min(ends_at);
+                }
+                Err(_) => {
+                    return LeaseLost::Expired {
+                        last_error: Some(
+                            trouble.unwrap_or_else(|| {
+                                "the last renewal was still unanswered".to_owned()
+                            }),
+                        ),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Releases after the command exited. A failure is reported, not fatal: the command's
+    /// status is what `run` exits with, and an unreleased lease ends by itself. Waits at most
+    /// one TTL, by which time the lease has ended anyway.
+    async fn release(&self) {
+        let released = tokio::time::timeout(
+            self.ttl.min(super::REQUEST_TIMEOUT),
+            self.client.release(&self.key, &self.token),
+        )
+        .await;
+        match released {
+            Ok(Ok(())) => {}
+            Ok(Err(e @ (ClientError::NotHeld | ClientError::NotOwner))) => say(format_args!(
+                "the lease on {} was no longer held when the command finished: {e}",
+                self.key
+            )),
+            Ok(Err(e)) => say(format_args!(
+                "cannot release {} ({e}); the lease ends by itself within {}",
+                self.key,
+                humantime::format_duration(self.ttl)
+            )),
+            Err(_) => say(format_args!(
+                "the broker did not answer the release of {}; the lease has ended by itself",
+                self.key
+            )),
+        }
+    }
+}
+
+/// Starts the command in a process group of its own, with the lease in its environment.
+fn spawn(command: &[OsString], lease: &Lease, grant: &Grant) -> io::Result<Child> {
+    let (program, args) = command.split_first().expect("clap requires a command");
+    Command::new(program)
+        .args(args)
+        .env("LOCKBROKER_KEY", lease.key.as_str())
+        .env("LOCKBROKER_FENCE", grant.fence.to_string())
+        .env("LOCKBROKER_TOKEN", lease.token.as_str())
+        .env("LOCKBROKER_URL", lease.client.url())
+        .process_group(0)
+        .spawn()
+}
+
+/// SIGTERM to the command's group; SIGKILL if it is still there after `grace`. Signals that
+/// arrive meanwhile are still forwarded.
+async fn terminate(
+    child: &mut Child,
+    group: Pid,
+    grace: Duration,
+    signals: &mut Signals,
+) -> io::Result<ExitStatus> {
+    send(group, Signal::SIGTERM);
+    let kill_at = Instant::now() + grace;
+    loop {
+        tokio::select! {
+            biased;
+            status = child.wait() => return status,
+            () = sleep_until(kill_at) => {
+                say(format_args!(
+                    "the command is still running {} after SIGTERM; sending SIGKILL",
+                    humantime::format_duration(grace)
+                ));
+                send(group, Signal::SIGKILL);
+                return child.wait().await;
+            }
+            signal = signals.recv() => send(group, signal),
+        }
+    }
+}
+
+/// Sends `signal` to the command's process group. A group that is gone already is fine.
+fn send(group: Pid, signal: Signal) {
+    match killpg(group, signal) {
+        Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+        Err(e) => say(format_args!("cannot send {signal} to the command: {e}")),
+    }
+}
+
+/// The exit code that reports the command's end: its own status, or 128 + the signal that
+/// killed it, as shells do.
+fn exit_code_of(status: io::Result<ExitStatus>) -> ExitCode {
+    match status {
+        Ok(status) => match (status.code(), status.signal()) {
+            (Some(code), _) => ExitCode::from(u8::try_from(code).unwrap_or(exit::ERROR)),
+            (None, Some(signal)) => {
+                ExitCode::from(u8::try_from(128 + signal).unwrap_or(exit::ERROR))
+            }
+            (None, None) => ExitCode::from(exit::ERROR),
+        },
+        Err(e) => {
+            say(format_args!("cannot wait for the command: {e}"));
+            ExitCode::from(exit::ERROR)
+        }
+    }
+}
+
+/// `HOSTNAME pid PID`: which node's run holds the lock, for `status`.
+fn default_owner() -> Owner {
+    let host = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "unknown-host".to_owned());
+    let label: String = format!("{host} pid {}", std::process::id())
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(Owner::MAX_LEN)
+        .collect();
+    Owner::parse(&label).expect("a short label without control characters")
+}
+
+/// The signals `run` passes on to its command.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+    quit: tokio::signal::unix::Signal,
+    usr1: tokio::signal::unix::Signal,
+    usr2: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn listen() -> io::Result<Self> {
+        Ok(Self {
+            term: listen_for(SignalKind::terminate())?,
+            int: listen_for(SignalKind::interrupt())?,
+            hup: listen_for(SignalKind::hangup())?,
+            quit: listen_for(SignalKind::quit())?,
+            usr1: listen_for(SignalKind::user_defined1())?,
+            usr2: listen_for(SignalKind::user_defined2())?,
+        })
+    }
+
+    /// The next signal received.
+    async fn recv(&mut self) -> Signal {
+        tokio::select! {
+            Some(()) = self.term.recv() => Signal::SIGTERM,
+            Some(()) = self.int.recv() => Signal::SIGINT,
+            Some(()) = self.hup.recv() => Signal::SIGHUP,
+            Some(()) = self.quit.recv() => Signal::SIGQUIT,
+            Some(()) = self.usr1.recv() => Signal::SIGUSR1,
+            Some(()) = self.usr2.recv() => Signal::SIGUSR2,
+            else => std::future::pending().await,
+        }
+    }
+}
+
+/// Aborts the renewal task when `run` returns, whichever way it does.
+struct AbortOnDrop(JoinHandle<LeaseLost>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// One line on stderr, marked as `run`'s own among the command's output.
+fn say(message: fmt::Arguments<'_>) {
+    eprintln!("lockbroker run: {message}");
+}

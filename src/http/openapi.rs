@@ -1,0 +1,214 @@
+//! The OpenAPI document of the API, served at `GET /openapi.json`.
+//!
+//! It is generated (utoipa) from the `#[utoipa::path]` annotations on the handlers in
+//! [`super`], the `ToSchema` derives on the bodies they send, and the few types below, which
+//! exist only to describe what a request may carry (the handlers read parameters through
+//! [`super::params::Params`], which takes them from the query string and a JSON body alike).
+//! `tests/api/openapi.rs` checks that the document lists exactly [`super::ROUTES`] and, for
+//! every operation, exactly the statuses that real requests get.
+
+use utoipa::openapi::OpenApi as Document;
+use utoipa::{IntoParams, OpenApi, ToSchema};
+
+/// What the document says about the API as a whole: the conventions of `api.md`.
+const DESCRIPTION: &str = "\
+A distributed-lock broker: leases on named locks, each with a secret token and a fencing number.
+
+Conventions:
+
+- JSON in, JSON out, UTF-8. Durations are integer milliseconds; times are Unix epoch \
+milliseconds on the store's clock, the same for every broker that shares the store.
+- Parameters come in the query string or in a JSON object body (`Content-Type: \
+application/json`; an empty body is fine). The same parameter in both with different values, \
+an unknown parameter, or malformed JSON is `400 invalid_request`.
+- Bodies are limited to 16 KiB (`413 payload_too_large`); a non-empty body that is not \
+`application/json` is `415 unsupported_media_type`.
+- Every error has the body `{\"error\": code, \"message\": sentence}` (schema `Error`), the \
+router's own included: `404 not_found` for a path that matches no route (such as `/locks/` or \
+`/locks/a/b`) and `405 method_not_allowed`, with an `Allow` header, for a path that exists \
+with another method. Every `GET` also answers `HEAD`.
+- A lease that has expired is not held, whatever the store still contains.";
+
+/// The document: every route of [`super::router`].
+#[derive(OpenApi)]
+#[openapi(
+    info(description = DESCRIPTION),
+    paths(
+        super::acquire,
+        super::release,
+        super::renew,
+        super::inspect,
+        super::healthz,
+        super::readyz,
+        super::metrics,
+        super::openapi_json,
+    ),
+    // The request bodies are referenced by name, so that they stay optional (an `Option`
+    // would also let them be `null`, which the broker refuses).
+    components(schemas(ErrorCode, AcquireBody, RenewBody)),
+    tags(
+        (name = "locks", description = "Acquire, release, renew and inspect leases."),
+        (name = "operations", description = "Health, readiness, metrics and this document."),
+    )
+)]
+pub struct ApiDoc;
+
+/// The document as served.
+pub fn document() -> Document {
+    ApiDoc::openapi()
+}
+
+/// The codes in the `error` field of an error body, with their statuses.
+///
+/// `invalid_request` 400, `not_found` 404 (no such path), `not_held` 404, `method_not_allowed`
+/// 405, `locked` 409 (acquire), `not_owner` 409 (release, renew), `payload_too_large` 413,
+/// `unsupported_media_type` 415, `too_many_waiters` 503 (with `Retry-After: 1`: this broker
+/// has `max_waiters` acquires waiting already; another broker may have room),
+/// `store_unavailable` 503, `shutting_down` 503, `internal` 500 (not expected).
+#[derive(ToSchema)]
+#[schema(rename_all = "snake_case")]
+pub enum ErrorCode {
+    InvalidRequest,
+    NotFound,
+    NotHeld,
+    MethodNotAllowed,
+    Locked,
+    NotOwner,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    TooManyWaiters,
+    StoreUnavailable,
+    ShuttingDown,
+    Internal,
+}
+
+/// The body of `409 locked`: the error body with the time until the current lease ends.
+#[derive(ToSchema)]
+pub struct LockedError {
+    /// Always `locked`.
+    pub error: ErrorCode,
+    /// One human sentence.
+    pub message: String,
+    /// Milliseconds until the current lease ends (the `Retry-After` header gives it in whole
+    /// seconds, rounded up, at least 1).
+    pub retry_after_ms: u64,
+}
+
+/// The lock's name, a path segment.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct KeyParam {
+    /// 1 to 200 characters from `A-Z a-z 0-9 . _ - :`, compared after percent-decoding
+    /// (`%41` is `A`; an escape that decodes to any other character, such as `%2F`, is `400`).
+    #[param(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[A-Za-z0-9._:-]{1,200}$"
+    )]
+    pub key: String,
+}
+
+/// The parameters of an acquire. Each may come in the query string or in a JSON object body
+/// (integers as JSON numbers); all are optional.
+#[derive(ToSchema, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireBody {
+    /// Lease length in ms, 1 to the broker's `max_ttl_ms` (default 3600000). Default: the
+    /// broker's `default_ttl_ms` (30000).
+    #[schema(required = false, minimum = 1)]
+    #[param(required = false, minimum = 1)]
+    pub ttl_ms: u64,
+    /// How long to wait, in ms, while someone else holds the lock: 0 to the broker's
+    /// `max_wait_ms` (default 60000). Default: the broker's `default_wait_ms` (0). The request
+    /// ends by `wait_ms` plus the store timeout; a client that disconnects stops the wait.
+    #[schema(required = false, minimum = 0)]
+    #[param(required = false, minimum = 0)]
+    pub wait_ms: u64,
+    /// A free label for people, shown by `GET /locks/{key}`: at most 128 characters, no
+    /// control characters.
+    #[schema(required = false, max_length = 128)]
+    #[param(required = false, max_length = 128)]
+    pub owner: String,
+    /// Makes a retried acquire safe: 1 to 64 characters from `A-Z a-z 0-9 _ -`. Repeating an
+    /// acquire with the same key and `request_id` while the lease it produced is held answers
+    /// `201` with that same grant (same token, same fence) instead of `409`.
+    #[schema(
+        required = false,
+        min_length = 1,
+        max_length = 64,
+        pattern = r"^[A-Za-z0-9_-]{1,64}$"
+    )]
+    #[param(
+        required = false,
+        min_length = 1,
+        max_length = 64,
+        pattern = r"^[A-Za-z0-9_-]{1,64}$"
+    )]
+    pub request_id: String,
+}
+
+/// The parameters of a renewal, in the query string or a JSON object body; optional. The
+/// token is never accepted in the body.
+#[derive(ToSchema, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct RenewBody {
+    /// The new lease length in ms, counted from the renewal: 1 to the broker's `max_ttl_ms`
+    /// (default 3600000). Default: the broker's `default_ttl_ms` (30000).
+    #[schema(required = false, minimum = 1)]
+    #[param(required = false, minimum = 1)]
+    pub ttl_ms: u64,
+}
+
+/// The lease token, in a header (preferred: query strings end up in access logs).
+#[derive(IntoParams)]
+#[into_params(parameter_in = Header)]
+pub struct TokenHeader {
+    /// The token the acquire returned. Required here or in the `token` query parameter (if
+    /// both, they must be equal); never in the body.
+    #[param(
+        rename = "Lock-Token",
+        required = false,
+        min_length = 1,
+        max_length = 128
+    )]
+    pub lock_token: String,
+}
+
+/// The lease token, in the query string.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct TokenQuery {
+    /// The token the acquire returned, if not sent in the `Lock-Token` header.
+    #[param(required = false, min_length = 1, max_length = 128)]
+    pub token: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+
+    #[test]
+    fn the_document_has_one_operation_per_route() {
+        let doc = serde_json::to_value(document()).expect("the document serializes");
+        let documented: BTreeSet<(String, String)> = doc["paths"]
+            .as_object()
+            .expect("paths")
+            .iter()
+            .flat_map(|(path, item)| {
+                item.as_object()
+                    .expect("a path item")
+                    .keys()
+                    .map(|method| (method.to_uppercase(), path.clone()))
+            })
+            .collect();
+        let routes: BTreeSet<(String, String)> = super::super::ROUTES
+            .iter()
+            .map(|&(m, p)| (m.to_owned(), p.to_owned()))
+            .collect();
+        assert_eq!(documented, routes);
+    }
+}

@@ -1,0 +1,221 @@
+//! Several brokers on one Redis: they share the locks, the tokens, the fences and the clock.
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+
+use crate::helpers::{RedisServer, TestApp, spawn_app, spawn_app_with};
+use crate::waiting::{PROMPTLY, SETTLE, answer_within};
+
+async fn three_brokers(redis: &RedisServer) -> [TestApp; 3] {
+    [
+        spawn_app(Some(redis.url())).await,
+        spawn_app(Some(redis.url())).await,
+        spawn_app(Some(redis.url())).await,
+    ]
+}
+
+/// Polls `/readyz` until it is 200, for at most `limit`. Returns how long it took.
+pub async fn wait_until_ready(app: &TestApp, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let answer = app.get("/readyz").await;
+        if answer.status == StatusCode::OK {
+            return started.elapsed();
+        }
+        answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+        assert!(
+            started.elapsed() < limit,
+            "the broker was not ready {limit:?} after Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_taken_on_one_broker_is_refused_on_another_released_on_a_third_and_then_granted_on_the_second()
+ {
+    let redis = RedisServer::start().await;
+    let [one, two, three] = three_brokers(&redis).await;
+    let grant = one.grant("shared", "").await;
+    two.acquire("shared", "")
+        .await
+        .expect_error(StatusCode::CONFLICT, "locked");
+    three
+        .release("shared", &grant.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let next = two.grant("shared", "").await;
+    assert!(next.fence > grant.fence);
+    one.acquire("shared", "")
+        .await
+        .expect_error(StatusCode::CONFLICT, "locked");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_works_on_any_broker_sharing_the_store() {
+    let redis = RedisServer::start().await;
+    let [one, two, three] = three_brokers(&redis).await;
+    let grant = one.grant("roaming", "ttl_ms=5000").await;
+    let renewed = two
+        .renew("roaming", &grant.token, "ttl_ms=60000")
+        .await
+        .expect_grant(StatusCode::OK);
+    assert_eq!(renewed.token, grant.token);
+    assert_eq!(renewed.fence, grant.fence);
+    let shown = three
+        .inspect("roaming")
+        .await
+        .expect_status(StatusCode::OK)
+        .json();
+    assert_eq!(shown["expires_at_ms"], renewed.expires_at_ms);
+    // A wrong token is refused on every broker alike.
+    let other = one.grant("elsewhere", "").await;
+    for app in [&one, &two, &three] {
+        app.release("roaming", &other.token)
+            .await
+            .expect_error(StatusCode::CONFLICT, "not_owner");
+    }
+    three
+        .release("roaming", &grant.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    for app in [&one, &two, &three] {
+        app.inspect("roaming")
+            .await
+            .expect_error(StatusCode::NOT_FOUND, "not_held");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_on_one_redis_report_the_same_expiry_for_a_lease() {
+    let redis = RedisServer::start().await;
+    let [one, two, three] = three_brokers(&redis).await;
+    let grant = two.grant("clock", "ttl_ms=20000").await;
+    for app in [&one, &two, &three] {
+        let shown = app
+            .inspect("clock")
+            .await
+            .expect_status(StatusCode::OK)
+            .json();
+        assert_eq!(shown["expires_at_ms"], grant.expires_at_ms);
+        assert_eq!(shown["fence"], grant.fence);
+    }
+    // A lock refused on another broker names the same end of lease.
+    let body = one
+        .acquire("clock", "")
+        .await
+        .expect_error(StatusCode::CONFLICT, "locked");
+    assert!(
+        body["retry_after_ms"]
+            .as_u64()
+            .is_some_and(|ms| ms <= 20_000)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fences_keep_rising_after_redis_restarts_without_its_data() {
+    let mut redis = RedisServer::start().await;
+    // Grants resume at once after the loss (their hold-back has tests of its own in `outage`).
+    let app = spawn_app_with(Some(redis.url()), |c| c.store_loss_delay_ms = 0).await;
+    let mut last = 0;
+    for _ in 0..3 {
+        let grant = app.grant("durable", "").await;
+        assert!(grant.fence > last);
+        last = grant.fence;
+        app.release("durable", &grant.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+    }
+    let held = app.grant("durable", "ttl_ms=60000").await;
+    redis.restart().await;
+    wait_until_ready(&app, Duration::from_secs(5)).await;
+    // Redis lost everything: the lease held before is gone...
+    app.inspect("durable")
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
+    // ...and still the next fence is above every fence granted before.
+    let next = app.grant("durable", "").await;
+    assert!(
+        next.fence > held.fence,
+        "fence {} after Redis lost its data, {} before",
+        next.fence,
+        held.fence
+    );
+    // And it keeps rising from there.
+    app.release("durable", &next.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    assert!(app.grant("durable", "").await.fence > next.fence);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_writes_redis_keys_only_under_its_prefix() {
+    let redis = RedisServer::start().await;
+    let app = spawn_app_with(Some(redis.url()), |c| c.key_prefix = "apitest:".into()).await;
+    app.grant("orders:42", "").await;
+    app.grant("x", "").await;
+    let mut conn = redis.connection().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    assert!(!keys.is_empty(), "the locks must be in Redis");
+    assert!(
+        keys.iter().all(|k| k.starts_with("apitest:")),
+        "keys outside the prefix: {keys:?}"
+    );
+    assert!(keys.iter().any(|k| k.contains("orders:42")), "{keys:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_with_different_prefixes_do_not_share_locks() {
+    let redis = RedisServer::start().await;
+    let blue = spawn_app_with(Some(redis.url()), |c| c.key_prefix = "blue:".into()).await;
+    let green = spawn_app_with(Some(redis.url()), |c| c.key_prefix = "green:".into()).await;
+    blue.grant("deploy", "").await;
+    green.grant("deploy", "").await;
+    blue.acquire("deploy", "")
+        .await
+        .expect_error(StatusCode::CONFLICT, "locked");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_on_the_embedded_store_do_not_share_locks() {
+    let one = spawn_app(None).await;
+    let two = spawn_app(None).await;
+    let grant = one.grant("local", "").await;
+    two.inspect("local")
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
+    two.grant("local", "").await;
+    two.release("local", &grant.token)
+        .await
+        .expect_error(StatusCode::CONFLICT, "not_owner");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_on_one_broker_wakes_a_waiter_on_another_at_once() {
+    let redis = RedisServer::start().await;
+    let [one, two, three] = three_brokers(&redis).await;
+    redis.wait_until_listening(3).await;
+    let holder = one.grant("relay", "ttl_ms=30000").await;
+    let waiter = two.spawn_acquire("relay", "wait_ms=10000");
+    tokio::time::sleep(SETTLE).await;
+    assert!(!waiter.is_finished(), "the waiter must be waiting");
+    three
+        .release("relay", &holder.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let released = Instant::now();
+    let grant = answer_within(waiter, Duration::from_secs(3))
+        .await
+        .expect_grant(StatusCode::CREATED);
+    assert!(
+        released.elapsed() < PROMPTLY,
+        "the waiter on another broker was granted {:?} after the release",
+        released.elapsed()
+    );
+    assert!(grant.fence > holder.fence);
+}

@@ -1,0 +1,10 @@
+//! The API test suite: one binary, brokers over real HTTP, each test with its own Redis or keys.
+
+mod concurrency;
+mod contract;
+mod cross_broker;
+mod helpers;
+mod openapi;
+mod outage;
+mod process;
+mod waiting;

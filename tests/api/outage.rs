@@ -1,0 +1,283 @@
+//! Redis going away, freezing and coming back: the broker answers 503 `store_unavailable` within
+//! its store timeout, never a grant it is not sure of, and recovers by itself.
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+
+use crate::cross_broker::wait_until_ready;
+use crate::helpers::{Answer, RedisServer, TestApp, spawn_app_with};
+use crate::waiting::{PROMPTLY, SETTLE, answer_within};
+
+/// A small store timeout keeps these tests fast.
+const STORE_TIMEOUT_MS: u64 = 500;
+
+/// How much later than the store timeout a 503 may come: scheduling, the HTTP round trip.
+const LATENESS: Duration = Duration::from_millis(1500);
+
+/// A broker with a short store timeout. Grants resume at once after Redis loses its data: the
+/// hold-back that protects leases Redis forgot has tests of its own.
+async fn broker_on(redis: &RedisServer) -> TestApp {
+    spawn_app_with(Some(redis.url()), |c| {
+        c.store_timeout_ms = STORE_TIMEOUT_MS;
+        c.store_loss_delay_ms = 0;
+    })
+    .await
+}
+
+fn store_bound() -> Duration {
+    Duration::from_millis(STORE_TIMEOUT_MS) + LATENESS
+}
+
+/// Sends the request `call` makes and asserts a prompt 503 `store_unavailable`.
+async fn expect_unavailable(what: &str, call: impl Future<Output = Answer>) {
+    let started = Instant::now();
+    let answer = call.await;
+    let took = started.elapsed();
+    assert_eq!(
+        answer.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{what}: {}",
+        answer.text
+    );
+    answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    assert!(took < store_bound(), "{what} took {took:?} to give up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_whose_redis_is_down_answers_503_and_recovers_when_redis_returns() {
+    let mut redis = RedisServer::start().await;
+    let app = broker_on(&redis).await;
+    let held = app.grant("before", "").await;
+
+    redis.stop();
+    expect_unavailable("acquire", app.acquire("new", "")).await;
+    expect_unavailable("waiting acquire", app.acquire("new", "wait_ms=200")).await;
+    expect_unavailable("release", app.release("before", &held.token)).await;
+    expect_unavailable("renew", app.renew("before", &held.token, "")).await;
+    expect_unavailable("inspect", app.inspect("before")).await;
+    expect_unavailable("readyz", app.get("/readyz")).await;
+    app.get("/healthz").await.expect_status(StatusCode::OK);
+
+    redis.restart().await;
+    let took = wait_until_ready(&app, Duration::from_secs(5)).await;
+    eprintln!("ready again {took:?} after Redis restarted");
+    let grant = app.grant("new", "").await;
+    assert!(grant.fence > 0);
+    app.release("new", &grant.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_started_while_redis_is_down_becomes_ready_when_redis_comes() {
+    let mut redis = RedisServer::start().await;
+    redis.stop();
+    let app = broker_on(&redis).await;
+    app.get("/healthz").await.expect_status(StatusCode::OK);
+    expect_unavailable("readyz", app.get("/readyz")).await;
+    expect_unavailable("acquire", app.acquire("k", "")).await;
+    redis.restart().await;
+    wait_until_ready(&app, Duration::from_secs(5)).await;
+    app.grant("k", "").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_stops_answering_gives_503_within_the_store_timeout() {
+    let redis = RedisServer::start().await;
+    let app = broker_on(&redis).await;
+    let held = app.grant("frozen", "").await;
+    redis.pause();
+    let started = Instant::now();
+    expect_unavailable("inspect", app.inspect("frozen")).await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(STORE_TIMEOUT_MS - 50),
+        "a frozen Redis cannot have answered"
+    );
+    expect_unavailable("release", app.release("frozen", &held.token)).await;
+    expect_unavailable("renew", app.renew("frozen", &held.token, "")).await;
+    expect_unavailable("readyz", app.get("/readyz")).await;
+    app.get("/healthz").await.expect_status(StatusCode::OK);
+    redis.resume();
+    wait_until_ready(&app, Duration::from_secs(5)).await;
+    app.grant("after", "").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_whose_answer_was_lost_does_not_leave_the_key_blocked() {
+    let redis = RedisServer::start().await;
+    let app = broker_on(&redis).await;
+    // Warm the connection and Redis's script cache, so that the claim below is sent as one
+    // EVALSHA that Redis runs as soon as it thaws.
+    app.grant("warm-up", "").await;
+    redis.pause();
+    // Redis will run this claim when it thaws, but its answer comes too late: nobody gets the
+    // token, so the broker must clean the lease up rather than let it block for 60 s.
+    expect_unavailable("acquire", app.acquire("orphan", "ttl_ms=60000")).await;
+    redis.resume();
+    wait_until_ready(&app, Duration::from_secs(5)).await;
+    let started = Instant::now();
+    loop {
+        let answer = app.inspect("orphan").await;
+        if answer.status == StatusCode::NOT_FOUND {
+            answer.expect_error(StatusCode::NOT_FOUND, "not_held");
+            break;
+        }
+        answer.expect_status(StatusCode::OK);
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "a lease nobody has the token of still blocks the key: {}",
+            answer.text
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The claim did run in Redis (its fence counter is there): the key really was blocked by a
+    // lease nobody had the token of, until the broker cleaned it up.
+    let mut conn = redis.connection().await;
+    let counters: Vec<String> = redis::cmd("KEYS")
+        .arg("*orphan*")
+        .query_async(&mut conn)
+        .await
+        .expect("KEYS");
+    assert!(
+        counters.iter().any(|k| k.ends_with(":fence")),
+        "the lost claim never reached Redis, so this test proved nothing: {counters:?}"
+    );
+    app.grant("orphan", "").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_acquire_ends_by_its_wait_plus_the_store_timeout_when_redis_stops_answering() {
+    let redis = RedisServer::start().await;
+    let app = broker_on(&redis).await;
+    app.grant("stuck", "ttl_ms=60000").await;
+    const WAIT_MS: u64 = 1500;
+    let started = Instant::now();
+    let waiter = app.spawn_acquire("stuck", &format!("wait_ms={WAIT_MS}"));
+    // Let the waiter start waiting, then freeze Redis under it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiter.is_finished());
+    redis.pause();
+    let answer = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter must end")
+        .expect("the waiter task");
+    let took = started.elapsed();
+    redis.resume();
+    answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    assert!(
+        took < Duration::from_millis(WAIT_MS + STORE_TIMEOUT_MS) + LATENESS,
+        "the waiter ended after {took:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_notices_reach_waiters_on_other_brokers_again_after_redis_restarts() {
+    let mut redis = RedisServer::start().await;
+    let one = broker_on(&redis).await;
+    let two = broker_on(&redis).await;
+    // Both listen before the restart, so the restart cuts connections that were established.
+    redis.wait_until_listening(2).await;
+    redis.restart().await;
+    wait_until_ready(&one, Duration::from_secs(5)).await;
+    wait_until_ready(&two, Duration::from_secs(5)).await;
+    // Both must listen again by themselves.
+    redis.wait_until_listening(2).await;
+    let holder = one.grant("after-restart", "ttl_ms=30000").await;
+    let waiter = two.spawn_acquire("after-restart", "wait_ms=10000");
+    tokio::time::sleep(SETTLE).await;
+    assert!(!waiter.is_finished(), "the waiter must be waiting");
+    one.release("after-restart", &holder.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let released = Instant::now();
+    answer_within(waiter, Duration::from_secs(3))
+        .await
+        .expect_grant(StatusCode::CREATED);
+    assert!(
+        released.elapsed() < PROMPTLY,
+        "the waiter was granted {:?} after the release",
+        released.elapsed()
+    );
+}
+
+/// How long grants are held back after Redis loses its data, in the hold-back tests.
+const LOSS_DELAY_MS: u64 = 1000;
+
+async fn broker_with_hold_back(redis: &RedisServer) -> TestApp {
+    spawn_app_with(Some(redis.url()), |c| {
+        c.store_timeout_ms = STORE_TIMEOUT_MS;
+        c.store_loss_delay_ms = LOSS_DELAY_MS;
+    })
+    .await
+}
+
+/// Asserts a 503 `store_unavailable` that says when to come back.
+fn expect_held_back(answer: &Answer) {
+    answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    let retry_after: u64 = answer
+        .header("retry-after")
+        .expect("a Retry-After header: grants resume at a known time")
+        .parse()
+        .expect("whole seconds");
+    assert!((1..=LOSS_DELAY_MS.div_ceil(1000)).contains(&retry_after));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_loses_its_data_nothing_is_granted_until_the_leases_it_forgot_have_ended() {
+    let mut redis = RedisServer::start().await;
+    let app = broker_with_hold_back(&redis).await;
+    let forgotten = app.grant("forgotten", "ttl_ms=1000").await;
+    redis.restart().await;
+    let restarted = Instant::now();
+    wait_until_ready(&app, Duration::from_secs(5)).await;
+    // Its holder still believes it holds the lease Redis forgot: the key is not granted...
+    expect_held_back(&app.acquire("forgotten", "ttl_ms=1000").await);
+    // ...nor is any other key, since Redis cannot tell which keys had leases.
+    expect_held_back(&app.acquire("another", "ttl_ms=1000").await);
+    // Once every lease Redis could have forgotten has ended, grants resume, fences still rising.
+    let granted = loop {
+        let answer = app.acquire("forgotten", "ttl_ms=1000").await;
+        if answer.status == StatusCode::CREATED {
+            break answer.expect_grant(StatusCode::CREATED);
+        }
+        expect_held_back(&answer);
+        assert!(
+            restarted.elapsed() < Duration::from_millis(LOSS_DELAY_MS + 3000),
+            "grants did not resume {:?} after Redis restarted",
+            restarted.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        restarted.elapsed() >= Duration::from_millis(LOSS_DELAY_MS),
+        "granted {:?} after the loss, before a lease Redis forgot could have ended",
+        restarted.elapsed()
+    );
+    assert!(granted.fence > forgotten.fence);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_loses_its_data_a_broker_that_had_granted_nothing_grants_nothing_either() {
+    let mut redis = RedisServer::start().await;
+    let one = broker_with_hold_back(&redis).await;
+    let two = broker_with_hold_back(&redis).await;
+    // Only broker one grants before the loss; broker two serves, but grants nothing.
+    let forgotten = one.grant("forgotten", "ttl_ms=1000").await;
+    two.inspect("forgotten").await.expect_status(StatusCode::OK);
+    redis.restart().await;
+    wait_until_ready(&one, Duration::from_secs(5)).await;
+    wait_until_ready(&two, Duration::from_secs(5)).await;
+    // The first acquire after the loss happens to reach broker two. The lease Redis forgot is
+    // still live for its holder (who got it from broker one), so granting the key now would
+    // have two holders at once.
+    let answer = two.acquire("forgotten", "ttl_ms=1000").await;
+    assert_ne!(
+        answer.status,
+        StatusCode::CREATED,
+        "granted {} while the lease with fence {} that Redis forgot may still be live",
+        answer.text,
+        forgotten.fence
+    );
+    expect_held_back(&answer);
+}
