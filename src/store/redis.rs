@@ -43,8 +43,11 @@ local function int(n) return string.format('%.0f', n) end
 /// them. The brokers notice: each remembers the id it last saw and passes it as ARGV[6]. A
 /// broker that knew an id and finds the marker missing, or finds another id (a broker that knew
 /// nothing re-created it first), holds every grant back until `store_loss_delay_ms` (ARGV[7]) after
-/// the current marker's birth, by which time every lease of the lost data has ended. A store
-/// that no running broker had seen before is indistinguishable from a new one, and is used at
+/// the current marker's birth, by which time every lease of the lost data has ended. Every
+/// broker checks the marker as soon as its notice listener connects (creating it on a new
+/// store) and again on every reconnect, so brokers that never grant know it too, and a loss is
+/// usually flagged store-wide before any grant. What it cannot see: a store that lost its data
+/// while no running broker had seen it (every broker restarted too) looks new, and is used at
 /// once. (On Redis Cluster this marker will have to be one per node; it is the one key here
 /// that belongs to no lock.)
 const INCARNATION: &str = r#"
@@ -120,6 +123,14 @@ if cur[1] then
   return {0, inc}
 end
 return grant(now, inc)
+"#;
+
+/// The incarnation check alone, run by each broker's notice listener whenever it (re)connects:
+/// a broker that knew the store notices a loss at once, and sets the hold-back in the marker
+/// before an idle broker that knew nothing can grant. ARGV as for GRANT (only 6 and 7 are read).
+const CHECK: &str = r#"
+local id, hold = incarnation(now_us())
+return id
 "#;
 
 /// GET, with Redis's clock read in the same step so the expiry is judged on the store's time.
@@ -226,6 +237,7 @@ struct Scripts {
     take_over: Script,
     release: Script,
     renew: Script,
+    check: Script,
 }
 
 impl Scripts {
@@ -236,6 +248,7 @@ impl Scripts {
             take_over: Script::new(&[PRELUDE, INCARNATION, GRANT, TAKE_OVER].concat()),
             release: Script::new(&[PRELUDE, HOLDER, RELEASE].concat()),
             renew: Script::new(&[PRELUDE, HOLDER, RENEW].concat()),
+            check: Script::new(&[PRELUDE, INCARNATION, CHECK].concat()),
         }
     }
 }
@@ -349,16 +362,7 @@ impl RedisStore {
             ),
             code => return Err(StoreError::Failed(format!("unexpected grant reply {code}"))),
         };
-        if incarnation != known {
-            if !known.is_empty() {
-                tracing::error!(
-                    was = %known, now = %incarnation,
-                    "Redis lost its data (restarted empty?): grants are held back until every \
-                     lease it may have held has ended"
-                );
-            }
-            *self.incarnation.lock().unwrap_or_else(|e| e.into_inner()) = incarnation;
-        }
+        self.note_incarnation(&known, incarnation);
         Ok(outcome)
     }
 
@@ -375,22 +379,40 @@ impl RedisStore {
         }
     }
 
-    /// Reads the store's incarnation, to learn it as early as possible.
-    async fn learn_incarnation(&self) {
-        if !self.known_incarnation().is_empty() {
-            return;
-        }
+    /// Checks the store's incarnation as a grant would, creating the marker if the store has
+    /// none. Run when the notice listener first connects, so every running broker knows the
+    /// incarnation from the start — a broker that never grants still notices a loss — and on
+    /// every reconnect and health tick, so a loss is noticed, and grants held back store-wide,
+    /// as soon as Redis is back.
+    async fn check_incarnation(&self) {
+        let known = self.known_incarnation();
         let mut conn = self.conn.clone();
-        let seen: Result<Option<String>, _> = self
-            .bounded(
-                redis::cmd("HGET")
-                    .arg(&self.marker)
-                    .arg("id")
-                    .query_async(&mut conn),
-            )
-            .await;
-        if let Ok(seen) = seen {
-            self.adopt_incarnation(seen);
+        let mut inv = self.scripts.check.key("");
+        inv.key("")
+            .key(&self.marker)
+            .arg("")
+            .arg("")
+            .arg("")
+            .arg("")
+            .arg("")
+            .arg(&known)
+            .arg(self.store_loss_delay_ms);
+        if let Ok(seen) = self.bounded(inv.invoke_async::<String>(&mut conn)).await {
+            self.note_incarnation(&known, seen);
+        }
+    }
+
+    /// Records the incarnation a script answered; a change means Redis lost its data.
+    fn note_incarnation(&self, known: &str, seen: String) {
+        if seen != known {
+            if !known.is_empty() {
+                tracing::error!(
+                    was = %known, now = %seen,
+                    "Redis lost its data (restarted empty?): grants are held back until every \
+                     lease it may have held has ended"
+                );
+            }
+            *self.incarnation.lock().unwrap_or_else(|e| e.into_inner()) = seen;
         }
     }
 
@@ -590,17 +612,19 @@ const NOTICE_HEALTH_EVERY: Duration = Duration::from_secs(5);
 /// reconnecting with backoff for as long as the waiters exist. After each (re)connect every
 /// queue's head is woken, since notices published while disconnected are lost.
 ///
-/// It also learns the store's incarnation at start and while it knows none (see
-/// [`RedisStore::adopt_incarnation`]).
+/// It also checks the store's incarnation on every (re)connect and health tick (see
+/// [`RedisStore::check_incarnation`]).
 async fn listen_for_notices(store: RedisStore, waiters: Weak<Waiters>) {
     let (client, channel, timeout) = (&store.client, &store.channel, store.timeout);
     let mut backoff = Duration::from_millis(100);
     loop {
-        store.learn_incarnation().await;
         match subscribe(client, channel, timeout).await {
             Ok((mut sink, mut stream)) => {
                 tracing::debug!(%channel, "listening for release notices");
                 backoff = Duration::from_millis(100);
+                // Subscribed: Redis is back (or was never gone). Before anything else, see
+                // whether it lost its data meanwhile.
+                store.check_incarnation().await;
                 match waiters.upgrade() {
                     Some(waiters) => waiters.wake_all(),
                     None => return,
@@ -623,7 +647,7 @@ async fn listen_for_notices(store: RedisStore, waiters: Weak<Waiters>) {
                             if waiters.strong_count() == 0 {
                                 return;
                             }
-                            store.learn_incarnation().await;
+                            store.check_incarnation().await;
                             let pong = tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await;
                             if !matches!(pong, Ok(Ok(_))) {
                                 break;

@@ -281,3 +281,26 @@ async fn after_redis_loses_its_data_a_broker_that_had_granted_nothing_grants_not
     );
     expect_held_back(&answer);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_loses_its_data_an_idle_broker_started_before_any_grant_grants_nothing() {
+    let mut redis = RedisServer::start().await;
+    // Both brokers start on a Redis that has never seen a grant, and broker two does nothing
+    // at all afterwards: it learns the store's incarnation when it first connects.
+    let one = broker_with_hold_back(&redis).await;
+    let two = broker_with_hold_back(&redis).await;
+    redis.wait_until_listening(2).await;
+    let forgotten = one.grant("forgotten", "ttl_ms=1000").await;
+    redis.restart().await;
+    wait_until_ready(&two, Duration::from_secs(5)).await;
+    let answer = two.acquire("forgotten", "ttl_ms=1000").await;
+    assert_ne!(
+        answer.status,
+        StatusCode::CREATED,
+        "granted {} while the lease with fence {} that Redis forgot may still be live",
+        answer.text,
+        forgotten.fence
+    );
+    expect_held_back(&answer);
+    drop(one);
+}

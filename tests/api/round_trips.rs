@@ -1,0 +1,103 @@
+//! The hot path's cost in Redis round trips, counted by Redis itself (`INFO commandstats`): a
+//! count, not a timing, so a change that adds a round trip fails here whatever the machine.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+
+use crate::helpers::{RedisServer, TestApp, spawn_app};
+
+/// EVALSHA and EVAL calls Redis has served: each is one round trip of the broker's (the commands
+/// a script runs inside are counted apart by Redis, under their own names).
+async fn script_calls(redis: &RedisServer) -> u64 {
+    let mut conn = redis.connection().await;
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO commandstats");
+    ["evalsha", "eval"]
+        .iter()
+        .map(|name| lockbroker::bench::command_calls(&info, name))
+        .sum()
+}
+
+/// A broker on a fresh Redis, its scripts already loaded (the first call of each script costs a
+/// NOSCRIPT and a load, once per Redis).
+async fn warmed_up() -> (RedisServer, TestApp) {
+    let redis = RedisServer::start().await;
+    let app = spawn_app(Some(redis.url())).await;
+    let grant = app.grant("warm-up", "").await;
+    app.renew("warm-up", &grant.token, "")
+        .await
+        .expect_status(StatusCode::OK);
+    app.inspect("warm-up").await.expect_status(StatusCode::OK);
+    app.release("warm-up", &grant.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    // Expired, then taken over: loads the takeover script.
+    let short = app.grant("warm-up", "ttl_ms=1").await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let taken = app.grant("warm-up", "").await;
+    assert!(taken.fence > short.fence);
+    app.release("warm-up", &taken.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    (redis, app)
+}
+
+#[tokio::test]
+async fn an_uncontended_acquire_release_renew_and_inspect_cost_one_round_trip_each() {
+    let (redis, app) = warmed_up().await;
+    let before = script_calls(&redis).await;
+    let grant = app.grant("k", "").await;
+    assert_eq!(script_calls(&redis).await - before, 1, "acquire");
+    app.renew("k", &grant.token, "ttl_ms=5000")
+        .await
+        .expect_status(StatusCode::OK);
+    assert_eq!(script_calls(&redis).await - before, 2, "renew");
+    app.inspect("k").await.expect_status(StatusCode::OK);
+    assert_eq!(script_calls(&redis).await - before, 3, "inspect");
+    app.release("k", &grant.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    assert_eq!(script_calls(&redis).await - before, 4, "release");
+
+    let before = script_calls(&redis).await;
+    for i in 0..25 {
+        let key = format!("cycle-{i}");
+        let grant = app.grant(&key, "").await;
+        app.release(&key, &grant.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+    }
+    assert_eq!(script_calls(&redis).await - before, 50);
+}
+
+#[tokio::test]
+async fn an_acquire_that_waits_costs_a_handful_of_round_trips_however_long_it_waits() {
+    let (redis, app) = warmed_up().await;
+    redis.wait_until_listening(1).await;
+    let holder = app.grant("held", "ttl_ms=30000").await;
+    let before = script_calls(&redis).await;
+    let waiter = app.spawn_acquire("held", "wait_ms=20000");
+    // Let it wait 3.5 s: a poll every 5 ms would cost about 1,400 round trips; with release
+    // notices it is one look on arrival (claim and read) and a few slow fallback polls.
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let waiting = script_calls(&redis).await - before;
+    assert!(
+        (2..=6).contains(&waiting),
+        "{waiting} round trips while waiting 3.5 s"
+    );
+    app.release("held", &holder.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let grant = waiter
+        .await
+        .expect("the waiter task")
+        .expect_grant(StatusCode::CREATED);
+    assert!(grant.fence > holder.fence);
+    // The release, then the waiter's one claim on the notice.
+    let total = script_calls(&redis).await - before;
+    assert_eq!(total, waiting + 2, "{total} round trips in all");
+}
