@@ -47,6 +47,10 @@ pub struct BenchArgs {
     /// clients leave. Needs a file-descriptor limit above twice this number.
     #[arg(long, default_value_t = 0)]
     pub waiters: usize,
+    /// Park the waiters over HTTP/2 (h2c, prior knowledge): at most 150 streams on each
+    /// connection instead of one connection each.
+    #[arg(long)]
+    pub http2: bool,
     /// Print one JSON summary on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -181,7 +185,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         phases.push(direct);
     }
     let waiters = if args.waiters > 0 {
-        Some(park_waiters(&base, args.waiters, &run_id).await?)
+        Some(park_waiters(&base, args.waiters, args.http2, &run_id).await?)
     } else {
         None
     };
@@ -507,11 +511,25 @@ async fn scrape(http: &reqwest::Client, base: &str, name: &str) -> anyhow::Resul
         .with_context(|| format!("/metrics has no {name}"))
 }
 
-async fn park_waiters(base: &str, n: usize, run_id: &str) -> anyhow::Result<WaitersPhase> {
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .timeout(Duration::from_secs(120))
-        .build()?;
+async fn park_waiters(
+    base: &str,
+    n: usize,
+    http2: bool,
+    run_id: &str,
+) -> anyhow::Result<WaitersPhase> {
+    let client = || {
+        let builder = reqwest::Client::builder().timeout(Duration::from_secs(120));
+        if http2 {
+            builder.http2_prior_knowledge().build()
+        } else {
+            builder.pool_max_idle_per_host(0).build()
+        }
+    };
+    let http = client()?;
+    // HTTP/2: a client (one connection) per 150 waiters, under the server's 200 streams.
+    let parkers = (0..n.div_ceil(150).max(1))
+        .map(|_| client())
+        .collect::<Result<Vec<_>, _>>()?;
     let url = format!("{base}/locks/bench-{run_id}-parked");
     let held: Granted = http
         .post(format!("{url}?ttl_ms=120000"))
@@ -525,7 +543,12 @@ async fn park_waiters(base: &str, n: usize, run_id: &str) -> anyhow::Result<Wait
     let errors = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::with_capacity(n);
     for i in 0..n {
-        let (http, url, errors) = (http.clone(), url.clone(), errors.clone());
+        let http = if http2 {
+            parkers[i / 150].clone()
+        } else {
+            http.clone()
+        };
+        let (url, errors) = (url.clone(), errors.clone());
         tasks.push(tokio::spawn(async move {
             let answer = http.post(format!("{url}?wait_ms=60000")).send().await;
             if !matches!(answer, Ok(ref r) if r.status().is_success()) {
