@@ -195,9 +195,21 @@ impl<S: Store> LockService<S> {
         let mut fallback = FALLBACK_POLL_MIN;
         let mut immediate = 0;
         let mut shutdown = self.shutdown.clone();
+        // Handed over by the waiter ahead of us when it was granted: the lock is held for this
+        // long, so the next look can wait.
+        let mut held_for_ms: Option<u64> = None;
         loop {
-            let retry_after_ms = match self.attempt(key, bid).await? {
-                Attempt::Granted(lease) => return Ok(lease),
+            let attempt = match held_for_ms.take() {
+                Some(retry_after_ms) => Attempt::Held { retry_after_ms },
+                None => self.attempt(key, bid).await?,
+            };
+            let retry_after_ms = match attempt {
+                Attempt::Granted(lease) => {
+                    if let Some(ticket) = ticket.take() {
+                        ticket.leave_as_holder(lease.ttl_ms);
+                    }
+                    return Ok(lease);
+                }
                 Attempt::Again if immediate < MAX_IMMEDIATE_RETRIES => {
                     immediate += 1;
                     continue;
@@ -231,7 +243,7 @@ impl<S: Store> LockService<S> {
                 deadline
             };
             tokio::select! {
-                () = waiting.woken() => {}
+                () = waiting.woken() => held_for_ms = waiting.take_hint(),
                 () = tokio::time::sleep_until(wake_at) => {}
                 _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
             }

@@ -8,6 +8,7 @@
 //! that leaves — granted, timed out, or its client gone — wakes the next in line.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::Notify;
@@ -15,11 +16,25 @@ use tokio::sync::Notify;
 use crate::domain::LockKey;
 
 /// One waiting acquire.
-#[derive(Default)]
 struct Waiter {
     /// `notify_one` keeps a permit when the waiter is not parked at that instant, so a notice
     /// that lands between two of its store calls is not lost.
     wake: Notify,
+    /// Set when this waiter is promoted because the head before it was granted the lock: how
+    /// long that new lease runs, so it need not look at the lock to learn it. `NO_HINT` if none;
+    /// a release notice clears it (the lock may be free now).
+    hint_ms: AtomicU64,
+}
+
+const NO_HINT: u64 = u64::MAX;
+
+impl Default for Waiter {
+    fn default() -> Self {
+        Self {
+            wake: Notify::new(),
+            hint_ms: AtomicU64::new(NO_HINT),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -86,6 +101,7 @@ impl Waiters {
     /// A release notice for `key`: wakes the head of its queue, if any.
     pub fn wake(&self, key: &LockKey) {
         if let Some(head) = self.queues().by_key.get(key).and_then(|q| q.front()) {
+            head.hint_ms.store(NO_HINT, Ordering::SeqCst);
             head.wake.notify_one();
         }
     }
@@ -94,6 +110,7 @@ impl Waiters {
     pub fn wake_all(&self) {
         for queue in self.queues().by_key.values() {
             if let Some(head) = queue.front() {
+                head.hint_ms.store(NO_HINT, Ordering::SeqCst);
                 head.wake.notify_one();
             }
         }
@@ -121,6 +138,30 @@ impl Ticket {
     /// Completes when this waiter is woken: a notice while it is head, or its promotion to head.
     pub async fn woken(&self) {
         self.me.wake.notified().await;
+    }
+
+    /// After a wake: if it was a promotion behind a waiter that was granted the lock, how long
+    /// that lease runs (the lock is held; no need to look).
+    pub fn take_hint(&self) -> Option<u64> {
+        match self.me.hint_ms.swap(NO_HINT, Ordering::SeqCst) {
+            NO_HINT => None,
+            ms => Some(ms),
+        }
+    }
+
+    /// Leaves the queue as the lock's new holder, telling the next in line how long the lease
+    /// runs instead of having it look: one store round trip saved per handoff.
+    pub fn leave_as_holder(self, lease_ms: u64) {
+        {
+            let queues = self.waiters.queues();
+            if let Some(queue) = queues.by_key.get(&self.key)
+                && queue.front().is_some_and(|h| Arc::ptr_eq(h, &self.me))
+                && let Some(next) = queue.get(1)
+            {
+                next.hint_ms.store(lease_ms, Ordering::SeqCst);
+            }
+        }
+        drop(self);
     }
 }
 
@@ -183,6 +224,33 @@ mod tests {
         assert!(
             waiters.queues().by_key.is_empty(),
             "empty queues are dropped"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_head_granted_the_lock_tells_the_next_how_long_it_holds_and_a_notice_clears_that() {
+        let waiters = Waiters::new(10);
+        let a = waiters.enqueue(&key("k")).unwrap();
+        let b = waiters.enqueue(&key("k")).unwrap();
+        let c = waiters.enqueue(&key("k")).unwrap();
+        a.leave_as_holder(500);
+        tokio::time::timeout(std::time::Duration::from_millis(10), b.woken())
+            .await
+            .expect("promotion wakes the new head");
+        assert_eq!(b.take_hint(), Some(500));
+        assert_eq!(b.take_hint(), None, "a hint is read once");
+        // A waiter that is not head hands nothing on; a notice clears a hint not yet read.
+        c.leave_as_holder(700);
+        b.leave_as_holder(900);
+        assert!(waiters.is_empty());
+        let d = waiters.enqueue(&key("k")).unwrap();
+        let e = waiters.enqueue(&key("k")).unwrap();
+        d.leave_as_holder(300);
+        waiters.wake(&key("k"));
+        assert_eq!(
+            e.take_hint(),
+            None,
+            "the lock may be free after a release notice"
         );
     }
 
