@@ -46,15 +46,17 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates curl \
     && rm -rf /var/lib/apt/lists/*
 
-RUN groupadd --system lockbroker \
-    && useradd --system --gid lockbroker --home-dir /nonexistent --no-create-home \
+# A fixed numeric uid/gid, and USER by number, so that Kubernetes' runAsNonRoot can verify the
+# user is not root (it cannot for a user given by name) and manifests can name the same id.
+RUN groupadd --system --gid 10001 lockbroker \
+    && useradd --system --uid 10001 --gid lockbroker --home-dir /nonexistent --no-create-home \
        --shell /usr/sbin/nologin lockbroker
 
 COPY --from=builder /out/lockbroker /usr/local/bin/lockbroker
 # The documented configuration file, for reference and for --config; not read by default.
 COPY config/lockbroker.toml /etc/lockbroker/lockbroker.toml
 
-USER lockbroker:lockbroker
+USER 10001:10001
 
 # In a container the broker must listen on every interface. (Environment beats a config
 # file, and a --listen flag beats both.)

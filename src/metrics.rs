@@ -24,6 +24,17 @@ pub enum StoreOp {
     ping,
 }
 
+impl StoreOp {
+    const ALL: [Self; 6] = [
+        Self::claim,
+        Self::read,
+        Self::take_over,
+        Self::release,
+        Self::renew,
+        Self::ping,
+    ];
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct OpLabels {
     op: StoreOp,
@@ -97,43 +108,47 @@ impl Default for Metrics {
         let acquisitions = ByResult::register(
             &mut registry,
             "lockbroker_acquisitions",
-            "Acquire requests by result: granted, locked (still held when the wait ran out), error.",
+            "Acquire requests by result: granted, locked (still held when the wait ran out), error",
             ["granted", "locked", "error"],
         );
         let acquire_wait = seconds_histogram();
         registry.register(
             "lockbroker_acquire_wait_seconds",
-            "Time from an acquire's arrival to its grant.",
+            "Time from an acquire's arrival to its grant",
             acquire_wait.clone(),
         );
         let hold = seconds_histogram();
         registry.register(
             "lockbroker_hold_seconds",
-            "How long released leases had been held (grant to release, on the store's clock).",
+            "How long released leases had been held (grant to release, on the store's clock)",
             hold.clone(),
         );
         let renewals = ByResult::register(
             &mut registry,
             "lockbroker_renewals",
-            "Renew requests by result.",
+            "Renew requests by result",
             ["renewed", "not_held", "not_owner", "error"],
         );
         let releases = ByResult::register(
             &mut registry,
             "lockbroker_releases",
-            "Release requests by result.",
+            "Release requests by result",
             ["released", "not_held", "not_owner", "error"],
         );
         let takeovers = Counter::default();
         registry.register(
             "lockbroker_takeovers",
-            "Expired leases taken over by a new holder.",
+            "Expired leases taken over by a new holder",
             takeovers.clone(),
         );
         let store_errors = Family::<OpLabels, Counter>::default();
+        // Every series from the start, so the first error is an increase Prometheus sees.
+        for op in StoreOp::ALL {
+            let _ = store_errors.get_or_create(&OpLabels { op });
+        }
         registry.register(
             "lockbroker_store_errors",
-            "Store calls that failed or timed out, by primitive.",
+            "Store calls that failed or timed out, by primitive",
             store_errors.clone(),
         );
         let store_latency = Family::<OpLabels, Histogram, fn() -> Histogram>::new_with_constructor(
@@ -141,19 +156,19 @@ impl Default for Metrics {
         );
         registry.register(
             "lockbroker_store_call_seconds",
-            "Latency of store calls, by primitive.",
+            "Latency of store calls, by primitive",
             store_latency.clone(),
         );
         let waiters = Gauge::default();
         registry.register(
             "lockbroker_waiters",
-            "Acquires waiting on this broker now.",
+            "Acquires waiting on this broker now",
             waiters.clone(),
         );
         let resident_memory = Gauge::default();
         registry.register(
             "process_resident_memory_bytes",
-            "Resident memory of the broker process (Linux; 0 elsewhere).",
+            "Resident memory of the broker process (Linux; 0 elsewhere)",
             resident_memory.clone(),
         );
         Self {

@@ -145,30 +145,29 @@ fn check_schema(doc: &Value, schema: &Value, value: &Value, at: &str) -> Result<
             return Err(format!("{at}: {value} is not of type {types:?}"));
         }
     }
-    if let Some(allowed) = schema.get("enum").and_then(Value::as_array) {
-        if !allowed.contains(value) {
-            return Err(format!("{at}: {value} is not one of {allowed:?}"));
-        }
+    if let Some(allowed) = schema.get("enum").and_then(Value::as_array)
+        && !allowed.contains(value)
+    {
+        return Err(format!("{at}: {value} is not one of {allowed:?}"));
     }
     if let (Some(min), Some(n)) = (
         schema.get("minimum").and_then(Value::as_f64),
         value.as_f64(),
-    ) {
-        if n < min {
-            return Err(format!("{at}: {n} is below the minimum {min}"));
-        }
+    ) && n < min
+    {
+        return Err(format!("{at}: {n} is below the minimum {min}"));
     }
     if let Some(s) = value.as_str() {
         let len = s.chars().count();
-        if let Some(max) = schema.get("maxLength").and_then(Value::as_u64) {
-            if len as u64 > max {
-                return Err(format!("{at}: {len} characters, over maxLength {max}"));
-            }
+        if let Some(max) = schema.get("maxLength").and_then(Value::as_u64)
+            && len as u64 > max
+        {
+            return Err(format!("{at}: {len} characters, over maxLength {max}"));
         }
-        if let Some(min) = schema.get("minLength").and_then(Value::as_u64) {
-            if (len as u64) < min {
-                return Err(format!("{at}: {len} characters, under minLength {min}"));
-            }
+        if let Some(min) = schema.get("minLength").and_then(Value::as_u64)
+            && (len as u64) < min
+        {
+            return Err(format!("{at}: {len} characters, under minLength {min}"));
         }
     }
     if let Some(object) = value.as_object() {

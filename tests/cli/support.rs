@@ -143,10 +143,10 @@ impl Drop for Scratch {
 pub async fn wait_for_line(path: &Path, limit: Duration) -> String {
     let deadline = Instant::now() + limit;
     loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            if text.ends_with('\n') {
-                return text;
-            }
+        if let Ok(text) = std::fs::read_to_string(path)
+            && text.ends_with('\n')
+        {
+            return text;
         }
         assert!(
             Instant::now() < deadline,
