@@ -3,9 +3,10 @@
 #
 #   scripts/test.sh [extra cargo test arguments...]
 #
-# The integration tests start their own redis-server processes on free loopback ports, so this
-# script only makes sure `redis-server` is installed (on Debian/Ubuntu it installs it with apt)
-# and then runs `cargo test --all-targets`. It never starts a Redis server itself.
+# The integration tests start their own redis-server processes on free loopback ports, and the
+# clock-skew tests (tests/safety) run brokers under `faketime`, so this script only makes sure
+# `redis-server` and `faketime` are installed (on Debian/Ubuntu it installs them with apt) and then
+# runs `cargo test --all-targets`. It never starts a Redis server itself.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -14,21 +15,26 @@ if [[ "${CI:-}" == "true" ]]; then
     export CARGO_TERM_COLOR=never
 fi
 
+# apt_install PACKAGE...: installs Debian packages, with sudo when not root.
+apt_install() {
+    local sudo=()
+    if [[ "$(id -u)" -ne 0 ]]; then
+        if command -v sudo >/dev/null 2>&1; then
+            sudo=(sudo)
+        else
+            echo "error: $* missing, and installing needs root (no sudo here)." >&2
+            echo "       Run as root: apt-get update && apt-get install -y $*" >&2
+            exit 1
+        fi
+    fi
+    ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get update
+    ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$@"
+}
+
 install_redis_server() {
     if command -v apt-get >/dev/null 2>&1; then
-        local sudo=()
-        if [[ "$(id -u)" -ne 0 ]]; then
-            if command -v sudo >/dev/null 2>&1; then
-                sudo=(sudo)
-            else
-                echo "error: redis-server is missing and installing it needs root (no sudo here)." >&2
-                echo "       Run as root: apt-get update && apt-get install -y redis-server" >&2
-                exit 1
-            fi
-        fi
         echo "redis-server not found: installing it with apt-get (the tests start their own servers)."
-        ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get update
-        ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server
+        apt_install redis-server
     else
         cat >&2 <<'MSG'
 error: redis-server is not on PATH, and the integration tests need it (they start their own
@@ -53,5 +59,28 @@ if ! command -v redis-server >/dev/null 2>&1; then
 fi
 
 echo "Using $(command -v redis-server): $(redis-server --version)"
+
+# The clock-skew tests run brokers with their host clock shifted by libfaketime's `faketime`.
+if ! command -v faketime >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        echo "faketime not found: installing it with apt-get (the clock-skew tests run brokers under it)."
+        apt_install faketime
+    else
+        cat >&2 <<'MSG'
+error: faketime is not on PATH, and the clock-skew tests (tests/safety) run brokers under it.
+Install libfaketime, then run this again:
+  macOS (Homebrew):       brew install libfaketime
+  Fedora / RHEL / CentOS: sudo dnf install libfaketime
+  Arch Linux:             sudo pacman -S libfaketime
+  Alpine:                 sudo apk add libfaketime
+MSG
+        exit 1
+    fi
+    if ! command -v faketime >/dev/null 2>&1; then
+        echo "error: faketime is still not on PATH after installing it." >&2
+        exit 1
+    fi
+fi
+echo "Using $(command -v faketime)"
 
 exec cargo test --all-targets "$@"
