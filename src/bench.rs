@@ -175,6 +175,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
             key_prefix: args.key_prefix.clone(),
             timeout: Duration::from_secs(2),
             store_loss_delay: Duration::from_secs(3600),
+            store_settle: Duration::from_secs(3),
         })?;
         let calls = ScriptCalls::start(redis.clone()).await?;
         let mut direct = uncontended_direct(Arc::new(store), &args, &run_id, progress).await;

@@ -59,6 +59,11 @@ pub struct ServeArgs {
     /// forgot end first [default: max_ttl_ms].
     #[arg(long, env = "LOCKBROKER_STORE_LOSS_DELAY_MS", value_name = "MS")]
     pub store_loss_delay_ms: Option<u64>,
+    /// When a broker finds a Redis with no incarnation marker (new, or it lost its data), how
+    /// long nothing is granted, so brokers that knew the old store can flag a loss first
+    /// [default: 3000].
+    #[arg(long, env = "LOCKBROKER_STORE_SETTLE_MS", value_name = "MS")]
+    pub store_settle_ms: Option<u64>,
     /// Log format [default: text].
     #[arg(long, env = "LOCKBROKER_LOG_FORMAT", value_name = "FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -82,6 +87,7 @@ pub struct FileConfig {
     pub store_timeout_ms: Option<u64>,
     pub max_waiters: Option<usize>,
     pub store_loss_delay_ms: Option<u64>,
+    pub store_settle_ms: Option<u64>,
     pub log_format: Option<LogFormat>,
     pub log_level: Option<String>,
 }
@@ -101,6 +107,9 @@ pub struct Config {
     pub max_waiters: usize,
     /// After Redis is seen to have lost its data, how long nothing is granted.
     pub store_loss_delay_ms: u64,
+    /// When Redis has no incarnation marker (new, or it lost its data), how long nothing is
+    /// granted, so that brokers that knew the old store can flag a loss first.
+    pub store_settle_ms: u64,
     pub log_format: LogFormat,
     pub log_level: String,
 }
@@ -118,6 +127,7 @@ impl Default for Config {
             store_timeout_ms: 2_000,
             max_waiters: 10_000,
             store_loss_delay_ms: 3_600_000,
+            store_settle_ms: 3_000,
             log_format: LogFormat::Text,
             log_level: "info".into(),
         }
@@ -180,6 +190,10 @@ impl Config {
                 .store_loss_delay_ms
                 .or(file.store_loss_delay_ms)
                 .unwrap_or(max_ttl_ms),
+            store_settle_ms: args
+                .store_settle_ms
+                .or(file.store_settle_ms)
+                .unwrap_or(d.store_settle_ms),
             log_format: args.log_format.or(file.log_format).unwrap_or(d.log_format),
             log_level: args.log_level.or(file.log_level).unwrap_or(d.log_level),
         };
@@ -208,6 +222,9 @@ impl Config {
         }
         if !(10..=60_000).contains(&self.store_timeout_ms) {
             bail!("store_timeout_ms must be between 10 and 60000");
+        }
+        if self.store_settle_ms > 60_000 {
+            bail!("store_settle_ms must be at most 60000");
         }
         if self.store_loss_delay_ms > MAX_TTL_CEILING_MS {
             bail!("store_loss_delay_ms must be at most {MAX_TTL_CEILING_MS}");

@@ -39,6 +39,7 @@ impl Application {
                     key_prefix: config.key_prefix.clone(),
                     timeout: config.store_timeout(),
                     store_loss_delay: Duration::from_millis(config.store_loss_delay_ms),
+                    store_settle: Duration::from_millis(config.store_settle_ms),
                 })
                 .context("cannot set up the Redis store")?;
                 tracing::info!(redis = %config.redis_url_for_logs().unwrap_or_default(), "locks are kept in Redis");

@@ -42,25 +42,34 @@ local function int(n) return string.format('%.0f', n) end
 /// A Redis that restarts empty forgets every lease while their holders still believe they hold
 /// them. The brokers notice: each remembers the id it last saw and passes it as ARGV[6]. A
 /// broker that knew an id and finds the marker missing, or finds another id (a broker that knew
-/// nothing re-created it first), holds every grant back until `store_loss_delay_ms` (ARGV[7]) after
+/// nothing re-created it first), holds every grant back until `store_loss_delay_ms` after
 /// the current marker's birth, by which time every lease of the lost data has ended. Every
 /// broker checks the marker as soon as its notice listener connects (creating it on a new
 /// store) and again on every reconnect, so brokers that never grant know it too, and a loss is
 /// usually flagged store-wide before any grant. What it cannot see: a store that lost its data
 /// while no running broker had seen it (every broker restarted too) looks new, and is used at
-/// once. (On Redis Cluster this marker will have to be one per node; it is the one key here
-/// that belongs to no lock.)
+/// once.
+///
+/// A broker that never saw the old store cannot tell a store that lost its data from a new
+/// one, and may reach it first (started after the loss, say, while the others reconnect). So a
+/// marker is born holding grants back for `store_settle_ms`: long enough for the brokers that
+/// knew the old store, reconnecting with at most a second between tries, to check it and set
+/// the longer hold. ARGV[7] is `<store_loss_delay_ms>,<store_settle_ms>`.
+///
+/// (On Redis Cluster this marker will have to be one per node; it is the one key here that
+/// belongs to no lock.)
 const INCARNATION: &str = r#"
 local function incarnation(now)
+  local delay, settle = string.match(ARGV[7], '^(%d+),(%d+)$')
   local m = redis.call('HMGET', KEYS[3], 'id', 'hold_until')
   local id, hold = m[1], tonumber(m[2] or '0')
   if not id then
     id = int(now)
-    hold = 0
-    redis.call('HSET', KEYS[3], 'id', id, 'hold_until', '0')
+    hold = math.floor(now / 1000) + tonumber(settle)
+    redis.call('HSET', KEYS[3], 'id', id, 'hold_until', int(hold))
   end
   if ARGV[6] ~= '' and ARGV[6] ~= id then
-    local until_ms = math.floor(tonumber(id) / 1000) + tonumber(ARGV[7])
+    local until_ms = math.floor(tonumber(id) / 1000) + tonumber(delay)
     if until_ms > hold then
       hold = until_ms
       redis.call('HSET', KEYS[3], 'hold_until', int(hold))
@@ -208,6 +217,10 @@ pub struct RedisSettings {
     /// After a broker notices that Redis lost its data, how long nothing is granted: at least
     /// the longest lease that may have been live.
     pub store_loss_delay: Duration,
+    /// When a broker finds no incarnation marker (a new Redis, or one that lost its data), how
+    /// long grants wait, so that brokers that knew the old store reach it and, if it lost its
+    /// data, hold grants back before anything is granted.
+    pub store_settle: Duration,
 }
 
 /// The Redis store. Cloning is cheap: the connection is multiplexed and shared.
@@ -224,7 +237,8 @@ pub struct RedisStore {
     marker: String,
     /// The marker id this broker saw last; empty before the first grant attempt.
     incarnation: Arc<std::sync::Mutex<String>>,
-    store_loss_delay_ms: u64,
+    /// ARGV[7] of the incarnation check: `<store_loss_delay_ms>,<store_settle_ms>`.
+    hold_args: String,
     timeout: Duration,
     scripts: Arc<Scripts>,
 }
@@ -277,7 +291,11 @@ impl RedisStore {
             channel: format!("{}released", settings.key_prefix),
             marker: format!("{}incarnation", settings.key_prefix),
             incarnation: Arc::default(),
-            store_loss_delay_ms: duration_ms(settings.store_loss_delay),
+            hold_args: format!(
+                "{},{}",
+                duration_ms(settings.store_loss_delay),
+                duration_ms(settings.store_settle)
+            ),
             timeout: settings.timeout,
             scripts: Arc::new(Scripts::new()),
         })
@@ -327,7 +345,7 @@ impl RedisStore {
             .arg(bid.owner.as_ref().map_or("", |o| o.as_str()))
             .arg(EXPIRY_SLACK_MS)
             .arg(&known)
-            .arg(self.store_loss_delay_ms)
+            .arg(&self.hold_args)
             .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()));
         if let Some(seen) = seen {
             inv.arg(seen);
@@ -396,7 +414,7 @@ impl RedisStore {
             .arg("")
             .arg("")
             .arg(&known)
-            .arg(self.store_loss_delay_ms);
+            .arg(&self.hold_args);
         if let Ok(seen) = self.bounded(inv.invoke_async::<String>(&mut conn)).await {
             self.note_incarnation(&known, seen);
         }
@@ -665,7 +683,7 @@ async fn listen_for_notices(store: RedisStore, waiters: Weak<Waiters>) {
             return;
         }
         tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
 

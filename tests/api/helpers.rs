@@ -292,6 +292,9 @@ pub async fn spawn_app_with(redis_url: Option<String>, tweak: impl FnOnce(&mut C
     let mut config = Config {
         listen: "127.0.0.1:0".parse().expect("a valid address"),
         redis_url,
+        // A new Redis per test: no settling time before the first grant (the tests of the
+        // settling set their own).
+        store_settle_ms: 0,
         ..Config::default()
     };
     tweak(&mut config);

@@ -304,3 +304,74 @@ async fn after_redis_loses_its_data_an_idle_broker_started_before_any_grant_gran
     expect_held_back(&answer);
     drop(one);
 }
+
+/// Settling time in the settling tests.
+const SETTLE_MS: u64 = 1500;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_without_an_incarnation_marker_grants_nothing_until_it_has_settled() {
+    let redis = RedisServer::start().await;
+    let started = Instant::now();
+    let app = spawn_app_with(Some(redis.url()), |c| c.store_settle_ms = SETTLE_MS).await;
+    redis.wait_until_listening(1).await;
+    // A broker that never saw this Redis cannot tell it from one that lost its data.
+    let answer = app.acquire("k", "").await;
+    answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    let retry_after: u64 = answer
+        .header("retry-after")
+        .expect("a Retry-After header")
+        .parse()
+        .expect("whole seconds");
+    assert!((1..=SETTLE_MS.div_ceil(1000)).contains(&retry_after));
+    let granted = loop {
+        let answer = app.acquire("k", "").await;
+        if answer.status == StatusCode::CREATED {
+            break started.elapsed();
+        }
+        answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+        assert!(
+            started.elapsed() < Duration::from_millis(SETTLE_MS + 3000),
+            "a new Redis still held back {:?} after the broker started",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        granted >= Duration::from_millis(SETTLE_MS - 100),
+        "{granted:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_loss_a_broker_that_never_saw_the_store_grants_nothing_while_a_forgotten_lease_lives()
+ {
+    let mut redis = RedisServer::start().await;
+    let knowing = broker_with_hold_back(&redis).await;
+    // Within store_loss_delay_ms, as every lease must be for the hold-back to cover it.
+    let forgotten = knowing.grant("forgotten", "ttl_ms=1000").await;
+    let granted_at = Instant::now();
+    redis.restart().await;
+    // A broker started after the loss reaches the empty Redis; it never saw the old one.
+    let newcomer = spawn_app_with(Some(redis.url()), |c| {
+        c.store_timeout_ms = STORE_TIMEOUT_MS;
+        c.store_loss_delay_ms = LOSS_DELAY_MS;
+        c.store_settle_ms = 3000;
+    })
+    .await;
+    // For as long as the forgotten lease may live, neither broker grants the key.
+    while granted_at.elapsed() < Duration::from_millis(950) {
+        for app in [&newcomer, &knowing] {
+            let answer = app.acquire("forgotten", "ttl_ms=1000").await;
+            assert_ne!(
+                answer.status,
+                StatusCode::CREATED,
+                "granted {} {:?} into the forgotten lease with fence {}",
+                answer.text,
+                granted_at.elapsed(),
+                forgotten.fence
+            );
+            answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}

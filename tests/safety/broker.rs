@@ -65,6 +65,9 @@ impl BrokerSpec {
             .args(["--max-ttl-ms", &self.max_ttl_ms.to_string()])
             .args(["--default-ttl-ms", &self.max_ttl_ms.min(30_000).to_string()])
             .args(["--log-level", "warn"])
+            // A new Redis per test: no settling time before the first grant (the api tests
+            // cover the settling).
+            .args(["--store-settle-ms", "0"])
             .stdin(Stdio::null())
             .process_group(0);
         if let Some(delay) = self.store_loss_delay_ms {
