@@ -145,6 +145,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         .await
         .and_then(reqwest::Response::error_for_status)
         .with_context(|| format!("the broker at {base} is not ready"))?;
+    wait_until_granting(&http, &base).await?;
     let redis = match &args.redis_url {
         None => None,
         Some(url) => Some(
@@ -491,6 +492,30 @@ pub fn command_calls(info: &str, name: &str) -> u64 {
         .and_then(|rest| rest.split(',').find_map(|f| f.strip_prefix("calls=")))
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// Waits until the broker grants a lock: on a Redis it has never seen, a broker grants nothing
+/// for its first `store_settle_ms`, and a measurement must not start inside that.
+async fn wait_until_granting(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
+    let url = format!(
+        "{base}/locks/bench-probe-{}",
+        &Token::generate().as_str()[..8]
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let answer = http.post(format!("{url}?ttl_ms=1000")).send().await?;
+        if answer.status() == reqwest::StatusCode::CREATED {
+            let granted: Granted = answer.json().await?;
+            return release(http, &url, &granted.token).await;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the broker at {base} granted nothing for 60 s (last answer {})",
+                answer.status()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
 /// Reads one unlabelled sample from the broker's /metrics.
