@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// A source of Unix epoch time.
 pub trait Clock: Send + Sync + 'static {
@@ -14,16 +14,32 @@ pub trait Clock: Send + Sync + 'static {
     }
 }
 
-/// The host's clock: correct for the embedded store, which only one broker uses.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct SystemClock;
+/// The host's clock as the embedded store reads it: the wall clock once, at start, then the
+/// monotonic clock, so an NTP step while the broker runs can neither end leases early (a step
+/// forward) nor stretch them (a step back). Correct for the embedded store, which one broker
+/// uses.
+#[derive(Debug, Clone, Copy)]
+pub struct SystemClock {
+    wall_at_start_us: u64,
+    start: Instant,
+}
+
+impl Default for SystemClock {
+    fn default() -> Self {
+        Self {
+            wall_at_start_us: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+                .unwrap_or(0),
+            start: Instant::now(),
+        }
+    }
+}
 
 impl Clock for SystemClock {
     fn now_us(&self) -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-            .unwrap_or(0)
+        let elapsed = u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.wall_at_start_us.saturating_add(elapsed)
     }
 }
 

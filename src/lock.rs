@@ -205,7 +205,11 @@ impl<S: Store> LockService<S> {
             };
             let retry_after_ms = match attempt {
                 Attempt::Granted(lease) => {
-                    if let Some(ticket) = ticket.take() {
+                    // A new lease runs its whole TTL; one handed back again by request id may
+                    // have less left, so the next in line looks for itself then.
+                    if let Some(ticket) = ticket.take()
+                        && lease.token == bid.token
+                    {
                         ticket.leave_as_holder(lease.ttl_ms);
                     }
                     return Ok(lease);
@@ -296,7 +300,10 @@ impl<S: Store> LockService<S> {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let mut pending = PendingGrant {
-            store: Some(self.store.clone()),
+            // With a request id the client can get this grant back by repeating its acquire,
+            // so a lease whose answer was lost is left to be claimed (or to end at its TTL);
+            // releasing it could pull it from under that repeat's 201.
+            store: bid.request_id.is_none().then(|| self.store.clone()),
             key: key.clone(),
             token: bid.token.clone(),
             ttl: bid.ttl,
@@ -394,7 +401,8 @@ impl<S: Store> LockService<S> {
 /// whole TTL. So it spawns a cleanup: a holder-checked release by that token, retried until the
 /// store gives any definite answer or the TTL has passed (by then the lease has ended by itself).
 /// A release by a token that holds nothing changes nothing, so a call that never applied costs
-/// one extra store call. If the store stays unreachable, the lease ends at its TTL like any
+/// one extra store call. Not armed for a bid with a request id: its client can get the grant
+/// back by repeating the acquire, and a cleanup could release it from under that repeat. If the store stays unreachable, the lease ends at its TTL like any
 /// other.
 struct PendingGrant<S: Store> {
     /// `None` once disarmed.

@@ -673,3 +673,29 @@ async fn metrics_count_known_traffic_by_result() {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
 }
+
+#[tokio::test]
+async fn a_grant_with_a_request_id_whose_answer_was_lost_is_kept_for_the_repeat() {
+    let h = harness();
+    h.store.fault_next_claim(ClaimFault::FailAfterApplying);
+    let lost = h
+        .locks
+        .acquire(&h.key, with_request_id(request(60_000, 0), "r-lost"))
+        .await;
+    assert!(matches!(lost, Err(LockError::StoreUnavailable(_))));
+    settle().await;
+    // The client repeats its acquire and gets the grant the store did make...
+    let again = h
+        .locks
+        .acquire(&h.key, with_request_id(request(60_000, 0), "r-lost"))
+        .await
+        .unwrap();
+    settle().await;
+    // ...and no cleanup takes it away afterwards.
+    assert_eq!(Scripted::count(&h.store.calls.release), 0);
+    assert_eq!(token_in_store(&h), Some(again.token.clone()));
+    h.locks
+        .renew(&h.key, &again.token, Ttl::from_ms(1_000))
+        .await
+        .unwrap();
+}

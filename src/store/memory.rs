@@ -38,7 +38,7 @@ pub struct MemoryStore {
 
 impl Default for MemoryStore {
     fn default() -> Self {
-        Self::new(Arc::new(SystemClock))
+        Self::new(Arc::new(SystemClock::default()))
     }
 }
 
@@ -111,12 +111,13 @@ impl MemoryStore {
     }
 }
 
-/// The fence after `last`; a key with no counter (new, or dropped after its leases ended) starts
-/// from the clock in microseconds, which is above any counter the key had before as long as it
-/// never saw more than one grant per microsecond on average — the Redis store does the same, so
-/// fences keep rising across a broker restart (here) or a store that lost its data (there).
+/// The fence after `last`, never below the clock in microseconds: a key with no counter (new,
+/// or dropped after its leases ended) starts from the clock, which is above any fence the key
+/// had before as long as it never saw more than one grant per microsecond on average — the
+/// Redis store does the same, so fences keep rising across a broker restart (here) or a store
+/// that lost or rolled back its data (there).
 fn next_fence(last: Option<Fence>, now_us: u64) -> Fence {
-    last.unwrap_or(now_us).max(1) + 1
+    last.map_or(1, |l| l + 1).max(now_us)
 }
 
 impl Store for MemoryStore {

@@ -6,12 +6,14 @@
 //! Redis's clock), `ttl` and, when given, `owner`; and `<prefix>{<key>}:fence`, the key's fence
 //! counter.
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
+use std::time::Instant;
 
 use futures_util::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink, PubSubStream};
-use redis::{FromRedisValue, RedisError, Script, Value};
+use redis::io::tcp::{TcpSettings, socket2};
+use redis::{FromRedisValue, IntoConnectionInfo, RedisError, Script, Value};
 
 use super::{
     Bid, Claim, EXPIRY_SLACK_MS, HeldBack, Holder, Lease, Released, Snapshot, Store, StoreError,
@@ -88,16 +90,18 @@ end
 ///
 /// The fence is taken in the same script as the write that grants, so fences are ordered like
 /// grants. (Taking it with INCR before a separate SETNX is not: A INCRs 5, B INCRs 6, B wins and
-/// releases, A then wins with 5.) A missing counter — a new key, a key whose counter expired with
-/// it, or a Redis that restarted empty — is seeded from Redis's clock in microseconds: above any
-/// value the counter had before as long as the key saw less than one grant per microsecond on
-/// average and Redis's clock did not step back by more than the key's expiry slack.
+/// releases, A then wins with 5.) The fence is never below Redis's clock in microseconds: a
+/// counter that is missing (a new key, a counter that expired with it, a Redis that restarted
+/// empty) or rolled back (a Redis restarted from an older snapshot, a failover to a lagging
+/// replica) jumps to the clock, above any fence granted before, as long as the key saw fewer
+/// than one grant per microsecond on average and Redis's clock did not step back.
 const GRANT: &str = r#"
 local function grant(now, inc)
-  if redis.call('EXISTS', KEYS[2]) == 0 then
-    redis.call('SET', KEYS[2], int(now))
-  end
   local fence = redis.call('INCR', KEYS[2])
+  if fence < now then
+    fence = now
+    redis.call('SET', KEYS[2], int(fence))
+  end
   local ttl = tonumber(ARGV[2])
   local expires = math.floor(now / 1000) + ttl
   local keep = ttl + tonumber(ARGV[5])
@@ -229,7 +233,12 @@ pub struct RedisStore {
     /// Kept for the notice subscriber, which needs a connection of its own (a subscribed
     /// connection can issue no other commands).
     client: redis::Client,
-    conn: ConnectionManager,
+    /// The multiplexed connection, swapped for a fresh one when a call times out (see
+    /// `replace_connection`). A std RwLock: held only to clone or swap the handle.
+    conn: Arc<RwLock<ConnectionManager>>,
+    manager_config: ConnectionManagerConfig,
+    /// When the connection was last replaced, so a burst of timeouts replaces it once.
+    replaced_at: Arc<std::sync::Mutex<Option<Instant>>>,
     prefix: String,
     /// `<prefix>released`: where releases publish the client key.
     channel: String,
@@ -251,7 +260,8 @@ struct Scripts {
     take_over: Script,
     release: Script,
     renew: Script,
-    check: Script,
+    /// The incarnation check's source, run with plain EVAL (see `check_incarnation`).
+    check: String,
 }
 
 impl Scripts {
@@ -262,7 +272,7 @@ impl Scripts {
             take_over: Script::new(&[PRELUDE, INCARNATION, GRANT, TAKE_OVER].concat()),
             release: Script::new(&[PRELUDE, HOLDER, RELEASE].concat()),
             renew: Script::new(&[PRELUDE, HOLDER, RENEW].concat()),
-            check: Script::new(&[PRELUDE, INCARNATION, CHECK].concat()),
+            check: [PRELUDE, INCARNATION, CHECK].concat(),
         }
     }
 }
@@ -272,7 +282,24 @@ impl RedisStore {
     /// ready) while Redis is down, and the connection manager reconnects by itself when it
     /// returns.
     pub fn connect(settings: &RedisSettings) -> Result<Self, StoreError> {
-        let client = redis::Client::open(settings.url.as_str())
+        let info = settings
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| StoreError::Failed(format!("invalid Redis URL: {e}")))?;
+        // A response timeout alone does not make the connection manager reconnect: on a
+        // connection whose far end vanished without a reset (a host gone, a black-holing
+        // middlebox), every call would time out until the kernel gave up, minutes later.
+        // TCP_USER_TIMEOUT bounds how long sent data may stay unacknowledged, and keepalive
+        // probes an idle one, so such a connection fails and is replaced within a few seconds.
+        let tcp = TcpSettings::default().set_nodelay(true).set_keepalive(
+            socket2::TcpKeepalive::new()
+                .with_time(Duration::from_secs(5))
+                .with_interval(Duration::from_secs(1)),
+        );
+        #[cfg(target_os = "linux")]
+        let tcp = tcp.set_user_timeout(settings.timeout.max(Duration::from_secs(1)));
+        let client = redis::Client::open(info.set_tcp_settings(tcp))
             .map_err(|e| StoreError::Failed(format!("invalid Redis URL: {e}")))?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(settings.timeout))
@@ -282,11 +309,13 @@ impl RedisStore {
             .set_min_delay(Duration::from_millis(50))
             .set_max_delay(Duration::from_secs(1))
             .set_number_of_retries(3);
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
             .map_err(|e| StoreError::Failed(format!("cannot set up the Redis connection: {e}")))?;
         Ok(Self {
             client,
-            conn,
+            conn: Arc::new(RwLock::new(conn)),
+            manager_config: config,
+            replaced_at: Arc::default(),
             prefix: settings.key_prefix.clone(),
             channel: format!("{}released", settings.key_prefix),
             marker: format!("{}incarnation", settings.key_prefix),
@@ -322,7 +351,38 @@ impl RedisStore {
         }
     }
 
+    /// A handle on the current connection (cheap: the manager is a shared, multiplexed handle).
+    fn connection(&self) -> ConnectionManager {
+        self.conn.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Swaps in a fresh connection after a timeout. A response timeout alone does not make the
+    /// connection manager reconnect, and a connection whose far end stopped answering while
+    /// something still acknowledges its packets (a black-holing proxy or middlebox) would time
+    /// out every call forever. At most once per store timeout; the old connection closes when
+    /// the calls still using it finish.
+    fn replace_connection(&self) {
+        {
+            let mut replaced_at = self.replaced_at.lock().unwrap_or_else(|e| e.into_inner());
+            if replaced_at.is_some_and(|at| at.elapsed() < self.timeout) {
+                return;
+            }
+            *replaced_at = Some(Instant::now());
+        }
+        match ConnectionManager::new_lazy_with_config(
+            self.client.clone(),
+            self.manager_config.clone(),
+        ) {
+            Ok(fresh) => {
+                tracing::warn!("a Redis call timed out: replacing the connection");
+                *self.conn.write().unwrap_or_else(|e| e.into_inner()) = fresh;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot set up a fresh Redis connection"),
+        }
+    }
+
     fn timed_out(&self) -> StoreError {
+        self.replace_connection();
         StoreError::Timeout(duration_ms(self.timeout))
     }
 
@@ -350,7 +410,7 @@ impl RedisStore {
         if let Some(seen) = seen {
             inv.arg(seen);
         }
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let reply: Vec<Value> = self.bounded(inv.invoke_async(&mut conn)).await?;
         let (outcome, incarnation) = match field::<u8>(&reply, 0)? {
             0 => (GrantReply::Refused, field::<String>(&reply, 1)?),
@@ -402,12 +462,17 @@ impl RedisStore {
     /// incarnation from the start — a broker that never grants still notices a loss — and on
     /// every reconnect and health tick, so a loss is noticed, and grants held back store-wide,
     /// as soon as Redis is back.
-    async fn check_incarnation(&self) {
+    async fn check_incarnation(&self) -> bool {
         let known = self.known_incarnation();
-        let mut conn = self.conn.clone();
-        let mut inv = self.scripts.check.key("");
-        inv.key("")
-            .key(&self.marker)
+        let mut conn = self.connection();
+        // Plain EVAL, not EVALSHA: this background check, once a second, then shows apart from
+        // the lock operations in Redis's command statistics. It is not on any request's path.
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(&self.scripts.check)
+            .arg(3)
+            .arg("")
+            .arg("")
+            .arg(&self.marker)
             .arg("")
             .arg("")
             .arg("")
@@ -415,8 +480,12 @@ impl RedisStore {
             .arg("")
             .arg(&known)
             .arg(&self.hold_args);
-        if let Ok(seen) = self.bounded(inv.invoke_async::<String>(&mut conn)).await {
-            self.note_incarnation(&known, seen);
+        match self.bounded(eval.query_async::<String>(&mut conn)).await {
+            Ok(seen) => {
+                self.note_incarnation(&known, seen);
+                true
+            }
+            Err(_) => false,
         }
     }
 
@@ -504,7 +573,7 @@ impl Store for RedisStore {
 
     async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
         let [lock, _] = self.keys(key);
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let (now_ms, token, fence, expires, ttl, owner, request_id, incarnation): ReadReply = self
             .bounded(
                 self.scripts
@@ -550,7 +619,7 @@ impl Store for RedisStore {
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<Released>, StoreError> {
         let [lock, _] = self.keys(key);
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let (code, held_ms): (u8, Option<u64>) = self
             .bounded(
                 self.scripts
@@ -577,7 +646,7 @@ impl Store for RedisStore {
         ttl: Ttl,
     ) -> Result<Holder<Lease>, StoreError> {
         let [lock, _] = self.keys(key);
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let reply: (u8, Option<u64>, Option<u64>, Option<String>) = self
             .bounded(
                 self.scripts
@@ -606,7 +675,7 @@ impl Store for RedisStore {
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let _: String = self
             .bounded(redis::cmd("PING").query_async(&mut conn))
             .await?;
@@ -624,7 +693,7 @@ impl Store for RedisStore {
 
 /// How often the notice connection is checked with a PING: a connection that silently stopped
 /// delivering (a half-open TCP connection) is replaced within this, plus the store timeout.
-const NOTICE_HEALTH_EVERY: Duration = Duration::from_secs(5);
+const NOTICE_HEALTH_EVERY: Duration = Duration::from_secs(1);
 
 /// The broker's one subscriber connection: delivers every notice on `channel` to `waiters`,
 /// reconnecting with backoff for as long as the waiters exist. After each (re)connect every
@@ -641,8 +710,15 @@ async fn listen_for_notices(store: RedisStore, waiters: Weak<Waiters>) {
                 tracing::debug!(%channel, "listening for release notices");
                 backoff = Duration::from_millis(100);
                 // Subscribed: Redis is back (or was never gone). Before anything else, see
-                // whether it lost its data meanwhile.
-                store.check_incarnation().await;
+                // whether it lost its data meanwhile. The first try may go out on the main
+                // connection's dead socket (which only then starts reconnecting): try again
+                // every 100 ms until one answers, well within store_settle_ms.
+                for _ in 0..50 {
+                    if store.check_incarnation().await {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
                 match waiters.upgrade() {
                     Some(waiters) => waiters.wake_all(),
                     None => return,

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 
 use crate::cross_broker::wait_until_ready;
-use crate::helpers::{Answer, RedisServer, TestApp, spawn_app_with};
+use crate::helpers::{Answer, RedisServer, TestApp, spawn_app, spawn_app_with};
 use crate::waiting::{PROMPTLY, SETTLE, answer_within};
 
 /// A small store timeout keeps these tests fast.
@@ -374,4 +374,65 @@ async fn after_a_loss_a_broker_that_never_saw_the_store_grants_nothing_while_a_f
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_loss_an_idle_broker_that_knew_the_store_flags_it_before_a_newcomer_has_settled() {
+    let mut redis = RedisServer::start().await;
+    // The knowing broker grants once, then only listens: it must notice the loss by itself.
+    let knowing = spawn_app_with(Some(redis.url()), |c| {
+        c.store_timeout_ms = STORE_TIMEOUT_MS;
+        c.store_loss_delay_ms = 6_000;
+    })
+    .await;
+    let forgotten = knowing.grant("forgotten", "ttl_ms=5000").await;
+    let granted_at = Instant::now();
+    redis.restart().await;
+    let newcomer = spawn_app_with(Some(redis.url()), |c| {
+        c.store_timeout_ms = STORE_TIMEOUT_MS;
+        c.store_loss_delay_ms = 6_000;
+        c.store_settle_ms = SETTLE_MS;
+    })
+    .await;
+    // The newcomer's own settling ends after 1.5 s; the forgotten lease lives 5 s. Only the
+    // knowing broker's hold can cover the rest.
+    while granted_at.elapsed() < Duration::from_millis(4_900) {
+        let answer = newcomer.acquire("forgotten", "ttl_ms=1000").await;
+        assert_ne!(
+            answer.status,
+            StatusCode::CREATED,
+            "granted {} {:?} into the forgotten lease with fence {}",
+            answer.text,
+            granted_at.elapsed(),
+            forgotten.fence
+        );
+        answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(knowing);
+}
+
+#[tokio::test]
+async fn fences_keep_rising_when_redis_rolls_its_fence_counter_back() {
+    let redis = RedisServer::start().await;
+    let app = spawn_app(Some(redis.url())).await;
+    let first = app.grant("k", "").await;
+    app.release("k", &first.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    // As a restart from an older snapshot, or a failover to a lagging replica, would leave it.
+    let mut conn = redis.connection().await;
+    let _: () = redis::cmd("SET")
+        .arg("lockbroker:{k}:fence")
+        .arg(first.fence.saturating_sub(1000))
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+    let second = app.grant("k", "").await;
+    assert!(
+        second.fence > first.fence,
+        "fence {} after {}",
+        second.fence,
+        first.fence
+    );
 }

@@ -586,3 +586,33 @@ async fn after_a_loss_the_hold_back_set_by_a_broker_that_knew_the_store_binds_a_
         lost.elapsed()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_redis_connection_is_replaced_after_one_timeout() {
+    let redis = RedisServer::start().await;
+    let proxy = Proxy::start(redis_addr(&redis.url())).await;
+    let app = spawn_app_with(Some(proxy.redis_url()), |c| c.store_timeout_ms = 300).await;
+    app.grant("before", "ttl_ms=1000").await;
+    // The broker's connections now go nowhere while looking alive (something still
+    // acknowledges every packet); a new connection to Redis works.
+    proxy.blackhole_existing();
+    let started = Instant::now();
+    let first = app.acquire("during", "ttl_ms=1000").await;
+    first.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    assert!(started.elapsed() < Duration::from_millis(300 + 1500));
+    // The broker replaces the connection instead of timing out forever.
+    let recovered = loop {
+        let answer = app.acquire("during", "ttl_ms=1000").await;
+        if answer.status == StatusCode::CREATED {
+            break started.elapsed();
+        }
+        answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still 503 {:?} after the connection went half-open",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!("a half-open connection was replaced; grants resumed after {recovered:?}");
+}

@@ -30,6 +30,21 @@ pub enum Mode {
     /// bytes read are discarded, so a connection that was blackholed is out of step with Redis:
     /// it is closed when the blackhole ends, as a real partition ends with a reset.
     Blackhole,
+    /// [`Mode::Blackhole`] for the connections accepted before the proxy's n-th, [`Mode::Pass`]
+    /// for the others: a half-open connection whose far end still acknowledges everything,
+    /// while a new connection works. Set with [`Proxy::blackhole_existing`].
+    BlackholeOlderThan(usize),
+}
+
+impl Mode {
+    /// The mode as it applies to the connection accepted `born`-th.
+    fn for_connection(self, born: usize) -> Self {
+        match self {
+            Mode::BlackholeOlderThan(n) if born < n => Mode::Blackhole,
+            Mode::BlackholeOlderThan(_) => Mode::Pass,
+            mode => mode,
+        }
+    }
 }
 
 /// How long the proxy tries to reach an upstream for a new connection.
@@ -38,6 +53,8 @@ const CONNECT_LIMIT: Duration = Duration::from_secs(1);
 struct Shared {
     upstreams: Vec<SocketAddr>,
     next: AtomicUsize,
+    /// Connections accepted so far.
+    accepted: AtomicUsize,
     mode: watch::Sender<Mode>,
 }
 
@@ -64,6 +81,7 @@ impl Proxy {
         let shared = Arc::new(Shared {
             upstreams,
             next: AtomicUsize::new(0),
+            accepted: AtomicUsize::new(0),
             mode: watch::Sender::new(Mode::Pass),
         });
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
@@ -87,6 +105,12 @@ impl Proxy {
     /// Switches the mode; connections under way follow at once.
     pub fn set(&self, mode: Mode) {
         self.shared.mode.send_replace(mode);
+    }
+
+    /// Blackholes every connection open now; new ones pass.
+    pub fn blackhole_existing(&self) {
+        let accepted = self.shared.accepted.load(Ordering::SeqCst);
+        self.set(Mode::BlackholeOlderThan(accepted));
     }
 }
 
@@ -120,8 +144,9 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 /// One proxied connection: ends when either side closes, when the mode turns to `Drop`, or when
 /// a blackhole this connection was caught in ends.
 async fn serve(client: TcpStream, shared: Arc<Shared>) {
+    let born = shared.accepted.fetch_add(1, Ordering::SeqCst);
     let mut mode = shared.mode.subscribe();
-    if *mode.borrow_and_update() == Mode::Drop {
+    if mode.borrow_and_update().for_connection(born) == Mode::Drop {
         return;
     }
     let i = shared.next.fetch_add(1, Ordering::Relaxed) % shared.upstreams.len();
@@ -139,12 +164,14 @@ async fn serve(client: TcpStream, shared: Arc<Shared>) {
         client_read,
         server_write,
         shared.mode.subscribe(),
+        born,
         blackholed.clone(),
     );
     let down = pump(
         server_read,
         client_write,
         shared.mode.subscribe(),
+        born,
         blackholed.clone(),
     );
     let cut = async {
@@ -152,7 +179,7 @@ async fn serve(client: TcpStream, shared: Arc<Shared>) {
             if mode.changed().await.is_err() {
                 return;
             }
-            let now = *mode.borrow_and_update();
+            let now = mode.borrow_and_update().for_connection(born);
             if now == Mode::Drop || (blackholed.load(Ordering::SeqCst) && now != Mode::Blackhole) {
                 return;
             }
@@ -173,6 +200,7 @@ async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     mode: watch::Receiver<Mode>,
+    born: usize,
     blackholed: Arc<AtomicBool>,
 ) {
     let (queue, mut due) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
@@ -183,7 +211,7 @@ async fn pump(
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
-            let now = *mode.borrow();
+            let now = mode.borrow().for_connection(born);
             if now == Mode::Blackhole {
                 blackholed.store(true, Ordering::SeqCst);
             }
@@ -194,7 +222,9 @@ async fn pump(
                 Mode::Pass => Instant::now(),
                 Mode::Delay(by) => Instant::now() + by,
                 Mode::Drop => break,
-                Mode::Blackhole => unreachable!("handled above"),
+                Mode::Blackhole | Mode::BlackholeOlderThan(_) => {
+                    unreachable!("handled above, or resolved by for_connection")
+                }
             };
             if queue.send((at, buf[..n].to_vec())).is_err() {
                 break;
