@@ -72,9 +72,11 @@ impl<S: Send + Sync> FromRequest<S> for Params {
         } else if !is_json {
             return Err(ApiError::unsupported_media_type());
         } else {
-            match serde_json::from_slice::<Value>(&bytes) {
-                Ok(Value::Object(map)) => map,
-                Ok(_) => return Err(ApiError::invalid("The JSON body must be an object.")),
+            match serde_json::from_slice::<Body>(&bytes) {
+                Ok(Body(map)) => map,
+                Err(e) if e.is_data() => {
+                    return Err(ApiError::invalid(format!("The JSON body is refused: {e}.")));
+                }
                 Err(e) => {
                     return Err(ApiError::invalid(format!(
                         "The JSON body is malformed: {e}."
@@ -87,6 +89,38 @@ impl<S: Send + Sync> FromRequest<S> for Params {
             body,
             token_header,
         })
+    }
+}
+
+/// A JSON body: an object whose top-level names are each given once. (serde_json's own map
+/// keeps the last of two equal names, which would let `{"ttl_ms":5000,"ttl_ms":1}` through.)
+struct Body(Map<String, Value>);
+
+impl<'de> serde::Deserialize<'de> for Body {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Body;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut access: A,
+            ) -> Result<Body, A::Error> {
+                let mut map = Map::new();
+                while let Some((name, value)) = access.next_entry::<String, Value>()? {
+                    if map.contains_key(&name) {
+                        return Err(serde::de::Error::custom(format!("{name} is given twice")));
+                    }
+                    map.insert(name, value);
+                }
+                Ok(Body(map))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
     }
 }
 

@@ -144,6 +144,14 @@ async fn a_parameter_in_both_the_query_and_the_body_must_have_one_value(b: &Back
             .await
             .expect_error(StatusCode::BAD_REQUEST, "invalid_request");
     }
+    // The same name twice in the body is refused too, not settled by the last one.
+    app.send(
+        app.request(Method::POST, "/locks/both")
+            .header("Content-Type", "application/json")
+            .body(r#"{"ttl_ms": 5000, "ttl_ms": 1}"#),
+    )
+    .await
+    .expect_error(StatusCode::BAD_REQUEST, "invalid_request");
     app.inspect("both")
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
