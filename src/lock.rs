@@ -136,10 +136,6 @@ impl<S: Store> LockService<S> {
         }
     }
 
-    pub fn store(&self) -> &Arc<S> {
-        &self.store
-    }
-
     /// Requests waiting on this broker now.
     pub fn waiting(&self) -> usize {
         self.waiters.len()

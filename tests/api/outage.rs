@@ -223,6 +223,17 @@ fn expect_held_back(answer: &Answer) {
     assert!((1..=LOSS_DELAY_MS.div_ceil(1000)).contains(&retry_after));
 }
 
+/// Asserts `answer` is no grant: the lease with fence `forgotten` that Redis forgot may still be
+/// live for its holder, `into` its life.
+fn expect_no_grant_during(answer: &Answer, forgotten: u64, into: Duration) {
+    assert_ne!(
+        answer.status,
+        StatusCode::CREATED,
+        "granted {} {into:?} into the forgotten lease with fence {forgotten}",
+        answer.text,
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_redis_loses_its_data_nothing_is_granted_until_the_leases_it_forgot_have_ended() {
     let mut redis = RedisServer::start().await;
@@ -264,6 +275,7 @@ async fn after_redis_loses_its_data_a_broker_that_had_granted_nothing_grants_not
     let two = broker_with_hold_back(&redis).await;
     // Only broker one grants before the loss; broker two serves, but grants nothing.
     let forgotten = one.grant("forgotten", "ttl_ms=1000").await;
+    let granted_at = Instant::now();
     two.inspect("forgotten").await.expect_status(StatusCode::OK);
     redis.restart().await;
     wait_until_ready(&one, Duration::from_secs(5)).await;
@@ -272,13 +284,7 @@ async fn after_redis_loses_its_data_a_broker_that_had_granted_nothing_grants_not
     // still live for its holder (who got it from broker one), so granting the key now would
     // have two holders at once.
     let answer = two.acquire("forgotten", "ttl_ms=1000").await;
-    assert_ne!(
-        answer.status,
-        StatusCode::CREATED,
-        "granted {} while the lease with fence {} that Redis forgot may still be live",
-        answer.text,
-        forgotten.fence
-    );
+    expect_no_grant_during(&answer, forgotten.fence, granted_at.elapsed());
     expect_held_back(&answer);
 }
 
@@ -291,16 +297,11 @@ async fn after_redis_loses_its_data_an_idle_broker_started_before_any_grant_gran
     let two = broker_with_hold_back(&redis).await;
     redis.wait_until_listening(2).await;
     let forgotten = one.grant("forgotten", "ttl_ms=1000").await;
+    let granted_at = Instant::now();
     redis.restart().await;
     wait_until_ready(&two, Duration::from_secs(5)).await;
     let answer = two.acquire("forgotten", "ttl_ms=1000").await;
-    assert_ne!(
-        answer.status,
-        StatusCode::CREATED,
-        "granted {} while the lease with fence {} that Redis forgot may still be live",
-        answer.text,
-        forgotten.fence
-    );
+    expect_no_grant_during(&answer, forgotten.fence, granted_at.elapsed());
     expect_held_back(&answer);
     drop(one);
 }
@@ -362,14 +363,7 @@ async fn after_a_loss_a_broker_that_never_saw_the_store_grants_nothing_while_a_f
     while granted_at.elapsed() < Duration::from_millis(950) {
         for app in [&newcomer, &knowing] {
             let answer = app.acquire("forgotten", "ttl_ms=1000").await;
-            assert_ne!(
-                answer.status,
-                StatusCode::CREATED,
-                "granted {} {:?} into the forgotten lease with fence {}",
-                answer.text,
-                granted_at.elapsed(),
-                forgotten.fence
-            );
+            expect_no_grant_during(&answer, forgotten.fence, granted_at.elapsed());
             answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
@@ -399,14 +393,7 @@ async fn after_a_loss_an_idle_broker_that_knew_the_store_flags_it_before_a_newco
     // knowing broker's hold can cover the rest.
     while granted_at.elapsed() < Duration::from_millis(4_900) {
         let answer = newcomer.acquire("forgotten", "ttl_ms=1000").await;
-        assert_ne!(
-            answer.status,
-            StatusCode::CREATED,
-            "granted {} {:?} into the forgotten lease with fence {}",
-            answer.text,
-            granted_at.elapsed(),
-            forgotten.fence
-        );
+        expect_no_grant_during(&answer, forgotten.fence, granted_at.elapsed());
         answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
