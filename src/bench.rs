@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use crate::domain::{LockKey, Token, Ttl};
 use crate::store::redis::RedisSettings;
-use crate::store::{Bid, Claim, Holder, RedisStore, Store};
+use crate::store::{Bid, Grant, Holder, RedisStore, Store};
 
 /// `lockbroker bench` flags.
 #[derive(Debug, Clone, Args)]
@@ -171,13 +171,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
 
     let mut broker_over_direct = None;
     if let Some(url) = &args.redis_url {
-        let store = RedisStore::connect(&RedisSettings {
-            url: url.clone(),
-            key_prefix: args.key_prefix.clone(),
-            timeout: Duration::from_secs(2),
-            store_loss_delay: Duration::from_secs(3600),
-            store_settle: Duration::from_secs(3),
-        })?;
+        let store = RedisStore::connect(
+            &RedisSettings {
+                url: url.clone(),
+                key_prefix: args.key_prefix.clone(),
+                timeout: Duration::from_secs(2),
+                store_loss_delay: Duration::ZERO,
+                store_settle: Duration::from_secs(3),
+            },
+            Arc::default(),
+        )?;
         let calls = ScriptCalls::start(redis.clone()).await?;
         let mut direct = uncontended_direct(Arc::new(store), &args, &run_id, progress).await;
         direct.redis_calls_per_cycle = calls.per(direct.cycles).await?;
@@ -429,7 +432,7 @@ async fn uncontended_direct(
                         request_id: None,
                     };
                     let ok = match store.claim(&key, &bid).await {
-                        Ok(Claim::Granted(_)) => {
+                        Ok(Grant::Granted(_)) => {
                             matches!(store.release(&key, &bid.token).await, Ok(Holder::Done(_)))
                         }
                         _ => false,

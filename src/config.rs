@@ -126,7 +126,7 @@ impl Default for Config {
             max_wait_ms: 60_000,
             store_timeout_ms: 2_000,
             max_waiters: 10_000,
-            store_loss_delay_ms: 3_600_000,
+            store_loss_delay_ms: 0,
             store_settle_ms: 3_000,
             log_format: LogFormat::Text,
             log_level: "info".into(),
@@ -189,7 +189,7 @@ impl Config {
             store_loss_delay_ms: args
                 .store_loss_delay_ms
                 .or(file.store_loss_delay_ms)
-                .unwrap_or(max_ttl_ms),
+                .unwrap_or(0),
             store_settle_ms: args
                 .store_settle_ms
                 .or(file.store_settle_ms)

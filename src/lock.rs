@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rand::RngExt;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::domain::{LockKey, Owner, RequestId, Token, Ttl, WaitFor};
 use crate::metrics::{AcquireResult, HolderResult, Metrics, StoreOp};
-use crate::store::{Bid, Claim, HeldBack, Holder, Lease, Store, StoreError, TakeOver};
+use crate::store::{Bid, Grant, Hold, Holder, Lease, NOTICE_BUFFER, Notice, Store, StoreError};
 use crate::waiters::Waiters;
 
 /// Limits and defaults the service applies; validated by the configuration.
@@ -40,16 +40,9 @@ pub enum LockError {
     StoreUnavailable(#[from] StoreError),
     #[error("the broker is shutting down")]
     ShuttingDown,
-    #[error("the store lost its data; grants resume in {retry_after_ms} ms")]
-    StoreRecovering { retry_after_ms: u64 },
-}
-
-impl From<HeldBack> for LockError {
-    fn from(held: HeldBack) -> Self {
-        Self::StoreRecovering {
-            retry_after_ms: held.until_ms.saturating_sub(held.now_ms),
-        }
-    }
+    /// A store-wide hold is in force (the store is new or lost writes; see [`Hold`]).
+    #[error("a store-wide hold is in force for {} ms", .0.retry_after_ms)]
+    Held(Hold),
 }
 
 /// An acquire as the client asked for it.
@@ -92,6 +85,9 @@ const MAX_IMMEDIATE_RETRIES: u32 = 8;
 /// The shortest nap of a waiting acquire between two looks at the lock without a notice.
 const POLL_MIN: Duration = Duration::from_millis(5);
 
+/// How soon a waiting acquire looks again after the store failed to answer.
+const STORE_RETRY: Duration = Duration::from_millis(200);
+
 /// The head waiter's fallback poll, in case a release notice is lost: 1 s, doubling while it
 /// waits, up to 30 s — so a long wait costs a handful of store calls, not one per interval.
 /// Notices are the normal path; after a notice channel reconnects, every head is woken anyway.
@@ -123,16 +119,30 @@ impl<S: Store> LockService<S> {
     /// `shutdown` turns true when the broker stops: waiting acquires then end with
     /// [`LockError::ShuttingDown`].
     ///
-    /// Starts the store's release notices towards this service's waiters.
+    /// Starts the store's background work, its release notices going to this service's waiters.
     pub fn new(store: Arc<S>, settings: LockSettings, shutdown: watch::Receiver<bool>) -> Self {
+        Self::with_metrics(store, settings, shutdown, Arc::default())
+    }
+
+    /// As [`LockService::new`], counting into `metrics` (which the store may share).
+    pub fn with_metrics(
+        store: Arc<S>,
+        settings: LockSettings,
+        shutdown: watch::Receiver<bool>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let waiters = Waiters::new(settings.max_waiters);
-        store.start_notices(&waiters);
+        let (notices, received) = mpsc::channel(NOTICE_BUFFER);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(hand_notices_to(Arc::downgrade(&waiters), received));
+        }
+        store.start(notices);
         Self {
             store,
             settings,
             waiters,
             shutdown,
-            metrics: Arc::default(),
+            metrics,
         }
     }
 
@@ -194,10 +204,46 @@ impl<S: Store> LockService<S> {
         // Handed over by the waiter ahead of us when it was granted: the lock is held for this
         // long, so the next look can wait.
         let mut held_for_ms: Option<u64> = None;
+        // Why the last look could not tell who holds the key (a store-wide hold, a store that
+        // did not answer), if it could not.
+        let mut trouble: Option<LockError> = None;
+        // The bid with a fresh token, once a store call failed.
+        let mut retry_bid: Option<Bid> = None;
         loop {
+            let bid = retry_bid.as_ref().unwrap_or(bid);
             let attempt = match held_for_ms.take() {
                 Some(retry_after_ms) => Attempt::Held { retry_after_ms },
-                None => self.attempt(key, bid).await?,
+                None => match self.attempt(key, bid).await {
+                    // A store-wide hold lasts a few seconds: a request that may still wait waits
+                    // it out, as it would a holder.
+                    Err(LockError::Held(hold)) if Instant::now() < deadline => {
+                        trouble = Some(LockError::Held(hold));
+                        Attempt::Held {
+                            retry_after_ms: hold.retry_after_ms,
+                        }
+                    }
+                    // So does a store that failed to answer (a restart, a failover): the
+                    // request looks again shortly, with a new token — the failed call may have
+                    // granted the old one, and its cleanup releases by that token.
+                    Err(LockError::StoreUnavailable(e))
+                        if Instant::now() + STORE_RETRY < deadline =>
+                    {
+                        trouble = Some(LockError::StoreUnavailable(e));
+                        retry_bid = Some(Bid {
+                            token: Token::generate(),
+                            ..bid.clone()
+                        });
+                        tokio::select! {
+                            () = tokio::time::sleep(jittered(STORE_RETRY)) => {}
+                            _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
+                        }
+                        continue;
+                    }
+                    attempt => {
+                        trouble = None;
+                        attempt?
+                    }
+                },
             };
             let retry_after_ms = match attempt {
                 Attempt::Granted(lease) => {
@@ -220,7 +266,8 @@ impl<S: Store> LockService<S> {
             immediate = 0;
             let now = Instant::now();
             if now >= deadline {
-                return Err(LockError::Locked { retry_after_ms });
+                // The wait ran out: say why the last look did not grant.
+                return Err(trouble.unwrap_or(LockError::Locked { retry_after_ms }));
             }
             let Some(waiting) = &ticket else {
                 // The queue was full when we came; if there is room now, join and look again
@@ -255,9 +302,9 @@ impl<S: Store> LockService<S> {
         // 1. SETNX: a free key is ours in one round trip.
         let claim = self.timed(StoreOp::claim, self.store.claim(key, bid));
         match self.guarded(key, bid, claim).await? {
-            Claim::Granted(lease) => return Ok(Attempt::Granted(lease)),
-            Claim::HeldBack(held) => return Err(held.into()),
-            Claim::Taken => {}
+            Grant::Granted(lease) => return Ok(Attempt::Granted(lease)),
+            Grant::Held(hold) => return Err(LockError::Held(hold)),
+            Grant::Refused => {}
         }
         // 2. GET: who holds it, and until when on the store's clock.
         let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
@@ -277,13 +324,13 @@ impl<S: Store> LockService<S> {
             self.store.take_over(key, current.fence, bid),
         );
         match self.guarded(key, bid, take_over).await? {
-            TakeOver::Granted(lease) => {
+            Grant::Granted(lease) => {
                 self.metrics.took_over();
                 Ok(Attempt::Granted(lease))
             }
             // Another contender won it (or its holder renewed it): look again.
-            TakeOver::Lost => Ok(Attempt::Again),
-            TakeOver::HeldBack(held) => Err(held.into()),
+            Grant::Refused => Ok(Attempt::Again),
+            Grant::Held(hold) => Err(LockError::Held(hold)),
         }
     }
 
@@ -325,14 +372,10 @@ impl<S: Store> LockService<S> {
             ),
             Ok(Holder::NotHeld) => (HolderResult::NotHeld, None),
             Ok(Holder::NotOwner) => (HolderResult::NotOwner, None),
-            Err(_) => (HolderResult::Error, None),
+            Ok(Holder::Held(_)) | Err(_) => (HolderResult::Error, None),
         };
         self.metrics.released(result, held);
-        match outcome? {
-            Holder::Done(_) => Ok(()),
-            Holder::NotHeld => Err(LockError::NotHeld),
-            Holder::NotOwner => Err(LockError::NotOwner),
-        }
+        outcome?.into_result().map(drop)
     }
 
     /// Moves the end of `token`'s live lease to `ttl` from now. Same token, same fence.
@@ -344,13 +387,9 @@ impl<S: Store> LockService<S> {
             Ok(Holder::Done(_)) => HolderResult::Done,
             Ok(Holder::NotHeld) => HolderResult::NotHeld,
             Ok(Holder::NotOwner) => HolderResult::NotOwner,
-            Err(_) => HolderResult::Error,
+            Ok(Holder::Held(_)) | Err(_) => HolderResult::Error,
         });
-        match outcome? {
-            Holder::Done(lease) => Ok(lease),
-            Holder::NotHeld => Err(LockError::NotHeld),
-            Holder::NotOwner => Err(LockError::NotOwner),
-        }
+        outcome?.into_result()
     }
 
     /// The live lease on `key`, if any.
@@ -365,9 +404,13 @@ impl<S: Store> LockService<S> {
         }
     }
 
-    /// Whether the store answers.
+    /// Whether a free key would be granted now: the store answers and no store-wide hold is in
+    /// force.
     pub async fn ready(&self) -> Result<(), LockError> {
-        Ok(self.timed(StoreOp::ping, self.store.ping()).await?)
+        match self.timed(StoreOp::ping, self.store.ready()).await? {
+            None => Ok(()),
+            Some(hold) => Err(LockError::Held(hold)),
+        }
     }
 
     /// Runs one store call, recording its latency and whether it failed.
@@ -440,6 +483,31 @@ impl<S: Store> Drop for PendingGrant<S> {
                 }
             }
         });
+    }
+}
+
+impl<T> Holder<T> {
+    /// The value of a holder-checked operation that was done, or why it was not.
+    fn into_result(self) -> Result<T, LockError> {
+        match self {
+            Holder::Done(v) => Ok(v),
+            Holder::NotHeld => Err(LockError::NotHeld),
+            Holder::NotOwner => Err(LockError::NotOwner),
+            Holder::Held(hold) => Err(LockError::Held(hold)),
+        }
+    }
+}
+
+/// Hands the store's notices to the waiters, until the service is gone.
+async fn hand_notices_to(waiters: std::sync::Weak<Waiters>, mut notices: mpsc::Receiver<Notice>) {
+    while let Some(notice) = notices.recv().await {
+        let Some(waiters) = waiters.upgrade() else {
+            return;
+        };
+        match notice {
+            Notice::Released(key) => waiters.wake(&key),
+            Notice::Missed => waiters.wake_all(),
+        }
     }
 }
 

@@ -69,7 +69,7 @@ impl Scripted {
 }
 
 impl Store for Scripted {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Claim, StoreError> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Grant, StoreError> {
         self.calls.claim.fetch_add(1, Ordering::SeqCst);
         let claimed = self.inner.claim(key, bid).await;
         let fault = self.claim_fault.lock().unwrap().take();
@@ -89,12 +89,7 @@ impl Store for Scripted {
         self.inner.read(key).await
     }
 
-    async fn take_over(
-        &self,
-        key: &LockKey,
-        seen: Fence,
-        bid: &Bid,
-    ) -> Result<TakeOver, StoreError> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> Result<Grant, StoreError> {
         self.calls.take_over.fetch_add(1, Ordering::SeqCst);
         let hook = self.before_take_over.lock().unwrap().take();
         if let Some(hook) = hook {
@@ -121,12 +116,12 @@ impl Store for Scripted {
         self.inner.renew(key, token, ttl).await
     }
 
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.inner.ping().await
+    async fn ready(&self) -> Result<Option<Hold>, StoreError> {
+        self.inner.ready().await
     }
 
-    fn start_notices(&self, waiters: &Arc<crate::waiters::Waiters>) {
-        self.inner.start_notices(waiters);
+    fn start(&self, notices: mpsc::Sender<Notice>) {
+        self.inner.start(notices);
     }
 }
 
@@ -257,7 +252,7 @@ async fn a_lost_getset_race_writes_nothing_and_leaves_the_winners_lease_intact()
     let (key, seen, winner_bid) = (h.key.clone(), first.fence, winner.clone());
     h.store.before_next_take_over(move |store| {
         let won = block_on(store.take_over(&key, seen, &winner_bid)).unwrap();
-        assert!(matches!(won, TakeOver::Granted(_)));
+        assert!(matches!(won, Grant::Granted(_)));
     });
     let loser = h.locks.acquire(&h.key, request(100, 0)).await;
     match loser {

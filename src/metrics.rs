@@ -2,6 +2,7 @@
 //! they describe locks, not HTTP: acquisitions by result, wait and hold times, renewals and
 //! releases by result, takeovers of expired leases, store errors and latency, current waiters.
 
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -83,6 +84,10 @@ pub struct Metrics {
     store_latency: Family<OpLabels, Histogram, fn() -> Histogram>,
     waiters: Gauge,
     resident_memory: Gauge,
+    store_losses: Counter,
+    leases_put_back: Counter,
+    double_claims: Counter,
+    store_hold_seconds: Counter<f64, AtomicU64>,
 }
 
 /// An acquire's outcome, for `lockbroker_acquisitions_total`.
@@ -165,6 +170,32 @@ impl Default for Metrics {
             "Acquires waiting on this broker now",
             waiters.clone(),
         );
+        let store_losses = Counter::default();
+        registry.register(
+            "lockbroker_store_losses",
+            "Times this broker found the store in a new epoch after it had lost or may have lost \
+             writes (restart, flush, failover) and put its live leases back",
+            store_losses.clone(),
+        );
+        let leases_put_back = Counter::default();
+        registry.register(
+            "lockbroker_leases_put_back",
+            "Live leases this broker wrote back into the store after a loss",
+            leases_put_back.clone(),
+        );
+        let double_claims = Counter::default();
+        registry.register(
+            "lockbroker_double_claims",
+            "Keys found held by another lease while putting a lease back (a lock had two \
+             holders; the higher fence was kept)",
+            double_claims.clone(),
+        );
+        let store_hold_seconds = Counter::<f64, AtomicU64>::default();
+        registry.register(
+            "lockbroker_store_hold_seconds",
+            "Length of the store-wide holds this broker found after detected losses",
+            store_hold_seconds.clone(),
+        );
         let resident_memory = Gauge::default();
         registry.register(
             "process_resident_memory_bytes",
@@ -183,6 +214,10 @@ impl Default for Metrics {
             store_errors,
             store_latency,
             waiters,
+            store_losses,
+            leases_put_back,
+            double_claims,
+            store_hold_seconds,
         }
     }
 }
@@ -218,6 +253,18 @@ impl Metrics {
         if failed {
             self.store_errors.get_or_create(&labels).inc();
         }
+    }
+
+    /// A loss this broker detected and caught up with.
+    pub fn store_loss(&self, put_back: usize, double_claims: usize, hold_ms: u64) {
+        self.store_losses.inc();
+        self.leases_put_back(put_back);
+        self.double_claims.inc_by(double_claims as u64);
+        self.store_hold_seconds.inc_by(hold_ms as f64 / 1000.0);
+    }
+
+    pub fn leases_put_back(&self, n: usize) {
+        self.leases_put_back.inc_by(n as u64);
     }
 
     /// The OpenMetrics text exposition, with the current number of waiters.
@@ -265,6 +312,10 @@ mod tests {
             "lockbroker_acquire_wait_seconds_count 1",
             "lockbroker_store_call_seconds_count{op=\"claim\"} 1",
             "lockbroker_waiters 7",
+            "lockbroker_store_losses_total 0",
+            "lockbroker_leases_put_back_total 0",
+            "lockbroker_double_claims_total 0",
+            "lockbroker_store_hold_seconds_total 0.0",
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }

@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use crate::config::Config;
 use crate::http::{AppState, Limits, router};
 use crate::lock::{LockService, LockSettings};
+use crate::metrics::Metrics;
 use crate::store::redis::RedisSettings;
 use crate::store::{AnyStore, MemoryStore, RedisStore};
 
@@ -32,15 +33,19 @@ impl Application {
     /// Redis: a broker whose Redis is down starts, says so on `/readyz`, and connects when
     /// Redis comes.
     pub async fn build(config: &Config) -> anyhow::Result<Self> {
+        let metrics = Arc::new(Metrics::default());
         let store = match &config.redis_url {
             Some(url) => {
-                let store = RedisStore::connect(&RedisSettings {
-                    url: url.clone(),
-                    key_prefix: config.key_prefix.clone(),
-                    timeout: config.store_timeout(),
-                    store_loss_delay: Duration::from_millis(config.store_loss_delay_ms),
-                    store_settle: Duration::from_millis(config.store_settle_ms),
-                })
+                let store = RedisStore::connect(
+                    &RedisSettings {
+                        url: url.clone(),
+                        key_prefix: config.key_prefix.clone(),
+                        timeout: config.store_timeout(),
+                        store_loss_delay: Duration::from_millis(config.store_loss_delay_ms),
+                        store_settle: Duration::from_millis(config.store_settle_ms),
+                    },
+                    metrics.clone(),
+                )
                 .context("cannot set up the Redis store")?;
                 tracing::info!(redis = %config.redis_url_for_logs().unwrap_or_default(), "locks are kept in Redis");
                 AnyStore::Redis(store)
@@ -56,13 +61,14 @@ impl Application {
         };
         let store = Arc::new(store);
         let (shutdown, shutdown_rx) = watch::channel(false);
-        let locks = LockService::new(
+        let locks = LockService::with_metrics(
             store.clone(),
             LockSettings {
                 store_timeout: config.store_timeout(),
                 max_waiters: config.max_waiters,
             },
             shutdown_rx,
+            metrics,
         );
         let limits = Limits {
             default_ttl_ms: config.default_ttl_ms,

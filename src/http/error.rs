@@ -8,7 +8,7 @@ use utoipa::ToSchema;
 
 use crate::domain::InvalidValue;
 use crate::lock::LockError;
-use crate::store::StoreError;
+use crate::store::{Hold, HoldReason, StoreError};
 
 /// An error response. Every error the broker sends, the router's own included, is one of these.
 #[derive(Debug)]
@@ -131,16 +131,12 @@ impl From<LockError> for ApiError {
                     },
                 )
             }
-            LockError::StoreRecovering { retry_after_ms } => Self {
-                retry_after_ms: Some(retry_after_ms),
+            LockError::Held(hold) => Self {
+                retry_after_ms: Some(hold.retry_after_ms),
                 ..Self::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "store_unavailable",
-                    format!(
-                        "The lock store lost its data; to keep leases it forgot from being granted \
-                         twice, grants resume in {} s.",
-                        retry_after_ms.div_ceil(1000)
-                    ),
+                    hold_message(hold),
                 )
             },
             LockError::ShuttingDown => Self::new(
@@ -149,6 +145,24 @@ impl From<LockError> for ApiError {
                 "The broker is shutting down; try another broker.",
             ),
         }
+    }
+}
+
+/// What a store-wide hold means, in the words clients and `/readyz` show.
+fn hold_message(hold: Hold) -> String {
+    let secs = hold.retry_after_ms.div_ceil(1000).max(1);
+    match hold.reason {
+        HoldReason::Settling => format!(
+            "The lock store is new or was emptied: settling for {secs} s before the first grant, \
+             so that brokers that knew it can put their live leases back."
+        ),
+        HoldReason::Loss => format!(
+            "Holding back after a detected store loss (restart, flush or failover): brokers are \
+             putting their live leases back; grants resume in {secs} s."
+        ),
+        HoldReason::PuttingBack => "This broker is putting its live leases back into the lock \
+             store after a loss; grants resume in a moment."
+            .to_owned(),
     }
 }
 

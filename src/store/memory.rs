@@ -2,14 +2,15 @@
 //! broker; brokers do not share it.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use tokio::sync::mpsc;
 
 use super::{
-    Bid, Claim, EXPIRY_SLACK_MS, Holder, Lease, Released, Snapshot, Store, StoreError, TakeOver,
+    Bid, EXPIRY_SLACK_MS, Grant, Hold, Holder, Lease, Notice, Released, Snapshot, Store, StoreError,
 };
 use crate::clock::{Clock, SystemClock};
 use crate::domain::{Fence, LockKey, Token, Ttl};
-use crate::waiters::Waiters;
 
 /// One key's state: its lease, if any, and its fence counter.
 #[derive(Debug)]
@@ -31,9 +32,8 @@ pub struct MemoryStore {
     /// is a few map operations.
     slots: Arc<Mutex<HashMap<LockKey, Slot>>>,
     clock: Arc<dyn Clock>,
-    /// Where release notices go: the one broker's waiters. Weak, so the store does not keep a
-    /// stopped broker's waiters alive.
-    notices: Arc<OnceLock<Weak<Waiters>>>,
+    /// Where release notices go: the one broker's lock service.
+    notices: Arc<OnceLock<mpsc::Sender<Notice>>>,
 }
 
 impl Default for MemoryStore {
@@ -84,8 +84,9 @@ impl MemoryStore {
     /// Tells the waiters that `key` may be free earlier than they were told. Called after the
     /// slots' lock is released.
     fn notify(&self, key: &LockKey) {
-        if let Some(waiters) = self.notices.get().and_then(Weak::upgrade) {
-            waiters.wake(key);
+        if let Some(notices) = self.notices.get() {
+            // A full channel drops the notice; waiters also wake on their own timers.
+            let _ = notices.try_send(Notice::Released(key.clone()));
         }
     }
 
@@ -121,7 +122,7 @@ fn next_fence(last: Option<Fence>, now_us: u64) -> Fence {
 }
 
 impl Store for MemoryStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Claim, StoreError> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Grant, StoreError> {
         let now_us = self.clock.now_us();
         let mut slots = self.slots();
         let slot = slots.get_mut(key);
@@ -130,14 +131,14 @@ impl Store for MemoryStore {
                 && current.request_id == bid.request_id
                 && current.is_live_at(now_us / 1000);
             return Ok(if repeated {
-                Claim::Granted(current.clone())
+                Grant::Granted(current.clone())
             } else {
-                Claim::Taken
+                Grant::Refused
             });
         }
         let (new, lease) = self.grant(slot, bid, now_us);
         slots.insert(key.clone(), new);
-        Ok(Claim::Granted(lease))
+        Ok(Grant::Granted(lease))
     }
 
     async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
@@ -149,12 +150,7 @@ impl Store for MemoryStore {
         })
     }
 
-    async fn take_over(
-        &self,
-        key: &LockKey,
-        seen: Fence,
-        bid: &Bid,
-    ) -> Result<TakeOver, StoreError> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> Result<Grant, StoreError> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
         let mut slots = self.slots();
@@ -164,11 +160,11 @@ impl Store for MemoryStore {
             None => {}
             Some(current) if current.fence == seen && !current.is_live_at(now_ms) => {}
             // Someone else took it over or claimed it, or the holder renewed it.
-            Some(_) => return Ok(TakeOver::Lost),
+            Some(_) => return Ok(Grant::Refused),
         }
         let (new, lease) = self.grant(slot, bid, now_us);
         slots.insert(key.clone(), new);
-        Ok(TakeOver::Granted(lease))
+        Ok(Grant::Granted(lease))
     }
 
     async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<Released>, StoreError> {
@@ -192,12 +188,14 @@ impl Store for MemoryStore {
         Ok(outcome)
     }
 
-    async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
+    /// Never held: this store is the process's own memory, so it cannot lose leases while the
+    /// broker runs.
+    async fn ready(&self) -> Result<Option<Hold>, StoreError> {
+        Ok(None)
     }
 
-    fn start_notices(&self, waiters: &Arc<Waiters>) {
-        let _ = self.notices.set(Arc::downgrade(waiters));
+    fn start(&self, notices: mpsc::Sender<Notice>) {
+        let _ = self.notices.set(notices);
     }
 }
 
@@ -262,7 +260,7 @@ mod tests {
         let clock = ManualClock::starting_at_ms(1_000_000);
         let store = MemoryStore::new(Arc::new(clock.clone()));
         let key = LockKey::parse("k").unwrap();
-        let Claim::Granted(first) = store.claim(&key, &bid(100)).await.unwrap() else {
+        let Grant::Granted(first) = store.claim(&key, &bid(100)).await.unwrap() else {
             panic!("a free key must be granted");
         };
         clock.advance_ms(100 + EXPIRY_SLACK_MS - 1);
@@ -271,7 +269,7 @@ mod tests {
         assert_eq!(store.sweep(), 1);
         assert!(store.is_empty());
         // The counter went with the slot; the next fence is seeded from the clock, still above.
-        let Claim::Granted(second) = store.claim(&key, &bid(100)).await.unwrap() else {
+        let Grant::Granted(second) = store.claim(&key, &bid(100)).await.unwrap() else {
             panic!("a swept key must be free");
         };
         assert!(second.fence > first.fence);

@@ -6,37 +6,19 @@
 //! races, and each reading the time from the store's own clock, so that every broker sharing a
 //! store measures leases on one clock whatever its host's clock says.
 
+pub mod ledger;
 pub mod memory;
 pub mod redis;
 
 use std::future::Future;
-use std::sync::Arc;
+
+use tokio::sync::mpsc;
 
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 
+pub use crate::domain::Lease;
 use crate::domain::{Fence, LockKey, Owner, RequestId, Token, Ttl};
-use crate::waiters::Waiters;
-
-/// A lease as the store holds it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Lease {
-    pub token: Token,
-    pub fence: Fence,
-    /// On the store's clock, in Unix epoch milliseconds.
-    pub expires_at_ms: u64,
-    pub ttl_ms: u64,
-    pub owner: Option<Owner>,
-    /// The id of the acquire that produced the lease, if it gave one.
-    pub request_id: Option<RequestId>,
-}
-
-impl Lease {
-    /// "A lease that has expired is not held, whatever the store still contains."
-    pub fn is_live_at(&self, now_ms: u64) -> bool {
-        self.expires_at_ms > now_ms
-    }
-}
 
 /// What a contender asks for: its token, the lease length and the label for people.
 #[derive(Debug, Clone)]
@@ -47,25 +29,43 @@ pub struct Bid {
     pub request_id: Option<RequestId>,
 }
 
-/// The answer to SETNX: the lease if the key was free, or the plain fact that it was not.
+/// The answer to a call that may grant (SETNX, the safe GETSET): one word for "not granted" in
+/// both, since the caller knows which it asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Claim {
-    /// The key was free and the bid now holds it — or the key holds the live lease that an
-    /// earlier acquire with the bid's request id produced, and this is that lease again.
+pub enum Grant {
+    /// The bid now holds the key — or, for SETNX, the key holds the live lease that an earlier
+    /// acquire with the bid's request id produced, and this is that lease again.
     Granted(Lease),
-    Taken,
-    /// The store lost its data recently; no key is granted until then (see [`HeldBack`]).
-    HeldBack(HeldBack),
+    /// SETNX: the key holds a lease (live or expired). Takeover: another contender took it over
+    /// or claimed it first, or its holder renewed it. Nothing was written either way.
+    Refused,
+    /// A store-wide hold is in force: no key is granted until it ends (see [`Hold`]).
+    Held(Hold),
 }
 
-/// The store restarted empty (or lost its data otherwise) while leases may still have been live:
-/// their holders still believe they hold them. Until every such lease has ended, the store
-/// grants nothing, so one lock is never held twice.
+/// A store-wide hold: nothing is granted, store-wide, until it ends.
+///
+/// A store that restarted, was flushed or failed over may have lost leases whose holders still
+/// believe they hold them. Until the brokers that granted those leases have put them back, no
+/// key may be granted, or one lock could have two holders.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeldBack {
-    /// When grants resume, on the store's clock.
-    pub until_ms: u64,
-    pub now_ms: u64,
+pub struct Hold {
+    pub reason: HoldReason,
+    /// How long until grants may resume, as far as the store knows now.
+    pub retry_after_ms: u64,
+}
+
+/// Why a [`Hold`] is in force; each has its own words for clients and `/readyz`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldReason {
+    /// The store has no record of earlier grants: it is new, or it was emptied while no broker
+    /// that knew it was looking. Brokers that knew it get this long to put their leases back.
+    Settling,
+    /// A broker detected a loss (an emptied store, another server process, a promoted replica):
+    /// brokers put their live leases back before anything is granted.
+    Loss,
+    /// This broker is putting its own live leases back right now.
+    PuttingBack,
 }
 
 /// What GET saw: the lease in the key (expired or not), with the store's clock at that moment.
@@ -73,18 +73,6 @@ pub struct HeldBack {
 pub struct Snapshot {
     pub now_ms: u64,
     pub lease: Option<Lease>,
-}
-
-/// The answer to a takeover of a lease seen expired.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TakeOver {
-    /// The seen lease was still there and expired (or the key had vanished: the seeds' "GETSET
-    /// returned nil"), and the bid now holds the key.
-    Granted(Lease),
-    /// Another contender took it over or claimed it first, or its holder renewed it; nothing was
-    /// written.
-    Lost,
-    HeldBack(HeldBack),
 }
 
 /// A release done: how long the lease had been held, on the store's clock (renewals included).
@@ -102,7 +90,23 @@ pub enum Holder<T> {
     NotHeld,
     /// Someone else's live lease is in the key.
     NotOwner,
+    /// The key holds no live lease, but a store-wide hold is in force: the lease may be about to
+    /// be put back, so "not held" would be a guess.
+    Held(Hold),
 }
+
+/// What a store tells the lock service's waiters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// The key's lease was released, or now ends sooner: its waiters should look again.
+    Released(LockKey),
+    /// Notices may have been missed (the notice connection was down): every waiter should look.
+    Missed,
+}
+
+/// Room for notices not yet handed to waiters. A full channel drops a notice; waiters still wake
+/// at the holder's expiry and on their fallback poll, so a burst costs latency, never a grant.
+pub const NOTICE_BUFFER: usize = 4096;
 
 /// Why the store did not answer. Never mistaken for "someone holds the lock".
 #[derive(Debug, Clone, thiserror::Error)]
@@ -128,7 +132,7 @@ pub trait Store: Send + Sync + 'static {
         &self,
         key: &LockKey,
         bid: &Bid,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Grant, StoreError>> + Send;
 
     /// GET: the lease in the key, with the store's clock.
     fn read(&self, key: &LockKey) -> impl Future<Output = Result<Snapshot, StoreError>> + Send;
@@ -140,7 +144,7 @@ pub trait Store: Send + Sync + 'static {
         key: &LockKey,
         seen: Fence,
         bid: &Bid,
-    ) -> impl Future<Output = Result<TakeOver, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Grant, StoreError>> + Send;
 
     /// Deletes the key if `token` holds its live lease.
     fn release(
@@ -157,13 +161,15 @@ pub trait Store: Send + Sync + 'static {
         ttl: Ttl,
     ) -> impl Future<Output = Result<Holder<Lease>, StoreError>> + Send;
 
-    /// Proves the store answers (for `/readyz`).
-    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Whether a free key would be granted now (for `/readyz`): an error if the store does not
+    /// answer, the hold in force if there is one.
+    fn ready(&self) -> impl Future<Output = Result<Option<Hold>, StoreError>> + Send;
 
-    /// From now on, delivers every release notice (a release, or a renew that shortens a lease)
-    /// to `waiters`, including those of other brokers sharing the store. Delivery is best
-    /// effort: waiters also wake at the holder's expiry and on a slow fallback poll.
-    fn start_notices(&self, waiters: &Arc<Waiters>);
+    /// Starts the store's background work, which ends when `notices` closes: from now on every
+    /// release notice (a release, or a renew that shortens a lease), including those of other
+    /// brokers sharing the store, goes to `notices`. Delivery is best effort: waiters also wake
+    /// at the holder's expiry and on a slow fallback poll.
+    fn start(&self, notices: mpsc::Sender<Notice>);
 }
 
 /// The store a running broker uses: chosen at start from the configuration.
@@ -184,7 +190,7 @@ macro_rules! delegate {
 }
 
 impl Store for AnyStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Claim, StoreError> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Grant, StoreError> {
         delegate!(self, s => s.claim(key, bid))
     }
 
@@ -192,12 +198,7 @@ impl Store for AnyStore {
         delegate!(self, s => s.read(key))
     }
 
-    async fn take_over(
-        &self,
-        key: &LockKey,
-        seen: Fence,
-        bid: &Bid,
-    ) -> Result<TakeOver, StoreError> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> Result<Grant, StoreError> {
         delegate!(self, s => s.take_over(key, seen, bid))
     }
 
@@ -214,14 +215,14 @@ impl Store for AnyStore {
         delegate!(self, s => s.renew(key, token, ttl))
     }
 
-    async fn ping(&self) -> Result<(), StoreError> {
-        delegate!(self, s => s.ping())
+    async fn ready(&self) -> Result<Option<Hold>, StoreError> {
+        delegate!(self, s => s.ready())
     }
 
-    fn start_notices(&self, waiters: &Arc<Waiters>) {
+    fn start(&self, notices: mpsc::Sender<Notice>) {
         match self {
-            AnyStore::Memory(s) => s.start_notices(waiters),
-            AnyStore::Redis(s) => s.start_notices(waiters),
+            AnyStore::Memory(s) => s.start(notices),
+            AnyStore::Redis(s) => s.start(notices),
         }
     }
 }

@@ -68,6 +68,9 @@ pub struct RedisServer {
     port: u16,
     child: Option<Child>,
     log: PathBuf,
+    /// Where the append-only file lives once [`RedisServer::persist_to_aof`] turned it on; a
+    /// restart then loads it.
+    aof_dir: Option<PathBuf>,
 }
 
 /// Why one launch of `redis-server` did not come up.
@@ -87,6 +90,7 @@ impl RedisServer {
                 port,
                 child: None,
                 log: temp_log(&format!("redis-{port}")),
+                aof_dir: None,
             };
             match server.launch().await {
                 Ok(()) => return server,
@@ -160,6 +164,16 @@ impl RedisServer {
         }
     }
 
+    /// Restarts the server with an append-only file (every write fsynced) in a directory of its
+    /// own: from then on a restart loads it, as a Redis with persistence does. Call it before
+    /// the brokers start.
+    pub async fn persist_to_aof(&mut self) {
+        let dir = temp_log(&format!("redis-{}-aof", self.port));
+        std::fs::create_dir_all(&dir).expect("cannot create the AOF directory");
+        self.aof_dir = Some(dir);
+        self.restart().await;
+    }
+
     /// Freezes the server (SIGSTOP): connections stay open but nothing is answered, as with a
     /// Redis stuck in a long command or a network that drops packets.
     pub fn pause(&self) {
@@ -181,9 +195,13 @@ impl RedisServer {
         let log_err = log.try_clone().expect("cannot clone the log file handle");
         let spawned = Command::new("redis-server")
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
+            .args(["--save", ""])
+            .args(match self.aof_dir {
+                Some(_) => ["--appendonly", "yes", "--appendfsync", "always"],
+                None => ["--appendonly", "no", "--appendfsync", "everysec"],
+            })
             .arg("--dir")
-            .arg(std::env::temp_dir())
+            .arg(self.aof_dir.clone().unwrap_or_else(std::env::temp_dir))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
@@ -235,6 +253,9 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.stop();
         let _ = std::fs::remove_file(&self.log);
+        if let Some(dir) = &self.aof_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 

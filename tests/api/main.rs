@@ -9,4 +9,5 @@ mod openapi;
 mod outage;
 mod process;
 mod round_trips;
+mod store_loss;
 mod waiting;

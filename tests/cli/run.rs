@@ -231,24 +231,23 @@ async fn a_lease_released_under_the_command_stops_it_within_one_renewal_interval
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_that_lost_its_data_stops_the_command_within_one_renewal_interval() {
+async fn a_lease_deleted_from_redis_stops_the_command_within_one_renewal_interval() {
     let redis = RedisServer::start().await;
     let app = spawn_app(Some(redis.url())).await;
-    let scratch = Scratch::new("flushall");
+    let scratch = Scratch::new("deleted");
     let run = start_run(
         &app.address,
         &scratch,
-        &run_args("flushed", &["--ttl", SHORT_TTL, "--grace", "5s"], STOPPABLE),
+        &run_args("deleted", &["--ttl", SHORT_TTL, "--grace", "5s"], STOPPABLE),
     );
     wait_for_line(&scratch.path("token"), MARKER_LIMIT).await;
 
-    let mut conn = redis::Client::open(redis.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .expect("the test's Redis answers");
+    // Someone deletes the lock's key by hand: the lease is really gone (the store did not lose
+    // its data, so nothing puts it back).
+    let mut conn = redis.connection().await;
     let lost_at = Instant::now();
-    redis::cmd("FLUSHALL")
+    redis::cmd("DEL")
+        .arg("lockbroker:{deleted}:lock")
         .query_async::<()>(&mut conn)
         .await
         .unwrap();
@@ -258,8 +257,41 @@ async fn a_redis_that_lost_its_data_stops_the_command_within_one_renewal_interva
     finish(run).await.expect_code(5);
     assert!(
         stopped_after < RENEW_EVERY + SLACK,
-        "SIGTERM came {stopped_after:?} after Redis lost the lease"
+        "SIGTERM came {stopped_after:?} after the lease was deleted"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_restart_keeps_the_command_running_because_its_lease_is_put_back() {
+    let mut redis = RedisServer::start().await;
+    let app = spawn_app(Some(redis.url())).await;
+    let scratch = Scratch::new("restart");
+    // Works for 3 s, then exits 0 by itself; SIGTERM would leave a mark.
+    let script = r#"trap 'echo term >> "$OUT/term"; exit 0' TERM
+echo "$LOCKBROKER_FENCE" > "$OUT/token"
+i=0; while [ $i -lt 60 ]; do sleep 0.05; i=$((i+1)); done
+echo done > "$OUT/done""#;
+    let run = start_run(
+        &app.address,
+        &scratch,
+        &run_args("nightly", &["--ttl", "2s", "--grace", "5s"], script),
+    );
+    let fence = wait_for_line(&scratch.path("token"), MARKER_LIMIT).await;
+    // Redis restarts empty under the running command.
+    redis.restart().await;
+    let outcome = finish(run).await;
+    outcome.expect_code(0);
+    assert!(scratch.path("done").exists(), "the command did not finish");
+    assert!(
+        !scratch.path("term").exists(),
+        "the command was stopped: {}",
+        outcome.stderr
+    );
+    // It held the lock all along, and released it when done.
+    app.inspect("nightly")
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
+    assert!(!fence.trim().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use rand::Rng;
 
+mod lease;
+pub use lease::Lease;
+
 /// Why a raw value was refused; the message is one human sentence for the API's `message`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]

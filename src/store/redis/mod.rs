@@ -1,0 +1,471 @@
+//! The Redis store: each primitive is one Lua script (`scripts.rs`), run by SHA over one
+//! multiplexed connection that is verified before use (`connection.rs`), reading the time from
+//! Redis's own `TIME`. The broker's live leases are kept in a ledger and put back when the store
+//! loses them (`epoch.rs`); release notices reach every broker's waiters (`notices.rs`).
+
+mod connection;
+mod epoch;
+mod notices;
+mod scripts;
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::io::tcp::{TcpSettings, socket2};
+use redis::{FromRedisValue, IntoConnectionInfo, RedisError, Script, Value};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use self::connection::{Connection, Link, breaks_connection, ms};
+use self::epoch::Epoch;
+use self::scripts::Scripts;
+use super::ledger::Ledger;
+use super::{
+    Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Lease, Notice, Released, Snapshot,
+    Store, StoreError,
+};
+use crate::domain::{Fence, LockKey, Owner, RequestId, Token, Ttl};
+use crate::metrics::Metrics;
+
+/// Connection settings for [`RedisStore::connect`].
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    pub url: String,
+    /// Prepended to every Redis key the broker writes.
+    pub key_prefix: String,
+    /// Bound on one store call, connecting included.
+    pub timeout: Duration,
+    /// Paranoid option: after a detected loss, hold every grant until this long after the new
+    /// epoch began (0: only the settle time).
+    pub store_loss_delay: Duration,
+    /// How long a new epoch holds every grant, so that every running broker that knew the store
+    /// puts its live leases back first.
+    pub store_settle: Duration,
+}
+
+/// The Redis store. Cloning is cheap: everything is shared.
+#[derive(Clone)]
+pub struct RedisStore {
+    /// Kept for the notice subscriber, which needs a connection of its own (a subscribed
+    /// connection can issue no other commands).
+    client: redis::Client,
+    connection: Arc<Connection>,
+    prefix: Arc<str>,
+    /// `<prefix>released`: where releases publish the client key.
+    channel: Arc<str>,
+    /// `<prefix>epoch`: the store's epoch marker (see `epoch.rs`).
+    marker: Arc<str>,
+    epoch: Arc<Epoch>,
+    ledger: Arc<Ledger>,
+    metrics: Arc<Metrics>,
+    store_settle: Duration,
+    store_loss_delay: Duration,
+    timeout: Duration,
+    scripts: Arc<Scripts>,
+}
+
+impl RedisStore {
+    /// Sets up the store without waiting for Redis: the broker starts (and says it is not
+    /// ready) while Redis is down, and connects when it returns.
+    pub fn connect(settings: &RedisSettings, metrics: Arc<Metrics>) -> Result<Self, StoreError> {
+        let info = settings
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| StoreError::Failed(format!("invalid Redis URL: {e}")))?;
+        // A response timeout alone does not tell a dead connection from a slow one: on a
+        // connection whose far end vanished without a reset (a host gone, a black-holing
+        // middlebox), every call would time out until the kernel gave up, minutes later.
+        // TCP_USER_TIMEOUT bounds how long sent data may stay unacknowledged, and keepalive
+        // probes an idle one, so such a connection fails and is replaced within a few seconds.
+        let tcp = TcpSettings::default().set_nodelay(true).set_keepalive(
+            socket2::TcpKeepalive::new()
+                .with_time(Duration::from_secs(5))
+                .with_interval(Duration::from_secs(1)),
+        );
+        #[cfg(target_os = "linux")]
+        let tcp = tcp.set_user_timeout(settings.timeout.max(Duration::from_secs(1)));
+        let client = redis::Client::open(info.set_tcp_settings(tcp))
+            .map_err(|e| StoreError::Failed(format!("invalid Redis URL: {e}")))?;
+        let prefix = settings.key_prefix.as_str();
+        Ok(Self {
+            connection: Arc::new(Connection::new(client.clone(), settings.timeout)),
+            client,
+            prefix: prefix.into(),
+            channel: format!("{prefix}released").into(),
+            marker: format!("{prefix}epoch").into(),
+            epoch: Arc::default(),
+            ledger: Arc::default(),
+            metrics,
+            store_settle: settings.store_settle,
+            store_loss_delay: settings.store_loss_delay,
+            timeout: settings.timeout,
+            scripts: Arc::new(Scripts::new()),
+        })
+    }
+
+    /// How many live leases this broker remembers (granted or renewed here, not yet ended).
+    pub fn ledger_len(&self) -> usize {
+        self.ledger.len()
+    }
+
+    fn keys(&self, key: &LockKey) -> [String; 2] {
+        [
+            format!("{}{{{}}}:lock", self.prefix, key),
+            format!("{}{{{}}}:fence", self.prefix, key),
+        ]
+    }
+
+    /// The verified connection, making one if there is none (see `connection.rs`).
+    async fn link(&self) -> Result<Link, StoreError> {
+        self.connection
+            .get(|| {
+                tokio::spawn(self.clone().reconnect());
+            })
+            .await
+    }
+
+    /// Makes a new connection and runs the epoch check on it (putting leases back if the store
+    /// lost them) before anything else may use it.
+    ///
+    /// A boxed future with its `Send` declared: reconnecting can put leases back, which can
+    /// release through a connection, which can reconnect — a cycle the compiler cannot see
+    /// through when the future's type is inferred.
+    fn reconnect(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            let verified = async {
+                let (mut conn, run_id) = self.connection.open().await?;
+                self.check_on(&mut conn, &run_id).await?;
+                Ok::<_, StoreError>((conn, run_id))
+            };
+            match verified.await {
+                Ok((conn, run_id)) => {
+                    tracing::debug!(%run_id, "connected to Redis");
+                    self.connection.up(conn, run_id);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot connect to Redis");
+                    self.connection.down(e);
+                }
+            }
+        })
+    }
+
+    /// Runs one call with the store's time bound, on a connection already in hand.
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout(ms(self.timeout))),
+            Ok(Err(e)) => Err(StoreError::Failed(e.to_string())),
+            Err(_) => Err(StoreError::Timeout(ms(self.timeout))),
+        }
+    }
+
+    /// Runs `call` on the verified connection, all within the store's time bound (waiting for a
+    /// connection included). A call that fails in a way that condemns the connection, or times
+    /// out, replaces it.
+    async fn with_link<T>(
+        &self,
+        call: impl AsyncFnOnce(&mut MultiplexedConnection) -> Result<T, RedisError>,
+    ) -> Result<T, StoreError> {
+        let deadline = Instant::now() + self.timeout;
+        let timed_out = || StoreError::Timeout(ms(self.timeout));
+        let link = tokio::time::timeout_at(deadline, self.link())
+            .await
+            .map_err(|_| timed_out())??;
+        let mut conn = link.conn.clone();
+        match tokio::time::timeout_at(deadline, call(&mut conn)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                let error = if e.is_timeout() {
+                    timed_out()
+                } else {
+                    StoreError::Failed(e.to_string())
+                };
+                if breaks_connection(&e) {
+                    self.connection.drop_link(link.generation, &error);
+                }
+                Err(error)
+            }
+            Err(_) => {
+                let error = timed_out();
+                self.connection.drop_link(link.generation, &error);
+                Err(error)
+            }
+        }
+    }
+
+    /// Runs CLAIM or TAKE_OVER for `bid`. A refusal because the store is in another epoch than
+    /// this broker knows waits for the broker to catch up (put its leases back), then tries
+    /// once more.
+    async fn grant(
+        &self,
+        script: &Script,
+        key: &LockKey,
+        bid: &Bid,
+        seen: Option<Fence>,
+    ) -> Result<Grant, StoreError> {
+        let [lock, fence] = self.keys(key);
+        for first in [true, false] {
+            let known = match self.epoch.for_grant() {
+                Ok(known) => known,
+                Err(hold) => return Ok(Grant::Held(hold)),
+            };
+            let mut inv = script.key(&lock);
+            inv.key(&fence)
+                .key(&*self.marker)
+                .arg(bid.token.as_str())
+                .arg(bid.ttl.as_ms())
+                .arg(if bid.owner.is_some() { "1" } else { "0" })
+                .arg(bid.owner.as_ref().map_or("", |o| o.as_str()))
+                .arg(EXPIRY_SLACK_MS)
+                .arg(&known)
+                .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()));
+            if let Some(seen) = seen {
+                inv.arg(seen);
+            }
+            let reply: Vec<Value> = self
+                .with_link(async |conn| inv.invoke_async(conn).await)
+                .await?;
+            let answered = Instant::now();
+            match field::<u8>(&reply, 0)? {
+                0 => return Ok(Grant::Refused),
+                1 => {
+                    let token: String = field(&reply, 3)?;
+                    let lease = Lease {
+                        // The bid's own token, or the one of the earlier grant this repeats.
+                        token: if token == bid.token.as_str() {
+                            bid.token.clone()
+                        } else {
+                            Token::parse(&token).map_err(|_| corrupt("token"))?
+                        },
+                        fence: field(&reply, 1)?,
+                        expires_at_ms: field(&reply, 2)?,
+                        ttl_ms: field(&reply, 4)?,
+                        owner: bid.owner.clone(),
+                        request_id: bid.request_id.clone(),
+                    };
+                    self.remember(key, &lease, answered, &known);
+                    return Ok(Grant::Granted(lease));
+                }
+                2 => {
+                    return Ok(Grant::Held(held(
+                        field(&reply, 1)?,
+                        field(&reply, 2)?,
+                        &field::<String>(&reply, 3)?,
+                    )));
+                }
+                3 if first => {
+                    // Catch up in a task of its own: a put-back must not stop halfway because
+                    // this request gave up.
+                    let store = self.clone();
+                    let catching_up = tokio::spawn(async move { store.catch_up().await });
+                    match tokio::time::timeout(self.timeout, catching_up).await {
+                        Ok(Ok(Ok(Some(hold)))) => return Ok(Grant::Held(hold)),
+                        Ok(Ok(Ok(None))) => {}
+                        Ok(Ok(Err(e))) => return Err(e),
+                        _ => return Err(StoreError::Timeout(ms(self.timeout))),
+                    }
+                }
+                3 => {
+                    return Ok(Grant::Held(Hold {
+                        reason: HoldReason::PuttingBack,
+                        retry_after_ms: 1_000,
+                    }));
+                }
+                code => return Err(StoreError::Failed(format!("unexpected grant reply {code}"))),
+            }
+        }
+        unreachable!("the second pass always returns")
+    }
+
+    /// Records a lease granted or renewed here in the ledger. If it was written in an epoch
+    /// older than the newest one this broker has seen, its answer raced a loss and the put-back
+    /// may have missed it: it is put back on its own.
+    fn remember(&self, key: &LockKey, lease: &Lease, answered: Instant, epoch: &str) {
+        self.ledger.record(key, lease, answered);
+        if self.epoch.latest().is_some_and(|latest| latest != epoch) {
+            self.put_back_late(key.clone());
+        }
+    }
+}
+
+/// A hold as the scripts report it.
+fn held(hold_until_ms: u64, now_ms: u64, reason: &str) -> Hold {
+    Hold {
+        reason: if reason == "loss" {
+            HoldReason::Loss
+        } else {
+            HoldReason::Settling
+        },
+        retry_after_ms: hold_until_ms.saturating_sub(now_ms).max(1),
+    }
+}
+
+/// Element `i` of a script's array reply.
+fn field<T: FromRedisValue>(reply: &[Value], i: usize) -> Result<T, StoreError> {
+    reply
+        .get(i)
+        .ok_or_else(|| corrupt("reply"))
+        .and_then(|v| T::from_redis_value_ref(v).map_err(|_| corrupt("reply")))
+}
+
+fn corrupt(what: &str) -> StoreError {
+    StoreError::Failed(format!("the lock in Redis has a malformed {what}"))
+}
+
+/// The holder script's answers other than "yours".
+fn refusal<T>(reply: &[Value]) -> Result<Holder<T>, StoreError> {
+    match field::<u8>(reply, 0)? {
+        0 => Ok(Holder::NotHeld),
+        2 => Ok(Holder::NotOwner),
+        3 => Ok(Holder::Held(held(
+            field(reply, 1)?,
+            field(reply, 2)?,
+            &field::<String>(reply, 3)?,
+        ))),
+        code => Err(StoreError::Failed(format!(
+            "unexpected holder code {code} from Redis"
+        ))),
+    }
+}
+
+fn parse_owner(raw: Option<String>) -> Result<Option<Owner>, StoreError> {
+    raw.map(|o| Owner::parse(&o).map_err(|_| corrupt("owner")))
+        .transpose()
+}
+
+type ReadReply = (
+    u64,
+    Option<String>,
+    Option<u64>,
+    Option<u64>,
+    Option<u64>,
+    Option<String>,
+    Option<String>,
+);
+
+impl Store for RedisStore {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Grant, StoreError> {
+        self.grant(&self.scripts.claim, key, bid, None).await
+    }
+
+    async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
+        let [lock, _] = self.keys(key);
+        let inv = self.scripts.read.key(lock);
+        let (now_ms, token, fence, expires, ttl, owner, request_id): ReadReply = self
+            .with_link(async |conn| inv.invoke_async(conn).await)
+            .await?;
+        let lease = match (token, fence, expires, ttl) {
+            (Some(token), Some(fence), Some(expires_at_ms), Some(ttl_ms)) => Some(Lease {
+                token: Token::parse(&token).map_err(|_| corrupt("token"))?,
+                fence,
+                expires_at_ms,
+                ttl_ms,
+                owner: parse_owner(owner)?,
+                request_id: request_id.and_then(|r| RequestId::parse(&r).ok()),
+            }),
+            (None, None, None, None) => None,
+            _ => return Err(corrupt("record")),
+        };
+        Ok(Snapshot { now_ms, lease })
+    }
+
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> Result<Grant, StoreError> {
+        self.grant(&self.scripts.take_over, key, bid, Some(seen))
+            .await
+    }
+
+    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<Released>, StoreError> {
+        let [lock, _] = self.keys(key);
+        let mut inv = self.scripts.release.key(lock);
+        inv.key(&*self.marker)
+            .arg(token.as_str())
+            .arg(&*self.channel)
+            .arg(key.as_str());
+        let reply: Vec<Value> = self
+            .with_link(async |conn| inv.invoke_async(conn).await)
+            .await?;
+        let outcome = match field::<u8>(&reply, 0)? {
+            1 => Holder::Done(Released {
+                held_ms: field(&reply, 1)?,
+            }),
+            _ => refusal(&reply)?,
+        };
+        if !matches!(outcome, Holder::Held(_)) {
+            self.ledger.forget(key, token);
+        }
+        Ok(outcome)
+    }
+
+    async fn renew(
+        &self,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> Result<Holder<Lease>, StoreError> {
+        let [lock, _] = self.keys(key);
+        let mut inv = self.scripts.renew.key(lock);
+        inv.key(&*self.marker)
+            .arg(token.as_str())
+            .arg(ttl.as_ms())
+            .arg(EXPIRY_SLACK_MS)
+            .arg(&*self.channel)
+            .arg(key.as_str());
+        let reply: Vec<Value> = self
+            .with_link(async |conn| inv.invoke_async(conn).await)
+            .await?;
+        let answered = Instant::now();
+        if field::<u8>(&reply, 0)? != 1 {
+            let outcome = refusal(&reply)?;
+            if !matches!(outcome, Holder::Held(_)) {
+                self.ledger.forget(key, token);
+            }
+            return Ok(outcome);
+        }
+        let lease = Lease {
+            token: token.clone(),
+            fence: field(&reply, 1)?,
+            expires_at_ms: field(&reply, 2)?,
+            ttl_ms: ttl.as_ms(),
+            owner: parse_owner(field(&reply, 3)?)?,
+            request_id: None,
+        };
+        self.remember(key, &lease, answered, &field::<String>(&reply, 4)?);
+        Ok(Holder::Done(lease))
+    }
+
+    async fn ready(&self) -> Result<Option<Hold>, StoreError> {
+        if self.epoch.putting_back() {
+            return Ok(Some(Hold {
+                reason: HoldReason::PuttingBack,
+                retry_after_ms: 1_000,
+            }));
+        }
+        // In a task of its own, like any catch-up: a put-back must not stop halfway.
+        let store = self.clone();
+        match tokio::time::timeout(
+            self.timeout,
+            tokio::spawn(async move { store.catch_up().await }),
+        )
+        .await
+        {
+            Ok(Ok(result)) => result,
+            _ => Err(StoreError::Timeout(ms(self.timeout))),
+        }
+    }
+
+    fn start(&self, notices: mpsc::Sender<Notice>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("no runtime for the store's background work; waiters will poll");
+            return;
+        };
+        runtime.spawn(notices::watch_epoch(self.clone(), notices.clone()));
+        runtime.spawn(notices::listen(self.clone(), notices));
+    }
+}

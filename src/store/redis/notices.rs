@@ -1,0 +1,144 @@
+//! Release notices and the epoch watch: the broker's background work on Redis.
+//!
+//! A release publishes the key on `<prefix>released`; one subscriber connection per broker
+//! hands each notice to the lock service's waiters, so waiters on every broker wake at once
+//! instead of polling. A broker that starts a new epoch publishes `!epoch` there (never a key:
+//! keys have no `!`), so the others catch up at once instead of at their next check.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::RedisError;
+use redis::aio::{PubSubSink, PubSubStream};
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::time::Instant;
+
+use super::RedisStore;
+use super::connection::ms;
+use super::epoch::CHECK_EVERY;
+use crate::domain::LockKey;
+use crate::store::{Notice, StoreError};
+
+/// The payload of an epoch announcement.
+pub(super) const EPOCH_NOTICE: &str = "!epoch";
+
+/// How often the notice connection is checked with a PING: a connection that silently stopped
+/// delivering (a half-open TCP connection) is replaced within this, plus the store timeout.
+const NOTICE_HEALTH_EVERY: Duration = Duration::from_secs(1);
+
+/// Checks the epoch at once, then every [`CHECK_EVERY`] and whenever woken, until `notices`
+/// closes; drops ended leases from the ledger as it goes. The first check makes the broker's
+/// connection, so a broker knows the store's epoch before its first request.
+///
+/// While Redis cannot be reached, it tries again after 100 ms, doubling up to the check
+/// interval: a broker that knew the store must reach it again, and put its leases back, well
+/// within the settle time of the broker that first meets the restarted store.
+pub(super) async fn watch_epoch(store: RedisStore, notices: mpsc::Sender<Notice>) {
+    let mut retry = RETRY_MIN;
+    loop {
+        if notices.is_closed() {
+            return;
+        }
+        let pause = match store.catch_up().await {
+            Ok(_) => {
+                retry = RETRY_MIN;
+                CHECK_EVERY
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "epoch check failed; retrying");
+                retry = (retry * 2).min(CHECK_EVERY);
+                retry / 2
+            }
+        };
+        store.ledger.sweep(Instant::now());
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = store.epoch.wake.notified() => {}
+        }
+    }
+}
+
+/// The first pause of the epoch watch after a failed check.
+const RETRY_MIN: Duration = Duration::from_millis(100);
+
+/// The broker's one subscriber connection: hands every notice to `notices`, reconnecting with
+/// backoff until `notices` closes. After each (re)connect every waiter is told to look
+/// ([`Notice::Missed`]), since notices published while disconnected are lost, and the epoch
+/// is checked (Redis may be back after a restart).
+pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
+    let (client, channel, timeout) = (&store.client, &store.channel, store.timeout);
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match subscribe(client, channel, timeout).await {
+            Ok((mut sink, mut stream)) => {
+                tracing::debug!(%channel, "listening for release notices");
+                backoff = Duration::from_millis(100);
+                store.epoch.wake.notify_one();
+                if !deliver(&notices, Notice::Missed) {
+                    return;
+                }
+                let mut health = tokio::time::interval(NOTICE_HEALTH_EVERY);
+                health.tick().await;
+                loop {
+                    tokio::select! {
+                        message = stream.next() => {
+                            let Some(message) = message else { break };
+                            let payload = message.get_payload_bytes();
+                            if payload == EPOCH_NOTICE.as_bytes() {
+                                store.epoch.wake.notify_one();
+                            } else if let Some(key) = std::str::from_utf8(payload)
+                                .ok()
+                                .and_then(|k| LockKey::parse(k).ok())
+                                && !deliver(&notices, Notice::Released(key))
+                            {
+                                return;
+                            }
+                        }
+                        _ = health.tick() => {
+                            if notices.is_closed() {
+                                return;
+                            }
+                            let pong = tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await;
+                            if !matches!(pong, Ok(Ok(_))) {
+                                break;
+                            }
+                        }
+                    }
+                }
+                tracing::warn!(
+                    "release notices disconnected; waiters fall back to polling until they return"
+                );
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot subscribe to release notices yet"),
+        }
+        if notices.is_closed() {
+            return;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// Hands a notice on; `false` once nobody listens any more. A full channel drops the notice:
+/// waiters also wake at the holder's expiry and on their fallback poll.
+fn deliver(notices: &mpsc::Sender<Notice>, notice: Notice) -> bool {
+    !matches!(notices.try_send(notice), Err(TrySendError::Closed(_)))
+}
+
+async fn subscribe(
+    client: &redis::Client,
+    channel: &str,
+    timeout: Duration,
+) -> Result<(PubSubSink, PubSubStream), StoreError> {
+    let connect = async {
+        let mut pubsub = client.get_async_pubsub().await?;
+        pubsub.subscribe(channel).await?;
+        Ok::<_, RedisError>(pubsub.split())
+    };
+    match tokio::time::timeout(timeout, connect).await {
+        Ok(Ok(split)) => Ok(split),
+        Ok(Err(e)) => Err(StoreError::Failed(e.to_string())),
+        Err(_) => Err(StoreError::Timeout(ms(timeout))),
+    }
+}
