@@ -20,10 +20,11 @@ pub struct ApiError {
     retry_after_ms: Option<u64>,
 }
 
-/// The body of every error response.
+/// The body of every error response. Public so that the OpenAPI document's response types
+/// (`super::openapi`) can name it.
 #[derive(Serialize, ToSchema)]
 #[schema(as = Error)]
-pub(super) struct Body<'a> {
+pub struct Body<'a> {
     /// What went wrong, for programs.
     #[schema(value_type = super::openapi::ErrorCode)]
     error: &'a str,

@@ -1,16 +1,20 @@
 //! The OpenAPI document of the API, served at `GET /openapi.json`.
 //!
 //! It is generated (utoipa) from the `#[utoipa::path]` annotations on the handlers in
-//! [`super`], the `ToSchema` derives on the bodies they send, and the few types below, which
-//! exist only to describe what a request may carry (the handlers read parameters through
-//! [`super::params::Params`], which takes them from the query string and a JSON body alike).
+//! `super::locks` and `super::ops`, the `ToSchema` derives on the bodies they send, and the
+//! types below, which exist only to describe the API: what a request may carry (the handlers
+//! read parameters through [`super::params::Params`], which takes them from the query string
+//! and a JSON body alike), and the error responses, each written once here and listed by every
+//! operation that answers it. A handler documents its success response itself.
 //! `tests/api/openapi.rs` checks that the document lists exactly [`super::ROUTES`] and, for
 //! every operation, exactly the statuses that real requests get.
 
 use utoipa::openapi::OpenApi as Document;
-use utoipa::{IntoParams, OpenApi, ToSchema};
+use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
 
-/// What the document says about the API as a whole: the conventions of `api.md`.
+use super::error::Body as ErrorBody;
+
+/// What the document says about the API as a whole: its conventions.
 const DESCRIPTION: &str = "\
 A distributed-lock broker: leases on named locks, each with a secret token and a fencing number.
 
@@ -34,18 +38,20 @@ with another method. Every `GET` also answers `HEAD`.
 #[openapi(
     info(description = DESCRIPTION),
     paths(
-        super::acquire,
-        super::release,
-        super::renew,
-        super::inspect,
-        super::healthz,
-        super::readyz,
-        super::metrics,
-        super::openapi_json,
+        super::locks::acquire,
+        super::locks::release,
+        super::locks::renew,
+        super::locks::inspect,
+        super::ops::healthz,
+        super::ops::readyz,
+        super::ops::metrics,
+        super::ops::openapi_json,
     ),
     // The request bodies are referenced by name, so that they stay optional (an `Option`
-    // would also let them be `null`, which the broker refuses).
-    components(schemas(ErrorCode, AcquireBody, RenewBody)),
+    // would also let them be `null`, which the broker refuses). The error bodies are listed
+    // because the shared responses below refer to them by name, and utoipa collects schemas
+    // only from responses written out in the operations themselves.
+    components(schemas(ErrorCode, ErrorBody, LockedError, AcquireBody, RenewBody)),
     tags(
         (name = "locks", description = "Acquire, release, renew and inspect leases."),
         (name = "operations", description = "Health, readiness, metrics and this document."),
@@ -184,6 +190,69 @@ pub struct TokenQuery {
     #[param(required = false, min_length = 1, max_length = 128)]
     pub token: String,
 }
+
+// The error responses. Each one's doc comment is its description in the document.
+
+/// What an operation that reads a key and parameters refuses before it does anything: the
+/// rejections of [`super::params::KeyPath`] and [`super::params::Params`]. Every lock route
+/// answers these.
+#[derive(IntoResponses)]
+pub enum RequestRefused {
+    /// `invalid_request`: a bad key; an unknown parameter, or one that is not valid or out of
+    /// its bounds, or given twice with different values; malformed JSON; where the operation
+    /// takes a token, none, a malformed one, or one in the body.
+    #[response(status = 400)]
+    InvalidRequest(ErrorBody<'static>),
+    /// `payload_too_large`: the body is over 16 KiB.
+    #[response(status = 413)]
+    PayloadTooLarge(ErrorBody<'static>),
+    /// `unsupported_media_type`: a non-empty body that is not `application/json`.
+    #[response(status = 415)]
+    UnsupportedMediaType(ErrorBody<'static>),
+}
+
+/// `not_held`: nobody holds the lock (it is free, it was released, or the lease expired).
+#[derive(IntoResponses)]
+#[response(status = 404)]
+pub struct NotHeld(pub ErrorBody<'static>);
+
+/// `not_owner`: someone else's live lease holds the key (yours expired and was taken over, or
+/// the token is wrong).
+#[derive(IntoResponses)]
+#[response(status = 409)]
+pub struct NotOwner(pub ErrorBody<'static>);
+
+/// `locked`: still held by someone else when `wait_ms` ran out.
+#[derive(IntoResponses)]
+#[response(
+    status = 409,
+    headers((
+        "Retry-After" = u64,
+        description = "Seconds until the current lease ends, rounded up, at least 1."
+    ))
+)]
+pub struct Locked(pub LockedError);
+
+/// `store_unavailable`: the store could not be reached or did not answer in time.
+#[derive(IntoResponses)]
+#[response(status = 503)]
+pub struct StoreUnavailable(pub ErrorBody<'static>);
+
+/// Not granted. `store_unavailable`: the store could not be reached or did not answer in time
+/// (`store_timeout_ms`), or, with `Retry-After`, the broker holds grants back after Redis lost
+/// its data; `too_many_waiters`, with `Retry-After: 1`: `max_waiters` acquires already wait on
+/// this broker; `shutting_down`: the broker stopped while the request waited. Try again, or
+/// another broker.
+#[derive(IntoResponses)]
+#[response(
+    status = 503,
+    headers((
+        "Retry-After" = u64,
+        description = "With `too_many_waiters` and while grants are held back: seconds to wait \
+            before trying again."
+    ))
+)]
+pub struct NotGranted(pub ErrorBody<'static>);
 
 #[cfg(test)]
 mod tests {

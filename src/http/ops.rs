@@ -1,0 +1,105 @@
+//! The operations routes: liveness (`/healthz`), readiness (`/readyz`), the metrics
+//! (`/metrics`) and the OpenAPI document (`/openapi.json`) — what load balancers, orchestrators
+//! and monitoring ask, as opposed to the lock routes clients use.
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use super::AppState;
+use super::error::ApiError;
+use super::openapi::{self, StoreUnavailable};
+use crate::store::Store;
+
+/// The operations routes, without their state.
+pub(super) fn ops_router<S: Store>() -> Router<AppState<S>> {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz::<S>))
+        .route("/metrics", get(metrics::<S>))
+        .route("/openapi.json", get(openapi_json))
+}
+
+/// The body of `/healthz` and `/readyz`.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Status)]
+pub(super) struct StatusBody {
+    /// `ok` (healthz) or `ready` (readyz).
+    #[schema(value_type = String, examples("ok", "ready"))]
+    status: &'static str,
+}
+
+/// Liveness
+///
+/// `200` while the process serves; it does not ask the store.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "operations",
+    responses((status = 200, description = "The process serves.", body = StatusBody))
+)]
+pub(super) async fn healthz() -> Json<StatusBody> {
+    Json(StatusBody { status: "ok" })
+}
+
+/// Metrics
+///
+/// Counters and latencies of acquires, releases, renewals and store calls, and the number of
+/// waiting acquires, in the OpenMetrics text format (Prometheus).
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "operations",
+    responses((
+        status = 200,
+        description = "The metrics.",
+        body = String,
+        content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    ))
+)]
+pub(super) async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            crate::metrics::CONTENT_TYPE,
+        )],
+        state.locks.render_metrics(),
+    )
+        .into_response()
+}
+
+/// Readiness
+///
+/// `200` when the store answers, `503` otherwise: a load balancer takes the broker out of
+/// rotation.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "operations",
+    responses(
+        (status = 200, description = "The store answers.", body = StatusBody),
+        StoreUnavailable,
+    )
+)]
+pub(super) async fn readyz<S: Store>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<StatusBody>, ApiError> {
+    state.locks.ready().await?;
+    Ok(Json(StatusBody { status: "ready" }))
+}
+
+/// This document
+///
+/// The OpenAPI document of this API.
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    tag = "operations",
+    responses((status = 200, description = "The OpenAPI document.", body = Object))
+)]
+pub(super) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
+    Json(openapi::document())
+}
