@@ -1,16 +1,20 @@
-//! Configuration: one typed [`Config`], layered defaults → TOML file → environment → flags, and
-//! validated once at start. Nothing else in the broker reads the environment.
+//! Configuration: every setting declared once, in [`Settings`] (a flag of `lockbroker serve`, its
+//! environment variable and a key of the config file), layered flags → environment → file →
+//! defaults into one typed [`Config`] and validated once at start. It also owns the choice of
+//! store a Redis URL makes ([`StoreBackend`]) and the URL as a secret ([`RedisUrl`]). Nothing
+//! else in the broker reads the environment.
 
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// How logs are written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     /// Human-readable lines.
@@ -20,12 +24,20 @@ pub enum LogFormat {
     Json,
 }
 
-/// `lockbroker serve`'s flags. Each is also an environment variable and a key of the config
-/// file; a flag beats the environment, which beats the file, which beats the default.
-#[derive(Debug, Clone, Default, Args)]
-pub struct ServeArgs {
+/// The settings one source gives, all optional: `lockbroker serve`'s flags, or the config file,
+/// whose keys are the flags' names. Clap reads a flag from its environment variable when the
+/// flag is absent; a flag beats the environment, which beats the file, which beats the default.
+/// Unknown keys in the file are an error, so a misspelt key does not silently fall back to its
+/// default.
+///
+/// No `Debug`: it holds the Redis URL as given, password and all.
+#[derive(Clone, Default, Args, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
     /// TOML config file (keys are the flags' names with `_`).
     #[arg(long, env = "LOCKBROKER_CONFIG", value_name = "FILE")]
+    // A flag only: the file does not name another file.
+    #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Address to listen on [default: 127.0.0.1:8080].
     #[arg(long, env = "LOCKBROKER_LISTEN", value_name = "ADDR")]
@@ -55,13 +67,13 @@ pub struct ServeArgs {
     /// Most acquires that may wait on this broker at once [default: 10000].
     #[arg(long, env = "LOCKBROKER_MAX_WAITERS", value_name = "N")]
     pub max_waiters: Option<usize>,
-    /// After Redis is seen to have lost its data, how long nothing is granted, so that leases it
-    /// forgot end first [default: max_ttl_ms].
+    /// Paranoid option: after a detected store loss, hold every grant until this long after it,
+    /// so that even leases granted by brokers that died before the loss have ended
+    /// [default: 0, off: brokers put their live leases back instead].
     #[arg(long, env = "LOCKBROKER_STORE_LOSS_DELAY_MS", value_name = "MS")]
     pub store_loss_delay_ms: Option<u64>,
-    /// When a broker finds a Redis with no incarnation marker (new, or it lost its data), how
-    /// long nothing is granted, so brokers that knew the old store can flag a loss first
-    /// [default: 3000].
+    /// How long a new store epoch (a new or emptied Redis, a restart, a failover) holds every
+    /// grant, so that every running broker puts its live leases back first [default: 3000].
     #[arg(long, env = "LOCKBROKER_STORE_SETTLE_MS", value_name = "MS")]
     pub store_settle_ms: Option<u64>,
     /// Log format [default: text].
@@ -72,32 +84,32 @@ pub struct ServeArgs {
     pub log_level: Option<String>,
 }
 
-/// The config file: the same keys as the flags, all optional. Unknown keys are an error, so a
-/// misspelt key does not silently fall back to its default.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FileConfig {
-    pub listen: Option<String>,
-    pub redis_url: Option<String>,
-    pub key_prefix: Option<String>,
-    pub default_ttl_ms: Option<u64>,
-    pub max_ttl_ms: Option<u64>,
-    pub default_wait_ms: Option<u64>,
-    pub max_wait_ms: Option<u64>,
-    pub store_timeout_ms: Option<u64>,
-    pub max_waiters: Option<usize>,
-    pub store_loss_delay_ms: Option<u64>,
-    pub store_settle_ms: Option<u64>,
-    pub log_format: Option<LogFormat>,
-    pub log_level: Option<String>,
+impl Settings {
+    /// These settings over `lower`: each one given here wins, the rest come from `lower`.
+    /// `config` is not carried over; the file it names has been read by then.
+    fn or(self, lower: Self) -> Self {
+        // Field by field through JSON, so that a new setting needs no line here.
+        let fields = |settings: Self| match serde_json::to_value(settings) {
+            Ok(serde_json::Value::Object(fields)) => fields,
+            _ => unreachable!("a struct of options serializes to a JSON object"),
+        };
+        let mut merged = fields(lower);
+        merged.extend(
+            fields(self)
+                .into_iter()
+                .filter(|(_, value)| !value.is_null()),
+        );
+        serde_json::from_value(merged.into()).expect("settings read back as they were written")
+    }
 }
 
-/// The broker's settings, resolved and valid.
+/// The broker's settings, resolved and valid. Each field is the setting of the same name in
+/// [`Settings`], which documents it. `Debug` shows no password.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub listen: SocketAddr,
-    /// `None`: the embedded in-memory store.
-    pub redis_url: Option<String>,
+    /// The store, chosen by the scheme of the `redis_url` setting.
+    pub redis_url: StoreBackend,
     pub key_prefix: String,
     pub default_ttl_ms: u64,
     pub max_ttl_ms: u64,
@@ -118,7 +130,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
-            redis_url: None,
+            redis_url: StoreBackend::Memory,
             key_prefix: "lockbroker:".into(),
             default_ttl_ms: 30_000,
             max_ttl_ms: 3_600_000,
@@ -134,68 +146,49 @@ impl Default for Config {
     }
 }
 
+/// Shortest settle time that leaves running brokers time to reconnect and put their leases back
+/// (they retry within 100 ms to 1 s); shorter is allowed, with a warning.
+const MIN_SAFE_SETTLE_MS: u64 = 1_000;
+
 /// Longest lease a broker may be configured to allow: a day. Longer leases are a sign of a
 /// lock used as a flag, and keep a key blocked for that long when a holder dies.
 const MAX_TTL_CEILING_MS: u64 = 86_400_000;
 
 impl Config {
     /// Reads the config file named by the flags or the environment, if any, and resolves.
-    pub fn load(args: ServeArgs) -> anyhow::Result<Self> {
-        let file = match &args.config {
-            None => FileConfig::default(),
+    pub fn load(flags: Settings) -> anyhow::Result<Self> {
+        let file = match &flags.config {
+            None => Settings::default(),
             Some(path) => read_file(path)?,
         };
-        Self::resolve(args, file)
+        Self::resolve(flags, file)
     }
 
     /// Layers the (already environment-merged) flags over the file over the defaults.
-    pub fn resolve(args: ServeArgs, file: FileConfig) -> anyhow::Result<Self> {
+    pub fn resolve(flags: Settings, file: Settings) -> anyhow::Result<Self> {
+        let s = flags.or(file);
         let d = Self::default();
-        let listen = match args.listen.or(file.listen) {
-            None => d.listen,
-            Some(s) => s.parse().with_context(|| {
-                format!("listen: {s:?} is not an address such as 127.0.0.1:8080")
-            })?,
-        };
-        let max_ttl_ms = args.max_ttl_ms.or(file.max_ttl_ms).unwrap_or(d.max_ttl_ms);
+        let max_ttl_ms = s.max_ttl_ms.unwrap_or(d.max_ttl_ms);
         let config = Self {
-            listen,
-            redis_url: args
-                .redis_url
-                .or(file.redis_url)
-                .filter(|u| !u.trim().is_empty()),
-            key_prefix: args.key_prefix.or(file.key_prefix).unwrap_or(d.key_prefix),
-            default_ttl_ms: args
-                .default_ttl_ms
-                .or(file.default_ttl_ms)
-                .unwrap_or(d.default_ttl_ms),
+            listen: match s.listen {
+                None => d.listen,
+                Some(a) => a.parse().with_context(|| {
+                    format!("listen: {a:?} is not an address such as 127.0.0.1:8080")
+                })?,
+            },
+            redis_url: StoreBackend::parse(s.redis_url.as_deref().unwrap_or_default())?,
+            key_prefix: s.key_prefix.unwrap_or(d.key_prefix),
+            default_ttl_ms: s.default_ttl_ms.unwrap_or(d.default_ttl_ms),
             max_ttl_ms,
-            default_wait_ms: args
-                .default_wait_ms
-                .or(file.default_wait_ms)
-                .unwrap_or(d.default_wait_ms),
-            max_wait_ms: args
-                .max_wait_ms
-                .or(file.max_wait_ms)
-                .unwrap_or(d.max_wait_ms),
-            store_timeout_ms: args
-                .store_timeout_ms
-                .or(file.store_timeout_ms)
-                .unwrap_or(d.store_timeout_ms),
-            max_waiters: args
-                .max_waiters
-                .or(file.max_waiters)
-                .unwrap_or(d.max_waiters),
-            store_loss_delay_ms: args
-                .store_loss_delay_ms
-                .or(file.store_loss_delay_ms)
-                .unwrap_or(0),
-            store_settle_ms: args
-                .store_settle_ms
-                .or(file.store_settle_ms)
-                .unwrap_or(d.store_settle_ms),
-            log_format: args.log_format.or(file.log_format).unwrap_or(d.log_format),
-            log_level: args.log_level.or(file.log_level).unwrap_or(d.log_level),
+            default_wait_ms: s.default_wait_ms.unwrap_or(d.default_wait_ms),
+            max_wait_ms: s.max_wait_ms.unwrap_or(d.max_wait_ms),
+            store_timeout_ms: s.store_timeout_ms.unwrap_or(d.store_timeout_ms),
+            max_waiters: s.max_waiters.unwrap_or(d.max_waiters),
+            // Off unless asked for: the brokers put the live leases back after a loss.
+            store_loss_delay_ms: s.store_loss_delay_ms.unwrap_or(0),
+            store_settle_ms: s.store_settle_ms.unwrap_or(d.store_settle_ms),
+            log_format: s.log_format.unwrap_or(d.log_format),
+            log_level: s.log_level.unwrap_or(d.log_level),
         };
         config.validate()?;
         Ok(config)
@@ -229,49 +222,131 @@ impl Config {
         if self.store_loss_delay_ms > MAX_TTL_CEILING_MS {
             bail!("store_loss_delay_ms must be at most {MAX_TTL_CEILING_MS}");
         }
-        if self.store_loss_delay_ms < self.max_ttl_ms {
-            tracing::warn!(
-                "store_loss_delay_ms ({}) is shorter than max_ttl_ms ({}): after Redis loses its \
-                 data, a lease it forgot may still be live when its key is granted again",
-                self.store_loss_delay_ms,
-                self.max_ttl_ms
-            );
-        }
         if self.max_waiters == 0 {
             bail!("max_waiters must be at least 1");
         }
         if self.key_prefix.contains(['{', '}']) {
             bail!("key_prefix must not contain braces: they would break the per-lock hash tag");
         }
-        if let Some(url) = &self.redis_url {
-            redis::Client::open(url.as_str())
-                .with_context(|| "redis_url is not a valid Redis URL")?;
-        }
         tracing_subscriber::EnvFilter::try_new(&self.log_level)
             .with_context(|| format!("log_level {:?} is not a valid filter", self.log_level))?;
         Ok(())
     }
 
+    /// Settings that are allowed but give up a guarantee, one sentence each. Returned, not
+    /// logged: the configuration is read before logging is set up.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        if self.store_settle_ms < MIN_SAFE_SETTLE_MS && self.redis_url.url().is_some() {
+            warnings.push(format!(
+                "store_settle_ms ({}) is shorter than {MIN_SAFE_SETTLE_MS}: after Redis restarts \
+                 or is flushed, a key may be granted before the broker that holds its live lease \
+                 has put it back",
+                self.store_settle_ms
+            ));
+        }
+        warnings
+    }
+
+    /// `store_timeout_ms` as a `Duration`.
     pub fn store_timeout(&self) -> Duration {
         Duration::from_millis(self.store_timeout_ms)
     }
-
-    /// The Redis URL with any password masked, for logs.
-    pub fn redis_url_for_logs(&self) -> Option<String> {
-        let url = self.redis_url.as_ref()?;
-        Some(match (url.find("://"), url.rfind('@')) {
-            (Some(scheme), Some(at)) if at > scheme => {
-                format!("{}://***@{}", &url[..scheme], &url[at + 1..])
-            }
-            _ => url.clone(),
-        })
-    }
 }
 
-fn read_file(path: &Path) -> anyhow::Result<FileConfig> {
+fn read_file(path: &Path) -> anyhow::Result<Settings> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read the config file {}", path.display()))?;
     toml::from_str(&text).with_context(|| format!("the config file {} is invalid", path.display()))
+}
+
+/// The store a broker keeps its locks in, chosen by the scheme of its Redis URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreBackend {
+    /// No URL: the embedded in-memory store, for one broker only.
+    Memory,
+    /// `redis://`, or `rediss://` over TLS: one Redis server.
+    Redis(RedisUrl),
+    /// `redis+sentinel://` or `rediss+sentinel://`: the master that sentinels name.
+    Sentinel(RedisUrl),
+    /// `redis+cluster://` or `rediss+cluster://`: a Redis Cluster, from any of its nodes.
+    Cluster(RedisUrl),
+}
+
+const ACCEPTED_SCHEMES: &str = "redis://, rediss://, redis+sentinel://, rediss+sentinel://, \
+                                redis+cluster:// or rediss+cluster://";
+
+impl StoreBackend {
+    /// Picks the store by `url`'s scheme (in any case); empty or blank is the embedded store.
+    /// Errors name the accepted schemes and never repeat the URL, which may hold a password.
+    pub fn parse(url: &str) -> anyhow::Result<Self> {
+        if url.trim().is_empty() {
+            return Ok(Self::Memory);
+        }
+        let scheme = url
+            .split_once("://")
+            .map(|(scheme, _)| scheme.to_ascii_lowercase())
+            .filter(|s| {
+                s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+            });
+        let secret = RedisUrl(url.to_owned());
+        match scheme.as_deref() {
+            Some("redis" | "rediss") => {
+                redis::Client::open(url).context("redis_url is not a valid Redis URL")?;
+                Ok(Self::Redis(secret))
+            }
+            Some("redis+sentinel" | "rediss+sentinel") => Ok(Self::Sentinel(secret)),
+            Some("redis+cluster" | "rediss+cluster") => Ok(Self::Cluster(secret)),
+            Some(other) => {
+                bail!(
+                    "redis_url: unknown scheme {other:?}; the accepted ones are {ACCEPTED_SCHEMES}"
+                )
+            }
+            None => bail!("redis_url is not a URL; the accepted schemes are {ACCEPTED_SCHEMES}"),
+        }
+    }
+
+    /// The URL, unless the store is the embedded one.
+    pub fn url(&self) -> Option<&RedisUrl> {
+        match self {
+            Self::Memory => None,
+            Self::Redis(url) | Self::Sentinel(url) | Self::Cluster(url) => Some(url),
+        }
+    }
+}
+
+/// A Redis URL, which may hold a password. `Debug` and `Display` mask it, and the user name with
+/// it (`redis://***@host:port/db`), so neither a log line nor a printed [`Config`] shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisUrl(String);
+
+impl RedisUrl {
+    /// The URL as configured, password included: for connecting, never for printing.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RedisUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let url = &self.0;
+        // The last `@`: a password may contain `@` itself.
+        match (url.find("://"), url.rfind('@')) {
+            (Some(scheme), Some(at)) if at > scheme => {
+                write!(f, "{}://***@{}", &url[..scheme], &url[at + 1..])
+            }
+            _ => f.write_str(url),
+        }
+    }
+}
+
+impl fmt::Debug for RedisUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("RedisUrl")
+            .field(&format_args!("{self}"))
+            .finish()
+    }
 }
 
 #[cfg(test)]
@@ -280,43 +355,43 @@ mod tests {
 
     #[test]
     fn flags_beat_the_file_which_beats_the_defaults() {
-        let file: FileConfig = toml::from_str(
+        let file: Settings = toml::from_str(
             "listen = \"127.0.0.1:9000\"\ndefault_ttl_ms = 5000\nmax_wait_ms = 1000\n",
         )
         .unwrap();
-        let args = ServeArgs {
+        let args = Settings {
             listen: Some("127.0.0.1:9100".into()),
-            ..ServeArgs::default()
+            ..Settings::default()
         };
         let config = Config::resolve(args, file).unwrap();
         assert_eq!(config.listen.port(), 9100);
         assert_eq!(config.default_ttl_ms, 5000);
         assert_eq!(config.max_wait_ms, 1000);
         assert_eq!(config.max_ttl_ms, 3_600_000);
-        assert!(config.redis_url.is_none());
+        assert!(config.redis_url.url().is_none());
     }
 
     #[test]
     fn unknown_file_keys_and_inconsistent_bounds_are_refused() {
-        assert!(toml::from_str::<FileConfig>("default_ttl = 5").is_err());
-        let args = ServeArgs {
+        assert!(toml::from_str::<Settings>("default_ttl = 5").is_err());
+        let args = Settings {
             default_ttl_ms: Some(10),
             max_ttl_ms: Some(5),
-            ..ServeArgs::default()
+            ..Settings::default()
         };
-        assert!(Config::resolve(args, FileConfig::default()).is_err());
-        let args = ServeArgs {
+        assert!(Config::resolve(args, Settings::default()).is_err());
+        let args = Settings {
             key_prefix: Some("a{b".into()),
-            ..ServeArgs::default()
+            ..Settings::default()
         };
-        assert!(Config::resolve(args, FileConfig::default()).is_err());
+        assert!(Config::resolve(args, Settings::default()).is_err());
     }
 
     #[test]
     fn the_documented_config_file_parses_and_matches_the_defaults() {
         let text = include_str!("../config/lockbroker.toml");
-        let file: FileConfig = toml::from_str(text).unwrap();
-        let config = Config::resolve(ServeArgs::default(), file).unwrap();
+        let file: Settings = toml::from_str(text).unwrap();
+        let config = Config::resolve(Settings::default(), file).unwrap();
         let d = Config::default();
         assert_eq!(config.listen, d.listen);
         assert_eq!(config.default_ttl_ms, d.default_ttl_ms);
@@ -329,12 +404,105 @@ mod tests {
     #[test]
     fn passwords_are_masked_in_logged_urls() {
         let config = Config {
-            redis_url: Some("redis://user:secret@10.0.0.1:6379/0".into()),
+            redis_url: StoreBackend::parse("redis://user:secret@10.0.0.1:6379/0").unwrap(),
             ..Config::default()
         };
         assert_eq!(
-            config.redis_url_for_logs().unwrap(),
+            config.redis_url.url().unwrap().to_string(),
             "redis://***@10.0.0.1:6379/0"
+        );
+    }
+
+    #[test]
+    fn a_printed_config_shows_no_password() {
+        for url in [
+            "redis://user:s3cr@t@h1:6379/0",
+            "rediss+sentinel://:s3cr@t@h1:26379,h2:26379/mymaster",
+            "redis+cluster://user:s3cr@t@h1:7000",
+        ] {
+            let config = Config {
+                redis_url: StoreBackend::parse(url).unwrap_or_else(|e| panic!("{url}: {e:#}")),
+                ..Config::default()
+            };
+            let printed = format!("{config:?} {config:#?}");
+            assert!(!printed.contains("s3cr"), "{printed}");
+            assert!(printed.contains("***@h"), "{printed}");
+            let url_itself = config.redis_url.url().unwrap().expose();
+            assert_eq!(url_itself, url);
+        }
+    }
+
+    #[test]
+    fn the_scheme_picks_the_store_and_an_unknown_one_is_refused() {
+        let kind = |url: &str| StoreBackend::parse(url).map(|b| format!("{b:?}"));
+        assert_eq!(kind("").unwrap(), "Memory");
+        assert_eq!(kind("  ").unwrap(), "Memory");
+        assert!(
+            kind("redis://127.0.0.1:6379/0")
+                .unwrap()
+                .starts_with("Redis(")
+        );
+        assert!(kind("REDIS://127.0.0.1").unwrap().starts_with("Redis("));
+        assert!(
+            kind("redis+sentinel://h:26379/m")
+                .unwrap()
+                .starts_with("Sentinel(")
+        );
+        assert!(
+            kind("rediss+sentinel://h:26379/m")
+                .unwrap()
+                .starts_with("Sentinel(")
+        );
+        assert!(
+            kind("redis+cluster://h:7000,h:7001")
+                .unwrap()
+                .starts_with("Cluster(")
+        );
+        assert!(
+            kind("rediss+cluster://h:7000")
+                .unwrap()
+                .starts_with("Cluster(")
+        );
+        for url in [
+            "http://example.com/",
+            "unix:///tmp/redis.sock",
+            "127.0.0.1:6379",
+        ] {
+            let error = format!("{:#}", kind(url).unwrap_err());
+            assert!(error.contains("redis+sentinel://"), "{url}: {error}");
+        }
+        let error = format!("{:#}", kind("user:secret@host:6379").unwrap_err());
+        assert!(!error.contains("secret"), "{error}");
+        // Not a Redis URL: the scheme is right, the rest is not.
+        assert!(kind("redis://h:notaport").is_err());
+    }
+
+    #[test]
+    fn settings_that_give_up_a_guarantee_come_back_as_warnings() {
+        assert!(Config::default().warnings().is_empty());
+        let args = Settings {
+            store_settle_ms: Some(200),
+            redis_url: Some("redis://127.0.0.1:6379".into()),
+            ..Settings::default()
+        };
+        let warnings = Config::resolve(args, Settings::default())
+            .unwrap()
+            .warnings();
+        assert_eq!(warnings.len(), 1);
+        assert!(
+            warnings[0].starts_with("store_settle_ms (200) is shorter than 1000"),
+            "{warnings:?}"
+        );
+        // The embedded store never loses its data: nothing to warn about.
+        let args = Settings {
+            store_settle_ms: Some(0),
+            ..Settings::default()
+        };
+        assert!(
+            Config::resolve(args, Settings::default())
+                .unwrap()
+                .warnings()
+                .is_empty()
         );
     }
 }

@@ -9,7 +9,7 @@ use lockbroker::bench::BenchArgs;
 use lockbroker::client::commands::{self, AcquireArgs, ReleaseArgs, RenewArgs, StatusArgs};
 #[cfg(unix)]
 use lockbroker::client::run::{self, RunArgs};
-use lockbroker::config::{Config, ServeArgs};
+use lockbroker::config::{Config, Settings};
 use lockbroker::startup::{Application, shutdown_signal};
 
 /// A distributed-lock broker: leases with fencing tokens over HTTP, kept in Redis.
@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the broker.
-    Serve(ServeArgs),
+    Serve(Settings),
     /// Load a running broker and print throughput and latency (and, with --redis-url, the
     /// same lock cycle done directly on Redis, for comparison).
     Bench(BenchArgs),
@@ -61,9 +61,12 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let config = Config::load(args)?;
+async fn serve(settings: Settings) -> anyhow::Result<()> {
+    let config = Config::load(settings)?;
     lockbroker::telemetry::init(config.log_format, &config.log_level);
+    for warning in config.warnings() {
+        tracing::warn!("{warning}");
+    }
     let app = Application::build(&config).await?;
     app.run_until_stopped(shutdown_signal()).await?;
     Ok(())

@@ -10,7 +10,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::config::Config;
+use crate::config::{Config, StoreBackend};
 use crate::http::{AppState, Limits, router};
 use crate::lock::{LockService, LockSettings};
 use crate::metrics::Metrics;
@@ -35,10 +35,10 @@ impl Application {
     pub async fn build(config: &Config) -> anyhow::Result<Self> {
         let metrics = Arc::new(Metrics::default());
         let store = match &config.redis_url {
-            Some(url) => {
+            StoreBackend::Redis(url) => {
                 let store = RedisStore::connect(
                     &RedisSettings {
-                        url: url.clone(),
+                        url: url.expose().to_owned(),
                         key_prefix: config.key_prefix.clone(),
                         timeout: config.store_timeout(),
                         store_loss_delay: Duration::from_millis(config.store_loss_delay_ms),
@@ -47,10 +47,18 @@ impl Application {
                     metrics.clone(),
                 )
                 .context("cannot set up the Redis store")?;
-                tracing::info!(redis = %config.redis_url_for_logs().unwrap_or_default(), "locks are kept in Redis");
+                tracing::info!(redis = %url, "locks are kept in Redis");
                 AnyStore::Redis(store)
             }
-            None => {
+            StoreBackend::Sentinel(_) => anyhow::bail!(
+                "redis_url: Redis Sentinel (redis+sentinel://, rediss+sentinel://) is not \
+                 supported yet"
+            ),
+            StoreBackend::Cluster(_) => anyhow::bail!(
+                "redis_url: Redis Cluster (redis+cluster://, rediss+cluster://) is not supported \
+                 yet"
+            ),
+            StoreBackend::Memory => {
                 tracing::warn!(
                     "NO REDIS URL: locks are kept in this process's memory. Correct for this one \
                      broker only: other brokers do not see these locks, and they are lost when it \

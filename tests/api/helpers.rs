@@ -9,7 +9,7 @@ use std::sync::Once;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use lockbroker::config::{Config, LogFormat};
+use lockbroker::config::{Config, LogFormat, StoreBackend};
 use lockbroker::startup::Application;
 use reqwest::header::HeaderMap;
 use reqwest::{Client, Method, RequestBuilder, Response, StatusCode};
@@ -312,7 +312,8 @@ pub async fn spawn_app_with(redis_url: Option<String>, tweak: impl FnOnce(&mut C
     init_test_log();
     let mut config = Config {
         listen: "127.0.0.1:0".parse().expect("a valid address"),
-        redis_url,
+        redis_url: StoreBackend::parse(redis_url.as_deref().unwrap_or_default())
+            .expect("a valid Redis URL"),
         // A new Redis per test: no settling time before the first grant (the tests of the
         // settling set their own).
         store_settle_ms: 0,

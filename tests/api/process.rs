@@ -183,6 +183,27 @@ async fn the_binary_without_a_redis_url_says_loudly_that_locks_stay_in_its_memor
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_setting_that_gives_up_a_guarantee_is_warned_about_in_the_log() {
+    let mut broker = BrokerProcess::start(|command, port| {
+        listen_on(command, port);
+        command.args([
+            "--store-settle-ms",
+            "100",
+            "--redis-url",
+            "redis://127.0.0.1:1/",
+        ]);
+    })
+    .await;
+    let output = broker.output();
+    assert!(
+        output.contains("store_settle_ms (100) is shorter than 1000"),
+        "the start-up log must carry the configuration's warning:\n{output}"
+    );
+    send_signal(broker.pid, "-TERM");
+    assert!(broker.exit_status(Duration::from_secs(5)).await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listen_flag_beats_the_environment_which_beats_the_config_file() {
     let file = temp_log("config").with_extension("toml");
     let unused = |port: u16| format!("127.0.0.1:{}", if port == 1 { 2 } else { port - 1 });
@@ -255,7 +276,7 @@ fn run_to_exit(mut command: Command) -> (ExitStatus, String) {
 fn an_invalid_configuration_stops_the_binary_with_a_non_zero_status_and_a_message() {
     let bad_file = temp_log("bad-config").with_extension("toml");
     std::fs::write(&bad_file, "default_ttl = 5000\n").unwrap();
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["--max-ttl-ms", "0"], "max_ttl_ms"),
         (
             &["--default-ttl-ms", "5000", "--max-ttl-ms", "1000"],
@@ -263,6 +284,14 @@ fn an_invalid_configuration_stops_the_binary_with_a_non_zero_status_and_a_messag
         ),
         (&["--listen", "not-an-address"], "listen"),
         (&["--redis-url", "http://example.com/"], "redis"),
+        (
+            &["--redis-url", "redis+sentinel://127.0.0.1:1/mymaster"],
+            "not supported yet",
+        ),
+        (
+            &["--redis-url", "redis+cluster://127.0.0.1:1"],
+            "not supported yet",
+        ),
         (&["--max-waiters", "0"], "max_waiters"),
         (&["--config", bad_file.to_str().unwrap()], "config"),
     ];
