@@ -17,4 +17,5 @@ mod faults;
 mod proxy;
 mod skew;
 mod soak;
+mod store_loss;
 mod torture;
