@@ -117,10 +117,9 @@ pub struct Config {
     pub max_wait_ms: u64,
     pub store_timeout_ms: u64,
     pub max_waiters: usize,
-    /// After Redis is seen to have lost its data, how long nothing is granted.
+    /// Paranoid option (0: off): after a detected store loss, hold every grant this long.
     pub store_loss_delay_ms: u64,
-    /// When Redis has no incarnation marker (new, or it lost its data), how long nothing is
-    /// granted, so that brokers that knew the old store can flag a loss first.
+    /// How long a new store epoch holds every grant, so running brokers put their leases back.
     pub store_settle_ms: u64,
     pub log_format: LogFormat,
     pub log_level: String,

@@ -233,14 +233,24 @@ pub struct NotOwner(pub ErrorBody<'static>);
 )]
 pub struct Locked(pub LockedError);
 
-/// `store_unavailable`: the store could not be reached or did not answer in time.
+/// `store_unavailable`: the store could not be reached or did not answer in time; or, with
+/// `Retry-After`, a store-wide hold is in force (a store that is new or was emptied settles, or
+/// the brokers put their live leases back after a detected loss) and the message says which.
 #[derive(IntoResponses)]
-#[response(status = 503)]
+#[response(
+    status = 503,
+    headers((
+        "Retry-After" = u64,
+        description = "While a store-wide hold is in force: seconds until it ends, rounded up, \
+            at least 1."
+    ))
+)]
 pub struct StoreUnavailable(pub ErrorBody<'static>);
 
 /// Not granted. `store_unavailable`: the store could not be reached or did not answer in time
-/// (`store_timeout_ms`), or, with `Retry-After`, the broker holds grants back after Redis lost
-/// its data; `too_many_waiters`, with `Retry-After: 1`: `max_waiters` acquires already wait on
+/// (`store_timeout_ms`), or, with `Retry-After`, a store-wide hold is in force (a new or emptied
+/// store settling, or the brokers putting their live leases back after a detected loss; a
+/// waiting acquire waits a hold out within its `wait_ms`); `too_many_waiters`, with `Retry-After: 1`: `max_waiters` acquires already wait on
 /// this broker; `shutting_down`: the broker stopped while the request waited. Try again, or
 /// another broker.
 #[derive(IntoResponses)]
@@ -248,7 +258,7 @@ pub struct StoreUnavailable(pub ErrorBody<'static>);
     status = 503,
     headers((
         "Retry-After" = u64,
-        description = "With `too_many_waiters` and while grants are held back: seconds to wait \
+        description = "With `too_many_waiters` and during a store-wide hold: seconds to wait \
             before trying again."
     ))
 )]

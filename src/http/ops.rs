@@ -73,14 +73,16 @@ pub(super) async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Respo
 
 /// Readiness
 ///
-/// `200` when the store answers, `503` otherwise: a load balancer takes the broker out of
-/// rotation.
+/// `200` exactly when this broker would grant a free key now: the store answers and no
+/// store-wide hold is in force. `503` otherwise, with `Retry-After` during a hold and a message
+/// that says which (store unreachable; settling on a store with no record of earlier grants;
+/// holding back after a detected loss): a load balancer takes the broker out of rotation.
 #[utoipa::path(
     get,
     path = "/readyz",
     tag = "operations",
     responses(
-        (status = 200, description = "The store answers.", body = StatusBody),
+        (status = 200, description = "A free key would be granted now.", body = StatusBody),
         StoreUnavailable,
     )
 )]
