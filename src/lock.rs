@@ -498,10 +498,21 @@ impl<T> Holder<T> {
     }
 }
 
-/// Hands the store's notices to the waiters, until the service is gone.
+/// Hands the store's notices to the waiters, until the service is gone. Dropping the receiver
+/// then closes the channel, which ends the store's background work too.
 async fn hand_notices_to(waiters: std::sync::Weak<Waiters>, mut notices: mpsc::Receiver<Notice>) {
-    while let Some(notice) = notices.recv().await {
-        let Some(waiters) = waiters.upgrade() else {
+    loop {
+        let notice = tokio::select! {
+            notice = notices.recv() => notice,
+            // An idle broker that was dropped gets no notice to find that out with.
+            () = tokio::time::sleep(Duration::from_secs(1)) => {
+                if waiters.strong_count() == 0 {
+                    return;
+                }
+                continue;
+            }
+        };
+        let (Some(notice), Some(waiters)) = (notice, waiters.upgrade()) else {
             return;
         };
         match notice {
