@@ -1,10 +1,10 @@
-//! lockbroker: a distributed-lock broker. The seeds' Redis SETNX/GETSET lease algorithm, with its
-//! known races closed, behind a small HTTP API, on Redis or on an embedded in-memory store.
+//! lockbroker: a distributed-lock broker. The classic Redis SETNX/GETSET timestamp lock recipe,
+//! with its known races closed, behind a small HTTP API, on Redis or on an embedded in-memory
+//! store.
 #![forbid(unsafe_code)]
 
 pub mod bench;
 pub mod client;
-pub mod clock;
 pub mod config;
 pub mod domain;
 pub mod http;

@@ -1,4 +1,4 @@
-//! The lock service: the seeds' algorithm over any [`Store`] — claim with SETNX, look with GET,
+//! The lock service: the classic SETNX/GETSET timestamp recipe over any [`Store`] — claim with SETNX, look with GET,
 //! take over an expired lease with a safe GETSET, release and renew only as the holder — plus
 //! waiting, fencing and the guarantees around a store that fails mid-call. Knows nothing of
 //! HTTP.
@@ -67,7 +67,7 @@ impl LeaseView {
     }
 }
 
-/// The outcome of one pass of the seeds' algorithm.
+/// The outcome of one pass of the lock recipe.
 enum Attempt {
     Granted(Lease),
     /// Someone holds a live lease that ends in this many ms (store clock).
@@ -297,7 +297,7 @@ impl<S: Store> LockService<S> {
         }
     }
 
-    /// One pass of the seeds' algorithm.
+    /// One pass of the lock recipe.
     async fn attempt(&self, key: &LockKey, bid: &Bid) -> Result<Attempt, LockError> {
         // 1. SETNX: a free key is ours in one round trip.
         let claim = self.timed(StoreOp::claim, self.store.claim(key, bid));

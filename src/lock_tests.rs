@@ -1,6 +1,6 @@
-//! The algorithm's edge cases, each named after the seeds' pitfall it covers, over the embedded
+//! The algorithm's edge cases, each named after the pitfall of the classic SETNX/GETSET recipe it covers, over the embedded
 //! store with a manual clock. `Scripted` wraps the real store and lets a test run another
-//! client's step between two of the algorithm's steps — the interleavings the seeds' users hit.
+//! client's step between two of the algorithm's steps — the interleavings that recipe's users hit.
 
 use std::future::pending;
 use std::sync::Mutex;
@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use futures::executor::block_on;
 
 use super::*;
-use crate::clock::ManualClock;
+use crate::store::memory::clock::ManualClock;
 use crate::store::{MemoryStore, Snapshot};
 
 type Hook = Box<dyn FnOnce(&MemoryStore) + Send>;
@@ -259,7 +259,7 @@ async fn a_lost_getset_race_writes_nothing_and_leaves_the_winners_lease_intact()
         Err(LockError::Locked { retry_after_ms }) => assert_eq!(retry_after_ms, 5_000),
         other => panic!("the loser must be told the lock is held, got {other:?}"),
     }
-    // The seeds' blind GETSET would have put the loser's value in the key by now.
+    // The classic recipe's blind GETSET would have put the loser's value in the key by now.
     assert_eq!(token_in_store(&h), Some(winner.token.clone()));
     h.locks.release(&h.key, &winner.token).await.unwrap();
 }

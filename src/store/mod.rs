@@ -1,9 +1,9 @@
 //! The store: the few atomic primitives the lock algorithm is built from, implemented for
 //! Redis ([`RedisStore`]) and for memory ([`MemoryStore`], the embedded default).
 //!
-//! The primitives are the seeds' steps — SETNX to claim, GET to look, GETSET to take over an
-//! expired lease, a holder-checked DEL to release — each made atomic where the seeds' version
-//! races, and each reading the time from the store's own clock, so that every broker sharing a
+//! The primitives are the steps of the classic SETNX/GETSET timestamp recipe — SETNX to claim,
+//! GET to look, GETSET to take over an expired lease, a holder-checked DEL to release — each
+//! made atomic where the recipe's version races, and each reading the time from the store's own clock, so that every broker sharing a
 //! store measures leases on one clock whatever its host's clock says.
 
 pub mod ledger;

@@ -1,15 +1,17 @@
 //! The embedded store: the same primitives as Redis, in one process. Correct for a single
 //! broker; brokers do not share it.
 
+pub mod clock;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tokio::sync::mpsc;
 
+use self::clock::{Clock, SystemClock};
 use super::{
     Bid, EXPIRY_SLACK_MS, Grant, Hold, Holder, Lease, Notice, Released, Snapshot, Store, StoreError,
 };
-use crate::clock::{Clock, SystemClock};
 use crate::domain::{Fence, LockKey, Token, Ttl};
 
 /// One key's state: its lease, if any, and its fence counter.
@@ -156,7 +158,7 @@ impl Store for MemoryStore {
         let mut slots = self.slots();
         let slot = slots.get_mut(key);
         match slot.as_ref().and_then(|s| s.lease.as_ref()) {
-            // The key vanished since it was read (the seeds' "GETSET returned nil"): it is free.
+            // The key vanished since it was read (the recipe's "GETSET returned nil"): it is free.
             None => {}
             Some(current) if current.fence == seen && !current.is_live_at(now_ms) => {}
             // Someone else took it over or claimed it, or the holder renewed it.
@@ -243,8 +245,8 @@ impl MemoryStore {
 
 #[cfg(test)]
 mod tests {
+    use super::clock::ManualClock;
     use super::*;
-    use crate::clock::ManualClock;
 
     fn bid(ttl: u64) -> Bid {
         Bid {
