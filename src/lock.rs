@@ -1,5 +1,6 @@
-//! The lock service: the classic SETNX/GETSET timestamp recipe over any [`Store`] — claim with SETNX, look with GET,
-//! take over an expired lease with a safe GETSET, release and renew only as the holder — plus
+//! The lock service: the classic SETNX/GETSET timestamp recipe over any [`Store`] — claim with
+//! SETNX, look with GET, take over an expired lease with a safe GETSET, release and renew only as
+//! the holder — plus
 //! waiting, fencing and the guarantees around a store that fails mid-call. Knows nothing of
 //! HTTP.
 
