@@ -6,6 +6,7 @@
 mod connection;
 mod epoch;
 mod notices;
+mod replies;
 mod scripts;
 
 use std::pin::Pin;
@@ -14,19 +15,20 @@ use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 use redis::io::tcp::{TcpSettings, socket2};
-use redis::{FromRedisValue, IntoConnectionInfo, RedisError, Script, Value};
+use redis::{IntoConnectionInfo, RedisError, Script, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use self::connection::{Connection, Link, breaks_connection, ms};
 use self::epoch::Epoch;
+use self::replies::{ReadReply, corrupt, field, held, parse_owner, refusal};
 use self::scripts::Scripts;
 use super::ledger::Ledger;
 use super::{
     Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Lease, Notice, Released, Snapshot,
     Store, StoreError,
 };
-use crate::domain::{Fence, LockKey, Owner, RequestId, Token, Ttl};
+use crate::domain::{Fence, LockKey, RequestId, Token, Ttl};
 use crate::metrics::Metrics;
 
 /// Connection settings for [`RedisStore::connect`].
@@ -294,61 +296,6 @@ impl RedisStore {
         }
     }
 }
-
-/// A hold as the scripts report it.
-fn held(hold_until_ms: u64, now_ms: u64, reason: &str) -> Hold {
-    Hold {
-        reason: if reason == "loss" {
-            HoldReason::Loss
-        } else {
-            HoldReason::Settling
-        },
-        retry_after_ms: hold_until_ms.saturating_sub(now_ms).max(1),
-    }
-}
-
-/// Element `i` of a script's array reply.
-fn field<T: FromRedisValue>(reply: &[Value], i: usize) -> Result<T, StoreError> {
-    reply
-        .get(i)
-        .ok_or_else(|| corrupt("reply"))
-        .and_then(|v| T::from_redis_value_ref(v).map_err(|_| corrupt("reply")))
-}
-
-fn corrupt(what: &str) -> StoreError {
-    StoreError::Failed(format!("the lock in Redis has a malformed {what}"))
-}
-
-/// The holder script's answers other than "yours".
-fn refusal<T>(reply: &[Value]) -> Result<Holder<T>, StoreError> {
-    match field::<u8>(reply, 0)? {
-        0 => Ok(Holder::NotHeld),
-        2 => Ok(Holder::NotOwner),
-        3 => Ok(Holder::Held(held(
-            field(reply, 1)?,
-            field(reply, 2)?,
-            &field::<String>(reply, 3)?,
-        ))),
-        code => Err(StoreError::Failed(format!(
-            "unexpected holder code {code} from Redis"
-        ))),
-    }
-}
-
-fn parse_owner(raw: Option<String>) -> Result<Option<Owner>, StoreError> {
-    raw.map(|o| Owner::parse(&o).map_err(|_| corrupt("owner")))
-        .transpose()
-}
-
-type ReadReply = (
-    u64,
-    Option<String>,
-    Option<u64>,
-    Option<u64>,
-    Option<u64>,
-    Option<String>,
-    Option<String>,
-);
 
 impl Store for RedisStore {
     async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Grant, StoreError> {
