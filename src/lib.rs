@@ -2,7 +2,6 @@
 //! known races closed, behind a small HTTP API, on Redis or on an embedded in-memory store.
 #![forbid(unsafe_code)]
 
-pub mod bench;
 pub mod client;
 pub mod clock;
 pub mod config;

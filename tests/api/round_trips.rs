@@ -17,7 +17,7 @@ async fn script_calls(redis: &RedisServer) -> u64 {
         .query_async(&mut conn)
         .await
         .expect("INFO commandstats");
-    lockbroker::bench::command_calls(&info, "evalsha")
+    lockbroker::client::bench::command_calls(&info, "evalsha")
 }
 
 /// A broker on a fresh Redis, its scripts already loaded (the first call of each script costs a
