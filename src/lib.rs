@@ -3,7 +3,6 @@
 //! store.
 #![forbid(unsafe_code)]
 
-pub mod bench;
 pub mod client;
 pub mod config;
 pub mod domain;

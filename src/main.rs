@@ -5,7 +5,7 @@
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use lockbroker::bench::BenchArgs;
+use lockbroker::client::bench::{self, BenchArgs};
 use lockbroker::client::commands::{self, AcquireArgs, ReleaseArgs, RenewArgs, StatusArgs};
 #[cfg(unix)]
 use lockbroker::client::run::{self, RunArgs};
@@ -51,7 +51,7 @@ enum Command {
 async fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Serve(args) => report(serve(args).await),
-        Command::Bench(args) => report(lockbroker::bench::run(args).await.map(drop)),
+        Command::Bench(args) => report(bench::run(args).await.map(drop)),
         Command::Acquire(args) => commands::acquire(args).await,
         Command::Release(args) => commands::release(args).await,
         Command::Renew(args) => commands::renew(args).await,

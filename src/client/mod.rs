@@ -1,10 +1,12 @@
 //! The client side of the same binary: a small typed HTTP client for the broker's API
 //! ([`BrokerClient`]), the `acquire`, `release`, `renew` and `status` commands ([`commands`]),
-//! and `lockbroker run` ([`run`]), which holds a lock for as long as a command runs.
+//! `lockbroker run` ([`run`]), which holds a lock for as long as a command runs, and
+//! `lockbroker bench` ([`bench`]), a load generator that measures a running broker.
 //!
-//! Every command returns an exit code from [`exit`], so that a shell script can branch on
+//! Every lock command returns an exit code from [`exit`], so that a shell script can branch on
 //! "held by someone else" apart from "something went wrong".
 
+pub mod bench;
 pub mod commands;
 #[cfg(unix)]
 pub mod run;

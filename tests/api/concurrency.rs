@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use lockbroker_test_support::app::{TestApp, spawn_app};
+use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
-
-use crate::helpers::{RedisServer, TestApp, spawn_app};
 
 /// One critical section as a client saw it: from the grant's arrival to just before its release.
 #[derive(Debug, Clone, Copy)]

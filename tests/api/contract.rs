@@ -3,11 +3,12 @@
 
 use std::time::{Duration, Instant};
 
+use lockbroker_test_support::app::Backend;
+use lockbroker_test_support::http::Grant;
+use lockbroker_test_support::{now_ms, on_both_stores};
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
-
-use crate::helpers::{Backend, Grant, now_ms, on_both_stores};
 
 on_both_stores!(
     a_free_key_is_granted_with_key_token_fence_ttl_and_expiry,

@@ -2,9 +2,10 @@
 
 use std::time::{Duration, Instant};
 
+use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
+use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
-use crate::helpers::{RedisServer, TestApp, spawn_app, spawn_app_with};
 use crate::waiting::{PROMPTLY, SETTLE, answer_within};
 
 async fn three_brokers(redis: &RedisServer) -> [TestApp; 3] {

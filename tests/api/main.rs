@@ -1,9 +1,9 @@
 //! The API test suite: one binary, brokers over real HTTP, each test with its own Redis or keys.
+//! The fixtures (brokers, Redis servers, the HTTP helpers) are in `lockbroker-test-support`.
 
 mod concurrency;
 mod contract;
 mod cross_broker;
-mod helpers;
 mod metrics;
 mod openapi;
 mod outage;

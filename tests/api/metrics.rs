@@ -5,9 +5,11 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::http::Grant;
+use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
-use crate::helpers::{Grant, RedisServer, TestApp, spawn_app_with};
 use crate::waiting::answer_within;
 
 /// The content type of the OpenMetrics text format, which Prometheus negotiates for.

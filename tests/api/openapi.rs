@@ -8,11 +8,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use lockbroker::http::ROUTES;
+use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
+use lockbroker_test_support::http::{Answer, lock_path};
+use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
-
-use crate::helpers::{Answer, RedisServer, TestApp, lock_path, spawn_app, spawn_app_with};
 
 const LOCK: &str = "/locks/{key}";
 const RENEW: &str = "/locks/{key}/renew";

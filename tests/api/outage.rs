@@ -3,10 +3,12 @@
 
 use std::time::{Duration, Instant};
 
+use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
+use lockbroker_test_support::http::Answer;
+use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
 use crate::cross_broker::wait_until_ready;
-use crate::helpers::{Answer, RedisServer, TestApp, spawn_app, spawn_app_with};
 use crate::waiting::{PROMPTLY, SETTLE, answer_within};
 
 /// A small store timeout keeps these tests fast.

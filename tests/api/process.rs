@@ -1,137 +1,21 @@
 //! The real binary: start-up, configuration errors, layering of flags, environment and file, and
 //! graceful shutdown on SIGTERM.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
+use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, serve_command};
+use lockbroker_test_support::http::{Answer, http_client};
+use lockbroker_test_support::send_signal;
+use lockbroker_test_support::temp::{temp_file, temp_log};
 use reqwest::StatusCode;
 
-use crate::helpers::{Answer, free_port, http_client, send_signal, temp_log};
-
+/// The binary under test; Cargo builds it before this suite.
 const BINARY: &str = env!("CARGO_BIN_EXE_lockbroker");
-
-/// How long the binary gets to serve `/healthz` after it is started.
-const START_LIMIT: Duration = Duration::from_secs(10);
-
-/// `lockbroker serve` with no `LOCKBROKER_*` variable from the test's own environment.
-fn serve_command() -> Command {
-    let mut command = Command::new(BINARY);
-    command.arg("serve").stdin(Stdio::null());
-    for (name, _) in std::env::vars_os() {
-        if name.to_string_lossy().starts_with("LOCKBROKER_") {
-            command.env_remove(name);
-        }
-    }
-    command
-}
-
-/// A broker process, killed on drop if it is still running.
-struct BrokerProcess {
-    child: Option<Child>,
-    pid: u32,
-    port: u16,
-    log: PathBuf,
-}
-
-impl BrokerProcess {
-    /// Starts `lockbroker serve` with `configure` applied to the command, which must make it
-    /// listen on the port it is given, and waits until `/healthz` answers there. Tries another
-    /// port if the one picked was taken meanwhile.
-    async fn start(configure: impl Fn(&mut Command, u16)) -> Self {
-        for _ in 0..5 {
-            let port = free_port();
-            let log = temp_log("broker");
-            let out = std::fs::File::create(&log).expect("cannot create the broker log");
-            let err = out.try_clone().expect("cannot clone the log handle");
-            let mut command = serve_command();
-            command.stdout(out).stderr(err);
-            configure(&mut command, port);
-            let child = command.spawn().expect("cannot start the lockbroker binary");
-            let mut broker = Self {
-                pid: child.id(),
-                child: Some(child),
-                port,
-                log,
-            };
-            if broker.wait_until_serving().await {
-                return broker;
-            }
-        }
-        panic!("the broker did not start on any free port");
-    }
-
-    /// Whether the broker serves; `false` if it could not bind its port. Panics on any other
-    /// failure to start.
-    async fn wait_until_serving(&mut self) -> bool {
-        let client = http_client();
-        let started = Instant::now();
-        loop {
-            let child = self.child.as_mut().expect("the broker process");
-            if let Ok(Some(status)) = child.try_wait() {
-                self.child = None;
-                let output = self.output();
-                if output.contains("cannot listen") {
-                    return false;
-                }
-                panic!("the broker exited at start with {status}:\n{output}");
-            }
-            let healthz = client.get(self.url("/healthz")).send().await;
-            if healthz.is_ok_and(|r| r.status() == StatusCode::OK) {
-                return true;
-            }
-            assert!(
-                started.elapsed() < START_LIMIT,
-                "the broker did not serve within {START_LIMIT:?}:\n{}",
-                self.output()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("http://127.0.0.1:{}{path}", self.port)
-    }
-
-    /// What the broker wrote to stdout and stderr so far.
-    fn output(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits for the process to exit, for at most `limit`.
-    async fn exit_status(&mut self, limit: Duration) -> ExitStatus {
-        let mut child = self.child.take().expect("the broker process");
-        let waiting = tokio::task::spawn_blocking(move || child.wait());
-        match tokio::time::timeout(limit, waiting).await {
-            Ok(status) => status.expect("the wait task").expect("wait for the broker"),
-            Err(_) => {
-                send_signal(self.pid, "-KILL");
-                panic!(
-                    "the broker did not exit within {limit:?}:\n{}",
-                    self.output()
-                );
-            }
-        }
-    }
-}
-
-impl Drop for BrokerProcess {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let _ = std::fs::remove_file(&self.log);
-    }
-}
-
-fn listen_on(command: &mut Command, port: u16) {
-    command.args(["--listen", &format!("127.0.0.1:{port}")]);
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_answers_waiting_requests_with_503_shutting_down_and_exits_0() {
-    let mut broker = BrokerProcess::start(listen_on).await;
+    let mut broker = BrokerProcess::start(BrokerCommand::new(BINARY)).await;
     let client = http_client();
     let held = Answer::read(client.post(broker.url("/locks/job")).send().await.unwrap()).await;
     held.expect_grant(StatusCode::CREATED);
@@ -144,7 +28,7 @@ async fn sigterm_answers_waiting_requests_with_503_shutting_down_and_exits_0() {
     assert!(!waiter.is_finished(), "the waiter must be waiting");
 
     let signalled = Instant::now();
-    send_signal(broker.pid, "-TERM");
+    send_signal(broker.pid(), "-TERM");
     let answer = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
         .expect("the waiter must be answered when the broker stops")
@@ -172,76 +56,79 @@ async fn sigterm_answers_waiting_requests_with_503_shutting_down_and_exits_0() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_without_a_redis_url_says_loudly_that_locks_stay_in_its_memory() {
-    let mut broker = BrokerProcess::start(listen_on).await;
+    let mut broker = BrokerProcess::start(BrokerCommand::new(BINARY)).await;
     let output = broker.output().to_lowercase();
     assert!(
         output.contains("memory") && output.contains("redis"),
         "the start-up log must say the locks are in memory, not in Redis:\n{output}"
     );
-    send_signal(broker.pid, "-TERM");
+    send_signal(broker.pid(), "-TERM");
     assert!(broker.exit_status(Duration::from_secs(5)).await.success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_setting_that_gives_up_a_guarantee_is_warned_about_in_the_log() {
-    let mut broker = BrokerProcess::start(|command, port| {
-        listen_on(command, port);
+    let mut broker = BrokerProcess::start(BrokerCommand::configured(BINARY, |command, port| {
+        command.args(["--listen", &format!("127.0.0.1:{port}")]);
         command.args([
             "--store-settle-ms",
             "100",
             "--redis-url",
             "redis://127.0.0.1:1/",
         ]);
-    })
+    }))
     .await;
     let output = broker.output();
     assert!(
         output.contains("store_settle_ms (100) is shorter than 1000"),
         "the start-up log must carry the configuration's warning:\n{output}"
     );
-    send_signal(broker.pid, "-TERM");
+    send_signal(broker.pid(), "-TERM");
     assert!(broker.exit_status(Duration::from_secs(5)).await.success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listen_flag_beats_the_environment_which_beats_the_config_file() {
-    let file = temp_log("config").with_extension("toml");
+    let file = temp_file("config", "toml");
     let unused = |port: u16| format!("127.0.0.1:{}", if port == 1 { 2 } else { port - 1 });
 
     // The file alone.
     let written = file.clone();
-    let mut broker = BrokerProcess::start(move |command, port| {
-        std::fs::write(&written, format!("listen = \"127.0.0.1:{port}\"\n")).unwrap();
-        command.arg("--config").arg(&written);
-    })
-    .await;
-    send_signal(broker.pid, "-TERM");
+    let mut broker =
+        BrokerProcess::start(BrokerCommand::configured(BINARY, move |command, port| {
+            std::fs::write(&written, format!("listen = \"127.0.0.1:{port}\"\n")).unwrap();
+            command.arg("--config").arg(&written);
+        }))
+        .await;
+    send_signal(broker.pid(), "-TERM");
     assert!(broker.exit_status(Duration::from_secs(5)).await.success());
 
     // The environment over the file.
     let written = file.clone();
-    let mut broker = BrokerProcess::start(move |command, port| {
-        std::fs::write(&written, format!("listen = \"{}\"\n", unused(port))).unwrap();
-        command
-            .env("LOCKBROKER_CONFIG", &written)
-            .env("LOCKBROKER_LISTEN", format!("127.0.0.1:{port}"));
-    })
-    .await;
-    send_signal(broker.pid, "-TERM");
+    let mut broker =
+        BrokerProcess::start(BrokerCommand::configured(BINARY, move |command, port| {
+            std::fs::write(&written, format!("listen = \"{}\"\n", unused(port))).unwrap();
+            command
+                .env("LOCKBROKER_CONFIG", &written)
+                .env("LOCKBROKER_LISTEN", format!("127.0.0.1:{port}"));
+        }))
+        .await;
+    send_signal(broker.pid(), "-TERM");
     assert!(broker.exit_status(Duration::from_secs(5)).await.success());
 
     // The flag over both.
     let written = file.clone();
-    let mut broker = BrokerProcess::start(move |command, port| {
-        std::fs::write(&written, format!("listen = \"{}\"\n", unused(port))).unwrap();
-        command
-            .arg("--config")
-            .arg(&written)
-            .env("LOCKBROKER_LISTEN", unused(port))
-            .args(["--listen", &format!("127.0.0.1:{port}")]);
-    })
-    .await;
-    send_signal(broker.pid, "-TERM");
+    let mut broker =
+        BrokerProcess::start(BrokerCommand::configured(BINARY, move |command, port| {
+            std::fs::write(&written, format!("listen = \"{}\"\n", unused(port))).unwrap();
+            command
+                .arg("--config")
+                .arg(&written)
+                .env("LOCKBROKER_LISTEN", unused(port))
+                .args(["--listen", &format!("127.0.0.1:{port}")]);
+        }))
+        .await;
+    send_signal(broker.pid(), "-TERM");
     assert!(broker.exit_status(Duration::from_secs(5)).await.success());
     let _ = std::fs::remove_file(&file);
 }
@@ -274,7 +161,7 @@ fn run_to_exit(mut command: Command) -> (ExitStatus, String) {
 
 #[test]
 fn an_invalid_configuration_stops_the_binary_with_a_non_zero_status_and_a_message() {
-    let bad_file = temp_log("bad-config").with_extension("toml");
+    let bad_file = temp_file("bad-config", "toml");
     std::fs::write(&bad_file, "default_ttl = 5000\n").unwrap();
     let cases: [(&[&str], &str); 8] = [
         (&["--max-ttl-ms", "0"], "max_ttl_ms"),
@@ -296,7 +183,7 @@ fn an_invalid_configuration_stops_the_binary_with_a_non_zero_status_and_a_messag
         (&["--config", bad_file.to_str().unwrap()], "config"),
     ];
     for (args, mentions) in cases {
-        let mut command = serve_command();
+        let mut command = serve_command(BINARY);
         if !args.contains(&"--listen") {
             // Should the configuration be taken, no port of anyone else's is disturbed.
             command.args(["--listen", "127.0.0.1:0"]);

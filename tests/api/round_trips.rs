@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
+use lockbroker_test_support::app::{TestApp, spawn_app};
+use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
-
-use crate::helpers::{RedisServer, TestApp, spawn_app};
 
 /// EVALSHA calls Redis has served: each is one round trip of a lock operation (the commands a
 /// script runs inside are counted apart by Redis, under their own names, and the broker's
@@ -17,7 +17,7 @@ async fn script_calls(redis: &RedisServer) -> u64 {
         .query_async(&mut conn)
         .await
         .expect("INFO commandstats");
-    lockbroker::bench::command_calls(&info, "evalsha")
+    lockbroker::client::bench::command_calls(&info, "evalsha")
 }
 
 /// A broker on a fresh Redis, its scripts already loaded (the first call of each script costs a

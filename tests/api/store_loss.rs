@@ -6,8 +6,11 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 
+use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::http::{Answer, Grant};
+use lockbroker_test_support::redis_server::RedisServer;
+
 use crate::cross_broker::wait_until_ready;
-use crate::helpers::{Answer, RedisServer, TestApp, spawn_app_with};
 use crate::waiting::answer_within;
 
 /// The settle time in these tests: long enough to be seen, short enough to keep them quick.
@@ -78,7 +81,7 @@ async fn metric_reaches(app: &TestApp, series: &str, at_least: f64) {
 /// After a loss: the lease `held` (key `key`, granted by a broker that kept running) answers
 /// `409 locked` on every broker, with `retry_after_ms` to its end; its token renews (same
 /// fence) and releases on any broker; afterwards the key is granted with a larger fence.
-async fn expect_put_back(apps: &[&TestApp], key: &str, held: &crate::helpers::Grant) {
+async fn expect_put_back(apps: &[&TestApp], key: &str, held: &Grant) {
     for app in apps {
         let answer = app.acquire(key, "ttl_ms=1000").await;
         let body = answer.expect_error(StatusCode::CONFLICT, "locked");

@@ -3,10 +3,11 @@
 
 use std::time::{Duration, Instant};
 
+use lockbroker_test_support::app::{Backend, TestApp};
+use lockbroker_test_support::http::Answer;
+use lockbroker_test_support::on_both_stores;
 use reqwest::StatusCode;
 use tokio::task::JoinHandle;
-
-use crate::helpers::{Answer, Backend, TestApp, on_both_stores};
 
 on_both_stores!(
     a_release_wakes_a_waiting_acquire_at_once,

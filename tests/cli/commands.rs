@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use crate::helpers::{free_port, spawn_app};
+use lockbroker_test_support::app::spawn_app;
+use lockbroker_test_support::free_port;
+
 use crate::support::{finish, lockbroker, lockbroker_command};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,13 +7,16 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use lockbroker_test_support::app::spawn_app;
+use lockbroker_test_support::redis_server::RedisServer;
+use lockbroker_test_support::send_signal;
+use lockbroker_test_support::temp::TempDir;
 use reqwest::StatusCode;
 use tokio::io::{AsyncReadExt, copy_bidirectional};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
-use crate::helpers::{RedisServer, send_signal, spawn_app};
-use crate::support::{Scratch, finish, lockbroker, lockbroker_command, wait_for_line};
+use crate::support::{finish, lockbroker, lockbroker_command, wait_for_line};
 
 /// The TTL of the lost-lease tests: `run` renews every third of it, 300 ms.
 const SHORT_TTL: &str = "900ms";
@@ -39,7 +42,7 @@ fn run_args<'a>(key: &'a str, flags: &[&'a str], script: &'a str) -> Vec<&'a str
 }
 
 /// `lockbroker run` started (not awaited), with `$OUT` set to `scratch`.
-fn start_run(url: &str, scratch: &Scratch, args: &[&str]) -> tokio::process::Child {
+fn start_run(url: &str, scratch: &TempDir, args: &[&str]) -> tokio::process::Child {
     lockbroker_command(url, args)
         .env("OUT", scratch.dir())
         .spawn()
@@ -49,7 +52,7 @@ fn start_run(url: &str, scratch: &Scratch, args: &[&str]) -> tokio::process::Chi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_command_sees_its_key_fence_and_token_and_the_lock_is_released_after() {
     let app = spawn_app(None).await;
-    let scratch = Scratch::new("env");
+    let scratch = TempDir::new("env");
     let script = r#"printf '%s %s %s %s\n' "$LOCKBROKER_KEY" "$LOCKBROKER_FENCE" "$LOCKBROKER_TOKEN" "$LOCKBROKER_URL" > "$OUT/env"
 "$LB" status "$LOCKBROKER_KEY" --json > "$OUT/status""#;
     let outcome = finish(start_run(
@@ -119,7 +122,7 @@ async fn run_exits_with_the_commands_status() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_runs_of_the_same_key_never_overlap() {
     let app = spawn_app(None).await;
-    let scratch = Scratch::new("overlap");
+    let scratch = TempDir::new("overlap");
     let script = r#"echo "start $ID $(date +%s%N)" >> "$OUT/log"
 sleep 0.2
 echo "end $ID $(date +%s%N)" >> "$OUT/log""#;
@@ -166,7 +169,7 @@ echo "end $ID $(date +%s%N)" >> "$OUT/log""#;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_wait_0_a_lock_held_elsewhere_exits_3_at_once_without_running_the_command() {
     let app = spawn_app(None).await;
-    let scratch = Scratch::new("skip");
+    let scratch = TempDir::new("skip");
     app.grant("cron:hourly", "ttl_ms=30000").await;
     let script = r#"touch "$OUT/ran""#;
 
@@ -202,7 +205,7 @@ async fn with_wait_0_a_lock_held_elsewhere_exits_3_at_once_without_running_the_c
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_released_under_the_command_stops_it_within_one_renewal_interval() {
     let app = spawn_app(None).await;
-    let scratch = Scratch::new("released");
+    let scratch = TempDir::new("released");
     let run = start_run(
         &app.address,
         &scratch,
@@ -234,7 +237,7 @@ async fn a_lease_released_under_the_command_stops_it_within_one_renewal_interval
 async fn a_lease_deleted_from_redis_stops_the_command_within_one_renewal_interval() {
     let redis = RedisServer::start().await;
     let app = spawn_app(Some(redis.url())).await;
-    let scratch = Scratch::new("deleted");
+    let scratch = TempDir::new("deleted");
     let run = start_run(
         &app.address,
         &scratch,
@@ -265,7 +268,7 @@ async fn a_lease_deleted_from_redis_stops_the_command_within_one_renewal_interva
 async fn a_redis_restart_keeps_the_command_running_because_its_lease_is_put_back() {
     let mut redis = RedisServer::start().await;
     let app = spawn_app(Some(redis.url())).await;
-    let scratch = Scratch::new("restart");
+    let scratch = TempDir::new("restart");
     // Works for 3 s, then exits 0 by itself; SIGTERM would leave a mark.
     let script = r#"trap 'echo term >> "$OUT/term"; exit 0' TERM
 echo "$LOCKBROKER_FENCE" > "$OUT/token"
@@ -297,7 +300,7 @@ echo done > "$OUT/done""#;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_gone_until_the_lease_ends_stops_the_command() {
     let app = spawn_app(None).await;
-    let scratch = Scratch::new("gone");
+    let scratch = TempDir::new("gone");
     let run = start_run(
         &app.address,
         &scratch,
@@ -329,7 +332,7 @@ async fn a_broker_gone_until_the_lease_ends_stops_the_command() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_that_ignores_sigterm_is_killed_after_the_grace_period() {
     let app = spawn_app(None).await;
-    let scratch = Scratch::new("stubborn");
+    let scratch = TempDir::new("stubborn");
     let script = r#"trap '' TERM
 echo "$LOCKBROKER_TOKEN" > "$OUT/token"
 i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done"#;
@@ -364,7 +367,7 @@ i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done"#;
 async fn signals_sent_to_run_reach_the_command_and_the_lock_is_released() {
     let app = spawn_app(None).await;
     for signal in ["TERM", "INT", "HUP"] {
-        let scratch = Scratch::new("signal");
+        let scratch = TempDir::new("signal");
         let script = format!(
             r#"trap 'echo {signal} > "$OUT/got"; exit 42' {signal}
 echo ready > "$OUT/ready"
@@ -389,7 +392,7 @@ i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done"#
 async fn an_acquire_whose_answer_was_lost_is_asked_again_and_gets_the_same_grant() {
     let app = spawn_app(None).await;
     let mut proxy = LossyProxy::start(&app.address).await;
-    let scratch = Scratch::new("lost-answer");
+    let scratch = TempDir::new("lost-answer");
     let script = r#"echo "$LOCKBROKER_FENCE $LOCKBROKER_TOKEN" > "$OUT/env""#;
     let outcome = finish(start_run(
         &proxy.url,

@@ -1,8 +1,7 @@
 //! Running the binary and watching what its commands leave behind: bounded waits throughout.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -105,36 +104,6 @@ pub async fn finish(child: Child) -> Outcome {
         stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
         elapsed: started.elapsed(),
-    }
-}
-
-/// A directory of the test's own for what commands write, removed when dropped.
-pub struct Scratch(PathBuf);
-
-impl Scratch {
-    pub fn new(what: &str) -> Self {
-        static SEQ: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "lockbroker-cli-test-{what}-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).expect("cannot create a scratch directory");
-        Self(dir)
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.0
-    }
-
-    pub fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

@@ -19,12 +19,14 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
+use lockbroker_test_support::app::spawn_app;
+use lockbroker_test_support::http::http_client;
+use lockbroker_test_support::redis_server::RedisServer;
 use rand::RngExt;
 use rusqlite::Connection;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::helpers::{RedisServer, http_client, spawn_app};
 use crate::proxy::Proxy;
 
 /// The requests the seed's script sends.
@@ -79,7 +81,7 @@ impl Node {
                      VALUES (?1, ?2, ?3, ?4)",
                     rusqlite::params![
                         id,
-                        crate::helpers::now_ms().to_string(),
+                        lockbroker_test_support::now_ms().to_string(),
                         name,
                         fence.map(|f| f.to_string())
                     ],

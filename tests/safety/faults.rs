@@ -4,11 +4,15 @@
 
 use std::time::Duration;
 
+use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::broker::{
+    BrokerProcess, BrokerSpec, clock_offset_s, wait_until_ready,
+};
+use lockbroker_test_support::http::{Answer, Grant, http_client};
+use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 use tokio::time::Instant;
 
-use crate::broker::{BrokerProcess, BrokerSpec, clock_offset_s, wait_until_ready};
-use crate::helpers::{Answer, Grant, RedisServer, TestApp, http_client, spawn_app_with};
 use crate::proxy::{Mode, Proxy, redis_addr};
 use crate::torture::{self, Brokers, Plan};
 
@@ -69,14 +73,14 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
     let redis = RedisServer::start().await;
     let spec = BrokerSpec {
         store_timeout_ms: STORE_TIMEOUT_MS,
-        ..BrokerSpec::on(redis.url())
+        ..BrokerSpec::on(crate::LOCKBROKER, redis.url())
     };
     let mut doomed = BrokerProcess::start(spec.clone()).await;
     let two = BrokerProcess::start(spec.clone()).await;
     let three = BrokerProcess::start(spec).await;
     redis.wait_until_listening(3).await;
 
-    let brokers = Brokers::new(vec![doomed.url(), two.url(), three.url()]);
+    let brokers = Brokers::new(vec![doomed.address(), two.address(), three.address()]);
     let plan = Plan {
         ttl_ms: 3000,
         wait_ms: 1000,
@@ -90,14 +94,14 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
 
     // On another key: a lease the doomed broker grants, requests waiting for it on the doomed
     // broker, and one waiting on another broker.
-    let orphan = post(&format!("{}/locks/orphaned?ttl_ms=2000", doomed.url()))
+    let orphan = post(&format!("{}/locks/orphaned?ttl_ms=2000", doomed.address()))
         .await
         .expect_grant(StatusCode::CREATED);
     let waiting_on_doomed: Vec<_> = (0..4)
         .map(|_| {
             let request = http_client().post(format!(
                 "{}/locks/orphaned?wait_ms=10000&ttl_ms=2000",
-                doomed.url()
+                doomed.address()
             ));
             tokio::spawn(async move { request.send().await.map(|r| r.status()) })
         })
@@ -105,7 +109,7 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
     let successor = {
         let request = http_client().post(format!(
             "{}/locks/orphaned?wait_ms=10000&ttl_ms=2000",
-            two.url()
+            two.address()
         ));
         tokio::spawn(async move { Answer::read(request.send().await.expect("two answers")).await })
     };
@@ -130,7 +134,7 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
     // The lease it granted is still there, on every other broker, until its TTL.
     let shown = Answer::read(
         http_client()
-            .get(format!("{}/locks/orphaned", three.url()))
+            .get(format!("{}/locks/orphaned", three.address()))
             .send()
             .await
             .expect("three answers"),
@@ -175,7 +179,7 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
         "the surviving brokers must keep serving: {} sections after the kill",
         after.len()
     );
-    assert!(after.iter().all(|s| s.broker != doomed.url()));
+    assert!(after.iter().all(|s| s.broker != doomed.address()));
 }
 
 /// What a lock protects: a resource that refuses writes carrying a fence older than one it has
@@ -403,14 +407,14 @@ async fn redis_restarted_empty_mid_lease_under_skewed_brokers_puts_the_lease_bac
     let spec = BrokerSpec {
         store_timeout_ms: STORE_TIMEOUT_MS,
         max_ttl_ms: MAX_TTL_MS,
-        ..BrokerSpec::on(redis.url())
+        ..BrokerSpec::on(crate::LOCKBROKER, redis.url())
     };
     let ahead = BrokerProcess::start(spec.clone().skewed("+5s")).await;
     let behind = BrokerProcess::start(spec.clone().skewed("-5s")).await;
     let plain = BrokerProcess::start(spec).await;
     let (ahead_s, behind_s) = (
-        clock_offset_s(&ahead.url()).await,
-        clock_offset_s(&behind.url()).await,
+        clock_offset_s(&ahead.address()).await,
+        clock_offset_s(&behind.address()).await,
     );
     assert!(
         (3..=7).contains(&ahead_s) && (-7..=-3).contains(&behind_s),
@@ -418,7 +422,7 @@ async fn redis_restarted_empty_mid_lease_under_skewed_brokers_puts_the_lease_bac
     );
     redis.wait_until_listening(3).await;
 
-    let brokers = Brokers::new(vec![ahead.url(), behind.url(), plain.url()]);
+    let brokers = Brokers::new(vec![ahead.address(), behind.address(), plain.address()]);
     let plan = Plan {
         ttl_ms: 2000,
         wait_ms: 1000,
@@ -435,7 +439,7 @@ async fn redis_restarted_empty_mid_lease_under_skewed_brokers_puts_the_lease_bac
     let mut restarted = None;
     let long = run
         .hold_once(
-            &behind.url(),
+            &behind.address(),
             MAX_TTL_MS,
             3000,
             Duration::from_millis(2500),
@@ -449,7 +453,7 @@ async fn redis_restarted_empty_mid_lease_under_skewed_brokers_puts_the_lease_bac
         .expect("the long holder gets the lock");
     let restarted = restarted.expect("Redis restarted");
     for broker in [&ahead, &behind, &plain] {
-        wait_until_ready(&broker.url(), Duration::from_secs(5)).await;
+        wait_until_ready(&broker.address(), Duration::from_secs(5)).await;
     }
     let report = run.finish().await;
     // No overlap (nobody got the key while the long holder worked), no lost update, fences rising

@@ -4,14 +4,13 @@
 //! each bounded in time. `soak.rs` runs the same torture longer with random faults.
 //!
 //! Brokers run in this process (`spawn_app`) where that is enough, and as real processes
-//! ([`broker::BrokerProcess`]) where the fault needs one (SIGKILL, `faketime`).
+//! (`BrokerProcess`) where the fault needs one (SIGKILL, `faketime`); both, and the Redis
+//! servers, come from `lockbroker-test-support`.
 
-// The API suite's harness (spawn_app, RedisServer), shared read-only; this binary uses part of it.
-#[path = "../api/helpers.rs"]
-#[allow(dead_code, unused_imports, unused_macros)]
-mod helpers;
+/// The binary the broker processes run: Cargo builds it before this suite and names it only to
+/// the package's own test targets, so the suite hands it to the fixtures.
+const LOCKBROKER: &str = env!("CARGO_BIN_EXE_lockbroker");
 
-mod broker;
 mod demo;
 mod faults;
 mod proxy;

@@ -5,10 +5,12 @@
 
 use std::time::Duration;
 
+use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, clock_offset_s, parse_http_date};
+use lockbroker_test_support::http::{Answer, http_client};
+use lockbroker_test_support::now_ms;
+use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
-use crate::broker::{BrokerProcess, BrokerSpec, clock_offset_s};
-use crate::helpers::{Answer, RedisServer, http_client, now_ms};
 use crate::torture::{self, Brokers, Plan};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -47,13 +49,13 @@ async fn faketime_really_shifts_a_process_clock() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_hold_one_key() {
     let redis = RedisServer::start().await;
-    let spec = BrokerSpec::on(redis.url());
+    let spec = BrokerSpec::on(crate::LOCKBROKER, redis.url());
     let ahead = BrokerProcess::start(spec.clone().skewed("+5s")).await;
     let behind = BrokerProcess::start(spec.skewed("-5s")).await;
     // The skew is real: each broker's own clock, as it stamps its answers' Date header.
     let (ahead_s, behind_s) = (
-        clock_offset_s(&ahead.url()).await,
-        clock_offset_s(&behind.url()).await,
+        clock_offset_s(&ahead.address()).await,
+        clock_offset_s(&behind.address()).await,
     );
     assert!(
         (3..=7).contains(&ahead_s) && (-7..=-3).contains(&behind_s),
@@ -65,7 +67,7 @@ async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_h
     let http = http_client();
     let before = now_ms();
     let grant = Answer::read(
-        http.post(format!("{}/locks/shown?ttl_ms=2000", ahead.url()))
+        http.post(format!("{}/locks/shown?ttl_ms=2000", ahead.address()))
             .send()
             .await
             .unwrap(),
@@ -79,7 +81,7 @@ async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_h
         now_ms()
     );
     let shown = Answer::read(
-        http.get(format!("{}/locks/shown", behind.url()))
+        http.get(format!("{}/locks/shown", behind.address()))
             .send()
             .await
             .unwrap(),
@@ -91,7 +93,7 @@ async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_h
 
     // Leases of 2 s, held up to 20 ms: a broker judging expiry on its own clock would see the
     // other one's leases as long expired and take them over while they are held.
-    let brokers = Brokers::new(vec![ahead.url(), behind.url()]);
+    let brokers = Brokers::new(vec![ahead.address(), behind.address()]);
     let plan = Plan {
         ttl_ms: 2000,
         wait_ms: 3000,
@@ -110,7 +112,7 @@ async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_h
     let by_ahead = report
         .sections
         .iter()
-        .filter(|s| s.broker == ahead.url())
+        .filter(|s| s.broker == ahead.address())
         .count();
     assert!(
         by_ahead >= summary.sections / 10 && by_ahead <= summary.sections * 9 / 10,
@@ -120,5 +122,14 @@ async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_h
     eprintln!(
         "{summary} in {:?}, brokers at {ahead_s:+} s and {behind_s:+} s",
         report.took
+    );
+}
+
+#[test]
+fn http_dates_are_read_as_unix_seconds() {
+    assert_eq!(parse_http_date("Thu, 01 Jan 1970 00:00:00 GMT"), Some(0));
+    assert_eq!(
+        parse_http_date("Sat, 21 Nov 2026 23:31:42 GMT"),
+        Some(1_795_303_902)
     );
 }

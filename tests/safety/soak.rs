@@ -12,10 +12,10 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
+use lockbroker_test_support::redis_server::RedisServer;
 use tokio::time::Instant;
 
-use crate::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
-use crate::helpers::RedisServer;
 use crate::proxy::{Mode, Proxy, redis_addr};
 use crate::torture::{self, Brokers, Plan};
 
@@ -72,14 +72,14 @@ async fn a_soak_of_random_faults_never_breaks_mutual_exclusion() {
     let spec = BrokerSpec {
         store_timeout_ms: STORE_TIMEOUT_MS,
         max_ttl_ms: MAX_TTL_MS,
-        ..BrokerSpec::on(proxy.redis_url())
+        ..BrokerSpec::on(crate::LOCKBROKER, proxy.redis_url())
     };
     let mut brokers = Vec::new();
     for _ in 0..3 {
         brokers.push(BrokerProcess::start(spec.clone()).await);
     }
     redis.wait_until_listening(3).await;
-    let urls: Vec<String> = brokers.iter().map(BrokerProcess::url).collect();
+    let urls: Vec<String> = brokers.iter().map(BrokerProcess::address).collect();
     let plan = Plan {
         ttl_ms: MAX_TTL_MS,
         wait_ms: 500,

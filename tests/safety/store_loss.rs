@@ -6,8 +6,11 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use tokio::time::Instant;
 
-use crate::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
-use crate::helpers::{Answer, Grant, RedisServer, TestApp, http_client, spawn_app_with};
+use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
+use lockbroker_test_support::http::{Answer, Grant, http_client};
+use lockbroker_test_support::redis_server::RedisServer;
+
 use crate::proxy::{Mode, Proxy, redis_addr};
 
 async fn broker(redis_url: String, settle_ms: u64) -> TestApp {
@@ -138,28 +141,28 @@ async fn acquire_on(url: &str, key: &str) -> Answer {
 async fn a_broker_killed_during_the_hold_leaves_its_lease_unprotected_while_the_others_keep_theirs()
 {
     let mut redis = RedisServer::start().await;
-    let mut doomed = BrokerProcess::start(BrokerSpec::on(redis.url())).await;
-    let survivor = BrokerProcess::start(BrokerSpec::on(redis.url())).await;
+    let mut doomed = BrokerProcess::start(BrokerSpec::on(crate::LOCKBROKER, redis.url())).await;
+    let survivor = BrokerProcess::start(BrokerSpec::on(crate::LOCKBROKER, redis.url())).await;
     for broker in [&doomed, &survivor] {
-        wait_until_ready(&broker.url(), Duration::from_secs(8)).await;
+        wait_until_ready(&broker.address(), Duration::from_secs(8)).await;
     }
-    let lost: Grant = acquire_on(&doomed.url(), "lost")
+    let lost: Grant = acquire_on(&doomed.address(), "lost")
         .await
         .expect_grant(StatusCode::CREATED);
-    let kept: Grant = acquire_on(&survivor.url(), "kept")
+    let kept: Grant = acquire_on(&survivor.address(), "kept")
         .await
         .expect_grant(StatusCode::CREATED);
     redis.restart().await;
     // Killed as Redis comes back, before it can put its lease back.
     doomed.kill();
     let back = Instant::now();
-    wait_until_ready(&survivor.url(), Duration::from_secs(10)).await;
+    wait_until_ready(&survivor.address(), Duration::from_secs(10)).await;
     let ready_after = back.elapsed();
     // The survivor's lease is back...
-    let answer = acquire_on(&survivor.url(), "kept").await;
+    let answer = acquire_on(&survivor.address(), "kept").await;
     answer.expect_error(StatusCode::CONFLICT, "locked");
     // ...the dead broker's is not (documented: nobody is left who knew it), and fences rise.
-    let regranted: Grant = acquire_on(&survivor.url(), "lost")
+    let regranted: Grant = acquire_on(&survivor.address(), "lost")
         .await
         .expect_grant(StatusCode::CREATED);
     assert!(regranted.fence > lost.fence);

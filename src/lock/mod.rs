@@ -534,5 +534,4 @@ fn duration_ms(d: Duration) -> u64 {
 }
 
 #[cfg(test)]
-#[path = "lock_tests.rs"]
 mod tests;

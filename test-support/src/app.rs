@@ -1,0 +1,231 @@
+//! Brokers run in the test process, on port 0 ([`spawn_app`]), each with its own configuration;
+//! [`TestApp`] sends the API's requests to one. [`Backend`] pairs a broker with the store it
+//! needs, and [`on_both_stores!`](crate::on_both_stores) runs one contract on each store.
+
+use std::time::Duration;
+
+use lockbroker::config::{Config, StoreBackend};
+use lockbroker::startup::Application;
+use reqwest::{Client, Method, RequestBuilder, StatusCode};
+use serde_json::Value;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::http::{Answer, Grant, http_client, lock_path};
+use crate::init_test_log;
+use crate::redis_server::RedisServer;
+
+/// A broker running in this process, on its own port.
+pub struct TestApp {
+    /// `http://127.0.0.1:PORT`
+    pub address: String,
+    pub client: Client,
+    stop: Option<oneshot::Sender<()>>,
+    server: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+/// A broker on Redis at `redis_url`, or on the embedded store with `None`.
+pub async fn spawn_app(redis_url: Option<String>) -> TestApp {
+    spawn_app_with(redis_url, |_| {}).await
+}
+
+/// As [`spawn_app`], with the configuration adjusted by `tweak` first.
+pub async fn spawn_app_with(redis_url: Option<String>, tweak: impl FnOnce(&mut Config)) -> TestApp {
+    init_test_log();
+    let mut config = Config {
+        listen: "127.0.0.1:0".parse().expect("a valid address"),
+        redis_url: StoreBackend::parse(redis_url.as_deref().unwrap_or_default())
+            .expect("a valid Redis URL"),
+        // A new Redis per test: no settling time before the first grant (the tests of the
+        // settling set their own).
+        store_settle_ms: 0,
+        ..Config::default()
+    };
+    tweak(&mut config);
+    let app = Application::build(&config)
+        .await
+        .expect("the broker must build");
+    let address = format!("http://{}", app.local_addr());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(app.run_until_stopped(async move {
+        let _ = stopped.await;
+    }));
+    TestApp {
+        address,
+        client: http_client(),
+        stop: Some(stop),
+        server: Some(server),
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.address)
+    }
+
+    pub fn request(&self, method: Method, path: &str) -> RequestBuilder {
+        self.client.request(method, self.url(path))
+    }
+
+    /// Sends a request and reads the whole answer.
+    pub async fn send(&self, request: RequestBuilder) -> Answer {
+        Answer::read(
+            request
+                .send()
+                .await
+                .expect("the request must reach the broker"),
+        )
+        .await
+    }
+
+    pub async fn get(&self, path: &str) -> Answer {
+        self.send(self.request(Method::GET, path)).await
+    }
+
+    /// `POST /locks/{key}?{query}` with no body. `key` goes into the path as given, so a test
+    /// can send percent-escapes.
+    pub async fn acquire(&self, key: &str, query: &str) -> Answer {
+        self.send(self.request(Method::POST, &lock_path(key, query)))
+            .await
+    }
+
+    /// `POST /locks/{key}?{query}` with a JSON body.
+    pub async fn acquire_json(&self, key: &str, query: &str, body: Value) -> Answer {
+        self.send(
+            self.request(Method::POST, &lock_path(key, query))
+                .json(&body),
+        )
+        .await
+    }
+
+    /// Starts `POST /locks/{key}?{query}` as a task of its own, for a request that waits.
+    /// Aborting the task drops the request: the client goes away and its connection closes.
+    pub fn spawn_acquire(&self, key: &str, query: &str) -> JoinHandle<Answer> {
+        let request = self.request(Method::POST, &lock_path(key, query));
+        tokio::spawn(async move {
+            let response = request
+                .send()
+                .await
+                .expect("the request must reach the broker");
+            Answer::read(response).await
+        })
+    }
+
+    /// Acquires and asserts `201`.
+    pub async fn grant(&self, key: &str, query: &str) -> Grant {
+        self.acquire(key, query)
+            .await
+            .expect_grant(StatusCode::CREATED)
+    }
+
+    /// `DELETE /locks/{key}` with the token in the `Lock-Token` header.
+    pub async fn release(&self, key: &str, token: &str) -> Answer {
+        self.send(
+            self.request(Method::DELETE, &lock_path(key, ""))
+                .header("Lock-Token", token),
+        )
+        .await
+    }
+
+    /// `POST /locks/{key}/renew?{query}` with the token in the `Lock-Token` header.
+    pub async fn renew(&self, key: &str, token: &str, query: &str) -> Answer {
+        self.send(
+            self.request(Method::POST, &lock_path(&format!("{key}/renew"), query))
+                .header("Lock-Token", token),
+        )
+        .await
+    }
+
+    /// `GET /locks/{key}`.
+    pub async fn inspect(&self, key: &str) -> Answer {
+        self.get(&lock_path(key, "")).await
+    }
+
+    /// Stops the broker gracefully and waits until it has stopped.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let server = self.server.take().expect("the server task is there");
+        let result = tokio::time::timeout(Duration::from_secs(10), server)
+            .await
+            .expect("the broker must stop within 10 s")
+            .expect("the server task must not panic");
+        result.expect("the broker must stop cleanly");
+    }
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        if let Some(server) = self.server.take() {
+            server.abort();
+        }
+    }
+}
+
+/// Which store a broker keeps its locks in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreKind {
+    Embedded,
+    Redis,
+}
+
+/// A broker together with the store it needs: the tests that hold for both stores take one.
+pub struct Backend {
+    /// Declared before `redis` so the broker stops before its Redis does.
+    pub app: TestApp,
+    pub redis: Option<RedisServer>,
+}
+
+impl Backend {
+    pub async fn start(kind: StoreKind) -> Self {
+        Self::start_with(kind, |_| {}).await
+    }
+
+    pub async fn start_with(kind: StoreKind, tweak: impl FnOnce(&mut Config)) -> Self {
+        let redis = match kind {
+            StoreKind::Embedded => None,
+            StoreKind::Redis => Some(RedisServer::start().await),
+        };
+        let app = spawn_app_with(redis.as_ref().map(RedisServer::url), tweak).await;
+        Self { app, redis }
+    }
+
+    /// Another broker on the same store: on Redis it shares the locks; the embedded store is
+    /// per broker, so there it is a fresh, unrelated broker.
+    pub async fn another_app(&self, tweak: impl FnOnce(&mut Config)) -> TestApp {
+        spawn_app_with(self.redis.as_ref().map(RedisServer::url), tweak).await
+    }
+}
+
+/// Runs each named `async fn(&Backend)` as two tests, one per store:
+/// `<module>::on_the_embedded_store::<name>` and `<module>::on_redis::<name>`. The contract is
+/// written once and holds for both. The calling crate needs `tokio` (for `#[tokio::test]`).
+#[macro_export]
+macro_rules! on_both_stores {
+    ($($name:ident),+ $(,)?) => {
+        mod on_the_embedded_store {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let backend = $crate::app::Backend::start(
+                        $crate::app::StoreKind::Embedded,
+                    )
+                    .await;
+                    super::$name(&backend).await;
+                }
+            )+
+        }
+
+        mod on_redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let backend =
+                        $crate::app::Backend::start($crate::app::StoreKind::Redis).await;
+                    super::$name(&backend).await;
+                }
+            )+
+        }
+    };
+}

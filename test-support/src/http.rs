@@ -1,0 +1,123 @@
+//! Speaking the API over HTTP: the test client, an answer read to its end with assertions on
+//! the API's formats ([`Answer`]), and the grant body ([`Grant`]). Written from the API's
+//! description, not from the crate's own client types, so a change to both shows here.
+
+use std::time::Duration;
+
+use reqwest::header::HeaderMap;
+use reqwest::{Client, Response, StatusCode};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Bound on any one HTTP request from a test: above the longest wait a test asks for (30 s in
+/// the concurrency test) plus the store timeout, so only a hung broker trips it.
+const REQUEST_LIMIT: Duration = Duration::from_secs(45);
+
+/// A client for the tests: never through a proxy (the brokers are on loopback), and bounded.
+pub fn http_client() -> Client {
+    Client::builder()
+        .no_proxy()
+        .timeout(REQUEST_LIMIT)
+        .build()
+        .expect("cannot build the HTTP client")
+}
+
+/// The body of a grant (`201` on acquire, `200` on renew). Exactly these fields: an extra one
+/// (a second token, say) fails to parse.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grant {
+    pub key: String,
+    pub token: String,
+    pub fence: u64,
+    pub ttl_ms: u64,
+    pub expires_at_ms: u64,
+}
+
+/// A response read to the end: status, headers and the raw body.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub text: String,
+}
+
+impl Answer {
+    pub async fn read(response: Response) -> Self {
+        let status = response.status();
+        let headers = response.headers().clone();
+        let text = response
+            .text()
+            .await
+            .expect("cannot read the response body");
+        Self {
+            status,
+            headers,
+            text,
+        }
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.text)
+            .unwrap_or_else(|e| panic!("the body is not JSON ({e}): {:?}", self.text))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().expect("an ASCII header"))
+    }
+
+    /// Asserts the status, with the body in the failure message.
+    pub fn expect_status(&self, status: StatusCode) -> &Self {
+        assert_eq!(
+            self.status, status,
+            "unexpected answer, body: {}",
+            self.text
+        );
+        self
+    }
+
+    /// Asserts an error answer in the API's format: this status, a JSON body whose `error` is
+    /// `code` and whose `message` is a non-empty sentence. Returns the body.
+    pub fn expect_error(&self, status: StatusCode, code: &str) -> Value {
+        self.expect_status(status);
+        assert!(
+            self.header("content-type")
+                .is_some_and(|t| t.starts_with("application/json")),
+            "an error must be JSON, got content-type {:?}",
+            self.header("content-type")
+        );
+        let body = self.json();
+        assert_eq!(body["error"], code, "wrong error code in {body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .is_some_and(|m| !m.trim().is_empty()),
+            "an error needs a message: {body}"
+        );
+        let extra: Vec<&String> = body
+            .as_object()
+            .expect("an error body is an object")
+            .keys()
+            .filter(|k| !matches!(k.as_str(), "error" | "message" | "retry_after_ms"))
+            .collect();
+        assert!(extra.is_empty(), "unexpected fields {extra:?} in {body}");
+        body
+    }
+
+    /// Asserts a grant with this status and parses it.
+    pub fn expect_grant(&self, status: StatusCode) -> Grant {
+        self.expect_status(status);
+        serde_json::from_str(&self.text)
+            .unwrap_or_else(|e| panic!("not a grant body ({e}): {}", self.text))
+    }
+}
+
+pub fn lock_path(key: &str, query: &str) -> String {
+    if query.is_empty() {
+        format!("/locks/{key}")
+    } else {
+        format!("/locks/{key}?{query}")
+    }
+}

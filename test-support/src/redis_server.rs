@@ -1,0 +1,226 @@
+//! A throwaway `redis-server` per test: on a free loopback port, with no persistence, retried on
+//! another port if the one picked was taken, its log printed when it does not come up, and
+//! killed (and reaped) when dropped. Tests stop, restart, freeze and thaw it to stage a Redis
+//! that crashed, came back empty or hangs.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::temp::temp_log;
+use crate::{free_port, send_signal};
+
+/// How long a fresh `redis-server` gets to answer PING before the test gives up.
+const REDIS_START_LIMIT: Duration = Duration::from_secs(5);
+
+/// A `redis-server` of this test's own, on a free loopback port, with no persistence: killed
+/// (and reaped) when dropped.
+pub struct RedisServer {
+    port: u16,
+    child: Option<Child>,
+    log: PathBuf,
+    /// Where the append-only file lives once [`RedisServer::persist_to_aof`] turned it on; a
+    /// restart then loads it.
+    aof_dir: Option<PathBuf>,
+}
+
+/// Why one launch of `redis-server` did not come up.
+enum LaunchError {
+    /// The port was taken between picking it and redis binding it.
+    PortBusy,
+    Other(String),
+}
+
+impl RedisServer {
+    /// Starts a server on a free port, trying another port if the one picked was taken.
+    pub async fn start() -> Self {
+        let mut last = String::new();
+        for _ in 0..10 {
+            let port = free_port();
+            let mut server = Self {
+                port,
+                child: None,
+                log: temp_log(&format!("redis-{port}")),
+                aof_dir: None,
+            };
+            match server.launch().await {
+                Ok(()) => return server,
+                Err(LaunchError::PortBusy) => last = format!("port {port} was busy"),
+                Err(LaunchError::Other(why)) => panic!("redis-server did not start: {why}"),
+            }
+        }
+        panic!("redis-server did not start on any free port ({last})");
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// A connection of the test's own, to look at what the brokers wrote.
+    pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .expect("a valid URL")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("a connection to the test Redis")
+    }
+
+    /// Polls until `brokers` brokers listen for release notices on Redis. Each broker listens on
+    /// one subscriber connection, on the channel `<prefix>released`.
+    pub async fn wait_until_listening(&self, brokers: u64) {
+        let mut conn = self.connection().await;
+        let started = Instant::now();
+        loop {
+            let (_, listening): (String, u64) = redis::cmd("PUBSUB")
+                .arg("NUMSUB")
+                .arg("lockbroker:released")
+                .query_async(&mut conn)
+                .await
+                .expect("PUBSUB NUMSUB");
+            if listening >= brokers {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "only {listening} of {brokers} brokers listen for release notices after 5 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Kills the server and waits for it: its data is gone, like a Redis that crashed.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts an empty server again on the same port (the brokers keep their URL). The port can
+    /// stay busy for a moment after the old server died, so this retries for a few seconds.
+    pub async fn restart(&mut self) {
+        self.stop();
+        let deadline = Instant::now() + REDIS_START_LIMIT;
+        loop {
+            match self.launch().await {
+                Ok(()) => return,
+                Err(LaunchError::PortBusy) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(LaunchError::PortBusy) => {
+                    panic!("port {} stayed busy; cannot restart redis", self.port)
+                }
+                Err(LaunchError::Other(why)) => panic!("redis-server did not restart: {why}"),
+            }
+        }
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open but nothing is answered, as with a
+    /// Redis stuck in a long command or a network that drops packets.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a paused server (SIGCONT); it then runs what was sent to it meanwhile.
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    /// Restarts the server with an append-only file (every write fsynced) in a directory of its
+    /// own: from then on a restart loads it, as a Redis with persistence does. Call it before
+    /// the brokers start.
+    pub async fn persist_to_aof(&mut self) {
+        let dir = temp_log(&format!("redis-{}-aof", self.port));
+        std::fs::create_dir_all(&dir).expect("cannot create the AOF directory");
+        self.aof_dir = Some(dir);
+        self.restart().await;
+    }
+
+    fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("redis-server is running");
+        send_signal(child.id(), signal);
+    }
+
+    async fn launch(&mut self) -> Result<(), LaunchError> {
+        let log = std::fs::File::create(&self.log).expect("cannot create the redis log file");
+        let log_err = log.try_clone().expect("cannot clone the log file handle");
+        let spawned = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", ""])
+            .args(match self.aof_dir {
+                Some(_) => ["--appendonly", "yes", "--appendfsync", "always"],
+                None => ["--appendonly", "no", "--appendfsync", "everysec"],
+            })
+            .arg("--dir")
+            .arg(self.aof_dir.clone().unwrap_or_else(std::env::temp_dir))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn();
+        let child = match spawned {
+            Ok(child) => child,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+                "redis-server is not on PATH: the tests start their own Redis. Run the \
+                 README's test command, scripts/test.sh, which installs it."
+            ),
+            Err(e) => {
+                return Err(LaunchError::Other(format!(
+                    "cannot spawn redis-server: {e}"
+                )));
+            }
+        };
+        let child = self.child.insert(child);
+        let deadline = Instant::now() + REDIS_START_LIMIT;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                let log = self.log_text();
+                return Err(if log.contains("Address already in use") {
+                    LaunchError::PortBusy
+                } else {
+                    LaunchError::Other(format!("it exited with {status}; its log:\n{log}"))
+                });
+            }
+            if ping(self.port).await {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.stop();
+                return Err(LaunchError::Other(format!(
+                    "it did not answer PING within {REDIS_START_LIMIT:?}; its log:\n{}",
+                    self.log_text()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_else(|e| format!("(no log: {e})"))
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_file(&self.log);
+        if let Some(dir) = &self.aof_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Whether a Redis on `port` answers `PING` with `PONG`.
+async fn ping(port: u16) -> bool {
+    let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}/")) else {
+        return false;
+    };
+    let exchange = async {
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        redis::cmd("PING").query_async::<String>(&mut conn).await
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_millis(500), exchange).await,
+        Ok(Ok(pong)) if pong == "PONG"
+    )
+}
