@@ -13,19 +13,24 @@
 FROM rust:1-slim-bookworm AS builder
 WORKDIR /build
 
-# 1. Dependencies only, cached until Cargo.toml or Cargo.lock changes: build the real
-#    manifest against stub sources. Every target path the manifest names (lib, bins, and any
+# 1. Dependencies only, cached until a manifest or Cargo.lock changes: build the real
+#    manifests against stub sources. Every target path the manifest names (lib, bins, and any
 #    [[test]]/[[bench]]/[[example]] entries) gets a stub, so `cargo build` can read the
 #    manifest whatever targets it declares; only the lib and the bins are built.
+#    Cargo loads the whole workspace to resolve it, so the test fixtures' crate (test-support/,
+#    a dev-dependency, never built here) is there too: its manifest and an empty library,
+#    kept for step 2.
 COPY Cargo.toml Cargo.lock ./
+COPY test-support/Cargo.toml ./test-support/
 RUN set -eu; \
-    mkdir -p src; \
+    mkdir -p src test-support/src; \
     for p in $(sed -n 's/^[[:space:]]*path[[:space:]]*=[[:space:]]*"\([^"]*\.rs\)".*/\1/p' Cargo.toml) \
              src/lib.rs src/main.rs; do \
         mkdir -p "$(dirname "$p")"; \
         [ -e "$p" ] || echo 'fn main() {}' > "$p"; \
     done; \
     echo '' > src/lib.rs; \
+    echo '' > test-support/src/lib.rs; \
     cargo build --release --locked; \
     rm -rf src tests benches examples
 

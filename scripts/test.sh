@@ -6,7 +6,9 @@
 # The integration tests start their own redis-server processes on free loopback ports, and the
 # clock-skew tests (tests/safety) run brokers under `faketime`, so this script only makes sure
 # `redis-server` and `faketime` are installed (on Debian/Ubuntu it installs them with apt) and then
-# runs `cargo test --all-targets`. It never starts a Redis server itself.
+# runs `cargo test --all-targets`: the root package's unit tests and its api, cli and safety suites
+# (test-support/, the workspace's other crate, only holds their fixtures). It never starts a
+# Redis server itself.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -21,9 +21,9 @@ use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use reqwest::StatusCode;
 
-use crate::free_port;
 use crate::http::http_client;
 use crate::temp::temp_log;
+use crate::{free_port, send_signal};
 
 /// How long a broker gets to serve `/healthz` after it is started.
 const START_LIMIT: Duration = Duration::from_secs(10);
@@ -259,6 +259,12 @@ impl BrokerProcess {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// SIGTERM, the graceful stop, then [`Self::exit_status`].
+    pub async fn terminate(&mut self, limit: Duration) -> ExitStatus {
+        send_signal(self.pid, "-TERM");
+        self.exit_status(limit).await
     }
 
     /// Waits for the process to exit, for at most `limit`; past that it is killed and the test

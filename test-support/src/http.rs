@@ -1,6 +1,7 @@
 //! Speaking the API over HTTP: the test client, an answer read to its end with assertions on
-//! the API's formats ([`Answer`]), and the grant body ([`Grant`]). Written from the API's
-//! description, not from the crate's own client types, so a change to both shows here.
+//! the API's formats ([`Answer`]), and the grant body ([`Grant`]). These follow the API's
+//! contract and do not reuse `lockbroker::client`'s types, so that a change to the API fails
+//! the tests even when the client changed along with it.
 
 use std::time::Duration;
 
@@ -114,6 +115,7 @@ impl Answer {
     }
 }
 
+/// `/locks/{key}`, with `?{query}` when there is one.
 pub fn lock_path(key: &str, query: &str) -> String {
     if query.is_empty() {
         format!("/locks/{key}")

@@ -62,8 +62,7 @@ async fn the_binary_without_a_redis_url_says_loudly_that_locks_stay_in_its_memor
         output.contains("memory") && output.contains("redis"),
         "the start-up log must say the locks are in memory, not in Redis:\n{output}"
     );
-    send_signal(broker.pid(), "-TERM");
-    assert!(broker.exit_status(Duration::from_secs(5)).await.success());
+    assert!(broker.terminate(Duration::from_secs(5)).await.success());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -100,8 +99,7 @@ async fn the_listen_flag_beats_the_environment_which_beats_the_config_file() {
             command.arg("--config").arg(&written);
         }))
         .await;
-    send_signal(broker.pid(), "-TERM");
-    assert!(broker.exit_status(Duration::from_secs(5)).await.success());
+    assert!(broker.terminate(Duration::from_secs(5)).await.success());
 
     // The environment over the file.
     let written = file.clone();
@@ -113,8 +111,7 @@ async fn the_listen_flag_beats_the_environment_which_beats_the_config_file() {
                 .env("LOCKBROKER_LISTEN", format!("127.0.0.1:{port}"));
         }))
         .await;
-    send_signal(broker.pid(), "-TERM");
-    assert!(broker.exit_status(Duration::from_secs(5)).await.success());
+    assert!(broker.terminate(Duration::from_secs(5)).await.success());
 
     // The flag over both.
     let written = file.clone();
@@ -128,8 +125,7 @@ async fn the_listen_flag_beats_the_environment_which_beats_the_config_file() {
                 .args(["--listen", &format!("127.0.0.1:{port}")]);
         }))
         .await;
-    send_signal(broker.pid(), "-TERM");
-    assert!(broker.exit_status(Duration::from_secs(5)).await.success());
+    assert!(broker.terminate(Duration::from_secs(5)).await.success());
     let _ = std::fs::remove_file(&file);
 }
 

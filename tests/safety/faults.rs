@@ -5,15 +5,14 @@
 use std::time::Duration;
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
-use lockbroker_test_support::broker::{
-    BrokerProcess, BrokerSpec, clock_offset_s, wait_until_ready,
-};
+use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
 use lockbroker_test_support::http::{Answer, Grant, http_client};
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 use tokio::time::Instant;
 
 use crate::proxy::{Mode, Proxy, redis_addr};
+use crate::skew::skewed_five_seconds_each_way;
 use crate::torture::{self, Brokers, Plan};
 
 /// The store timeout of the brokers in these tests: small, so faults are felt fast.
@@ -409,17 +408,8 @@ async fn redis_restarted_empty_mid_lease_under_skewed_brokers_puts_the_lease_bac
         max_ttl_ms: MAX_TTL_MS,
         ..BrokerSpec::on(crate::LOCKBROKER, redis.url())
     };
-    let ahead = BrokerProcess::start(spec.clone().skewed("+5s")).await;
-    let behind = BrokerProcess::start(spec.clone().skewed("-5s")).await;
+    let ([ahead, behind], [ahead_s, behind_s]) = skewed_five_seconds_each_way(&spec).await;
     let plain = BrokerProcess::start(spec).await;
-    let (ahead_s, behind_s) = (
-        clock_offset_s(&ahead.address()).await,
-        clock_offset_s(&behind.address()).await,
-    );
-    assert!(
-        (3..=7).contains(&ahead_s) && (-7..=-3).contains(&behind_s),
-        "faketime did not skew the brokers' clocks: {ahead_s:+} s and {behind_s:+} s"
-    );
     redis.wait_until_listening(3).await;
 
     let brokers = Brokers::new(vec![ahead.address(), behind.address(), plain.address()]);

@@ -46,13 +46,12 @@ async fn faketime_really_shifts_a_process_clock() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_hold_one_key() {
-    let redis = RedisServer::start().await;
-    let spec = BrokerSpec::on(crate::LOCKBROKER, redis.url());
+/// Two brokers of `spec`, under `faketime` at +5 s and -5 s: ten seconds apart. Asserts that the
+/// skew is real, by each broker's own clock as it stamps its answers' Date header, and returns
+/// the offsets seen, in seconds, with the brokers.
+pub async fn skewed_five_seconds_each_way(spec: &BrokerSpec) -> ([BrokerProcess; 2], [i64; 2]) {
     let ahead = BrokerProcess::start(spec.clone().skewed("+5s")).await;
-    let behind = BrokerProcess::start(spec.skewed("-5s")).await;
-    // The skew is real: each broker's own clock, as it stamps its answers' Date header.
+    let behind = BrokerProcess::start(spec.clone().skewed("-5s")).await;
     let (ahead_s, behind_s) = (
         clock_offset_s(&ahead.address()).await,
         clock_offset_s(&behind.address()).await,
@@ -61,6 +60,14 @@ async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_h
         (3..=7).contains(&ahead_s) && (-7..=-3).contains(&behind_s),
         "faketime did not skew the brokers' clocks: {ahead_s:+} s and {behind_s:+} s"
     );
+    ([ahead, behind], [ahead_s, behind_s])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_hold_one_key() {
+    let redis = RedisServer::start().await;
+    let ([ahead, behind], [ahead_s, behind_s]) =
+        skewed_five_seconds_each_way(&BrokerSpec::on(crate::LOCKBROKER, redis.url())).await;
     redis.wait_until_listening(2).await;
 
     // Both report a lease's expiry on the store's clock, the real one, whatever their own say.
