@@ -18,7 +18,7 @@ const STORE_TIMEOUT_MS: u64 = 500;
 const LATENESS: Duration = Duration::from_millis(1500);
 
 /// A broker with a short store timeout. Grants resume at once after Redis loses its data: the
-/// hold-back that protects leases Redis forgot has tests of its own.
+/// hold while leases are put back has tests of its own (`store_loss`).
 async fn broker_on(redis: &RedisServer) -> TestApp {
     spawn_app_with(Some(redis.url()), |c| {
         c.store_timeout_ms = STORE_TIMEOUT_MS;

@@ -9,7 +9,7 @@ use reqwest::StatusCode;
 
 /// EVALSHA calls Redis has served: each is one round trip of a lock operation (the commands a
 /// script runs inside are counted apart by Redis, under their own names, and the broker's
-/// background incarnation check, once a second, runs as plain EVAL).
+/// background epoch check, once a second, runs as plain EVAL).
 async fn script_calls(redis: &RedisServer) -> u64 {
     let mut conn = redis.connection().await;
     let info: String = redis::cmd("INFO")

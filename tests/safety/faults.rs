@@ -312,7 +312,7 @@ async fn redis_stopped_under_load_gives_503_while_it_is_gone_never_a_grant_and_s
     let first_after = after.iter().map(|s| s.start).min().unwrap();
     eprintln!(
         "{summary}; {} acquires while Redis was gone, all 503; first grant {:?} after it came \
-         back (it came back empty: grants are held back {MAX_TTL_MS} ms)",
+         back (it came back empty: grants wait for the settle time)",
         gone.len(),
         first_after - back
     );
@@ -468,7 +468,7 @@ async fn redis_restarted_empty_mid_lease_under_skewed_brokers_puts_the_lease_bac
         .collect();
     assert!(
         after.len() >= 10,
-        "grants did not resume after the hold-back: {} sections",
+        "grants did not resume after the hold: {} sections",
         after.len()
     );
     let highest_before = before.iter().map(|s| s.fence).max().unwrap();
@@ -518,7 +518,7 @@ async fn redis_restarted_empty_mid_lease_under_skewed_brokers_puts_the_lease_bac
     );
 }
 
-/// Whether `answer` is a grant held back after a data loss: 503 `store_unavailable` that says
+/// Whether `answer` is a grant refused during a store-wide hold: 503 `store_unavailable` that says
 /// when to come back (a store that cannot be reached says no such thing).
 fn held_back(answer: &Answer) -> bool {
     answer.status == StatusCode::SERVICE_UNAVAILABLE && answer.header("retry-after").is_some()

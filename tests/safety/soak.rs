@@ -20,7 +20,7 @@ use crate::proxy::{Mode, Proxy, redis_addr};
 use crate::torture::{self, Brokers, Plan};
 
 const STORE_TIMEOUT_MS: u64 = 300;
-/// Short leases, so a lost lease and the hold-back after a data loss cost a second, not more.
+/// Short leases, so a lost lease costs a second, not more.
 const MAX_TTL_MS: u64 = 1000;
 
 fn setting(name: &str, default: u64) -> u64 {
