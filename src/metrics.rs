@@ -280,7 +280,7 @@ impl Metrics {
 
 /// The process's resident set size, from `/proc/self/statm` (pages × 4 KiB, the page size of
 /// every Linux platform the broker is built for); 0 where that file does not exist.
-fn resident_memory_bytes() -> u64 {
+pub fn resident_memory_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())

@@ -175,6 +175,7 @@ impl RedisStore {
                 }
                 Some(known) => {
                     self.epoch.state().putting_back_to = Some(checked.id.clone());
+                    let started = Instant::now();
                     let outcome = self.put_back_all(conn, &checked.id).await;
                     let mut state = self.epoch.state();
                     state.putting_back_to = None;
@@ -182,7 +183,7 @@ impl RedisStore {
                         Ok(Some(report)) => {
                             state.known = Some(checked.id.clone());
                             drop(state);
-                            self.report_loss(&known, &checked, &report);
+                            self.report_loss(&known, &checked, &report, started.elapsed());
                             return Ok(checked.hold());
                         }
                         // The epoch moved during the put-back: check again.
@@ -347,7 +348,7 @@ impl RedisStore {
         });
     }
 
-    fn report_loss(&self, was: &str, checked: &Checked, report: &PutBack) {
+    fn report_loss(&self, was: &str, checked: &Checked, report: &PutBack, took: Duration) {
         let hold_ms = checked.hold_until_ms.saturating_sub(checked.now_ms);
         tracing::warn!(
             was_epoch = %was,
@@ -357,6 +358,7 @@ impl RedisStore {
             double_claims = report.double_claims,
             fence_counters_raised = report.counters_raised,
             hold_ms,
+            put_back_ms = ms(took),
             "the lock store lost or may have lost writes (restart, flush or failover): put this \
              broker's live leases back; grants resume when the hold ends"
         );

@@ -218,12 +218,20 @@ return {id, hold, now_ms, reason}
 /// cut off during a loss — the lease with the higher fence stays, and the reply says which
 /// (code 2: the other one stays; code 3: this one replaced it), with the other's fence.
 ///
+/// Each batch keeps the store-wide hold in force for at least `PUT_BACK_HOLD_MS` more: a
+/// broker with many leases to put back may need longer than the settle time, and no other
+/// broker may grant one of its keys before it is back.
+///
 /// Replies `{-1}` if the store is no longer in that epoch (a loss during the put-back: start
 /// over), else three numbers per lease: code, the other lease's fence (or 0), and 1 if the
 /// counter had to be raised.
 const PUT_BACK: &str = r#"
 local now_ms = math.floor(now_us() / 1000)
-if redis.call('HGET', KEYS[1], 'id') ~= ARGV[1] then return {-1} end
+local m = redis.call('HMGET', KEYS[1], 'id', 'hold_until')
+if m[1] ~= ARGV[1] then return {-1} end
+if tonumber(m[2] or '0') < now_ms + PUT_BACK_HOLD_MS then
+  redis.call('HSET', KEYS[1], 'hold_until', int(now_ms + PUT_BACK_HOLD_MS))
+end
 local slack = tonumber(ARGV[2])
 local out = {}
 for i = 0, (#KEYS - 1) / 2 - 1 do
@@ -267,6 +275,9 @@ end
 return out
 "#;
 
+/// How much longer each put-back batch keeps the store-wide hold in force (see PUT_BACK).
+const PUT_BACK_HOLD_MS: u64 = 1_000;
+
 /// Built once: each `Script` hashes its source at construction and runs by EVALSHA afterwards,
 /// loading itself on NOSCRIPT (after a Redis restart, say).
 pub(super) struct Scripts {
@@ -290,7 +301,14 @@ impl Scripts {
             release: Script::new(&[PRELUDE, HOLDER, RELEASE].concat()),
             renew: Script::new(&[PRELUDE, HOLDER, RENEW].concat()),
             check: [PRELUDE, CHECK].concat(),
-            put_back: Script::new(&[PRELUDE, PUT_BACK].concat()),
+            put_back: Script::new(
+                &[
+                    PRELUDE,
+                    &format!("local PUT_BACK_HOLD_MS = {PUT_BACK_HOLD_MS}\n"),
+                    PUT_BACK,
+                ]
+                .concat(),
+            ),
         }
     }
 }
