@@ -16,7 +16,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde::{Deserialize, Serialize};
 
-use crate::domain::{LockKey, Owner, RequestId, Token};
+use crate::domain::{LockKey, Owner, RequestId, Token, millis};
 
 /// The exit codes of the client commands. `--help` of each command lists them (see
 /// [`EXIT_CODES_HELP`]).
@@ -387,10 +387,6 @@ fn excerpt(text: &str) -> String {
     } else {
         cut
     }
-}
-
-fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// A duration in milliseconds, the way people write them: `30s`, `1m 30s`, `1s 500ms`.

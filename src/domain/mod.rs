@@ -9,6 +9,12 @@ use rand::Rng;
 mod lease;
 pub use lease::Lease;
 
+/// A duration in whole milliseconds, the unit of the API and of the store (saturating: no
+/// duration the broker handles comes near `u64::MAX` ms).
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Why a raw value was refused; the message is one human sentence for the API's `message`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]

@@ -1,8 +1,7 @@
 //! The lock service: the classic SETNX/GETSET timestamp recipe over any [`Store`] — claim with
 //! SETNX, look with GET, take over an expired lease with a safe GETSET, release and renew only as
-//! the holder — plus
-//! waiting, fencing and the guarantees around a store that fails mid-call. Knows nothing of
-//! HTTP.
+//! the holder — plus waiting, fencing and the guarantees around a store that fails mid-call.
+//! Knows nothing of HTTP.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +10,7 @@ use rand::RngExt;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use crate::domain::{LockKey, Owner, RequestId, Token, Ttl, WaitFor};
+use crate::domain::{LockKey, Owner, RequestId, Token, Ttl, WaitFor, millis};
 use crate::metrics::{AcquireResult, HolderResult, Metrics, StoreOp};
 use crate::store::{Bid, Grant, Hold, Holder, Lease, NOTICE_BUFFER, Notice, Store, StoreError};
 use crate::waiters::Waiters;
@@ -175,7 +174,7 @@ impl<S: Store> LockService<S> {
             Ok(result) => result,
             // Only a store call can be running when this fires: the loop stops napping at
             // the deadline, and a nap is shorter than the store timeout.
-            Err(_) => Err(StoreError::Timeout(duration_ms(self.settings.store_timeout)).into()),
+            Err(_) => Err(StoreError::Timeout(millis(self.settings.store_timeout)).into()),
         };
         let outcome = match &result {
             Ok(_) => AcquireResult::Granted,
@@ -433,60 +432,6 @@ impl<S: Store> LockService<S> {
     }
 }
 
-/// A store call that may be granting a lease and has not given a definite answer yet.
-///
-/// If it is dropped still armed — the call failed or timed out (Redis may have applied the
-/// script before the answer was lost), or the client went away mid-call and the request future
-/// was dropped — nobody will ever learn the token, and the lease would block the key for its
-/// whole TTL. So it spawns a cleanup: a holder-checked release by that token, retried until the
-/// store gives any definite answer or the TTL has passed (by then the lease has ended by itself).
-/// A release by a token that holds nothing changes nothing, so a call that never applied costs
-/// one extra store call. Not armed for a bid with a request id: its client can get the grant
-/// back by repeating the acquire, and a cleanup could release it from under that repeat. If the store stays unreachable, the lease ends at its TTL like any
-/// other.
-struct PendingGrant<S: Store> {
-    /// `None` once disarmed.
-    store: Option<Arc<S>>,
-    key: LockKey,
-    token: Token,
-    ttl: Ttl,
-}
-
-impl<S: Store> Drop for PendingGrant<S> {
-    fn drop(&mut self) {
-        let Some(store) = self.store.take() else {
-            return;
-        };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let (key, token) = (self.key.clone(), self.token.clone());
-        let give_up = Instant::now() + Duration::from_millis(self.ttl.as_ms());
-        runtime.spawn(async move {
-            let mut pause = Duration::from_millis(50);
-            loop {
-                match store.release(&key, &token).await {
-                    Ok(outcome) => {
-                        if matches!(outcome, Holder::Done(_)) {
-                            tracing::info!(%key, "released a lease granted to a request that failed or went away");
-                        }
-                        return;
-                    }
-                    Err(e) if Instant::now() + pause < give_up => {
-                        tracing::debug!(%key, error = %e, "cleanup of an unanswered grant failed; retrying");
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_secs(1));
-                    }
-                    Err(e) => {
-                        tracing::warn!(%key, error = %e, "could not clean up an unanswered grant; it ends at its TTL");
-                        return;
-                    }
-                }
-            }
-        });
-    }
-}
-
 impl<T> Holder<T> {
     /// The value of a holder-checked operation that was done, or why it was not.
     fn into_result(self) -> Result<T, LockError> {
@@ -525,13 +470,13 @@ async fn hand_notices_to(waiters: std::sync::Weak<Waiters>, mut notices: mpsc::R
 
 /// `d` give or take a quarter, at random, so waiters on many brokers do not poll in step.
 fn jittered(d: Duration) -> Duration {
-    let ms = duration_ms(d);
+    let ms = millis(d);
     Duration::from_millis(rand::rng().random_range(ms - ms / 4..=ms + ms / 4))
 }
 
-fn duration_ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
+mod pending;
+
+use pending::PendingGrant;
 
 #[cfg(test)]
 mod tests;

@@ -17,6 +17,7 @@ use redis::{AsyncConnectionConfig, RedisError};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::domain::millis;
 use crate::store::StoreError;
 
 /// After a failed attempt, how long requests fail at once before one of them tries again, so a
@@ -126,7 +127,7 @@ impl Connection {
         let (conn, info) = match tokio::time::timeout(self.timeout, opening).await {
             Ok(Ok(opened)) => opened,
             Ok(Err(e)) => return Err(StoreError::Failed(e.to_string())),
-            Err(_) => return Err(StoreError::Timeout(ms(self.timeout))),
+            Err(_) => return Err(StoreError::Timeout(millis(self.timeout))),
         };
         let run_id = info
             .lines()
@@ -182,8 +183,4 @@ pub(super) fn breaks_connection(e: &RedisError) -> bool {
         || e.is_unrecoverable_error()
         // A server that became a replica (a failover demoted it) refuses writes: find the master.
         || e.code() == Some("READONLY")
-}
-
-pub(super) fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

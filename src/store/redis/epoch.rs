@@ -25,8 +25,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::RedisStore;
-use super::connection::ms;
-use crate::domain::LockKey;
+use crate::domain::{LockKey, millis};
 use crate::store::ledger::Entry;
 use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, StoreError};
 
@@ -132,7 +131,7 @@ impl RedisStore {
         for _ in 0..2 {
             let link = match tokio::time::timeout_at(deadline, self.link()).await {
                 Ok(link) => link?,
-                Err(_) => return Err(StoreError::Timeout(ms(self.timeout))),
+                Err(_) => return Err(StoreError::Timeout(millis(self.timeout))),
             };
             let mut conn = link.conn.clone();
             match self.check_on(&mut conn, &link.run_id).await {
@@ -210,8 +209,8 @@ impl RedisStore {
             .arg(&*self.marker)
             .arg(known.unwrap_or(""))
             .arg(run_id)
-            .arg(ms(self.store_settle))
-            .arg(ms(self.store_loss_delay))
+            .arg(millis(self.store_settle))
+            .arg(millis(self.store_loss_delay))
             .arg(&*self.channel);
         let (id, hold_until_ms, now_ms, reason): (String, u64, u64, String) =
             self.bounded(eval.query_async(conn)).await?;
@@ -256,7 +255,7 @@ impl RedisStore {
             inv.key(lock).key(fence);
             inv.arg(entry.token.as_str())
                 .arg(entry.fence)
-                .arg(ms(entry.remaining(now)).max(1))
+                .arg(millis(entry.remaining(now)).max(1))
                 .arg(entry.ttl_ms)
                 .arg(
                     entry
@@ -358,7 +357,7 @@ impl RedisStore {
             double_claims = report.double_claims,
             fence_counters_raised = report.counters_raised,
             hold_ms,
-            put_back_ms = ms(took),
+            put_back_ms = millis(took),
             "the lock store lost or may have lost writes (restart, flush or failover): put this \
              broker's live leases back; grants resume when the hold ends"
         );

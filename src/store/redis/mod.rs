@@ -19,7 +19,7 @@ use redis::{IntoConnectionInfo, RedisError, Script, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use self::connection::{Connection, Link, breaks_connection, ms};
+use self::connection::{Connection, Link, breaks_connection};
 use self::epoch::Epoch;
 use self::replies::{ReadReply, corrupt, field, held, parse_owner, refusal};
 use self::scripts::Scripts;
@@ -28,7 +28,7 @@ use super::{
     Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Lease, Notice, Released, Snapshot,
     Store, StoreError,
 };
-use crate::domain::{Fence, LockKey, RequestId, Token, Ttl};
+use crate::domain::{Fence, LockKey, RequestId, Token, Ttl, millis};
 use crate::metrics::Metrics;
 
 /// Connection settings for [`RedisStore::connect`].
@@ -162,9 +162,9 @@ impl RedisStore {
     ) -> Result<T, StoreError> {
         match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout(ms(self.timeout))),
+            Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout(millis(self.timeout))),
             Ok(Err(e)) => Err(StoreError::Failed(e.to_string())),
-            Err(_) => Err(StoreError::Timeout(ms(self.timeout))),
+            Err(_) => Err(StoreError::Timeout(millis(self.timeout))),
         }
     }
 
@@ -176,7 +176,7 @@ impl RedisStore {
         call: impl AsyncFnOnce(&mut MultiplexedConnection) -> Result<T, RedisError>,
     ) -> Result<T, StoreError> {
         let deadline = Instant::now() + self.timeout;
-        let timed_out = || StoreError::Timeout(ms(self.timeout));
+        let timed_out = || StoreError::Timeout(millis(self.timeout));
         let link = tokio::time::timeout_at(deadline, self.link())
             .await
             .map_err(|_| timed_out())??;
@@ -271,7 +271,7 @@ impl RedisStore {
                         Ok(Ok(Ok(Some(hold)))) => return Ok(Grant::Held(hold)),
                         Ok(Ok(Ok(None))) => {}
                         Ok(Ok(Err(e))) => return Err(e),
-                        _ => return Err(StoreError::Timeout(ms(self.timeout))),
+                        _ => return Err(StoreError::Timeout(millis(self.timeout))),
                     }
                 }
                 3 => {
@@ -403,7 +403,7 @@ impl Store for RedisStore {
         .await
         {
             Ok(Ok(result)) => result,
-            _ => Err(StoreError::Timeout(ms(self.timeout))),
+            _ => Err(StoreError::Timeout(millis(self.timeout))),
         }
     }
 

@@ -15,9 +15,8 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
 
 use super::RedisStore;
-use super::connection::ms;
 use super::epoch::CHECK_EVERY;
-use crate::domain::LockKey;
+use crate::domain::{LockKey, millis};
 use crate::store::{Notice, StoreError};
 
 /// The payload of an epoch announcement.
@@ -139,6 +138,6 @@ async fn subscribe(
     match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(split)) => Ok(split),
         Ok(Err(e)) => Err(StoreError::Failed(e.to_string())),
-        Err(_) => Err(StoreError::Timeout(ms(timeout))),
+        Err(_) => Err(StoreError::Timeout(millis(timeout))),
     }
 }

@@ -1,0 +1,63 @@
+//! The cleanup of a grant whose answer never reached the client (see [`PendingGrant`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::domain::{LockKey, Token, Ttl};
+use crate::store::{Holder, Store};
+
+/// A store call that may be granting a lease and has not given a definite answer yet.
+///
+/// If it is dropped still armed — the call failed or timed out (Redis may have applied the
+/// script before the answer was lost), or the client went away mid-call and the request future
+/// was dropped — nobody will ever learn the token, and the lease would block the key for its
+/// whole TTL. So it spawns a cleanup: a holder-checked release by that token, retried until the
+/// store gives any definite answer or the TTL has passed (by then the lease has ended by itself).
+/// A release by a token that holds nothing changes nothing, so a call that never applied costs
+/// one extra store call. Not armed for a bid with a request id: its client can get the grant
+/// back by repeating the acquire, and a cleanup could release it from under that repeat. If the store stays unreachable, the lease ends at its TTL like any
+/// other.
+pub(super) struct PendingGrant<S: Store> {
+    /// `None` once disarmed.
+    pub store: Option<Arc<S>>,
+    pub key: LockKey,
+    pub token: Token,
+    pub ttl: Ttl,
+}
+
+impl<S: Store> Drop for PendingGrant<S> {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (key, token) = (self.key.clone(), self.token.clone());
+        let give_up = Instant::now() + Duration::from_millis(self.ttl.as_ms());
+        runtime.spawn(async move {
+            let mut pause = Duration::from_millis(50);
+            loop {
+                match store.release(&key, &token).await {
+                    Ok(outcome) => {
+                        if matches!(outcome, Holder::Done(_)) {
+                            tracing::info!(%key, "released a lease granted to a request that failed or went away");
+                        }
+                        return;
+                    }
+                    Err(e) if Instant::now() + pause < give_up => {
+                        tracing::debug!(%key, error = %e, "cleanup of an unanswered grant failed; retrying");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                    }
+                    Err(e) => {
+                        tracing::warn!(%key, error = %e, "could not clean up an unanswered grant; it ends at its TTL");
+                        return;
+                    }
+                }
+            }
+        });
+    }
+}
