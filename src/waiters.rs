@@ -9,11 +9,13 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::{Notify, mpsc};
 
 use crate::domain::LockKey;
+use crate::store::Notice;
 
 /// One waiting acquire.
 struct Waiter {
@@ -63,6 +65,30 @@ impl Waiters {
     fn queues(&self) -> MutexGuard<'_, Queues> {
         // Every mutation completes before a panic could happen, so a poisoned lock is consistent.
         self.queues.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hands the store's notices to the waiters, until the service is gone. Dropping the receiver
+    /// then closes the channel, which ends the store's background work too.
+    pub async fn hand_notices(waiters: Weak<Self>, mut notices: mpsc::Receiver<Notice>) {
+        loop {
+            let notice = tokio::select! {
+                notice = notices.recv() => notice,
+                // An idle broker that was dropped gets no notice to find that out with.
+                () = tokio::time::sleep(Duration::from_secs(1)) => {
+                    if waiters.strong_count() == 0 {
+                        return;
+                    }
+                    continue;
+                }
+            };
+            let (Some(notice), Some(waiters)) = (notice, waiters.upgrade()) else {
+                return;
+            };
+            match notice {
+                Notice::Released(key) => waiters.wake(&key),
+                Notice::Missed => waiters.wake_all(),
+            }
+        }
     }
 
     pub fn limit(&self) -> usize {

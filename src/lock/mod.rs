@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use crate::domain::{LockKey, Owner, RequestId, Token, Ttl, WaitFor, millis};
 use crate::metrics::{AcquireResult, HolderResult, Metrics, StoreOp};
-use crate::store::{Bid, Grant, Hold, Holder, Lease, NOTICE_BUFFER, Notice, Store, StoreError};
+use crate::store::{Bid, Grant, Hold, Holder, Lease, NOTICE_BUFFER, Store, StoreError};
 use crate::waiters::Waiters;
 
 /// Limits and defaults the service applies; validated by the configuration.
@@ -134,7 +134,7 @@ impl<S: Store> LockService<S> {
         let waiters = Waiters::new(settings.max_waiters);
         let (notices, received) = mpsc::channel(NOTICE_BUFFER);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(hand_notices_to(Arc::downgrade(&waiters), received));
+            runtime.spawn(Waiters::hand_notices(Arc::downgrade(&waiters), received));
         }
         store.start(notices);
         Self {
@@ -440,30 +440,6 @@ impl<T> Holder<T> {
             Holder::NotHeld => Err(LockError::NotHeld),
             Holder::NotOwner => Err(LockError::NotOwner),
             Holder::Held(hold) => Err(LockError::Held(hold)),
-        }
-    }
-}
-
-/// Hands the store's notices to the waiters, until the service is gone. Dropping the receiver
-/// then closes the channel, which ends the store's background work too.
-async fn hand_notices_to(waiters: std::sync::Weak<Waiters>, mut notices: mpsc::Receiver<Notice>) {
-    loop {
-        let notice = tokio::select! {
-            notice = notices.recv() => notice,
-            // An idle broker that was dropped gets no notice to find that out with.
-            () = tokio::time::sleep(Duration::from_secs(1)) => {
-                if waiters.strong_count() == 0 {
-                    return;
-                }
-                continue;
-            }
-        };
-        let (Some(notice), Some(waiters)) = (notice, waiters.upgrade()) else {
-            return;
-        };
-        match notice {
-            Notice::Released(key) => waiters.wake(&key),
-            Notice::Missed => waiters.wake_all(),
         }
     }
 }

@@ -10,7 +10,7 @@ use futures::executor::block_on;
 
 use super::*;
 use crate::store::memory::clock::ManualClock;
-use crate::store::{MemoryStore, Snapshot};
+use crate::store::{MemoryStore, Notice, Snapshot};
 
 type Hook = Box<dyn FnOnce(&MemoryStore) + Send>;
 
