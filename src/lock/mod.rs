@@ -12,7 +12,9 @@ use tokio::time::Instant;
 
 use crate::domain::{LockKey, Owner, RequestId, Token, Ttl, WaitFor, millis};
 use crate::metrics::{AcquireResult, HolderResult, Metrics, StoreOp};
-use crate::store::{Bid, Grant, Hold, Holder, Lease, NOTICE_BUFFER, Store, StoreError};
+use crate::store::{
+    Bid, Grant, Hold, Holder, Lease, NOTICE_BUFFER, Store, StoreError, StoreResult,
+};
 use crate::waiters::Waiters;
 
 /// Limits and defaults the service applies; validated by the configuration.
@@ -340,8 +342,8 @@ impl<S: Store> LockService<S> {
         &self,
         key: &LockKey,
         bid: &Bid,
-        call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
+        call: impl Future<Output = StoreResult<T>>,
+    ) -> StoreResult<T> {
         let mut pending = PendingGrant {
             // With a request id the client can get this grant back by repeating its acquire,
             // so a lease whose answer was lost is left to be claimed (or to end at its TTL);
@@ -417,8 +419,8 @@ impl<S: Store> LockService<S> {
     async fn timed<T>(
         &self,
         op: StoreOp,
-        call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
+        call: impl Future<Output = StoreResult<T>>,
+    ) -> StoreResult<T> {
         let started = Instant::now();
         let result = call.await;
         self.metrics

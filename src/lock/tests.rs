@@ -69,7 +69,7 @@ impl Scripted {
 }
 
 impl Store for Scripted {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Grant, StoreError> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
         self.calls.claim.fetch_add(1, Ordering::SeqCst);
         let claimed = self.inner.claim(key, bid).await;
         let fault = self.claim_fault.lock().unwrap().take();
@@ -80,7 +80,7 @@ impl Store for Scripted {
         }
     }
 
-    async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
+    async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         self.calls.read.fetch_add(1, Ordering::SeqCst);
         let hook = self.before_read.lock().unwrap().take();
         if let Some(hook) = hook {
@@ -89,7 +89,7 @@ impl Store for Scripted {
         self.inner.read(key).await
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> Result<Grant, StoreError> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
         self.calls.take_over.fetch_add(1, Ordering::SeqCst);
         let hook = self.before_take_over.lock().unwrap().take();
         if let Some(hook) = hook {
@@ -102,21 +102,16 @@ impl Store for Scripted {
         &self,
         key: &LockKey,
         token: &Token,
-    ) -> Result<Holder<crate::store::Released>, StoreError> {
+    ) -> StoreResult<Holder<crate::store::Released>> {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
         self.inner.release(key, token).await
     }
 
-    async fn renew(
-        &self,
-        key: &LockKey,
-        token: &Token,
-        ttl: Ttl,
-    ) -> Result<Holder<Lease>, StoreError> {
+    async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
         self.inner.renew(key, token, ttl).await
     }
 
-    async fn ready(&self) -> Result<Option<Hold>, StoreError> {
+    async fn ready(&self) -> StoreResult<Option<Hold>> {
         self.inner.ready().await
     }
 

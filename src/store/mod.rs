@@ -108,6 +108,9 @@ pub enum Notice {
 /// at the holder's expiry and on their fallback poll, so a burst costs latency, never a grant.
 pub const NOTICE_BUFFER: usize = 4096;
 
+/// What a store call answers.
+pub type StoreResult<T> = Result<T, StoreError>;
+
 /// Why the store did not answer. Never mistaken for "someone holds the lock".
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -128,14 +131,10 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// A key whose lease expired is *not* free here; the algorithm reads it and takes it over,
     /// so that exactly one contender wins it.
-    fn claim(
-        &self,
-        key: &LockKey,
-        bid: &Bid,
-    ) -> impl Future<Output = Result<Grant, StoreError>> + Send;
+    fn claim(&self, key: &LockKey, bid: &Bid) -> impl Future<Output = StoreResult<Grant>> + Send;
 
     /// GET: the lease in the key, with the store's clock.
-    fn read(&self, key: &LockKey) -> impl Future<Output = Result<Snapshot, StoreError>> + Send;
+    fn read(&self, key: &LockKey) -> impl Future<Output = StoreResult<Snapshot>> + Send;
 
     /// GETSET made safe: grants the bid if the key still holds the lease with fence `seen` and
     /// it has expired, or if the key has vanished; otherwise writes nothing.
@@ -144,14 +143,14 @@ pub trait Store: Send + Sync + 'static {
         key: &LockKey,
         seen: Fence,
         bid: &Bid,
-    ) -> impl Future<Output = Result<Grant, StoreError>> + Send;
+    ) -> impl Future<Output = StoreResult<Grant>> + Send;
 
     /// Deletes the key if `token` holds its live lease.
     fn release(
         &self,
         key: &LockKey,
         token: &Token,
-    ) -> impl Future<Output = Result<Holder<Released>, StoreError>> + Send;
+    ) -> impl Future<Output = StoreResult<Holder<Released>>> + Send;
 
     /// Moves the expiry of `token`'s live lease to `ttl` after now.
     fn renew(
@@ -159,11 +158,11 @@ pub trait Store: Send + Sync + 'static {
         key: &LockKey,
         token: &Token,
         ttl: Ttl,
-    ) -> impl Future<Output = Result<Holder<Lease>, StoreError>> + Send;
+    ) -> impl Future<Output = StoreResult<Holder<Lease>>> + Send;
 
     /// Whether a free key would be granted now (for `/readyz`): an error if the store does not
     /// answer, the hold in force if there is one.
-    fn ready(&self) -> impl Future<Output = Result<Option<Hold>, StoreError>> + Send;
+    fn ready(&self) -> impl Future<Output = StoreResult<Option<Hold>>> + Send;
 
     /// Starts the store's background work, which ends when `notices` closes: from now on every
     /// release notice (a release, or a renew that shortens a lease), including those of other
@@ -190,32 +189,27 @@ macro_rules! delegate {
 }
 
 impl Store for AnyStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Grant, StoreError> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
         delegate!(self, s => s.claim(key, bid))
     }
 
-    async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
+    async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         delegate!(self, s => s.read(key))
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> Result<Grant, StoreError> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
         delegate!(self, s => s.take_over(key, seen, bid))
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<Released>, StoreError> {
+    async fn release(&self, key: &LockKey, token: &Token) -> StoreResult<Holder<Released>> {
         delegate!(self, s => s.release(key, token))
     }
 
-    async fn renew(
-        &self,
-        key: &LockKey,
-        token: &Token,
-        ttl: Ttl,
-    ) -> Result<Holder<Lease>, StoreError> {
+    async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
         delegate!(self, s => s.renew(key, token, ttl))
     }
 
-    async fn ready(&self) -> Result<Option<Hold>, StoreError> {
+    async fn ready(&self) -> StoreResult<Option<Hold>> {
         delegate!(self, s => s.ready())
     }
 

@@ -65,6 +65,16 @@ impl RedisServer {
             .expect("a connection to the test Redis")
     }
 
+    /// `FLUSHALL`: every key gone, the server process the same (as an operator's mistake, or a
+    /// script that cleans the wrong database, would leave it).
+    pub async fn flushall(&self) {
+        let mut conn = self.connection().await;
+        let () = redis::cmd("FLUSHALL")
+            .query_async(&mut conn)
+            .await
+            .expect("FLUSHALL");
+    }
+
     /// Polls until `brokers` brokers listen for release notices on Redis. Each broker listens on
     /// one subscriber connection, on the channel `<prefix>released`.
     pub async fn wait_until_listening(&self, brokers: u64) {

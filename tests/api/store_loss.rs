@@ -136,11 +136,7 @@ async fn after_flushall_live_leases_are_put_back_and_other_keys_are_granted_with
     let redis = RedisServer::start().await;
     let [one, two] = brokers::<2>(&redis).await;
     let held = one.grant("kept", "ttl_ms=30000").await;
-    let mut conn = redis.connection().await;
-    let () = redis::cmd("FLUSHALL")
-        .query_async(&mut conn)
-        .await
-        .expect("FLUSHALL");
+    redis.flushall().await;
     let flushed = Instant::now();
     // A flush breaks no connection: the brokers notice it by themselves (the grant scripts
     // refuse to grant without the store's epoch, and an idle broker checks every second).
@@ -269,11 +265,7 @@ async fn readyz_says_settling_on_a_new_store_and_holding_back_after_a_detected_l
     app.grant("k", "").await;
 
     // A flush seen by a broker that knew the store is a loss.
-    let mut conn = redis.connection().await;
-    let () = redis::cmd("FLUSHALL")
-        .query_async(&mut conn)
-        .await
-        .expect("FLUSHALL");
+    redis.flushall().await;
     let flushed = Instant::now();
     loop {
         let readyz = app.get("/readyz").await;

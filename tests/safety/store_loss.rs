@@ -21,6 +21,19 @@ async fn broker(redis_url: String, settle_ms: u64) -> TestApp {
     .await
 }
 
+/// Redis, a proxy in front of it, a broker that reaches Redis through the proxy (so the test can
+/// keep it away) and one that reaches it directly; both ready, with `settle_ms`.
+async fn one_away_one_present(settle_ms: u64) -> (RedisServer, Proxy, TestApp, TestApp) {
+    let redis = RedisServer::start().await;
+    let proxy = Proxy::start(redis_addr(&redis.url())).await;
+    let away = broker(proxy.redis_url(), settle_ms).await;
+    let present = broker(redis.url(), settle_ms).await;
+    for app in [&away, &present] {
+        wait_until_ready(&app.address, Duration::from_secs(8)).await;
+    }
+    (redis, proxy, away, present)
+}
+
 /// Asks `app` for `key` until it is granted (for at most 10 s).
 async fn granted(app: &TestApp, key: &str) -> Grant {
     let started = Instant::now();
@@ -52,22 +65,11 @@ async fn metric(app: &TestApp, series: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_cut_off_during_a_loss_finds_its_key_granted_again_keeps_the_higher_fence_and_says_so()
  {
-    let redis = RedisServer::start().await;
-    let proxy = Proxy::start(redis_addr(&redis.url())).await;
-    // The broker that grants the lease reaches Redis through the proxy, so the test can keep it
-    // away for longer than the settle time.
-    let away = broker(proxy.redis_url(), 500).await;
-    let present = broker(redis.url(), 500).await;
-    for app in [&away, &present] {
-        wait_until_ready(&app.address, Duration::from_secs(5)).await;
-    }
+    // Away for longer than the settle time.
+    let (redis, proxy, away, present) = one_away_one_present(500).await;
     let first = away.grant("twice", "ttl_ms=20000").await;
     proxy.set(Mode::Drop);
-    let mut conn = redis.connection().await;
-    let () = redis::cmd("FLUSHALL")
-        .query_async(&mut conn)
-        .await
-        .expect("FLUSHALL");
+    redis.flushall().await;
     // The broker that stayed notices the loss, holds for the settle time, and then — with
     // nobody to put the lease back — grants the key again: the case the README says is not
     // covered (a lease whose broker cannot reach the store for longer than the settle time).
@@ -96,20 +98,10 @@ async fn a_broker_cut_off_during_a_loss_finds_its_key_granted_again_keeps_the_hi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_back_within_the_settle_time_puts_its_lease_back_before_anyone_else_is_granted() {
-    let redis = RedisServer::start().await;
-    let proxy = Proxy::start(redis_addr(&redis.url())).await;
-    let away = broker(proxy.redis_url(), 3000).await;
-    let present = broker(redis.url(), 3000).await;
-    for app in [&away, &present] {
-        wait_until_ready(&app.address, Duration::from_secs(8)).await;
-    }
+    let (redis, proxy, away, present) = one_away_one_present(3000).await;
     let held = away.grant("kept", "ttl_ms=20000").await;
     proxy.set(Mode::Drop);
-    let mut conn = redis.connection().await;
-    let () = redis::cmd("FLUSHALL")
-        .query_async(&mut conn)
-        .await
-        .expect("FLUSHALL");
+    redis.flushall().await;
     let flushed = Instant::now();
     // Away for a second, well within the 3 s settle time.
     tokio::time::sleep(Duration::from_secs(1)).await;

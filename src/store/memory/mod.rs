@@ -10,7 +10,8 @@ use tokio::sync::mpsc;
 
 use self::clock::{Clock, SystemClock};
 use super::{
-    Bid, EXPIRY_SLACK_MS, Grant, Hold, Holder, Lease, Notice, Released, Snapshot, Store, StoreError,
+    Bid, EXPIRY_SLACK_MS, Grant, Hold, Holder, Lease, Notice, Released, Snapshot, Store,
+    StoreResult,
 };
 use crate::domain::{Fence, LockKey, Token, Ttl};
 
@@ -124,7 +125,7 @@ fn next_fence(last: Option<Fence>, now_us: u64) -> Fence {
 }
 
 impl Store for MemoryStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Grant, StoreError> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
         let now_us = self.clock.now_us();
         let mut slots = self.slots();
         let slot = slots.get_mut(key);
@@ -143,7 +144,7 @@ impl Store for MemoryStore {
         Ok(Grant::Granted(lease))
     }
 
-    async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
+    async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         let now_ms = self.clock.now_ms();
         let slots = self.slots();
         Ok(Snapshot {
@@ -152,7 +153,7 @@ impl Store for MemoryStore {
         })
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> Result<Grant, StoreError> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
         let mut slots = self.slots();
@@ -169,7 +170,7 @@ impl Store for MemoryStore {
         Ok(Grant::Granted(lease))
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<Released>, StoreError> {
+    async fn release(&self, key: &LockKey, token: &Token) -> StoreResult<Holder<Released>> {
         let outcome = self.release_now(key, token);
         if matches!(outcome, Holder::Done(_)) {
             self.notify(key);
@@ -177,12 +178,7 @@ impl Store for MemoryStore {
         Ok(outcome)
     }
 
-    async fn renew(
-        &self,
-        key: &LockKey,
-        token: &Token,
-        ttl: Ttl,
-    ) -> Result<Holder<Lease>, StoreError> {
+    async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
         let (outcome, shortened) = self.renew_now(key, token, ttl);
         if shortened {
             self.notify(key);
@@ -192,7 +188,7 @@ impl Store for MemoryStore {
 
     /// Never held: this store is the process's own memory, so it cannot lose leases while the
     /// broker runs.
-    async fn ready(&self) -> Result<Option<Hold>, StoreError> {
+    async fn ready(&self) -> StoreResult<Option<Hold>> {
         Ok(None)
     }
 

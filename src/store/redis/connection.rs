@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::domain::millis;
-use crate::store::StoreError;
+use crate::store::{StoreError, StoreResult};
 
 /// After a failed attempt, how long requests fail at once before one of them tries again, so a
 /// Redis that is down costs one connection attempt per interval, not one per request.
@@ -74,7 +74,7 @@ impl Connection {
 
     /// The verified connection; if there is none, waits for the one being made, calling
     /// `connect` first if nobody is making one. Not bounded here: callers bound it.
-    pub async fn get(&self, connect: impl Fn()) -> Result<Link, StoreError> {
+    pub async fn get(&self, connect: impl Fn()) -> StoreResult<Link> {
         let mut rx = self.state.subscribe();
         loop {
             let start = match &*rx.borrow_and_update() {
@@ -112,7 +112,7 @@ impl Connection {
 
     /// Opens a new connection and reads which server process it reached. Not yet usable:
     /// [`Connection::up`] makes it so once verified.
-    pub async fn open(&self) -> Result<(MultiplexedConnection, Arc<str>), StoreError> {
+    pub async fn open(&self) -> StoreResult<(MultiplexedConnection, Arc<str>)> {
         let opening = async {
             let mut conn = self
                 .client

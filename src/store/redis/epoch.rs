@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use super::RedisStore;
 use crate::domain::{LockKey, millis};
 use crate::store::ledger::Entry;
-use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, StoreError};
+use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, StoreError, StoreResult};
 
 /// How many leases one put-back script call carries. Bounded so that one call stays short for
 /// Redis (a script blocks the server while it runs).
@@ -125,7 +125,7 @@ impl RedisStore {
     /// A connection that fails the check is replaced and the check made again at once (the new
     /// connection's verification is the check): after a restart, the old connection is usually
     /// the first thing that fails, and the put-back must not wait for another round.
-    pub(super) async fn catch_up(&self) -> Result<Option<Hold>, StoreError> {
+    pub(super) async fn catch_up(&self) -> StoreResult<Option<Hold>> {
         let deadline = Instant::now() + self.timeout;
         let mut last = None;
         for _ in 0..2 {
@@ -151,7 +151,7 @@ impl RedisStore {
         &self,
         conn: &mut MultiplexedConnection,
         run_id: &str,
-    ) -> Result<Option<Hold>, StoreError> {
+    ) -> StoreResult<Option<Hold>> {
         let _one = self.epoch.catching_up.lock().await;
         // A put-back that finds the epoch moved again (a second loss meanwhile) starts over.
         for _ in 0..3 {
@@ -202,7 +202,7 @@ impl RedisStore {
         conn: &mut MultiplexedConnection,
         known: Option<&str>,
         run_id: &str,
-    ) -> Result<Checked, StoreError> {
+    ) -> StoreResult<Checked> {
         let mut eval = redis::cmd("EVAL");
         eval.arg(&self.scripts.check)
             .arg(1)
@@ -228,7 +228,7 @@ impl RedisStore {
         &self,
         conn: &mut MultiplexedConnection,
         epoch: &str,
-    ) -> Result<Option<PutBack>, StoreError> {
+    ) -> StoreResult<Option<PutBack>> {
         let leases = self.ledger.live(Instant::now());
         let mut report = PutBack::default();
         for batch in leases.chunks(PUT_BACK_BATCH) {
@@ -246,7 +246,7 @@ impl RedisStore {
         epoch: &str,
         batch: &[(LockKey, Entry)],
         report: &mut PutBack,
-    ) -> Result<bool, StoreError> {
+    ) -> StoreResult<bool> {
         let now = Instant::now();
         let mut inv = self.scripts.put_back.key(&*self.marker);
         inv.arg(epoch).arg(EXPIRY_SLACK_MS);

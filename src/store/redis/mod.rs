@@ -26,7 +26,7 @@ use self::scripts::Scripts;
 use super::ledger::Ledger;
 use super::{
     Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Lease, Notice, Released, Snapshot,
-    Store, StoreError,
+    Store, StoreError, StoreResult,
 };
 use crate::domain::{Fence, LockKey, RequestId, Token, Ttl, millis};
 use crate::metrics::Metrics;
@@ -71,7 +71,7 @@ pub struct RedisStore {
 impl RedisStore {
     /// Sets up the store without waiting for Redis: the broker starts (and says it is not
     /// ready) while Redis is down, and connects when it returns.
-    pub fn connect(settings: &RedisSettings, metrics: Arc<Metrics>) -> Result<Self, StoreError> {
+    pub fn connect(settings: &RedisSettings, metrics: Arc<Metrics>) -> StoreResult<Self> {
         let info = settings
             .url
             .as_str()
@@ -121,7 +121,7 @@ impl RedisStore {
     }
 
     /// The verified connection, making one if there is none (see `connection.rs`).
-    async fn link(&self) -> Result<Link, StoreError> {
+    async fn link(&self) -> StoreResult<Link> {
         self.connection
             .get(|| {
                 tokio::spawn(self.clone().reconnect());
@@ -159,7 +159,7 @@ impl RedisStore {
     async fn bounded<T>(
         &self,
         call: impl Future<Output = Result<T, RedisError>>,
-    ) -> Result<T, StoreError> {
+    ) -> StoreResult<T> {
         match tokio::time::timeout(self.timeout, call).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout(millis(self.timeout))),
@@ -174,7 +174,7 @@ impl RedisStore {
     async fn with_link<T>(
         &self,
         call: impl AsyncFnOnce(&mut MultiplexedConnection) -> Result<T, RedisError>,
-    ) -> Result<T, StoreError> {
+    ) -> StoreResult<T> {
         let deadline = Instant::now() + self.timeout;
         let timed_out = || StoreError::Timeout(millis(self.timeout));
         let link = tokio::time::timeout_at(deadline, self.link())
@@ -211,7 +211,7 @@ impl RedisStore {
         key: &LockKey,
         bid: &Bid,
         seen: Option<Fence>,
-    ) -> Result<Grant, StoreError> {
+    ) -> StoreResult<Grant> {
         let [lock, fence] = self.keys(key);
         for first in [true, false] {
             let known = match self.epoch.for_grant() {
@@ -298,11 +298,11 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> Result<Grant, StoreError> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
         self.grant(&self.scripts.claim, key, bid, None).await
     }
 
-    async fn read(&self, key: &LockKey) -> Result<Snapshot, StoreError> {
+    async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         let [lock, _] = self.keys(key);
         let inv = self.scripts.read.key(lock);
         let (now_ms, token, fence, expires, ttl, owner, request_id): ReadReply = self
@@ -323,12 +323,12 @@ impl Store for RedisStore {
         Ok(Snapshot { now_ms, lease })
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> Result<Grant, StoreError> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
         self.grant(&self.scripts.take_over, key, bid, Some(seen))
             .await
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> Result<Holder<Released>, StoreError> {
+    async fn release(&self, key: &LockKey, token: &Token) -> StoreResult<Holder<Released>> {
         let [lock, _] = self.keys(key);
         let mut inv = self.scripts.release.key(lock);
         inv.key(&*self.marker)
@@ -350,12 +350,7 @@ impl Store for RedisStore {
         Ok(outcome)
     }
 
-    async fn renew(
-        &self,
-        key: &LockKey,
-        token: &Token,
-        ttl: Ttl,
-    ) -> Result<Holder<Lease>, StoreError> {
+    async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
         let [lock, _] = self.keys(key);
         let mut inv = self.scripts.renew.key(lock);
         inv.key(&*self.marker)
@@ -387,7 +382,7 @@ impl Store for RedisStore {
         Ok(Holder::Done(lease))
     }
 
-    async fn ready(&self) -> Result<Option<Hold>, StoreError> {
+    async fn ready(&self) -> StoreResult<Option<Hold>> {
         if self.epoch.putting_back() {
             return Ok(Some(Hold {
                 reason: HoldReason::PuttingBack,

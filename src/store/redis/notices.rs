@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use super::RedisStore;
 use super::epoch::CHECK_EVERY;
 use crate::domain::{LockKey, millis};
-use crate::store::{Notice, StoreError};
+use crate::store::{Notice, StoreError, StoreResult};
 
 /// The payload of an epoch announcement.
 pub(super) const EPOCH_NOTICE: &str = "!epoch";
@@ -129,7 +129,7 @@ async fn subscribe(
     client: &redis::Client,
     channel: &str,
     timeout: Duration,
-) -> Result<(PubSubSink, PubSubStream), StoreError> {
+) -> StoreResult<(PubSubSink, PubSubStream)> {
     let connect = async {
         let mut pubsub = client.get_async_pubsub().await?;
         pubsub.subscribe(channel).await?;

@@ -4,7 +4,7 @@
 use redis::{FromRedisValue, Value};
 
 use crate::domain::Owner;
-use crate::store::{Hold, HoldReason, Holder, StoreError};
+use crate::store::{Hold, HoldReason, Holder, StoreError, StoreResult};
 
 /// A hold as the scripts report it.
 pub(super) fn held(hold_until_ms: u64, now_ms: u64, reason: &str) -> Hold {
@@ -19,7 +19,7 @@ pub(super) fn held(hold_until_ms: u64, now_ms: u64, reason: &str) -> Hold {
 }
 
 /// Element `i` of a script's array reply.
-pub(super) fn field<T: FromRedisValue>(reply: &[Value], i: usize) -> Result<T, StoreError> {
+pub(super) fn field<T: FromRedisValue>(reply: &[Value], i: usize) -> StoreResult<T> {
     reply
         .get(i)
         .ok_or_else(|| corrupt("reply"))
@@ -31,7 +31,7 @@ pub(super) fn corrupt(what: &str) -> StoreError {
 }
 
 /// The holder script's answers other than "yours".
-pub(super) fn refusal<T>(reply: &[Value]) -> Result<Holder<T>, StoreError> {
+pub(super) fn refusal<T>(reply: &[Value]) -> StoreResult<Holder<T>> {
     match field::<u8>(reply, 0)? {
         0 => Ok(Holder::NotHeld),
         2 => Ok(Holder::NotOwner),
@@ -46,7 +46,7 @@ pub(super) fn refusal<T>(reply: &[Value]) -> Result<Holder<T>, StoreError> {
     }
 }
 
-pub(super) fn parse_owner(raw: Option<String>) -> Result<Option<Owner>, StoreError> {
+pub(super) fn parse_owner(raw: Option<String>) -> StoreResult<Option<Owner>> {
     raw.map(|o| Owner::parse(&o).map_err(|_| corrupt("owner")))
         .transpose()
 }
