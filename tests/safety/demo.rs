@@ -34,7 +34,7 @@ const REQUESTS: usize = 10_000;
 /// How many are in flight at once.
 const CLIENTS: usize = 64;
 /// Between "no row yet" and the insert: widens the race, as a slow database would.
-const RACE_WIDENER: Duration = Duration::from_millis(20);
+const RACE_WIDENER: Duration = Duration::from_millis(100);
 /// The lock the locked endpoint takes: the seed's key, its 10 s wait and 20 s expiry.
 const LOCK_KEY: &str = "DistributedServiceImpl.distributedSave";
 const LOCK_QUERY: &str = "wait_ms=10000&ttl_ms=20000";
@@ -168,11 +168,16 @@ async fn start_node(broker: String, db: PathBuf) -> (std::net::SocketAddr, JoinH
 async fn fire(url: &str) -> (Vec<(u16, usize)>, Duration) {
     let client = http_client();
     let issued = Arc::new(AtomicUsize::new(0));
+    // Every client sends its first request at the same moment, as a burst of traffic does: the
+    // race the unlocked endpoint has must show however slowly the tasks get going.
+    let start_line = Arc::new(tokio::sync::Barrier::new(CLIENTS));
     let started = Instant::now();
     let tasks: Vec<_> = (0..CLIENTS)
         .map(|_| {
             let (client, issued, url) = (client.clone(), issued.clone(), url.to_owned());
+            let start_line = start_line.clone();
             tokio::spawn(async move {
+                start_line.wait().await;
                 let mut statuses = Vec::new();
                 while issued.fetch_add(1, Ordering::Relaxed) < REQUESTS {
                     let status = match client.post(&url).send().await {
