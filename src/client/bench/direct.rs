@@ -1,0 +1,55 @@
+//! The direct-Redis phase: the uncontended cycle done by this process straight on Redis with the
+//! broker's own scripts, to compare the broker against.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::http::drive;
+use super::{BenchArgs, Phase};
+use crate::domain::{LockKey, Token, Ttl};
+use crate::store::{Bid, Grant, Holder, RedisStore, Store};
+
+pub(super) async fn uncontended_direct(
+    store: Arc<RedisStore>,
+    args: &BenchArgs,
+    run_id: &str,
+    progress: bool,
+) -> Phase {
+    drive(
+        "uncontended (direct Redis)",
+        args.clients,
+        args,
+        progress,
+        |i, tally| {
+            let store = store.clone();
+            let key = LockKey::parse(&format!("bench-{run_id}-d{i}")).expect("a valid key");
+            async move {
+                let mut local = Vec::new();
+                while !tally.stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let bid = Bid {
+                        token: Token::generate(),
+                        ttl: Ttl::from_ms(10_000),
+                        owner: None,
+                        request_id: None,
+                    };
+                    let ok = match store.claim(&key, &bid).await {
+                        Ok(Grant::Granted(_)) => {
+                            matches!(store.release(&key, &bid.token).await, Ok(Holder::Done(_)))
+                        }
+                        _ => false,
+                    };
+                    if ok {
+                        tally.cycles.fetch_add(1, Ordering::Relaxed);
+                        local.push(started.elapsed());
+                    } else {
+                        tally.errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                tally.record(local);
+            }
+        },
+    )
+    .await
+}

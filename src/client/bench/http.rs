@@ -1,0 +1,235 @@
+//! The phases over the broker's HTTP API (uncontended and hot key), and the machinery every
+//! phase runs on: [`drive`] and its [`Tally`].
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+
+use super::{BenchArgs, Latency, Phase};
+use crate::domain::Token;
+
+/// Shared by the workers of one phase: counts, samples and the stop flag.
+#[derive(Default)]
+pub(super) struct Tally {
+    pub(super) stop: AtomicBool,
+    pub(super) cycles: AtomicU64,
+    pub(super) errors: AtomicU64,
+    samples: Mutex<Vec<Duration>>,
+    handoffs: Mutex<Vec<Duration>>,
+    /// When the last release on the hot key was sent.
+    released_at: Mutex<Option<Instant>>,
+}
+
+impl Tally {
+    pub(super) fn record(&self, local: Vec<Duration>) {
+        self.samples.lock().unwrap().extend(local);
+    }
+
+    fn into_phase(self, name: &'static str, clients: usize, elapsed: Duration) -> Phase {
+        let cycles = self.cycles.load(Ordering::Relaxed);
+        let handoffs = self.handoffs.into_inner().unwrap();
+        Phase {
+            name,
+            clients,
+            seconds: elapsed.as_secs_f64(),
+            cycles,
+            cycles_per_sec: cycles as f64 / elapsed.as_secs_f64(),
+            errors: self.errors.load(Ordering::Relaxed),
+            cycle: Latency::of(self.samples.into_inner().unwrap()),
+            handoff: (!handoffs.is_empty()).then(|| Latency::of(handoffs)),
+            redis_calls_per_cycle: None,
+        }
+    }
+}
+
+/// Runs `workers` until the duration is over, printing progress once a second if asked.
+pub(super) async fn drive<F, Fut>(
+    name: &'static str,
+    clients: usize,
+    args: &BenchArgs,
+    progress: bool,
+    worker: F,
+) -> Phase
+where
+    F: Fn(usize, Arc<Tally>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let tally = Arc::new(Tally::default());
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|i| tokio::spawn(worker(i, tally.clone())))
+        .collect();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.tick().await;
+    while started.elapsed() < args.duration {
+        tokio::select! {
+            _ = tick.tick() => {
+                if progress {
+                    eprint!("\r{name}: {:>5.1}s {:>9} cycles", started.elapsed().as_secs_f64(), tally.cycles.load(Ordering::Relaxed));
+                }
+            }
+            () = tokio::time::sleep(args.duration.saturating_sub(started.elapsed())) => {}
+        }
+    }
+    tally.stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        let _ = task.await;
+    }
+    let elapsed = started.elapsed();
+    if progress {
+        eprintln!("\r{name}: done in {:.1}s{:30}", elapsed.as_secs_f64(), "");
+    }
+    Arc::into_inner(tally)
+        .expect("every worker has finished")
+        .into_phase(name, clients, elapsed)
+}
+
+#[derive(serde::Deserialize)]
+pub(super) struct Granted {
+    pub(super) token: String,
+}
+
+pub(super) async fn uncontended_http(
+    http: &reqwest::Client,
+    base: &str,
+    args: &BenchArgs,
+    run_id: &str,
+    progress: bool,
+) -> Phase {
+    drive(
+        "uncontended (HTTP)",
+        args.clients,
+        args,
+        progress,
+        |i, tally| {
+            let (http, base) = (http.clone(), base.to_owned());
+            let url = format!("{base}/locks/bench-{run_id}-u{i}");
+            async move {
+                let mut local = Vec::new();
+                while !tally.stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    match http_cycle(&http, &url, 0).await {
+                        Ok(_) => {
+                            tally.cycles.fetch_add(1, Ordering::Relaxed);
+                            local.push(started.elapsed());
+                        }
+                        Err(_) => {
+                            tally.errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                tally.record(local);
+            }
+        },
+    )
+    .await
+}
+
+/// Acquires and releases `url`'s lock; returns when the grant arrived.
+async fn http_cycle(http: &reqwest::Client, url: &str, wait_ms: u64) -> anyhow::Result<Instant> {
+    let granted: Granted = http
+        .post(format!("{url}?ttl_ms=10000&wait_ms={wait_ms}"))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let at = Instant::now();
+    release(http, url, &granted.token).await?;
+    Ok(at)
+}
+
+pub(super) async fn release(http: &reqwest::Client, url: &str, token: &str) -> anyhow::Result<()> {
+    http.delete(url)
+        .header("lock-token", token)
+        .send()
+        .await?
+        .error_for_status()?;
+    Ok(())
+}
+
+pub(super) async fn hot_key_http(
+    http: &reqwest::Client,
+    base: &str,
+    args: &BenchArgs,
+    run_id: &str,
+    progress: bool,
+) -> Phase {
+    let url = format!("{base}/locks/bench-{run_id}-hot");
+    drive(
+        "hot key (HTTP)",
+        args.contenders,
+        args,
+        progress,
+        |_, tally| {
+            let (http, url) = (http.clone(), url.clone());
+            async move {
+                let mut local = Vec::new();
+                let mut handoffs = Vec::new();
+                while !tally.stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let granted = http
+                        .post(format!("{url}?ttl_ms=10000&wait_ms=10000"))
+                        .send()
+                        .await
+                        .and_then(reqwest::Response::error_for_status);
+                    let granted: Granted = match granted {
+                        Ok(response) => match response.json().await {
+                            Ok(g) => g,
+                            Err(_) => {
+                                tally.errors.fetch_add(1, Ordering::Relaxed);
+                                continue;
+                            }
+                        },
+                        Err(_) => {
+                            tally.errors.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                    };
+                    if let Some(released) = tally.released_at.lock().unwrap().take() {
+                        handoffs.push(released.elapsed());
+                    }
+                    *tally.released_at.lock().unwrap() = Some(Instant::now());
+                    match release(&http, &url, &granted.token).await {
+                        Ok(()) => {
+                            tally.cycles.fetch_add(1, Ordering::Relaxed);
+                            local.push(started.elapsed());
+                        }
+                        Err(_) => {
+                            tally.errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                tally.record(local);
+                tally.handoffs.lock().unwrap().extend(handoffs);
+            }
+        },
+    )
+    .await
+}
+
+/// Waits until the broker grants a lock: on a Redis it has never seen, a broker grants nothing
+/// for its first `store_settle_ms`, and a measurement must not start inside that.
+pub(super) async fn wait_until_granting(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
+    let url = format!(
+        "{base}/locks/bench-probe-{}",
+        &Token::generate().as_str()[..8]
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let answer = http.post(format!("{url}?ttl_ms=1000")).send().await?;
+        if answer.status() == reqwest::StatusCode::CREATED {
+            let granted: Granted = answer.json().await?;
+            return release(http, &url, &granted.token).await;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the broker at {base} granted nothing for 60 s (last answer {})",
+                answer.status()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}

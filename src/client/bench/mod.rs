@@ -1,0 +1,293 @@
+//! `lockbroker bench`: a load generator for a running broker, and the same lock cycle run
+//! directly against Redis in the same run, so the broker's cost is measured side by side with
+//! the fastest thing a client could do instead.
+//!
+//! Phases: (a) uncontended acquire+release cycles, each client on its own key; (b) one hot key
+//! with several contenders and zero hold time, measuring handoff (from a release being sent to
+//! the next grant arriving); (c) with `--redis-url`, phase (a)'s cycle done by this process
+//! straight on Redis with the broker's own scripts (one EVALSHA to claim, one to release).
+
+mod direct;
+mod http;
+mod ledger;
+mod redis_stats;
+mod waiters;
+
+use std::io::IsTerminal;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use serde::Serialize;
+
+use self::direct::uncontended_direct;
+use self::http::{hot_key_http, uncontended_http, wait_until_granting};
+pub use self::ledger::{LedgerCost, ledger_cost};
+use self::redis_stats::ScriptCalls;
+pub use self::redis_stats::{command_calls, script_calls};
+use self::waiters::park_waiters;
+use crate::domain::Token;
+use crate::store::RedisStore;
+use crate::store::redis::RedisSettings;
+
+/// `lockbroker bench` flags.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// The broker to load.
+    #[arg(long, env = "LOCKBROKER_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// The Redis the broker uses: adds the direct-Redis phase and counts Redis calls per
+    /// operation (from INFO commandstats).
+    #[arg(long)]
+    pub redis_url: Option<String>,
+    /// The broker's key prefix in Redis (for the direct phase).
+    #[arg(long, default_value = "lockbroker:")]
+    pub key_prefix: String,
+    /// Concurrent clients in the uncontended and direct phases.
+    #[arg(long, default_value_t = 64)]
+    pub clients: usize,
+    /// Contenders on the hot key.
+    #[arg(long, default_value_t = 16)]
+    pub contenders: usize,
+    /// How long each phase runs (`10s`, `1500ms`, `1m`).
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub duration: Duration,
+    /// Also hold a key and park this many waiting acquires on it, then report the broker's
+    /// resident memory per waiter (from its /metrics) and how fast they drain when their
+    /// clients leave. Needs a file-descriptor limit above twice this number.
+    #[arg(long, default_value_t = 0)]
+    pub waiters: usize,
+    /// Park the waiters over HTTP/2 (h2c, prior knowledge): at most 150 streams on each
+    /// connection instead of one connection each.
+    #[arg(long)]
+    pub http2: bool,
+    /// Print one JSON summary on stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Instead of loading a broker, measure the memory the lease ledger (the live leases a
+    /// broker remembers, to put back after a store loss) takes for this many leases, in this
+    /// process, and how long its periodic sweep and a put-back snapshot take.
+    #[arg(long, value_name = "LEASES")]
+    pub ledger: Option<usize>,
+}
+
+/// Latency percentiles of one phase, in milliseconds.
+#[derive(Debug, Serialize)]
+pub struct Latency {
+    pub samples: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    pub max_ms: f64,
+}
+
+impl Latency {
+    fn of(mut samples: Vec<Duration>) -> Self {
+        samples.sort_unstable();
+        let at = |q: f64| -> f64 {
+            if samples.is_empty() {
+                return 0.0;
+            }
+            let i = ((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1;
+            samples[i].as_secs_f64() * 1000.0
+        };
+        Self {
+            samples: samples.len(),
+            p50_ms: at(0.50),
+            p99_ms: at(0.99),
+            p999_ms: at(0.999),
+            max_ms: at(1.0),
+        }
+    }
+}
+
+/// One phase's figures.
+#[derive(Debug, Serialize)]
+pub struct Phase {
+    pub name: &'static str,
+    pub clients: usize,
+    pub seconds: f64,
+    pub cycles: u64,
+    pub cycles_per_sec: f64,
+    pub errors: u64,
+    /// Latency of one whole cycle (acquire + release).
+    pub cycle: Latency,
+    /// Hot key only: from a release being sent to the next grant arriving.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handoff: Option<Latency>,
+    /// Redis script calls (EVALSHA/EVAL) per cycle, when Redis was given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_calls_per_cycle: Option<f64>,
+}
+
+/// The whole run.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    pub phases: Vec<Phase>,
+    /// Uncontended broker cycles/s over direct-Redis cycles/s, measured in this run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broker_over_direct: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waiters: Option<WaitersPhase>,
+}
+
+/// The parked-waiters phase.
+#[derive(Debug, Serialize)]
+pub struct WaitersPhase {
+    /// Waiters the broker reported at the peak.
+    pub waiters: u64,
+    /// Acquires that failed instead of waiting (connection refused, 503).
+    pub errors: u64,
+    pub rss_before_mib: f64,
+    pub rss_with_waiters_mib: f64,
+    pub bytes_per_waiter: f64,
+    /// From the clients leaving to the broker reporting no waiters.
+    pub drained_ms: f64,
+}
+
+/// Runs the benchmark and prints its figures.
+pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
+    if args.clients == 0 || args.contenders == 0 {
+        bail!("--clients and --contenders must be at least 1");
+    }
+    let base = args.url.trim_end_matches('/').to_owned();
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.clients.max(args.contenders) * 2)
+        .timeout(Duration::from_secs(30))
+        .build()?;
+    http.get(format!("{base}/readyz"))
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .with_context(|| format!("the broker at {base} is not ready"))?;
+    wait_until_granting(&http, &base).await?;
+    let redis = match &args.redis_url {
+        None => None,
+        Some(url) => Some(
+            redis::Client::open(url.as_str())?
+                .get_multiplexed_async_connection()
+                .await
+                .with_context(|| format!("cannot connect to Redis at {url}"))?,
+        ),
+    };
+    let run_id = Token::generate().as_str()[..8].to_owned();
+    let progress = std::io::stderr().is_terminal() && !args.json;
+
+    let mut phases = Vec::new();
+    let calls = ScriptCalls::start(redis.clone()).await?;
+    let mut uncontended = uncontended_http(&http, &base, &args, &run_id, progress).await;
+    uncontended.redis_calls_per_cycle = calls.per(uncontended.cycles).await?;
+    phases.push(uncontended);
+
+    let calls = ScriptCalls::start(redis.clone()).await?;
+    let mut hot = hot_key_http(&http, &base, &args, &run_id, progress).await;
+    hot.redis_calls_per_cycle = calls.per(hot.cycles).await?;
+    phases.push(hot);
+
+    let mut broker_over_direct = None;
+    if let Some(url) = &args.redis_url {
+        let store = RedisStore::connect(
+            &RedisSettings {
+                url: url.clone(),
+                key_prefix: args.key_prefix.clone(),
+                timeout: Duration::from_secs(2),
+                store_loss_delay: Duration::ZERO,
+                store_settle: Duration::from_secs(3),
+            },
+            Arc::default(),
+        )?;
+        let calls = ScriptCalls::start(redis.clone()).await?;
+        let mut direct = uncontended_direct(Arc::new(store), &args, &run_id, progress).await;
+        direct.redis_calls_per_cycle = calls.per(direct.cycles).await?;
+        if direct.cycles_per_sec > 0.0 {
+            broker_over_direct = Some(phases[0].cycles_per_sec / direct.cycles_per_sec);
+        }
+        phases.push(direct);
+    }
+    let waiters = if args.waiters > 0 {
+        Some(park_waiters(&base, args.waiters, args.http2, &run_id).await?)
+    } else {
+        None
+    };
+    let summary = Summary {
+        phases,
+        broker_over_direct,
+        waiters,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print_table(&summary);
+    }
+    Ok(summary)
+}
+
+fn print_table(summary: &Summary) {
+    println!(
+        "{:<28} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>6}",
+        "phase",
+        "clients",
+        "cycles/s",
+        "p50 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "max ms",
+        "handoff50",
+        "handoff99",
+        "calls",
+        "errors"
+    );
+    for p in &summary.phases {
+        let handoff = |f: fn(&Latency) -> f64| {
+            p.handoff
+                .as_ref()
+                .map_or("-".into(), |h| format!("{:.2}", f(h)))
+        };
+        println!(
+            "{:<28} {:>7} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9} {:>9} {:>7} {:>6}",
+            p.name,
+            p.clients,
+            p.cycles_per_sec,
+            p.cycle.p50_ms,
+            p.cycle.p99_ms,
+            p.cycle.p999_ms,
+            p.cycle.max_ms,
+            handoff(|h| h.p50_ms),
+            handoff(|h| h.p99_ms),
+            p.redis_calls_per_cycle
+                .map_or("-".into(), |c| format!("{c:.2}")),
+            p.errors,
+        );
+    }
+    if let Some(ratio) = summary.broker_over_direct {
+        println!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
+    }
+    println!("calls: Redis script calls (EVALSHA/EVAL) per acquire+release cycle");
+    if let Some(w) = &summary.waiters {
+        println!(
+            "parked waiters: {} ({} failed); broker RSS {:.1} MiB -> {:.1} MiB, {:.0} bytes per waiter; drained {:.0} ms after their clients left",
+            w.waiters,
+            w.errors,
+            w.rss_before_mib,
+            w.rss_with_waiters_mib,
+            w.bytes_per_waiter,
+            w.drained_ms
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_pick_the_nearest_rank() {
+        let samples = (1..=1000).map(Duration::from_millis).collect();
+        let l = Latency::of(samples);
+        assert_eq!(l.p50_ms, 500.0);
+        assert_eq!(l.p99_ms, 990.0);
+        assert_eq!(l.p999_ms, 999.0);
+        assert_eq!(l.max_ms, 1000.0);
+    }
+}
