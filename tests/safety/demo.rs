@@ -1,7 +1,7 @@
-//! The seeds' demo, end to end. Application nodes behind a load balancer run "if no business-log
+//! The check-then-insert demo, end to end. Application nodes behind a load balancer run "if no business-log
 //! row named X exists, insert one" against one shared database, and a script fires 10,000 requests
 //! at them. Without a distributed lock the check and the insert race across nodes and the table
-//! gets duplicates; with the lock (the seed's `RedisLockUtil(redisTemplate, key, 10000, 20000)`,
+//! gets duplicates; with the lock (as a typical Java wrapper takes it: `RedisLockUtil(redisTemplate, key, 10000, 20000)`,
 //! here three brokers on one Redis) exactly one row is left.
 //!
 //! Here: the database is a SQLite file that three app nodes (small HTTP servers in this process,
@@ -29,16 +29,16 @@ use tokio::task::JoinHandle;
 
 use crate::proxy::Proxy;
 
-/// The requests the seed's script sends.
+/// The requests the load script sends.
 const REQUESTS: usize = 10_000;
 /// How many are in flight at once.
 const CLIENTS: usize = 64;
 /// Between "no row yet" and the insert: widens the race, as a slow database would.
 const RACE_WIDENER: Duration = Duration::from_millis(100);
-/// The lock the locked endpoint takes: the seed's key, its 10 s wait and 20 s expiry.
+/// The lock the locked endpoint takes: the example's key, its 10 s wait and 20 s expiry.
 const LOCK_KEY: &str = "DistributedServiceImpl.distributedSave";
 const LOCK_QUERY: &str = "wait_ms=10000&ttl_ms=20000";
-/// The business names of the seed's two endpoints ("supports a distributed lock", "does not").
+/// The business names of the example's two endpoints ("supports a distributed lock", "does not").
 const WITH_LOCK: &str = "支持分布式锁";
 const WITHOUT_LOCK: &str = "不支持分布式锁";
 
@@ -58,7 +58,7 @@ fn open(db: &Path) -> Connection {
 }
 
 impl Node {
-    /// The seed's `count(params)` then `save(log)`, on a connection of this node's pool (a
+    /// The example's `count(params)` then `save(log)`, on a connection of this node's pool (a
     /// blocking call, so on tokio's blocking threads). Returns whether it inserted.
     async fn save_if_absent(self: &Arc<Self>, name: &'static str, fence: Option<u64>) -> bool {
         let node = self.clone();
@@ -163,7 +163,7 @@ async fn start_node(broker: String, db: PathBuf) -> (std::net::SocketAddr, JoinH
     (addr, server)
 }
 
-/// The seed's script: `REQUESTS` POSTs to `url`, `CLIENTS` at a time. Returns how they were
+/// The load script: `REQUESTS` POSTs to `url`, `CLIENTS` at a time. Returns how they were
 /// answered (status, count) and how long it took.
 async fn fire(url: &str) -> (Vec<(u16, usize)>, Duration) {
     let client = http_client();

@@ -1,4 +1,4 @@
-//! The safety and fault-injection suite: the seeds' demo end to end, a torture check of mutual
+//! The safety and fault-injection suite: the check-then-insert demo end to end, a torture check of mutual
 //! exclusion shared by every fault test, and the faults themselves — a broker killed, a holder
 //! paused past its TTL, Redis stopped, slowed, cut off or restarted empty, host clocks skewed —
 //! each bounded in time. `soak.rs` runs the same torture longer with random faults.

@@ -1,4 +1,4 @@
-//! Host clocks that disagree. The seeds' algorithm compares timestamps written by one host with
+//! Host clocks that disagree. The classic SETNX/GETSET recipe compares timestamps written by one host with
 //! another host's clock, so brokers whose clocks are seconds apart would take over each other's
 //! live leases. Two brokers run under `faketime`, one 5 s ahead and one 5 s behind (10 s apart,
 //! five times the TTL), and hammer one key: nothing may overlap.
