@@ -1,8 +1,9 @@
-//! The check-then-insert demo, end to end. Application nodes behind a load balancer run "if no business-log
-//! row named X exists, insert one" against one shared database, and a script fires 10,000 requests
-//! at them. Without a distributed lock the check and the insert race across nodes and the table
-//! gets duplicates; with the lock (as a typical Java wrapper takes it: `RedisLockUtil(redisTemplate, key, 10000, 20000)`,
-//! here three brokers on one Redis) exactly one row is left.
+//! The check-then-insert demo, end to end. Application nodes behind a load balancer run "if no
+//! business-log row named X exists, insert one" against one shared database, and a script fires
+//! 10,000 requests at them. Without a distributed lock the check and the insert race across nodes
+//! and the table gets duplicates; with the lock (as a typical Java wrapper takes it:
+//! `RedisLockUtil(redisTemplate, key, 10000, 20000)`, here three brokers on one Redis) exactly
+//! one row is left.
 //!
 //! Here: the database is a SQLite file that three app nodes (small HTTP servers in this process,
 //! each with its own connections to the file) share; the load balancer is the test's TCP proxy
