@@ -84,6 +84,7 @@ pub struct Metrics {
     store_latency: Family<OpLabels, Histogram, fn() -> Histogram>,
     waiters: Gauge,
     resident_memory: Gauge,
+    ledger: Gauge,
     store_losses: Counter,
     leases_put_back: Counter,
     double_claims: Counter,
@@ -170,6 +171,12 @@ impl Default for Metrics {
             "Acquires waiting on this broker now",
             waiters.clone(),
         );
+        let ledger = Gauge::default();
+        registry.register(
+            "lockbroker_ledger_leases",
+            "Live leases this broker granted or renewed and would put back after a store loss",
+            ledger.clone(),
+        );
         let store_losses = Counter::default();
         registry.register(
             "lockbroker_store_losses",
@@ -214,6 +221,7 @@ impl Default for Metrics {
             store_errors,
             store_latency,
             waiters,
+            ledger,
             store_losses,
             leases_put_back,
             double_claims,
@@ -268,8 +276,9 @@ impl Metrics {
     }
 
     /// The OpenMetrics text exposition, with the current number of waiters.
-    pub fn render(&self, waiters: usize) -> String {
+    pub fn render(&self, waiters: usize, ledger: usize) -> String {
         self.waiters.set(i64::try_from(waiters).unwrap_or(i64::MAX));
+        self.ledger.set(i64::try_from(ledger).unwrap_or(i64::MAX));
         self.resident_memory
             .set(i64::try_from(resident_memory_bytes()).unwrap_or(i64::MAX));
         let mut out = String::new();
@@ -300,7 +309,7 @@ mod tests {
         m.acquired(AcquireResult::Granted, Duration::from_millis(3));
         m.released(HolderResult::Done, Some(Duration::from_millis(40)));
         m.store_call(StoreOp::claim, Duration::from_micros(200), true);
-        let text = m.render(7);
+        let text = m.render(7, 3);
         for line in [
             "lockbroker_acquisitions_total{result=\"granted\"} 1",
             "lockbroker_acquisitions_total{result=\"locked\"} 0",
@@ -312,6 +321,7 @@ mod tests {
             "lockbroker_acquire_wait_seconds_count 1",
             "lockbroker_store_call_seconds_count{op=\"claim\"} 1",
             "lockbroker_waiters 7",
+            "lockbroker_ledger_leases 3",
             "lockbroker_store_losses_total 0",
             "lockbroker_leases_put_back_total 0",
             "lockbroker_double_claims_total 0",

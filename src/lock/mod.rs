@@ -430,7 +430,8 @@ impl<S: Store> LockService<S> {
 
     /// The metrics, with the current number of waiters, in the OpenMetrics text format.
     pub fn render_metrics(&self) -> String {
-        self.metrics.render(self.waiters.len())
+        self.metrics
+            .render(self.waiters.len(), self.store.ledger_len())
     }
 }
 

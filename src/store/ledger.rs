@@ -152,10 +152,11 @@ impl Ledger {
         )
     }
 
-    /// Remembers `lease` on `key`, answered at `answered`. A renewal keeps the request id the
-    /// grant had (the store does not echo it).
-    pub fn record(&self, key: &LockKey, lease: &Lease, answered: Instant) {
-        let ends_ms = self.ms_after_base(answered + Duration::from_millis(lease.ttl_ms));
+    /// Remembers `lease` on `key`, ending at `ends` (the moment its grant or renewal was answered
+    /// plus what the store said remained of it). A renewal keeps the request id the grant had
+    /// (the store does not echo it).
+    pub fn record(&self, key: &LockKey, lease: &Lease, ends: Instant) {
+        let ends_ms = self.ms_after_base(ends);
         let token = KeptToken::of(&lease.token);
         let mut leases = self.leases();
         let request_id = match (leases.get(key.as_str()), &lease.request_id) {
@@ -184,6 +185,15 @@ impl Ledger {
             .is_some_and(|e| e.token == KeptToken::of(token))
         {
             leases.remove(key.as_str());
+        }
+    }
+
+    /// Forgets the lease on `key` if its fence is at most `fence`: a release notice from any
+    /// broker says the lease with that fence is over, and so is any older one.
+    pub fn forget_released(&self, key: &str, fence: Fence) {
+        let mut leases = self.leases();
+        if leases.get(key).is_some_and(|e| e.fence <= fence) {
+            leases.remove(key);
         }
     }
 
@@ -250,8 +260,16 @@ mod tests {
         let (a, b) = (LockKey::parse("a").unwrap(), LockKey::parse("b").unwrap());
         let (ta, tb) = (Token::generate(), Token::generate());
         let start = Instant::now();
-        ledger.record(&a, &lease(&ta, 1, 1_000), start);
-        ledger.record(&b, &lease(&tb, 2, 5_000), start);
+        ledger.record(
+            &a,
+            &lease(&ta, 1, 1_000),
+            start + Duration::from_millis(1_000),
+        );
+        ledger.record(
+            &b,
+            &lease(&tb, 2, 5_000),
+            start + Duration::from_millis(5_000),
+        );
         // Someone else's token does not forget the entry.
         ledger.forget(&a, &tb);
         assert!(ledger.holds(&a, &ta));
@@ -280,7 +298,11 @@ mod tests {
             // 48 characters, but not all lowercase hex.
             Token::parse(&"A".repeat(48)).unwrap(),
         ] {
-            ledger.record(&key, &lease(&token, 1, 1_000), Instant::now());
+            ledger.record(
+                &key,
+                &lease(&token, 1, 1_000),
+                Instant::now() + Duration::from_millis(1_000),
+            );
             assert!(ledger.holds(&key, &token));
             assert_eq!(ledger.get(&key).unwrap().token, token);
             let (_, live) = ledger.live(Instant::now()).pop().unwrap();
@@ -296,11 +318,12 @@ mod tests {
         let start = Instant::now();
         let mut granted = lease(&token, 7, 1_000);
         granted.request_id = Some(RequestId::parse("job-1").unwrap());
-        ledger.record(&key, &granted, start);
+        ledger.record(&key, &granted, start + Duration::from_millis(1_000));
+        // Renewed half a second in, for 3 s.
         ledger.record(
             &key,
             &lease(&token, 7, 3_000),
-            start + Duration::from_millis(500),
+            start + Duration::from_millis(3_500),
         );
         let entry = ledger.get(&key).unwrap();
         assert_eq!(entry.ends, start + Duration::from_millis(3_500));

@@ -169,6 +169,12 @@ pub trait Store: Send + Sync + 'static {
     /// brokers sharing the store, goes to `notices`. Delivery is best effort: waiters also wake
     /// at the holder's expiry and on a slow fallback poll.
     fn start(&self, notices: mpsc::Sender<Notice>);
+
+    /// How many live leases this broker remembers to put back after a store loss (0 for a store
+    /// that cannot lose them).
+    fn ledger_len(&self) -> usize {
+        0
+    }
 }
 
 /// The store a running broker uses: chosen at start from the configuration.
@@ -217,6 +223,13 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.start(notices),
             AnyStore::Redis(s) => s.start(notices),
+        }
+    }
+
+    fn ledger_len(&self) -> usize {
+        match self {
+            AnyStore::Memory(s) => s.ledger_len(),
+            AnyStore::Redis(s) => s.ledger_len(),
         }
     }
 }

@@ -309,3 +309,46 @@ async fn after_a_loss_a_broker_that_never_saw_the_store_grants_nothing_while_a_p
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+
+/// Polls `/metrics` until `series` is exactly `value`.
+async fn metric_is(app: &TestApp, series: &str, value: f64) {
+    let started = Instant::now();
+    loop {
+        let text = app.get("/metrics").await.text;
+        let now = text
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok());
+        if now == Some(value) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{series} stayed at {now:?}, expected {value}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_released_through_another_broker_is_not_put_back_after_a_loss() {
+    let redis = RedisServer::start().await;
+    let [one, two] = brokers::<2>(&redis).await;
+    let released = one.grant("moved-on", "ttl_ms=60000").await;
+    metric_is(&one, "lockbroker_ledger_leases", 1.0).await;
+    // Behind a load balancer, the release may reach another broker; its notice tells the one
+    // that granted the lease.
+    two.release("moved-on", &released.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    metric_is(&one, "lockbroker_ledger_leases", 0.0).await;
+    // And a newer lease, granted by the other broker, is the one that comes back after a loss.
+    let newer = two.grant("moved-on", "ttl_ms=60000").await;
+    redis.flushall().await;
+    let flushed = Instant::now();
+    first_grant(&one, "free", flushed).await;
+    expect_put_back(&[&one, &two], "moved-on", &newer).await;
+    // The released token never comes back.
+    one.renew("moved-on", &released.token, "")
+        .await
+        .expect_error(StatusCode::CONFLICT, "not_owner");
+}

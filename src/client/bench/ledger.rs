@@ -1,7 +1,7 @@
 //! `lockbroker bench --ledger N`: the memory and sweep/snapshot time of the lease ledger, measured
 //! in this process.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -41,7 +41,7 @@ pub fn ledger_cost(leases: usize) -> LedgerCost {
             owner: Some(owner.clone()),
             request_id: None,
         };
-        ledger.record(&key, &lease, now);
+        ledger.record(&key, &lease, now + Duration::from_millis(lease.ttl_ms));
     }
     let after = crate::metrics::resident_memory_bytes();
     let started = Instant::now();

@@ -31,8 +31,6 @@ pub(super) struct Link {
     /// Tells this connection from the ones before and after it, so that a failure on an old
     /// one does not drop its replacement.
     pub generation: u64,
-    /// The server process this connection reached (`INFO server`'s `run_id`).
-    pub run_id: Arc<str>,
 }
 
 #[derive(Clone)]
@@ -112,39 +110,27 @@ impl Connection {
 
     /// Opens a new connection and reads which server process it reached. Not yet usable:
     /// [`Connection::up`] makes it so once verified.
-    pub async fn open(&self) -> StoreResult<(MultiplexedConnection, Arc<str>)> {
+    pub async fn open(&self) -> Result<(MultiplexedConnection, Arc<str>), StoreError> {
         let opening = async {
             let mut conn = self
                 .client
                 .get_multiplexed_async_connection_with_config(&self.config)
-                .await?;
-            let info: String = redis::cmd("INFO")
-                .arg("server")
-                .query_async(&mut conn)
-                .await?;
-            Ok::<_, RedisError>((conn, info))
+                .await
+                .map_err(|e| StoreError::Failed(e.to_string()))?;
+            let run_id = run_id(&mut conn).await?;
+            Ok((conn, run_id))
         };
-        let (conn, info) = match tokio::time::timeout(self.timeout, opening).await {
-            Ok(Ok(opened)) => opened,
-            Ok(Err(e)) => return Err(StoreError::Failed(e.to_string())),
-            Err(_) => return Err(StoreError::Timeout(millis(self.timeout))),
-        };
-        let run_id = info
-            .lines()
-            .find_map(|l| l.strip_prefix("run_id:"))
-            .map(|id| Arc::from(id.trim()))
-            .ok_or_else(|| StoreError::Failed("Redis's INFO server has no run_id".into()))?;
-        Ok((conn, run_id))
+        match tokio::time::timeout(self.timeout, opening).await {
+            Ok(opened) => opened,
+            Err(_) => Err(StoreError::Timeout(millis(self.timeout))),
+        }
     }
 
     /// Makes a verified connection the one requests use.
-    pub fn up(&self, conn: MultiplexedConnection, run_id: Arc<str>) {
+    pub fn up(&self, conn: MultiplexedConnection) {
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
-        self.state.send_replace(State::Up(Link {
-            conn,
-            generation,
-            run_id,
-        }));
+        self.state
+            .send_replace(State::Up(Link { conn, generation }));
     }
 
     /// A connection attempt failed.
@@ -173,6 +159,19 @@ impl Connection {
             tracing::warn!(error = %error, "the Redis connection failed: replacing it");
         }
     }
+}
+
+/// The server process `conn` reaches now (`INFO server`'s `run_id`). Unbounded: callers bound it.
+pub(super) async fn run_id(conn: &mut MultiplexedConnection) -> Result<Arc<str>, StoreError> {
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(conn)
+        .await
+        .map_err(|e| StoreError::Failed(e.to_string()))?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("run_id:"))
+        .map(|id| Arc::from(id.trim()))
+        .ok_or_else(|| StoreError::Failed("Redis's INFO server has no run_id".into()))
 }
 
 /// Whether a failed call means the connection itself is unusable.

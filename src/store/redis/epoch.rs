@@ -25,9 +25,10 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::RedisStore;
-use crate::domain::{LockKey, millis};
+use super::connection::run_id;
+use crate::domain::{LockKey, Token, millis};
 use crate::store::ledger::Entry;
-use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, StoreError, StoreResult};
+use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Holder, StoreError, StoreResult};
 
 /// How many leases one put-back script call carries. Bounded so that one call stays short for
 /// Redis (a script blocks the server while it runs).
@@ -74,17 +75,36 @@ impl Epoch {
         Ok(state.known.clone().unwrap_or_default())
     }
 
-    /// The newest epoch this broker has seen (the one it is putting leases back into, if any).
-    pub fn latest(&self) -> Option<String> {
+    /// Whether `epoch` is older than the newest epoch this broker has seen (the one it is
+    /// putting leases back into, if any).
+    pub fn is_behind(&self, epoch: &str) -> bool {
         let state = self.state();
         state
             .putting_back_to
-            .clone()
-            .or_else(|| state.known.clone())
+            .as_deref()
+            .or(state.known.as_deref())
+            .is_some_and(|latest| latest != epoch)
     }
 
     pub fn putting_back(&self) -> bool {
         self.state().putting_back_to.is_some()
+    }
+}
+
+/// While alive, this broker is putting its leases back into an epoch and grants nothing; however
+/// the put-back ends (done, failed, or its task gone), dropping it lets grants through again.
+struct PuttingBack<'a>(&'a Epoch);
+
+impl<'a> PuttingBack<'a> {
+    fn begin(epoch: &'a Epoch, into: &str) -> Self {
+        epoch.state().putting_back_to = Some(into.to_owned());
+        Self(epoch)
+    }
+}
+
+impl Drop for PuttingBack<'_> {
+    fn drop(&mut self) {
+        self.0.state().putting_back_to = None;
     }
 }
 
@@ -122,6 +142,9 @@ impl RedisStore {
     /// Checks the epoch on the current connection (making and verifying one if needed) and
     /// catches up with a new one. Returns the store-wide hold in force, if any.
     ///
+    /// Every check reads the server's `run_id` again, so a restart behind a proxy that keeps
+    /// client connections open is noticed within [`CHECK_EVERY`] too.
+    ///
     /// A connection that fails the check is replaced and the check made again at once (the new
     /// connection's verification is the check): after a restart, the old connection is usually
     /// the first thing that fails, and the put-back must not wait for another round.
@@ -134,7 +157,14 @@ impl RedisStore {
                 Err(_) => return Err(StoreError::Timeout(millis(self.timeout))),
             };
             let mut conn = link.conn.clone();
-            match self.check_on(&mut conn, &link.run_id).await {
+            // The server process as it is now, not as it was when the connection was made: a
+            // proxy between broker and Redis may keep this connection open across a restart.
+            let checked = match tokio::time::timeout_at(deadline, run_id(&mut conn)).await {
+                Ok(Ok(run_id)) => self.check_on(&mut conn, &run_id).await,
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(StoreError::Timeout(millis(self.timeout))),
+            };
+            match checked {
                 Ok(hold) => return Ok(hold),
                 Err(e) => {
                     self.connection.drop_link(link.generation, &e);
@@ -153,8 +183,9 @@ impl RedisStore {
         run_id: &str,
     ) -> StoreResult<Option<Hold>> {
         let _one = self.epoch.catching_up.lock().await;
-        // A put-back that finds the epoch moved again (a second loss meanwhile) starts over.
-        for _ in 0..3 {
+        // A put-back that finds the epoch moved again (a second loss meanwhile) starts over; a
+        // put-back that went through checks once more, for the hold as the put-back left it.
+        for _ in 0..4 {
             let known = self.epoch.state().known.clone();
             let checked = self.run_check(conn, known.as_deref(), run_id).await?;
             match known {
@@ -173,21 +204,13 @@ impl RedisStore {
                     return Ok(checked.hold());
                 }
                 Some(known) => {
-                    self.epoch.state().putting_back_to = Some(checked.id.clone());
+                    let putting_back = PuttingBack::begin(&self.epoch, &checked.id);
                     let started = Instant::now();
-                    let outcome = self.put_back_all(conn, &checked.id).await;
-                    let mut state = self.epoch.state();
-                    state.putting_back_to = None;
-                    match outcome {
-                        Ok(Some(report)) => {
-                            state.known = Some(checked.id.clone());
-                            drop(state);
-                            self.report_loss(&known, &checked, &report, started.elapsed());
-                            return Ok(checked.hold());
-                        }
-                        // The epoch moved during the put-back: check again.
-                        Ok(None) => continue,
-                        Err(e) => return Err(e),
+                    // The epoch moved during the put-back (`None`): check again.
+                    if let Some(report) = self.put_back_all(conn, &checked.id).await? {
+                        self.epoch.state().known = Some(checked.id.clone());
+                        drop(putting_back);
+                        self.report_loss(&known, &checked, &report, started.elapsed());
                     }
                 }
             }
@@ -279,6 +302,9 @@ impl RedisStore {
         if codes.first() == Some(&-1) {
             return Ok(false);
         }
+        if codes.len() != 3 * batch.len() {
+            return Err(StoreError::Failed("malformed put-back reply".into()));
+        }
         for ((key, entry), outcome) in batch.iter().zip(codes.chunks(3)) {
             let [code, other, raised] = [outcome[0], outcome[1], outcome[2]];
             report.counters_raised += usize::from(raised == 1);
@@ -308,14 +334,29 @@ impl RedisStore {
             if code != 2 && !self.ledger.holds(key, &entry.token) {
                 // Released while the put-back ran: release it again, or it would block its key
                 // until it ends.
-                let store = self.clone();
-                let (key, token) = (key.clone(), entry.token.clone());
-                tokio::spawn(async move {
-                    let _ = crate::store::Store::release(&store, &key, &token).await;
-                });
+                self.release_again(key.clone(), entry.token.clone(), entry.remaining(now));
             }
         }
         Ok(true)
+    }
+
+    /// Releases a lease put back after its holder had released it, retrying (the store may still
+    /// be on its way back, or the hold in force) until a definite answer or the lease's end.
+    fn release_again(&self, key: LockKey, token: Token, remaining: Duration) {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let give_up = Instant::now() + remaining;
+            let mut pause = Duration::from_millis(50);
+            loop {
+                match crate::store::Store::release(&store, &key, &token).await {
+                    Ok(Holder::Held(_)) | Err(_) if Instant::now() + pause < give_up => {
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                    }
+                    _ => return,
+                }
+            }
+        });
     }
 
     /// A lease recorded under an epoch older than the newest one seen may have missed the

@@ -108,11 +108,6 @@ impl RedisStore {
         })
     }
 
-    /// How many live leases this broker remembers (granted or renewed here, not yet ended).
-    pub fn ledger_len(&self) -> usize {
-        self.ledger.len()
-    }
-
     fn keys(&self, key: &LockKey) -> [String; 2] {
         [
             format!("{}{{{}}}:lock", self.prefix, key),
@@ -145,7 +140,7 @@ impl RedisStore {
             match verified.await {
                 Ok((conn, run_id)) => {
                     tracing::debug!(%run_id, "connected to Redis");
-                    self.connection.up(conn, run_id);
+                    self.connection.up(conn);
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot connect to Redis");
@@ -177,9 +172,12 @@ impl RedisStore {
     ) -> StoreResult<T> {
         let deadline = Instant::now() + self.timeout;
         let timed_out = || StoreError::Timeout(millis(self.timeout));
-        let link = tokio::time::timeout_at(deadline, self.link())
-            .await
-            .map_err(|_| timed_out())??;
+        let link = match self.connection.current() {
+            Some(link) => link,
+            None => tokio::time::timeout_at(deadline, self.link())
+                .await
+                .map_err(|_| timed_out())??,
+        };
         let mut conn = link.conn.clone();
         match tokio::time::timeout_at(deadline, call(&mut conn)).await {
             Ok(Ok(v)) => Ok(v),
@@ -252,7 +250,15 @@ impl RedisStore {
                         owner: bid.owner.clone(),
                         request_id: bid.request_id.clone(),
                     };
-                    self.remember(key, &lease, answered, &known);
+                    // What remains on the store's clock: a lease handed back again by request id
+                    // is older than its TTL.
+                    let remaining = lease.expires_at_ms.saturating_sub(field(&reply, 5)?);
+                    self.remember(
+                        key,
+                        &lease,
+                        answered + Duration::from_millis(remaining),
+                        &known,
+                    );
                     return Ok(Grant::Granted(lease));
                 }
                 2 => {
@@ -289,9 +295,9 @@ impl RedisStore {
     /// Records a lease granted or renewed here in the ledger. If it was written in an epoch
     /// older than the newest one this broker has seen, its answer raced a loss and the put-back
     /// may have missed it: it is put back on its own.
-    fn remember(&self, key: &LockKey, lease: &Lease, answered: Instant, epoch: &str) {
-        self.ledger.record(key, lease, answered);
-        if self.epoch.latest().is_some_and(|latest| latest != epoch) {
+    fn remember(&self, key: &LockKey, lease: &Lease, ends: Instant, epoch: &str) {
+        self.ledger.record(key, lease, ends);
+        if self.epoch.is_behind(epoch) {
             self.put_back_late(key.clone());
         }
     }
@@ -378,7 +384,8 @@ impl Store for RedisStore {
             owner: parse_owner(field(&reply, 3)?)?,
             request_id: None,
         };
-        self.remember(key, &lease, answered, &field::<String>(&reply, 4)?);
+        let ends = answered + Duration::from_millis(ttl.as_ms());
+        self.remember(key, &lease, ends, &field::<String>(&reply, 4)?);
         Ok(Holder::Done(lease))
     }
 
@@ -400,6 +407,10 @@ impl Store for RedisStore {
             Ok(Ok(result)) => result,
             _ => Err(StoreError::Timeout(millis(self.timeout))),
         }
+    }
+
+    fn ledger_len(&self) -> usize {
+        self.ledger.len()
     }
 
     fn start(&self, notices: mpsc::Sender<Notice>) {

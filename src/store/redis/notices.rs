@@ -1,8 +1,8 @@
 //! Release notices and the epoch watch: the broker's background work on Redis.
 //!
-//! A release publishes the key on `<prefix>released`; one subscriber connection per broker
-//! hands each notice to the lock service's waiters, so waiters on every broker wake at once
-//! instead of polling. A broker that starts a new epoch publishes `!epoch` there (never a key:
+//! A release publishes the key and the lease's fence on `<prefix>released`; one subscriber
+//! connection per broker hands each notice to the lock service's waiters, so waiters on every
+//! broker wake at once instead of polling, and drops the lease from its ledger if it granted it. A broker that starts a new epoch publishes `!epoch` there (never a key:
 //! keys have no `!`), so the others catch up at once instead of at their next check.
 
 use std::time::Duration;
@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::RedisStore;
 use super::epoch::CHECK_EVERY;
-use crate::domain::{LockKey, millis};
+use crate::domain::{Fence, LockKey, millis};
 use crate::store::{Notice, StoreError, StoreResult};
 
 /// The payload of an epoch announcement.
@@ -86,12 +86,13 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                             let payload = message.get_payload_bytes();
                             if payload == EPOCH_NOTICE.as_bytes() {
                                 store.epoch.wake.notify_one();
-                            } else if let Some(key) = std::str::from_utf8(payload)
-                                .ok()
-                                .and_then(|k| LockKey::parse(k).ok())
-                                && !deliver(&notices, Notice::Released(key))
-                            {
-                                return;
+                            } else if let Some((key, fence)) = parse_notice(payload) {
+                                if let Some(fence) = fence {
+                                    store.ledger.forget_released(key.as_str(), fence);
+                                }
+                                if !deliver(&notices, Notice::Released(key)) {
+                                    return;
+                                }
                             }
                         }
                         _ = health.tick() => {
@@ -117,6 +118,17 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(1));
     }
+}
+
+/// A release notice: the key, and the released lease's fence (a renew that shortened a lease
+/// publishes the key alone).
+fn parse_notice(payload: &[u8]) -> Option<(LockKey, Option<Fence>)> {
+    let text = std::str::from_utf8(payload).ok()?;
+    let (key, fence) = match text.split_once(' ') {
+        Some((key, fence)) => (key, Some(fence.parse().ok()?)),
+        None => (text, None),
+    };
+    Some((LockKey::parse(key).ok()?, fence))
 }
 
 /// Hands a notice on; `false` once nobody listens any more. A full channel drops the notice:

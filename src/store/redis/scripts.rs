@@ -37,7 +37,7 @@ end
 /// has_owner ('1'/'0'), owner, slack_ms, the epoch this broker knows, request_id ('' for none)
 /// [, the fence of the expired lease seen].
 ///
-/// Replies: `{1, fence, expires_at, token, ttl}` granted; `{0}` refused; `{2, hold_until, now,
+/// Replies: `{1, fence, expires_at, token, ttl, now}` granted; `{0}` refused; `{2, hold_until, now,
 /// reason}` a store-wide hold is in force; `{3}` the store is not in the epoch the broker knows
 /// (it lost its data, or another broker saw a loss first): the broker must catch up — put its
 /// leases back — before it may grant.
@@ -76,7 +76,7 @@ local function grant(now)
   if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'request_id', ARGV[7]) end
   redis.call('PEXPIRE', KEYS[1], keep)
   redis.call('PEXPIRE', KEYS[2], keep)
-  return {1, fence, expires, ARGV[1], ttl}
+  return {1, fence, expires, ARGV[1], ttl, now_ms}
 end
 "#;
 
@@ -90,7 +90,7 @@ if held then return held end
 local cur = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires_at', 'ttl', 'request_id')
 if cur[1] then
   if ARGV[7] ~= '' and cur[5] == ARGV[7] and tonumber(cur[3]) > math.floor(now / 1000) then
-    return {1, cur[2], cur[3], cur[1], cur[4]}
+    return {1, cur[2], cur[3], cur[1], cur[4], math.floor(now / 1000)}
   end
   return {0}
 end
@@ -121,39 +121,40 @@ local v = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires_at', 'ttl', 'o
 return {now, v[1], v[2], v[3], v[4], v[5], v[6]}
 "#;
 
-/// Holder check shared by release and renew. KEYS: lock, epoch marker. Codes: 0 not held
-/// (absent or expired), 2 held by another token, 1 held by ARGV[1] (with the lease's expiry), 3
-/// absent while a store-wide hold is in force or the store has no epoch at all (just emptied):
-/// the lease may be about to be put back, so "not held" would be a guess (with the hold's end
-/// and reason).
+/// Holder check shared by release and renew. KEYS: lock, epoch marker. Codes: 1 held by ARGV[1]
+/// (with the lease's expiry), 0 not held (absent or expired), 2 held by another token; 3 — with
+/// the hold's end and reason — instead of 0 or 2 while a store-wide hold is in force or the
+/// store has no epoch at all (just emptied): leases are being put back, so the key may be about
+/// to hold this token's lease again, or lose another's put back by mistake, and "not held" or
+/// "not yours" would be a guess.
 ///
 /// The check and the write are one step: the classic GET-then-DEL lets a client whose lease
 /// expired between the two delete its successor's lease.
 const HOLDER: &str = r#"
 local function holder(now_ms)
   local cur = redis.call('HMGET', KEYS[1], 'token', 'expires_at')
-  if not cur[1] or tonumber(cur[2]) <= now_ms then
-    local id, hold, reason = epoch(KEYS[2])
-    if not id then return 3, 0, 'settle' end
-    if now_ms < hold then return 3, hold, reason end
-    return 0
-  end
-  if cur[1] ~= ARGV[1] then return 2 end
-  return 1, tonumber(cur[2])
+  if cur[1] == ARGV[1] and tonumber(cur[2]) > now_ms then return 1, tonumber(cur[2]) end
+  local id, hold, reason = epoch(KEYS[2])
+  if not id then return 3, 0, 'settle' end
+  if now_ms < hold then return 3, hold, reason end
+  if not cur[1] or tonumber(cur[2]) <= now_ms then return 0 end
+  return 2
 end
 "#;
 
-/// ARGV: token, notice channel, client key. Publishes the key on the channel, so every broker's
-/// waiters for it wake at once instead of polling. Replies `{code, held_ms}`, or `{3, hold_until,
+/// ARGV: token, notice channel, client key. Publishes the key and the released lease's fence on
+/// the channel, so every broker's waiters for it wake at once instead of polling, and the broker
+/// that granted it (which may not be this one) drops it from its ledger. Replies `{code, held_ms}`, or `{3, hold_until,
 /// now, reason}`.
 const RELEASE: &str = r#"
 local now = math.floor(now_us() / 1000)
 local h, hold, reason = holder(now)
 if h == 3 then return {3, hold, now, reason} end
 if h ~= 1 then return {h} end
-local granted = tonumber(redis.call('HGET', KEYS[1], 'granted_at') or now)
+local v = redis.call('HMGET', KEYS[1], 'granted_at', 'fence')
+local granted = tonumber(v[1] or now)
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], ARGV[3])
+redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' ' .. v[2])
 return {1, now - granted}
 "#;
 
