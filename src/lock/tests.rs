@@ -1,10 +1,10 @@
-//! The algorithm's edge cases, each named after the pitfall of the classic SETNX/GETSET recipe it covers, over the embedded
-//! store with a manual clock. `Scripted` wraps the real store and lets a test run another
-//! client's step between two of the algorithm's steps — the interleavings that recipe's users hit.
+//! The algorithm's edge cases, each named after the pitfall of the classic SETNX/GETSET recipe
+//! it covers, over the embedded store with a manual clock. `Scripted` wraps the real store and
+//! lets a test run another client's step between two of the algorithm's steps — the
+//! interleavings that recipe's users hit.
 //!
 //! One file over the usual length on purpose: each test is short and named after the case it
 //! covers, and they all share the `Scripted` store and the harness below.
-
 
 use std::future::pending;
 use std::sync::Mutex;
