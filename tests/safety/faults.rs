@@ -78,6 +78,9 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
     let two = BrokerProcess::start(spec.clone()).await;
     let three = BrokerProcess::start(spec).await;
     redis.wait_until_listening(3).await;
+    for broker in [&doomed, &two, &three] {
+        wait_until_ready(&broker.address(), Duration::from_secs(8)).await;
+    }
 
     let brokers = Brokers::new(vec![doomed.address(), two.address(), three.address()]);
     let plan = Plan {
@@ -411,6 +414,9 @@ async fn redis_restarted_empty_mid_lease_under_skewed_brokers_puts_the_lease_bac
     let ([ahead, behind], [ahead_s, behind_s]) = skewed_five_seconds_each_way(&spec).await;
     let plain = BrokerProcess::start(spec).await;
     redis.wait_until_listening(3).await;
+    for broker in [&ahead, &behind, &plain] {
+        wait_until_ready(&broker.address(), Duration::from_secs(8)).await;
+    }
 
     let brokers = Brokers::new(vec![ahead.address(), behind.address(), plain.address()]);
     let plan = Plan {

@@ -5,7 +5,9 @@
 
 use std::time::Duration;
 
-use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, clock_offset_s, parse_http_date};
+use lockbroker_test_support::broker::{
+    BrokerProcess, BrokerSpec, clock_offset_s, parse_http_date, wait_until_ready,
+};
 use lockbroker_test_support::http::{Answer, http_client};
 use lockbroker_test_support::now_ms;
 use lockbroker_test_support::redis_server::RedisServer;
@@ -69,6 +71,9 @@ async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_h
     let ([ahead, behind], [ahead_s, behind_s]) =
         skewed_five_seconds_each_way(&BrokerSpec::on(crate::LOCKBROKER, redis.url())).await;
     redis.wait_until_listening(2).await;
+    for broker in [&ahead, &behind] {
+        wait_until_ready(&broker.address(), Duration::from_secs(8)).await;
+    }
 
     // Both report a lease's expiry on the store's clock, the real one, whatever their own say.
     let http = http_client();

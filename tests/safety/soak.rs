@@ -79,6 +79,9 @@ async fn a_soak_of_random_faults_never_breaks_mutual_exclusion() {
         brokers.push(BrokerProcess::start(spec.clone()).await);
     }
     redis.wait_until_listening(3).await;
+    for broker in &brokers {
+        wait_until_ready(&broker.address(), Duration::from_secs(8)).await;
+    }
     let urls: Vec<String> = brokers.iter().map(BrokerProcess::address).collect();
     let plan = Plan {
         ttl_ms: MAX_TTL_MS,
