@@ -58,23 +58,22 @@ async fn first_grant(app: &TestApp, key: &str, since: Instant) -> Duration {
     }
 }
 
-/// Polls `/metrics` until `series` reaches `at_least`.
-async fn metric_reaches(app: &TestApp, series: &str, at_least: f64) {
+/// Polls `/metrics` until `series` has a value `wanted` accepts (for at most 5 s).
+async fn metric_until(app: &TestApp, series: &str, what: &str, wanted: impl Fn(f64) -> bool) {
     let started = Instant::now();
     loop {
         let text = app.get("/metrics").await.text;
         let value = text
             .lines()
-            .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok())
-            .unwrap_or(0.0);
-        if value >= at_least {
+            .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok());
+        if value.is_some_and(&wanted) {
             return;
         }
         assert!(
             started.elapsed() < Duration::from_secs(5),
-            "{series} stayed at {value}, expected at least {at_least}"
+            "{series} stayed at {value:?}, expected {what}"
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -127,8 +126,17 @@ async fn after_redis_restarts_empty_live_leases_are_put_back_and_other_keys_are_
     let recovery = first_grant(&two, "free", back).await;
     eprintln!("restart without persistence: first grant {recovery:?} after Redis answered");
     expect_put_back(&[&two, &one], "kept", &held).await;
-    metric_reaches(&one, "lockbroker_leases_put_back_total", 1.0).await;
-    metric_reaches(&one, "lockbroker_store_losses_total", 1.0).await;
+    metric_until(
+        &one,
+        "lockbroker_leases_put_back_total",
+        "at least 1.0",
+        |v| v >= 1.0,
+    )
+    .await;
+    metric_until(&one, "lockbroker_store_losses_total", "at least 1.0", |v| {
+        v >= 1.0
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -168,7 +176,10 @@ async fn after_a_restart_from_the_append_only_file_the_new_server_counts_as_a_lo
     // The data survived, but the server process is another one: a loss all the same.
     let recovery = first_grant(&two, "free", back).await;
     eprintln!("restart from the append-only file: first grant {recovery:?} after Redis answered");
-    metric_reaches(&one, "lockbroker_store_losses_total", 1.0).await;
+    metric_until(&one, "lockbroker_store_losses_total", "at least 1.0", |v| {
+        v >= 1.0
+    })
+    .await;
     expect_put_back(&[&two, &one], "kept", &held).await;
     expect_put_back(&[&two, &one], "lost", &lost).await;
 }
@@ -310,37 +321,18 @@ async fn after_a_loss_a_broker_that_never_saw_the_store_grants_nothing_while_a_p
     }
 }
 
-/// Polls `/metrics` until `series` is exactly `value`.
-async fn metric_is(app: &TestApp, series: &str, value: f64) {
-    let started = Instant::now();
-    loop {
-        let text = app.get("/metrics").await.text;
-        let now = text
-            .lines()
-            .find_map(|l| l.strip_prefix(series)?.trim().parse::<f64>().ok());
-        if now == Some(value) {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "{series} stayed at {now:?}, expected {value}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_released_through_another_broker_is_not_put_back_after_a_loss() {
     let redis = RedisServer::start().await;
     let [one, two] = brokers::<2>(&redis).await;
     let released = one.grant("moved-on", "ttl_ms=60000").await;
-    metric_is(&one, "lockbroker_ledger_leases", 1.0).await;
+    metric_until(&one, "lockbroker_ledger_leases", "1.0", |v| v == 1.0).await;
     // Behind a load balancer, the release may reach another broker; its notice tells the one
     // that granted the lease.
     two.release("moved-on", &released.token)
         .await
         .expect_status(StatusCode::NO_CONTENT);
-    metric_is(&one, "lockbroker_ledger_leases", 0.0).await;
+    metric_until(&one, "lockbroker_ledger_leases", "0.0", |v| v == 0.0).await;
     // And a newer lease, granted by the other broker, is the one that comes back after a loss.
     let newer = two.grant("moved-on", "ttl_ms=60000").await;
     redis.flushall().await;
