@@ -66,6 +66,21 @@ async fn the_binary_without_a_redis_url_says_loudly_that_locks_stay_in_its_memor
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_lines_written_to_a_file_carry_no_colour_codes() {
+    // Its stdout is a file, as under `docker logs` or a log collector; the warning about the
+    // embedded store is a log line with a level, which a terminal would show in colour.
+    let mut broker = BrokerProcess::start(BrokerCommand::new(BINARY)).await;
+    let output = broker.output();
+    assert!(output.contains("WARN"), "no log line to look at:\n{output}");
+    assert!(
+        !output.contains('\u{1b}'),
+        "escape sequences in a log file:\n{output:?}"
+    );
+    send_signal(broker.pid(), "-TERM");
+    assert!(broker.exit_status(Duration::from_secs(5)).await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_setting_that_gives_up_a_guarantee_is_warned_about_in_the_log() {
     let mut broker = BrokerProcess::start(BrokerCommand::configured(BINARY, |command, port| {
         command.args(["--listen", &format!("127.0.0.1:{port}")]);
