@@ -3,12 +3,15 @@
 //! store.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod client;
 pub mod config;
 pub mod domain;
 pub mod http;
 pub mod lock;
 pub mod metrics;
+pub mod reload;
+pub mod server;
 pub mod startup;
 pub mod store;
 pub mod telemetry;

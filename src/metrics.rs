@@ -41,6 +41,14 @@ struct OpLabels {
     op: StoreOp,
 }
 
+/// A decision of the auth layer: the token's name (bounded by the auth file; empty when no
+/// known token was sent) and the result. Never the token itself.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AuthLabels {
+    token: String,
+    result: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: &'static str,
@@ -89,6 +97,7 @@ pub struct Metrics {
     leases_put_back: Counter,
     double_claims: Counter,
     store_hold_seconds: Counter<f64, AtomicU64>,
+    auth: Family<AuthLabels, Counter>,
 }
 
 /// An acquire's outcome, for `lockbroker_acquisitions_total`.
@@ -203,6 +212,13 @@ impl Default for Metrics {
             "Length of the store-wide holds this broker found after detected losses",
             store_hold_seconds.clone(),
         );
+        let auth = Family::<AuthLabels, Counter>::default();
+        registry.register(
+            "lockbroker_auth_requests",
+            "Requests the auth layer decided, by token name (empty when no known token was sent) \
+             and result: allowed, unauthorized, forbidden",
+            auth.clone(),
+        );
         let resident_memory = Gauge::default();
         registry.register(
             "process_resident_memory_bytes",
@@ -226,6 +242,7 @@ impl Default for Metrics {
             leases_put_back,
             double_claims,
             store_hold_seconds,
+            auth,
         }
     }
 }
@@ -269,6 +286,16 @@ impl Metrics {
         self.leases_put_back(put_back);
         self.double_claims.inc_by(double_claims as u64);
         self.store_hold_seconds.inc_by(hold_ms as f64 / 1000.0);
+    }
+
+    /// A decision of the auth layer about a request from the token named `token`.
+    pub fn authorized(&self, token: &str, result: &'static str) {
+        self.auth
+            .get_or_create(&AuthLabels {
+                token: token.to_owned(),
+                result,
+            })
+            .inc();
     }
 
     pub fn leases_put_back(&self, n: usize) {

@@ -1,5 +1,6 @@
-//! Building and running a broker: the store chosen from the configuration, the router, the
-//! listener and graceful shutdown. `main` and the tests both go through [`Application`].
+//! Building and running a broker: the store chosen from the configuration, the auth file and the
+//! TLS files (reloaded while it runs), the router, the listener and graceful shutdown. `main` and
+//! the tests both go through [`Application`].
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -8,12 +9,16 @@ use std::time::Duration;
 
 use anyhow::Context;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
+use crate::auth::Policy;
 use crate::config::{Config, StoreBackend};
-use crate::http::{AppState, Limits, router};
+use crate::http::{AppState, Auth, Limits, router};
 use crate::lock::{LockService, LockSettings};
 use crate::metrics::Metrics;
+use crate::reload::{Reloadable, Reloader};
+use crate::server::tls::TlsFiles;
+use crate::server::{ServeSettings, serve};
 use crate::store::redis::RedisSettings;
 use crate::store::{AnyStore, MemoryStore, RedisStore};
 
@@ -26,6 +31,8 @@ pub struct Application {
     router: axum::Router,
     shutdown: watch::Sender<bool>,
     store: Arc<AnyStore>,
+    serve: ServeSettings,
+    reloader: Reloader,
 }
 
 impl Application {
@@ -76,7 +83,7 @@ impl Application {
                 max_waiters: config.max_waiters,
             },
             shutdown_rx,
-            metrics,
+            metrics.clone(),
         );
         let limits = Limits {
             default_ttl_ms: config.default_ttl_ms,
@@ -84,15 +91,81 @@ impl Application {
             default_wait_ms: config.default_wait_ms,
             max_wait_ms: config.max_wait_ms,
         };
+        let mut reloader = Reloader::default();
+        let auth = match &config.auth_file {
+            None => None,
+            Some(path) => {
+                let policy = Policy::load(path)?;
+                tracing::info!(tokens = policy.len(), "auth is on: {}", path.display());
+                let policy = Arc::new(Reloadable::new(policy));
+                let file = path.clone();
+                reloader.watch(
+                    "the auth file",
+                    vec![path.clone()],
+                    policy.clone(),
+                    move || Ok(Policy::load(&file)?),
+                    |p| format!("{} tokens", p.len()),
+                );
+                Some(Auth {
+                    policy,
+                    metrics: metrics.clone(),
+                })
+            }
+        };
+        let tls = match (&config.tls_cert, &config.tls_key) {
+            (Some(cert), Some(key)) => {
+                let files = TlsFiles {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    client_ca: config.tls_client_ca.clone(),
+                };
+                let tls = Arc::new(Reloadable::new(files.load()?));
+                let paths = files.paths();
+                reloader.watch(
+                    "the TLS certificate",
+                    paths,
+                    tls.clone(),
+                    move || files.load(),
+                    crate::server::tls::summary,
+                );
+                Some(tls)
+            }
+            _ => None,
+        };
         let listener = TcpListener::bind(config.listen)
             .await
             .with_context(|| format!("cannot listen on {}", config.listen))?;
         Ok(Self {
             listener,
-            router: router(AppState { locks, limits }),
+            router: router(AppState {
+                locks,
+                limits,
+                auth,
+                auth_metrics: config.auth_metrics,
+            }),
             shutdown,
             store,
+            serve: ServeSettings {
+                header_timeout: config.header_timeout(),
+                max_connections: config.max_connections,
+                tls,
+            },
+            reloader,
         })
+    }
+
+    /// Notifying it reads the auth and TLS files again, as `SIGHUP` does.
+    pub fn reload_trigger(&self) -> Arc<Notify> {
+        self.reloader.trigger()
+    }
+
+    /// `https` when the broker serves TLS, `http` otherwise.
+    pub fn scheme(&self) -> &'static str {
+        if self.serve.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        }
     }
 
     /// The address actually bound (the real port when the config asked for port 0).
@@ -113,23 +186,27 @@ impl Application {
             router,
             shutdown,
             store,
+            serve: settings,
+            reloader,
         } = self;
         let sweeper = match &*store {
             AnyStore::Memory(memory) => Some(tokio::spawn(sweep(memory.clone()))),
             AnyStore::Redis(_) => None,
         };
-        tracing::info!(addr = %listener.local_addr()?, "lockbroker is serving");
-        let result = axum::serve(listener, router)
-            .with_graceful_shutdown(async move {
-                stop.await;
-                tracing::info!("shutting down: waiting requests get 503, in-flight ones finish");
-                // Waiters see this and answer at once; the server meanwhile stops accepting and
-                // waits for the requests under way.
-                let _ = shutdown.send(true);
-            })
-            .await;
-        if let Some(sweeper) = sweeper {
-            sweeper.abort();
+        let reloader = (!reloader.is_empty()).then(|| tokio::spawn(reloader.run()));
+        tracing::info!(
+            addr = %listener.local_addr()?,
+            https = settings.tls.is_some(),
+            "lockbroker is serving"
+        );
+        // Waiters see the shutdown and answer at once; the server meanwhile stops accepting and
+        // waits for the requests under way.
+        let result = serve(listener, router, settings, stop, move || {
+            let _ = shutdown.send(true);
+        })
+        .await;
+        for task in [sweeper, reloader].into_iter().flatten() {
+            task.abort();
         }
         tracing::info!("lockbroker stopped");
         result

@@ -82,6 +82,37 @@ pub struct Settings {
     /// Log filter, as tracing's EnvFilter reads it [default: info].
     #[arg(long, env = "LOCKBROKER_LOG_LEVEL", value_name = "FILTER")]
     pub log_level: Option<String>,
+    /// Auth file (TOML: named bearer tokens with key prefixes and permissions). Without it,
+    /// every client may do everything. Read again on SIGHUP and when it changes.
+    #[arg(long, env = "LOCKBROKER_AUTH_FILE", value_name = "FILE")]
+    pub auth_file: Option<PathBuf>,
+    /// With an auth file, /metrics and /openapi.json need a token too ("admin", or "read" on
+    /// every key) [default: false].
+    #[arg(
+        long,
+        env = "LOCKBROKER_AUTH_METRICS",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub auth_metrics: Option<bool>,
+    /// Serve HTTPS with this certificate chain (PEM); needs --tls-key. Read again on SIGHUP and
+    /// when it changes.
+    #[arg(long, env = "LOCKBROKER_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "LOCKBROKER_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates signed by this CA (PEM): mutual TLS.
+    #[arg(long, env = "LOCKBROKER_TLS_CLIENT_CA", value_name = "FILE")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// A client must send a whole request head within this (and, between requests on a
+    /// kept-alive connection, the next one) or be disconnected [default: 10000].
+    #[arg(long, env = "LOCKBROKER_HEADER_TIMEOUT_MS", value_name = "MS")]
+    pub header_timeout_ms: Option<u64>,
+    /// Most connections open at once; later ones wait in the kernel's queue [default: 10000].
+    #[arg(long, env = "LOCKBROKER_MAX_CONNECTIONS", value_name = "N")]
+    pub max_connections: Option<usize>,
 }
 
 impl Settings {
@@ -123,6 +154,13 @@ pub struct Config {
     pub store_settle_ms: u64,
     pub log_format: LogFormat,
     pub log_level: String,
+    pub auth_file: Option<PathBuf>,
+    pub auth_metrics: bool,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_client_ca: Option<PathBuf>,
+    pub header_timeout_ms: u64,
+    pub max_connections: usize,
 }
 
 impl Default for Config {
@@ -141,6 +179,13 @@ impl Default for Config {
             store_settle_ms: 3_000,
             log_format: LogFormat::Text,
             log_level: "info".into(),
+            auth_file: None,
+            auth_metrics: false,
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
+            header_timeout_ms: 10_000,
+            max_connections: 10_000,
         }
     }
 }
@@ -188,6 +233,13 @@ impl Config {
             store_settle_ms: s.store_settle_ms.unwrap_or(d.store_settle_ms),
             log_format: s.log_format.unwrap_or(d.log_format),
             log_level: s.log_level.unwrap_or(d.log_level),
+            auth_file: s.auth_file,
+            auth_metrics: s.auth_metrics.unwrap_or(d.auth_metrics),
+            tls_cert: s.tls_cert,
+            tls_key: s.tls_key,
+            tls_client_ca: s.tls_client_ca,
+            header_timeout_ms: s.header_timeout_ms.unwrap_or(d.header_timeout_ms),
+            max_connections: s.max_connections.unwrap_or(d.max_connections),
         };
         config.validate()?;
         Ok(config)
@@ -227,6 +279,21 @@ impl Config {
         if self.key_prefix.contains(['{', '}']) {
             bail!("key_prefix must not contain braces: they would break the per-lock hash tag");
         }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            bail!("tls_cert and tls_key go together: give both, or neither for plain HTTP");
+        }
+        if self.tls_client_ca.is_some() && self.tls_cert.is_none() {
+            bail!("tls_client_ca needs tls_cert and tls_key: client certificates need HTTPS");
+        }
+        if self.auth_metrics && self.auth_file.is_none() {
+            bail!("auth_metrics needs auth_file: there is no token to ask for without one");
+        }
+        if !(100..=600_000).contains(&self.header_timeout_ms) {
+            bail!("header_timeout_ms must be between 100 and 600000");
+        }
+        if self.max_connections == 0 {
+            bail!("max_connections must be at least 1");
+        }
         tracing_subscriber::EnvFilter::try_new(&self.log_level)
             .with_context(|| format!("log_level {:?} is not a valid filter", self.log_level))?;
         Ok(())
@@ -245,6 +312,11 @@ impl Config {
             ));
         }
         warnings
+    }
+
+    /// `header_timeout_ms` as a `Duration`.
+    pub fn header_timeout(&self) -> Duration {
+        Duration::from_millis(self.header_timeout_ms)
     }
 
     /// `store_timeout_ms` as a `Duration`.

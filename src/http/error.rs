@@ -78,6 +78,17 @@ impl ApiError {
         )
     }
 
+    /// `401 unauthorized`: no bearer token, a malformed one, or one the auth file does not have.
+    /// The `WWW-Authenticate` header is the caller's to add.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+
+    /// `403 forbidden`: a known token that may not do this here.
+    pub fn forbidden(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, "forbidden", message)
+    }
+
     pub fn status(&self) -> StatusCode {
         self.status
     }
@@ -165,6 +176,33 @@ fn hold_message(hold: Hold) -> String {
              store after a loss; grants resume in a moment."
             .to_owned(),
     }
+}
+
+/// The JSON body of an answer hyper gives by itself, before any route runs, to a request it
+/// cannot parse (see `crate::server::io`): the same format as every other error.
+pub fn framework_rejection(status: u16) -> Vec<u8> {
+    let (code, message) = match status {
+        431 => (
+            "request_header_fields_too_large",
+            "The request head is over 16 KiB, or has more than 100 header fields.",
+        ),
+        413 => (
+            "payload_too_large",
+            "The request body is larger than the limit.",
+        ),
+        400..=499 => (
+            "invalid_request",
+            "The request is not valid HTTP: a malformed request line or header field, a control \
+             character in the target, or an invalid Content-Length.",
+        ),
+        _ => ("internal", "The server could not handle the request."),
+    };
+    serde_json::to_vec(&Body {
+        error: code,
+        message,
+        retry_after_ms: None,
+    })
+    .expect("a plain struct serializes")
 }
 
 impl IntoResponse for ApiError {

@@ -2,6 +2,7 @@
 //! and the lock service, nothing of Redis. The routes live in `locks` (the lock routes) and
 //! `ops` (health, readiness, metrics, the OpenAPI document); this module puts them together.
 
+pub mod auth;
 pub mod error;
 mod locks;
 pub mod openapi;
@@ -10,10 +11,12 @@ pub mod params;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
+use axum::middleware;
 use tower_http::trace::TraceLayer;
 
 use crate::lock::LockService;
 use crate::store::Store;
+pub use auth::Auth;
 pub use error::ApiError;
 use params::BODY_LIMIT;
 
@@ -51,6 +54,10 @@ pub struct AppState<S> {
     pub locks: LockService<S>,
     /// The request parameters' defaults and bounds.
     pub limits: Limits,
+    /// With an auth file: the policy the lock routes are guarded by. `None`: no auth.
+    pub auth: Option<Auth>,
+    /// Whether `/metrics` and `/openapi.json` need a token too (with `auth` only).
+    pub auth_metrics: bool,
 }
 
 impl<S> Clone for AppState<S> {
@@ -58,36 +65,50 @@ impl<S> Clone for AppState<S> {
         Self {
             locks: self.locks.clone(),
             limits: self.limits,
+            auth: self.auth.clone(),
+            auth_metrics: self.auth_metrics,
         }
     }
 }
 
 /// The whole API as a router; tests drive it directly or over a socket.
 pub fn router<S: Store>(state: AppState<S>) -> Router {
+    let operations_guard = state.auth.clone().filter(|_| state.auth_metrics);
     Router::new()
-        .merge(guard_lock_routes(locks::locks_router()))
-        .merge(ops::ops_router())
+        .merge(guard_lock_routes(locks::locks_router(), state.auth.clone()))
+        .merge(ops::ops_router(operations_guard))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(middleware::from_fn(auth::refuse_oversized_body))
         .layer(TraceLayer::new_for_http().make_span_with(request_span))
         .with_state(state)
 }
 
-/// The lock routes' own layers: the slot where auth goes, as `routes.route_layer(…)`, so that
-/// it guards the lock routes alone. A route layer runs only for a request that matched one of
-/// these routes: an unknown path still answers `404 not_found`, and the operations routes
-/// (health, readiness, metrics, the document) stay outside it. Nothing guards the lock routes
-/// yet, so they pass through as they are, at no cost per request.
-fn guard_lock_routes<S: Store>(routes: Router<AppState<S>>) -> Router<AppState<S>> {
-    routes
+/// The lock routes' own layer: auth, as `routes.route_layer(…)`, so that it guards the lock
+/// routes alone. A route layer runs only for a request that matched one of these routes: an
+/// unknown path still answers `404 not_found`, and the operations routes (health, readiness,
+/// metrics, the document) stay outside it. Without an auth file the routes pass through as they
+/// are, at no cost per request.
+fn guard_lock_routes<S: Store>(
+    routes: Router<AppState<S>>,
+    auth: Option<Auth>,
+) -> Router<AppState<S>> {
+    match auth {
+        Some(auth) => {
+            routes.route_layer(middleware::from_fn_with_state(auth, auth::guard_lock_route))
+        }
+        None => routes,
+    }
 }
 
-/// The span of one request: method and path, never the query string, which may carry a token.
+/// The span of one request: method and path, never the query string, which may carry a token;
+/// with auth, the name of the token that sent it (recorded by the auth layer), never the token.
 fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
     tracing::debug_span!(
         "request",
         method = %request.method(),
         path = %request.uri().path(),
+        token = tracing::field::Empty,
     )
 }

@@ -9,18 +9,28 @@ use axum::{Json, Router};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::AppState;
+use super::{AppState, Auth};
 use super::error::ApiError;
 use super::openapi::{self, StoreUnavailable};
 use crate::store::Store;
 
-/// The operations routes, without their state.
-pub(super) fn ops_router<S: Store>() -> Router<AppState<S>> {
+/// The operations routes, without their state. `/healthz` and `/readyz` are always open;
+/// `/metrics` and `/openapi.json` are guarded by `guard` when there is one (`auth_metrics`).
+pub(super) fn ops_router<S: Store>(guard: Option<Auth>) -> Router<AppState<S>> {
+    let readable = Router::new()
+        .route("/metrics", get(metrics::<S>))
+        .route("/openapi.json", get(openapi_json));
+    let readable = match guard {
+        Some(auth) => readable.route_layer(axum::middleware::from_fn_with_state(
+            auth,
+            super::auth::guard_operations,
+        )),
+        None => readable,
+    };
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz::<S>))
-        .route("/metrics", get(metrics::<S>))
-        .route("/openapi.json", get(openapi_json))
+        .merge(readable)
 }
 
 /// The body of `/healthz` and `/readyz`.

@@ -1,0 +1,162 @@
+use super::*;
+
+const FILE: &str = r#"
+[[tokens]]
+name = "orders-app"
+token = "orders-secret-0123456789"
+prefixes = ["orders:", "invoices:"]
+permissions = ["lock"]
+
+[[tokens]]
+name = "dashboard"
+token_sha256 = "HASH"
+prefixes = [""]
+permissions = ["read"]
+
+[[tokens]]
+name = "ops"
+token = "ops-secret-0123456789abcdef"
+prefixes = ["nothing:"]
+permissions = ["admin"]
+"#;
+
+fn policy() -> Policy {
+    Policy::parse(&FILE.replace("HASH", &sha256_hex("dashboard-secret-0123456789"))).unwrap()
+}
+
+fn key(k: &str) -> LockKey {
+    LockKey::parse(k).unwrap()
+}
+
+fn bearer(token: &str) -> Vec<u8> {
+    format!("Bearer {token}").into_bytes()
+}
+
+#[test]
+fn tokens_by_value_and_by_digest_are_both_recognised() {
+    let policy = policy();
+    assert_eq!(policy.len(), 3);
+    let name = |t: &str| policy.authenticate(t).map(|c| c.name().to_string());
+    assert_eq!(name("orders-secret-0123456789").as_deref(), Some("orders-app"));
+    assert_eq!(name("dashboard-secret-0123456789").as_deref(), Some("dashboard"));
+    assert_eq!(name("orders-secret-012345678"), None);
+    assert_eq!(name(""), None);
+}
+
+#[test]
+fn each_permission_allows_its_actions_within_its_prefixes() {
+    let policy = policy();
+    let orders = key("orders:42");
+    let other = key("billing:1");
+    let decide = |token: &str, action| policy.decide(Some(&bearer(token)), action);
+    let lock = "orders-secret-0123456789";
+    let read = "dashboard-secret-0123456789";
+    let admin = "ops-secret-0123456789abcdef";
+    for action in [
+        Action::Acquire(&orders),
+        Action::Release(&orders),
+        Action::Renew(&orders),
+        Action::Inspect(&orders),
+    ] {
+        assert!(decide(lock, action).is_ok(), "lock may {action:?}");
+        assert!(decide(admin, action).is_ok(), "admin may {action:?}");
+    }
+    for action in [
+        Action::Acquire(&other),
+        Action::Inspect(&other),
+        Action::ForceRelease(&orders),
+        Action::Operations,
+        Action::Unlisted,
+    ] {
+        assert_eq!(
+            decide(lock, action),
+            Err(Denied::Forbidden("orders-app".into())),
+            "lock may not {action:?}"
+        );
+    }
+    assert!(decide(read, Action::Inspect(&other)).is_ok());
+    assert!(decide(read, Action::Operations).is_ok());
+    assert!(decide(read, Action::Acquire(&orders)).is_err());
+    assert!(decide(read, Action::Release(&orders)).is_err());
+    for action in [
+        Action::Acquire(&other),
+        Action::ForceRelease(&other),
+        Action::Operations,
+        Action::Unlisted,
+    ] {
+        assert!(decide(admin, action).is_ok(), "admin may {action:?}");
+    }
+}
+
+#[test]
+fn a_missing_malformed_or_unknown_bearer_is_told_apart_from_a_forbidden_one() {
+    let policy = policy();
+    let k = key("orders:1");
+    assert_eq!(policy.decide(None, Action::Inspect(&k)), Err(Denied::Missing));
+    for malformed in ["Basic abc", "Bearer", "Bearer ", "orders-secret-0123456789"] {
+        assert_eq!(
+            policy.decide(Some(malformed.as_bytes()), Action::Inspect(&k)),
+            Err(Denied::Missing),
+            "{malformed:?}"
+        );
+    }
+    assert_eq!(
+        policy.decide(Some(&bearer("guess-guess-guess-guess")), Action::Inspect(&k)),
+        Err(Denied::Unknown)
+    );
+    assert!(
+        policy
+            .decide(Some(b"bearer orders-secret-0123456789"), Action::Inspect(&k))
+            .is_ok(),
+        "the scheme is case-insensitive"
+    );
+}
+
+#[test]
+fn a_broken_file_is_refused_with_the_line_that_is_wrong() {
+    let cases: &[(&str, &str)] = &[
+        ("[[tokens]]\nname = \"a\"\ntoken = \n", "line 3"),
+        (
+            "[[tokens]]\nname = \"a\"\ntoken = \"0123456789abcdefg\"\nprefixes = [\"\"]\npermissions = [\"write\"]\n",
+            "line 5",
+        ),
+        (
+            "\n\n[[tokens]]\nname = \"a\"\ntoken = \"short\"\nprefixes = [\"\"]\npermissions = [\"lock\"]\n",
+            "line 3",
+        ),
+        (
+            "[[tokens]]\nname = \"a\"\nprefixes = [\"\"]\npermissions = [\"lock\"]\n",
+            "exactly one of token and token_sha256",
+        ),
+        (
+            "[[tokens]]\nname = \"a\"\ntoken_sha256 = \"abc\"\nprefixes = [\"\"]\npermissions = [\"lock\"]\n",
+            "64 hexadecimal",
+        ),
+        (
+            "[[tokens]]\nname = \"a b\"\ntoken = \"0123456789abcdefg\"\nprefixes = [\"\"]\npermissions = [\"lock\"]\n",
+            "a name is",
+        ),
+        (
+            "[[tokens]]\nname = \"a\"\ntoken = \"0123456789abcdefg\"\nprefixes = []\npermissions = [\"lock\"]\n",
+            "prefixes is empty",
+        ),
+        (
+            "[[tokens]]\nname = \"a\"\ntoken = \"0123456789abcdefg\"\nprefixes = [\"\"]\npermissions = [\"lock\"]\n\
+             [[tokens]]\nname = \"b\"\ntoken = \"0123456789abcdefg\"\nprefixes = [\"\"]\npermissions = [\"lock\"]\n",
+            "line 6",
+        ),
+        ("tokenz = []\n", "line 1"),
+    ];
+    for (text, mentions) in cases {
+        let e = Policy::parse(text).expect_err(text).to_string();
+        assert!(e.contains(mentions), "{text:?} gave {e:?}, which does not say {mentions:?}");
+        assert!(!e.contains("0123456789abcdefg"), "the error repeats a token: {e}");
+    }
+}
+
+#[test]
+fn debug_output_shows_no_digest() {
+    let shown = format!("{:?}", policy());
+    assert!(shown.contains("orders-app"));
+    assert!(!shown.contains("digest"));
+}

@@ -1,0 +1,176 @@
+//! The auth layer: in front of the lock routes (and, with `auth_metrics`, of `/metrics` and
+//! `/openapi.json`), it tells the [`Action`] from the matched route, the method and the key,
+//! asks the [`Policy`] in force, and answers `401 unauthorized` or `403 forbidden` before the
+//! handler runs — so before any store work or waiting. Handlers know nothing of it.
+//!
+//! The token's name (never the token) goes into the request's span, so the access log shows who
+//! asked, and into `lockbroker_auth_requests_total`.
+
+use std::sync::Arc;
+
+use axum::extract::{FromRequestParts, MatchedPath, Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, Method, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use super::error::ApiError;
+use super::params::{BODY_LIMIT, KeyPath};
+use crate::auth::{Action, Client, Policy, bearer_token};
+use crate::domain::LockKey;
+use crate::metrics::Metrics;
+use crate::reload::Reloadable;
+
+/// What the auth layer needs: the policy in force (swapped on reload) and where to count.
+#[derive(Clone)]
+pub struct Auth {
+    pub policy: Arc<Reloadable<Policy>>,
+    pub metrics: Arc<Metrics>,
+}
+
+const CHALLENGE: &str = "Bearer realm=\"lockbroker\"";
+const CHALLENGE_INVALID: &str = "Bearer realm=\"lockbroker\", error=\"invalid_token\"";
+
+/// The action a request on a lock route is, from its matched route, method and key.
+fn lock_action<'k>(parts: &Parts, key: &'k LockKey) -> Action<'k> {
+    let route = parts.extensions.get::<MatchedPath>().map(MatchedPath::as_str);
+    match (route, &parts.method) {
+        (Some("/locks/{key}"), &Method::POST) => Action::Acquire(key),
+        (Some("/locks/{key}"), &Method::GET | &Method::HEAD) => Action::Inspect(key),
+        (Some("/locks/{key}"), &Method::DELETE) if asks_force(parts) => Action::ForceRelease(key),
+        (Some("/locks/{key}"), &Method::DELETE) => Action::Release(key),
+        (Some("/locks/{key}/renew"), &Method::POST) => Action::Renew(key),
+        _ => Action::Unlisted,
+    }
+}
+
+/// Whether a release names `force` at all: whatever its value, only `admin` may send it.
+fn asks_force(parts: &Parts) -> bool {
+    Query::<Vec<(String, String)>>::try_from_uri(&parts.uri)
+        .is_ok_and(|Query(q)| q.iter().any(|(name, _)| name == "force"))
+}
+
+/// Who sent the request, or the `401` to answer.
+fn authenticate<'p>(auth: &Auth, policy: &'p Policy, parts: &Parts) -> Result<&'p Client, Response> {
+    let presented = parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .map(HeaderValue::as_bytes)
+        .and_then(bearer_token);
+    let refuse = |message: &str, challenge: &'static str| {
+        auth.metrics.authorized("", "unauthorized");
+        let mut response = ApiError::unauthorized(message).into_response();
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static(challenge),
+        );
+        response
+    };
+    let Some(bearer) = presented else {
+        return Err(refuse(
+            "This broker needs a token: send it as Authorization: Bearer <token>.",
+            CHALLENGE,
+        ));
+    };
+    match policy.authenticate(bearer) {
+        Some(client) => {
+            tracing::Span::current().record("token", &**client.name());
+            Ok(client)
+        }
+        None => Err(refuse(
+            "The bearer token is not one this broker knows.",
+            CHALLENGE_INVALID,
+        )),
+    }
+}
+
+fn forbid(auth: &Auth, name: &str, message: String) -> Response {
+    auth.metrics.authorized(name, "forbidden");
+    ApiError::forbidden(message).into_response()
+}
+
+/// The lock routes' guard.
+pub(super) async fn guard_lock_route(
+    State(auth): State<Auth>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let (mut parts, body) = request.into_parts();
+    let policy = auth.policy.current();
+    let client = match authenticate(&auth, &policy, &parts) {
+        Ok(client) => client,
+        Err(response) => return response,
+    };
+    // A key that is not valid is refused as the handler would, before any permission on it.
+    let key = match KeyPath::from_request_parts(&mut parts, &()).await {
+        Ok(KeyPath(key)) => key,
+        Err(e) => return e.into_response(),
+    };
+    let action = lock_action(&parts, &key);
+    if !client.allows(action) {
+        return forbid(&auth, client.name(), forbidden_message(client, action));
+    }
+    auth.metrics.authorized(client.name(), "allowed");
+    next.run(Request::from_parts(parts, body)).await
+}
+
+/// `/metrics` and `/openapi.json` under `auth_metrics`: `admin`, or `read` on every key.
+pub(super) async fn guard_operations(
+    State(auth): State<Auth>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let (parts, body) = request.into_parts();
+    let policy = auth.policy.current();
+    let client = match authenticate(&auth, &policy, &parts) {
+        Ok(client) => client,
+        Err(response) => return response,
+    };
+    let name = client.name();
+    if !client.allows(Action::Operations) {
+        return forbid(
+            &auth,
+            &name,
+            format!(
+                "The token {name:?} may not read this: it needs \"admin\", or \"read\" on every \
+                 key (prefixes [\"\"])."
+            ),
+        );
+    }
+    auth.metrics.authorized(name, "allowed");
+    next.run(Request::from_parts(parts, body)).await
+}
+
+fn forbidden_message(client: &Client, action: Action<'_>) -> String {
+    let name = client.name();
+    match action {
+        Action::Acquire(key) | Action::Release(key) | Action::Renew(key) => format!(
+            "The token {name:?} may not take or give back {key}: it needs the \"lock\" \
+             permission on a prefix of the key."
+        ),
+        Action::Inspect(key) => format!(
+            "The token {name:?} may not read {key}: it needs \"read\" or \"lock\" on a prefix \
+             of the key."
+        ),
+        Action::ForceRelease(key) => format!(
+            "The token {name:?} may not force the release of {key}: that needs \"admin\"."
+        ),
+        Action::Operations | Action::Unlisted => {
+            format!("The token {name:?} may not do this: it needs \"admin\".")
+        }
+    }
+}
+
+/// A body announced larger than the limit is refused at once, before it is read: waiting for
+/// a `Content-Length` of a terabyte would hold the request open for ever.
+pub(super) async fn refuse_oversized_body(request: Request, next: Next) -> Response {
+    let announced = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if announced.is_some_and(|len| len > BODY_LIMIT as u64) {
+        return ApiError::payload_too_large(BODY_LIMIT).into_response();
+    }
+    next.run(request).await
+}

@@ -1,0 +1,264 @@
+//! Serving the router on a listener, connection by connection: the accept loop, HTTPS
+//! ([`tls`]), the connection limits, and graceful shutdown. Written by hand on hyper (rather
+//! than `axum::serve`) for what the API promises about connections:
+//!
+//! - at most `max_connections` open at once: a permit is taken *before* `accept`, so later
+//!   connections wait in the kernel's queue and an accept error (out of file descriptors) is
+//!   logged and retried, never fatal;
+//! - a request head must arrive within `header_timeout`: the TLS handshake and the protocol
+//!   sniffing share that bound, then hyper's own header timer runs for each head, which on
+//!   HTTP/1.1 is also the idle time of a kept-alive connection between requests;
+//! - a head over [`MAX_HEAD_BYTES`] is answered `431`, and hyper's own rejections get the JSON
+//!   error body ([`io`]);
+//! - on shutdown, idle connections and half-sent heads are closed at once, requests under way
+//!   finish (waiting ones are answered `503` by the lock service), and whatever is still open
+//!   after [`DRAIN_LIMIT`] is dropped.
+
+pub mod io;
+pub mod tls;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hyper::server::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls::ServerConfig;
+
+use crate::reload::Reloadable;
+
+/// Largest request head (request line and header fields): over it, `431`.
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+
+/// How long shutdown waits for connections with requests under way. Waiting acquires are
+/// answered at once and a store call ends within `store_timeout_ms`, so only a client that
+/// stalls its own request or its reading of the answer is cut off by this.
+const DRAIN_LIMIT: Duration = Duration::from_secs(10);
+
+/// Pause after an accept error (such as running out of file descriptors) before the next try,
+/// so a full table does not turn into a busy loop.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// HTTP/2 pings on an idle connection, and how long an answer may take before the connection
+/// is closed: a peer that vanished does not keep its connection (and its permit).
+const H2_KEEP_ALIVE: Duration = Duration::from_secs(20);
+
+/// The client preface that opens an HTTP/2 connection without TLS (h2c, prior knowledge).
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// How connections are served.
+#[derive(Clone)]
+pub struct ServeSettings {
+    pub header_timeout: Duration,
+    pub max_connections: usize,
+    /// HTTPS, with the configuration in force for new connections; plain HTTP when `None`.
+    pub tls: Option<Arc<Reloadable<ServerConfig>>>,
+}
+
+/// Serves `router` on `listener` until `stop` completes, then shuts down gracefully;
+/// `on_stop` runs first (the lock service answers its waiters).
+pub async fn serve(
+    listener: TcpListener,
+    router: axum::Router,
+    settings: ServeSettings,
+    stop: impl Future<Output = ()> + Send + 'static,
+    on_stop: impl FnOnce() + Send,
+) -> std::io::Result<()> {
+    let permits = Arc::new(Semaphore::new(settings.max_connections));
+    let (closing, closing_rx) = watch::channel(false);
+    let mut connections = JoinSet::new();
+    tokio::pin!(stop);
+    loop {
+        while connections.try_join_next().is_some() {}
+        let permit = tokio::select! {
+            permit = permits.clone().acquire_owned() => {
+                permit.expect("the semaphore is never closed")
+            }
+            () = &mut stop => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot accept a connection; trying again");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            },
+            () = &mut stop => break,
+        };
+        let tls = settings
+            .tls
+            .as_ref()
+            .map(|config| TlsAcceptor::from(config.current()));
+        let connection = Connection {
+            router: router.clone(),
+            header_timeout: settings.header_timeout,
+            closing: closing_rx.clone(),
+        };
+        connections.spawn(async move {
+            connection.serve(stream, tls).await;
+            drop(permit);
+        });
+    }
+    drop(listener);
+    tracing::info!("shutting down: waiting requests get 503, in-flight ones finish");
+    on_stop();
+    let _ = closing.send(true);
+    let drained = tokio::time::timeout(DRAIN_LIMIT, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            open = connections.len(),
+            "closing connections still open {DRAIN_LIMIT:?} after shutdown began"
+        );
+        connections.shutdown().await;
+    }
+    Ok(())
+}
+
+/// One accepted connection's settings.
+struct Connection {
+    router: axum::Router,
+    header_timeout: Duration,
+    closing: watch::Receiver<bool>,
+}
+
+/// Which protocol a connection speaks, and the bytes read to find out.
+enum Protocol {
+    Http1,
+    Http2,
+}
+
+impl Connection {
+    async fn serve(self, stream: TcpStream, tls: Option<TlsAcceptor>) {
+        let _ = stream.set_nodelay(true);
+        let started = Instant::now();
+        match tls {
+            None => {
+                let mut stream = stream;
+                let mut closing = self.closing.clone();
+                let sniffed = tokio::select! {
+                    sniffed = tokio::time::timeout(self.header_timeout, sniff(&mut stream)) => {
+                        sniffed
+                    }
+                    // A client that has not finished its first bytes has no request under way.
+                    _ = closing.changed() => return,
+                };
+                let Ok(Ok(Some((protocol, read)))) = sniffed else {
+                    return;
+                };
+                self.run(stream, read, protocol, started).await;
+            }
+            Some(acceptor) => {
+                let mut closing = self.closing.clone();
+                let accepted = tokio::select! {
+                    accepted = tokio::time::timeout(self.header_timeout, acceptor.accept(stream)) => {
+                        accepted
+                    }
+                    _ = closing.changed() => return,
+                };
+                let stream = match accepted {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::debug!("TLS handshake not done within the header timeout");
+                        return;
+                    }
+                };
+                let protocol = match stream.get_ref().1.alpn_protocol() {
+                    Some(b"h2") => Protocol::Http2,
+                    _ => Protocol::Http1,
+                };
+                self.run(stream, Vec::new(), protocol, started).await;
+            }
+        }
+    }
+
+    async fn run<I>(self, stream: I, read: Vec<u8>, protocol: Protocol, started: Instant)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let Self {
+            router,
+            header_timeout,
+            mut closing,
+        } = self;
+        let service = TowerToHyperService::new(router);
+        let result = match protocol {
+            Protocol::Http1 => {
+                // The first head's time started with the connection.
+                let first_head = header_timeout
+                    .saturating_sub(started.elapsed())
+                    .max(Duration::from_millis(1));
+                let io = TokioIo::new(io::Stream::new(stream, read, true));
+                let connection = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(first_head.min(header_timeout))
+                    .max_header_size(MAX_HEAD_BYTES)
+                    .serve_connection(io, service);
+                tokio::pin!(connection);
+                tokio::select! {
+                    result = connection.as_mut() => result,
+                    _ = closing.changed() => {
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
+                    }
+                }
+            }
+            Protocol::Http2 => {
+                let io = TokioIo::new(io::Stream::new(stream, read, false));
+                let connection = http2::Builder::new(TokioExecutor::new())
+                    .timer(TokioTimer::new())
+                    .keep_alive_interval(H2_KEEP_ALIVE)
+                    .keep_alive_timeout(H2_KEEP_ALIVE)
+                    .max_header_list_size(MAX_HEAD_BYTES as u32)
+                    .serve_connection(io, service);
+                tokio::pin!(connection);
+                tokio::select! {
+                    result = connection.as_mut() => result,
+                    _ = closing.changed() => {
+                        connection.as_mut().graceful_shutdown();
+                        connection.await
+                    }
+                }
+            }
+        };
+        if let Err(e) = result {
+            // Header timeouts, resets, hyper's rejections: the client's doing, not the broker's.
+            tracing::debug!(error = %e, "connection ended with an error");
+        }
+    }
+}
+
+/// Reads until the bytes tell HTTP/2's preface from anything else (HTTP/1.1). `None` when the
+/// client closed first.
+async fn sniff(stream: &mut TcpStream) -> std::io::Result<Option<(Protocol, Vec<u8>)>> {
+    let mut read = vec![0u8; H2_PREFACE.len()];
+    let mut filled = 0;
+    loop {
+        let n = stream.read(&mut read[filled..]).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        filled += n;
+        if read[..filled] != H2_PREFACE[..filled] {
+            read.truncate(filled);
+            return Ok(Some((Protocol::Http1, read)));
+        }
+        if filled == H2_PREFACE.len() {
+            return Ok(Some((Protocol::Http2, read)));
+        }
+    }
+}
