@@ -110,8 +110,11 @@ impl Reloader {
 
     /// Runs until dropped (aborted): reloads on `SIGHUP`, on a trigger, and on a change.
     pub async fn run(self) {
-        let mut seen: Vec<Vec<Option<[u8; 32]>>> =
-            self.sources.iter().map(|s| fingerprints(s.files())).collect();
+        let mut seen: Vec<Vec<Option<[u8; 32]>>> = self
+            .sources
+            .iter()
+            .map(|s| fingerprints(s.files()))
+            .collect();
         #[cfg(unix)]
         let mut hangup =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();

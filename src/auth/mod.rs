@@ -165,9 +165,8 @@ impl Policy {
         for spanned in file.tokens {
             let line = line_of(spanned.span().start);
             let entry = spanned.into_inner();
-            let fail = |why: String| {
-                PolicyError(format!("line {line}: token {:?}: {why}", entry.name))
-            };
+            let fail =
+                |why: String| PolicyError(format!("line {line}: token {:?}: {why}", entry.name));
             if entry.name.is_empty()
                 || entry.name.len() > MAX_NAME_LEN
                 || !entry
@@ -184,9 +183,7 @@ impl Policy {
             }
             let digest = match (&entry.token, &entry.token_sha256) {
                 (Some(token), None) => {
-                    if token.len() < MIN_TOKEN_LEN
-                        || !token.bytes().all(|b| b.is_ascii_graphic())
-                    {
+                    if token.len() < MIN_TOKEN_LEN || !token.bytes().all(|b| b.is_ascii_graphic()) {
                         return Err(fail(format!(
                             "a token is at least {MIN_TOKEN_LEN} printable ASCII characters, \
                              without spaces"
@@ -194,9 +191,8 @@ impl Policy {
                     }
                     digest(token)
                 }
-                (None, Some(hex)) => parse_hex_digest(hex).ok_or_else(|| {
-                    fail("token_sha256 must be 64 hexadecimal characters".into())
-                })?,
+                (None, Some(hex)) => parse_hex_digest(hex)
+                    .ok_or_else(|| fail("token_sha256 must be 64 hexadecimal characters".into()))?,
                 _ => return Err(fail("give exactly one of token and token_sha256".into())),
             };
             if clients.iter().any(|c| bool::from(c.digest.ct_eq(&digest))) {
@@ -257,7 +253,9 @@ impl Policy {
         authorization: Option<&[u8]>,
         action: Action<'_>,
     ) -> Result<Arc<str>, Denied> {
-        let bearer = authorization.and_then(bearer_token).ok_or(Denied::Missing)?;
+        let bearer = authorization
+            .and_then(bearer_token)
+            .ok_or(Denied::Missing)?;
         let client = self.authenticate(bearer).ok_or(Denied::Unknown)?;
         if client.allows(action) {
             Ok(client.name.clone())

@@ -37,8 +37,14 @@ fn tokens_by_value_and_by_digest_are_both_recognised() {
     let policy = policy();
     assert_eq!(policy.len(), 3);
     let name = |t: &str| policy.authenticate(t).map(|c| c.name().to_string());
-    assert_eq!(name("orders-secret-0123456789").as_deref(), Some("orders-app"));
-    assert_eq!(name("dashboard-secret-0123456789").as_deref(), Some("dashboard"));
+    assert_eq!(
+        name("orders-secret-0123456789").as_deref(),
+        Some("orders-app")
+    );
+    assert_eq!(
+        name("dashboard-secret-0123456789").as_deref(),
+        Some("dashboard")
+    );
     assert_eq!(name("orders-secret-012345678"), None);
     assert_eq!(name(""), None);
 }
@@ -92,7 +98,10 @@ fn each_permission_allows_its_actions_within_its_prefixes() {
 fn a_missing_malformed_or_unknown_bearer_is_told_apart_from_a_forbidden_one() {
     let policy = policy();
     let k = key("orders:1");
-    assert_eq!(policy.decide(None, Action::Inspect(&k)), Err(Denied::Missing));
+    assert_eq!(
+        policy.decide(None, Action::Inspect(&k)),
+        Err(Denied::Missing)
+    );
     for malformed in ["Basic abc", "Bearer", "Bearer ", "orders-secret-0123456789"] {
         assert_eq!(
             policy.decide(Some(malformed.as_bytes()), Action::Inspect(&k)),
@@ -101,12 +110,18 @@ fn a_missing_malformed_or_unknown_bearer_is_told_apart_from_a_forbidden_one() {
         );
     }
     assert_eq!(
-        policy.decide(Some(&bearer("guess-guess-guess-guess")), Action::Inspect(&k)),
+        policy.decide(
+            Some(&bearer("guess-guess-guess-guess")),
+            Action::Inspect(&k)
+        ),
         Err(Denied::Unknown)
     );
     assert!(
         policy
-            .decide(Some(b"bearer orders-secret-0123456789"), Action::Inspect(&k))
+            .decide(
+                Some(b"bearer orders-secret-0123456789"),
+                Action::Inspect(&k)
+            )
             .is_ok(),
         "the scheme is case-insensitive"
     );
@@ -149,8 +164,14 @@ fn a_broken_file_is_refused_with_the_line_that_is_wrong() {
     ];
     for (text, mentions) in cases {
         let e = Policy::parse(text).expect_err(text).to_string();
-        assert!(e.contains(mentions), "{text:?} gave {e:?}, which does not say {mentions:?}");
-        assert!(!e.contains("0123456789abcdefg"), "the error repeats a token: {e}");
+        assert!(
+            e.contains(mentions),
+            "{text:?} gave {e:?}, which does not say {mentions:?}"
+        );
+        assert!(
+            !e.contains("0123456789abcdefg"),
+            "the error repeats a token: {e}"
+        );
     }
 }
 

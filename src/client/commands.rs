@@ -9,8 +9,9 @@ use clap::Args;
 use serde::Serialize;
 
 use super::{
-    AcquireParams, BrokerClient, ClientError, EXIT_CODES_HELP, Grant, LockStatus, exit, format_ms,
-    parse_duration, parse_key, parse_owner, parse_request_id, parse_token, parse_ttl,
+    AcquireParams, BrokerClient, ClientError, ConnectArgs, EXIT_CODES_HELP, Grant, LockStatus,
+    exit, format_ms, parse_duration, parse_key, parse_owner, parse_request_id, parse_token,
+    parse_ttl,
 };
 use crate::domain::{LockKey, Owner, RequestId, Token};
 
@@ -25,12 +26,14 @@ pub struct BrokerArgs {
         value_name = "URL"
     )]
     pub url: String,
+    #[command(flatten)]
+    pub connect: ConnectArgs,
 }
 
 impl BrokerArgs {
-    /// The client, or exit 1 with the reason the URL is unusable.
+    /// The client, or exit 1 with the reason the URL, the token or a TLS file is unusable.
     pub fn client(&self) -> Result<BrokerClient, ExitCode> {
-        BrokerClient::new(&self.url).map_err(|why| {
+        BrokerClient::connect(&self.url, &self.connect).map_err(|why| {
             eprintln!("lockbroker: {why}");
             ExitCode::from(exit::ERROR)
         })

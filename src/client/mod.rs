@@ -12,8 +12,11 @@ pub mod commands;
 #[cfg(unix)]
 pub mod run;
 
+use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::Args;
 use reqwest::StatusCode;
 use serde::{Deserialize, Serialize};
 
@@ -77,6 +80,89 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Bound on opening a connection to the broker.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How to reach a broker beyond its URL: a bearer token for a broker with an auth file, and the
+/// TLS files for an `https://` one. Shared by every client command and `bench`. `Debug` shows no
+/// token.
+#[derive(Clone, Default, Args)]
+pub struct ConnectArgs {
+    /// Bearer token, for a broker with an auth file (sent as `Authorization: Bearer`). The
+    /// environment keeps it out of `ps`. (`--token` is the lock's own token.)
+    #[arg(
+        long,
+        env = "LOCKBROKER_AUTH_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    pub auth_token: Option<String>,
+    /// CA certificate (PEM) to trust for an https:// broker, besides the system's roots.
+    #[arg(long, env = "LOCKBROKER_CACERT", value_name = "FILE")]
+    pub cacert: Option<PathBuf>,
+    /// Client certificate (PEM), for a broker that requires one (mutual TLS); with
+    /// --client-key.
+    #[arg(long, env = "LOCKBROKER_CLIENT_CERT", value_name = "FILE")]
+    pub client_cert: Option<PathBuf>,
+    /// The private key (PEM) of --client-cert.
+    #[arg(long, env = "LOCKBROKER_CLIENT_KEY", value_name = "FILE")]
+    pub client_key: Option<PathBuf>,
+}
+
+impl fmt::Debug for ConnectArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConnectArgs")
+            .field("auth_token", &self.auth_token.as_ref().map(|_| "***"))
+            .field("cacert", &self.cacert)
+            .field("client_cert", &self.client_cert)
+            .field("client_key", &self.client_key)
+            .finish()
+    }
+}
+
+impl ConnectArgs {
+    /// `builder` with the bearer token as a default header (marked sensitive) and the TLS
+    /// files. Errors say which file or value is unusable.
+    pub fn apply(&self, builder: reqwest::ClientBuilder) -> Result<reqwest::ClientBuilder, String> {
+        let mut builder = builder;
+        if let Some(token) = &self.auth_token {
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {token}"))
+                .map_err(|_| "--auth-token must be printable ASCII".to_owned())?;
+            value.set_sensitive(true);
+            let mut headers = reqwest::header::HeaderMap::new();
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+            builder = builder.default_headers(headers);
+        }
+        let read = |path: &PathBuf, what: &str| {
+            std::fs::read(path).map_err(|e| format!("cannot read {what} {}: {e}", path.display()))
+        };
+        if let Some(path) = &self.cacert {
+            let pem = read(path, "--cacert")?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem)
+                .map_err(|e| format!("--cacert {}: {e}", path.display()))?;
+            if certs.is_empty() {
+                return Err(format!(
+                    "--cacert {}: no PEM certificate in it",
+                    path.display()
+                ));
+            }
+            for cert in certs {
+                builder = builder.add_root_certificate(cert);
+            }
+        }
+        match (&self.client_cert, &self.client_key) {
+            (None, None) => {}
+            (Some(cert), Some(key)) => {
+                let mut pem = read(cert, "--client-cert")?;
+                pem.push(b'\n');
+                pem.extend(read(key, "--client-key")?);
+                let identity = reqwest::Identity::from_pem(&pem)
+                    .map_err(|e| format!("--client-cert and --client-key: {e}"))?;
+                builder = builder.identity(identity);
+            }
+            _ => return Err("--client-cert and --client-key go together".to_owned()),
+        }
+        Ok(builder)
+    }
+}
 
 /// A grant, as acquire (`201`) and renew (`200`) answer it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -204,23 +290,27 @@ pub struct BrokerClient {
 }
 
 impl BrokerClient {
-    /// A client for the broker at `url` (`http://host:port`, optionally with a path prefix).
+    /// A client for the broker at `url` (`http://host:port` or `https://…`, optionally with a
+    /// path prefix), with no token and the system's CA roots.
     pub fn new(url: &str) -> Result<Self, String> {
+        Self::connect(url, &ConnectArgs::default())
+    }
+
+    /// A client for the broker at `url`, with `connect`'s token and TLS files.
+    pub fn connect(url: &str, connect: &ConnectArgs) -> Result<Self, String> {
         let parsed = reqwest::Url::parse(url).map_err(|e| {
             format!("{url:?} is not a URL ({e}); give one like http://127.0.0.1:8080")
         })?;
         match parsed.scheme() {
-            "http" => {}
-            "https" => {
+            "http" | "https" => {}
+            other => {
                 return Err(format!(
-                    "{url}: this build of lockbroker speaks plain HTTP only; reach the broker \
-                     over http:// (or through a local proxy that does TLS)"
+                    "{url}: unsupported scheme {other:?}; use http:// or https://"
                 ));
             }
-            other => return Err(format!("{url}: unsupported scheme {other:?}; use http://")),
         }
-        let http = reqwest::Client::builder()
-            .connect_timeout(CONNECT_TIMEOUT)
+        let http = connect
+            .apply(reqwest::Client::builder().connect_timeout(CONNECT_TIMEOUT))?
             .build()
             .map_err(|e| format!("cannot set up the HTTP client: {e}"))?;
         Ok(Self {
@@ -425,9 +515,10 @@ mod tests {
     }
 
     #[test]
-    fn only_plain_http_urls_are_accepted() {
+    fn http_and_https_urls_are_accepted() {
         assert!(BrokerClient::new("http://127.0.0.1:8080/").is_ok());
-        assert!(BrokerClient::new("https://broker").is_err());
+        assert!(BrokerClient::new("https://broker").is_ok());
+        assert!(BrokerClient::new("ftp://broker").is_err());
         assert!(BrokerClient::new("127.0.0.1:8080").is_err());
         assert_eq!(
             BrokerClient::new("http://h:1/base/").unwrap().url(),

@@ -33,7 +33,10 @@ const CHALLENGE_INVALID: &str = "Bearer realm=\"lockbroker\", error=\"invalid_to
 
 /// The action a request on a lock route is, from its matched route, method and key.
 fn lock_action<'k>(parts: &Parts, key: &'k LockKey) -> Action<'k> {
-    let route = parts.extensions.get::<MatchedPath>().map(MatchedPath::as_str);
+    let route = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map(MatchedPath::as_str);
     match (route, &parts.method) {
         (Some("/locks/{key}"), &Method::POST) => Action::Acquire(key),
         (Some("/locks/{key}"), &Method::GET | &Method::HEAD) => Action::Inspect(key),
@@ -51,7 +54,11 @@ fn asks_force(parts: &Parts) -> bool {
 }
 
 /// Who sent the request, or the `401` to answer.
-fn authenticate<'p>(auth: &Auth, policy: &'p Policy, parts: &Parts) -> Result<&'p Client, Response> {
+fn authenticate<'p>(
+    auth: &Auth,
+    policy: &'p Policy,
+    parts: &Parts,
+) -> Result<&'p Client, Response> {
     let presented = parts
         .headers
         .get(header::AUTHORIZATION)
@@ -152,9 +159,9 @@ fn forbidden_message(client: &Client, action: Action<'_>) -> String {
             "The token {name:?} may not read {key}: it needs \"read\" or \"lock\" on a prefix \
              of the key."
         ),
-        Action::ForceRelease(key) => format!(
-            "The token {name:?} may not force the release of {key}: that needs \"admin\"."
-        ),
+        Action::ForceRelease(key) => {
+            format!("The token {name:?} may not force the release of {key}: that needs \"admin\".")
+        }
         Action::Operations | Action::Unlisted => {
             format!("The token {name:?} may not do this: it needs \"admin\".")
         }

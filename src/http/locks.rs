@@ -13,8 +13,8 @@ use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::openapi::{
-    AcquireBody, KeyParam, Locked, NotGranted, NotHeld, NotOwner, RenewBody, RequestRefused,
-    StoreUnavailable, TokenHeader, TokenQuery,
+    AcquireBody, Forbidden, KeyParam, Locked, NotGranted, NotHeld, NotOwner, RenewBody,
+    RequestRefused, StoreUnavailable, TokenHeader, TokenQuery, Unauthorized,
 };
 use super::params::{KeyPath, Params};
 use super::{AppState, Limits};
@@ -107,9 +107,12 @@ fn ttl_param(params: &mut Params, limits: &Limits) -> Result<Ttl, ApiError> {
     responses(
         (status = 201, description = "Granted: the lease is held.", body = GrantBody),
         RequestRefused,
+        Unauthorized,
+        Forbidden,
         Locked,
         NotGranted,
-    )
+    ),
+    security((), ("bearer" = []))
 )]
 pub(super) async fn acquire<S: Store>(
     State(state): State<AppState<S>>,
@@ -154,10 +157,13 @@ pub(super) async fn acquire<S: Store>(
     responses(
         (status = 204, description = "Released."),
         RequestRefused,
+        Unauthorized,
+        Forbidden,
         NotHeld,
         NotOwner,
         StoreUnavailable,
-    )
+    ),
+    security((), ("bearer" = []))
 )]
 pub(super) async fn release<S: Store>(
     State(state): State<AppState<S>>,
@@ -188,10 +194,13 @@ pub(super) async fn release<S: Store>(
     responses(
         (status = 200, description = "Renewed: the grant again, with the new expiry.", body = GrantBody),
         RequestRefused,
+        Unauthorized,
+        Forbidden,
         NotHeld,
         NotOwner,
         StoreUnavailable,
-    )
+    ),
+    security((), ("bearer" = []))
 )]
 pub(super) async fn renew<S: Store>(
     State(state): State<AppState<S>>,
@@ -216,9 +225,12 @@ pub(super) async fn renew<S: Store>(
     responses(
         (status = 200, description = "Held: the live lease.", body = InspectBody),
         RequestRefused,
+        Unauthorized,
+        Forbidden,
         NotHeld,
         StoreUnavailable,
-    )
+    ),
+    security((), ("bearer" = []))
 )]
 pub(super) async fn inspect<S: Store>(
     State(state): State<AppState<S>>,

@@ -10,7 +10,8 @@
 //! every operation, exactly the statuses that real requests get.
 
 use utoipa::openapi::OpenApi as Document;
-use utoipa::{IntoParams, IntoResponses, OpenApi, ToSchema};
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{IntoParams, IntoResponses, Modify, OpenApi, ToSchema};
 
 use super::error::Body as ErrorBody;
 
@@ -30,8 +31,17 @@ an unknown parameter, or malformed JSON is `400 invalid_request`.
 - Every error has the body `{\"error\": code, \"message\": sentence}` (schema `Error`), the \
 router's own included: `404 not_found` for a path that matches no route (such as `/locks/` or \
 `/locks/a/b`) and `405 method_not_allowed`, with an `Allow` header, for a path that exists \
-with another method. Every `GET` also answers `HEAD`.
-- A lease that has expired is not held, whatever the store still contains.";
+with another method. Every `GET` also answers `HEAD`. A request head over 16 KiB (or with \
+more than 100 header fields) is `431 request_header_fields_too_large`.
+- A lease that has expired is not held, whatever the store still contains.
+
+Auth: off unless the broker runs with an auth file. Then every lock route needs \
+`Authorization: Bearer <token>` (security scheme `bearer`): missing, malformed or unknown is \
+`401 unauthorized` with `WWW-Authenticate: Bearer`; a known token whose prefixes do not cover \
+the key, or that lacks the permission, is `403 forbidden` (`lock`: acquire, renew, release, \
+inspect; `read`: inspect; `admin`: everything on every key). Neither grants, waits or changes \
+anything. `/healthz` and `/readyz` are always open; `/metrics` and `/openapi.json` are open \
+unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key).";
 
 /// The document: every route of [`super::router`].
 #[derive(OpenApi)]
@@ -52,12 +62,34 @@ with another method. Every `GET` also answers `HEAD`.
     // because the shared responses below refer to them by name, and utoipa collects schemas
     // only from responses written out in the operations themselves.
     components(schemas(ErrorCode, ErrorBody, LockedError, AcquireBody, RenewBody)),
+    modifiers(&BearerScheme),
     tags(
         (name = "locks", description = "Acquire, release, renew and inspect leases."),
         (name = "operations", description = "Health, readiness, metrics and this document."),
     )
 )]
 pub struct ApiDoc;
+
+/// Adds the `bearer` security scheme the operations refer to.
+struct BearerScheme;
+
+impl Modify for BearerScheme {
+    fn modify(&self, openapi: &mut Document) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "A token of the broker's auth file; needed only when the broker runs \
+                         with one.",
+                    ))
+                    .build(),
+            ),
+        );
+    }
+}
 
 /// The document as served.
 pub fn document() -> Document {
@@ -70,7 +102,8 @@ pub fn document() -> Document {
 /// 405, `locked` 409 (acquire), `not_owner` 409 (release, renew), `payload_too_large` 413,
 /// `unsupported_media_type` 415, `too_many_waiters` 503 (with `Retry-After: 1`: this broker
 /// has `max_waiters` acquires waiting already; another broker may have room),
-/// `store_unavailable` 503, `shutting_down` 503, `internal` 500 (not expected).
+/// `store_unavailable` 503, `shutting_down` 503, `unauthorized` 401, `forbidden` 403,
+/// `request_header_fields_too_large` 431, `internal` 500 (not expected).
 #[derive(ToSchema)]
 #[schema(rename_all = "snake_case")]
 pub enum ErrorCode {
@@ -85,6 +118,9 @@ pub enum ErrorCode {
     TooManyWaiters,
     StoreUnavailable,
     ShuttingDown,
+    Unauthorized,
+    Forbidden,
+    RequestHeaderFieldsTooLarge,
     Internal,
 }
 
@@ -210,6 +246,25 @@ pub enum RequestRefused {
     #[response(status = 415)]
     UnsupportedMediaType(ErrorBody<'static>),
 }
+
+/// `unauthorized` (only when the broker runs with an auth file): no `Authorization: Bearer`
+/// header, a malformed one, or a token the auth file does not have.
+#[derive(IntoResponses)]
+#[response(
+    status = 401,
+    headers((
+        "WWW-Authenticate" = String,
+        description = "`Bearer realm=\"lockbroker\"`, with `error=\"invalid_token\"` for an \
+            unknown token."
+    ))
+)]
+pub struct Unauthorized(pub ErrorBody<'static>);
+
+/// `forbidden` (only when the broker runs with an auth file): the token is known, but its
+/// prefixes do not cover the key or it lacks the permission.
+#[derive(IntoResponses)]
+#[response(status = 403)]
+pub struct Forbidden(pub ErrorBody<'static>);
 
 /// `not_held`: nobody holds the lock (it is free, it was released, or the lease expired).
 #[derive(IntoResponses)]

@@ -9,9 +9,9 @@ use axum::{Json, Router};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::{AppState, Auth};
 use super::error::ApiError;
-use super::openapi::{self, StoreUnavailable};
+use super::openapi::{self, Forbidden, StoreUnavailable, Unauthorized};
+use super::{AppState, Auth};
 use crate::store::Store;
 
 /// The operations routes, without their state. `/healthz` and `/readyz` are always open;
@@ -63,12 +63,17 @@ pub(super) async fn healthz() -> Json<StatusBody> {
     get,
     path = "/metrics",
     tag = "operations",
-    responses((
-        status = 200,
-        description = "The metrics.",
-        body = String,
-        content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-    ))
+    responses(
+        (
+            status = 200,
+            description = "The metrics.",
+            body = String,
+            content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+        ),
+        Unauthorized,
+        Forbidden,
+    ),
+    security((), ("bearer" = []))
 )]
 pub(super) async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Response {
     (
@@ -110,7 +115,12 @@ pub(super) async fn readyz<S: Store>(
     get,
     path = "/openapi.json",
     tag = "operations",
-    responses((status = 200, description = "The OpenAPI document.", body = Object))
+    responses(
+        (status = 200, description = "The OpenAPI document.", body = Object),
+        Unauthorized,
+        Forbidden,
+    ),
+    security((), ("bearer" = []))
 )]
 pub(super) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     Json(openapi::document())

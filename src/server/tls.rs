@@ -45,7 +45,10 @@ impl TlsFiles {
                 let mut roots = RootCertStore::empty();
                 for cert in certificates(path, "tls_client_ca")? {
                     roots.add(cert).with_context(|| {
-                        format!("tls_client_ca {}: a certificate is unusable", path.display())
+                        format!(
+                            "tls_client_ca {}: a certificate is unusable",
+                            path.display()
+                        )
                     })?;
                 }
                 let verifier = WebPkiClientVerifier::builder_with_provider(roots.into(), provider)
@@ -56,7 +59,10 @@ impl TlsFiles {
         };
         let chain = certificates(&self.cert, "tls_cert")?;
         let key = PrivateKeyDer::from_pem_file(&self.key).map_err(|e| {
-            anyhow::anyhow!("tls_key {}: no usable private key ({e})", self.key.display())
+            anyhow::anyhow!(
+                "tls_key {}: no usable private key ({e})",
+                self.key.display()
+            )
         })?;
         let mut config = builder.with_single_cert(chain, key).with_context(|| {
             format!(
@@ -76,7 +82,10 @@ fn certificates(path: &Path, setting: &str) -> anyhow::Result<Vec<CertificateDer
         .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
         .map_err(|e| anyhow::anyhow!("{setting} {}: {e}", path.display()))?;
     if certs.is_empty() {
-        bail!("{setting} {}: no PEM certificate in the file", path.display());
+        bail!(
+            "{setting} {}: no PEM certificate in the file",
+            path.display()
+        );
     }
     Ok(certs)
 }

@@ -2,13 +2,14 @@
 //! [`TestApp`] sends the API's requests to one. [`Backend`] pairs a broker with the store it
 //! needs, and [`on_both_stores!`](crate::on_both_stores) runs one contract on each store.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use lockbroker::config::{Config, StoreBackend};
 use lockbroker::startup::Application;
 use reqwest::{Client, Method, RequestBuilder, StatusCode};
 use serde_json::Value;
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::http::{Answer, Grant, http_client, lock_path};
@@ -17,9 +18,11 @@ use crate::redis_server::RedisServer;
 
 /// A broker running in this process, on its own port.
 pub struct TestApp {
-    /// `http://127.0.0.1:PORT`
+    /// `http://127.0.0.1:PORT` (`https://` when the broker serves TLS)
     pub address: String,
     pub client: Client,
+    /// Reads the auth and TLS files again, as `SIGHUP` does.
+    reload: Arc<Notify>,
     stop: Option<oneshot::Sender<()>>,
     server: Option<JoinHandle<std::io::Result<()>>>,
 }
@@ -45,7 +48,8 @@ pub async fn spawn_app_with(redis_url: Option<String>, tweak: impl FnOnce(&mut C
     let app = Application::build(&config)
         .await
         .expect("the broker must build");
-    let address = format!("http://{}", app.local_addr());
+    let address = format!("{}://{}", app.scheme(), app.local_addr());
+    let reload = app.reload_trigger();
     let (stop, stopped) = oneshot::channel::<()>();
     let server = tokio::spawn(app.run_until_stopped(async move {
         let _ = stopped.await;
@@ -53,12 +57,18 @@ pub async fn spawn_app_with(redis_url: Option<String>, tweak: impl FnOnce(&mut C
     TestApp {
         address,
         client: http_client(),
+        reload,
         stop: Some(stop),
         server: Some(server),
     }
 }
 
 impl TestApp {
+    /// Asks the broker to read its auth and TLS files again, as `SIGHUP` does.
+    pub fn reload(&self) {
+        self.reload.notify_one();
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.address)
     }

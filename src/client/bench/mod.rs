@@ -37,6 +37,8 @@ pub struct BenchArgs {
     /// The broker to load.
     #[arg(long, env = "LOCKBROKER_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
+    #[command(flatten)]
+    pub connect: crate::client::ConnectArgs,
     /// The Redis the broker uses: adds the direct-Redis phase and counts Redis calls per
     /// operation (from INFO commandstats).
     #[arg(long)]
@@ -152,9 +154,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         bail!("--clients and --contenders must be at least 1");
     }
     let base = args.url.trim_end_matches('/').to_owned();
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(args.clients.max(args.contenders) * 2)
-        .timeout(Duration::from_secs(30))
+    let http = args
+        .connect
+        .apply(
+            reqwest::Client::builder()
+                .pool_max_idle_per_host(args.clients.max(args.contenders) * 2)
+                .timeout(Duration::from_secs(30)),
+        )
+        .map_err(anyhow::Error::msg)?
         .build()?;
     http.get(format!("{base}/readyz"))
         .send()
@@ -206,7 +213,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         phases.push(direct);
     }
     let waiters = if args.waiters > 0 {
-        Some(park_waiters(&base, args.waiters, args.http2, &run_id).await?)
+        Some(park_waiters(&base, &args.connect, args.waiters, args.http2, &run_id).await?)
     } else {
         None
     };

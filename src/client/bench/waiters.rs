@@ -31,17 +31,21 @@ async fn scrape(http: &reqwest::Client, base: &str, name: &str) -> anyhow::Resul
 
 pub(super) async fn park_waiters(
     base: &str,
+    connect: &crate::client::ConnectArgs,
     n: usize,
     http2: bool,
     run_id: &str,
 ) -> anyhow::Result<WaitersPhase> {
     let client = || {
-        let builder = reqwest::Client::builder().timeout(Duration::from_secs(120));
-        if http2 {
+        let builder = connect
+            .apply(reqwest::Client::builder().timeout(Duration::from_secs(120)))
+            .map_err(anyhow::Error::msg)?;
+        let client = if http2 {
             builder.http2_prior_knowledge().build()
         } else {
             builder.pool_max_idle_per_host(0).build()
-        }
+        };
+        Ok::<_, anyhow::Error>(client?)
     };
     let http = client()?;
     // HTTP/2: a client (one connection) per 150 waiters, under the server's 200 streams.
