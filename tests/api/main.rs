@@ -1,6 +1,7 @@
 //! The API test suite: one binary, brokers over real HTTP, each test with its own Redis or keys.
 //! The fixtures (brokers, Redis servers, the HTTP helpers) are in `lockbroker-test-support`.
 
+mod auth;
 mod concurrency;
 mod contract;
 mod cross_broker;
