@@ -11,6 +11,7 @@ use lockbroker::http::ROUTES;
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
 use lockbroker_test_support::http::{Answer, lock_path};
 use lockbroker_test_support::redis_server::RedisServer;
+use lockbroker_test_support::temp::temp_file;
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
@@ -25,6 +26,9 @@ const METHODS: &[&str] = &[
 
 /// The error codes of `api.md`, plus `too_many_waiters` and `shutting_down`.
 const ERROR_CODES: &[&str] = &[
+    "unauthorized",
+    "forbidden",
+    "request_header_fields_too_large",
     "invalid_request",
     "not_found",
     "not_held",
@@ -517,7 +521,50 @@ async fn every_documented_status_is_one_a_request_gets_and_no_other() {
     waiting_scenarios(&mut cov).await;
     dead_store_scenarios(&mut cov).await;
     data_loss_scenario(&mut cov).await;
+    auth_scenarios(&mut cov).await;
     cov.finish();
+}
+
+/// The 401s and 403s, on a broker with an auth file and `auth_metrics`.
+async fn auth_scenarios(cov: &mut Coverage) {
+    let file = temp_file("auth", "toml");
+    std::fs::write(
+        &file,
+        "[[tokens]]\nname = \"narrow\"\ntoken = \"narrow-secret-0123456789\"\n\
+         prefixes = [\"mine:\"]\npermissions = [\"lock\"]\n",
+    )
+    .unwrap();
+    let path = file.clone();
+    let app = spawn_app_with(None, move |c| {
+        c.auth_file = Some(path);
+        c.auth_metrics = true;
+    })
+    .await;
+    let cases = [
+        ("POST", LOCK, "/locks/theirs"),
+        ("DELETE", LOCK, "/locks/theirs"),
+        ("GET", LOCK, "/locks/theirs"),
+        ("POST", RENEW, "/locks/theirs/renew"),
+        ("GET", "/metrics", "/metrics"),
+        ("GET", "/openapi.json", "/openapi.json"),
+    ];
+    for (method, documented, path) in cases {
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        let request = app
+            .request(method.clone(), path)
+            .header("Lock-Token", "abcdefghijklmnopqrstuvwx");
+        let answer = app.send(request).await;
+        answer.expect_error(StatusCode::UNAUTHORIZED, "unauthorized");
+        cov.record(method.as_str(), documented, &answer);
+        let request = app
+            .request(method.clone(), path)
+            .header("Lock-Token", "abcdefghijklmnopqrstuvwx")
+            .bearer_auth("narrow-secret-0123456789");
+        let answer = app.send(request).await;
+        answer.expect_error(StatusCode::FORBIDDEN, "forbidden");
+        cov.record(method.as_str(), documented, &answer);
+    }
+    let _ = std::fs::remove_file(&file);
 }
 
 /// Acquire, renew, inspect and release on the embedded store: every status but 503.
