@@ -182,7 +182,13 @@ impl Route {
 fn allowed(token: &str, route: Route, inside: bool) -> bool {
     match token {
         ADMIN => true,
-        LOCKER => inside && !matches!(route, Route::ForceRelease | Route::Metrics | Route::Document),
+        LOCKER => {
+            inside
+                && !matches!(
+                    route,
+                    Route::ForceRelease | Route::Metrics | Route::Document
+                )
+        }
         READER => inside && route == Route::Inspect,
         WATCHER => matches!(route, Route::Inspect | Route::Metrics | Route::Document),
         _ => unreachable!(),
@@ -265,7 +271,9 @@ async fn no_token_or_an_unknown_one_is_401_on_every_guarded_route_and_nothing_is
     ] {
         expect_unauthorized(&route.send(&app, "orders:u", None).await, challenge);
         expect_unauthorized(
-            &route.send(&app, "orders:u", Some("not-a-known-token-at-all")).await,
+            &route
+                .send(&app, "orders:u", Some("not-a-known-token-at-all"))
+                .await,
             invalid,
         );
         let basic = app
@@ -383,7 +391,13 @@ async fn a_changed_auth_file_is_in_force_within_two_seconds() {
     file.replace(&format!(
         "[[tokens]]\nname = \"newcomer\"\ntoken = \"{newcomer}\"\nprefixes = [\"orders:\"]\npermissions = [\"read\"]\n"
     ));
-    until_answered(&app, newcomer, StatusCode::NOT_FOUND, Duration::from_secs(2)).await;
+    until_answered(
+        &app,
+        newcomer,
+        StatusCode::NOT_FOUND,
+        Duration::from_secs(2),
+    )
+    .await;
     send(&app, Method::GET, "/locks/orders:r", Some(LOCKER))
         .await
         .expect_error(StatusCode::UNAUTHORIZED, "unauthorized");
@@ -433,8 +447,14 @@ fn random_bearer(rng: &mut impl rand::Rng) -> Option<String> {
 }
 
 fn random_key(rng: &mut impl rand::Rng) -> String {
-    let prefix = ["orders:", "invoices:", "billing:", "", "orders", "%6Frders:"]
-        [rng.random_range(0..6)];
+    let prefix = [
+        "orders:",
+        "invoices:",
+        "billing:",
+        "",
+        "orders",
+        "%6Frders:",
+    ][rng.random_range(0..6)];
     let tail: String = (0..rng.random_range(0..6))
         .map(|_| {
             let alphabet = b"abcXYZ019.:_-%/{} ";
@@ -456,9 +476,14 @@ async fn random_requests_never_get_a_5xx_nor_a_grant_without_a_valid_token() {
     for i in 0..400 {
         let key = random_key(&mut rng);
         let bearer = random_bearer(&mut rng);
-        let method = [Method::POST, Method::GET, Method::DELETE, Method::PUT, Method::HEAD]
-            [rng.random_range(0..5)]
-            .clone();
+        let method = [
+            Method::POST,
+            Method::GET,
+            Method::DELETE,
+            Method::PUT,
+            Method::HEAD,
+        ][rng.random_range(0..5)]
+        .clone();
         let suffix = ["", "/renew", "/x"][rng.random_range(0..3)];
         let query = [
             "",
@@ -470,7 +495,10 @@ async fn random_requests_never_get_a_5xx_nor_a_grant_without_a_valid_token() {
             "owner=%00",
             "wait_ms=99999999999999999999",
         ][rng.random_range(0..8)];
-        let path = format!("/locks/{key}{suffix}{}{query}", if query.is_empty() { "" } else { "?" });
+        let path = format!(
+            "/locks/{key}{suffix}{}{query}",
+            if query.is_empty() { "" } else { "?" }
+        );
         let Ok(url) = reqwest::Url::parse(&app.url(&path)) else {
             continue;
         };
@@ -487,12 +515,17 @@ async fn random_requests_never_get_a_5xx_nor_a_grant_without_a_valid_token() {
                 .body(["{}", "{\"ttl_ms\":5}", "[", "{\"token\":1}"][rng.random_range(0..4)]);
         }
         let answer = app.send(request).await;
-        let case = format!("seed {seed} #{i}: {method} {path} with {bearer:?}: {} {}", answer.status, answer.text);
+        let case = format!(
+            "seed {seed} #{i}: {method} {path} with {bearer:?}: {} {}",
+            answer.status, answer.text
+        );
         assert!(
             !answer.status.is_server_error() || answer.status == StatusCode::SERVICE_UNAVAILABLE,
             "{case}"
         );
-        if answer.status == StatusCode::CREATED || (answer.status == StatusCode::OK && suffix == "/renew") {
+        if answer.status == StatusCode::CREATED
+            || (answer.status == StatusCode::OK && suffix == "/renew")
+        {
             let key = key.replace("%6F", "o");
             let may = match bearer.as_deref() {
                 Some(ADMIN) => true,
@@ -506,8 +539,14 @@ async fn random_requests_never_get_a_5xx_nor_a_grant_without_a_valid_token() {
                 tokens.push(token.to_owned());
             }
         }
-        if matches!(answer.status, StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) {
-            assert!(!answer.text.contains(LOCKER) && !answer.text.contains(ADMIN), "{case}");
+        if matches!(
+            answer.status,
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
+        ) {
+            assert!(
+                !answer.text.contains(LOCKER) && !answer.text.contains(ADMIN),
+                "{case}"
+            );
         }
     }
 }
