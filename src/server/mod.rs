@@ -18,18 +18,23 @@ pub mod io;
 pub mod tls;
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use axum::body::Body;
+use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::ServerConfig;
+use tower::ServiceExt;
 
 use crate::reload::Reloadable;
 
@@ -195,7 +200,26 @@ impl Connection {
             header_timeout,
             mut closing,
         } = self;
-        let service = TowerToHyperService::new(router);
+        // Requests under way on this connection, each until its response body is sent.
+        let under_way = Arc::new(AtomicUsize::new(0));
+        let counter = under_way.clone();
+        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+            let guard = UnderWay::new(counter.clone());
+            let response = router.clone().oneshot(request.map(Body::new));
+            async move {
+                let response = response.await?;
+                Ok::<_, std::convert::Infallible>(response.map(|body| {
+                    Body::new(CountedBody {
+                        body,
+                        _guard: guard,
+                    })
+                }))
+            }
+        });
+        // On shutdown, a connection with no request under way is idle or has sent part of a
+        // head at most: it is closed at once. (Hyper alone would wait for the rest of a
+        // half-sent first head until the header timeout.)
+        let idle = || under_way.load(Ordering::SeqCst) == 0;
         let result = match protocol {
             Protocol::Http1 => {
                 // The first head's time started with the connection.
@@ -212,6 +236,9 @@ impl Connection {
                 tokio::select! {
                     result = connection.as_mut() => result,
                     _ = closing.changed() => {
+                        if idle() {
+                            return;
+                        }
                         connection.as_mut().graceful_shutdown();
                         connection.await
                     }
@@ -239,6 +266,48 @@ impl Connection {
             // Header timeouts, resets, hyper's rejections: the client's doing, not the broker's.
             tracing::debug!(error = %e, "connection ended with an error");
         }
+    }
+}
+
+/// Counts a request as under way while it lives.
+struct UnderWay(Arc<AtomicUsize>);
+
+impl UnderWay {
+    fn new(counter: Arc<AtomicUsize>) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Self(counter)
+    }
+}
+
+impl Drop for UnderWay {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A response body that keeps its request counted as under way until it is sent (dropped).
+struct CountedBody {
+    body: Body,
+    _guard: UnderWay,
+}
+
+impl http_body::Body for CountedBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 
