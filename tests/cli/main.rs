@@ -4,4 +4,5 @@
 
 mod commands;
 mod run;
+mod secure;
 mod support;

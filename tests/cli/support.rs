@@ -15,7 +15,8 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_lockbroker");
 pub const COMMAND_LIMIT: Duration = Duration::from_secs(20);
 
 /// `lockbroker ARGS` aimed at `url`, with stdout and stderr captured, killed if dropped. The
-/// environment is scrubbed of proxies (the brokers are on loopback) and of a stray token; `LB`
+/// environment is scrubbed of proxies (the brokers are on loopback) and of a stray token or TLS
+/// file; `LB`
 /// names the binary, for commands that `run` starts.
 pub fn lockbroker_command(url: &str, args: &[&str]) -> Command {
     let mut command = Command::new(BIN);
@@ -24,6 +25,10 @@ pub fn lockbroker_command(url: &str, args: &[&str]) -> Command {
         .env("LOCKBROKER_URL", url)
         .env("LB", BIN)
         .env_remove("LOCKBROKER_TOKEN")
+        .env_remove("LOCKBROKER_AUTH_TOKEN")
+        .env_remove("LOCKBROKER_CACERT")
+        .env_remove("LOCKBROKER_CLIENT_CERT")
+        .env_remove("LOCKBROKER_CLIENT_KEY")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
