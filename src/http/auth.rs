@@ -53,42 +53,43 @@ fn asks_force(parts: &Parts) -> bool {
         .is_ok_and(|Query(q)| q.iter().any(|(name, _)| name == "force"))
 }
 
-/// Who sent the request, or the `401` to answer.
-fn authenticate<'p>(
-    auth: &Auth,
-    policy: &'p Policy,
-    parts: &Parts,
-) -> Result<&'p Client, Response> {
+/// A `401`: what to say and the challenge to send with it.
+struct Unauthorized {
+    message: &'static str,
+    challenge: &'static str,
+}
+
+impl Unauthorized {
+    fn into_response(self, auth: &Auth) -> Response {
+        auth.metrics.authorized("", "unauthorized");
+        let mut response = ApiError::unauthorized(self.message).into_response();
+        response.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static(self.challenge),
+        );
+        response
+    }
+}
+
+/// Who sent the request, or why it is not known.
+fn authenticate<'p>(policy: &'p Policy, parts: &Parts) -> Result<&'p Client, Unauthorized> {
     let presented = parts
         .headers
         .get(header::AUTHORIZATION)
         .map(HeaderValue::as_bytes)
         .and_then(bearer_token);
-    let refuse = |message: &str, challenge: &'static str| {
-        auth.metrics.authorized("", "unauthorized");
-        let mut response = ApiError::unauthorized(message).into_response();
-        response.headers_mut().insert(
-            header::WWW_AUTHENTICATE,
-            HeaderValue::from_static(challenge),
-        );
-        response
-    };
     let Some(bearer) = presented else {
-        return Err(refuse(
-            "This broker needs a token: send it as Authorization: Bearer <token>.",
-            CHALLENGE,
-        ));
+        return Err(Unauthorized {
+            message: "This broker needs a token: send it as Authorization: Bearer <token>.",
+            challenge: CHALLENGE,
+        });
     };
-    match policy.authenticate(bearer) {
-        Some(client) => {
-            tracing::Span::current().record("token", &**client.name());
-            Ok(client)
-        }
-        None => Err(refuse(
-            "The bearer token is not one this broker knows.",
-            CHALLENGE_INVALID,
-        )),
-    }
+    let client = policy.authenticate(bearer).ok_or(Unauthorized {
+        message: "The bearer token is not one this broker knows.",
+        challenge: CHALLENGE_INVALID,
+    })?;
+    tracing::Span::current().record("token", &**client.name());
+    Ok(client)
 }
 
 fn forbid(auth: &Auth, name: &str, message: String) -> Response {
@@ -104,9 +105,9 @@ pub(super) async fn guard_lock_route(
 ) -> Response {
     let (mut parts, body) = request.into_parts();
     let policy = auth.policy.current();
-    let client = match authenticate(&auth, &policy, &parts) {
+    let client = match authenticate(&policy, &parts) {
         Ok(client) => client,
-        Err(response) => return response,
+        Err(refusal) => return refusal.into_response(&auth),
     };
     // A key that is not valid is refused as the handler would, before any permission on it.
     let key = match KeyPath::from_request_parts(&mut parts, &()).await {
@@ -129,15 +130,15 @@ pub(super) async fn guard_operations(
 ) -> Response {
     let (parts, body) = request.into_parts();
     let policy = auth.policy.current();
-    let client = match authenticate(&auth, &policy, &parts) {
+    let client = match authenticate(&policy, &parts) {
         Ok(client) => client,
-        Err(response) => return response,
+        Err(refusal) => return refusal.into_response(&auth),
     };
     let name = client.name();
     if !client.allows(Action::Operations) {
         return forbid(
             &auth,
-            &name,
+            name,
             format!(
                 "The token {name:?} may not read this: it needs \"admin\", or \"read\" on every \
                  key (prefixes [\"\"])."

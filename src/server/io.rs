@@ -121,11 +121,11 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Stream<I> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         ready!(this.poll_pending(cx))?;
-        if let Some(first) = bufs.iter().find(|b| !b.is_empty()) {
-            if let Some(consumed) = this.take_rejection(first) {
-                let _ = this.poll_pending(cx)?;
-                return Poll::Ready(Ok(consumed));
-            }
+        if let Some(first) = bufs.iter().find(|b| !b.is_empty())
+            && let Some(consumed) = this.take_rejection(first)
+        {
+            let _ = this.poll_pending(cx)?;
+            return Poll::Ready(Ok(consumed));
         }
         Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
     }
