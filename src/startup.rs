@@ -193,7 +193,8 @@ impl Application {
             AnyStore::Memory(memory) => Some(tokio::spawn(sweep(memory.clone()))),
             AnyStore::Redis(_) => None,
         };
-        let reloader = (!reloader.is_empty()).then(|| tokio::spawn(reloader.run()));
+        // Always, even with nothing to watch: SIGHUP then logs instead of killing the process.
+        let reloader = Some(tokio::spawn(reloader.run()));
         tracing::info!(
             addr = %listener.local_addr()?,
             https = settings.tls.is_some(),

@@ -8,12 +8,20 @@
 //! alone, status 4xx or 5xx, `content-length: 0` and no `content-type`. Every error the router
 //! sends has a JSON body and a `content-type`, so a head of that shape at the start of a write is
 //! one of hyper's, and [`Stream`] writes the same status with the JSON body in its place.
+//!
+//! On HTTP/1.1 it also closes *lingeringly*: after its last answer (a `413` sent before the body
+//! was read, say) it sends FIN, then reads and drops what the client still sends, for a moment,
+//! before closing. Closing a socket with unread data sends a reset, which can make the client
+//! lose the answer it was sent just before.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Sleep;
 
 use crate::http::error::framework_rejection;
 
@@ -28,7 +36,18 @@ pub struct Stream<I> {
     /// A rewritten rejection not yet fully written.
     pending: Vec<u8>,
     written: usize,
+    /// Whether the write side is shut down (FIN sent).
+    shut: bool,
+    /// After the FIN: until when what the client still sends is read and dropped.
+    linger: Option<Pin<Box<Sleep>>>,
+    lingered: usize,
 }
+
+/// How long, and how many bytes at most, a closing HTTP/1.1 connection reads and drops what the
+/// client still sends (the rest of a body refused before it was read): enough for any body
+/// under way on a sane network, short enough that a client cannot hold its connection with it.
+const LINGER: Duration = Duration::from_secs(1);
+const LINGER_BYTES: usize = 256 * 1024;
 
 impl<I> Stream<I> {
     pub fn new(inner: I, replay: Vec<u8>, rewrite: bool) -> Self {
@@ -39,6 +58,9 @@ impl<I> Stream<I> {
             rewrite,
             pending: Vec::new(),
             written: 0,
+            shut: false,
+            linger: None,
+            lingered: 0,
         }
     }
 
@@ -98,7 +120,7 @@ impl<I: AsyncRead + Unpin> AsyncRead for Stream<I> {
     }
 }
 
-impl<I: AsyncWrite + Unpin> AsyncWrite for Stream<I> {
+impl<I: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Stream<I> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -143,7 +165,29 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Stream<I> {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         ready!(this.poll_pending(cx))?;
-        Pin::new(&mut this.inner).poll_shutdown(cx)
+        if !this.shut {
+            ready!(Pin::new(&mut this.inner).poll_shutdown(cx))?;
+            this.shut = true;
+            if this.rewrite {
+                this.linger = Some(Box::pin(tokio::time::sleep(LINGER)));
+            }
+        }
+        if let Some(deadline) = this.linger.as_mut() {
+            let mut buf = [0u8; 4096];
+            while deadline.as_mut().poll(cx).is_pending() && this.lingered < LINGER_BYTES {
+                let mut read = ReadBuf::new(&mut buf);
+                match Pin::new(&mut this.inner).poll_read(cx, &mut read) {
+                    Poll::Ready(Ok(())) if !read.filled().is_empty() => {
+                        this.lingered += read.filled().len();
+                    }
+                    // The client closed too (or the connection broke): nothing left to drop.
+                    Poll::Ready(_) => break,
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            this.linger = None;
+        }
+        Poll::Ready(Ok(()))
     }
 }
 
