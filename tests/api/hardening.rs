@@ -222,3 +222,38 @@ async fn no_bearer_token_nor_lock_token_is_logged_even_at_trace_level() {
         );
     }
 }
+
+#[test]
+fn inconsistent_security_settings_stop_the_broker_with_a_message() {
+    let missing = temp_file("missing", "pem");
+    let missing = missing.to_str().unwrap();
+    let cases: [(&[&str], &str); 6] = [
+        (&["--tls-cert", missing], "tls_cert and tls_key go together"),
+        (
+            &["--tls-client-ca", missing],
+            "tls_client_ca needs tls_cert",
+        ),
+        (&["--auth-metrics"], "auth_metrics needs auth_file"),
+        (&["--header-timeout-ms", "0"], "header_timeout_ms"),
+        (&["--max-connections", "0"], "max_connections"),
+        (&["--tls-cert", missing, "--tls-key", missing], "tls_cert"),
+    ];
+    for (args, mentions) in cases {
+        let log = temp_log("bad-security");
+        let out = std::fs::File::create(&log).unwrap();
+        let status = serve_command(BINARY)
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .status()
+            .expect("run the broker");
+        let output = std::fs::read_to_string(&log).unwrap();
+        let _ = std::fs::remove_file(&log);
+        assert!(!status.success(), "serve {args:?} started:\n{output}");
+        assert!(
+            output.contains(mentions),
+            "serve {args:?} must say {mentions:?}:\n{output}"
+        );
+    }
+}
