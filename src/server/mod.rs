@@ -7,7 +7,8 @@
 //!   logged and retried, never fatal;
 //! - a request head must arrive within `header_timeout`: the TLS handshake and the protocol
 //!   sniffing share that bound, then hyper's own header timer runs for each head, which on
-//!   HTTP/1.1 is also the idle time of a kept-alive connection between requests;
+//!   HTTP/1.1 is also the idle time of a kept-alive connection between requests (an HTTP/2
+//!   connection with no stream for that long is closed too);
 //! - a head over [`MAX_HEAD_BYTES`] is answered `431`, and hyper's own rejections get the JSON
 //!   error body ([`io`]);
 //! - on shutdown, idle connections and half-sent heads are closed at once, requests under way
@@ -20,7 +21,7 @@ pub mod tls;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -201,8 +202,8 @@ impl Connection {
             mut closing,
         } = self;
         // Requests under way on this connection, each until its response body is sent.
-        let under_way = Arc::new(AtomicUsize::new(0));
-        let counter = under_way.clone();
+        let activity = Arc::new(Activity::new());
+        let counter = activity.clone();
         let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             let guard = UnderWay::new(counter.clone());
             let response = router.clone().oneshot(request.map(Body::new));
@@ -219,7 +220,7 @@ impl Connection {
         // On shutdown, a connection with no request under way is idle or has sent part of a
         // head at most: it is closed at once. (Hyper alone would wait for the rest of a
         // half-sent first head until the header timeout.)
-        let idle = || under_way.load(Ordering::SeqCst) == 0;
+        let idle = || activity.idle_for().is_some();
         let result = match protocol {
             Protocol::Http1 => {
                 // The first head's time started with the connection.
@@ -253,11 +254,30 @@ impl Connection {
                     .max_header_list_size(MAX_HEAD_BYTES as u32)
                     .serve_connection(io, service);
                 tokio::pin!(connection);
-                tokio::select! {
-                    result = connection.as_mut() => result,
-                    _ = closing.changed() => {
-                        connection.as_mut().graceful_shutdown();
-                        connection.await
+                // HTTP/2 has no header timer between requests: a connection with no stream
+                // for header_timeout is closed here (GOAWAY), as an idle HTTP/1.1 one is.
+                let mut check = tokio::time::interval((header_timeout / 4).max(IDLE_CHECK_MIN));
+                let mut ending = false;
+                // A GOAWAY completes when the client answers the ping that goes with it; an
+                // idle client that does not is dropped after one more header timeout.
+                let mut give_up: Option<Pin<Box<tokio::time::Sleep>>> = None;
+                loop {
+                    tokio::select! {
+                        result = connection.as_mut() => break result,
+                        _ = closing.changed(), if !ending => {
+                            connection.as_mut().graceful_shutdown();
+                            ending = true;
+                        }
+                        _ = check.tick(), if !ending => {
+                            if activity.idle_for().is_some_and(|idle| idle >= header_timeout) {
+                                connection.as_mut().graceful_shutdown();
+                                ending = true;
+                                give_up = Some(Box::pin(tokio::time::sleep(header_timeout)));
+                            }
+                        }
+                        () = async { give_up.as_mut().expect("guarded").await }, if give_up.is_some() => {
+                            break Ok(());
+                        }
                     }
                 }
             }
@@ -269,19 +289,51 @@ impl Connection {
     }
 }
 
+/// Shortest period of the HTTP/2 idle check.
+const IDLE_CHECK_MIN: Duration = Duration::from_millis(10);
+
+/// What a connection is doing: requests under way, and when the last one ended.
+struct Activity {
+    under_way: AtomicUsize,
+    started: Instant,
+    /// When the last request ended, in ms since `started`.
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            under_way: AtomicUsize::new(0),
+            started: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// How long the connection has had no request under way; `None` while one is.
+    fn idle_for(&self) -> Option<Duration> {
+        if self.under_way.load(Ordering::SeqCst) > 0 {
+            return None;
+        }
+        let last = Duration::from_millis(self.last_ms.load(Ordering::SeqCst));
+        Some(self.started.elapsed().saturating_sub(last))
+    }
+}
+
 /// Counts a request as under way while it lives.
-struct UnderWay(Arc<AtomicUsize>);
+struct UnderWay(Arc<Activity>);
 
 impl UnderWay {
-    fn new(counter: Arc<AtomicUsize>) -> Self {
-        counter.fetch_add(1, Ordering::SeqCst);
-        Self(counter)
+    fn new(activity: Arc<Activity>) -> Self {
+        activity.under_way.fetch_add(1, Ordering::SeqCst);
+        Self(activity)
     }
 }
 
 impl Drop for UnderWay {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        let now = u64::try_from(self.0.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.0.last_ms.store(now, Ordering::SeqCst);
+        self.0.under_way.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

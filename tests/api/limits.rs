@@ -257,3 +257,40 @@ async fn many_idle_and_slow_connections_do_not_keep_other_clients_from_being_ser
     );
     drop(idle);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_connection_with_no_stream_is_closed_after_the_header_timeout() {
+    let app = spawn_with_header_timeout(500).await;
+    // Served over HTTP/2 first: the broker speaks h2c with prior knowledge.
+    let h2 = reqwest::Client::builder()
+        .no_proxy()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let answer = h2.get(app.url("/healthz")).send().await.unwrap();
+    assert_eq!(answer.version(), reqwest::Version::HTTP_2);
+    // A connection that opens no stream: the preface and an empty SETTINGS frame, then nothing.
+    let mut stream = connect(&app).await;
+    stream
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    // It sends GOAWAY after 500 ms; this client answers no ping, so it is dropped 500 ms later.
+    let got = read_to_close(&mut stream, Duration::from_secs(3)).await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(450),
+        "closed after {:?}",
+        started.elapsed()
+    );
+    // The broker said goodbye properly: a GOAWAY frame (type 7) is among what it sent.
+    let mut at = 0;
+    let mut goaway = false;
+    while at + 9 <= got.len() {
+        let len =
+            usize::from(got[at]) << 16 | usize::from(got[at + 1]) << 8 | usize::from(got[at + 2]);
+        goaway |= got[at + 3] == 7;
+        at += 9 + len;
+    }
+    assert!(goaway, "no GOAWAY in {got:?}");
+}
