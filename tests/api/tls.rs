@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
-use lockbroker_test_support::tls::{PemPair, TestCa};
+use lockbroker_test_support::certs::{PemPair, TestCa};
 use reqwest::{Client, StatusCode, Version};
 
 async fn spawn_https(server: &PemPair, client_ca: Option<&TestCa>) -> TestApp {

@@ -3,7 +3,7 @@
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::temp::temp_file;
-use lockbroker_test_support::tls::TestCa;
+use lockbroker_test_support::certs::TestCa;
 
 use crate::support::{finish, lockbroker, lockbroker_command};
 
