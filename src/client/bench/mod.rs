@@ -194,6 +194,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
                 timeout: Duration::from_secs(2),
                 store_loss_delay: Duration::ZERO,
                 store_settle: Duration::from_secs(3),
+                tls: Default::default(),
             },
             Arc::default(),
         )?;

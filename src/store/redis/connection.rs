@@ -12,13 +12,187 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
-use redis::{AsyncConnectionConfig, RedisError};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
+use redis::cluster_async::ClusterConnection;
+use redis::io::tcp::TcpSettings;
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
+use redis::{
+    AsyncConnectionConfig, Cmd, Pipeline, RedisError, RedisFuture, RedisResult, TlsCertificates,
+    TlsMode, Value,
+};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::url::{ParsedUrl, Topology};
 use crate::domain::millis;
 use crate::store::{StoreError, StoreResult};
+
+/// How the broker reaches Redis: one server, the master the sentinels name, or a cluster.
+pub(super) enum Connector {
+    Single(redis::Client),
+    /// Asks the sentinels for the master on every new connection, so a connection made after a
+    /// failover reaches the new master.
+    Sentinel(tokio::sync::Mutex<SentinelClient>),
+    Cluster {
+        client: ClusterClient,
+        /// The seed nodes, for the notice subscriber (see [`Connector::notice_client`]).
+        seeds: Vec<redis::Client>,
+    },
+}
+
+impl Connector {
+    pub fn build(
+        url: &ParsedUrl,
+        tcp: TcpSettings,
+        tls: Option<TlsCertificates>,
+        timeout: Duration,
+    ) -> StoreResult<Self> {
+        let invalid = |e: RedisError| StoreError::Failed(format!("invalid Redis settings: {e}"));
+        match url.topology {
+            Topology::Single => {
+                let info = url.connection_info(0)?.set_tcp_settings(tcp);
+                let client = match tls {
+                    Some(certs) => redis::Client::build_with_tls(info, certs),
+                    None => redis::Client::open(info),
+                };
+                Ok(Self::Single(client.map_err(invalid)?))
+            }
+            Topology::Sentinel => {
+                let sentinels = (0..url.hosts.len()).map(|i| url.addr(i));
+                let master = url.master_name.as_deref().unwrap_or_default();
+                let mut builder =
+                    SentinelClientBuilder::new(sentinels, master, SentinelServerType::Master)
+                        .map_err(invalid)?
+                        .set_client_to_redis_db(url.db)
+                        .set_client_to_redis_tcp_settings(tcp.clone())
+                        .set_client_to_sentinel_tcp_settings(tcp);
+                if let Some(user) = &url.username {
+                    builder = builder.set_client_to_redis_username(user);
+                }
+                if let Some(pass) = &url.password {
+                    builder = builder.set_client_to_redis_password(pass);
+                }
+                if url.tls {
+                    builder = builder
+                        .set_client_to_redis_tls_mode(TlsMode::Secure)
+                        .set_client_to_sentinel_tls_mode(TlsMode::Secure);
+                    if let Some(certs) = tls {
+                        builder = builder
+                            .set_client_to_redis_certificates(certs.clone())
+                            .set_client_to_sentinel_certificates(certs);
+                    }
+                }
+                Ok(Self::Sentinel(tokio::sync::Mutex::new(
+                    builder.build().map_err(invalid)?,
+                )))
+            }
+            Topology::Cluster => {
+                let infos = (0..url.hosts.len())
+                    .map(|i| url.connection_info(i))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let seeds = infos
+                    .iter()
+                    .map(|info| {
+                        let info = info.clone().set_tcp_settings(tcp.clone());
+                        match &tls {
+                            Some(certs) => redis::Client::build_with_tls(info, certs.clone()),
+                            None => redis::Client::open(info),
+                        }
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(invalid)?;
+                let mut builder = ClusterClientBuilder::new(infos)
+                    .tcp_settings(tcp)
+                    .connection_timeout(timeout)
+                    .response_timeout(timeout)
+                    // Failovers take seconds: the store's own time bound decides when to give up.
+                    .retries(16)
+                    .min_retry_wait(20)
+                    .max_retry_wait(500);
+                if let Some(user) = &url.username {
+                    builder = builder.username(user);
+                }
+                if let Some(pass) = &url.password {
+                    builder = builder.password(pass);
+                }
+                if url.tls {
+                    builder = builder.tls(TlsMode::Secure);
+                    if let Some(certs) = tls {
+                        builder = builder.certs(certs);
+                    }
+                }
+                Ok(Self::Cluster {
+                    client: builder.build().map_err(invalid)?,
+                    seeds,
+                })
+            }
+        }
+    }
+
+    async fn open(&self, config: &AsyncConnectionConfig) -> RedisResult<Conn> {
+        match self {
+            Self::Single(client) => Ok(Conn::Single(
+                client
+                    .get_multiplexed_async_connection_with_config(config)
+                    .await?,
+            )),
+            Self::Sentinel(sentinel) => Ok(Conn::Single(
+                sentinel
+                    .lock()
+                    .await
+                    .get_async_connection_with_config(config)
+                    .await?,
+            )),
+            Self::Cluster { client, .. } => Ok(Conn::Cluster(client.get_async_connection().await?)),
+        }
+    }
+
+    /// A client for one server that receives every release notice: the server itself, the
+    /// current master, or any node of a cluster (a plain `PUBLISH` reaches every node).
+    pub async fn notice_client(&self, attempt: usize) -> RedisResult<redis::Client> {
+        match self {
+            Self::Single(client) => Ok(client.clone()),
+            Self::Sentinel(sentinel) => sentinel.lock().await.async_get_client().await,
+            Self::Cluster { seeds, .. } => Ok(seeds[attempt % seeds.len()].clone()),
+        }
+    }
+}
+
+/// A connection of any topology; commands on a cluster connection are routed by their keys.
+#[derive(Clone)]
+pub(super) enum Conn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(conn) => conn.req_packed_command(cmd),
+            Self::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(conn) => conn.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(conn) => conn.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(conn) => conn.get_db(),
+            Self::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
 
 /// After a failed attempt, how long requests fail at once before one of them tries again, so a
 /// Redis that is down costs one connection attempt per interval, not one per request.
@@ -27,7 +201,7 @@ const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
 /// A verified connection. Cheap to clone: the connection is multiplexed.
 #[derive(Clone)]
 pub(super) struct Link {
-    pub conn: MultiplexedConnection,
+    pub conn: Conn,
     /// Tells this connection from the ones before and after it, so that a failure on an old
     /// one does not drop its replacement.
     pub generation: u64,
@@ -45,7 +219,7 @@ enum State {
 }
 
 pub(super) struct Connection {
-    client: redis::Client,
+    pub connector: Connector,
     config: AsyncConnectionConfig,
     timeout: Duration,
     state: watch::Sender<State>,
@@ -53,7 +227,7 @@ pub(super) struct Connection {
 }
 
 impl Connection {
-    pub fn new(client: redis::Client, timeout: Duration) -> Self {
+    pub fn new(connector: Connector, timeout: Duration) -> Self {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout));
@@ -62,7 +236,7 @@ impl Connection {
             at: Instant::now() - RECONNECT_PAUSE,
         };
         Self {
-            client,
+            connector,
             config,
             timeout,
             state: watch::Sender::new(never_tried),
@@ -108,17 +282,13 @@ impl Connection {
         }
     }
 
-    /// Opens a new connection and reads which server process it reached. Not yet usable:
-    /// [`Connection::up`] makes it so once verified.
-    pub async fn open(&self) -> Result<(MultiplexedConnection, Arc<str>), StoreError> {
+    /// Opens a new connection. Not yet usable: [`Connection::up`] makes it so once verified.
+    pub async fn open(&self) -> Result<Conn, StoreError> {
         let opening = async {
-            let mut conn = self
-                .client
-                .get_multiplexed_async_connection_with_config(&self.config)
+            self.connector
+                .open(&self.config)
                 .await
-                .map_err(|e| StoreError::Failed(e.to_string()))?;
-            let run_id = run_id(&mut conn).await?;
-            Ok((conn, run_id))
+                .map_err(|e| StoreError::Failed(e.to_string()))
         };
         match tokio::time::timeout(self.timeout, opening).await {
             Ok(opened) => opened,
@@ -127,7 +297,7 @@ impl Connection {
     }
 
     /// Makes a verified connection the one requests use.
-    pub fn up(&self, conn: MultiplexedConnection) {
+    pub fn up(&self, conn: Conn) {
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
         self.state
             .send_replace(State::Up(Link { conn, generation }));
@@ -162,12 +332,17 @@ impl Connection {
 }
 
 /// The server process `conn` reaches now (`INFO server`'s `run_id`). Unbounded: callers bound it.
-pub(super) async fn run_id(conn: &mut MultiplexedConnection) -> Result<Arc<str>, StoreError> {
+pub(super) async fn run_id(conn: &mut Conn) -> Result<Arc<str>, StoreError> {
     let info: String = redis::cmd("INFO")
         .arg("server")
         .query_async(conn)
         .await
         .map_err(|e| StoreError::Failed(e.to_string()))?;
+    parse_run_id(&info)
+}
+
+/// The `run_id` in an `INFO server` reply.
+pub(super) fn parse_run_id(info: &str) -> Result<Arc<str>, StoreError> {
     info.lines()
         .find_map(|l| l.strip_prefix("run_id:"))
         .map(|id| Arc::from(id.trim()))

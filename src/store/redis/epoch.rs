@@ -20,11 +20,11 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use redis::Value;
-use redis::aio::MultiplexedConnection;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::RedisStore;
+use super::connection::Conn;
 use super::connection::run_id;
 use crate::domain::{LockKey, Token, millis};
 use crate::store::ledger::Entry;
@@ -179,7 +179,7 @@ impl RedisStore {
     /// not the one this broker knows. Run on every new connection before it is used.
     pub(super) async fn check_on(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut Conn,
         run_id: &str,
     ) -> StoreResult<Option<Hold>> {
         let _one = self.epoch.catching_up.lock().await;
@@ -222,7 +222,7 @@ impl RedisStore {
 
     async fn run_check(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut Conn,
         known: Option<&str>,
         run_id: &str,
     ) -> StoreResult<Checked> {
@@ -247,11 +247,7 @@ impl RedisStore {
 
     /// Puts every live lease of the ledger back into epoch `epoch`. `None` if the epoch moved
     /// meanwhile.
-    async fn put_back_all(
-        &self,
-        conn: &mut MultiplexedConnection,
-        epoch: &str,
-    ) -> StoreResult<Option<PutBack>> {
+    async fn put_back_all(&self, conn: &mut Conn, epoch: &str) -> StoreResult<Option<PutBack>> {
         let leases = self.ledger.live(Instant::now());
         let mut report = PutBack::default();
         for batch in leases.chunks(PUT_BACK_BATCH) {
@@ -265,7 +261,7 @@ impl RedisStore {
     /// Puts `batch` back; `false` if the store is no longer in `epoch`.
     async fn put_back(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut Conn,
         epoch: &str,
         batch: &[(LockKey, Entry)],
         report: &mut PutBack,

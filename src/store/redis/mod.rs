@@ -8,21 +8,23 @@ mod epoch;
 mod notices;
 mod replies;
 mod scripts;
+pub mod url;
 
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
 use redis::io::tcp::{TcpSettings, socket2};
-use redis::{IntoConnectionInfo, RedisError, Script, Value};
+use redis::{ClientTlsConfig, RedisError, Script, TlsCertificates, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use self::connection::{Connection, Link, breaks_connection};
+use self::connection::{Conn, Connection, Connector, Link, breaks_connection};
 use self::epoch::Epoch;
 use self::replies::{ReadReply, corrupt, field, held, parse_owner, refusal};
 use self::scripts::Scripts;
+pub use self::url::{ParsedUrl, Topology};
 use super::ledger::Ledger;
 use super::{
     Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Lease, Notice, Released, Snapshot,
@@ -45,14 +47,55 @@ pub struct RedisSettings {
     /// How long a new epoch holds every grant, so that every running broker that knew the store
     /// puts its live leases back first.
     pub store_settle: Duration,
+    /// Certificates for `rediss://` URLs.
+    pub tls: RedisTls,
+}
+
+/// PEM files for TLS to Redis. Without a CA file the system's roots are trusted.
+#[derive(Debug, Clone, Default)]
+pub struct RedisTls {
+    pub ca: Option<PathBuf>,
+    /// A client certificate, with its key (`key`).
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl RedisTls {
+    /// The certificates to use, read from their files; `None` when no file is set.
+    fn load(&self) -> StoreResult<Option<TlsCertificates>> {
+        let read = |what: &str, path: &PathBuf| {
+            std::fs::read(path).map_err(|e| {
+                StoreError::Failed(format!(
+                    "cannot read the Redis TLS {what} {}: {e}",
+                    path.display()
+                ))
+            })
+        };
+        let client_tls = match (&self.cert, &self.key) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some(ClientTlsConfig {
+                client_cert: read("certificate", cert)?,
+                client_key: read("key", key)?,
+            }),
+            _ => {
+                return Err(StoreError::Failed(
+                    "a Redis TLS client certificate needs both its certificate and its key".into(),
+                ));
+            }
+        };
+        let root_cert = self.ca.as_ref().map(|ca| read("CA", ca)).transpose()?;
+        Ok(
+            (client_tls.is_some() || root_cert.is_some()).then_some(TlsCertificates {
+                client_tls,
+                root_cert,
+            }),
+        )
+    }
 }
 
 /// The Redis store. Cloning is cheap: everything is shared.
 #[derive(Clone)]
 pub struct RedisStore {
-    /// Kept for the notice subscriber, which needs a connection of its own (a subscribed
-    /// connection can issue no other commands).
-    client: redis::Client,
     connection: Arc<Connection>,
     prefix: Arc<str>,
     /// `<prefix>released`: where releases publish the client key.
@@ -72,11 +115,7 @@ impl RedisStore {
     /// Sets up the store without waiting for Redis: the broker starts (and says it is not
     /// ready) while Redis is down, and connects when it returns.
     pub fn connect(settings: &RedisSettings, metrics: Arc<Metrics>) -> StoreResult<Self> {
-        let info = settings
-            .url
-            .as_str()
-            .into_connection_info()
-            .map_err(|e| StoreError::Failed(format!("invalid Redis URL: {e}")))?;
+        let url = ParsedUrl::parse(&settings.url)?;
         // A response timeout alone does not tell a dead connection from a slow one: on a
         // connection whose far end vanished without a reset (a host gone, a black-holing
         // middlebox), every call would time out until the kernel gave up, minutes later.
@@ -89,12 +128,17 @@ impl RedisStore {
         );
         #[cfg(target_os = "linux")]
         let tcp = tcp.set_user_timeout(settings.timeout.max(Duration::from_secs(1)));
-        let client = redis::Client::open(info.set_tcp_settings(tcp))
-            .map_err(|e| StoreError::Failed(format!("invalid Redis URL: {e}")))?;
+        let tls = settings.tls.load()?;
+        if tls.is_some() && !url.tls {
+            return Err(StoreError::Failed(
+                "Redis TLS files are set but the Redis URL does not ask for TLS (rediss://…)"
+                    .into(),
+            ));
+        }
+        let connector = Connector::build(&url, tcp, tls, settings.timeout)?;
         let prefix = settings.key_prefix.as_str();
         Ok(Self {
-            connection: Arc::new(Connection::new(client.clone(), settings.timeout)),
-            client,
+            connection: Arc::new(Connection::new(connector, settings.timeout)),
             prefix: prefix.into(),
             channel: format!("{prefix}released").into(),
             marker: format!("{prefix}epoch").into(),
@@ -133,7 +177,8 @@ impl RedisStore {
     fn reconnect(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         Box::pin(async move {
             let verified = async {
-                let (mut conn, run_id) = self.connection.open().await?;
+                let mut conn = self.connection.open().await?;
+                let run_id = connection::run_id(&mut conn).await?;
                 self.check_on(&mut conn, &run_id).await?;
                 Ok::<_, StoreError>((conn, run_id))
             };
@@ -168,7 +213,7 @@ impl RedisStore {
     /// out, replaces it.
     async fn with_link<T>(
         &self,
-        call: impl AsyncFnOnce(&mut MultiplexedConnection) -> Result<T, RedisError>,
+        call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
     ) -> StoreResult<T> {
         let deadline = Instant::now() + self.timeout;
         let timed_out = || StoreError::Timeout(millis(self.timeout));

@@ -15,6 +15,7 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
 
 use super::RedisStore;
+use super::connection::Connector;
 use super::epoch::CHECK_EVERY;
 use crate::domain::{Fence, LockKey, millis};
 use crate::store::{Notice, StoreError, StoreResult};
@@ -66,10 +67,12 @@ const RETRY_MIN: Duration = Duration::from_millis(100);
 /// ([`Notice::Missed`]), since notices published while disconnected are lost, and the epoch
 /// is checked (Redis may be back after a restart).
 pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
-    let (client, channel, timeout) = (&store.client, &store.channel, store.timeout);
+    let (channel, timeout) = (&store.channel, store.timeout);
     let mut backoff = Duration::from_millis(100);
+    let mut attempt = 0;
     loop {
-        match subscribe(client, channel, timeout).await {
+        attempt += 1;
+        match subscribe(&store.connection.connector, attempt, channel, timeout).await {
             Ok((mut sink, mut stream)) => {
                 tracing::debug!(%channel, "listening for release notices");
                 backoff = Duration::from_millis(100);
@@ -138,12 +141,17 @@ fn deliver(notices: &mpsc::Sender<Notice>, notice: Notice) -> bool {
 }
 
 async fn subscribe(
-    client: &redis::Client,
+    connector: &Connector,
+    attempt: usize,
     channel: &str,
     timeout: Duration,
 ) -> StoreResult<(PubSubSink, PubSubStream)> {
     let connect = async {
-        let mut pubsub = client.get_async_pubsub().await?;
+        let mut pubsub = connector
+            .notice_client(attempt)
+            .await?
+            .get_async_pubsub()
+            .await?;
         pubsub.subscribe(channel).await?;
         Ok::<_, RedisError>(pubsub.split())
     };
