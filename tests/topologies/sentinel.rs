@@ -1,0 +1,1 @@
+//! Tests on a sentinel topology.
