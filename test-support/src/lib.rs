@@ -16,6 +16,7 @@
 
 pub mod app;
 pub mod broker;
+pub mod cluster;
 pub mod http;
 pub mod redis_server;
 pub mod temp;

@@ -15,6 +15,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
@@ -164,6 +165,26 @@ impl Connector {
 pub(super) enum Conn {
     Single(MultiplexedConnection),
     Cluster(ClusterConnection),
+}
+
+impl Conn {
+    /// Runs `cmd` on the master that serves `slot` (on one server: that server).
+    pub async fn on_master_of<T: redis::FromRedisValue>(
+        &mut self,
+        slot: u16,
+        cmd: &Cmd,
+    ) -> RedisResult<T> {
+        match self {
+            Self::Single(conn) => cmd.query_async(conn).await,
+            Self::Cluster(conn) => {
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+                    Route::new(slot, SlotAddr::Master),
+                ));
+                let value = conn.route_command(cmd.clone(), route).await?;
+                Ok(redis::from_redis_value(value)?)
+            }
+        }
+    }
 }
 
 impl ConnectionLike for Conn {

@@ -8,6 +8,7 @@ mod epoch;
 mod notices;
 mod replies;
 mod scripts;
+mod slots;
 pub mod url;
 
 use std::path::PathBuf;
@@ -16,14 +17,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::io::tcp::{TcpSettings, socket2};
-use redis::{ClientTlsConfig, RedisError, Script, TlsCertificates, Value};
+use redis::{ClientTlsConfig, FromRedisValue, RedisError, TlsCertificates, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use self::connection::{Conn, Connection, Connector, Link, breaks_connection};
 use self::epoch::Epoch;
 use self::replies::{ReadReply, corrupt, field, held, parse_owner, refusal};
-use self::scripts::Scripts;
+use self::scripts::{Call, Scripts};
+pub use self::slots::slot_of;
+use self::slots::tag_for;
 pub use self::url::{ParsedUrl, Topology};
 use super::ledger::Ledger;
 use super::{
@@ -100,8 +103,10 @@ pub struct RedisStore {
     prefix: Arc<str>,
     /// `<prefix>released`: where releases publish the client key.
     channel: Arc<str>,
-    /// `<prefix>epoch`: the store's epoch marker (see `epoch.rs`).
+    /// `<prefix>epoch`: the store's epoch marker (see `epoch.rs`); on a cluster, one per slot.
     marker: Arc<str>,
+    /// On a Redis Cluster: per-master epochs, per-slot markers (see `epoch.rs`).
+    cluster: bool,
     epoch: Arc<Epoch>,
     ledger: Arc<Ledger>,
     metrics: Arc<Metrics>,
@@ -136,12 +141,14 @@ impl RedisStore {
             ));
         }
         let connector = Connector::build(&url, tcp, tls, settings.timeout)?;
+        let cluster = url.topology == Topology::Cluster;
         let prefix = settings.key_prefix.as_str();
         Ok(Self {
             connection: Arc::new(Connection::new(connector, settings.timeout)),
             prefix: prefix.into(),
             channel: format!("{prefix}released").into(),
             marker: format!("{prefix}epoch").into(),
+            cluster,
             epoch: Arc::default(),
             ledger: Arc::default(),
             metrics,
@@ -157,6 +164,86 @@ impl RedisStore {
             format!("{}{{{}}}:lock", self.prefix, key),
             format!("{}{{{}}}:fence", self.prefix, key),
         ]
+    }
+
+    /// On a cluster, the slot of `key`'s Redis keys.
+    fn slot(&self, key: &LockKey) -> Option<u16> {
+        self.cluster
+            .then(|| slot_of(format!("{}{{{}}}", self.prefix, key).as_bytes()))
+    }
+
+    /// The epoch marker a script on `key` reads: the store's, or on a cluster its slot's.
+    fn marker_for(&self, key: &LockKey) -> String {
+        match self.slot(key) {
+            Some(slot) => self.marker_of(slot),
+            None => self.marker.to_string(),
+        }
+    }
+
+    /// The epoch marker of `slot` (on one server, the store's one marker).
+    fn marker_of(&self, slot: u16) -> String {
+        if self.cluster {
+            format!("{}{{{}}}", self.marker, tag_for(slot))
+        } else {
+            self.marker.to_string()
+        }
+    }
+
+    /// Runs a script call by SHA. A server without the script (NOSCRIPT) is, on a cluster, one
+    /// the broker has not checked since it started — a restart or a promoted replica, whose
+    /// connection the cluster client made unseen: the epoch is checked first (see `epoch.rs`),
+    /// then the script sent with its source, to that server only.
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        conn: &mut Conn,
+        call: &Call<'_>,
+    ) -> Result<T, RedisError> {
+        match call.by_sha().query_async(conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                if self.cluster {
+                    let checked = self.clone().catch_up_task().await;
+                    if let Err(e) = checked {
+                        return Err(RedisError::from((
+                            redis::ErrorKind::Io,
+                            "epoch check failed",
+                            e.to_string(),
+                        )));
+                    }
+                }
+                call.with_source().query_async(conn).await
+            }
+            result => result,
+        }
+    }
+
+    /// Runs a script call, sending its source on NOSCRIPT without a check: for calls made
+    /// within the check itself.
+    async fn invoke_unchecked<T: FromRedisValue>(
+        &self,
+        conn: &mut Conn,
+        call: &Call<'_>,
+    ) -> Result<T, RedisError> {
+        match call.by_sha().query_async(conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                call.with_source().query_async(conn).await
+            }
+            result => result,
+        }
+    }
+
+    /// [`RedisStore::catch_up`] in a task of its own (a put-back must not stop halfway because
+    /// the request that started it gave up), as a boxed future: catching up runs scripts, which
+    /// can catch up — a cycle the compiler cannot see through when the type is inferred.
+    fn catch_up_task(self) -> Pin<Box<dyn Future<Output = StoreResult<Option<Hold>>> + Send>> {
+        Box::pin(async move {
+            let timeout = self.timeout;
+            match tokio::time::timeout(timeout, tokio::spawn(async move { self.catch_up().await }))
+                .await
+            {
+                Ok(Ok(result)) => result,
+                _ => Err(StoreError::Timeout(millis(timeout))),
+            }
+        })
     }
 
     /// The verified connection, making one if there is none (see `connection.rs`).
@@ -178,13 +265,17 @@ impl RedisStore {
         Box::pin(async move {
             let verified = async {
                 let mut conn = self.connection.open().await?;
-                let run_id = connection::run_id(&mut conn).await?;
-                self.check_on(&mut conn, &run_id).await?;
-                Ok::<_, StoreError>((conn, run_id))
+                if self.cluster {
+                    self.check_cluster(&mut conn).await?;
+                } else {
+                    let run_id = connection::run_id(&mut conn).await?;
+                    self.check_on(&mut conn, &run_id).await?;
+                }
+                Ok::<_, StoreError>(conn)
             };
             match verified.await {
-                Ok((conn, run_id)) => {
-                    tracing::debug!(%run_id, "connected to Redis");
+                Ok(conn) => {
+                    tracing::debug!("connected to Redis");
                     self.connection.up(conn);
                 }
                 Err(e) => {
@@ -250,20 +341,25 @@ impl RedisStore {
     /// once more.
     async fn grant(
         &self,
-        script: &Script,
+        script: &scripts::Lua,
         key: &LockKey,
         bid: &Bid,
         seen: Option<Fence>,
     ) -> StoreResult<Grant> {
         let [lock, fence] = self.keys(key);
-        for first in [true, false] {
-            let known = match self.epoch.for_grant() {
+        let slot = self.slot(key);
+        let marker = self.marker_for(key);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let known = match self.epoch.for_grant(slot) {
                 Ok(known) => known,
                 Err(hold) => return Ok(Grant::Held(hold)),
             };
-            let mut inv = script.key(&lock);
-            inv.key(&fence)
-                .key(&*self.marker)
+            let mut inv = script.call();
+            inv.key(&lock)
+                .key(&fence)
+                .key(&marker)
                 .arg(bid.token.as_str())
                 .arg(bid.ttl.as_ms())
                 .arg(if bid.owner.is_some() { "1" } else { "0" })
@@ -275,7 +371,7 @@ impl RedisStore {
                 inv.arg(seen);
             }
             let reply: Vec<Value> = self
-                .with_link(async |conn| inv.invoke_async(conn).await)
+                .with_link(async |conn| self.invoke(conn, &inv).await)
                 .await?;
             let answered = Instant::now();
             match field::<u8>(&reply, 0)? {
@@ -300,6 +396,7 @@ impl RedisStore {
                     let remaining = lease.expires_at_ms.saturating_sub(field(&reply, 5)?);
                     self.remember(
                         key,
+                        slot,
                         &lease,
                         answered + Duration::from_millis(remaining),
                         &known,
@@ -313,18 +410,14 @@ impl RedisStore {
                         &field::<String>(&reply, 3)?,
                     )));
                 }
-                3 if first => {
-                    // Catch up in a task of its own: a put-back must not stop halfway because
-                    // this request gave up.
-                    let store = self.clone();
-                    let catching_up = tokio::spawn(async move { store.catch_up().await });
-                    match tokio::time::timeout(self.timeout, catching_up).await {
-                        Ok(Ok(Ok(Some(hold)))) => return Ok(Grant::Held(hold)),
-                        Ok(Ok(Ok(None))) => {}
-                        Ok(Ok(Err(e))) => return Err(e),
-                        _ => return Err(StoreError::Timeout(millis(self.timeout))),
-                    }
-                }
+                3 if tries == 1
+                    && let Some(slot) = slot
+                    && let Some(epoch) = field::<Option<String>>(&reply, 1)?
+                    && self.epoch.adopt(slot, &epoch) => {}
+                3 if tries <= 2 => match self.clone().catch_up_task().await? {
+                    Some(hold) => return Ok(Grant::Held(hold)),
+                    None => {}
+                },
                 3 => {
                     return Ok(Grant::Held(Hold {
                         reason: HoldReason::PuttingBack,
@@ -334,15 +427,21 @@ impl RedisStore {
                 code => return Err(StoreError::Failed(format!("unexpected grant reply {code}"))),
             }
         }
-        unreachable!("the second pass always returns")
     }
 
     /// Records a lease granted or renewed here in the ledger. If it was written in an epoch
     /// older than the newest one this broker has seen, its answer raced a loss and the put-back
     /// may have missed it: it is put back on its own.
-    fn remember(&self, key: &LockKey, lease: &Lease, ends: Instant, epoch: &str) {
+    fn remember(
+        &self,
+        key: &LockKey,
+        slot: Option<u16>,
+        lease: &Lease,
+        ends: Instant,
+        epoch: &str,
+    ) {
         self.ledger.record(key, lease, ends);
-        if self.epoch.is_behind(epoch) {
+        if self.epoch.is_behind(slot, epoch) {
             self.put_back_late(key.clone());
         }
     }
@@ -355,9 +454,10 @@ impl Store for RedisStore {
 
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         let [lock, _] = self.keys(key);
-        let inv = self.scripts.read.key(lock);
+        let mut inv = self.scripts.read.call();
+        inv.key(lock);
         let (now_ms, token, fence, expires, ttl, owner, request_id): ReadReply = self
-            .with_link(async |conn| inv.invoke_async(conn).await)
+            .with_link(async |conn| self.invoke(conn, &inv).await)
             .await?;
         let lease = match (token, fence, expires, ttl) {
             (Some(token), Some(fence), Some(expires_at_ms), Some(ttl_ms)) => Some(Lease {
@@ -381,13 +481,14 @@ impl Store for RedisStore {
 
     async fn release(&self, key: &LockKey, token: &Token) -> StoreResult<Holder<Released>> {
         let [lock, _] = self.keys(key);
-        let mut inv = self.scripts.release.key(lock);
-        inv.key(&*self.marker)
+        let mut inv = self.scripts.release.call();
+        inv.key(lock)
+            .key(self.marker_for(key))
             .arg(token.as_str())
             .arg(&*self.channel)
             .arg(key.as_str());
         let reply: Vec<Value> = self
-            .with_link(async |conn| inv.invoke_async(conn).await)
+            .with_link(async |conn| self.invoke(conn, &inv).await)
             .await?;
         let outcome = match field::<u8>(&reply, 0)? {
             1 => Holder::Done(Released {
@@ -403,15 +504,16 @@ impl Store for RedisStore {
 
     async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
         let [lock, _] = self.keys(key);
-        let mut inv = self.scripts.renew.key(lock);
-        inv.key(&*self.marker)
+        let mut inv = self.scripts.renew.call();
+        inv.key(lock)
+            .key(self.marker_for(key))
             .arg(token.as_str())
             .arg(ttl.as_ms())
             .arg(EXPIRY_SLACK_MS)
             .arg(&*self.channel)
             .arg(key.as_str());
         let reply: Vec<Value> = self
-            .with_link(async |conn| inv.invoke_async(conn).await)
+            .with_link(async |conn| self.invoke(conn, &inv).await)
             .await?;
         let answered = Instant::now();
         if field::<u8>(&reply, 0)? != 1 {
@@ -430,7 +532,13 @@ impl Store for RedisStore {
             request_id: None,
         };
         let ends = answered + Duration::from_millis(ttl.as_ms());
-        self.remember(key, &lease, ends, &field::<String>(&reply, 4)?);
+        self.remember(
+            key,
+            self.slot(key),
+            &lease,
+            ends,
+            &field::<String>(&reply, 4)?,
+        );
         Ok(Holder::Done(lease))
     }
 
@@ -441,17 +549,7 @@ impl Store for RedisStore {
                 retry_after_ms: 1_000,
             }));
         }
-        // In a task of its own, like any catch-up: a put-back must not stop halfway.
-        let store = self.clone();
-        match tokio::time::timeout(
-            self.timeout,
-            tokio::spawn(async move { store.catch_up().await }),
-        )
-        .await
-        {
-            Ok(Ok(result)) => result,
-            _ => Err(StoreError::Timeout(millis(self.timeout))),
-        }
+        self.clone().catch_up_task().await
     }
 
     fn ledger_len(&self) -> usize {
