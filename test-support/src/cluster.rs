@@ -140,6 +140,26 @@ impl RedisCluster {
         None
     }
 
+    /// The replica of master `i`.
+    pub async fn replica_of(&self, i: usize) -> usize {
+        let mut conn = self.nodes[i].connection().await;
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut conn)
+            .await
+            .expect("INFO replication");
+        let port: u16 = info
+            .lines()
+            .find_map(|l| l.strip_prefix("slave0:"))
+            .and_then(|l| l.split(',').find_map(|f| f.strip_prefix("port=")))
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("node {i} has no replica:\n{info}"));
+        self.nodes
+            .iter()
+            .position(|n| n.port == port)
+            .expect("the replica is one of ours")
+    }
+
     /// Kills node `i` (SIGKILL): with no persistence its data is gone; its replica is promoted
     /// after the node timeout.
     pub fn kill(&mut self, i: usize) {

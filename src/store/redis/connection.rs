@@ -8,14 +8,12 @@
 //! that find no connection wait for the one being made (within their own time bound), or fail
 //! at once with the last error if the last attempt failed moments ago.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
@@ -165,26 +163,6 @@ impl Connector {
 pub(super) enum Conn {
     Single(MultiplexedConnection),
     Cluster(ClusterConnection),
-}
-
-impl Conn {
-    /// Runs `cmd` on the master that serves `slot` (on one server: that server).
-    pub async fn on_master_of<T: redis::FromRedisValue>(
-        &mut self,
-        slot: u16,
-        cmd: &Cmd,
-    ) -> RedisResult<T> {
-        match self {
-            Self::Single(conn) => cmd.query_async(conn).await,
-            Self::Cluster(conn) => {
-                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
-                    Route::new(slot, SlotAddr::Master),
-                ));
-                let value = conn.route_command(cmd.clone(), route).await?;
-                Ok(redis::from_redis_value(value)?)
-            }
-        }
-    }
 }
 
 impl ConnectionLike for Conn {
@@ -350,24 +328,6 @@ impl Connection {
             tracing::warn!(error = %error, "the Redis connection failed: replacing it");
         }
     }
-}
-
-/// The server process `conn` reaches now (`INFO server`'s `run_id`). Unbounded: callers bound it.
-pub(super) async fn run_id(conn: &mut Conn) -> Result<Arc<str>, StoreError> {
-    let info: String = redis::cmd("INFO")
-        .arg("server")
-        .query_async(conn)
-        .await
-        .map_err(|e| StoreError::Failed(e.to_string()))?;
-    parse_run_id(&info)
-}
-
-/// The `run_id` in an `INFO server` reply.
-pub(super) fn parse_run_id(info: &str) -> Result<Arc<str>, StoreError> {
-    info.lines()
-        .find_map(|l| l.strip_prefix("run_id:"))
-        .map(|id| Arc::from(id.trim()))
-        .ok_or_else(|| StoreError::Failed("Redis's INFO server has no run_id".into()))
 }
 
 /// Whether a failed call means the connection itself is unusable.

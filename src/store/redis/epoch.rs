@@ -38,7 +38,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::RedisStore;
-use super::connection::{Conn, parse_run_id, run_id};
+use super::connection::Conn;
 use super::slots::{SLOTS, slot_of};
 use crate::domain::{LockKey, Token, millis};
 use crate::store::ledger::Entry;
@@ -231,19 +231,12 @@ impl RedisStore {
                 Err(_) => return Err(StoreError::Timeout(millis(self.timeout))),
             };
             let mut conn = link.conn.clone();
+            // Unbounded here: a new epoch puts leases back (on a cluster, marks a master's
+            // thousands of slots too), which must not stop halfway. Each call in it is bounded.
             let checked = if self.cluster {
-                // Unbounded here: a new epoch on a master marks its thousands of slots, and
-                // that must not stop halfway. Each call in it is bounded.
                 self.check_cluster(&mut conn).await
             } else {
-                // The server process as it is now, not as it was when the connection was made:
-                // a proxy between broker and Redis may keep this connection open across a
-                // restart.
-                match tokio::time::timeout_at(deadline, run_id(&mut conn)).await {
-                    Ok(Ok(run_id)) => self.check_on(&mut conn, &run_id).await,
-                    Ok(Err(e)) => Err(e),
-                    Err(_) => Err(StoreError::Timeout(millis(self.timeout))),
-                }
+                self.check_on(&mut conn).await
             };
             match checked {
                 Ok(hold) => return Ok(hold),
@@ -256,15 +249,11 @@ impl RedisStore {
         Err(last.expect("two failed tries"))
     }
 
-    /// The epoch check on `conn` (reaching server `run_id`), and the put-back if the epoch is
-    /// not the one this broker knows. Run on every new connection before it is used.
-    pub(super) async fn check_on(
-        &self,
-        conn: &mut Conn,
-        run_id: &str,
-    ) -> StoreResult<Option<Hold>> {
+    /// The epoch check on `conn`, and the put-back if the epoch is not the one this broker
+    /// knows. Run on every new connection before it is used.
+    pub(super) async fn check_on(&self, conn: &mut Conn) -> StoreResult<Option<Hold>> {
         let _one = self.epoch.catching_up.lock().await;
-        let checked = self.check_shard(conn, &Shard::whole(), run_id).await?;
+        let checked = self.check_shard(conn, &Shard::whole()).await?;
         Ok(checked.hold())
     }
 
@@ -278,11 +267,7 @@ impl RedisStore {
         let mut hold: Option<Hold> = None;
         let mut epochs = Vec::with_capacity(shards.len());
         for shard in &shards {
-            let info: String = self
-                .bounded(conn.on_master_of(shard.first, redis::cmd("INFO").arg("server")))
-                .await?;
-            let run_id = parse_run_id(&info)?;
-            let checked = self.check_shard(conn, shard, &run_id).await?;
+            let checked = self.check_shard(conn, shard).await?;
             if let Some(h) = checked.hold()
                 && hold
                     .as_ref()
@@ -317,20 +302,13 @@ impl RedisStore {
 
     /// Checks one shard's epoch and catches up with it: puts this broker's leases on the shard
     /// back if the epoch is not the one it knew. Called with `catching_up` held.
-    async fn check_shard(
-        &self,
-        conn: &mut Conn,
-        shard: &Shard,
-        run_id: &str,
-    ) -> StoreResult<Checked> {
+    async fn check_shard(&self, conn: &mut Conn, shard: &Shard) -> StoreResult<Checked> {
         let marker = self.marker_of(shard.first);
         // A put-back that finds the epoch moved again (a second loss meanwhile) starts over; a
         // put-back that went through checks once more, for the hold as the put-back left it.
         for _ in 0..4 {
             let known = self.epoch.state().known.get(&shard.first).cloned();
-            let checked = self
-                .run_check(conn, &marker, known.as_deref(), run_id)
-                .await?;
+            let checked = self.run_check(conn, &marker, known.as_deref()).await?;
             if known.as_deref() == Some(checked.id.as_str()) {
                 return Ok(checked);
             }
@@ -402,22 +380,20 @@ impl RedisStore {
         conn: &mut Conn,
         marker: &str,
         known: Option<&str>,
-        run_id: &str,
     ) -> StoreResult<Checked> {
         let mut eval = redis::cmd("EVAL");
         eval.arg(&self.scripts.check)
             .arg(1)
             .arg(marker)
             .arg(known.unwrap_or(""))
-            .arg(run_id)
             .arg(millis(self.store_settle))
             .arg(millis(self.store_loss_delay))
             .arg(&*self.channel);
-        let (id, hold_until_ms, now_ms, reason): (String, u64, u64, String) =
+        let (id, hold_until_ms, now_ms, reason, run_id): (String, u64, u64, String, String) =
             self.bounded(eval.query_async(conn)).await?;
         Ok(Checked {
             id,
-            run_id: run_id.to_owned(),
+            run_id,
             hold_until_ms,
             now_ms,
             reason,

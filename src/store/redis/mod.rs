@@ -268,8 +268,7 @@ impl RedisStore {
                 if self.cluster {
                     self.check_cluster(&mut conn).await?;
                 } else {
-                    let run_id = connection::run_id(&mut conn).await?;
-                    self.check_on(&mut conn, &run_id).await?;
+                    self.check_on(&mut conn).await?;
                 }
                 Ok::<_, StoreError>(conn)
             };

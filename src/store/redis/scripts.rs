@@ -178,7 +178,11 @@ return {1, v[1], now + ttl, v[2] or false, redis.call('HGET', KEYS[2], 'id') or 
 
 /// The epoch check, run on every new connection before it is used, once a second, and when
 /// another broker announces a new epoch. KEYS: epoch marker. ARGV: the epoch this broker knows
-/// ('' if none), the server's `run_id`, store_settle_ms, store_loss_delay_ms, notice channel.
+/// ('' if none), store_settle_ms, store_loss_delay_ms, notice channel.
+///
+/// The server process is read here (`INFO server`'s `run_id`), in the same step as the marker
+/// and so on the very server that holds it: on a cluster, a keyless `INFO` sent separately can
+/// reach another node while the cluster's slots move.
 ///
 /// A new epoch begins — with a store-wide hold of `store_settle_ms`, announced on the channel —
 /// when the marker is missing (a new store, or one emptied by a restart without persistence or a
@@ -187,25 +191,26 @@ return {1, v[1], now + ttl, v[2] or false, redis.call('HGET', KEYS[2], 'id') or 
 /// than the current one has seen a loss: the reason becomes `loss`, and the optional paranoid
 /// `store_loss_delay_ms` stretches the hold to that long after the epoch began.
 ///
-/// Replies `{id, hold_until, now, reason}`.
+/// Replies `{id, hold_until, now, reason, run_id}`.
 const CHECK: &str = r#"
 local now = now_us()
 local now_ms = math.floor(now / 1000)
+local server = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
 local m = redis.call('HMGET', KEYS[1], 'id', 'run_id', 'hold_until', 'reason')
 local id, run, hold, reason = m[1], m[2], tonumber(m[3] or '0'), m[4] or ''
-if (not id) or run ~= ARGV[2] then
+if (not id) or run ~= server then
   if id or ARGV[1] ~= '' then reason = 'loss' else reason = 'settle' end
   id = int(now)
-  hold = math.max(hold, now_ms + tonumber(ARGV[3]))
-  redis.call('HSET', KEYS[1], 'id', id, 'run_id', ARGV[2], 'hold_until', int(hold), 'reason', reason)
-  redis.call('PUBLISH', ARGV[5], '!epoch')
+  hold = math.max(hold, now_ms + tonumber(ARGV[2]))
+  redis.call('HSET', KEYS[1], 'id', id, 'run_id', server, 'hold_until', int(hold), 'reason', reason)
+  redis.call('PUBLISH', ARGV[4], '!epoch')
 end
 if ARGV[1] ~= '' and ARGV[1] ~= id then
-  hold = math.max(hold, math.floor(tonumber(id) / 1000) + tonumber(ARGV[4]))
+  hold = math.max(hold, math.floor(tonumber(id) / 1000) + tonumber(ARGV[3]))
   reason = 'loss'
   redis.call('HSET', KEYS[1], 'hold_until', int(hold), 'reason', reason)
 end
-return {id, hold, now_ms, reason}
+return {id, hold, now_ms, reason, server}
 "#;
 
 /// Cluster only: copies a master's epoch (as CHECK left it on the master's first slot) to the
