@@ -413,10 +413,11 @@ impl RedisStore {
                     && let Some(slot) = slot
                     && let Some(epoch) = field::<Option<String>>(&reply, 1)?
                     && self.epoch.adopt(slot, &epoch) => {}
-                3 if tries <= 2 => match self.clone().catch_up_task().await? {
-                    Some(hold) => return Ok(Grant::Held(hold)),
-                    None => {}
-                },
+                3 if tries <= 2 => {
+                    if let Some(hold) = self.clone().catch_up_task().await? {
+                        return Ok(Grant::Held(hold));
+                    }
+                }
                 3 => {
                     return Ok(Grant::Held(Hold {
                         reason: HoldReason::PuttingBack,
