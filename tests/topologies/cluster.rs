@@ -62,10 +62,38 @@ async fn on_a_cluster_locks_spread_over_the_masters_wake_across_brokers_and_surv
     for app in [&one, &two] {
         wait_until_ready(&app.address, Duration::from_secs(15)).await;
     }
+    // Ready means some master grants: the others may still be settling for a moment.
+    every_master_grants(&cluster, &one).await;
 
     locks_spread_over_every_master(&cluster, &one, &two).await;
     a_release_wakes_a_waiter_on_another_broker_within_100_ms(&one, &two).await;
     a_flushed_master_gets_its_leases_back_while_the_others_grant(&cluster, &one, &two).await;
+}
+
+/// Waits until a key on each master is granted (each master settles on its own).
+async fn every_master_grants(cluster: &RedisCluster, app: &TestApp) {
+    let started = Instant::now();
+    let mut granted = BTreeSet::new();
+    for i in 0.. {
+        let key = format!("settled-{i}");
+        let master = cluster.master_of(&lock_key(&key)).await;
+        if granted.contains(&master) {
+            continue;
+        }
+        loop {
+            let answer = app.acquire(&key, "ttl_ms=1").await;
+            if answer.status == StatusCode::CREATED {
+                break;
+            }
+            answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+            assert!(started.elapsed() < Duration::from_secs(10), "{}", answer.text);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        granted.insert(master);
+        if granted.len() == 3 {
+            return;
+        }
+    }
 }
 
 async fn locks_spread_over_every_master(cluster: &RedisCluster, one: &TestApp, two: &TestApp) {
@@ -162,12 +190,17 @@ async fn a_flushed_master_gets_its_leases_back_while_the_others_grant(
     // Until the broker that granted it puts it back, the key is never granted to anyone else:
     // it answers 503 (no marker, or the hold) or 409 (back).
     let mut elsewhere_granted_during_hold = false;
+    let mut ready_during_hold = false;
     loop {
         let answer = two.acquire("kept", "").await;
         match answer.status {
             StatusCode::CONFLICT => break,
             StatusCode::SERVICE_UNAVAILABLE => {
                 answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+                // One master's hold is not the store's: the broker stays ready for the others.
+                if !ready_during_hold {
+                    ready_during_hold = two.get("/readyz").await.status == StatusCode::OK;
+                }
             }
             _ => panic!(
                 "a flushed lease was granted to another client: {} {}",
@@ -191,6 +224,10 @@ async fn a_flushed_master_gets_its_leases_back_while_the_others_grant(
     assert!(
         elsewhere_granted_during_hold,
         "a key on a master that lost nothing was held too"
+    );
+    assert!(
+        ready_during_hold,
+        "/readyz was not ready while only one master held"
     );
     // The holder's token still works: renew keeps the fence, release frees the key.
     let started = Instant::now();

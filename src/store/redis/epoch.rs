@@ -258,25 +258,34 @@ impl RedisStore {
     }
 
     /// The epoch check of every master of a cluster, each caught up with as [`check_on`] does
-    /// for one server. Returns the longest hold in force on any of them.
+    /// for one server. Returns a hold only if every master holds: a master that settles alone
+    /// holds only its own keys (its slots' markers say so to every script), and the broker stays
+    /// ready for the others.
     ///
     /// [`check_on`]: RedisStore::check_on
     pub(super) async fn check_cluster(&self, conn: &mut Conn) -> StoreResult<Option<Hold>> {
         let _one = self.epoch.catching_up.lock().await;
         let shards = self.bounded(masters(conn)).await?;
+        // The hold that stops every grant: the shortest, if every master holds.
         let mut hold: Option<Hold> = None;
+        let mut all_held = !shards.is_empty();
         let mut epochs = Vec::with_capacity(shards.len());
         for shard in &shards {
             let checked = self.check_shard(conn, shard).await?;
-            if let Some(h) = checked.hold()
-                && hold
-                    .as_ref()
-                    .is_none_or(|held| held.retry_after_ms < h.retry_after_ms)
-            {
-                hold = Some(h);
+            match checked.hold() {
+                Some(h)
+                    if hold
+                        .as_ref()
+                        .is_none_or(|held| h.retry_after_ms < held.retry_after_ms) =>
+                {
+                    hold = Some(h);
+                }
+                Some(_) => {}
+                None => all_held = false,
             }
             epochs.push(checked.id);
         }
+        let hold = hold.filter(|_| all_held);
         // Which epoch each slot's marker is expected in: its master's, unless the slot keeps
         // another master's current epoch (it moved here with its marker).
         let mut state = self.epoch.state();

@@ -9,7 +9,9 @@
 //!
 //! The epoch marker `<prefix>epoch` is a hash, never expired: `id` (the epoch, Redis's clock in
 //! µs when it began), `run_id` (the server process it began on), `hold_until` (ms; nothing is
-//! granted before it) and `reason` (`settle` or `loss`). See `epoch.rs` for what an epoch is.
+//! granted before it) and `reason` (`settle` or `loss`). On a Redis Cluster there is one marker per slot,
+//! `<prefix>epoch{<tag>}`, so that a script's keys stay on one slot. See `epoch.rs` for what an
+//! epoch is.
 
 use redis::{Cmd, Script, ToRedisArgs};
 
