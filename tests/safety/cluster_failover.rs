@@ -62,7 +62,9 @@ async fn mutual_exclusion_holds_while_a_cluster_master_fails_over_to_a_replica_t
         ttl_ms: 20_000,
         wait_ms: 1000,
         hold_ms: 0..=3,
-        limit: Duration::from_secs(16),
+        // Stopped once grants are back after the failover (`Run::stop`); this bounds a failover
+        // that never ends.
+        limit: Duration::from_secs(40),
         answer_bound: Duration::from_millis(1000 + STORE_TIMEOUT_MS) + Duration::from_secs(2),
         ..Plan::new("hot", 12, 10_000)
     };
@@ -88,6 +90,19 @@ async fn mutual_exclusion_holds_while_a_cluster_master_fails_over_to_a_replica_t
         .await;
     let elected = Instant::now();
     assert_eq!(promoted, replica);
+    // Grants come back, and go on for a while on the new master.
+    let at_election = run.sections_so_far();
+    let started = Instant::now();
+    while run.sections_so_far() < at_election + 200 {
+        assert!(
+            started.elapsed() < RESUME_LIMIT + Duration::from_secs(5),
+            "only {} critical sections in {:?} after the election",
+            run.sections_so_far() - at_election,
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    run.stop();
 
     let report = run.finish().await;
     let summary = report.check();

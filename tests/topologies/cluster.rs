@@ -86,7 +86,11 @@ async fn every_master_grants(cluster: &RedisCluster, app: &TestApp) {
                 break;
             }
             answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
-            assert!(started.elapsed() < Duration::from_secs(10), "{}", answer.text);
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{}",
+                answer.text
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         granted.insert(master);
