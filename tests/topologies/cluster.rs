@@ -68,6 +68,7 @@ async fn on_a_cluster_locks_spread_over_the_masters_wake_across_brokers_and_surv
     locks_spread_over_every_master(&cluster, &one, &two).await;
     a_release_wakes_a_waiter_on_another_broker_within_100_ms(&one, &two).await;
     a_flushed_master_gets_its_leases_back_while_the_others_grant(&cluster, &one, &two).await;
+    a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(&cluster, &one, &two).await;
 }
 
 /// Waits until a key on each master is granted (each master settles on its own).
@@ -253,4 +254,64 @@ async fn a_flushed_master_gets_its_leases_back_while_the_others_grant(
         .expect_status(StatusCode::NO_CONTENT);
     let next = two.grant("kept", "ttl_ms=1000").await;
     assert!(next.fence > kept.fence, "the fence counter was raised back");
+}
+
+/// One slot's keys vanish on their own (deleted, or evicted by a Redis that should not evict):
+/// its epoch marker and the lock with it. The next grant on the slot notices, the slot holds,
+/// and the broker that granted the lease puts it back.
+async fn a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(
+    cluster: &RedisCluster,
+    one: &TestApp,
+    two: &TestApp,
+) {
+    let lonely: Grant = one.grant("lonely", "ttl_ms=30000").await;
+    let slot = lockbroker::store::redis::slot_of(lock_key("lonely").as_bytes());
+    let master = cluster.master_of(&lock_key("lonely")).await;
+    let mut node = cluster.nodes[master].connection().await;
+    let markers: Vec<String> = redis::cmd("KEYS")
+        .arg("lockbroker:epoch*")
+        .query_async(&mut node)
+        .await
+        .expect("KEYS");
+    let marker = markers
+        .into_iter()
+        .find(|m| lockbroker::store::redis::slot_of(m.as_bytes()) == slot)
+        .expect("the slot has an epoch marker");
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(&marker)
+        .arg(lock_key("lonely"))
+        .query_async(&mut node)
+        .await
+        .expect("DEL");
+    assert_eq!(deleted, 2);
+    let started = Instant::now();
+    loop {
+        let answer = two.acquire("lonely", "").await;
+        match answer.status {
+            StatusCode::CONFLICT => break,
+            StatusCode::SERVICE_UNAVAILABLE => {}
+            _ => panic!(
+                "a lease whose keys vanished was granted again: {} {}",
+                answer.status, answer.text
+            ),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the lease was not put back within 10 s: {}",
+            answer.text
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let renewed = loop {
+        let answer = one.renew("lonely", &lonely.token, "").await;
+        if answer.status != StatusCode::SERVICE_UNAVAILABLE {
+            break answer.expect_grant(StatusCode::OK);
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "{}", answer.text);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(renewed.fence, lonely.fence);
+    one.release("lonely", &lonely.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
 }

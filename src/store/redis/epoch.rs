@@ -48,6 +48,9 @@ use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Holder, StoreError, StoreR
 /// Redis (a script blocks the server while it runs).
 const PUT_BACK_BATCH: usize = 100;
 
+/// The payload that announces a repaired slot marker, followed by the slot.
+pub(super) const SLOT_NOTICE: &str = "!slot ";
+
 /// How many marker writes or put-back calls a cluster check keeps in flight at once.
 const MARK_CONCURRENCY: usize = 64;
 
@@ -352,6 +355,74 @@ impl RedisStore {
         Err(StoreError::Failed(
             "the lock store's epoch keeps changing; not granting until it settles".into(),
         ))
+    }
+
+    /// Cluster: a slot's marker is missing while its master's epoch goes on (the marker was
+    /// deleted or evicted on its own, and the slot's lock keys may have gone with it). The slot
+    /// gets its marker back, in its master's epoch, with a hold of `store_settle_ms`, and the
+    /// repair is announced (`!slot <n>`) so that every broker puts its leases on the slot back
+    /// ([`RedisStore::put_back_slot`]) before the hold ends. Logged as an error: Redis should
+    /// not evict keys.
+    pub(super) async fn repair_slot(&self, slot: u16) -> StoreResult<()> {
+        let Ok(epoch) = self.epoch.for_grant(Some(slot)) else {
+            return Ok(());
+        };
+        let Some(link) = self.connection.current() else {
+            return Ok(());
+        };
+        let mut conn = link.conn.clone();
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(self.scripts.repair)
+            .arg(1)
+            .arg(self.marker_of(slot))
+            .arg(&epoch)
+            .arg(millis(self.store_settle))
+            .arg(&*self.channel)
+            .arg(format!("{SLOT_NOTICE}{slot}"));
+        let repaired: i64 = self.bounded(eval.query_async(&mut conn)).await?;
+        if repaired == 1 {
+            tracing::error!(
+                slot,
+                "the epoch marker of one Redis Cluster slot was missing (deleted or evicted: keep \
+                 Redis from evicting keys); the slot's keys are held for the settle time while \
+                 every broker puts its leases on it back"
+            );
+            self.metrics.store_loss(0, 0, millis(self.store_settle));
+        }
+        self.put_back_slot(slot).await
+    }
+
+    /// Cluster: puts this broker's live leases on `slot` back (after a repair of its marker).
+    pub(super) async fn put_back_slot(&self, slot: u16) -> StoreResult<()> {
+        let _one = self.epoch.catching_up.lock().await;
+        let Ok(epoch) = self.epoch.for_grant(Some(slot)) else {
+            return Ok(());
+        };
+        let Some(link) = self.connection.current() else {
+            return Ok(());
+        };
+        let mut conn = link.conn.clone();
+        let marker = self.marker_of(slot);
+        let leases: Vec<(LockKey, Entry)> = self
+            .ledger
+            .live(Instant::now())
+            .into_iter()
+            .filter(|(key, _)| self.slot(key) == Some(slot))
+            .collect();
+        let mut report = PutBack::default();
+        for batch in leases.chunks(PUT_BACK_BATCH) {
+            self.put_back(&mut conn, &marker, &epoch, batch, &mut report)
+                .await?;
+        }
+        if report.written > 0 {
+            tracing::warn!(
+                slot,
+                put_back = report.written,
+                "put leases back on a repaired slot"
+            );
+            self.metrics.leases_put_back(report.written);
+        }
+        Ok(())
     }
 
     /// Cluster: copies a master's new epoch from its first slot's marker to its other slots'.

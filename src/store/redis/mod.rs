@@ -246,6 +246,23 @@ impl RedisStore {
         })
     }
 
+    /// [`RedisStore::repair_slot`] in a task of its own, for the same reasons as
+    /// [`RedisStore::catch_up_task`].
+    fn repair_task(self, slot: u16) -> Pin<Box<dyn Future<Output = StoreResult<()>> + Send>> {
+        Box::pin(async move {
+            let timeout = self.timeout;
+            match tokio::time::timeout(
+                timeout,
+                tokio::spawn(async move { self.repair_slot(slot).await }),
+            )
+            .await
+            {
+                Ok(Ok(result)) => result,
+                _ => Err(StoreError::Timeout(millis(timeout))),
+            }
+        })
+    }
+
     /// The verified connection, making one if there is none (see `connection.rs`).
     async fn link(&self) -> StoreResult<Link> {
         self.connection
@@ -413,6 +430,13 @@ impl RedisStore {
                     && let Some(slot) = slot
                     && let Some(epoch) = field::<Option<String>>(&reply, 1)?
                     && self.epoch.adopt(slot, &epoch) => {}
+                // Caught up and the slot's marker is still missing: it alone lost it.
+                3 if tries == 2
+                    && let Some(slot) = slot
+                    && field::<Option<String>>(&reply, 1)?.is_none() =>
+                {
+                    self.clone().repair_task(slot).await?;
+                }
                 3 if tries <= 2 => {
                     if let Some(hold) = self.clone().catch_up_task().await? {
                         return Ok(Grant::Held(hold));

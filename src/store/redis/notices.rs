@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::RedisStore;
 use super::connection::Connector;
-use super::epoch::CHECK_EVERY;
+use super::epoch::{CHECK_EVERY, SLOT_NOTICE};
 use crate::domain::{Fence, LockKey, millis};
 use crate::store::{Notice, StoreError, StoreResult};
 
@@ -89,6 +89,16 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                             let payload = message.get_payload_bytes();
                             if payload == EPOCH_NOTICE.as_bytes() {
                                 store.epoch.wake.notify_one();
+                            } else if let Some(slot) = payload
+                                .strip_prefix(SLOT_NOTICE.as_bytes())
+                                .and_then(|s| std::str::from_utf8(s).ok()?.parse::<u16>().ok())
+                            {
+                                let store = store.clone();
+                                tokio::spawn(async move {
+                                    if let Err(e) = store.put_back_slot(slot).await {
+                                        tracing::warn!(slot, error = %e, "cannot put leases back on a repaired slot");
+                                    }
+                                });
                             } else if let Some((key, fence)) = parse_notice(payload) {
                                 if let Some(fence) = fence {
                                     store.ledger.forget_released(key.as_str(), fence);

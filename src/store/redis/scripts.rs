@@ -225,6 +225,18 @@ end
 return 1
 "#;
 
+/// Cluster only: gives back a slot its marker, lost on its own (deleted or evicted), in its
+/// master's epoch with a hold, and announces it. KEYS: the slot's marker. ARGV: id, hold_ms,
+/// notice channel, announcement. Replies 1 if it wrote the marker, 0 if one was there.
+const REPAIR: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], 'id', ARGV[1], 'run_id', '', 'hold_until', string.format('%.0f', now_ms + tonumber(ARGV[2])), 'reason', 'loss')
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return 1
+"#;
+
 /// Puts leases back after a loss. KEYS: epoch marker, then for each lease its lock and fence
 /// counter. ARGV: the epoch, slack_ms, then six for each lease: token, fence, remaining_ms,
 /// ttl_ms, owner and request id (each '' for none, else '=' and the value).
@@ -374,6 +386,8 @@ pub(super) struct Scripts {
     pub check: String,
     /// Run with plain EVAL too, and only when a master's epoch changes.
     pub mark: &'static str,
+    /// Plain EVAL, on the rare slot whose marker alone went missing.
+    pub repair: &'static str,
     pub put_back: Lua,
 }
 
@@ -387,6 +401,7 @@ impl Scripts {
             renew: Lua::new([PRELUDE, HOLDER, RENEW].concat()),
             check: [PRELUDE, CHECK].concat(),
             mark: MARK,
+            repair: REPAIR,
             put_back: Lua::new(
                 [
                     PRELUDE,
