@@ -307,7 +307,11 @@ async fn a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(
         if answer.status != StatusCode::SERVICE_UNAVAILABLE {
             break answer.expect_grant(StatusCode::OK);
         }
-        assert!(started.elapsed() < Duration::from_secs(10), "{}", answer.text);
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{}",
+            answer.text
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(renewed.fence, lonely.fence);

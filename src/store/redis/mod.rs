@@ -11,6 +11,7 @@ mod scripts;
 mod slots;
 pub mod url;
 
+use std::borrow::Cow;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -173,10 +174,10 @@ impl RedisStore {
     }
 
     /// The epoch marker a script on `key` reads: the store's, or on a cluster its slot's.
-    fn marker_for(&self, key: &LockKey) -> String {
+    fn marker_for(&self, key: &LockKey) -> Cow<'_, str> {
         match self.slot(key) {
-            Some(slot) => self.marker_of(slot),
-            None => self.marker.to_string(),
+            Some(slot) => Cow::Owned(self.marker_of(slot)),
+            None => Cow::Borrowed(&self.marker),
         }
     }
 
