@@ -169,3 +169,46 @@ async fn a_server_that_asks_for_client_certificates_admits_only_a_broker_with_on
     // The server's certificate does not chain to the CA given.
     refused_with(&wrong_ca, &["UnknownIssuer", "invalid peer certificate"]).await;
 }
+
+#[tokio::test]
+async fn tls_files_are_read_for_cluster_and_sentinel_urls_too() {
+    use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls};
+    let certs = Certificates::generate();
+    let settings = |url: &str, tls: RedisTls| RedisSettings {
+        url: url.to_owned(),
+        key_prefix: "lockbroker:".into(),
+        timeout: Duration::from_secs(1),
+        store_loss_delay: Duration::ZERO,
+        store_settle: Duration::ZERO,
+        tls,
+        replica_acks: 0,
+    };
+    let files = RedisTls {
+        ca: Some(certs.ca()),
+        cert: Some(certs.client_cert()),
+        key: Some(certs.client_key()),
+    };
+    // Built (certificates parsed, clients configured) without connecting.
+    for url in [
+        "rediss+cluster://127.0.0.1:7000,127.0.0.1:7001",
+        "rediss+sentinel://127.0.0.1:26379/mymaster",
+        "rediss://127.0.0.1:6380/",
+    ] {
+        if let Err(e) = RedisStore::connect(&settings(url, files.clone()), Default::default()) {
+            panic!("{url}: {e}");
+        }
+    }
+    // A key file that is not a key is refused at start, saying which file.
+    let not_a_key = RedisTls {
+        key: Some(certs.ca()),
+        ..files
+    };
+    let error = RedisStore::connect(
+        &settings("rediss+cluster://127.0.0.1:7000", not_a_key),
+        Default::default(),
+    )
+    .err()
+    .expect("a CA is not a private key")
+    .to_string();
+    assert!(error.contains("key"), "{error}");
+}
