@@ -451,7 +451,9 @@ impl Store for RedisStore {
             owner: parse_owner(field(&reply, 3)?)?,
             request_id: None,
         };
-        self.replicas.confirm_renew(self, key, token, told).await?;
+        self.replicas
+            .confirm_renew(self, key, token, told, &lease)
+            .await?;
         let ends = answered + Duration::from_millis(ttl.as_ms());
         self.remember(key, &lease, ends, &field::<String>(&reply, 4)?);
         Ok(Holder::Done(lease))

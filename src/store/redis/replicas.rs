@@ -15,7 +15,9 @@
 //!   told, neither later (the master would otherwise keep a longer lease than any answer said)
 //!   nor sooner (ending it would hand the key to someone else while its holder still believes
 //!   its last answer). If the lease was not this token's live lease when the renewal began,
-//!   nothing was promised and it is released.
+//!   nothing was promised and it is released. (One race is not covered: the same holder
+//!   renewing through another broker between that read and this renewal was told an end that
+//!   the restore then moves back to the one read.)
 //!
 //! The clean-up is a write the stalled replicas do not have either; what counts is the master,
 //! which every later request reads.
@@ -29,13 +31,14 @@ use super::connection::Conn;
 use crate::domain::{Lease, LockKey, Token, millis};
 use crate::store::{EXPIRY_SLACK_MS, Store, StoreError, StoreResult};
 
-/// Puts back the end of a lease that a renewal moved, if it is still that token's lease and
-/// ends later than it should. KEYS: lock. ARGV: token, expires_at to restore, its ttl, slack_ms,
-/// notice channel, client key. The notice wakes waiters that timed their wait for the longer
-/// lease. Replies 1 restored, 0 nothing to do.
+/// Puts back the end of a lease that a renewal moved, if it is still that token's lease as that
+/// renewal left it (a later renewal, answered, is left alone). KEYS: lock. ARGV: token,
+/// expires_at to restore, its ttl, slack_ms, notice channel, client key, the renewal's
+/// expires_at. The notice wakes waiters that timed their wait for the longer lease. Replies 1
+/// restored, 0 nothing to do.
 const RESTORE: &str = r#"
 local cur = redis.call('HMGET', KEYS[1], 'token', 'expires_at')
-if cur[1] ~= ARGV[1] or tonumber(cur[2]) <= tonumber(ARGV[2]) then return 0 end
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[7] then return 0 end
 redis.call('HSET', KEYS[1], 'expires_at', ARGV[2], 'ttl', ARGV[3])
 redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', tonumber(ARGV[2]) + tonumber(ARGV[4])))
 redis.call('PUBLISH', ARGV[5], ARGV[6])
@@ -125,6 +128,7 @@ impl Replicas {
         key: &LockKey,
         token: &Token,
         told: Option<Told>,
+        renewed: &Lease,
     ) -> StoreResult<()> {
         let Err(error) = self.confirm(store, key).await else {
             return Ok(());
@@ -138,7 +142,8 @@ impl Replicas {
                     .arg(told.ttl_ms)
                     .arg(EXPIRY_SLACK_MS)
                     .arg(&*store.channel)
-                    .arg(key.as_str());
+                    .arg(key.as_str())
+                    .arg(renewed.expires_at_ms);
                 store
                     .with_link(async |conn| inv.invoke_async::<u8>(conn).await)
                     .await
