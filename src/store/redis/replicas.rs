@@ -5,7 +5,8 @@
 //! connection: the multiplexed connection of a single server or Sentinel master, or on a cluster
 //! the connection to the master of the lock's slot (see [`Conn::wait_for_replicas`]). On a
 //! shared multiplexed connection it may wait for other requests' later writes too: a stricter
-//! wait, never a looser one.
+//! wait, never a looser one. `WAIT` blocks the connection it runs on: while a replica stalls,
+//! the broker's other calls queue behind it (see the README).
 //!
 //! When the replicas do not confirm in time, nothing is left that the client was not told:
 //! - a **grant** is released (by its token, holder-checked), and the request answers
