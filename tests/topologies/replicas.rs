@@ -25,7 +25,17 @@ async fn replicate(master: &RedisServer, replica: &RedisServer) {
         .query_async(&mut master_conn)
         .await
         .expect("CONFIG SET");
+    // A replica writes a full sync to dump.rdb in its directory, the temp directory that every
+    // test's redis-server loads at start (`dir` cannot be changed at run time): it loads syncs
+    // from the socket instead, always.
     let mut conn = replica.connection().await;
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("repl-diskless-load")
+        .arg("swapdb")
+        .query_async(&mut conn)
+        .await
+        .expect("CONFIG SET");
     let () = redis::cmd("REPLICAOF")
         .arg("127.0.0.1")
         .arg(master.port())
