@@ -44,6 +44,7 @@ impl Application {
                         store_loss_delay: Duration::from_millis(config.store_loss_delay_ms),
                         store_settle: Duration::from_millis(config.store_settle_ms),
                         tls: config.redis_tls(),
+                        replica_acks: config.redis_replica_acks,
                     },
                     metrics.clone(),
                 )

@@ -9,6 +9,7 @@
 //!   SIGKILL and a host clock shifted with `faketime`.
 //! - [`http`]: the test HTTP client and readers of the API's answers.
 //! - [`temp`]: unique files and directories in the temp directory.
+//! - [`tls`]: certificates made for the test, and a TLS-only `redis-server`.
 //!
 //! Unix only, as the suites are: the fixtures signal processes and put brokers in process
 //! groups. Each new kind of server (a Redis Cluster, Sentinels, TLS) gets a sibling module.
@@ -20,6 +21,7 @@ pub mod cluster;
 pub mod http;
 pub mod redis_server;
 pub mod temp;
+pub mod tls;
 
 use std::net::TcpListener;
 use std::process::Command;

@@ -56,6 +56,11 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}/", self.port)
     }
 
+    /// The port it listens on (for `REPLICAOF`, say).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// A connection of the test's own, to look at what the brokers wrote.
     pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
         redis::Client::open(self.url())

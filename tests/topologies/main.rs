@@ -7,6 +7,8 @@
 #[allow(dead_code)]
 const LOCKBROKER: &str = env!("CARGO_BIN_EXE_lockbroker");
 
+mod acl;
 mod cluster;
+mod replicas;
 mod sentinel;
 mod tls;

@@ -200,6 +200,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
                 store_loss_delay: Duration::ZERO,
                 store_settle: Duration::from_secs(3),
                 tls: Default::default(),
+                replica_acks: 0,
             },
             Arc::default(),
         )?;

@@ -14,6 +14,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
@@ -189,6 +190,32 @@ impl ConnectionLike for Conn {
         match self {
             Self::Single(conn) => conn.get_db(),
             Self::Cluster(conn) => conn.get_db(),
+        }
+    }
+}
+
+impl Conn {
+    /// `WAIT replicas timeout_ms` on the master that holds `key`: how many replicas have every
+    /// write this connection made there so far. `WAIT` counts the writes of the connection it
+    /// runs on, so it must follow the write on the same connection: on a cluster, the node
+    /// connection that the key's slot routes to.
+    pub async fn wait_for_replicas(
+        &mut self,
+        key: &str,
+        replicas: u32,
+        timeout_ms: u64,
+    ) -> RedisResult<u64> {
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(replicas).arg(timeout_ms);
+        match self {
+            Self::Single(conn) => wait.query_async(conn).await,
+            Self::Cluster(conn) => {
+                let node = Route::with_key(key, SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
+                Ok(redis::from_redis_value(
+                    conn.route_command(wait, routing).await?,
+                )?)
+            }
         }
     }
 }

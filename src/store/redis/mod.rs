@@ -6,6 +6,7 @@
 mod connection;
 mod epoch;
 mod notices;
+mod replicas;
 mod replies;
 mod scripts;
 mod slots;
@@ -24,6 +25,7 @@ use tokio::time::Instant;
 
 use self::connection::{Conn, Connection, Connector, Link, breaks_connection};
 use self::epoch::Epoch;
+use self::replicas::Replicas;
 use self::replies::{ReadReply, corrupt, field, held, parse_owner, refusal};
 use self::scripts::{Call, Scripts};
 pub use self::slots::slot_of;
@@ -53,6 +55,9 @@ pub struct RedisSettings {
     pub store_settle: Duration,
     /// Certificates for `rediss://` URLs.
     pub tls: RedisTls,
+    /// How many replicas must have a grant or renewal before it is answered (see
+    /// `replicas.rs`); 0: answered once the master has it.
+    pub replica_acks: u32,
 }
 
 /// PEM files for TLS to Redis. Without a CA file the system's roots are trusted.
@@ -97,6 +102,14 @@ impl RedisTls {
     }
 }
 
+/// Chooses `ring` as the process's TLS crypto provider. The redis crate builds its rustls
+/// configurations with the process default, and rustls cannot pick one by itself when no
+/// provider, or more than one, is compiled in (it panics at the first TLS connection). Done once,
+/// before the first `rediss://` client is built; a provider already installed is kept.
+pub fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// The Redis store. Cloning is cheap: everything is shared.
 #[derive(Clone)]
 pub struct RedisStore {
@@ -115,6 +128,7 @@ pub struct RedisStore {
     store_loss_delay: Duration,
     timeout: Duration,
     scripts: Arc<Scripts>,
+    replicas: Arc<Replicas>,
 }
 
 impl RedisStore {
@@ -134,6 +148,9 @@ impl RedisStore {
         );
         #[cfg(target_os = "linux")]
         let tcp = tcp.set_user_timeout(settings.timeout.max(Duration::from_secs(1)));
+        if url.tls {
+            install_tls_provider();
+        }
         let tls = settings.tls.load()?;
         if tls.is_some() && !url.tls {
             return Err(StoreError::Failed(
@@ -157,6 +174,7 @@ impl RedisStore {
             store_loss_delay: settings.store_loss_delay,
             timeout: settings.timeout,
             scripts: Arc::new(Scripts::new()),
+            replicas: Arc::new(Replicas::new(settings.replica_acks, settings.timeout)),
         })
     }
 
@@ -411,6 +429,9 @@ impl RedisStore {
                     // What remains on the store's clock: a lease handed back again by request id
                     // is older than its TTL.
                     let remaining = lease.expires_at_ms.saturating_sub(field(&reply, 5)?);
+                    self.replicas
+                        .confirm_grant(self, key, &bid.token, &lease)
+                        .await?;
                     self.remember(
                         key,
                         slot,
@@ -528,6 +549,7 @@ impl Store for RedisStore {
     }
 
     async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
+        let told = self.replicas.before_renew(self, key, token).await?;
         let [lock, _] = self.keys(key);
         let mut inv = self.scripts.renew.call();
         inv.key(lock)
@@ -556,6 +578,9 @@ impl Store for RedisStore {
             owner: parse_owner(field(&reply, 3)?)?,
             request_id: None,
         };
+        self.replicas
+            .confirm_renew(self, key, token, told, &lease)
+            .await?;
         let ends = answered + Duration::from_millis(ttl.as_ms());
         self.remember(
             key,
