@@ -22,6 +22,9 @@ pub struct RedisServer {
     /// Where the append-only file lives once [`RedisServer::persist_to_aof`] turned it on; a
     /// restart then loads it.
     aof_dir: Option<PathBuf>,
+    /// The server's working directory otherwise: its own, so that no file one server writes
+    /// (a replica's synced snapshot, say) is loaded by another.
+    dir: PathBuf,
 }
 
 /// Why one launch of `redis-server` did not come up.
@@ -42,6 +45,7 @@ impl RedisServer {
                 child: None,
                 log: temp_log(&format!("redis-{port}")),
                 aof_dir: None,
+                dir: temp_log(&format!("redis-{port}-dir")),
             };
             match server.launch().await {
                 Ok(()) => return server,
@@ -157,6 +161,7 @@ impl RedisServer {
     }
 
     async fn launch(&mut self) -> Result<(), LaunchError> {
+        std::fs::create_dir_all(&self.dir).expect("cannot create the redis directory");
         let log = std::fs::File::create(&self.log).expect("cannot create the redis log file");
         let log_err = log.try_clone().expect("cannot clone the log file handle");
         let spawned = Command::new("redis-server")
@@ -167,7 +172,7 @@ impl RedisServer {
                 None => ["--appendonly", "no", "--appendfsync", "everysec"],
             })
             .arg("--dir")
-            .arg(self.aof_dir.clone().unwrap_or_else(std::env::temp_dir))
+            .arg(self.aof_dir.clone().unwrap_or_else(|| self.dir.clone()))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
@@ -222,6 +227,7 @@ impl Drop for RedisServer {
         if let Some(dir) = &self.aof_dir {
             let _ = std::fs::remove_dir_all(dir);
         }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
