@@ -18,8 +18,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Cmd, Pipeline, RedisError, RedisFuture, RedisResult, TlsCertificates,
-    TlsMode, Value,
+    AsyncConnectionConfig, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, RedisResult,
+    Role, TlsCertificates, TlsMode, Value,
 };
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -33,7 +33,14 @@ pub(super) enum Connector {
     Single(redis::Client),
     /// Asks the sentinels for the master on every new connection, so a connection made after a
     /// failover reaches the new master.
-    Sentinel(tokio::sync::Mutex<SentinelClient>),
+    Sentinel {
+        client: tokio::sync::Mutex<SentinelClient>,
+        /// One client per sentinel, for the failover watch (`sentinel.rs`). Without the data
+        /// nodes' user and password: the URL's credentials are theirs, not the sentinels'.
+        sentinels: Vec<redis::Client>,
+        /// The master's name, as the sentinels know it.
+        master: String,
+    },
     Cluster {
         client: ClusterClient,
         /// The seed nodes, for the notice subscriber (see [`Connector::notice_client`]).
@@ -59,10 +66,23 @@ impl Connector {
                 Ok(Self::Single(client.map_err(invalid)?))
             }
             Topology::Sentinel => {
-                let sentinels = (0..url.hosts.len()).map(|i| url.addr(i));
-                let master = url.master_name.as_deref().unwrap_or_default();
+                let master = url.master_name.clone().unwrap_or_default();
+                let sentinels = (0..url.hosts.len())
+                    .map(|i| {
+                        let info = url
+                            .addr(i)
+                            .into_connection_info()?
+                            .set_tcp_settings(tcp.clone());
+                        match &tls {
+                            Some(certs) => redis::Client::build_with_tls(info, certs.clone()),
+                            None => redis::Client::open(info),
+                        }
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(invalid)?;
+                let addrs = (0..url.hosts.len()).map(|i| url.addr(i));
                 let mut builder =
-                    SentinelClientBuilder::new(sentinels, master, SentinelServerType::Master)
+                    SentinelClientBuilder::new(addrs, &master, SentinelServerType::Master)
                         .map_err(invalid)?
                         .set_client_to_redis_db(url.db)
                         .set_client_to_redis_tcp_settings(tcp.clone())
@@ -83,9 +103,11 @@ impl Connector {
                             .set_client_to_sentinel_certificates(certs);
                     }
                 }
-                Ok(Self::Sentinel(tokio::sync::Mutex::new(
-                    builder.build().map_err(invalid)?,
-                )))
+                Ok(Self::Sentinel {
+                    client: tokio::sync::Mutex::new(builder.build().map_err(invalid)?),
+                    sentinels,
+                    master,
+                })
             }
             Topology::Cluster => {
                 let infos = (0..url.hosts.len())
@@ -137,13 +159,24 @@ impl Connector {
                     .get_multiplexed_async_connection_with_config(config)
                     .await?,
             )),
-            Self::Sentinel(sentinel) => Ok(Conn::Single(
-                sentinel
+            Self::Sentinel { client, .. } => {
+                let mut conn = client
                     .lock()
                     .await
                     .get_async_connection_with_config(config)
-                    .await?,
-            )),
+                    .await?;
+                // The crate checked with ROLE that the server the sentinels named is a master,
+                // but on a connection of its own, made before this one: check this one, so that
+                // nothing is ever written to a replica (a master demoted in between answers
+                // READONLY to writes, but the epoch check would already have read it).
+                match redis::cmd("ROLE").query_async(&mut conn).await? {
+                    Role::Primary { .. } => Ok(Conn::Single(conn)),
+                    _ => Err(RedisError::from((
+                        redis::ErrorKind::MasterNameNotFoundBySentinel,
+                        "the server the sentinels named is not a master (any more)",
+                    ))),
+                }
+            }
             Self::Cluster { client, .. } => Ok(Conn::Cluster(client.get_async_connection().await?)),
         }
     }
@@ -153,7 +186,7 @@ impl Connector {
     pub async fn notice_client(&self, attempt: usize) -> RedisResult<redis::Client> {
         match self {
             Self::Single(client) => Ok(client.clone()),
-            Self::Sentinel(sentinel) => sentinel.lock().await.async_get_client().await,
+            Self::Sentinel { client, .. } => client.lock().await.async_get_client().await,
             Self::Cluster { seeds, .. } => Ok(seeds[attempt % seeds.len()].clone()),
         }
     }
@@ -224,6 +257,12 @@ pub(super) struct Connection {
     timeout: Duration,
     state: watch::Sender<State>,
     generations: AtomicU64,
+    /// Counts the master switches the sentinels announced (see `sentinel.rs`). The notice
+    /// subscriber watches it to move to the new master.
+    switches: watch::Sender<u64>,
+    /// `switches` when the connection being made was started: if a switch came meanwhile, that
+    /// connection may reach the old master, and it is not used.
+    opened_at_switch: AtomicU64,
 }
 
 impl Connection {
@@ -241,6 +280,8 @@ impl Connection {
             timeout,
             state: watch::Sender::new(never_tried),
             generations: AtomicU64::new(0),
+            switches: watch::Sender::new(0),
+            opened_at_switch: AtomicU64::new(0),
         }
     }
 
@@ -284,6 +325,8 @@ impl Connection {
 
     /// Opens a new connection. Not yet usable: [`Connection::up`] makes it so once verified.
     pub async fn open(&self) -> Result<Conn, StoreError> {
+        self.opened_at_switch
+            .store(*self.switches.borrow(), Ordering::Relaxed);
         let opening = async {
             self.connector
                 .open(&self.config)
@@ -296,8 +339,16 @@ impl Connection {
         }
     }
 
-    /// Makes a verified connection the one requests use.
+    /// Makes a verified connection the one requests use, unless the sentinels announced a new
+    /// master since it was opened: then requests make another one at once.
     pub fn up(&self, conn: Conn) {
+        if self.opened_at_switch.load(Ordering::Relaxed) != *self.switches.borrow() {
+            self.state.send_replace(State::Down {
+                error: StoreError::Failed(SWITCHED.into()),
+                at: Instant::now() - RECONNECT_PAUSE,
+            });
+            return;
+        }
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
         self.state
             .send_replace(State::Up(Link { conn, generation }));
@@ -328,6 +379,33 @@ impl Connection {
         if dropped {
             tracing::warn!(error = %error, "the Redis connection failed: replacing it");
         }
+    }
+}
+
+/// Why a connection was dropped after the sentinels announced a new master.
+const SWITCHED: &str = "the sentinels switched to a new master";
+
+impl Connection {
+    /// The sentinels announced a new master: stops using the connection that is up (and any being
+    /// made), so the next request reaches the new master through them and checks its epoch
+    /// first; tells the notice subscriber to move too.
+    pub fn master_switched(&self) {
+        self.switches.send_modify(|n| *n += 1);
+        self.state.send_if_modified(|s| match s {
+            State::Up(_) => {
+                *s = State::Down {
+                    error: StoreError::Failed(SWITCHED.into()),
+                    at: Instant::now() - RECONNECT_PAUSE,
+                };
+                true
+            }
+            _ => false,
+        });
+    }
+
+    /// Changes with every master switch the sentinels announce.
+    pub fn switches(&self) -> watch::Receiver<u64> {
+        self.switches.subscribe()
     }
 }
 

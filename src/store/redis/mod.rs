@@ -1,13 +1,15 @@
 //! The Redis store: each primitive is one Lua script (`scripts.rs`), run by SHA over one
 //! multiplexed connection that is verified before use (`connection.rs`), reading the time from
 //! Redis's own `TIME`. The broker's live leases are kept in a ledger and put back when the store
-//! loses them (`epoch.rs`); release notices reach every broker's waiters (`notices.rs`).
+//! loses them (`epoch.rs`); release notices reach every broker's waiters (`notices.rs`); behind
+//! Sentinel, the broker follows the master's failovers (`sentinel.rs`).
 
 mod connection;
 mod epoch;
 mod notices;
 mod replies;
 mod scripts;
+mod sentinel;
 pub mod url;
 
 use std::path::PathBuf;
@@ -464,6 +466,7 @@ impl Store for RedisStore {
             return;
         };
         runtime.spawn(notices::watch_epoch(self.clone(), notices.clone()));
+        runtime.spawn(sentinel::follow_failovers(self.clone(), notices.clone()));
         runtime.spawn(notices::listen(self.clone(), notices));
     }
 }
