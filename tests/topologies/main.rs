@@ -4,7 +4,6 @@
 //! shared by its tests, and tears it down at the end.
 
 /// The binary the broker processes run (see `tests/safety/main.rs`).
-#[allow(dead_code)]
 const LOCKBROKER: &str = env!("CARGO_BIN_EXE_lockbroker");
 
 mod cluster;
