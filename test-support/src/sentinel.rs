@@ -231,6 +231,27 @@ impl SentinelTopology {
         }
     }
 
+    /// Asks a sentinel for a failover (`SENTINEL FAILOVER`) with every server up: a replica is
+    /// promoted, and the old master is demoted to a replica of it. Returns the old master's port
+    /// and when the failover was asked for.
+    pub async fn fail_over(&self) -> (u16, Instant) {
+        let master = self.master_port().await;
+        let sentinel = self.sentinel_ports()[0];
+        let () = query(
+            sentinel,
+            redis::cmd("SENTINEL").arg("failover").arg(MASTER_NAME),
+        )
+        .await
+        .expect("SENTINEL FAILOVER");
+        (master, Instant::now())
+    }
+
+    /// The first element of `ROLE` on the server on `port`: `master` or `slave` (`None` if it
+    /// does not answer).
+    pub async fn role(&self, port: u16) -> Option<String> {
+        role(port).await
+    }
+
     /// Stages a failover that loses writes (on loopback, replicas are so quick that a plain kill
     /// loses almost nothing): freezes every replica (SIGSTOP) and has the master drop their
     /// links (`CLIENT KILL TYPE replica`). Writes from now on reach the master only; kill it,
@@ -262,13 +283,23 @@ impl SentinelTopology {
         self.data.iter().filter(move |n| n.server.port() != master)
     }
 
-    /// Brings every dead data server back, empty, as a replica of the current master, and waits
-    /// until the deployment can fail over again: every replica in sync with the master, and every
-    /// sentinel agreeing on the master, seeing both replicas up and both other sentinels, with
-    /// `SENTINEL ckquorum` answering OK.
+    /// Brings every dead data server back, empty, as a replica of the current master, demotes an
+    /// old master that is still up (the sentinels would, but only 8 s after the failover), and
+    /// waits until the deployment can fail over again: every replica in sync with the master,
+    /// and every sentinel agreeing on the master, seeing both replicas up and both other
+    /// sentinels, with `SENTINEL ckquorum` answering OK.
     pub async fn heal(&mut self) {
         let master = self.master_port().await;
         for node in &mut self.data {
+            let port = node.server.port();
+            if port != master
+                && node.server.is_running()
+                && role(port).await.as_deref() == Some("master")
+            {
+                let () = query(port, redis::cmd("REPLICAOF").arg("127.0.0.1").arg(master))
+                    .await
+                    .expect("REPLICAOF on the old master");
+            }
             if !node.server.is_running() {
                 node.server
                     .restart_with(ServerOptions {

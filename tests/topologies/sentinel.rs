@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
+use lockbroker_test_support::free_port;
 use lockbroker_test_support::http::{Answer, Grant, http_client};
-use lockbroker_test_support::sentinel::SentinelTopology;
+use lockbroker_test_support::sentinel::{MASTER_NAME, SentinelTopology};
 use reqwest::StatusCode;
 use tokio::time::Instant;
 
@@ -43,6 +44,15 @@ async fn behind_sentinel_brokers_grant_on_the_master_and_across_failovers_that_l
         brokers_on_the_sentinel_url_grant_and_release_on_the_master(&topology),
     )
     .await;
+    scenario(
+        "a failover asked of the sentinels moves every broker to the new master",
+        a_failover_asked_of_the_sentinels_moves_every_broker_to_the_new_master(
+            &topology,
+            &in_process,
+        ),
+    )
+    .await;
+    topology.heal().await;
     scenario(
         "a lease the new master lost is put back for its holder; grants resume within 10 s",
         a_lease_lost_in_a_failover_is_put_back_for_its_holder_and_grants_resume_within_ten_seconds(
@@ -161,7 +171,79 @@ async fn brokers_on_the_sentinel_url_grant_and_release_on_the_master(
     b.release("s:basic", &next.token)
         .await
         .expect_status(StatusCode::NO_CONTENT);
+
+    // The master is the one a majority of the URL's sentinels name: two of three will do, one
+    // will not (it might be a sentinel that has not heard of a failover yet).
+    let [s1, s2, s3] = topology.sentinel_ports()[..] else {
+        panic!("three sentinels")
+    };
+    let dead = [free_port(), free_port()];
+    let url = |ports: [u16; 3]| {
+        let hosts: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        format!("redis+sentinel://{}/{MASTER_NAME}", hosts.join(","))
+    };
+    let with = |url: String| {
+        spawn_app_with(Some(url), |c| {
+            c.store_timeout_ms = STORE_TIMEOUT_MS;
+            c.store_settle_ms = 1500;
+        })
+    };
+    let two_of_three = with(url([s1, dead[0], s3])).await;
+    wait_until_ready(&two_of_three.address, Duration::from_secs(5)).await;
+    let grant = two_of_three.grant("s:majority", "ttl_ms=1000").await;
+    assert_eq!(
+        fence_on(topology, master, "s:majority").await,
+        Some(grant.fence)
+    );
+    let one_of_three = with(url([dead[0], s2, dead[1]])).await;
+    let answer = one_of_three.acquire("s:minority", "").await;
+    let body = answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    assert!(!body["message"].as_str().unwrap().is_empty(), "{body}");
     [a, b]
+}
+
+/// A failover with the old master still up (`SENTINEL FAILOVER`): it stays a master, and keeps
+/// the brokers' connections, until the sentinels reconfigure it 8 s later. The brokers move to
+/// the new master on the sentinels' word alone, and the lease granted before is held there.
+async fn a_failover_asked_of_the_sentinels_moves_every_broker_to_the_new_master(
+    topology: &SentinelTopology,
+    [a, b]: &[TestApp; 2],
+) {
+    let held = a.grant("s:manual", "ttl_ms=30000").await;
+    let (old, asked) = topology.fail_over().await;
+    let (new, promoted) = topology.wait_for_new_master(old, PROMOTION_LIMIT).await;
+    // Both brokers listen for release notices on the new master...
+    wait_until_listening_on_master(topology, 2).await;
+    let moved = Instant::now();
+    // ...and grant there, while the old master still is one.
+    let resumed = first_grant(&b.address, RESUME_BOUND).await;
+    let other = b.grant("s:manual-after", "ttl_ms=30000").await;
+    assert_eq!(
+        fence_on(topology, new, "s:manual-after").await,
+        Some(other.fence)
+    );
+    assert_eq!(topology.role(old).await.as_deref(), Some("master"));
+    eprintln!(
+        "promoted {:?} after the failover was asked for; both brokers on it {:?} after the \
+         promotion, a free key granted {:?} after it",
+        promoted - asked,
+        moved.saturating_duration_since(promoted),
+        resumed.saturating_duration_since(promoted)
+    );
+    assert!(resumed.saturating_duration_since(promoted) < RESUME_BOUND);
+    // The lease granted before the failover is held on the new master.
+    b.acquire("s:manual", "")
+        .await
+        .expect_error(StatusCode::CONFLICT, "locked");
+    assert_eq!(fence_on(topology, new, "s:manual").await, Some(held.fence));
+    for (app, key, token) in [
+        (a, "s:manual", &held.token),
+        (b, "s:manual-after", &other.token),
+    ] {
+        app.release(key, token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+    }
 }
 
 /// A metric's value on the broker at `address`.

@@ -16,14 +16,14 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::TcpSettings;
-use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
-    AsyncConnectionConfig, Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, RedisResult,
-    Role, TlsCertificates, TlsMode, Value,
+    AsyncConnectionConfig, Cmd, Pipeline, RedisError, RedisFuture, RedisResult, TlsCertificates,
+    TlsMode, Value,
 };
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::sentinel::Sentinels;
 use super::url::{ParsedUrl, Topology};
 use crate::domain::millis;
 use crate::store::{StoreError, StoreResult};
@@ -32,15 +32,8 @@ use crate::store::{StoreError, StoreResult};
 pub(super) enum Connector {
     Single(redis::Client),
     /// Asks the sentinels for the master on every new connection, so a connection made after a
-    /// failover reaches the new master.
-    Sentinel {
-        client: tokio::sync::Mutex<SentinelClient>,
-        /// One client per sentinel, for the failover watch (`sentinel.rs`). Without the data
-        /// nodes' user and password: the URL's credentials are theirs, not the sentinels'.
-        sentinels: Vec<redis::Client>,
-        /// The master's name, as the sentinels know it.
-        master: String,
-    },
+    /// failover reaches the new master (see `sentinel.rs`).
+    Sentinel(Sentinels),
     Cluster {
         client: ClusterClient,
         /// The seed nodes, for the notice subscriber (see [`Connector::notice_client`]).
@@ -65,50 +58,9 @@ impl Connector {
                 };
                 Ok(Self::Single(client.map_err(invalid)?))
             }
-            Topology::Sentinel => {
-                let master = url.master_name.clone().unwrap_or_default();
-                let sentinels = (0..url.hosts.len())
-                    .map(|i| {
-                        let info = url
-                            .addr(i)
-                            .into_connection_info()?
-                            .set_tcp_settings(tcp.clone());
-                        match &tls {
-                            Some(certs) => redis::Client::build_with_tls(info, certs.clone()),
-                            None => redis::Client::open(info),
-                        }
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(invalid)?;
-                let addrs = (0..url.hosts.len()).map(|i| url.addr(i));
-                let mut builder =
-                    SentinelClientBuilder::new(addrs, &master, SentinelServerType::Master)
-                        .map_err(invalid)?
-                        .set_client_to_redis_db(url.db)
-                        .set_client_to_redis_tcp_settings(tcp.clone())
-                        .set_client_to_sentinel_tcp_settings(tcp);
-                if let Some(user) = &url.username {
-                    builder = builder.set_client_to_redis_username(user);
-                }
-                if let Some(pass) = &url.password {
-                    builder = builder.set_client_to_redis_password(pass);
-                }
-                if url.tls {
-                    builder = builder
-                        .set_client_to_redis_tls_mode(TlsMode::Secure)
-                        .set_client_to_sentinel_tls_mode(TlsMode::Secure);
-                    if let Some(certs) = tls {
-                        builder = builder
-                            .set_client_to_redis_certificates(certs.clone())
-                            .set_client_to_sentinel_certificates(certs);
-                    }
-                }
-                Ok(Self::Sentinel {
-                    client: tokio::sync::Mutex::new(builder.build().map_err(invalid)?),
-                    sentinels,
-                    master,
-                })
-            }
+            Topology::Sentinel => Ok(Self::Sentinel(
+                Sentinels::new(url, tcp, tls, timeout).map_err(invalid)?,
+            )),
             Topology::Cluster => {
                 let infos = (0..url.hosts.len())
                     .map(|i| url.connection_info(i))
@@ -159,24 +111,7 @@ impl Connector {
                     .get_multiplexed_async_connection_with_config(config)
                     .await?,
             )),
-            Self::Sentinel { client, .. } => {
-                let mut conn = client
-                    .lock()
-                    .await
-                    .get_async_connection_with_config(config)
-                    .await?;
-                // The crate checked with ROLE that the server the sentinels named is a master,
-                // but on a connection of its own, made before this one: check this one, so that
-                // nothing is ever written to a replica (a master demoted in between answers
-                // READONLY to writes, but the epoch check would already have read it).
-                match redis::cmd("ROLE").query_async(&mut conn).await? {
-                    Role::Primary { .. } => Ok(Conn::Single(conn)),
-                    _ => Err(RedisError::from((
-                        redis::ErrorKind::MasterNameNotFoundBySentinel,
-                        "the server the sentinels named is not a master (any more)",
-                    ))),
-                }
-            }
+            Self::Sentinel(sentinels) => Ok(Conn::Single(sentinels.open(config).await?)),
             Self::Cluster { client, .. } => Ok(Conn::Cluster(client.get_async_connection().await?)),
         }
     }
@@ -186,7 +121,7 @@ impl Connector {
     pub async fn notice_client(&self, attempt: usize) -> RedisResult<redis::Client> {
         match self {
             Self::Single(client) => Ok(client.clone()),
-            Self::Sentinel { client, .. } => client.lock().await.async_get_client().await,
+            Self::Sentinel(sentinels) => sentinels.master_client().await,
             Self::Cluster { seeds, .. } => Ok(seeds[attempt % seeds.len()].clone()),
         }
     }
