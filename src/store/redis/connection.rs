@@ -2,7 +2,8 @@
 //! never used before it is verified.
 //!
 //! A server that restarted, or a replica that took over, is always reached through a new
-//! connection (the old one breaks with the old process). So checking the store's epoch on every
+//! connection (the old one breaks with the old process; behind Sentinel, an old master that is
+//! still up is left on the sentinels' word, see `sentinel.rs`). So checking the store's epoch on every
 //! new connection before any request may use it (`RedisStore::check_on`) means no broker
 //! grants on a server whose losses it has not caught up with — whatever its timing. Requests
 //! that find no connection wait for the one being made (within their own time bound), or fail
@@ -166,6 +167,9 @@ impl ConnectionLike for Conn {
 /// Redis that is down costs one connection attempt per interval, not one per request.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
 
+/// Why a connection was dropped, or not used, after the sentinels named a new master.
+const SWITCHED: &str = "the sentinels name a new master";
+
 /// A verified connection. Cheap to clone: the connection is multiplexed.
 #[derive(Clone)]
 pub(super) struct Link {
@@ -192,7 +196,7 @@ pub(super) struct Connection {
     timeout: Duration,
     state: watch::Sender<State>,
     generations: AtomicU64,
-    /// Counts the master switches the sentinels announced (see `sentinel.rs`). The notice
+    /// Counts the master switches the sentinels made known (see `sentinel.rs`). The notice
     /// subscriber watches it to move to the new master.
     switches: watch::Sender<u64>,
     /// `switches` when the connection being made was started: if a switch came meanwhile, that
@@ -274,8 +278,8 @@ impl Connection {
         }
     }
 
-    /// Makes a verified connection the one requests use, unless the sentinels announced a new
-    /// master since it was opened: then requests make another one at once.
+    /// Makes a verified connection the one requests use, unless the sentinels named a new master
+    /// since it was opened: then requests make another one at once.
     pub fn up(&self, conn: Conn) {
         if self.opened_at_switch.load(Ordering::Relaxed) != *self.switches.borrow() {
             self.state.send_replace(State::Down {
@@ -315,13 +319,8 @@ impl Connection {
             tracing::warn!(error = %error, "the Redis connection failed: replacing it");
         }
     }
-}
 
-/// Why a connection was dropped after the sentinels announced a new master.
-const SWITCHED: &str = "the sentinels switched to a new master";
-
-impl Connection {
-    /// The sentinels announced a new master: stops using the connection that is up (and any being
+    /// The sentinels name a new master: stops using the connection that is up (and any being
     /// made), so the next request reaches the new master through them and checks its epoch
     /// first; tells the notice subscriber to move too.
     pub fn master_switched(&self) {
@@ -338,7 +337,7 @@ impl Connection {
         });
     }
 
-    /// Changes with every master switch the sentinels announce.
+    /// Changes with every master switch (see [`Connection::master_switched`]).
     pub fn switches(&self) -> watch::Receiver<u64> {
         self.switches.subscribe()
     }
