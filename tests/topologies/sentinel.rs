@@ -3,8 +3,10 @@
 //!
 //! One deployment serves every scenario, and one test runs them in order: each failover needs the
 //! whole deployment (and [`SentinelTopology::heal`] after it), so they cannot run side by side.
-//! Both failovers lose writes on purpose (replicas cut off, then the master killed), so the new
-//! master really lacks leases that brokers granted, and the put-back is what keeps them.
+//! One failover is asked of the sentinels with every server up (the old master stays a master
+//! for seconds); the two that kill the master lose writes on purpose (replicas cut off, a lease
+//! granted, then the master killed), so the new master really lacks a lease that a broker granted,
+//! and the put-back is what keeps it.
 
 use std::time::Duration;
 
