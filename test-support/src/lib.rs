@@ -8,6 +8,8 @@
 //! - [`broker`]: the real `lockbroker serve` as a child process, for start-up, signals,
 //!   SIGKILL and a host clock shifted with `faketime`.
 //! - [`http`]: the test HTTP client and readers of the API's answers.
+//! - [`sentinel`]: a Redis Sentinel deployment (a master, two replicas, three sentinels) that
+//!   tests fail over.
 //! - [`temp`]: unique files and directories in the temp directory.
 //! - [`tls`]: certificates made for the test, and a TLS-only `redis-server`.
 //!
@@ -20,6 +22,7 @@ pub mod broker;
 pub mod cluster;
 pub mod http;
 pub mod redis_server;
+pub mod sentinel;
 pub mod temp;
 pub mod tls;
 

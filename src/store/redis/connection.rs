@@ -2,7 +2,8 @@
 //! never used before it is verified.
 //!
 //! A server that restarted, or a replica that took over, is always reached through a new
-//! connection (the old one breaks with the old process). So checking the store's epoch on every
+//! connection (the old one breaks with the old process; behind Sentinel, an old master that is
+//! still up is left on the sentinels' word, see `sentinel.rs`). So checking the store's epoch on every
 //! new connection before any request may use it (`RedisStore::check_on`) means no broker
 //! grants on a server whose losses it has not caught up with — whatever its timing. Requests
 //! that find no connection wait for the one being made (within their own time bound), or fail
@@ -16,7 +17,6 @@ use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
-use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::{
     AsyncConnectionConfig, Cmd, Pipeline, RedisError, RedisFuture, RedisResult, TlsCertificates,
     TlsMode, Value,
@@ -24,6 +24,7 @@ use redis::{
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::sentinel::Sentinels;
 use super::url::{ParsedUrl, Topology};
 use crate::domain::millis;
 use crate::store::{StoreError, StoreResult};
@@ -32,8 +33,8 @@ use crate::store::{StoreError, StoreResult};
 pub(super) enum Connector {
     Single(redis::Client),
     /// Asks the sentinels for the master on every new connection, so a connection made after a
-    /// failover reaches the new master.
-    Sentinel(tokio::sync::Mutex<SentinelClient>),
+    /// failover reaches the new master (see `sentinel.rs`).
+    Sentinel(Sentinels),
     Cluster {
         client: ClusterClient,
         /// The seed nodes, for the notice subscriber (see [`Connector::notice_client`]).
@@ -58,35 +59,9 @@ impl Connector {
                 };
                 Ok(Self::Single(client.map_err(invalid)?))
             }
-            Topology::Sentinel => {
-                let sentinels = (0..url.hosts.len()).map(|i| url.addr(i));
-                let master = url.master_name.as_deref().unwrap_or_default();
-                let mut builder =
-                    SentinelClientBuilder::new(sentinels, master, SentinelServerType::Master)
-                        .map_err(invalid)?
-                        .set_client_to_redis_db(url.db)
-                        .set_client_to_redis_tcp_settings(tcp.clone())
-                        .set_client_to_sentinel_tcp_settings(tcp);
-                if let Some(user) = &url.username {
-                    builder = builder.set_client_to_redis_username(user);
-                }
-                if let Some(pass) = &url.password {
-                    builder = builder.set_client_to_redis_password(pass);
-                }
-                if url.tls {
-                    builder = builder
-                        .set_client_to_redis_tls_mode(TlsMode::Secure)
-                        .set_client_to_sentinel_tls_mode(TlsMode::Secure);
-                    if let Some(certs) = tls {
-                        builder = builder
-                            .set_client_to_redis_certificates(certs.clone())
-                            .set_client_to_sentinel_certificates(certs);
-                    }
-                }
-                Ok(Self::Sentinel(tokio::sync::Mutex::new(
-                    builder.build().map_err(invalid)?,
-                )))
-            }
+            Topology::Sentinel => Ok(Self::Sentinel(
+                Sentinels::new(url, tcp, tls, timeout).map_err(invalid)?,
+            )),
             Topology::Cluster => {
                 let infos = (0..url.hosts.len())
                     .map(|i| url.connection_info(i))
@@ -137,13 +112,7 @@ impl Connector {
                     .get_multiplexed_async_connection_with_config(config)
                     .await?,
             )),
-            Self::Sentinel(sentinel) => Ok(Conn::Single(
-                sentinel
-                    .lock()
-                    .await
-                    .get_async_connection_with_config(config)
-                    .await?,
-            )),
+            Self::Sentinel(sentinels) => Ok(Conn::Single(sentinels.open(config).await?)),
             Self::Cluster { client, .. } => Ok(Conn::Cluster(client.get_async_connection().await?)),
         }
     }
@@ -153,7 +122,7 @@ impl Connector {
     pub async fn notice_client(&self, attempt: usize) -> RedisResult<redis::Client> {
         match self {
             Self::Single(client) => Ok(client.clone()),
-            Self::Sentinel(sentinel) => sentinel.lock().await.async_get_client().await,
+            Self::Sentinel(sentinels) => sentinels.master_client().await,
             Self::Cluster { seeds, .. } => Ok(seeds[attempt % seeds.len()].clone()),
         }
     }
@@ -224,6 +193,9 @@ impl Conn {
 /// Redis that is down costs one connection attempt per interval, not one per request.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
 
+/// Why a connection was dropped, or not used, after the sentinels named a new master.
+const SWITCHED: &str = "the sentinels name a new master";
+
 /// A verified connection. Cheap to clone: the connection is multiplexed.
 #[derive(Clone)]
 pub(super) struct Link {
@@ -250,6 +222,12 @@ pub(super) struct Connection {
     timeout: Duration,
     state: watch::Sender<State>,
     generations: AtomicU64,
+    /// Counts the master switches the sentinels made known (see `sentinel.rs`). The notice
+    /// subscriber watches it to move to the new master.
+    switches: watch::Sender<u64>,
+    /// `switches` when the connection being made was started: if a switch came meanwhile, that
+    /// connection may reach the old master, and it is not used.
+    opened_at_switch: AtomicU64,
 }
 
 impl Connection {
@@ -267,6 +245,8 @@ impl Connection {
             timeout,
             state: watch::Sender::new(never_tried),
             generations: AtomicU64::new(0),
+            switches: watch::Sender::new(0),
+            opened_at_switch: AtomicU64::new(0),
         }
     }
 
@@ -310,6 +290,8 @@ impl Connection {
 
     /// Opens a new connection. Not yet usable: [`Connection::up`] makes it so once verified.
     pub async fn open(&self) -> Result<Conn, StoreError> {
+        self.opened_at_switch
+            .store(*self.switches.borrow(), Ordering::Relaxed);
         let opening = async {
             self.connector
                 .open(&self.config)
@@ -322,8 +304,16 @@ impl Connection {
         }
     }
 
-    /// Makes a verified connection the one requests use.
+    /// Makes a verified connection the one requests use, unless the sentinels named a new master
+    /// since it was opened: then requests make another one at once.
     pub fn up(&self, conn: Conn) {
+        if self.opened_at_switch.load(Ordering::Relaxed) != *self.switches.borrow() {
+            self.state.send_replace(State::Down {
+                error: StoreError::Failed(SWITCHED.into()),
+                at: Instant::now() - RECONNECT_PAUSE,
+            });
+            return;
+        }
         let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
         self.state
             .send_replace(State::Up(Link { conn, generation }));
@@ -354,6 +344,28 @@ impl Connection {
         if dropped {
             tracing::warn!(error = %error, "the Redis connection failed: replacing it");
         }
+    }
+
+    /// The sentinels name a new master: stops using the connection that is up (and any being
+    /// made), so the next request reaches the new master through them and checks its epoch
+    /// first; tells the notice subscriber to move too.
+    pub fn master_switched(&self) {
+        self.switches.send_modify(|n| *n += 1);
+        self.state.send_if_modified(|s| match s {
+            State::Up(_) => {
+                *s = State::Down {
+                    error: StoreError::Failed(SWITCHED.into()),
+                    at: Instant::now() - RECONNECT_PAUSE,
+                };
+                true
+            }
+            _ => false,
+        });
+    }
+
+    /// Changes with every master switch (see [`Connection::master_switched`]).
+    pub fn switches(&self) -> watch::Receiver<u64> {
+        self.switches.subscribe()
     }
 }
 

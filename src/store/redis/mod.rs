@@ -1,7 +1,8 @@
 //! The Redis store: each primitive is one Lua script (`scripts.rs`), run by SHA over one
 //! multiplexed connection that is verified before use (`connection.rs`), reading the time from
 //! Redis's own `TIME`. The broker's live leases are kept in a ledger and put back when the store
-//! loses them (`epoch.rs`); release notices reach every broker's waiters (`notices.rs`).
+//! loses them (`epoch.rs`); release notices reach every broker's waiters (`notices.rs`); behind
+//! Sentinel, the broker follows the master's failovers (`sentinel.rs`).
 
 mod connection;
 mod epoch;
@@ -9,6 +10,7 @@ mod notices;
 mod replicas;
 mod replies;
 mod scripts;
+mod sentinel;
 mod slots;
 pub mod url;
 
@@ -612,6 +614,7 @@ impl Store for RedisStore {
             return;
         };
         runtime.spawn(notices::watch_epoch(self.clone(), notices.clone()));
+        runtime.spawn(sentinel::follow_failovers(self.clone(), notices.clone()));
         runtime.spawn(notices::listen(self.clone(), notices));
     }
 }

@@ -70,8 +70,11 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
     let (channel, timeout) = (&store.channel, store.timeout);
     let mut backoff = Duration::from_millis(100);
     let mut attempt = 0;
+    // A master switch the sentinels announced (`sentinel.rs`) moves the subscriber at once.
+    let mut switches = store.connection.switches();
     loop {
         attempt += 1;
+        switches.borrow_and_update();
         match subscribe(&store.connection.connector, attempt, channel, timeout).await {
             Ok((mut sink, mut stream)) => {
                 tracing::debug!(%channel, "listening for release notices");
@@ -117,6 +120,7 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                                 break;
                             }
                         }
+                        _ = switches.changed() => break,
                     }
                 }
                 tracing::warn!(
@@ -128,7 +132,10 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
         if notices.is_closed() {
             return;
         }
-        tokio::time::sleep(backoff).await;
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            _ = switches.changed() => {}
+        }
         backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
