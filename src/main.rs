@@ -29,7 +29,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the broker.
-    Serve(Settings),
+    // Boxed: the settings are many times larger than any other command's arguments.
+    Serve(Box<Settings>),
     /// Load a running broker and print throughput and latency (and, with --redis-url, the
     /// same lock cycle done directly on Redis, for comparison).
     Bench(BenchArgs),
@@ -50,7 +51,7 @@ enum Command {
 #[tokio::main]
 async fn main() -> ExitCode {
     match Cli::parse().command {
-        Command::Serve(args) => report(serve(args).await),
+        Command::Serve(args) => report(serve(*args).await),
         Command::Bench(args) => match args.ledger {
             Some(leases) => {
                 let cost = bench::ledger_cost(leases);

@@ -42,7 +42,7 @@ impl Application {
     pub async fn build(config: &Config) -> anyhow::Result<Self> {
         let metrics = Arc::new(Metrics::default());
         let store = match &config.redis_url {
-            StoreBackend::Redis(url) => {
+            StoreBackend::Redis(url) | StoreBackend::Sentinel(url) | StoreBackend::Cluster(url) => {
                 let store = RedisStore::connect(
                     &RedisSettings {
                         url: url.expose().to_owned(),
@@ -50,6 +50,8 @@ impl Application {
                         timeout: config.store_timeout(),
                         store_loss_delay: Duration::from_millis(config.store_loss_delay_ms),
                         store_settle: Duration::from_millis(config.store_settle_ms),
+                        tls: config.redis_tls(),
+                        replica_acks: config.redis_replica_acks,
                     },
                     metrics.clone(),
                 )
@@ -57,14 +59,6 @@ impl Application {
                 tracing::info!(redis = %url, "locks are kept in Redis");
                 AnyStore::Redis(store)
             }
-            StoreBackend::Sentinel(_) => anyhow::bail!(
-                "redis_url: Redis Sentinel (redis+sentinel://, rediss+sentinel://) is not \
-                 supported yet"
-            ),
-            StoreBackend::Cluster(_) => anyhow::bail!(
-                "redis_url: Redis Cluster (redis+cluster://, rediss+cluster://) is not supported \
-                 yet"
-            ),
             StoreBackend::Memory => {
                 tracing::warn!(
                     "NO REDIS URL: locks are kept in this process's memory. Correct for this one \

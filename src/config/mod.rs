@@ -13,6 +13,8 @@ use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+use crate::store::redis::{ParsedUrl, RedisTls, Topology};
+
 /// How logs are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -76,6 +78,21 @@ pub struct Settings {
     /// grant, so that every running broker puts its live leases back first [default: 3000].
     #[arg(long, env = "LOCKBROKER_STORE_SETTLE_MS", value_name = "MS")]
     pub store_settle_ms: Option<u64>,
+    /// CA certificate (PEM) that Redis's TLS certificate must chain to, for rediss:// URLs
+    /// [default: the system's roots].
+    #[arg(long, env = "LOCKBROKER_REDIS_TLS_CA", value_name = "FILE")]
+    pub redis_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) to present to Redis over TLS; needs --redis-tls-key.
+    #[arg(long, env = "LOCKBROKER_REDIS_TLS_CERT", value_name = "FILE")]
+    pub redis_tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --redis-tls-cert.
+    #[arg(long, env = "LOCKBROKER_REDIS_TLS_KEY", value_name = "FILE")]
+    pub redis_tls_key: Option<PathBuf>,
+    /// Answer a grant or renew only once this many replicas have it (Redis WAIT); if they do
+    /// not within store_timeout_ms, the lease is released and the request answers 503
+    /// [default: 0].
+    #[arg(long, env = "LOCKBROKER_REDIS_REPLICA_ACKS", value_name = "N")]
+    pub redis_replica_acks: Option<u32>,
     /// Log format [default: text].
     #[arg(long, env = "LOCKBROKER_LOG_FORMAT", value_name = "FORMAT")]
     pub log_format: Option<LogFormat>,
@@ -152,6 +169,10 @@ pub struct Config {
     pub store_loss_delay_ms: u64,
     /// How long a new store epoch holds every grant, so running brokers put their leases back.
     pub store_settle_ms: u64,
+    pub redis_tls_ca: Option<PathBuf>,
+    pub redis_tls_cert: Option<PathBuf>,
+    pub redis_tls_key: Option<PathBuf>,
+    pub redis_replica_acks: u32,
     pub log_format: LogFormat,
     pub log_level: String,
     pub auth_file: Option<PathBuf>,
@@ -177,6 +198,10 @@ impl Default for Config {
             max_waiters: 10_000,
             store_loss_delay_ms: 0,
             store_settle_ms: 3_000,
+            redis_tls_ca: None,
+            redis_tls_cert: None,
+            redis_tls_key: None,
+            redis_replica_acks: 0,
             log_format: LogFormat::Text,
             log_level: "info".into(),
             auth_file: None,
@@ -231,6 +256,10 @@ impl Config {
             // Off unless asked for: the brokers put the live leases back after a loss.
             store_loss_delay_ms: s.store_loss_delay_ms.unwrap_or(0),
             store_settle_ms: s.store_settle_ms.unwrap_or(d.store_settle_ms),
+            redis_tls_ca: s.redis_tls_ca,
+            redis_tls_cert: s.redis_tls_cert,
+            redis_tls_key: s.redis_tls_key,
+            redis_replica_acks: s.redis_replica_acks.unwrap_or(d.redis_replica_acks),
             log_format: s.log_format.unwrap_or(d.log_format),
             log_level: s.log_level.unwrap_or(d.log_level),
             auth_file: s.auth_file,
@@ -276,6 +305,26 @@ impl Config {
         if self.max_waiters == 0 {
             bail!("max_waiters must be at least 1");
         }
+        if self.redis_tls_cert.is_some() != self.redis_tls_key.is_some() {
+            bail!("redis_tls_cert and redis_tls_key go together: give both or neither");
+        }
+        let tls_files = self.redis_tls_ca.is_some() || self.redis_tls_cert.is_some();
+        let tls_url = self
+            .redis_url
+            .url()
+            .is_some_and(|url| url.expose().to_ascii_lowercase().starts_with("rediss"));
+        if tls_files && !tls_url {
+            bail!(
+                "redis_tls_ca, redis_tls_cert and redis_tls_key need a TLS Redis URL (rediss://, \
+                 rediss+sentinel:// or rediss+cluster://)"
+            );
+        }
+        if self.redis_replica_acks > 0 && self.redis_url.url().is_none() {
+            bail!("redis_replica_acks needs a Redis URL: the embedded store has no replicas");
+        }
+        if self.redis_replica_acks > 100 {
+            bail!("redis_replica_acks must be at most 100");
+        }
         if self.key_prefix.contains(['{', '}']) {
             bail!("key_prefix must not contain braces: they would break the per-lock hash tag");
         }
@@ -317,6 +366,15 @@ impl Config {
     /// `header_timeout_ms` as a `Duration`.
     pub fn header_timeout(&self) -> Duration {
         Duration::from_millis(self.header_timeout_ms)
+    }
+
+    /// The TLS files for Redis.
+    pub fn redis_tls(&self) -> RedisTls {
+        RedisTls {
+            ca: self.redis_tls_ca.clone(),
+            cert: self.redis_tls_cert.clone(),
+            key: self.redis_tls_key.clone(),
+        }
     }
 
     /// `store_timeout_ms` as a `Duration`.
@@ -363,12 +421,18 @@ impl StoreBackend {
             });
         let secret = RedisUrl(url.to_owned());
         match scheme.as_deref() {
-            Some("redis" | "rediss") => {
-                redis::Client::open(url).context("redis_url is not a valid Redis URL")?;
-                Ok(Self::Redis(secret))
+            Some(
+                "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" | "redis+cluster"
+                | "rediss+cluster",
+            ) => {
+                let parsed =
+                    ParsedUrl::parse(url).map_err(|e| anyhow::anyhow!("redis_url: {e}"))?;
+                Ok(match parsed.topology {
+                    Topology::Single => Self::Redis(secret),
+                    Topology::Sentinel => Self::Sentinel(secret),
+                    Topology::Cluster => Self::Cluster(secret),
+                })
             }
-            Some("redis+sentinel" | "rediss+sentinel") => Ok(Self::Sentinel(secret)),
-            Some("redis+cluster" | "rediss+cluster") => Ok(Self::Cluster(secret)),
             Some(other) => {
                 bail!(
                     "redis_url: unknown scheme {other:?}; the accepted ones are {ACCEPTED_SCHEMES}"

@@ -7,9 +7,12 @@
 //!   `on_both_stores!` macro that runs one contract on the embedded store and on Redis.
 //! - [`broker`]: the real `lockbroker serve` as a child process, for start-up, signals,
 //!   SIGKILL and a host clock shifted with `faketime`.
-//! - [`http`]: the test HTTP client and readers of the API's answers.
-//! - [`temp`]: unique files and directories in the temp directory.
 //! - [`certs`]: a CA, server and client certificates made in the test, for the broker's HTTPS.
+//! - [`http`]: the test HTTP client and readers of the API's answers.
+//! - [`sentinel`]: a Redis Sentinel deployment (a master, two replicas, three sentinels) that
+//!   tests fail over.
+//! - [`temp`]: unique files and directories in the temp directory.
+//! - [`tls`]: certificates made for the test, and a TLS-only `redis-server`.
 //!
 //! Unix only, as the suites are: the fixtures signal processes and put brokers in process
 //! groups. Each new kind of server (a Redis Cluster, Sentinels, TLS) gets a sibling module.
@@ -17,10 +20,13 @@
 
 pub mod app;
 pub mod broker;
+pub mod certs;
+pub mod cluster;
 pub mod http;
 pub mod redis_server;
+pub mod sentinel;
 pub mod temp;
-pub mod certs;
+pub mod tls;
 
 use std::net::TcpListener;
 use std::process::Command;

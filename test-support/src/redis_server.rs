@@ -22,6 +22,23 @@ pub struct RedisServer {
     /// Where the append-only file lives once [`RedisServer::persist_to_aof`] turned it on; a
     /// restart then loads it.
     aof_dir: Option<PathBuf>,
+    options: ServerOptions,
+    /// Whether `options.dir` was made for this server (and goes with it).
+    own_dir: bool,
+}
+
+/// What a server of a larger topology needs beyond the defaults (see `sentinel.rs`).
+#[derive(Debug, Clone, Default)]
+pub struct ServerOptions {
+    /// A configuration file, given first on the command line: a sentinel needs one it can
+    /// rewrite, one per sentinel.
+    pub config: Option<PathBuf>,
+    /// Arguments after the defaults, such as `--replicaof 127.0.0.1 PORT` or `--sentinel`.
+    pub args: Vec<String>,
+    /// A working directory of its own. Without one the server works in the temp directory,
+    /// which is fine for a server that never writes a file; a replica writes the RDB of its
+    /// full sync there (as `dump.rdb`, which any server starting in that directory would load).
+    pub dir: Option<PathBuf>,
 }
 
 /// Why one launch of `redis-server` did not come up.
@@ -34,6 +51,11 @@ enum LaunchError {
 impl RedisServer {
     /// Starts a server on a free port, trying another port if the one picked was taken.
     pub async fn start() -> Self {
+        Self::start_with(ServerOptions::default()).await
+    }
+
+    /// As [`RedisServer::start`], with `options`.
+    pub async fn start_with(options: ServerOptions) -> Self {
         let mut last = String::new();
         for _ in 0..10 {
             let port = free_port();
@@ -42,6 +64,19 @@ impl RedisServer {
                 child: None,
                 log: temp_log(&format!("redis-{port}")),
                 aof_dir: None,
+                options: ServerOptions {
+                    // Each server in a directory of its own by default: a file one writes (a
+                    // replica's synced snapshot, `dump.rdb`) would be loaded by the next one
+                    // started in a shared directory.
+                    dir: Some(
+                        options
+                            .dir
+                            .clone()
+                            .unwrap_or_else(|| temp_log(&format!("redis-{port}-dir"))),
+                    ),
+                    ..options.clone()
+                },
+                own_dir: options.dir.is_none(),
             };
             match server.launch().await {
                 Ok(()) => return server,
@@ -54,6 +89,17 @@ impl RedisServer {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Whether the process is running (not stopped, nor exited by itself).
+    pub fn is_running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|child| matches!(child.try_wait(), Ok(None)))
     }
 
     /// A connection of the test's own, to look at what the brokers wrote.
@@ -125,6 +171,13 @@ impl RedisServer {
         }
     }
 
+    /// As [`RedisServer::restart`], with other `options` from now on (a master killed in a
+    /// failover comes back as a replica of the new one).
+    pub async fn restart_with(&mut self, options: ServerOptions) {
+        self.options = options;
+        self.restart().await;
+    }
+
     /// Freezes the server (SIGSTOP): connections stay open but nothing is answered, as with a
     /// Redis stuck in a long command or a network that drops packets.
     pub fn pause(&self) {
@@ -152,9 +205,16 @@ impl RedisServer {
     }
 
     async fn launch(&mut self) -> Result<(), LaunchError> {
+        if let Some(dir) = &self.options.dir {
+            std::fs::create_dir_all(dir).expect("cannot create the redis directory");
+        }
         let log = std::fs::File::create(&self.log).expect("cannot create the redis log file");
         let log_err = log.try_clone().expect("cannot clone the log file handle");
-        let spawned = Command::new("redis-server")
+        let mut command = Command::new("redis-server");
+        if let Some(config) = &self.options.config {
+            command.arg(config);
+        }
+        let spawned = command
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", ""])
             .args(match self.aof_dir {
@@ -162,7 +222,13 @@ impl RedisServer {
                 None => ["--appendonly", "no", "--appendfsync", "everysec"],
             })
             .arg("--dir")
-            .arg(self.aof_dir.clone().unwrap_or_else(std::env::temp_dir))
+            .arg(
+                self.aof_dir
+                    .clone()
+                    .or_else(|| self.options.dir.clone())
+                    .expect("every server has a directory"),
+            )
+            .args(&self.options.args)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
@@ -205,7 +271,8 @@ impl RedisServer {
         }
     }
 
-    fn log_text(&self) -> String {
+    /// What the server wrote to its log so far.
+    pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_else(|e| format!("(no log: {e})"))
     }
 }
@@ -215,6 +282,11 @@ impl Drop for RedisServer {
         self.stop();
         let _ = std::fs::remove_file(&self.log);
         if let Some(dir) = &self.aof_dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        if self.own_dir
+            && let Some(dir) = &self.options.dir
+        {
             let _ = std::fs::remove_dir_all(dir);
         }
     }

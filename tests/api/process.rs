@@ -174,7 +174,7 @@ fn run_to_exit(mut command: Command) -> (ExitStatus, String) {
 fn an_invalid_configuration_stops_the_binary_with_a_non_zero_status_and_a_message() {
     let bad_file = temp_file("bad-config", "toml");
     std::fs::write(&bad_file, "default_ttl = 5000\n").unwrap();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["--max-ttl-ms", "0"], "max_ttl_ms"),
         (
             &["--default-ttl-ms", "5000", "--max-ttl-ms", "1000"],
@@ -183,12 +183,25 @@ fn an_invalid_configuration_stops_the_binary_with_a_non_zero_status_and_a_messag
         (&["--listen", "not-an-address"], "listen"),
         (&["--redis-url", "http://example.com/"], "redis"),
         (
-            &["--redis-url", "redis+sentinel://127.0.0.1:1/mymaster"],
-            "not supported yet",
+            &["--redis-url", "redis+sentinel://u:hunter2@127.0.0.1:1"],
+            "master's name",
         ),
         (
-            &["--redis-url", "redis+cluster://127.0.0.1:1"],
-            "not supported yet",
+            &["--redis-url", "redis+cluster://u:hunter2@127.0.0.1:1/2"],
+            "database 0 only",
+        ),
+        (
+            &[
+                "--redis-url",
+                "redis://127.0.0.1:1",
+                "--redis-tls-ca",
+                "/tmp/ca.pem",
+            ],
+            "tls redis url",
+        ),
+        (
+            &["--redis-replica-acks", "1"],
+            "redis_replica_acks needs a redis url",
         ),
         (&["--max-waiters", "0"], "max_waiters"),
         (&["--config", bad_file.to_str().unwrap()], "config"),
@@ -208,6 +221,10 @@ fn an_invalid_configuration_stops_the_binary_with_a_non_zero_status_and_a_messag
         assert!(
             output.to_lowercase().contains(mentions),
             "lockbroker serve {args:?} must say what is wrong ({mentions}):\n{output}"
+        );
+        assert!(
+            !output.contains("hunter2"),
+            "a Redis password reached the output:\n{output}"
         );
     }
     let _ = std::fs::remove_file(&bad_file);

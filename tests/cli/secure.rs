@@ -2,8 +2,8 @@
 //! `LOCKBROKER_AUTH_TOKEN`), HTTPS with `--cacert`, and a client certificate for mTLS.
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
-use lockbroker_test_support::temp::temp_file;
 use lockbroker_test_support::certs::TestCa;
+use lockbroker_test_support::temp::temp_file;
 
 use crate::support::{finish, lockbroker, lockbroker_command};
 

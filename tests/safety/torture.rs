@@ -17,7 +17,7 @@
 //! promised while a lease is live.
 
 use std::ops::RangeInclusive;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -136,6 +136,8 @@ struct Grant {
 #[derive(Default)]
 struct Shared {
     counter: AtomicU64,
+    /// Set by [`Run::stop`]: no new attempts after it.
+    stopped: AtomicBool,
     sections: Mutex<Vec<Section>>,
     acquires: Mutex<Vec<Call>>,
     problems: Mutex<Vec<String>>,
@@ -265,6 +267,11 @@ impl Run {
         Some(section)
     }
 
+    /// Stops the run before its limit: the clients start no new attempt.
+    pub fn stop(&self) {
+        self.shared.stopped.store(true, Ordering::SeqCst);
+    }
+
     /// Waits for every client to finish and returns what happened.
     pub async fn finish(self) -> Report {
         let bound = self.plan.limit + self.plan.answer_bound + Duration::from_secs(10);
@@ -300,7 +307,8 @@ async fn hammer(
         "/locks/{}?ttl_ms={}&wait_ms={}",
         plan.key, plan.ttl_ms, plan.wait_ms
     );
-    while done < plan.rounds && Instant::now() < deadline {
+    while done < plan.rounds && Instant::now() < deadline && !shared.stopped.load(Ordering::SeqCst)
+    {
         attempt += 1;
         let broker = brokers.pick(attempt);
         let sent = Instant::now();

@@ -40,6 +40,7 @@ impl Tally {
             cycle: Latency::of(self.samples.into_inner().unwrap()),
             handoff: (!handoffs.is_empty()).then(|| Latency::of(handoffs)),
             redis_calls_per_cycle: None,
+            redis_cpu_us_per_cycle: None,
         }
     }
 }

@@ -24,7 +24,7 @@ use serde::Serialize;
 use self::direct::uncontended_direct;
 use self::http::{hot_key_http, uncontended_http, wait_until_granting};
 pub use self::ledger::{LedgerCost, ledger_cost};
-use self::redis_stats::ScriptCalls;
+use self::redis_stats::{RedisCost, data_nodes};
 pub use self::redis_stats::{command_calls, script_calls};
 use self::waiters::park_waiters;
 use crate::domain::Token;
@@ -121,6 +121,16 @@ pub struct Phase {
     /// Redis script calls (EVALSHA/EVAL) per cycle, when Redis was given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub redis_calls_per_cycle: Option<f64>,
+    /// Redis CPU time (user + system, summed over the data nodes) per cycle, in µs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_cpu_us_per_cycle: Option<f64>,
+}
+
+impl Phase {
+    fn set_redis_cost(&mut self, cost: Option<redis_stats::PerCycle>) {
+        self.redis_calls_per_cycle = cost.as_ref().map(|c| c.calls);
+        self.redis_cpu_us_per_cycle = cost.map(|c| c.cpu_us);
+    }
 }
 
 /// The whole run.
@@ -170,26 +180,21 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         .with_context(|| format!("the broker at {base} is not ready"))?;
     wait_until_granting(&http, &base).await?;
     let redis = match &args.redis_url {
-        None => None,
-        Some(url) => Some(
-            redis::Client::open(url.as_str())?
-                .get_multiplexed_async_connection()
-                .await
-                .with_context(|| format!("cannot connect to Redis at {url}"))?,
-        ),
+        None => Vec::new(),
+        Some(url) => data_nodes(url).await?,
     };
     let run_id = Token::generate().as_str()[..8].to_owned();
     let progress = std::io::stderr().is_terminal() && !args.json;
 
     let mut phases = Vec::new();
-    let calls = ScriptCalls::start(redis.clone()).await?;
+    let cost = RedisCost::start(&redis).await?;
     let mut uncontended = uncontended_http(&http, &base, &args, &run_id, progress).await;
-    uncontended.redis_calls_per_cycle = calls.per(uncontended.cycles).await?;
+    uncontended.set_redis_cost(cost.per(uncontended.cycles).await?);
     phases.push(uncontended);
 
-    let calls = ScriptCalls::start(redis.clone()).await?;
+    let cost = RedisCost::start(&redis).await?;
     let mut hot = hot_key_http(&http, &base, &args, &run_id, progress).await;
-    hot.redis_calls_per_cycle = calls.per(hot.cycles).await?;
+    hot.set_redis_cost(cost.per(hot.cycles).await?);
     phases.push(hot);
 
     let mut broker_over_direct = None;
@@ -201,12 +206,14 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
                 timeout: Duration::from_secs(2),
                 store_loss_delay: Duration::ZERO,
                 store_settle: Duration::from_secs(3),
+                tls: Default::default(),
+                replica_acks: 0,
             },
             Arc::default(),
         )?;
-        let calls = ScriptCalls::start(redis.clone()).await?;
+        let cost = RedisCost::start(&redis).await?;
         let mut direct = uncontended_direct(Arc::new(store), &args, &run_id, progress).await;
-        direct.redis_calls_per_cycle = calls.per(direct.cycles).await?;
+        direct.set_redis_cost(cost.per(direct.cycles).await?);
         if direct.cycles_per_sec > 0.0 {
             broker_over_direct = Some(phases[0].cycles_per_sec / direct.cycles_per_sec);
         }
@@ -232,7 +239,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
 
 fn print_table(summary: &Summary) {
     println!(
-        "{:<28} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>6}",
+        "{:<28} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8} {:>6}",
         "phase",
         "clients",
         "cycles/s",
@@ -243,6 +250,7 @@ fn print_table(summary: &Summary) {
         "handoff50",
         "handoff99",
         "calls",
+        "redis µs",
         "errors"
     );
     for p in &summary.phases {
@@ -252,7 +260,7 @@ fn print_table(summary: &Summary) {
                 .map_or("-".into(), |h| format!("{:.2}", f(h)))
         };
         println!(
-            "{:<28} {:>7} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9} {:>9} {:>7} {:>6}",
+            "{:<28} {:>7} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9} {:>9} {:>7} {:>8} {:>6}",
             p.name,
             p.clients,
             p.cycles_per_sec,
@@ -264,13 +272,18 @@ fn print_table(summary: &Summary) {
             handoff(|h| h.p99_ms),
             p.redis_calls_per_cycle
                 .map_or("-".into(), |c| format!("{c:.2}")),
+            p.redis_cpu_us_per_cycle
+                .map_or("-".into(), |c| format!("{c:.1}")),
             p.errors,
         );
     }
     if let Some(ratio) = summary.broker_over_direct {
         println!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
     }
-    println!("calls: Redis script calls (EVALSHA/EVAL) per acquire+release cycle");
+    println!(
+        "calls: Redis script calls (EVALSHA/EVAL) per acquire+release cycle; redis µs: Redis CPU \
+         time (user+system, every data node) per cycle"
+    );
     if let Some(w) = &summary.waiters {
         println!(
             "parked waiters: {} ({} failed); broker RSS {:.1} MiB -> {:.1} MiB, {:.0} bytes per waiter; drained {:.0} ms after their clients left",

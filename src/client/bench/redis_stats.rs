@@ -1,30 +1,106 @@
-//! Redis call counts from INFO commandstats: script calls per phase ([`ScriptCalls`]), and the
-//! readers [`script_calls`] and [`command_calls`] (public; tests under `tests/` use them).
+//! What the benchmark costs Redis, from `INFO commandstats` and `INFO cpu` on every data node of
+//! the topology the broker uses: script calls and Redis CPU time per phase ([`RedisCost`]), and
+//! the readers [`script_calls`] and [`command_calls`] (public; tests under `tests/` use them).
 
-/// Counts Redis script calls over one phase, from INFO commandstats (a count, not a timing).
-pub(super) struct ScriptCalls {
-    conn: Option<redis::aio::MultiplexedConnection>,
-    before: u64,
+use anyhow::Context;
+use redis::aio::MultiplexedConnection;
+
+use crate::store::redis::{ParsedUrl, Topology};
+
+/// Connections to the data nodes behind `url`: the server; every node named by a cluster URL
+/// (replicas run no scripts, so summing over all of them counts the masters' work); or the
+/// master the sentinels name.
+pub(super) async fn data_nodes(url: &str) -> anyhow::Result<Vec<MultiplexedConnection>> {
+    let parsed = ParsedUrl::parse(url)?;
+    let clients = match parsed.topology {
+        Topology::Single | Topology::Cluster => (0..parsed.hosts.len())
+            .map(|i| Ok(redis::Client::open(parsed.connection_info(i)?)?))
+            .collect::<anyhow::Result<Vec<_>>>()?,
+        Topology::Sentinel => {
+            let sentinels = (0..parsed.hosts.len()).map(|i| parsed.addr(i));
+            let mut sentinel = redis::sentinel::SentinelClientBuilder::new(
+                sentinels,
+                parsed.master_name.as_deref().unwrap_or_default(),
+                redis::sentinel::SentinelServerType::Master,
+            )?;
+            sentinel = sentinel.set_client_to_redis_db(parsed.db);
+            if let Some(user) = &parsed.username {
+                sentinel = sentinel.set_client_to_redis_username(user);
+            }
+            if let Some(pass) = &parsed.password {
+                sentinel = sentinel.set_client_to_redis_password(pass);
+            }
+            vec![sentinel.build()?.async_get_client().await?]
+        }
+    };
+    let mut nodes = Vec::new();
+    for client in clients {
+        nodes.push(
+            client
+                .get_multiplexed_async_connection()
+                .await
+                .context("cannot connect to a Redis node for its statistics")?,
+        );
+    }
+    Ok(nodes)
 }
 
-impl ScriptCalls {
-    pub(super) async fn start(
-        conn: Option<redis::aio::MultiplexedConnection>,
-    ) -> anyhow::Result<Self> {
-        let before = match &conn {
-            Some(c) => script_calls(&mut c.clone()).await?,
-            None => 0,
-        };
-        Ok(Self { conn, before })
+/// Script calls and Redis CPU time over one phase, summed over the data nodes.
+pub(super) struct RedisCost {
+    nodes: Vec<MultiplexedConnection>,
+    before: Totals,
+}
+
+#[derive(Default, Clone, Copy)]
+struct Totals {
+    script_calls: u64,
+    cpu_us: f64,
+}
+
+/// Per cycle: Redis script calls, and Redis CPU microseconds (user + system, all threads).
+pub(super) struct PerCycle {
+    pub calls: f64,
+    pub cpu_us: f64,
+}
+
+impl RedisCost {
+    pub(super) async fn start(nodes: &[MultiplexedConnection]) -> anyhow::Result<Self> {
+        let nodes = nodes.to_vec();
+        let before = totals(&nodes).await?;
+        Ok(Self { nodes, before })
     }
 
-    pub(super) async fn per(self, cycles: u64) -> anyhow::Result<Option<f64>> {
-        let Some(mut conn) = self.conn else {
+    /// `None` without Redis nodes or cycles.
+    pub(super) async fn per(self, cycles: u64) -> anyhow::Result<Option<PerCycle>> {
+        if self.nodes.is_empty() || cycles == 0 {
             return Ok(None);
-        };
-        let after = script_calls(&mut conn).await?;
-        Ok((cycles > 0).then(|| (after - self.before) as f64 / cycles as f64))
+        }
+        let after = totals(&self.nodes).await?;
+        let cycles = cycles as f64;
+        Ok(Some(PerCycle {
+            calls: (after.script_calls - self.before.script_calls) as f64 / cycles,
+            cpu_us: (after.cpu_us - self.before.cpu_us) / cycles,
+        }))
     }
+}
+
+async fn totals(nodes: &[MultiplexedConnection]) -> anyhow::Result<Totals> {
+    let mut totals = Totals::default();
+    for node in nodes {
+        let mut node = node.clone();
+        totals.script_calls += script_calls(&mut node).await?;
+        let cpu: String = redis::cmd("INFO").arg("cpu").query_async(&mut node).await?;
+        totals.cpu_us += ["used_cpu_sys:", "used_cpu_user:"]
+            .iter()
+            .filter_map(|field| {
+                cpu.lines()
+                    .find_map(|l| l.strip_prefix(field))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            })
+            .sum::<f64>()
+            * 1e6;
+    }
+    Ok(totals)
 }
 
 /// EVALSHA + EVAL calls Redis has served (scripts' inner commands are counted apart by Redis).

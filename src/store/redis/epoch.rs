@@ -15,17 +15,31 @@
 //! gets before use — puts its live leases (its [`Ledger`](crate::store::ledger::Ledger)) back
 //! into the store, and only then grants in the new epoch. The hold gives every running broker
 //! time to do so before anyone else's grant can land on one of those keys.
+//!
+//! On a Redis Cluster each master has its own epoch (a master can restart, be flushed or fail
+//! over alone), and a script may only touch keys of one slot: so every slot has its own marker,
+//! `<prefix>epoch{<tag>}`, with a hash tag chosen to land on that slot (`slots.rs`). A master's
+//! epoch is decided atomically on the marker of its first slot (the check), then copied to the
+//! markers of its other slots; a slot whose marker is missing answers "held", like a store with
+//! no marker. The check asks the cluster for its masters (`CLUSTER SLOTS`) and checks each one:
+//! its `run_id`, read from the master itself, and its first slot's marker. New connections to
+//! cluster nodes are made by the `redis` crate, out of the broker's sight; what tells the broker
+//! that one reached a new server process is NOSCRIPT — Redis 7 neither replicates nor persists
+//! its script cache, so a restarted server or a promoted replica has none of the broker's
+//! scripts, and the broker checks the epoch before it runs one there (`RedisStore::invoke`).
 
-use std::sync::{Mutex, MutexGuard};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use redis::Value;
-use redis::aio::MultiplexedConnection;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::RedisStore;
-use super::connection::run_id;
+use super::connection::Conn;
+use super::slots::{SLOTS, slot_of};
 use crate::domain::{LockKey, Token, millis};
 use crate::store::ledger::Entry;
 use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Holder, StoreError, StoreResult};
@@ -33,6 +47,12 @@ use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Holder, StoreError, StoreR
 /// How many leases one put-back script call carries. Bounded so that one call stays short for
 /// Redis (a script blocks the server while it runs).
 const PUT_BACK_BATCH: usize = 100;
+
+/// The payload that announces a repaired slot marker, followed by the slot.
+pub(super) const SLOT_NOTICE: &str = "!slot ";
+
+/// How many marker writes or put-back calls a cluster check keeps in flight at once.
+const MARK_CONCURRENCY: usize = 64;
 
 /// How often an idle broker checks the epoch, so it notices a flush (which breaks no
 /// connection) within this.
@@ -51,10 +71,25 @@ pub(super) struct Epoch {
 
 #[derive(Default)]
 struct EpochState {
-    /// The epoch this broker caught up with; `None` before its first check.
-    known: Option<String>,
+    /// The epoch this broker caught up with, by shard: the first slot of a cluster master's
+    /// slots, or 0 for one server. Missing before its first check.
+    known: HashMap<u16, String>,
+    /// Cluster only: the epoch each slot's marker is expected in (its master's, or — for a slot
+    /// that moved from another master with its marker — that master's).
+    slots: Option<Arc<[Arc<str>]>>,
     /// Set while this broker puts its leases back into a new epoch: it grants nothing meanwhile.
     putting_back_to: Option<String>,
+}
+
+impl EpochState {
+    /// The epoch a key's marker is expected in: its slot's on a cluster, the store's otherwise.
+    fn expected(&self, slot: Option<u16>) -> Option<&str> {
+        match (slot, &self.slots) {
+            (Some(slot), Some(slots)) => Some(&slots[usize::from(slot)]),
+            (Some(_), None) => None,
+            (None, _) => self.known.get(&0).map(String::as_str),
+        }
+    }
 }
 
 impl Epoch {
@@ -63,8 +98,9 @@ impl Epoch {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The epoch a grant may be made in, or the hold while this broker is putting leases back.
-    pub fn for_grant(&self) -> Result<String, Hold> {
+    /// The epoch a grant on a key of `slot` (on a cluster) may be made in, or the hold while
+    /// this broker is putting leases back.
+    pub fn for_grant(&self, slot: Option<u16>) -> Result<String, Hold> {
         let state = self.state();
         if state.putting_back_to.is_some() {
             return Err(Hold {
@@ -72,18 +108,33 @@ impl Epoch {
                 retry_after_ms: 1_000,
             });
         }
-        Ok(state.known.clone().unwrap_or_default())
+        Ok(state.expected(slot).unwrap_or_default().to_owned())
     }
 
-    /// Whether `epoch` is older than the newest epoch this broker has seen (the one it is
-    /// putting leases back into, if any).
-    pub fn is_behind(&self, epoch: &str) -> bool {
+    /// Whether `epoch` is older than the newest epoch this broker has seen for `slot` (or the
+    /// one it is putting leases back into, if any).
+    pub fn is_behind(&self, slot: Option<u16>, epoch: &str) -> bool {
         let state = self.state();
-        state
-            .putting_back_to
-            .as_deref()
-            .or(state.known.as_deref())
-            .is_some_and(|latest| latest != epoch)
+        if let Some(latest) = &state.putting_back_to {
+            return latest != epoch;
+        }
+        state.expected(slot).is_some_and(|latest| latest != epoch)
+    }
+
+    /// Cluster: a slot's marker is in `epoch`, not its master's. If `epoch` is the current
+    /// epoch of a master this broker has caught up with, the slot moved from that master with
+    /// its data (and its marker): grants on it go on in that epoch. `false` otherwise.
+    pub fn adopt(&self, slot: u16, epoch: &str) -> bool {
+        let mut state = self.state();
+        if !state.known.values().any(|known| known == epoch) {
+            return false;
+        }
+        if let Some(slots) = &state.slots {
+            let mut adopted = slots.to_vec();
+            adopted[usize::from(slot)] = epoch.into();
+            state.slots = Some(adopted.into());
+        }
+        true
     }
 
     pub fn putting_back(&self) -> bool {
@@ -109,8 +160,9 @@ impl Drop for PuttingBack<'_> {
 }
 
 /// What the epoch check answered.
-struct Checked {
+pub(super) struct Checked {
     id: String,
+    run_id: String,
     hold_until_ms: u64,
     now_ms: u64,
     reason: String,
@@ -138,6 +190,31 @@ struct PutBack {
     counters_raised: usize,
 }
 
+/// One shard of the store for the epoch: a cluster master's slots, or the whole store.
+pub(super) struct Shard {
+    /// The shard's first slot (0 for one server): its epoch is decided on this slot's marker.
+    first: u16,
+    /// Its slot ranges, inclusive (empty for one server: every key).
+    ranges: Vec<(u16, u16)>,
+}
+
+impl Shard {
+    fn whole() -> Self {
+        Self {
+            first: 0,
+            ranges: Vec::new(),
+        }
+    }
+
+    fn holds(&self, slot: u16) -> bool {
+        self.ranges.is_empty() || self.ranges.iter().any(|(a, b)| (*a..=*b).contains(&slot))
+    }
+
+    fn slots(&self) -> impl Iterator<Item = u16> + '_ {
+        self.ranges.iter().flat_map(|(a, b)| *a..=*b)
+    }
+}
+
 impl RedisStore {
     /// Checks the epoch on the current connection (making and verifying one if needed) and
     /// catches up with a new one. Returns the store-wide hold in force, if any.
@@ -157,12 +234,12 @@ impl RedisStore {
                 Err(_) => return Err(StoreError::Timeout(millis(self.timeout))),
             };
             let mut conn = link.conn.clone();
-            // The server process as it is now, not as it was when the connection was made: a
-            // proxy between broker and Redis may keep this connection open across a restart.
-            let checked = match tokio::time::timeout_at(deadline, run_id(&mut conn)).await {
-                Ok(Ok(run_id)) => self.check_on(&mut conn, &run_id).await,
-                Ok(Err(e)) => Err(e),
-                Err(_) => Err(StoreError::Timeout(millis(self.timeout))),
+            // Unbounded here: a new epoch puts leases back (on a cluster, marks a master's
+            // thousands of slots too), which must not stop halfway. Each call in it is bounded.
+            let checked = if self.cluster {
+                self.check_cluster(&mut conn).await
+            } else {
+                self.check_on(&mut conn).await
             };
             match checked {
                 Ok(hold) => return Ok(hold),
@@ -175,43 +252,103 @@ impl RedisStore {
         Err(last.expect("two failed tries"))
     }
 
-    /// The epoch check on `conn` (reaching server `run_id`), and the put-back if the epoch is
-    /// not the one this broker knows. Run on every new connection before it is used.
-    pub(super) async fn check_on(
-        &self,
-        conn: &mut MultiplexedConnection,
-        run_id: &str,
-    ) -> StoreResult<Option<Hold>> {
+    /// The epoch check on `conn`, and the put-back if the epoch is not the one this broker
+    /// knows. Run on every new connection before it is used.
+    pub(super) async fn check_on(&self, conn: &mut Conn) -> StoreResult<Option<Hold>> {
         let _one = self.epoch.catching_up.lock().await;
+        let checked = self.check_shard(conn, &Shard::whole()).await?;
+        Ok(checked.hold())
+    }
+
+    /// The epoch check of every master of a cluster, each caught up with as [`check_on`] does
+    /// for one server. Returns a hold only if every master holds: a master that settles alone
+    /// holds only its own keys (its slots' markers say so to every script), and the broker stays
+    /// ready for the others.
+    ///
+    /// [`check_on`]: RedisStore::check_on
+    pub(super) async fn check_cluster(&self, conn: &mut Conn) -> StoreResult<Option<Hold>> {
+        let _one = self.epoch.catching_up.lock().await;
+        let shards = self.bounded(masters(conn)).await?;
+        // The hold that stops every grant: the shortest, if every master holds.
+        let mut hold: Option<Hold> = None;
+        let mut all_held = !shards.is_empty();
+        let mut epochs = Vec::with_capacity(shards.len());
+        for shard in &shards {
+            let checked = self.check_shard(conn, shard).await?;
+            match checked.hold() {
+                Some(h)
+                    if hold
+                        .as_ref()
+                        .is_none_or(|held| h.retry_after_ms < held.retry_after_ms) =>
+                {
+                    hold = Some(h);
+                }
+                Some(_) => {}
+                None => all_held = false,
+            }
+            epochs.push(checked.id);
+        }
+        let hold = hold.filter(|_| all_held);
+        // Which epoch each slot's marker is expected in: its master's, unless the slot keeps
+        // another master's current epoch (it moved here with its marker).
+        let mut state = self.epoch.state();
+        let current: Vec<&str> = epochs.iter().map(String::as_str).collect();
+        let mut table: Vec<Arc<str>> = vec![Arc::from(""); usize::from(SLOTS)];
+        for (shard, epoch) in shards.iter().zip(&epochs) {
+            let epoch: Arc<str> = epoch.as_str().into();
+            for slot in shard.slots() {
+                let kept = state
+                    .slots
+                    .as_ref()
+                    .map(|old| &old[usize::from(slot)])
+                    .filter(|old| current.contains(&&***old) && ***old != *epoch);
+                table[usize::from(slot)] = kept.cloned().unwrap_or_else(|| epoch.clone());
+            }
+        }
+        state
+            .known
+            .retain(|first, _| shards.iter().any(|s| s.first == *first));
+        state.slots = Some(table.into());
+        Ok(hold)
+    }
+
+    /// Checks one shard's epoch and catches up with it: puts this broker's leases on the shard
+    /// back if the epoch is not the one it knew. Called with `catching_up` held.
+    async fn check_shard(&self, conn: &mut Conn, shard: &Shard) -> StoreResult<Checked> {
+        let marker = self.marker_of(shard.first);
         // A put-back that finds the epoch moved again (a second loss meanwhile) starts over; a
         // put-back that went through checks once more, for the hold as the put-back left it.
         for _ in 0..4 {
-            let known = self.epoch.state().known.clone();
-            let checked = self.run_check(conn, known.as_deref(), run_id).await?;
-            match known {
-                Some(known) if known == checked.id => return Ok(checked.hold()),
-                None => {
-                    if let Some(hold) = checked.hold()
-                        && hold.reason == HoldReason::Settling
-                    {
-                        tracing::info!(
-                            settle_ms = hold.retry_after_ms,
-                            "the lock store has no record of earlier grants (new or emptied): \
-                             settling before the first grant"
-                        );
-                    }
-                    self.epoch.state().known = Some(checked.id.clone());
-                    return Ok(checked.hold());
-                }
-                Some(known) => {
-                    let putting_back = PuttingBack::begin(&self.epoch, &checked.id);
-                    let started = Instant::now();
-                    // The epoch moved during the put-back (`None`): check again.
-                    if let Some(report) = self.put_back_all(conn, &checked.id).await? {
-                        self.epoch.state().known = Some(checked.id.clone());
-                        drop(putting_back);
-                        self.report_loss(&known, &checked, &report, started.elapsed());
-                    }
+            let known = self.epoch.state().known.get(&shard.first).cloned();
+            let checked = self.run_check(conn, &marker, known.as_deref()).await?;
+            if known.as_deref() == Some(checked.id.as_str()) {
+                return Ok(checked);
+            }
+            if known.is_none()
+                && let Some(hold) = checked.hold()
+                && hold.reason == HoldReason::Settling
+            {
+                tracing::info!(
+                    settle_ms = hold.retry_after_ms,
+                    "the lock store has no record of earlier grants (new or emptied): \
+                     settling before the first grant"
+                );
+            }
+            let putting_back = PuttingBack::begin(&self.epoch, &checked.id);
+            let started = Instant::now();
+            if self.cluster {
+                self.mark_slots(conn, shard, &checked).await?;
+            }
+            // The epoch moved during the put-back (`None`): check again.
+            if let Some(report) = self.put_back_all(conn, shard, &checked.id).await? {
+                self.epoch
+                    .state()
+                    .known
+                    .insert(shard.first, checked.id.clone());
+                drop(putting_back);
+                match known {
+                    Some(known) => self.report_loss(&known, &checked, &report, started.elapsed()),
+                    None => return Ok(checked),
                 }
             }
         }
@@ -220,59 +357,197 @@ impl RedisStore {
         ))
     }
 
+    /// Cluster: a slot's marker is missing while its master's epoch goes on (the marker was
+    /// deleted or evicted on its own, and the slot's lock keys may have gone with it). The slot
+    /// gets its marker back, in its master's epoch, with a hold of `store_settle_ms`, and the
+    /// repair is announced (`!slot <n>`) so that every broker puts its leases on the slot back
+    /// ([`RedisStore::put_back_slot`]) before the hold ends. Logged as an error: Redis should
+    /// not evict keys.
+    pub(super) async fn repair_slot(&self, slot: u16) -> StoreResult<()> {
+        let Ok(epoch) = self.epoch.for_grant(Some(slot)) else {
+            return Ok(());
+        };
+        let Some(link) = self.connection.current() else {
+            return Ok(());
+        };
+        let mut conn = link.conn.clone();
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(self.scripts.repair)
+            .arg(1)
+            .arg(self.marker_of(slot))
+            .arg(&epoch)
+            .arg(millis(self.store_settle))
+            .arg(&*self.channel)
+            .arg(format!("{SLOT_NOTICE}{slot}"));
+        let repaired: i64 = self.bounded(eval.query_async(&mut conn)).await?;
+        if repaired == 1 {
+            tracing::error!(
+                slot,
+                "the epoch marker of one Redis Cluster slot was missing (deleted or evicted: keep \
+                 Redis from evicting keys); the slot's keys are held for the settle time while \
+                 every broker puts its leases on it back"
+            );
+            self.metrics.store_loss(0, 0, millis(self.store_settle));
+        }
+        self.put_back_slot(slot).await
+    }
+
+    /// Cluster: puts this broker's live leases on `slot` back (after a repair of its marker).
+    pub(super) async fn put_back_slot(&self, slot: u16) -> StoreResult<()> {
+        let _one = self.epoch.catching_up.lock().await;
+        let Ok(epoch) = self.epoch.for_grant(Some(slot)) else {
+            return Ok(());
+        };
+        let Some(link) = self.connection.current() else {
+            return Ok(());
+        };
+        let mut conn = link.conn.clone();
+        let marker = self.marker_of(slot);
+        let leases: Vec<(LockKey, Entry)> = self
+            .ledger
+            .live(Instant::now())
+            .into_iter()
+            .filter(|(key, _)| self.slot(key) == Some(slot))
+            .collect();
+        let mut report = PutBack::default();
+        for batch in leases.chunks(PUT_BACK_BATCH) {
+            self.put_back(&mut conn, &marker, &epoch, batch, &mut report)
+                .await?;
+        }
+        if report.written > 0 {
+            tracing::warn!(
+                slot,
+                put_back = report.written,
+                "put leases back on a repaired slot"
+            );
+            self.metrics.leases_put_back(report.written);
+        }
+        Ok(())
+    }
+
+    /// Cluster: copies a master's new epoch from its first slot's marker to its other slots'.
+    async fn mark_slots(&self, conn: &Conn, shard: &Shard, checked: &Checked) -> StoreResult<()> {
+        let fields: Arc<[String; 4]> = Arc::new([
+            checked.id.clone(),
+            checked.run_id.clone(),
+            checked.hold_until_ms.to_string(),
+            checked.reason.clone(),
+        ]);
+        let calls: Vec<_> = shard
+            .slots()
+            .filter(|s| *s != shard.first)
+            .map(|slot| {
+                let (store, mut conn, fields) = (self.clone(), conn.clone(), fields.clone());
+                async move {
+                    let mut eval = redis::cmd("EVAL");
+                    eval.arg(store.scripts.mark)
+                        .arg(1)
+                        .arg(store.marker_of(slot))
+                        .arg(&fields[..]);
+                    store.bounded(eval.query_async::<i64>(&mut conn)).await
+                }
+            })
+            .collect();
+        let mut marks = futures_util::stream::iter(calls).buffer_unordered(MARK_CONCURRENCY);
+        while let Some(marked) = marks.next().await {
+            marked?;
+        }
+        Ok(())
+    }
+
     async fn run_check(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut Conn,
+        marker: &str,
         known: Option<&str>,
-        run_id: &str,
     ) -> StoreResult<Checked> {
         let mut eval = redis::cmd("EVAL");
         eval.arg(&self.scripts.check)
             .arg(1)
-            .arg(&*self.marker)
+            .arg(marker)
             .arg(known.unwrap_or(""))
-            .arg(run_id)
             .arg(millis(self.store_settle))
             .arg(millis(self.store_loss_delay))
             .arg(&*self.channel);
-        let (id, hold_until_ms, now_ms, reason): (String, u64, u64, String) =
+        let (id, hold_until_ms, now_ms, reason, run_id): (String, u64, u64, String, String) =
             self.bounded(eval.query_async(conn)).await?;
         Ok(Checked {
             id,
+            run_id,
             hold_until_ms,
             now_ms,
             reason,
         })
     }
 
-    /// Puts every live lease of the ledger back into epoch `epoch`. `None` if the epoch moved
-    /// meanwhile.
+    /// Puts every live lease of the ledger on `shard` back into epoch `epoch`. `None` if the
+    /// epoch moved meanwhile. On a cluster, one script call per slot (a script's keys must
+    /// share a slot), several at once.
     async fn put_back_all(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &Conn,
+        shard: &Shard,
         epoch: &str,
     ) -> StoreResult<Option<PutBack>> {
         let leases = self.ledger.live(Instant::now());
-        let mut report = PutBack::default();
-        for batch in leases.chunks(PUT_BACK_BATCH) {
-            if !self.put_back(conn, epoch, batch, &mut report).await? {
-                return Ok(None);
+        let mut by_slot: BTreeMap<Option<u16>, Vec<(LockKey, Entry)>> = BTreeMap::new();
+        for (key, entry) in leases {
+            let slot = self.cluster.then(|| slot_of(self.keys(&key)[0].as_bytes()));
+            if slot.is_none_or(|slot| shard.holds(slot)) {
+                by_slot.entry(slot).or_default().push((key, entry));
             }
         }
-        Ok(Some(report))
+        let epoch: Arc<str> = epoch.into();
+        let calls: Vec<_> = by_slot
+            .into_iter()
+            .flat_map(|(slot, leases)| {
+                let marker = slot.map_or_else(|| self.marker.to_string(), |s| self.marker_of(s));
+                leases
+                    .chunks(PUT_BACK_BATCH)
+                    .map(|batch| (marker.clone(), batch.to_vec()))
+                    .collect::<Vec<_>>()
+            })
+            .map(|(marker, batch)| {
+                let (store, mut conn, epoch) = (self.clone(), conn.clone(), epoch.clone());
+                async move {
+                    let mut report = PutBack::default();
+                    let done = store
+                        .put_back(&mut conn, &marker, &epoch, &batch, &mut report)
+                        .await?;
+                    Ok::<_, StoreError>(done.then_some(report))
+                }
+            })
+            .collect();
+        let mut calls = futures_util::stream::iter(calls).buffer_unordered(if self.cluster {
+            MARK_CONCURRENCY
+        } else {
+            1
+        });
+        let mut total = PutBack::default();
+        while let Some(batch) = calls.next().await {
+            let Some(report) = batch? else {
+                return Ok(None);
+            };
+            total.written += report.written;
+            total.already_there += report.already_there;
+            total.double_claims += report.double_claims;
+            total.counters_raised += report.counters_raised;
+        }
+        Ok(Some(total))
     }
 
     /// Puts `batch` back; `false` if the store is no longer in `epoch`.
     async fn put_back(
         &self,
-        conn: &mut MultiplexedConnection,
+        conn: &mut Conn,
+        marker: &str,
         epoch: &str,
         batch: &[(LockKey, Entry)],
         report: &mut PutBack,
     ) -> StoreResult<bool> {
         let now = Instant::now();
-        let mut inv = self.scripts.put_back.key(&*self.marker);
-        inv.arg(epoch).arg(EXPIRY_SLACK_MS);
+        let mut inv = self.scripts.put_back.call();
+        inv.key(marker).arg(epoch).arg(EXPIRY_SLACK_MS);
         for (key, entry) in batch {
             let [lock, fence] = self.keys(key);
             inv.key(lock).key(fence);
@@ -293,7 +568,8 @@ impl RedisStore {
                         .map_or(String::new(), |r| format!("={}", r.as_str())),
                 );
         }
-        let reply: Vec<Value> = self.bounded(inv.invoke_async(conn)).await?;
+        // Inside the check: a NOSCRIPT here needs no other check first.
+        let reply: Vec<Value> = self.bounded(self.invoke_unchecked(conn, &inv)).await?;
         let codes: Vec<i64> = reply
             .iter()
             .map(redis::FromRedisValue::from_redis_value_ref)
@@ -370,15 +646,17 @@ impl RedisStore {
             };
             let mut conn = link.conn.clone();
             let _one = store.epoch.catching_up.lock().await;
-            let Some(epoch) = store.epoch.state().known.clone() else {
+            let slot = store.slot(&key);
+            let Ok(epoch) = store.epoch.for_grant(slot) else {
                 return;
             };
             let Some(entry) = store.ledger.get(&key) else {
                 return;
             };
             let mut report = PutBack::default();
+            let marker = store.marker_for(&key);
             match store
-                .put_back(&mut conn, &epoch, &[(key, entry)], &mut report)
+                .put_back(&mut conn, &marker, &epoch, &[(key, entry)], &mut report)
                 .await
             {
                 Ok(true) => store.metrics.leases_put_back(report.written),
@@ -405,4 +683,39 @@ impl RedisStore {
         self.metrics
             .store_loss(report.written, report.double_claims, hold_ms);
     }
+}
+
+/// The cluster's masters and their slot ranges (`CLUSTER SLOTS`), ordered by first slot.
+async fn masters(conn: &mut Conn) -> redis::RedisResult<Vec<Shard>> {
+    let ranges: Vec<Value> = redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await?;
+    let mut by_master: BTreeMap<(String, u16), Vec<(u16, u16)>> = BTreeMap::new();
+    for range in &ranges {
+        let Value::Array(parts) = range else { continue };
+        let (Some(start), Some(end), Some(Value::Array(master))) =
+            (parts.first(), parts.get(1), parts.get(2))
+        else {
+            continue;
+        };
+        let (Some(host), Some(port)) = (master.first(), master.get(1)) else {
+            continue;
+        };
+        let host: String = redis::from_redis_value_ref(host)?;
+        let port: u16 = redis::from_redis_value_ref(port)?;
+        by_master.entry((host, port)).or_default().push((
+            redis::from_redis_value_ref(start)?,
+            redis::from_redis_value_ref(end)?,
+        ));
+    }
+    let mut shards: Vec<Shard> = by_master
+        .into_values()
+        .map(|mut ranges| {
+            ranges.sort_unstable();
+            Shard {
+                first: ranges[0].0,
+                ranges,
+            }
+        })
+        .collect();
+    shards.sort_by_key(|s| s.first);
+    Ok(shards)
 }

@@ -1,28 +1,38 @@
 //! The Redis store: each primitive is one Lua script (`scripts.rs`), run by SHA over one
 //! multiplexed connection that is verified before use (`connection.rs`), reading the time from
 //! Redis's own `TIME`. The broker's live leases are kept in a ledger and put back when the store
-//! loses them (`epoch.rs`); release notices reach every broker's waiters (`notices.rs`).
+//! loses them (`epoch.rs`); release notices reach every broker's waiters (`notices.rs`); behind
+//! Sentinel, the broker follows the master's failovers (`sentinel.rs`).
 
 mod connection;
 mod epoch;
 mod notices;
+mod replicas;
 mod replies;
 mod scripts;
+mod sentinel;
+mod slots;
+pub mod url;
 
+use std::borrow::Cow;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
 use redis::io::tcp::{TcpSettings, socket2};
-use redis::{IntoConnectionInfo, RedisError, Script, Value};
+use redis::{ClientTlsConfig, FromRedisValue, RedisError, TlsCertificates, Value};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use self::connection::{Connection, Link, breaks_connection};
+use self::connection::{Conn, Connection, Connector, Link, breaks_connection};
 use self::epoch::Epoch;
+use self::replicas::Replicas;
 use self::replies::{ReadReply, corrupt, field, held, parse_owner, refusal};
-use self::scripts::Scripts;
+use self::scripts::{Call, Scripts};
+pub use self::slots::slot_of;
+use self::slots::tag_for;
+pub use self::url::{ParsedUrl, Topology};
 use super::ledger::Ledger;
 use super::{
     Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Lease, Notice, Released, Snapshot,
@@ -45,20 +55,74 @@ pub struct RedisSettings {
     /// How long a new epoch holds every grant, so that every running broker that knew the store
     /// puts its live leases back first.
     pub store_settle: Duration,
+    /// Certificates for `rediss://` URLs.
+    pub tls: RedisTls,
+    /// How many replicas must have a grant or renewal before it is answered (see
+    /// `replicas.rs`); 0: answered once the master has it.
+    pub replica_acks: u32,
+}
+
+/// PEM files for TLS to Redis. Without a CA file the system's roots are trusted.
+#[derive(Debug, Clone, Default)]
+pub struct RedisTls {
+    pub ca: Option<PathBuf>,
+    /// A client certificate, with its key (`key`).
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl RedisTls {
+    /// The certificates to use, read from their files; `None` when no file is set.
+    fn load(&self) -> StoreResult<Option<TlsCertificates>> {
+        let read = |what: &str, path: &PathBuf| {
+            std::fs::read(path).map_err(|e| {
+                StoreError::Failed(format!(
+                    "cannot read the Redis TLS {what} {}: {e}",
+                    path.display()
+                ))
+            })
+        };
+        let client_tls = match (&self.cert, &self.key) {
+            (None, None) => None,
+            (Some(cert), Some(key)) => Some(ClientTlsConfig {
+                client_cert: read("certificate", cert)?,
+                client_key: read("key", key)?,
+            }),
+            _ => {
+                return Err(StoreError::Failed(
+                    "a Redis TLS client certificate needs both its certificate and its key".into(),
+                ));
+            }
+        };
+        let root_cert = self.ca.as_ref().map(|ca| read("CA", ca)).transpose()?;
+        Ok(
+            (client_tls.is_some() || root_cert.is_some()).then_some(TlsCertificates {
+                client_tls,
+                root_cert,
+            }),
+        )
+    }
+}
+
+/// Chooses `ring` as the process's TLS crypto provider. The redis crate builds its rustls
+/// configurations with the process default, and rustls cannot pick one by itself when no
+/// provider, or more than one, is compiled in (it panics at the first TLS connection). Done once,
+/// before the first `rediss://` client is built; a provider already installed is kept.
+pub fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 /// The Redis store. Cloning is cheap: everything is shared.
 #[derive(Clone)]
 pub struct RedisStore {
-    /// Kept for the notice subscriber, which needs a connection of its own (a subscribed
-    /// connection can issue no other commands).
-    client: redis::Client,
     connection: Arc<Connection>,
     prefix: Arc<str>,
     /// `<prefix>released`: where releases publish the client key.
     channel: Arc<str>,
-    /// `<prefix>epoch`: the store's epoch marker (see `epoch.rs`).
+    /// `<prefix>epoch`: the store's epoch marker (see `epoch.rs`); on a cluster, one per slot.
     marker: Arc<str>,
+    /// On a Redis Cluster: per-master epochs, per-slot markers (see `epoch.rs`).
+    cluster: bool,
     epoch: Arc<Epoch>,
     ledger: Arc<Ledger>,
     metrics: Arc<Metrics>,
@@ -66,17 +130,14 @@ pub struct RedisStore {
     store_loss_delay: Duration,
     timeout: Duration,
     scripts: Arc<Scripts>,
+    replicas: Arc<Replicas>,
 }
 
 impl RedisStore {
     /// Sets up the store without waiting for Redis: the broker starts (and says it is not
     /// ready) while Redis is down, and connects when it returns.
     pub fn connect(settings: &RedisSettings, metrics: Arc<Metrics>) -> StoreResult<Self> {
-        let info = settings
-            .url
-            .as_str()
-            .into_connection_info()
-            .map_err(|e| StoreError::Failed(format!("invalid Redis URL: {e}")))?;
+        let url = ParsedUrl::parse(&settings.url)?;
         // A response timeout alone does not tell a dead connection from a slow one: on a
         // connection whose far end vanished without a reset (a host gone, a black-holing
         // middlebox), every call would time out until the kernel gave up, minutes later.
@@ -89,15 +150,25 @@ impl RedisStore {
         );
         #[cfg(target_os = "linux")]
         let tcp = tcp.set_user_timeout(settings.timeout.max(Duration::from_secs(1)));
-        let client = redis::Client::open(info.set_tcp_settings(tcp))
-            .map_err(|e| StoreError::Failed(format!("invalid Redis URL: {e}")))?;
+        if url.tls {
+            install_tls_provider();
+        }
+        let tls = settings.tls.load()?;
+        if tls.is_some() && !url.tls {
+            return Err(StoreError::Failed(
+                "Redis TLS files are set but the Redis URL does not ask for TLS (rediss://…)"
+                    .into(),
+            ));
+        }
+        let connector = Connector::build(&url, tcp, tls, settings.timeout)?;
+        let cluster = url.topology == Topology::Cluster;
         let prefix = settings.key_prefix.as_str();
         Ok(Self {
-            connection: Arc::new(Connection::new(client.clone(), settings.timeout)),
-            client,
+            connection: Arc::new(Connection::new(connector, settings.timeout)),
             prefix: prefix.into(),
             channel: format!("{prefix}released").into(),
             marker: format!("{prefix}epoch").into(),
+            cluster,
             epoch: Arc::default(),
             ledger: Arc::default(),
             metrics,
@@ -105,6 +176,7 @@ impl RedisStore {
             store_loss_delay: settings.store_loss_delay,
             timeout: settings.timeout,
             scripts: Arc::new(Scripts::new()),
+            replicas: Arc::new(Replicas::new(settings.replica_acks, settings.timeout)),
         })
     }
 
@@ -113,6 +185,103 @@ impl RedisStore {
             format!("{}{{{}}}:lock", self.prefix, key),
             format!("{}{{{}}}:fence", self.prefix, key),
         ]
+    }
+
+    /// On a cluster, the slot of `key`'s Redis keys.
+    fn slot(&self, key: &LockKey) -> Option<u16> {
+        self.cluster
+            .then(|| slot_of(format!("{}{{{}}}", self.prefix, key).as_bytes()))
+    }
+
+    /// The epoch marker a script on `key` reads: the store's, or on a cluster its slot's.
+    fn marker_for(&self, key: &LockKey) -> Cow<'_, str> {
+        match self.slot(key) {
+            Some(slot) => Cow::Owned(self.marker_of(slot)),
+            None => Cow::Borrowed(&self.marker),
+        }
+    }
+
+    /// The epoch marker of `slot` (on one server, the store's one marker).
+    fn marker_of(&self, slot: u16) -> String {
+        if self.cluster {
+            format!("{}{{{}}}", self.marker, tag_for(slot))
+        } else {
+            self.marker.to_string()
+        }
+    }
+
+    /// Runs a script call by SHA. A server without the script (NOSCRIPT) is, on a cluster, one
+    /// the broker has not checked since it started — a restart or a promoted replica, whose
+    /// connection the cluster client made unseen: the epoch is checked first (see `epoch.rs`),
+    /// then the script sent with its source, to that server only.
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        conn: &mut Conn,
+        call: &Call<'_>,
+    ) -> Result<T, RedisError> {
+        match call.by_sha().query_async(conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                if self.cluster {
+                    let checked = self.clone().catch_up_task().await;
+                    if let Err(e) = checked {
+                        return Err(RedisError::from((
+                            redis::ErrorKind::Io,
+                            "epoch check failed",
+                            e.to_string(),
+                        )));
+                    }
+                }
+                call.with_source().query_async(conn).await
+            }
+            result => result,
+        }
+    }
+
+    /// Runs a script call, sending its source on NOSCRIPT without a check: for calls made
+    /// within the check itself.
+    async fn invoke_unchecked<T: FromRedisValue>(
+        &self,
+        conn: &mut Conn,
+        call: &Call<'_>,
+    ) -> Result<T, RedisError> {
+        match call.by_sha().query_async(conn).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                call.with_source().query_async(conn).await
+            }
+            result => result,
+        }
+    }
+
+    /// [`RedisStore::catch_up`] in a task of its own (a put-back must not stop halfway because
+    /// the request that started it gave up), as a boxed future: catching up runs scripts, which
+    /// can catch up — a cycle the compiler cannot see through when the type is inferred.
+    fn catch_up_task(self) -> Pin<Box<dyn Future<Output = StoreResult<Option<Hold>>> + Send>> {
+        Box::pin(async move {
+            let timeout = self.timeout;
+            match tokio::time::timeout(timeout, tokio::spawn(async move { self.catch_up().await }))
+                .await
+            {
+                Ok(Ok(result)) => result,
+                _ => Err(StoreError::Timeout(millis(timeout))),
+            }
+        })
+    }
+
+    /// [`RedisStore::repair_slot`] in a task of its own, for the same reasons as
+    /// [`RedisStore::catch_up_task`].
+    fn repair_task(self, slot: u16) -> Pin<Box<dyn Future<Output = StoreResult<()>> + Send>> {
+        Box::pin(async move {
+            let timeout = self.timeout;
+            match tokio::time::timeout(
+                timeout,
+                tokio::spawn(async move { self.repair_slot(slot).await }),
+            )
+            .await
+            {
+                Ok(Ok(result)) => result,
+                _ => Err(StoreError::Timeout(millis(timeout))),
+            }
+        })
     }
 
     /// The verified connection, making one if there is none (see `connection.rs`).
@@ -133,13 +302,17 @@ impl RedisStore {
     fn reconnect(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
         Box::pin(async move {
             let verified = async {
-                let (mut conn, run_id) = self.connection.open().await?;
-                self.check_on(&mut conn, &run_id).await?;
-                Ok::<_, StoreError>((conn, run_id))
+                let mut conn = self.connection.open().await?;
+                if self.cluster {
+                    self.check_cluster(&mut conn).await?;
+                } else {
+                    self.check_on(&mut conn).await?;
+                }
+                Ok::<_, StoreError>(conn)
             };
             match verified.await {
-                Ok((conn, run_id)) => {
-                    tracing::debug!(%run_id, "connected to Redis");
+                Ok(conn) => {
+                    tracing::debug!("connected to Redis");
                     self.connection.up(conn);
                 }
                 Err(e) => {
@@ -168,7 +341,7 @@ impl RedisStore {
     /// out, replaces it.
     async fn with_link<T>(
         &self,
-        call: impl AsyncFnOnce(&mut MultiplexedConnection) -> Result<T, RedisError>,
+        call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
     ) -> StoreResult<T> {
         let deadline = Instant::now() + self.timeout;
         let timed_out = || StoreError::Timeout(millis(self.timeout));
@@ -205,20 +378,25 @@ impl RedisStore {
     /// once more.
     async fn grant(
         &self,
-        script: &Script,
+        script: &scripts::Lua,
         key: &LockKey,
         bid: &Bid,
         seen: Option<Fence>,
     ) -> StoreResult<Grant> {
         let [lock, fence] = self.keys(key);
-        for first in [true, false] {
-            let known = match self.epoch.for_grant() {
+        let slot = self.slot(key);
+        let marker = self.marker_for(key);
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let known = match self.epoch.for_grant(slot) {
                 Ok(known) => known,
                 Err(hold) => return Ok(Grant::Held(hold)),
             };
-            let mut inv = script.key(&lock);
-            inv.key(&fence)
-                .key(&*self.marker)
+            let mut inv = script.call();
+            inv.key(&lock)
+                .key(&fence)
+                .key(&marker)
                 .arg(bid.token.as_str())
                 .arg(bid.ttl.as_ms())
                 .arg(if bid.owner.is_some() { "1" } else { "0" })
@@ -230,7 +408,7 @@ impl RedisStore {
                 inv.arg(seen);
             }
             let reply: Vec<Value> = self
-                .with_link(async |conn| inv.invoke_async(conn).await)
+                .with_link(async |conn| self.invoke(conn, &inv).await)
                 .await?;
             let answered = Instant::now();
             match field::<u8>(&reply, 0)? {
@@ -253,8 +431,12 @@ impl RedisStore {
                     // What remains on the store's clock: a lease handed back again by request id
                     // is older than its TTL.
                     let remaining = lease.expires_at_ms.saturating_sub(field(&reply, 5)?);
+                    self.replicas
+                        .confirm_grant(self, key, &bid.token, &lease)
+                        .await?;
                     self.remember(
                         key,
+                        slot,
                         &lease,
                         answered + Duration::from_millis(remaining),
                         &known,
@@ -268,16 +450,20 @@ impl RedisStore {
                         &field::<String>(&reply, 3)?,
                     )));
                 }
-                3 if first => {
-                    // Catch up in a task of its own: a put-back must not stop halfway because
-                    // this request gave up.
-                    let store = self.clone();
-                    let catching_up = tokio::spawn(async move { store.catch_up().await });
-                    match tokio::time::timeout(self.timeout, catching_up).await {
-                        Ok(Ok(Ok(Some(hold)))) => return Ok(Grant::Held(hold)),
-                        Ok(Ok(Ok(None))) => {}
-                        Ok(Ok(Err(e))) => return Err(e),
-                        _ => return Err(StoreError::Timeout(millis(self.timeout))),
+                3 if tries == 1
+                    && let Some(slot) = slot
+                    && let Some(epoch) = field::<Option<String>>(&reply, 1)?
+                    && self.epoch.adopt(slot, &epoch) => {}
+                // Caught up and the slot's marker is still missing: it alone lost it.
+                3 if tries == 2
+                    && let Some(slot) = slot
+                    && field::<Option<String>>(&reply, 1)?.is_none() =>
+                {
+                    self.clone().repair_task(slot).await?;
+                }
+                3 if tries <= 2 => {
+                    if let Some(hold) = self.clone().catch_up_task().await? {
+                        return Ok(Grant::Held(hold));
                     }
                 }
                 3 => {
@@ -289,15 +475,21 @@ impl RedisStore {
                 code => return Err(StoreError::Failed(format!("unexpected grant reply {code}"))),
             }
         }
-        unreachable!("the second pass always returns")
     }
 
     /// Records a lease granted or renewed here in the ledger. If it was written in an epoch
     /// older than the newest one this broker has seen, its answer raced a loss and the put-back
     /// may have missed it: it is put back on its own.
-    fn remember(&self, key: &LockKey, lease: &Lease, ends: Instant, epoch: &str) {
+    fn remember(
+        &self,
+        key: &LockKey,
+        slot: Option<u16>,
+        lease: &Lease,
+        ends: Instant,
+        epoch: &str,
+    ) {
         self.ledger.record(key, lease, ends);
-        if self.epoch.is_behind(epoch) {
+        if self.epoch.is_behind(slot, epoch) {
             self.put_back_late(key.clone());
         }
     }
@@ -310,9 +502,10 @@ impl Store for RedisStore {
 
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         let [lock, _] = self.keys(key);
-        let inv = self.scripts.read.key(lock);
+        let mut inv = self.scripts.read.call();
+        inv.key(lock);
         let (now_ms, token, fence, expires, ttl, owner, request_id): ReadReply = self
-            .with_link(async |conn| inv.invoke_async(conn).await)
+            .with_link(async |conn| self.invoke(conn, &inv).await)
             .await?;
         let lease = match (token, fence, expires, ttl) {
             (Some(token), Some(fence), Some(expires_at_ms), Some(ttl_ms)) => Some(Lease {
@@ -336,13 +529,14 @@ impl Store for RedisStore {
 
     async fn release(&self, key: &LockKey, token: &Token) -> StoreResult<Holder<Released>> {
         let [lock, _] = self.keys(key);
-        let mut inv = self.scripts.release.key(lock);
-        inv.key(&*self.marker)
+        let mut inv = self.scripts.release.call();
+        inv.key(lock)
+            .key(self.marker_for(key))
             .arg(token.as_str())
             .arg(&*self.channel)
             .arg(key.as_str());
         let reply: Vec<Value> = self
-            .with_link(async |conn| inv.invoke_async(conn).await)
+            .with_link(async |conn| self.invoke(conn, &inv).await)
             .await?;
         let outcome = match field::<u8>(&reply, 0)? {
             1 => Holder::Done(Released {
@@ -357,16 +551,18 @@ impl Store for RedisStore {
     }
 
     async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
+        let told = self.replicas.before_renew(self, key, token).await?;
         let [lock, _] = self.keys(key);
-        let mut inv = self.scripts.renew.key(lock);
-        inv.key(&*self.marker)
+        let mut inv = self.scripts.renew.call();
+        inv.key(lock)
+            .key(self.marker_for(key))
             .arg(token.as_str())
             .arg(ttl.as_ms())
             .arg(EXPIRY_SLACK_MS)
             .arg(&*self.channel)
             .arg(key.as_str());
         let reply: Vec<Value> = self
-            .with_link(async |conn| inv.invoke_async(conn).await)
+            .with_link(async |conn| self.invoke(conn, &inv).await)
             .await?;
         let answered = Instant::now();
         if field::<u8>(&reply, 0)? != 1 {
@@ -384,8 +580,17 @@ impl Store for RedisStore {
             owner: parse_owner(field(&reply, 3)?)?,
             request_id: None,
         };
+        self.replicas
+            .confirm_renew(self, key, token, told, &lease)
+            .await?;
         let ends = answered + Duration::from_millis(ttl.as_ms());
-        self.remember(key, &lease, ends, &field::<String>(&reply, 4)?);
+        self.remember(
+            key,
+            self.slot(key),
+            &lease,
+            ends,
+            &field::<String>(&reply, 4)?,
+        );
         Ok(Holder::Done(lease))
     }
 
@@ -396,17 +601,7 @@ impl Store for RedisStore {
                 retry_after_ms: 1_000,
             }));
         }
-        // In a task of its own, like any catch-up: a put-back must not stop halfway.
-        let store = self.clone();
-        match tokio::time::timeout(
-            self.timeout,
-            tokio::spawn(async move { store.catch_up().await }),
-        )
-        .await
-        {
-            Ok(Ok(result)) => result,
-            _ => Err(StoreError::Timeout(millis(self.timeout))),
-        }
+        self.clone().catch_up_task().await
     }
 
     fn ledger_len(&self) -> usize {
@@ -419,6 +614,7 @@ impl Store for RedisStore {
             return;
         };
         runtime.spawn(notices::watch_epoch(self.clone(), notices.clone()));
+        runtime.spawn(sentinel::follow_failovers(self.clone(), notices.clone()));
         runtime.spawn(notices::listen(self.clone(), notices));
     }
 }

@@ -15,7 +15,8 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
 
 use super::RedisStore;
-use super::epoch::CHECK_EVERY;
+use super::connection::Connector;
+use super::epoch::{CHECK_EVERY, SLOT_NOTICE};
 use crate::domain::{Fence, LockKey, millis};
 use crate::store::{Notice, StoreError, StoreResult};
 
@@ -66,10 +67,15 @@ const RETRY_MIN: Duration = Duration::from_millis(100);
 /// ([`Notice::Missed`]), since notices published while disconnected are lost, and the epoch
 /// is checked (Redis may be back after a restart).
 pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
-    let (client, channel, timeout) = (&store.client, &store.channel, store.timeout);
+    let (channel, timeout) = (&store.channel, store.timeout);
     let mut backoff = Duration::from_millis(100);
+    let mut attempt = 0;
+    // A master switch the sentinels announced (`sentinel.rs`) moves the subscriber at once.
+    let mut switches = store.connection.switches();
     loop {
-        match subscribe(client, channel, timeout).await {
+        attempt += 1;
+        switches.borrow_and_update();
+        match subscribe(&store.connection.connector, attempt, channel, timeout).await {
             Ok((mut sink, mut stream)) => {
                 tracing::debug!(%channel, "listening for release notices");
                 backoff = Duration::from_millis(100);
@@ -86,6 +92,16 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                             let payload = message.get_payload_bytes();
                             if payload == EPOCH_NOTICE.as_bytes() {
                                 store.epoch.wake.notify_one();
+                            } else if let Some(slot) = payload
+                                .strip_prefix(SLOT_NOTICE.as_bytes())
+                                .and_then(|s| std::str::from_utf8(s).ok()?.parse::<u16>().ok())
+                            {
+                                let store = store.clone();
+                                tokio::spawn(async move {
+                                    if let Err(e) = store.put_back_slot(slot).await {
+                                        tracing::warn!(slot, error = %e, "cannot put leases back on a repaired slot");
+                                    }
+                                });
                             } else if let Some((key, fence)) = parse_notice(payload) {
                                 if let Some(fence) = fence {
                                     store.ledger.forget_released(key.as_str(), fence);
@@ -104,6 +120,7 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                                 break;
                             }
                         }
+                        _ = switches.changed() => break,
                     }
                 }
                 tracing::warn!(
@@ -115,7 +132,10 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
         if notices.is_closed() {
             return;
         }
-        tokio::time::sleep(backoff).await;
+        tokio::select! {
+            () = tokio::time::sleep(backoff) => {}
+            _ = switches.changed() => {}
+        }
         backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
@@ -138,12 +158,17 @@ fn deliver(notices: &mpsc::Sender<Notice>, notice: Notice) -> bool {
 }
 
 async fn subscribe(
-    client: &redis::Client,
+    connector: &Connector,
+    attempt: usize,
     channel: &str,
     timeout: Duration,
 ) -> StoreResult<(PubSubSink, PubSubStream)> {
     let connect = async {
-        let mut pubsub = client.get_async_pubsub().await?;
+        let mut pubsub = connector
+            .notice_client(attempt)
+            .await?
+            .get_async_pubsub()
+            .await?;
         pubsub.subscribe(channel).await?;
         Ok::<_, RedisError>(pubsub.split())
     };

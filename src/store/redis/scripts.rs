@@ -9,9 +9,11 @@
 //!
 //! The epoch marker `<prefix>epoch` is a hash, never expired: `id` (the epoch, Redis's clock in
 //! µs when it began), `run_id` (the server process it began on), `hold_until` (ms; nothing is
-//! granted before it) and `reason` (`settle` or `loss`). See `epoch.rs` for what an epoch is.
+//! granted before it) and `reason` (`settle` or `loss`). On a Redis Cluster there is one marker per slot,
+//! `<prefix>epoch{<tag>}`, so that a script's keys stay on one slot. See `epoch.rs` for what an
+//! epoch is.
 
-use redis::Script;
+use redis::{Cmd, Script, ToRedisArgs};
 
 /// Shared head of every script.
 ///
@@ -38,9 +40,10 @@ end
 /// [, the fence of the expired lease seen].
 ///
 /// Replies: `{1, fence, expires_at, token, ttl, now}` granted; `{0}` refused; `{2, hold_until, now,
-/// reason}` a store-wide hold is in force; `{3}` the store is not in the epoch the broker knows
-/// (it lost its data, or another broker saw a loss first): the broker must catch up — put its
-/// leases back — before it may grant.
+/// reason}` a store-wide hold is in force; `{3, epoch}` the store is not in the epoch the broker
+/// knows (it lost its data, or another broker saw a loss first; on a cluster, the key's slot may
+/// also have moved from another master, with that master's epoch): the broker must catch up —
+/// put its leases back — before it may grant.
 ///
 /// Checking the epoch in the granting script itself closes the gap between a loss and the
 /// moment a broker notices: no broker grants into an emptied store, whatever its timing.
@@ -55,7 +58,7 @@ end
 const GRANT: &str = r#"
 local function checked(now)
   local id, hold, reason = epoch(KEYS[3])
-  if id ~= ARGV[6] then return {3} end
+  if id ~= ARGV[6] then return {3, id or false} end
   local now_ms = math.floor(now / 1000)
   if now_ms < hold then return {2, hold, now_ms, reason} end
   return nil
@@ -177,7 +180,11 @@ return {1, v[1], now + ttl, v[2] or false, redis.call('HGET', KEYS[2], 'id') or 
 
 /// The epoch check, run on every new connection before it is used, once a second, and when
 /// another broker announces a new epoch. KEYS: epoch marker. ARGV: the epoch this broker knows
-/// ('' if none), the server's `run_id`, store_settle_ms, store_loss_delay_ms, notice channel.
+/// ('' if none), store_settle_ms, store_loss_delay_ms, notice channel.
+///
+/// The server process is read here (`INFO server`'s `run_id`), in the same step as the marker
+/// and so on the very server that holds it: on a cluster, a keyless `INFO` sent separately can
+/// reach another node while the cluster's slots move.
 ///
 /// A new epoch begins — with a store-wide hold of `store_settle_ms`, announced on the channel —
 /// when the marker is missing (a new store, or one emptied by a restart without persistence or a
@@ -186,25 +193,48 @@ return {1, v[1], now + ttl, v[2] or false, redis.call('HGET', KEYS[2], 'id') or 
 /// than the current one has seen a loss: the reason becomes `loss`, and the optional paranoid
 /// `store_loss_delay_ms` stretches the hold to that long after the epoch began.
 ///
-/// Replies `{id, hold_until, now, reason}`.
+/// Replies `{id, hold_until, now, reason, run_id}`.
 const CHECK: &str = r#"
 local now = now_us()
 local now_ms = math.floor(now / 1000)
+local server = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
 local m = redis.call('HMGET', KEYS[1], 'id', 'run_id', 'hold_until', 'reason')
 local id, run, hold, reason = m[1], m[2], tonumber(m[3] or '0'), m[4] or ''
-if (not id) or run ~= ARGV[2] then
+if (not id) or run ~= server then
   if id or ARGV[1] ~= '' then reason = 'loss' else reason = 'settle' end
   id = int(now)
-  hold = math.max(hold, now_ms + tonumber(ARGV[3]))
-  redis.call('HSET', KEYS[1], 'id', id, 'run_id', ARGV[2], 'hold_until', int(hold), 'reason', reason)
-  redis.call('PUBLISH', ARGV[5], '!epoch')
+  hold = math.max(hold, now_ms + tonumber(ARGV[2]))
+  redis.call('HSET', KEYS[1], 'id', id, 'run_id', server, 'hold_until', int(hold), 'reason', reason)
+  redis.call('PUBLISH', ARGV[4], '!epoch')
 end
 if ARGV[1] ~= '' and ARGV[1] ~= id then
-  hold = math.max(hold, math.floor(tonumber(id) / 1000) + tonumber(ARGV[4]))
+  hold = math.max(hold, math.floor(tonumber(id) / 1000) + tonumber(ARGV[3]))
   reason = 'loss'
   redis.call('HSET', KEYS[1], 'hold_until', int(hold), 'reason', reason)
 end
-return {id, hold, now_ms, reason}
+return {id, hold, now_ms, reason, server}
+"#;
+
+/// Cluster only: copies a master's epoch (as CHECK left it on the master's first slot) to the
+/// marker of another of its slots, unless that marker is already in that epoch. KEYS: the slot's
+/// marker. ARGV: id, run_id, hold_until, reason.
+const MARK: &str = r#"
+if redis.call('HGET', KEYS[1], 'id') ~= ARGV[1] then
+  redis.call('HSET', KEYS[1], 'id', ARGV[1], 'run_id', ARGV[2], 'hold_until', ARGV[3], 'reason', ARGV[4])
+end
+return 1
+"#;
+
+/// Cluster only: gives back a slot its marker, lost on its own (deleted or evicted), in its
+/// master's epoch with a hold, and announces it. KEYS: the slot's marker. ARGV: id, hold_ms,
+/// notice channel, announcement. Replies 1 if it wrote the marker, 0 if one was there.
+const REPAIR: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSET', KEYS[1], 'id', ARGV[1], 'run_id', '', 'hold_until', string.format('%.0f', now_ms + tonumber(ARGV[2])), 'reason', 'loss')
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return 1
 "#;
 
 /// Puts leases back after a loss. KEYS: epoch marker, then for each lease its lock and fence
@@ -279,31 +309,101 @@ return out
 /// How much longer each put-back batch keeps the store-wide hold in force (see PUT_BACK).
 const PUT_BACK_HOLD_MS: u64 = 1_000;
 
-/// Built once: each `Script` hashes its source at construction and runs by EVALSHA afterwards,
-/// loading itself on NOSCRIPT (after a Redis restart, say).
+/// One script: its source, and its SHA1 (from the `redis` crate's `Script`).
+pub(super) struct Lua {
+    source: String,
+    sha: Script,
+}
+
+impl Lua {
+    fn new(source: String) -> Self {
+        Self {
+            sha: Script::new(&source),
+            source,
+        }
+    }
+
+    /// A call of this script, to fill with keys and arguments.
+    pub fn call(&self) -> Call<'_> {
+        Call {
+            lua: self,
+            keys: Vec::new(),
+            args: Vec::new(),
+        }
+    }
+}
+
+/// A script call: run by SHA ([`Call::by_sha`]), or with its source ([`Call::with_source`]) when
+/// the server answers NOSCRIPT. What the server does on NOSCRIPT is the store's decision (see
+/// `RedisStore::invoke`): the crate's own fallback would load the script on every master of a
+/// cluster.
+pub(super) struct Call<'a> {
+    lua: &'a Lua,
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl Call<'_> {
+    pub fn key(&mut self, key: impl ToRedisArgs) -> &mut Self {
+        key.write_redis_args(&mut self.keys);
+        self
+    }
+
+    pub fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
+        arg.write_redis_args(&mut self.args);
+        self
+    }
+
+    /// `EVALSHA`: the server runs the script if it has it cached.
+    pub fn by_sha(&self) -> Cmd {
+        self.command("EVALSHA", self.lua.sha.get_hash().as_bytes())
+    }
+
+    /// `EVAL` with the source, which also caches it on that server.
+    pub fn with_source(&self) -> Cmd {
+        self.command("EVAL", self.lua.source.as_bytes())
+    }
+
+    fn command(&self, verb: &str, script: &[u8]) -> Cmd {
+        let mut cmd = redis::cmd(verb);
+        cmd.arg(script)
+            .arg(self.keys.len())
+            .arg(&*self.keys)
+            .arg(&*self.args);
+        cmd
+    }
+}
+
+/// Built once: each script's SHA is computed at construction.
 pub(super) struct Scripts {
-    pub claim: Script,
-    pub read: Script,
-    pub take_over: Script,
-    pub release: Script,
-    pub renew: Script,
+    pub claim: Lua,
+    pub read: Lua,
+    pub take_over: Lua,
+    pub release: Lua,
+    pub renew: Lua,
     /// The epoch check's source, run with plain EVAL: this background check, once a second,
     /// then shows apart from the lock operations in Redis's command statistics.
     pub check: String,
-    pub put_back: Script,
+    /// Run with plain EVAL too, and only when a master's epoch changes.
+    pub mark: &'static str,
+    /// Plain EVAL, on the rare slot whose marker alone went missing.
+    pub repair: &'static str,
+    pub put_back: Lua,
 }
 
 impl Scripts {
     pub fn new() -> Self {
         Self {
-            claim: Script::new(&[PRELUDE, GRANT, CLAIM].concat()),
-            read: Script::new(&[PRELUDE, READ].concat()),
-            take_over: Script::new(&[PRELUDE, GRANT, TAKE_OVER].concat()),
-            release: Script::new(&[PRELUDE, HOLDER, RELEASE].concat()),
-            renew: Script::new(&[PRELUDE, HOLDER, RENEW].concat()),
+            claim: Lua::new([PRELUDE, GRANT, CLAIM].concat()),
+            read: Lua::new([PRELUDE, READ].concat()),
+            take_over: Lua::new([PRELUDE, GRANT, TAKE_OVER].concat()),
+            release: Lua::new([PRELUDE, HOLDER, RELEASE].concat()),
+            renew: Lua::new([PRELUDE, HOLDER, RENEW].concat()),
             check: [PRELUDE, CHECK].concat(),
-            put_back: Script::new(
-                &[
+            mark: MARK,
+            repair: REPAIR,
+            put_back: Lua::new(
+                [
                     PRELUDE,
                     &format!("local PUT_BACK_HOLD_MS = {PUT_BACK_HOLD_MS}\n"),
                     PUT_BACK,

@@ -1,0 +1,182 @@
+//! Replica acknowledgements (`--redis-replica-acks N`): a grant or a renewal is answered only
+//! once `N` replicas have it, as Redis's `WAIT` confirms, so a failover to one of them keeps it.
+//!
+//! `WAIT` counts the writes of the connection it runs on, so it follows the script on the same
+//! connection: the multiplexed connection of a single server or Sentinel master, or on a cluster
+//! the connection to the master of the lock's slot (see [`Conn::wait_for_replicas`]). On a
+//! shared multiplexed connection it may wait for other requests' later writes too: a stricter
+//! wait, never a looser one. `WAIT` blocks the connection it runs on: while a replica stalls,
+//! the broker's other calls queue behind it (see the README).
+//!
+//! When the replicas do not confirm in time, nothing is left that the client was not told:
+//! - a **grant** is released (by its token, holder-checked), and the request answers
+//!   `503 store_unavailable`;
+//! - a **renewal** puts back the end of the lease that the holder had before it (read just
+//!   before renewing), and answers `503`: the lease then ends exactly when the holder was last
+//!   told, neither later (the master would otherwise keep a longer lease than any answer said)
+//!   nor sooner (ending it would hand the key to someone else while its holder still believes
+//!   its last answer). If the lease was not this token's live lease when the renewal began,
+//!   nothing was promised and it is released. (One race is not covered: the same holder
+//!   renewing through another broker between that read and this renewal was told an end that
+//!   the restore then moves back to the one read.)
+//!
+//! The clean-up is a write the stalled replicas do not have either; what counts is the master,
+//! which every later request reads.
+
+use std::time::Duration;
+
+use redis::Script;
+
+use super::RedisStore;
+use super::connection::Conn;
+use crate::domain::{Lease, LockKey, Token, millis};
+use crate::store::{EXPIRY_SLACK_MS, Store, StoreError, StoreResult};
+
+/// Puts back the end of a lease that a renewal moved, if it is still that token's lease as that
+/// renewal left it (a later renewal, answered, is left alone). KEYS: lock. ARGV: token,
+/// expires_at to restore, its ttl, slack_ms, notice channel, client key, the renewal's
+/// expires_at. The notice wakes waiters that timed their wait for the longer lease. Replies 1
+/// restored, 0 nothing to do.
+const RESTORE: &str = r#"
+local cur = redis.call('HMGET', KEYS[1], 'token', 'expires_at')
+if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[7] then return 0 end
+redis.call('HSET', KEYS[1], 'expires_at', ARGV[2], 'ttl', ARGV[3])
+redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', tonumber(ARGV[2]) + tonumber(ARGV[4])))
+redis.call('PUBLISH', ARGV[5], ARGV[6])
+return 1
+"#;
+
+/// What the store does after each granting or renewing write.
+pub(super) struct Replicas {
+    /// How many replicas must have a write before it is answered; 0: no `WAIT` at all.
+    acks: u32,
+    /// `WAIT`'s own timeout: half the store timeout. It must be shorter than the connection's
+    /// response timeout (the store timeout), or a stalled replica would look like a broken
+    /// connection; and an acquire is bounded by the store timeout as a whole, so the grant's
+    /// script before it and the release after it need the other half.
+    wait_ms: u64,
+    restore: Script,
+}
+
+/// The lease as its holder knew it before a renewal: what a renewal that replicas did not
+/// acknowledge puts back.
+pub(super) struct Told {
+    expires_at_ms: u64,
+    ttl_ms: u64,
+}
+
+impl Replicas {
+    pub fn new(acks: u32, store_timeout: Duration) -> Self {
+        Self {
+            acks,
+            wait_ms: (millis(store_timeout) / 2).max(1),
+            restore: Script::new(RESTORE),
+        }
+    }
+
+    /// After a grant, before it is answered: `Ok` once enough replicas have it. Otherwise a
+    /// lease this request created is released (one handed back again by request id was
+    /// granted, and answered, before), and the error is the answer.
+    pub async fn confirm_grant(
+        &self,
+        store: &RedisStore,
+        key: &LockKey,
+        bid: &Token,
+        lease: &Lease,
+    ) -> StoreResult<()> {
+        let Err(error) = self.confirm(store, key).await else {
+            return Ok(());
+        };
+        if lease.token == *bid {
+            match store.release(key, &lease.token).await {
+                Ok(_) => {
+                    tracing::warn!(%key, %error, "a grant was not acknowledged by the replicas in time: released it")
+                }
+                Err(e) => {
+                    tracing::warn!(%key, %error, release_error = %e, "a grant was not acknowledged by the replicas in time, and releasing it failed: it ends at its TTL")
+                }
+            }
+        }
+        Err(error)
+    }
+
+    /// Before a renewal: the lease as its holder knows it, if acknowledgements are asked for.
+    pub async fn before_renew(
+        &self,
+        store: &RedisStore,
+        key: &LockKey,
+        token: &Token,
+    ) -> StoreResult<Option<Told>> {
+        if self.acks == 0 {
+            return Ok(None);
+        }
+        let snapshot = store.read(key).await?;
+        Ok(snapshot
+            .lease
+            .filter(|l| l.token == *token && l.is_live_at(snapshot.now_ms))
+            .map(|l| Told {
+                expires_at_ms: l.expires_at_ms,
+                ttl_ms: l.ttl_ms,
+            }))
+    }
+
+    /// After a renewal, before it is answered: `Ok` once enough replicas have it. Otherwise the
+    /// lease's end before the renewal is put back (see the module's documentation) and the
+    /// error is the answer.
+    pub async fn confirm_renew(
+        &self,
+        store: &RedisStore,
+        key: &LockKey,
+        token: &Token,
+        told: Option<Told>,
+        renewed: &Lease,
+    ) -> StoreResult<()> {
+        let Err(error) = self.confirm(store, key).await else {
+            return Ok(());
+        };
+        let undone = match told {
+            Some(told) => {
+                let [lock, _] = store.keys(key);
+                let mut inv = self.restore.key(lock);
+                inv.arg(token.as_str())
+                    .arg(told.expires_at_ms)
+                    .arg(told.ttl_ms)
+                    .arg(EXPIRY_SLACK_MS)
+                    .arg(&*store.channel)
+                    .arg(key.as_str())
+                    .arg(renewed.expires_at_ms);
+                store
+                    .with_link(async |conn| inv.invoke_async::<u8>(conn).await)
+                    .await
+                    .map(drop)
+            }
+            None => store.release(key, token).await.map(drop),
+        };
+        match undone {
+            Ok(()) => {
+                tracing::warn!(%key, %error, "a renewal was not acknowledged by the replicas in time: the lease ends when its holder was last told")
+            }
+            Err(e) => {
+                tracing::warn!(%key, %error, undo_error = %e, "a renewal was not acknowledged by the replicas in time, and undoing it failed: the lease ends at the renewed time")
+            }
+        }
+        Err(error)
+    }
+
+    /// `WAIT`s for the replicas after a write on `key`'s connection.
+    async fn confirm(&self, store: &RedisStore, key: &LockKey) -> StoreResult<()> {
+        if self.acks == 0 {
+            return Ok(());
+        }
+        let [lock, _] = store.keys(key);
+        let (acks, wait_ms) = (self.acks, self.wait_ms);
+        let acked = store
+            .with_link(async |conn: &mut Conn| conn.wait_for_replicas(&lock, acks, wait_ms).await)
+            .await?;
+        if acked >= u64::from(acks) {
+            return Ok(());
+        }
+        tracing::debug!(%key, acked, wanted = acks, wait_ms, "replicas did not acknowledge in time");
+        Err(StoreError::Timeout(wait_ms))
+    }
+}

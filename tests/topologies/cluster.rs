@@ -1,0 +1,321 @@
+//! The broker on a real Redis Cluster (3 masters, 3 replicas): locks spread over every master,
+//! release notices wake waiters on other brokers, and a master that loses its data (flushed)
+//! gets its live leases put back while the other masters keep granting. One cluster for the
+//! file's scenarios, run in order: starting one takes seconds.
+//!
+//! A master failover under load is in the safety suite (`tests/safety/cluster_failover.rs`).
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+
+use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::broker::wait_until_ready;
+use lockbroker_test_support::cluster::RedisCluster;
+use lockbroker_test_support::http::Grant;
+
+/// The settle time of a master's new epoch in these tests.
+const SETTLE_MS: u64 = 1000;
+
+async fn broker(cluster: &RedisCluster) -> TestApp {
+    spawn_app_with(Some(cluster.url()), |c| {
+        c.store_timeout_ms = 2000;
+        c.store_settle_ms = SETTLE_MS;
+    })
+    .await
+}
+
+/// The Redis key of a lock (default prefix), whose slot decides its master.
+fn lock_key(key: &str) -> String {
+    format!("lockbroker:{{{key}}}:lock")
+}
+
+/// A metric's value on `app`.
+async fn metric(app: &TestApp, series: &str) -> f64 {
+    app.get("/metrics")
+        .await
+        .text
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Polls `app`'s metric until it reaches `at_least`.
+async fn wait_for_metric(app: &TestApp, series: &str, at_least: f64, limit: Duration) {
+    let started = Instant::now();
+    while metric(app, series).await < at_least {
+        assert!(
+            started.elapsed() < limit,
+            "{series} did not reach {at_least} within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_locks_spread_over_the_masters_wake_across_brokers_and_survive_a_flushed_master()
+ {
+    let cluster = RedisCluster::start(3).await;
+    let one = broker(&cluster).await;
+    let two = broker(&cluster).await;
+    for app in [&one, &two] {
+        wait_until_ready(&app.address, Duration::from_secs(15)).await;
+    }
+    // Ready means some master grants: the others may still be settling for a moment.
+    every_master_grants(&cluster, &one).await;
+
+    locks_spread_over_every_master(&cluster, &one, &two).await;
+    a_release_wakes_a_waiter_on_another_broker_within_100_ms(&one, &two).await;
+    a_flushed_master_gets_its_leases_back_while_the_others_grant(&cluster, &one, &two).await;
+    a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(&cluster, &one, &two).await;
+}
+
+/// Waits until a key on each master is granted (each master settles on its own).
+async fn every_master_grants(cluster: &RedisCluster, app: &TestApp) {
+    let started = Instant::now();
+    let mut granted = BTreeSet::new();
+    for i in 0.. {
+        let key = format!("settled-{i}");
+        let master = cluster.master_of(&lock_key(&key)).await;
+        if granted.contains(&master) {
+            continue;
+        }
+        loop {
+            let answer = app.acquire(&key, "ttl_ms=1").await;
+            if answer.status == StatusCode::CREATED {
+                break;
+            }
+            answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{}",
+                answer.text
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        granted.insert(master);
+        if granted.len() == 3 {
+            return;
+        }
+    }
+}
+
+async fn locks_spread_over_every_master(cluster: &RedisCluster, one: &TestApp, two: &TestApp) {
+    let mut masters = BTreeSet::new();
+    let mut grants = Vec::new();
+    for i in 0..24 {
+        let key = format!("spread-{i}");
+        let grant = one.grant(&key, "ttl_ms=30000").await;
+        // Held: another broker sees it.
+        two.acquire(&key, "")
+            .await
+            .expect_error(StatusCode::CONFLICT, "locked");
+        masters.insert(cluster.master_of(&lock_key(&key)).await);
+        grants.push((key, grant));
+    }
+    assert_eq!(
+        masters.len(),
+        3,
+        "24 locks landed on masters {masters:?} only"
+    );
+    for (key, grant) in &grants {
+        two.release(key, &grant.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+        let again = one.grant(key, "ttl_ms=1000").await;
+        assert!(again.fence > grant.fence, "fences rise on {key}");
+        one.release(key, &again.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+    }
+}
+
+async fn a_release_wakes_a_waiter_on_another_broker_within_100_ms(one: &TestApp, two: &TestApp) {
+    let mut delays = Vec::new();
+    for i in 0..5 {
+        let key = format!("relay-{i}");
+        let holder = one.grant(&key, "ttl_ms=30000").await;
+        let waiters_before = metric(two, "lockbroker_waiters").await;
+        let waiter = two.spawn_acquire(&key, "wait_ms=10000");
+        wait_for_metric(
+            two,
+            "lockbroker_waiters",
+            waiters_before + 1.0,
+            Duration::from_secs(5),
+        )
+        .await;
+        one.release(&key, &holder.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+        let released = Instant::now();
+        let grant = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("the waiter was not woken within 5 s")
+            .expect("the waiter task")
+            .expect_grant(StatusCode::CREATED);
+        delays.push(released.elapsed());
+        assert!(grant.fence > holder.fence);
+        two.release(&key, &grant.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+    }
+    delays.sort();
+    // The median: one slow wake on a loaded 2-core machine is not the broker's doing; the
+    // waiter's fallback poll would take a second or more.
+    let median = delays[delays.len() / 2];
+    assert!(
+        median < Duration::from_millis(100),
+        "waiters on another broker were woken after {delays:?}"
+    );
+}
+
+async fn a_flushed_master_gets_its_leases_back_while_the_others_grant(
+    cluster: &RedisCluster,
+    one: &TestApp,
+    two: &TestApp,
+) {
+    let kept: Grant = one.grant("kept", "ttl_ms=30000").await;
+    let flushed = cluster.master_of(&lock_key("kept")).await;
+    // A key on another master, to show that master goes on granting during the hold.
+    let mut elsewhere = String::new();
+    for i in 0.. {
+        elsewhere = format!("elsewhere-{i}");
+        if cluster.master_of(&lock_key(&elsewhere)).await != flushed {
+            break;
+        }
+    }
+    let losses_before = metric(one, "lockbroker_store_losses_total").await;
+    let mut node = cluster.nodes[flushed].connection().await;
+    let () = redis::cmd("FLUSHALL")
+        .query_async(&mut node)
+        .await
+        .expect("FLUSHALL on one master");
+    let flushed_at = Instant::now();
+    // Until the broker that granted it puts it back, the key is never granted to anyone else:
+    // it answers 503 (no marker, or the hold) or 409 (back).
+    let mut elsewhere_granted_during_hold = false;
+    let mut ready_during_hold = false;
+    loop {
+        let answer = two.acquire("kept", "").await;
+        match answer.status {
+            StatusCode::CONFLICT => break,
+            StatusCode::SERVICE_UNAVAILABLE => {
+                answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+                // One master's hold is not the store's: the broker stays ready for the others.
+                if !ready_during_hold {
+                    ready_during_hold = two.get("/readyz").await.status == StatusCode::OK;
+                }
+            }
+            _ => panic!(
+                "a flushed lease was granted to another client: {} {}",
+                answer.status, answer.text
+            ),
+        }
+        if !elsewhere_granted_during_hold {
+            let other = two.acquire(&elsewhere, "ttl_ms=500").await;
+            elsewhere_granted_during_hold = other.status == StatusCode::CREATED;
+        }
+        assert!(
+            flushed_at.elapsed() < Duration::from_secs(10),
+            "the lease was not put back within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        metric(one, "lockbroker_store_losses_total").await > losses_before,
+        "the loss was not counted"
+    );
+    assert!(
+        elsewhere_granted_during_hold,
+        "a key on a master that lost nothing was held too"
+    );
+    assert!(
+        ready_during_hold,
+        "/readyz was not ready while only one master held"
+    );
+    // The holder's token still works: renew keeps the fence, release frees the key.
+    let started = Instant::now();
+    let renewed = loop {
+        let answer = one.renew("kept", &kept.token, "ttl_ms=30000").await;
+        if answer.status != StatusCode::SERVICE_UNAVAILABLE {
+            break answer.expect_grant(StatusCode::OK);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{}",
+            answer.text
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(renewed.fence, kept.fence);
+    one.release("kept", &kept.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let next = two.grant("kept", "ttl_ms=1000").await;
+    assert!(next.fence > kept.fence, "the fence counter was raised back");
+}
+
+/// One slot's keys vanish on their own (deleted, or evicted by a Redis that should not evict):
+/// its epoch marker and the lock with it. The next grant on the slot notices, the slot holds,
+/// and the broker that granted the lease puts it back.
+async fn a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(
+    cluster: &RedisCluster,
+    one: &TestApp,
+    two: &TestApp,
+) {
+    let lonely: Grant = one.grant("lonely", "ttl_ms=30000").await;
+    let slot = lockbroker::store::redis::slot_of(lock_key("lonely").as_bytes());
+    let master = cluster.master_of(&lock_key("lonely")).await;
+    let mut node = cluster.nodes[master].connection().await;
+    let markers: Vec<String> = redis::cmd("KEYS")
+        .arg("lockbroker:epoch*")
+        .query_async(&mut node)
+        .await
+        .expect("KEYS");
+    let marker = markers
+        .into_iter()
+        .find(|m| lockbroker::store::redis::slot_of(m.as_bytes()) == slot)
+        .expect("the slot has an epoch marker");
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(&marker)
+        .arg(lock_key("lonely"))
+        .query_async(&mut node)
+        .await
+        .expect("DEL");
+    assert_eq!(deleted, 2);
+    let started = Instant::now();
+    loop {
+        let answer = two.acquire("lonely", "").await;
+        match answer.status {
+            StatusCode::CONFLICT => break,
+            StatusCode::SERVICE_UNAVAILABLE => {}
+            _ => panic!(
+                "a lease whose keys vanished was granted again: {} {}",
+                answer.status, answer.text
+            ),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the lease was not put back within 10 s: {}",
+            answer.text
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let renewed = loop {
+        let answer = one.renew("lonely", &lonely.token, "").await;
+        if answer.status != StatusCode::SERVICE_UNAVAILABLE {
+            break answer.expect_grant(StatusCode::OK);
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{}",
+            answer.text
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(renewed.fence, lonely.fence);
+    one.release("lonely", &lonely.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+}

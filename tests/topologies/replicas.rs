@@ -1,0 +1,150 @@
+//! Replica acknowledgements (`--redis-replica-acks`): on a master with one replica, a grant or
+//! renewal is answered only once the replica has it; with the replica frozen, an acquire
+//! answers 503 within about the store timeout and leaves nothing behind, and a renewal leaves
+//! the lease ending when its holder was last told.
+
+use std::time::{Duration, Instant};
+
+use lockbroker_test_support::app::spawn_app_with;
+use lockbroker_test_support::broker::wait_until_ready;
+use lockbroker_test_support::redis_server::RedisServer;
+use reqwest::StatusCode;
+
+/// The acknowledging broker's store timeout: WAIT waits half of it.
+const STORE_TIMEOUT_MS: u64 = 600;
+
+/// Makes `replica` a replica of `master` and waits until it is in sync.
+async fn replicate(master: &RedisServer, replica: &RedisServer) {
+    let mut master_conn = master.connection().await;
+    // The first sync streams the data set without touching the disk, after a delay (5 s by
+    // default) that waits for more replicas to join: there are no more.
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("repl-diskless-sync-delay")
+        .arg(0)
+        .query_async(&mut master_conn)
+        .await
+        .expect("CONFIG SET");
+    // A replica writes a full sync to dump.rdb in its directory, the temp directory that every
+    // test's redis-server loads at start (`dir` cannot be changed at run time): it loads syncs
+    // from the socket instead, always.
+    let mut conn = replica.connection().await;
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("repl-diskless-load")
+        .arg("swapdb")
+        .query_async(&mut conn)
+        .await
+        .expect("CONFIG SET");
+    let () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(master.port())
+        .query_async(&mut conn)
+        .await
+        .expect("REPLICAOF");
+    until_in_sync(master).await;
+}
+
+/// Waits until a write on `master` is acknowledged by its replica ("online" in the master's
+/// INFO comes a moment before the replica has loaded the first sync; a thawed replica catches
+/// up after a moment too).
+async fn until_in_sync(master: &RedisServer) {
+    let mut master_conn = master.connection().await;
+    let started = Instant::now();
+    loop {
+        let () = redis::cmd("SET")
+            .arg("replication-check")
+            .arg(1)
+            .query_async(&mut master_conn)
+            .await
+            .expect("SET");
+        let acked: u64 = redis::cmd("WAIT")
+            .arg(1)
+            .arg(100)
+            .query_async(&mut master_conn)
+            .await
+            .expect("WAIT");
+        if acked == 1 {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the replica did not come online"
+        );
+    }
+}
+
+async fn lock_exists(redis: &RedisServer, key: &str) -> bool {
+    let mut conn = redis.connection().await;
+    redis::cmd("EXISTS")
+        .arg(format!("lockbroker:{{{key}}}:lock"))
+        .query_async::<u8>(&mut conn)
+        .await
+        .expect("EXISTS")
+        == 1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_and_renewals_wait_for_the_replica_and_leave_nothing_when_it_stalls() {
+    let master = RedisServer::start().await;
+    let replica = RedisServer::start().await;
+    replicate(&master, &replica).await;
+    let acked = spawn_app_with(Some(master.url()), |c| {
+        c.redis_replica_acks = 1;
+        c.store_timeout_ms = STORE_TIMEOUT_MS;
+    })
+    .await;
+    // A broker that does not wait, to look at the store.
+    let plain = spawn_app_with(Some(master.url()), |_| {}).await;
+    wait_until_ready(&acked.address, Duration::from_secs(5)).await;
+    wait_until_ready(&plain.address, Duration::from_secs(5)).await;
+
+    // Answered only once the replica has it: the replica has it at the moment of the answer.
+    let held = acked.grant("acked", "ttl_ms=20000").await;
+    assert!(lock_exists(&replica, "acked").await);
+    let renewed = acked
+        .renew("acked", &held.token, "ttl_ms=20000")
+        .await
+        .expect_grant(StatusCode::OK);
+
+    replica.pause();
+    let asked = Instant::now();
+    acked
+        .acquire("stalled", "ttl_ms=20000")
+        .await
+        .expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    let took = asked.elapsed();
+    assert!(
+        took >= Duration::from_millis(STORE_TIMEOUT_MS / 2)
+            && took < Duration::from_millis(STORE_TIMEOUT_MS * 2),
+        "a grant the replica did not acknowledge was answered after {took:?}"
+    );
+    // Nothing left behind: the key is free on the master.
+    assert!(!lock_exists(&master, "stalled").await);
+    plain
+        .inspect("stalled")
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
+
+    // A renewal the replica does not acknowledge: 503, and the lease ends exactly when its
+    // holder was last told, not when the unacknowledged renewal said.
+    acked
+        .renew("acked", &held.token, "ttl_ms=30000")
+        .await
+        .expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    let view = plain.inspect("acked").await.json();
+    assert_eq!(view["expires_at_ms"], renewed.expires_at_ms, "{view}");
+
+    replica.resume();
+    until_in_sync(&master).await;
+    let granted = acked.grant("stalled", "ttl_ms=20000").await;
+    assert!(lock_exists(&replica, "stalled").await);
+    acked
+        .release("stalled", &granted.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    acked
+        .renew("acked", &held.token, "ttl_ms=5000")
+        .await
+        .expect_status(StatusCode::OK);
+}
