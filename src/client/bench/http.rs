@@ -214,23 +214,30 @@ pub(super) async fn hot_key_http(
 /// Waits until the broker grants a lock: on a Redis it has never seen, a broker grants nothing
 /// for its first `store_settle_ms`, and a measurement must not start inside that.
 pub(super) async fn wait_until_granting(http: &reqwest::Client, base: &str) -> anyhow::Result<()> {
-    let url = format!(
-        "{base}/locks/bench-probe-{}",
-        &Token::generate().as_str()[..8]
-    );
+    // Several keys: on a Redis Cluster each master settles on its own, and a broker is ready
+    // as soon as one of them grants.
+    let run = Token::generate();
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let answer = http.post(format!("{url}?ttl_ms=1000")).send().await?;
-        if answer.status() == reqwest::StatusCode::CREATED {
-            let granted: Granted = answer.json().await?;
-            return release(http, &url, &granted.token).await;
+    for i in 0..PROBES {
+        let url = format!("{base}/locks/bench-probe-{}-{i}", &run.as_str()[..8]);
+        loop {
+            let answer = http.post(format!("{url}?ttl_ms=1000")).send().await?;
+            if answer.status() == reqwest::StatusCode::CREATED {
+                let granted: Granted = answer.json().await?;
+                release(http, &url, &granted.token).await?;
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the broker at {base} did not grant every probe key for 60 s (last answer {})",
+                    answer.status()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
-        if Instant::now() > deadline {
-            bail!(
-                "the broker at {base} granted nothing for 60 s (last answer {})",
-                answer.status()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    Ok(())
 }
+
+/// Keys [`wait_until_granting`] asks for: enough to land on every master of a small cluster.
+const PROBES: usize = 32;
