@@ -123,3 +123,18 @@ pub fn lock_path(key: &str, query: &str) -> String {
         format!("/locks/{key}?{query}")
     }
 }
+
+/// A series' value on the broker at `address` (its `/metrics`), 0 if it is not there yet.
+pub async fn metric(address: &str, series: &str) -> f64 {
+    let text = http_client()
+        .get(format!("{address}/metrics"))
+        .send()
+        .await
+        .expect("the broker answers")
+        .text()
+        .await
+        .expect("a metrics body");
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}

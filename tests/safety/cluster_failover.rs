@@ -10,6 +10,7 @@ use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::cluster::RedisCluster;
 
+use crate::faults::until_sections;
 use crate::torture::{self, Brokers, Plan};
 
 const STORE_TIMEOUT_MS: u64 = 1000;
@@ -32,19 +33,6 @@ async fn brokers(cluster: &RedisCluster, n: usize) -> Vec<TestApp> {
         wait_until_ready(&app.address, Duration::from_secs(15)).await;
     }
     apps
-}
-
-/// Polls until `run` has completed `n` critical sections, for at most 10 s.
-async fn until_sections(run: &torture::Run, n: usize) {
-    let started = Instant::now();
-    while run.sections_so_far() < n {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "only {} critical sections after 10 s",
-            run.sections_so_far()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

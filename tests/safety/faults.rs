@@ -38,7 +38,7 @@ async fn post(url: &str) -> Answer {
 }
 
 /// Polls until `run` has completed `n` critical sections, for at most 10 s.
-async fn until_sections(run: &torture::Run, n: usize) {
+pub(crate) async fn until_sections(run: &torture::Run, n: usize) {
     let started = Instant::now();
     while run.sections_so_far() < n {
         assert!(

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
-use lockbroker_test_support::http::{Answer, Grant, http_client};
+use lockbroker_test_support::http::{Answer, Grant, http_client, metric};
 use lockbroker_test_support::redis_server::RedisServer;
 
 use crate::proxy::{Mode, Proxy, redis_addr};
@@ -52,16 +52,6 @@ async fn granted(app: &TestApp, key: &str) -> Grant {
     }
 }
 
-/// A metric's value on `app`.
-async fn metric(app: &TestApp, series: &str) -> f64 {
-    app.get("/metrics")
-        .await
-        .text
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_cut_off_during_a_loss_finds_its_key_granted_again_keeps_the_higher_fence_and_says_so()
  {
@@ -79,7 +69,7 @@ async fn a_broker_cut_off_during_a_loss_finds_its_key_granted_again_keeps_the_hi
     // higher fence, which stays; the double claim is logged and counted.
     proxy.set(Mode::Pass);
     let started = Instant::now();
-    while metric(&away, "lockbroker_double_claims_total").await < 1.0 {
+    while metric(&away.address, "lockbroker_double_claims_total").await < 1.0 {
         assert!(
             started.elapsed() < Duration::from_secs(5),
             "the returning broker did not report the double claim"
@@ -124,7 +114,10 @@ async fn a_broker_back_within_the_settle_time_puts_its_lease_back_before_anyone_
     let answer = present.acquire("kept", "ttl_ms=1000").await;
     let body = answer.expect_error(StatusCode::CONFLICT, "locked");
     assert!(body["retry_after_ms"].as_u64().unwrap() > 10_000);
-    assert_eq!(metric(&away, "lockbroker_double_claims_total").await, 0.0);
+    assert_eq!(
+        metric(&away.address, "lockbroker_double_claims_total").await,
+        0.0
+    );
     away.release("kept", &held.token)
         .await
         .expect_status(StatusCode::NO_CONTENT);

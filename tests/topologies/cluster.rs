@@ -13,7 +13,7 @@ use reqwest::StatusCode;
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::cluster::RedisCluster;
-use lockbroker_test_support::http::Grant;
+use lockbroker_test_support::http::{Grant, metric};
 
 /// The settle time of a master's new epoch in these tests.
 const SETTLE_MS: u64 = 1000;
@@ -31,20 +31,10 @@ fn lock_key(key: &str) -> String {
     format!("lockbroker:{{{key}}}:lock")
 }
 
-/// A metric's value on `app`.
-async fn metric(app: &TestApp, series: &str) -> f64 {
-    app.get("/metrics")
-        .await
-        .text
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Polls `app`'s metric until it reaches `at_least`.
 async fn wait_for_metric(app: &TestApp, series: &str, at_least: f64, limit: Duration) {
     let started = Instant::now();
-    while metric(app, series).await < at_least {
+    while metric(&app.address, series).await < at_least {
         assert!(
             started.elapsed() < limit,
             "{series} did not reach {at_least} within {limit:?}"
@@ -136,7 +126,7 @@ async fn a_release_wakes_a_waiter_on_another_broker_within_100_ms(one: &TestApp,
     for i in 0..5 {
         let key = format!("relay-{i}");
         let holder = one.grant(&key, "ttl_ms=30000").await;
-        let waiters_before = metric(two, "lockbroker_waiters").await;
+        let waiters_before = metric(&two.address, "lockbroker_waiters").await;
         let waiter = two.spawn_acquire(&key, "wait_ms=10000");
         wait_for_metric(
             two,
@@ -185,7 +175,7 @@ async fn a_flushed_master_gets_its_leases_back_while_the_others_grant(
             break;
         }
     }
-    let losses_before = metric(one, "lockbroker_store_losses_total").await;
+    let losses_before = metric(&one.address, "lockbroker_store_losses_total").await;
     let mut node = cluster.nodes[flushed].connection().await;
     let () = redis::cmd("FLUSHALL")
         .query_async(&mut node)
@@ -223,7 +213,7 @@ async fn a_flushed_master_gets_its_leases_back_while_the_others_grant(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(
-        metric(one, "lockbroker_store_losses_total").await > losses_before,
+        metric(&one.address, "lockbroker_store_losses_total").await > losses_before,
         "the loss was not counted"
     );
     assert!(
@@ -235,23 +225,7 @@ async fn a_flushed_master_gets_its_leases_back_while_the_others_grant(
         "/readyz was not ready while only one master held"
     );
     // The holder's token still works: renew keeps the fence, release frees the key.
-    let started = Instant::now();
-    let renewed = loop {
-        let answer = one.renew("kept", &kept.token, "ttl_ms=30000").await;
-        if answer.status != StatusCode::SERVICE_UNAVAILABLE {
-            break answer.expect_grant(StatusCode::OK);
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "{}",
-            answer.text
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
-    assert_eq!(renewed.fence, kept.fence);
-    one.release("kept", &kept.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    renew_and_release(one, "kept", &kept).await;
     let next = two.grant("kept", "ttl_ms=1000").await;
     assert!(next.fence > kept.fence, "the fence counter was raised back");
 }
@@ -302,8 +276,15 @@ async fn a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    renew_and_release(one, "lonely", &lonely).await;
+}
+
+/// The holder of a lease put back renews it (once the hold is over: 503 until then) with its
+/// fence unchanged, and releases it.
+async fn renew_and_release(app: &TestApp, key: &str, lease: &Grant) {
+    let started = Instant::now();
     let renewed = loop {
-        let answer = one.renew("lonely", &lonely.token, "").await;
+        let answer = app.renew(key, &lease.token, "").await;
         if answer.status != StatusCode::SERVICE_UNAVAILABLE {
             break answer.expect_grant(StatusCode::OK);
         }
@@ -314,8 +295,8 @@ async fn a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    assert_eq!(renewed.fence, lonely.fence);
-    one.release("lonely", &lonely.token)
+    assert_eq!(renewed.fence, lease.fence);
+    app.release(key, &lease.token)
         .await
         .expect_status(StatusCode::NO_CONTENT);
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
 use lockbroker_test_support::free_port;
-use lockbroker_test_support::http::{Answer, Grant, http_client};
+use lockbroker_test_support::http::{Answer, Grant, http_client, metric};
 use lockbroker_test_support::sentinel::{MASTER_NAME, SentinelTopology};
 use reqwest::StatusCode;
 use tokio::time::Instant;
@@ -246,21 +246,6 @@ async fn a_failover_asked_of_the_sentinels_moves_every_broker_to_the_new_master(
             .await
             .expect_status(StatusCode::NO_CONTENT);
     }
-}
-
-/// A metric's value on the broker at `address`.
-async fn metric(address: &str, series: &str) -> f64 {
-    let text = http_client()
-        .get(format!("{address}/metrics"))
-        .send()
-        .await
-        .expect("the broker answers")
-        .text()
-        .await
-        .expect("a metrics body");
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// Polls `broker` with acquires of fresh keys until one is granted, for at most `limit`; when.

@@ -253,33 +253,29 @@ impl RedisStore {
     }
 
     /// [`RedisStore::catch_up`] in a task of its own (a put-back must not stop halfway because
-    /// the request that started it gave up), as a boxed future: catching up runs scripts, which
-    /// can catch up — a cycle the compiler cannot see through when the type is inferred.
+    /// the request that started it gave up).
     fn catch_up_task(self) -> Pin<Box<dyn Future<Output = StoreResult<Option<Hold>>> + Send>> {
-        Box::pin(async move {
-            let timeout = self.timeout;
-            match tokio::time::timeout(timeout, tokio::spawn(async move { self.catch_up().await }))
-                .await
-            {
-                Ok(Ok(result)) => result,
-                _ => Err(StoreError::Timeout(millis(timeout))),
-            }
-        })
+        let store = self.clone();
+        self.spawned(async move { store.catch_up().await })
     }
 
-    /// [`RedisStore::repair_slot`] in a task of its own, for the same reasons as
-    /// [`RedisStore::catch_up_task`].
+    /// [`RedisStore::repair_slot`] in a task of its own, as [`RedisStore::catch_up_task`].
     fn repair_task(self, slot: u16) -> Pin<Box<dyn Future<Output = StoreResult<()>> + Send>> {
+        let store = self.clone();
+        self.spawned(async move { store.repair_slot(slot).await })
+    }
+
+    /// Runs `work` in a task of its own, waiting for it at most the store's time bound. Boxed,
+    /// with its `Send` declared: catching up runs scripts, which can catch up — a cycle the
+    /// compiler cannot see through when the future's type is inferred.
+    fn spawned<T: Send + 'static>(
+        self,
+        work: impl Future<Output = StoreResult<T>> + Send + 'static,
+    ) -> Pin<Box<dyn Future<Output = StoreResult<T>> + Send>> {
         Box::pin(async move {
-            let timeout = self.timeout;
-            match tokio::time::timeout(
-                timeout,
-                tokio::spawn(async move { self.repair_slot(slot).await }),
-            )
-            .await
-            {
+            match tokio::time::timeout(self.timeout, tokio::spawn(work)).await {
                 Ok(Ok(result)) => result,
-                _ => Err(StoreError::Timeout(millis(timeout))),
+                _ => Err(StoreError::Timeout(millis(self.timeout))),
             }
         })
     }
