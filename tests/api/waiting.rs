@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{Backend, TestApp};
-use lockbroker_test_support::http::Answer;
+use lockbroker_test_support::http::{Answer, metric};
 use lockbroker_test_support::on_both_stores;
 use reqwest::StatusCode;
 use tokio::task::JoinHandle;
@@ -102,10 +102,17 @@ async fn waiters_on_one_broker_are_served_in_arrival_order(b: &Backend) {
     let app = &b.app;
     let holder = app.grant("fifo", "ttl_ms=30000").await;
     let mut takers = Vec::new();
-    for _ in 0..4 {
+    for arrived in 1..=4 {
         takers.push(spawn_taker(app, "fifo"));
-        // Space the arrivals so their order is certain.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Each waits before the next arrives, so their order is certain.
+        let started = Instant::now();
+        while metric(&app.address, "lockbroker_waiters").await < f64::from(arrived) {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "waiter {arrived} is not waiting after 5 s"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
     assert!(takers.iter().all(|t| !t.is_finished()), "all must wait");
     app.release("fifo", &holder.token)
