@@ -5,6 +5,7 @@ mod auth;
 mod concurrency;
 mod contract;
 mod cross_broker;
+mod dashboard;
 mod hardening;
 mod limits;
 mod metrics;

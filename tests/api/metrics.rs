@@ -244,7 +244,7 @@ async fn wait_for_waiters(app: &TestApp, count: f64) -> Metrics {
 }
 
 /// `GET /metrics`: asserts `200`, the OpenMetrics content type and a well-formed exposition.
-async fn scrape(app: &TestApp) -> Metrics {
+pub(crate) async fn scrape(app: &TestApp) -> Metrics {
     let answer = app.get("/metrics").await;
     answer.expect_status(StatusCode::OK);
     assert_eq!(answer.header("content-type"), Some(OPENMETRICS));
@@ -253,16 +253,16 @@ async fn scrape(app: &TestApp) -> Metrics {
 
 /// One sample line: `name{label="value",...} value`.
 #[derive(Debug, Clone)]
-struct Sample {
-    name: String,
-    labels: BTreeMap<String, String>,
-    value: f64,
+pub(crate) struct Sample {
+    pub(crate) name: String,
+    pub(crate) labels: BTreeMap<String, String>,
+    pub(crate) value: f64,
 }
 
 /// A parsed exposition.
-struct Metrics {
-    samples: Vec<Sample>,
-    text: String,
+pub(crate) struct Metrics {
+    pub(crate) samples: Vec<Sample>,
+    pub(crate) text: String,
 }
 
 impl Metrics {
