@@ -215,7 +215,9 @@ impl<S: Store> LockService<S> {
             let bid = retry_bid.as_ref().unwrap_or(bid);
             let attempt = match held_for_ms.take() {
                 Some(retry_after_ms) => Attempt::Held { retry_after_ms },
-                None => match self.attempt(key, bid).await {
+                // Boxed: the store call's future lives on the heap only while the call runs,
+                // instead of its whole size being reserved in every parked waiter's future.
+                None => match Box::pin(self.attempt(key, bid)).await {
                     // A store-wide hold lasts a few seconds: a request that may still wait waits
                     // it out, as it would a holder.
                     Err(LockError::Held(hold)) if Instant::now() < deadline => {
