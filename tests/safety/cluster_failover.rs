@@ -24,7 +24,8 @@ async fn brokers(cluster: &RedisCluster, n: usize) -> Vec<TestApp> {
         apps.push(
             spawn_app_with(Some(cluster.url()), |c| {
                 c.store_timeout_ms = STORE_TIMEOUT_MS;
-                c.store_settle_ms = 1500;
+                // The default: every broker must catch up within it, under the suite's load.
+                c.store_settle_ms = 3000;
             })
             .await,
         );

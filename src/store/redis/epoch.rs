@@ -28,7 +28,7 @@
 //! its script cache, so a restarted server or a promoted replica has none of the broker's
 //! scripts, and the broker checks the epoch before it runs one there (`RedisStore::invoke`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -336,11 +336,30 @@ impl RedisStore {
             }
             let putting_back = PuttingBack::begin(&self.epoch, &checked.id);
             let started = Instant::now();
+            // On a cluster, the slots of this broker's leases are marked first and their leases
+            // put back at once, then the master's other slots are marked: the put-back must
+            // not wait for thousands of markers while the hold runs.
+            let leased: BTreeSet<u16> = if self.cluster {
+                self.ledger
+                    .live(Instant::now())
+                    .iter()
+                    .filter_map(|(key, _)| self.slot(key))
+                    .filter(|slot| shard.holds(*slot))
+                    .collect()
+            } else {
+                BTreeSet::new()
+            };
             if self.cluster {
-                self.mark_slots(conn, shard, &checked).await?;
+                self.mark_slots(conn, shard, &checked, |slot| leased.contains(&slot))
+                    .await?;
             }
             // The epoch moved during the put-back (`None`): check again.
-            if let Some(report) = self.put_back_all(conn, shard, &checked.id).await? {
+            let put_back = self.put_back_all(conn, shard, &checked.id).await?;
+            if self.cluster {
+                self.mark_slots(conn, shard, &checked, |slot| !leased.contains(&slot))
+                    .await?;
+            }
+            if let Some(report) = put_back {
                 self.epoch
                     .state()
                     .known
@@ -426,7 +445,13 @@ impl RedisStore {
     }
 
     /// Cluster: copies a master's new epoch from its first slot's marker to its other slots'.
-    async fn mark_slots(&self, conn: &Conn, shard: &Shard, checked: &Checked) -> StoreResult<()> {
+    async fn mark_slots(
+        &self,
+        conn: &Conn,
+        shard: &Shard,
+        checked: &Checked,
+        which: impl Fn(u16) -> bool,
+    ) -> StoreResult<()> {
         let fields: Arc<[String; 4]> = Arc::new([
             checked.id.clone(),
             checked.run_id.clone(),
@@ -435,7 +460,7 @@ impl RedisStore {
         ]);
         let calls: Vec<_> = shard
             .slots()
-            .filter(|s| *s != shard.first)
+            .filter(|s| *s != shard.first && which(*s))
             .map(|slot| {
                 let (store, mut conn, fields) = (self.clone(), conn.clone(), fields.clone());
                 async move {
