@@ -219,22 +219,7 @@ impl RedisStore {
         conn: &mut Conn,
         call: &Call<'_>,
     ) -> Result<T, RedisError> {
-        match call.by_sha().query_async(conn).await {
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                if self.cluster {
-                    let checked = self.clone().catch_up_task().await;
-                    if let Err(e) = checked {
-                        return Err(RedisError::from((
-                            redis::ErrorKind::Io,
-                            "epoch check failed",
-                            e.to_string(),
-                        )));
-                    }
-                }
-                call.with_source().query_async(conn).await
-            }
-            result => result,
-        }
+        self.run_script(conn, call, self.cluster).await
     }
 
     /// Runs a script call, sending its source on NOSCRIPT without a check: for calls made
@@ -244,8 +229,24 @@ impl RedisStore {
         conn: &mut Conn,
         call: &Call<'_>,
     ) -> Result<T, RedisError> {
+        self.run_script(conn, call, false).await
+    }
+
+    async fn run_script<T: FromRedisValue>(
+        &self,
+        conn: &mut Conn,
+        call: &Call<'_>,
+        check_on_noscript: bool,
+    ) -> Result<T, RedisError> {
         match call.by_sha().query_async(conn).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                if check_on_noscript && let Err(e) = self.clone().catch_up_task().await {
+                    return Err(RedisError::from((
+                        redis::ErrorKind::Io,
+                        "epoch check failed",
+                        e.to_string(),
+                    )));
+                }
                 call.with_source().query_async(conn).await
             }
             result => result,
