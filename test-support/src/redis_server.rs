@@ -121,27 +121,10 @@ impl RedisServer {
             .expect("FLUSHALL");
     }
 
-    /// Polls until `brokers` brokers listen for release notices on Redis. Each broker listens on
-    /// one subscriber connection, on the channel `<prefix>released`.
+    /// Polls until `brokers` brokers listen for release notices on Redis (see
+    /// [`wait_until_listening_on`]).
     pub async fn wait_until_listening(&self, brokers: u64) {
-        let mut conn = self.connection().await;
-        let started = Instant::now();
-        loop {
-            let (_, listening): (String, u64) = redis::cmd("PUBSUB")
-                .arg("NUMSUB")
-                .arg("lockbroker:released")
-                .query_async(&mut conn)
-                .await
-                .expect("PUBSUB NUMSUB");
-            if listening >= brokers {
-                return;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(5),
-                "only {listening} of {brokers} brokers listen for release notices after 5 s"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_until_listening_on(&mut self.connection().await, brokers).await;
     }
 
     /// Kills the server and waits for it: its data is gone, like a Redis that crashed.
@@ -305,4 +288,32 @@ async fn ping(port: u16) -> bool {
         tokio::time::timeout(Duration::from_millis(500), exchange).await,
         Ok(Ok(pong)) if pong == "PONG"
     )
+}
+
+/// How many brokers listen for release notices on the server `conn` reaches: each listens on one
+/// subscriber connection, on the channel `<prefix>released` (default prefix).
+pub async fn listening(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (_, listening): (String, u64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg("lockbroker:released")
+        .query_async(conn)
+        .await
+        .expect("PUBSUB NUMSUB");
+    listening
+}
+
+/// Polls until `brokers` brokers listen for release notices on the server `conn` reaches.
+pub async fn wait_until_listening_on(conn: &mut redis::aio::MultiplexedConnection, brokers: u64) {
+    let started = Instant::now();
+    loop {
+        let listening = listening(conn).await;
+        if listening >= brokers {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "only {listening} of {brokers} brokers listen for release notices after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

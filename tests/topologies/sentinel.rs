@@ -14,6 +14,7 @@ use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
 use lockbroker_test_support::free_port;
 use lockbroker_test_support::http::{Answer, Grant, http_client, metric};
+use lockbroker_test_support::redis_server::listening;
 use lockbroker_test_support::sentinel::{MASTER_NAME, SentinelTopology};
 use reqwest::StatusCode;
 use tokio::time::Instant;
@@ -103,12 +104,7 @@ async fn wait_until_listening_on_master(topology: &SentinelTopology, n: u64) {
     let started = Instant::now();
     loop {
         let mut conn = topology.connection(topology.master_port().await).await;
-        let (_, listening): (String, u64) = redis::cmd("PUBSUB")
-            .arg("NUMSUB")
-            .arg("lockbroker:released")
-            .query_async(&mut conn)
-            .await
-            .expect("PUBSUB NUMSUB on the master");
+        let listening = listening(&mut conn).await;
         if listening >= n {
             return;
         }

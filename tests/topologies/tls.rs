@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, listen_on, wait_until_ready};
 use lockbroker_test_support::http::http_client;
+use lockbroker_test_support::redis_server::wait_until_listening_on;
 use lockbroker_test_support::tls::{Certificates, ClientCertificates, TlsRedis};
 use reqwest::StatusCode;
 
@@ -24,25 +25,6 @@ pub async fn until_waiting(app: &TestApp, n: u64) {
             started.elapsed() < Duration::from_secs(5),
             "{n} waiters were not waiting after 5 s"
         );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-/// Polls until `brokers` brokers listen for release notices on the TLS server.
-async fn until_listening(redis: &TlsRedis, brokers: u64) {
-    let mut conn = redis.connection().await.expect("a TLS connection");
-    let started = Instant::now();
-    loop {
-        let (_, listening): (String, u64) = redis::cmd("PUBSUB")
-            .arg("NUMSUB")
-            .arg("lockbroker:released")
-            .query_async(&mut conn)
-            .await
-            .expect("PUBSUB NUMSUB");
-        if listening >= brokers {
-            return;
-        }
-        assert!(started.elapsed() < READY_LIMIT, "brokers do not listen");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -100,7 +82,7 @@ async fn a_broker_over_tls_grants_releases_and_wakes_waiters() {
     let one = spawn_app_with(Some(redis.url()), tweak).await;
     let two = spawn_app_with(Some(redis.url()), tweak).await;
     wait_until_ready(&one.address, READY_LIMIT).await;
-    until_listening(&redis, 2).await;
+    wait_until_listening_on(&mut redis.connection().await.expect("a TLS connection"), 2).await;
 
     let holder = one.grant("tls-key", "ttl_ms=20000").await;
     let waiter = two.spawn_acquire("tls-key", "wait_ms=10000");

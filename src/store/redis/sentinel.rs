@@ -31,14 +31,14 @@ use futures_util::stream::FuturesUnordered;
 use redis::aio::{MultiplexedConnection, PubSubSink, PubSubStream};
 use redis::io::tcp::TcpSettings;
 use redis::{
-    AsyncConnectionConfig, ConnectionAddr, ErrorKind, IntoConnectionInfo, RedisConnectionInfo,
-    RedisError, RedisResult, Role, TlsCertificates,
+    AsyncConnectionConfig, ErrorKind, IntoConnectionInfo, RedisConnectionInfo, RedisError,
+    RedisResult, Role, TlsCertificates,
 };
 use tokio::sync::mpsc;
 
 use super::RedisStore;
 use super::connection::Connector;
-use super::url::ParsedUrl;
+use super::url::{ParsedUrl, node_addr};
 use crate::domain::millis;
 use crate::store::{Notice, StoreError, StoreResult};
 
@@ -175,17 +175,7 @@ impl Sentinels {
 
     /// A client for the data node at `addr`.
     fn client(&self, (host, port): Addr) -> RedisResult<redis::Client> {
-        let addr = if self.tls {
-            ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: false,
-                tls_params: None,
-            }
-        } else {
-            ConnectionAddr::Tcp(host, port)
-        };
-        let info = addr
+        let info = node_addr(host, port, self.tls)
             .into_connection_info()?
             .set_redis_settings(self.node.clone())
             .set_tcp_settings(self.tcp.clone());

@@ -135,16 +135,7 @@ impl ParsedUrl {
     /// The address of host `i`, with TLS if the URL asked for it.
     pub fn addr(&self, i: usize) -> ConnectionAddr {
         let (host, port) = self.hosts[i].clone();
-        if self.tls {
-            ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: false,
-                tls_params: None,
-            }
-        } else {
-            ConnectionAddr::Tcp(host, port)
-        }
+        node_addr(host, port, self.tls)
     }
 
     /// User, password and database for the data nodes.
@@ -169,6 +160,20 @@ impl ParsedUrl {
             .into_connection_info()
             .map_err(|e| invalid(e.to_string()))?;
         Ok(info.set_redis_settings(self.redis_info()))
+    }
+}
+
+/// The address of a Redis node, over TLS (with certificate and host name checks) or not.
+pub fn node_addr(host: String, port: u16, tls: bool) -> ConnectionAddr {
+    if tls {
+        ConnectionAddr::TcpTls {
+            host,
+            port,
+            insecure: false,
+            tls_params: None,
+        }
+    } else {
+        ConnectionAddr::Tcp(host, port)
     }
 }
 
