@@ -155,7 +155,10 @@ async fn semaphores_grant_up_to_their_limit_refuse_another_limit_and_repeat_by_r
     let b = granted(join(&store, &k, two, &with_id).await);
     // The same request id answers the same permit, even though the semaphore is full.
     let again = granted(join(&store, &k, two, &with_id).await);
-    assert_eq!((again.token.clone(), again.fence), (b.token.clone(), b.fence));
+    assert_eq!(
+        (again.token.clone(), again.fence),
+        (b.token.clone(), b.fence)
+    );
     match join(&store, &k, two, &bid(1_000)).await {
         Join::Busy { retry_after_ms } => assert!((9_000..=10_000).contains(&retry_after_ms)),
         other => panic!("{other:?}"),
@@ -181,7 +184,10 @@ async fn semaphores_grant_up_to_their_limit_refuse_another_limit_and_repeat_by_r
         "a permit's token means nothing on the lock"
     );
     assert!(matches!(
-        store.release(Space::Semaphores, &k, &a.token).await.unwrap(),
+        store
+            .release(Space::Semaphores, &k, &a.token)
+            .await
+            .unwrap(),
         Holder::Done(_)
     ));
     let c = granted(join(&store, &k, two, &bid(10_000)).await);
@@ -255,7 +261,11 @@ async fn listing_pages_through_held_locks_and_semaphores_by_prefix_without_losin
         expected.push(k);
     }
     // Released and never-held keys, other prefixes and semaphores are not listed as locks.
-    let Grant::Granted(g) = store.claim(&key("orders:gone"), &bid(10_000)).await.unwrap() else {
+    let Grant::Granted(g) = store
+        .claim(&key("orders:gone"), &bid(10_000))
+        .await
+        .unwrap()
+    else {
         panic!();
     };
     store
@@ -263,7 +273,15 @@ async fn listing_pages_through_held_locks_and_semaphores_by_prefix_without_losin
         .await
         .unwrap();
     store.claim(&key("invoices:1"), &bid(10_000)).await.unwrap();
-    granted(join(&store, &key("orders:sem"), Pool::Semaphore { limit: 2 }, &bid(10_000)).await);
+    granted(
+        join(
+            &store,
+            &key("orders:sem"),
+            Pool::Semaphore { limit: 2 },
+            &bid(10_000),
+        )
+        .await,
+    );
 
     let mut listed = Vec::new();
     let mut cursor = None;
@@ -283,7 +301,11 @@ async fn listing_pages_through_held_locks_and_semaphores_by_prefix_without_losin
             let shared = entry.key.as_str()[7..].parse::<u32>().unwrap() % 3 == 0;
             assert_eq!(
                 entry.mode,
-                Some(if shared { Mode::Shared } else { Mode::Exclusive })
+                Some(if shared {
+                    Mode::Shared
+                } else {
+                    Mode::Exclusive
+                })
             );
             assert_eq!(entry.holders.len(), 1);
             listed.push(entry.key);
@@ -369,7 +391,10 @@ async fn shared_leases_and_permits_are_put_back_after_a_flush_with_their_tokens(
         Join::LimitMismatch { limit: 1 },
         "the limit was put back with the permit"
     );
-    store.release(Space::Semaphores, &sem, &p.token).await.unwrap();
+    store
+        .release(Space::Semaphores, &sem, &p.token)
+        .await
+        .unwrap();
     let next = granted(join(&store, &sem, Pool::Semaphore { limit: 2 }, &bid(1_000)).await);
     assert!(next.fence > p.fence);
 }
