@@ -127,11 +127,19 @@ impl Waiters {
             return None;
         }
         queues.count += 1;
-        queues
-            .by_key
-            .entry(place.clone())
-            .or_default()
-            .push_back(me.clone());
+        let queue = queues.by_key.entry(place.clone()).or_default();
+        // Writers first: an exclusive acquire goes ahead of the shared ones waiting, behind the
+        // exclusive ones. The store holds new shared leases back for a waiting exclusive
+        // acquire anyway (its intent), so a shared acquire ahead of it here would only wait
+        // for it while blocking it.
+        match queue
+            .iter()
+            .position(|w| !w.exclusive)
+            .filter(|_| exclusive)
+        {
+            Some(first_shared) => queue.insert(first_shared, me.clone()),
+            None => queue.push_back(me.clone()),
+        }
         Some(Ticket {
             waiters: self.clone(),
             place,
@@ -350,16 +358,23 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_waiter_sees_an_exclusive_one_ahead_of_it_but_not_behind() {
+    fn exclusive_waiters_go_ahead_of_shared_ones_and_stay_in_arrival_order_among_themselves() {
         let waiters = Waiters::new(10);
         let first_shared = waiters.enqueue(Space::Locks, &key("k"), false).unwrap();
-        let exclusive = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
+        assert!(first_shared.is_head());
+        let writer = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
         let later_shared = waiters.enqueue(Space::Locks, &key("k"), false).unwrap();
-        assert!(!first_shared.exclusive_ahead());
-        assert!(later_shared.exclusive_ahead());
+        let second_writer = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
+        // The writers went ahead of both shared waiters, the first writer first.
+        assert!(writer.is_head());
+        assert!(first_shared.exclusive_ahead() && later_shared.exclusive_ahead());
         assert!(waiters.exclusive_waiting(Space::Locks, &key("k")));
         assert!(!waiters.exclusive_waiting(Space::Semaphores, &key("k")));
-        drop(exclusive);
+        drop(writer);
+        assert!(second_writer.is_head());
+        drop(second_writer);
+        // Then the shared waiters, in their own order.
+        assert!(first_shared.is_head());
         assert!(!later_shared.exclusive_ahead());
         assert!(!waiters.exclusive_waiting(Space::Locks, &key("k")));
     }
