@@ -10,9 +10,9 @@ use clap::Args;
 use serde::Serialize;
 
 use super::{
-    AcquireParams, BrokerClient, ClaimArgs, ClientError, ConnectArgs, EXIT_CODES_HELP, Grant,
-    Holder, LockEntry, LockStatus, MAX_PAGE, Page, Resource, SemaphoreEntry, SemaphoreStatus,
-    Space, TargetArgs, exit, format_ms, parse_duration, parse_owner, parse_prefix,
+    AcquireParams, BrokerClient, Claim, ClaimArgs, ClientError, ConnectArgs, EXIT_CODES_HELP,
+    Grant, Holder, LockEntry, LockStatus, MAX_PAGE, Page, Resource, SemaphoreEntry,
+    SemaphoreStatus, Space, TargetArgs, exit, format_ms, parse_duration, parse_owner, parse_prefix,
     parse_request_id, parse_token, parse_ttl,
 };
 use crate::domain::{Owner, RequestId, Token};
@@ -175,7 +175,7 @@ pub async fn acquire(args: AcquireArgs) -> ExitCode {
         request_id: args.request_id,
     };
     match client.acquire(&claim, &params).await {
-        Ok(grant) => print_grant(&grant, Some(claim.mode()), args.json),
+        Ok(grant) => print_grant(&grant, Some(&claim), args.json),
         Err(e) => fail(
             &format!("cannot acquire {}", claim.resource()),
             &e,
@@ -372,14 +372,14 @@ fn not_held(resource: &Resource, json: bool) {
     }
 }
 
-/// The grant as `key: value` lines, or one JSON object. `mode` (on an acquire) adds a line for
-/// a shared lease; a semaphore's grant shows its limit.
-fn print_grant(grant: &Grant, mode: Option<&str>, json: bool) -> ExitCode {
+/// The grant as `key: value` lines, or one JSON object. On an acquire, `claim` adds a line for
+/// a shared lease (the grant itself does not say); a semaphore's grant shows its limit.
+fn print_grant(grant: &Grant, claim: Option<&Claim>, json: bool) -> ExitCode {
     if json {
         print_json(grant);
     } else {
         println!("key:     {}", grant.key);
-        if mode == Some("shared") {
+        if let Some(Claim::Shared(_)) = claim {
             println!("mode:    shared");
         }
         if let Some(limit) = grant.limit {
@@ -437,9 +437,6 @@ fn print_holders(holders: &[Holder]) {
 }
 
 fn print_lock_rows(rows: &[LockEntry], more: bool, args: &ListArgs) {
-    if args.json {
-        return;
-    }
     let rows: Vec<[String; 5]> = rows
         .iter()
         .map(|l| {
@@ -462,9 +459,6 @@ fn print_lock_rows(rows: &[LockEntry], more: bool, args: &ListArgs) {
 }
 
 fn print_semaphore_rows(rows: &[SemaphoreEntry], more: bool, args: &ListArgs) {
-    if args.json {
-        return;
-    }
     let rows: Vec<[String; 5]> = rows
         .iter()
         .map(|s| {
@@ -486,8 +480,8 @@ fn print_semaphore_rows(rows: &[SemaphoreEntry], more: bool, args: &ListArgs) {
     );
 }
 
-/// The table of a listing, a line saying nothing is held when it is empty, and on stderr a
-/// note when `--limit` left some out.
+/// The table of a listing, or a line saying nothing is held (not with `--json`, whose lines
+/// are printed already), and on stderr a note when `--limit` stopped it before the end.
 fn print_listing<const N: usize>(
     what: &str,
     rows: &[[String; N]],
@@ -495,20 +489,17 @@ fn print_listing<const N: usize>(
     more: bool,
     args: &ListArgs,
 ) {
-    if rows.is_empty() {
-        if args.prefix.is_empty() {
+    if !args.json {
+        if rows.is_empty() && args.prefix.is_empty() {
             println!("no {what} held");
-        } else {
+        } else if rows.is_empty() {
             println!("no {what} held under {:?}", args.prefix);
+        } else {
+            print_table("", header, rows);
         }
-        return;
     }
-    print_table("", header, rows);
-    if more {
-        eprintln!(
-            "lockbroker: --limit {} stopped the listing; more {what} may be held",
-            rows.len()
-        );
+    if let (true, Some(limit)) = (more, args.limit) {
+        eprintln!("lockbroker: --limit {limit} stopped the listing; more {what} may be held");
     }
 }
 
@@ -572,7 +563,7 @@ mod tests {
     use clap::{CommandFactory, Parser, Subcommand};
 
     use super::*;
-    use crate::client::{Claim, Space};
+    use crate::client::Space;
     use crate::domain::LockKey;
 
     /// The client commands as `main` wires them.
