@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 
 use crate::domain::LockKey;
-use crate::store::Notice;
+use crate::store::{Notice, Space};
 
 /// One waiting acquire.
 struct Waiter {
@@ -85,7 +85,9 @@ impl Waiters {
                 return;
             };
             match notice {
-                Notice::Released(key) => waiters.wake(&key),
+                Notice::Released(Space::Locks, key) => waiters.wake(&key),
+                // Semaphores wait on the lock service's own queues (not yet).
+                Notice::Released(Space::Semaphores, _) => {}
                 Notice::Missed => waiters.wake_all(),
             }
         }

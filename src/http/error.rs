@@ -130,6 +130,11 @@ impl From<LockError> for ApiError {
                     format!("{limit} requests already wait on this broker; try again later."),
                 )
             },
+            LockError::StoreUnavailable(StoreError::BadCursor) => Self::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "The cursor is not one this broker gave out; start the listing again without it.",
+            ),
             LockError::StoreUnavailable(e) => {
                 tracing::warn!(error = %e, "store unavailable");
                 Self::new(
@@ -139,7 +144,9 @@ impl From<LockError> for ApiError {
                         StoreError::Timeout(ms) => {
                             format!("The lock store did not answer within {ms} ms.")
                         }
-                        StoreError::Failed(_) => "The lock store could not be reached.".into(),
+                        StoreError::Failed(_) | StoreError::BadCursor => {
+                            "The lock store could not be reached.".into()
+                        }
                     },
                 )
             }

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use crate::domain::{LockKey, Owner, RequestId, Token, Ttl, WaitFor, millis};
 use crate::metrics::{AcquireResult, HolderResult, Metrics, StoreOp};
 use crate::store::{
-    Bid, Grant, Hold, Holder, Lease, NOTICE_BUFFER, Store, StoreError, StoreResult,
+    Bid, Grant, Hold, Holder, Lease, NOTICE_BUFFER, Space, Store, StoreError, StoreResult,
 };
 use crate::waiters::Waiters;
 
@@ -163,6 +163,7 @@ impl<S: Store> LockService<S> {
             ttl: req.ttl,
             owner: req.owner,
             request_id: req.request_id,
+            waits: !req.wait.as_duration().is_zero(),
         };
         let wait = req.wait.as_duration();
         let bound = wait + self.settings.store_timeout;
@@ -367,7 +368,10 @@ impl<S: Store> LockService<S> {
     /// Releases `key` if `token` holds its live lease.
     pub async fn release(&self, key: &LockKey, token: &Token) -> Result<(), LockError> {
         let outcome = self
-            .timed(StoreOp::release, self.store.release(key, token))
+            .timed(
+                StoreOp::release,
+                self.store.release(Space::Locks, key, token),
+            )
             .await;
         let (result, held) = match &outcome {
             Ok(Holder::Done(released)) => (
@@ -385,7 +389,10 @@ impl<S: Store> LockService<S> {
     /// Moves the end of `token`'s live lease to `ttl` from now. Same token, same fence.
     pub async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> Result<Lease, LockError> {
         let outcome = self
-            .timed(StoreOp::renew, self.store.renew(key, token, ttl))
+            .timed(
+                StoreOp::renew,
+                self.store.renew(Space::Locks, key, token, ttl),
+            )
             .await;
         self.metrics.renewed(match &outcome {
             Ok(Holder::Done(_)) => HolderResult::Done,

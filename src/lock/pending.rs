@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::domain::{LockKey, Token, Ttl};
-use crate::store::{Holder, Store};
+use crate::store::{Holder, Space, Store};
 
 /// A store call that may be granting a lease and has not given a definite answer yet.
 ///
@@ -40,7 +40,7 @@ impl<S: Store> Drop for PendingGrant<S> {
         runtime.spawn(async move {
             let mut pause = Duration::from_millis(50);
             loop {
-                match store.release(&key, &token).await {
+                match store.release(Space::Locks, &key, &token).await {
                     Ok(outcome) => {
                         if matches!(outcome, Holder::Done(_)) {
                             tracing::info!(%key, "released a lease granted to a request that failed or went away");

@@ -14,7 +14,7 @@ use futures::executor::block_on;
 
 use super::*;
 use crate::store::memory::clock::ManualClock;
-use crate::store::{MemoryStore, Notice, Snapshot};
+use crate::store::{Join, ListQuery, MemoryStore, Notice, Page, Permits, Pool, Snapshot, Space};
 
 type Hook = Box<dyn FnOnce(&MemoryStore) + Send>;
 
@@ -104,15 +104,38 @@ impl Store for Scripted {
 
     async fn release(
         &self,
+        space: Space,
         key: &LockKey,
         token: &Token,
     ) -> StoreResult<Holder<crate::store::Released>> {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
-        self.inner.release(key, token).await
+        self.inner.release(space, key, token).await
     }
 
-    async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
-        self.inner.renew(key, token, ttl).await
+    async fn renew(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> StoreResult<Holder<Lease>> {
+        self.inner.renew(space, key, token, ttl).await
+    }
+
+    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
+        self.inner.join(key, pool, bid).await
+    }
+
+    async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
+        self.inner.permits(key).await
+    }
+
+    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+        self.inner.force_release(space, key).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
+        self.inner.list(query).await
     }
 
     async fn ready(&self) -> StoreResult<Option<Hold>> {
@@ -176,6 +199,7 @@ fn bid(ttl_ms: u64) -> Bid {
         ttl: Ttl::from_ms(ttl_ms),
         owner: None,
         request_id: None,
+        waits: false,
     }
 }
 
@@ -205,7 +229,7 @@ async fn get_returning_nil_after_a_failed_setnx_goes_back_to_setnx_not_to_takeov
     let (key, token) = (h.key.clone(), first.token.clone());
     h.store.before_next_read(move |store| {
         assert!(matches!(
-            block_on(store.release(&key, &token)).unwrap(),
+            block_on(store.release(Space::Locks, &key, &token)).unwrap(),
             Holder::Done(_)
         ));
     });

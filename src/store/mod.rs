@@ -27,6 +27,70 @@ pub struct Bid {
     pub ttl: Ttl,
     pub owner: Option<Owner>,
     pub request_id: Option<RequestId>,
+    /// Exclusive bids only: the bid will wait if refused. A claim refused because of shared
+    /// holders then records the bid's intent (for [`WRITER_INTENT_MS`]), and no new shared
+    /// lease is granted on the key while an intent is live, so a stream of shared acquires on
+    /// any broker cannot starve a waiting exclusive one. A grant to the bid ends its intent.
+    pub waits: bool,
+}
+
+/// How long a waiting exclusive bid's intent holds new shared acquires back. An exclusive
+/// acquire waiting behind shared holders looks again at least every half of this (see
+/// `LockService`), which renews its intent; an intent whose acquire went away ends by itself.
+pub const WRITER_INTENT_MS: u64 = 2_000;
+
+/// The key spaces: a lock and a semaphore of the same name are unrelated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Space {
+    Locks,
+    Semaphores,
+}
+
+/// What a lease on a lock key is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// One holder, alone.
+    Exclusive,
+    /// Any number of shared holders, never with an exclusive one.
+    Shared,
+}
+
+/// A set of holders a bid may join: the shared holders of a lock, or a semaphore's permits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pool {
+    /// A shared lease on a lock key: granted while no exclusive lease is live on the key and no
+    /// exclusive acquire has a live intent (see [`Bid::waits`]).
+    Shared,
+    /// One of `limit` permits of a semaphore (1 ..= [`MAX_SEMAPHORE_LIMIT`]).
+    Semaphore { limit: u32 },
+}
+
+impl Pool {
+    pub fn space(self) -> Space {
+        match self {
+            Pool::Shared => Space::Locks,
+            Pool::Semaphore { .. } => Space::Semaphores,
+        }
+    }
+}
+
+/// The largest semaphore limit.
+pub const MAX_SEMAPHORE_LIMIT: u32 = 10_000;
+
+/// The answer to [`Store::join`]: one round trip, no separate look.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Join {
+    /// The bid holds a shared lease or a permit now — or, with a request id, the live lease an
+    /// earlier acquire with that id produced, again.
+    Granted(Lease),
+    /// Not now: an exclusive lease is live or an exclusive acquire's intent is (shared), or
+    /// every permit is taken (semaphore). Something may change in this many ms at the latest
+    /// (the exclusive lease's end, the intent's end, the first permit's end).
+    Busy { retry_after_ms: u64 },
+    /// The semaphore's live holders took their permits with another limit.
+    LimitMismatch { limit: u32 },
+    /// A store-wide hold is in force.
+    Held(Hold),
 }
 
 /// The answer to a call that may grant (SETNX, the safe GETSET): one word for "not granted" in
@@ -68,12 +132,61 @@ pub enum HoldReason {
     PuttingBack,
 }
 
-/// What GET saw: the lease in the key (expired or not), with the store's clock at that moment.
+/// What GET saw: the lease in the key (expired or not), with the store's clock at that moment,
+/// and the key's live shared holders.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
     pub now_ms: u64,
     pub lease: Option<Lease>,
+    /// The live shared leases, by fence (none while an exclusive lease is live).
+    pub shared: Vec<Lease>,
 }
+
+/// A semaphore's live holders, with the store's clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Permits {
+    pub now_ms: u64,
+    /// The limit the holders took their permits with; `None` when nobody holds one.
+    pub limit: Option<u32>,
+    /// By fence.
+    pub holders: Vec<Lease>,
+}
+
+/// One key with live leases, as a listing shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    pub key: LockKey,
+    /// `None` for a semaphore.
+    pub mode: Option<Mode>,
+    /// A semaphore's limit.
+    pub limit: Option<u32>,
+    /// The live leases, by fence (one for an exclusive lock).
+    pub holders: Vec<Lease>,
+}
+
+/// A page of a listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    pub now_ms: u64,
+    pub entries: Vec<Listed>,
+    /// Where the next page starts; `None` on the last page. Opaque to clients.
+    pub next_cursor: Option<String>,
+}
+
+/// What a listing asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListQuery {
+    pub space: Space,
+    /// Keys starting with this ('' for all).
+    pub prefix: String,
+    /// At most this many entries (1 ..= [`MAX_LIST_LIMIT`]).
+    pub limit: usize,
+    /// A `next_cursor` an earlier page gave, or `None` for the first page.
+    pub cursor: Option<String>,
+}
+
+/// The most entries one listing page holds.
+pub const MAX_LIST_LIMIT: usize = 1_000;
 
 /// A release done: how long the lease had been held, on the store's clock (renewals included).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,8 +211,9 @@ pub enum Holder<T> {
 /// What a store tells the lock service's waiters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Notice {
-    /// The key's lease was released, or now ends sooner: its waiters should look again.
-    Released(LockKey),
+    /// The key's lease (or one of its shared leases or permits) was released, or now ends
+    /// sooner: its waiters should look again.
+    Released(Space, LockKey),
     /// Notices may have been missed (the notice connection was down): every waiter should look.
     Missed,
 }
@@ -118,6 +232,10 @@ pub enum StoreError {
     Timeout(u64),
     #[error("the store failed: {0}")]
     Failed(String),
+    /// A listing cursor this store did not give out (or from another store): the client's
+    /// mistake, not the store's.
+    #[error("the cursor is not one this broker gave out")]
+    BadCursor,
 }
 
 /// Slack added to a lease's logical expiry for the store's own expiry of the key (Redis
@@ -145,20 +263,46 @@ pub trait Store: Send + Sync + 'static {
         bid: &Bid,
     ) -> impl Future<Output = StoreResult<Grant>> + Send;
 
-    /// Deletes the key if `token` holds its live lease.
+    /// Ends `token`'s live lease on `key` in `space`: the exclusive lease or a shared one on a
+    /// lock, a permit of a semaphore. "Not owner" when another lease on the key is live.
     fn release(
         &self,
+        space: Space,
         key: &LockKey,
         token: &Token,
     ) -> impl Future<Output = StoreResult<Holder<Released>>> + Send;
 
-    /// Moves the expiry of `token`'s live lease to `ttl` after now.
+    /// Moves the expiry of `token`'s live lease on `key` in `space` to `ttl` after now.
     fn renew(
         &self,
+        space: Space,
         key: &LockKey,
         token: &Token,
         ttl: Ttl,
     ) -> impl Future<Output = StoreResult<Holder<Lease>>> + Send;
+
+    /// Grants the bid a shared lease on a lock, or a semaphore permit, if the pool has room:
+    /// one atomic step, expired holders dropped on the way, the fence taken in the same step.
+    fn join(
+        &self,
+        key: &LockKey,
+        pool: Pool,
+        bid: &Bid,
+    ) -> impl Future<Output = StoreResult<Join>> + Send;
+
+    /// A semaphore's live holders.
+    fn permits(&self, key: &LockKey) -> impl Future<Output = StoreResult<Permits>> + Send;
+
+    /// Ends every live lease on `key` in `space`, without their tokens. `Done` with the ended
+    /// leases' fences (never empty), `NotHeld` when there was none.
+    fn force_release(
+        &self,
+        space: Space,
+        key: &LockKey,
+    ) -> impl Future<Output = StoreResult<Holder<Vec<Fence>>>> + Send;
+
+    /// A page of the keys in `query.space` that have live leases and start with the prefix.
+    fn list(&self, query: &ListQuery) -> impl Future<Output = StoreResult<Page>> + Send;
 
     /// Whether a free key would be granted now (for `/readyz`): an error if the store does not
     /// answer, the hold in force if there is one.
@@ -207,12 +351,39 @@ impl Store for AnyStore {
         delegate!(self, s => s.take_over(key, seen, bid))
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> StoreResult<Holder<Released>> {
-        delegate!(self, s => s.release(key, token))
+    async fn release(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> StoreResult<Holder<Released>> {
+        delegate!(self, s => s.release(space, key, token))
     }
 
-    async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
-        delegate!(self, s => s.renew(key, token, ttl))
+    async fn renew(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> StoreResult<Holder<Lease>> {
+        delegate!(self, s => s.renew(space, key, token, ttl))
+    }
+
+    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
+        delegate!(self, s => s.join(key, pool, bid))
+    }
+
+    async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
+        delegate!(self, s => s.permits(key))
+    }
+
+    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+        delegate!(self, s => s.force_release(space, key))
+    }
+
+    async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
+        delegate!(self, s => s.list(query))
     }
 
     async fn ready(&self) -> StoreResult<Option<Hold>> {

@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::http::drive;
 use super::{BenchArgs, Phase};
 use crate::domain::{LockKey, Token, Ttl};
-use crate::store::{Bid, Grant, Holder, RedisStore, Store};
+use crate::store::{Bid, Grant, Holder, RedisStore, Space, Store};
 
 pub(super) async fn uncontended_direct(
     store: Arc<RedisStore>,
@@ -33,10 +33,14 @@ pub(super) async fn uncontended_direct(
                         ttl: Ttl::from_ms(10_000),
                         owner: None,
                         request_id: None,
+                        waits: false,
                     };
                     let ok = match store.claim(&key, &bid).await {
                         Ok(Grant::Granted(_)) => {
-                            matches!(store.release(&key, &bid.token).await, Ok(Holder::Done(_)))
+                            matches!(
+                                store.release(Space::Locks, &key, &bid.token).await,
+                                Ok(Holder::Done(_))
+                            )
                         }
                         _ => false,
                     };

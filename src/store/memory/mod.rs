@@ -10,22 +10,130 @@ use tokio::sync::mpsc;
 
 use self::clock::{Clock, SystemClock};
 use super::{
-    Bid, EXPIRY_SLACK_MS, Grant, Hold, Holder, Lease, Notice, Released, Snapshot, Store,
-    StoreResult,
+    Bid, EXPIRY_SLACK_MS, Grant, Hold, Holder, Join, Lease, ListQuery, Listed, Mode, Notice, Page,
+    Permits, Pool, Released, Snapshot, Space, Store, StoreResult, WRITER_INTENT_MS,
 };
 use crate::domain::{Fence, LockKey, Token, Ttl};
 
-/// One key's state: its lease, if any, and its fence counter.
-#[derive(Debug)]
+/// A lease with when it was granted (for the hold time reported on release).
+#[derive(Debug, Clone)]
+struct Held {
+    lease: Lease,
+    granted_at_ms: u64,
+}
+
+/// One key's state in one space: its leases and its fence counter.
+#[derive(Debug, Default)]
 struct Slot {
-    lease: Option<Lease>,
+    /// A lock's exclusive lease (live or expired).
+    lease: Option<Held>,
+    /// A lock's shared leases, or a semaphore's permits (expired ones dropped as they are met).
+    holders: Vec<Held>,
+    /// The limit a semaphore's holders took their permits with.
+    limit: Option<u32>,
+    /// Waiting exclusive bids' intents: token and end (see [`Bid::waits`]).
+    intents: Vec<(Token, u64)>,
     /// The last fence granted for this key.
     fence: Fence,
-    /// When the current lease was granted (for the hold time reported on release).
-    granted_at_ms: u64,
     /// When the slot may be dropped (the Redis store's key expiry): the fence counter goes with
     /// it and is seeded again from the clock, which keeps fences rising (see `next_fence`).
     drop_at_ms: u64,
+}
+
+impl Slot {
+    /// Drops the holders and intents that have ended by `now_ms`.
+    fn prune(&mut self, now_ms: u64) {
+        self.holders.retain(|h| h.lease.is_live_at(now_ms));
+        self.intents.retain(|(_, end)| *end > now_ms);
+        if self.holders.is_empty() {
+            self.limit = None;
+        }
+    }
+
+    fn live_exclusive(&self, now_ms: u64) -> Option<&Held> {
+        self.lease.as_ref().filter(|h| h.lease.is_live_at(now_ms))
+    }
+
+    /// Takes the next fence and makes the lease for `bid`, keeping the slot until it ends.
+    fn lease_for(&mut self, bid: &Bid, now_us: u64) -> Held {
+        let now_ms = now_us / 1000;
+        self.fence = next_fence((self.fence > 0).then_some(self.fence), now_us);
+        let lease = Lease {
+            token: bid.token.clone(),
+            fence: self.fence,
+            expires_at_ms: now_ms + bid.ttl.as_ms(),
+            ttl_ms: bid.ttl.as_ms(),
+            owner: bid.owner.clone(),
+            request_id: bid.request_id.clone(),
+        };
+        self.keep_until(lease.expires_at_ms);
+        Held {
+            lease,
+            granted_at_ms: now_ms,
+        }
+    }
+
+    fn keep_until(&mut self, expires_at_ms: u64) {
+        self.drop_at_ms = self.drop_at_ms.max(expires_at_ms + EXPIRY_SLACK_MS);
+    }
+
+    /// The ms until something may change for a refused bid: the earliest end among `ends`.
+    fn soonest(ends: impl Iterator<Item = u64>, now_ms: u64) -> u64 {
+        ends.min().map_or(0, |end| end.saturating_sub(now_ms))
+    }
+
+    /// Ends `token`'s live lease (exclusive or among the holders).
+    fn release(&mut self, token: &Token, now_ms: u64) -> Holder<Released> {
+        self.prune(now_ms);
+        let held_ms = |h: &Held| Released {
+            held_ms: now_ms.saturating_sub(h.granted_at_ms),
+        };
+        if let Some(held) = self.live_exclusive(now_ms) {
+            if held.lease.token != *token {
+                return Holder::NotOwner;
+            }
+            let done = held_ms(held);
+            self.lease = None;
+            return Holder::Done(done);
+        }
+        match self.holders.iter().position(|h| h.lease.token == *token) {
+            Some(i) => Holder::Done(held_ms(&self.holders.remove(i))),
+            None if self.holders.is_empty() => Holder::NotHeld,
+            None => Holder::NotOwner,
+        }
+    }
+
+    /// Moves the end of `token`'s live lease; the outcome, and whether it now ends sooner.
+    fn renew(&mut self, token: &Token, ttl: Ttl, now_ms: u64) -> (Holder<Lease>, bool) {
+        self.prune(now_ms);
+        let exclusive = self
+            .lease
+            .as_ref()
+            .is_some_and(|h| h.lease.is_live_at(now_ms));
+        let held = if exclusive {
+            self.lease.as_mut().filter(|h| h.lease.token == *token)
+        } else {
+            self.holders.iter_mut().find(|h| h.lease.token == *token)
+        };
+        let Some(held) = held else {
+            let anyone = exclusive || !self.holders.is_empty();
+            return (
+                if anyone {
+                    Holder::NotOwner
+                } else {
+                    Holder::NotHeld
+                },
+                false,
+            );
+        };
+        let lease = &mut held.lease;
+        let shortened = now_ms + ttl.as_ms() < lease.expires_at_ms;
+        lease.expires_at_ms = now_ms + ttl.as_ms();
+        lease.ttl_ms = ttl.as_ms();
+        let renewed = lease.clone();
+        self.keep_until(renewed.expires_at_ms);
+        (Holder::Done(renewed), shortened)
+    }
 }
 
 /// The in-memory store.
@@ -33,7 +141,7 @@ struct Slot {
 pub struct MemoryStore {
     /// A std Mutex, not a tokio one: nothing awaits while holding it, and every critical section
     /// is a few map operations.
-    slots: Arc<Mutex<HashMap<LockKey, Slot>>>,
+    slots: Arc<Mutex<HashMap<(Space, LockKey), Slot>>>,
     clock: Arc<dyn Clock>,
     /// Where release notices go: the one broker's lock service.
     notices: Arc<OnceLock<mpsc::Sender<Notice>>>,
@@ -54,10 +162,17 @@ impl MemoryStore {
         }
     }
 
-    fn slots(&self) -> MutexGuard<'_, HashMap<LockKey, Slot>> {
+    fn slots(&self) -> MutexGuard<'_, HashMap<(Space, LockKey), Slot>> {
         // A panic while holding the lock cannot leave a slot half-written (each write is one
         // assignment), so a poisoned map is still consistent.
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the slot of `key` in `space`, made if missing (an empty slot is dropped by the
+    /// next sweep, as Redis drops nothing it did not write).
+    fn with_slot<T>(&self, space: Space, key: &LockKey, f: impl FnOnce(&mut Slot) -> T) -> T {
+        let mut slots = self.slots();
+        f(slots.entry((space, key.clone())).or_default())
     }
 
     /// Drops the slots whose keys Redis would have expired by now. Returns how many were dropped.
@@ -69,10 +184,10 @@ impl MemoryStore {
         before - slots.len()
     }
 
-    /// Deletes `key` outright, as Redis does when the key's own expiry passes or someone runs
-    /// DEL on it: the lease and the fence counter both go.
+    /// Deletes the lock `key` outright, as Redis does when the key's own expiry passes or
+    /// someone runs DEL on it: the leases and the fence counter all go.
     pub fn evict(&self, key: &LockKey) {
-        self.slots().remove(key);
+        self.slots().remove(&(Space::Locks, key.clone()));
     }
 
     /// How many keys the store keeps (live, expired or only a fence counter).
@@ -86,32 +201,32 @@ impl MemoryStore {
 
     /// Tells the waiters that `key` may be free earlier than they were told. Called after the
     /// slots' lock is released.
-    fn notify(&self, key: &LockKey) {
+    fn notify(&self, space: Space, key: &LockKey) {
         if let Some(notices) = self.notices.get() {
             // A full channel drops the notice; waiters also wake on their own timers.
-            let _ = notices.try_send(Notice::Released(key.clone()));
+            let _ = notices.try_send(Notice::Released(space, key.clone()));
         }
     }
 
-    /// Writes the bid into `slot` as its new lease, with the next fence.
-    fn grant(&self, slot: Option<&mut Slot>, bid: &Bid, now_us: u64) -> (Slot, Lease) {
+    /// Grants `bid` the exclusive lease in `slot` unless shared leases are live; otherwise
+    /// records its intent if it waits.
+    fn grant_exclusive(slot: &mut Slot, bid: &Bid, now_us: u64) -> Grant {
         let now_ms = now_us / 1000;
-        let fence = next_fence(slot.as_ref().map(|s| s.fence), now_us);
-        let lease = Lease {
-            token: bid.token.clone(),
-            fence,
-            expires_at_ms: now_ms + bid.ttl.as_ms(),
-            ttl_ms: bid.ttl.as_ms(),
-            owner: bid.owner.clone(),
-            request_id: bid.request_id.clone(),
-        };
-        let new = Slot {
-            lease: Some(lease.clone()),
-            fence,
-            granted_at_ms: now_ms,
-            drop_at_ms: lease.expires_at_ms + EXPIRY_SLACK_MS,
-        };
-        (new, lease)
+        slot.prune(now_ms);
+        if !slot.holders.is_empty() {
+            if bid.waits {
+                slot.intents.retain(|(t, _)| *t != bid.token);
+                slot.intents
+                    .push((bid.token.clone(), now_ms + WRITER_INTENT_MS));
+                slot.keep_until(now_ms + WRITER_INTENT_MS);
+            }
+            return Grant::Refused;
+        }
+        slot.intents.retain(|(t, _)| *t != bid.token);
+        let held = slot.lease_for(bid, now_us);
+        let lease = held.lease.clone();
+        slot.lease = Some(held);
+        Grant::Granted(lease)
     }
 }
 
@@ -124,66 +239,235 @@ fn next_fence(last: Option<Fence>, now_us: u64) -> Fence {
     last.map_or(1, |l| l + 1).max(now_us)
 }
 
+fn sorted(mut holders: Vec<Lease>) -> Vec<Lease> {
+    holders.sort_by_key(|l| l.fence);
+    holders
+}
+
 impl Store for MemoryStore {
     async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
         let now_us = self.clock.now_us();
-        let mut slots = self.slots();
-        let slot = slots.get_mut(key);
-        if let Some(current) = slot.as_ref().and_then(|s| s.lease.as_ref()) {
-            let repeated = bid.request_id.is_some()
-                && current.request_id == bid.request_id
-                && current.is_live_at(now_us / 1000);
-            return Ok(if repeated {
-                Grant::Granted(current.clone())
-            } else {
-                Grant::Refused
-            });
-        }
-        let (new, lease) = self.grant(slot, bid, now_us);
-        slots.insert(key.clone(), new);
-        Ok(Grant::Granted(lease))
+        Ok(self.with_slot(Space::Locks, key, |slot| {
+            if let Some(current) = &slot.lease {
+                let repeated = bid.request_id.is_some()
+                    && current.lease.request_id == bid.request_id
+                    && current.lease.is_live_at(now_us / 1000);
+                return if repeated {
+                    Grant::Granted(current.lease.clone())
+                } else {
+                    Grant::Refused
+                };
+            }
+            Self::grant_exclusive(slot, bid, now_us)
+        }))
     }
 
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         let now_ms = self.clock.now_ms();
         let slots = self.slots();
+        let slot = slots.get(&(Space::Locks, key.clone()));
         Ok(Snapshot {
             now_ms,
-            lease: slots.get(key).and_then(|s| s.lease.clone()),
+            lease: slot.and_then(|s| s.lease.as_ref()).map(|h| h.lease.clone()),
+            shared: sorted(
+                slot.iter()
+                    .flat_map(|s| &s.holders)
+                    .filter(|h| h.lease.is_live_at(now_ms))
+                    .map(|h| h.lease.clone())
+                    .collect(),
+            ),
         })
     }
 
     async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
-        let mut slots = self.slots();
-        let slot = slots.get_mut(key);
-        match slot.as_ref().and_then(|s| s.lease.as_ref()) {
-            // The key vanished since it was read (the recipe's "GETSET returned nil"): it is free.
-            None => {}
-            Some(current) if current.fence == seen && !current.is_live_at(now_ms) => {}
-            // Someone else took it over or claimed it, or the holder renewed it.
-            Some(_) => return Ok(Grant::Refused),
-        }
-        let (new, lease) = self.grant(slot, bid, now_us);
-        slots.insert(key.clone(), new);
-        Ok(Grant::Granted(lease))
+        Ok(self.with_slot(Space::Locks, key, |slot| {
+            match &slot.lease {
+                // The key vanished since it was read (the recipe's "GETSET returned nil"): it is
+                // free.
+                None => {}
+                Some(current)
+                    if current.lease.fence == seen && !current.lease.is_live_at(now_ms) => {}
+                // Someone else took it over or claimed it, or the holder renewed it.
+                Some(_) => return Grant::Refused,
+            }
+            Self::grant_exclusive(slot, bid, now_us)
+        }))
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> StoreResult<Holder<Released>> {
-        let outcome = self.release_now(key, token);
+    async fn release(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> StoreResult<Holder<Released>> {
+        let now_ms = self.clock.now_ms();
+        let outcome = self.with_slot(space, key, |slot| slot.release(token, now_ms));
         if matches!(outcome, Holder::Done(_)) {
-            self.notify(key);
+            self.notify(space, key);
         }
         Ok(outcome)
     }
 
-    async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
-        let (outcome, shortened) = self.renew_now(key, token, ttl);
+    async fn renew(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> StoreResult<Holder<Lease>> {
+        let now_ms = self.clock.now_ms();
+        let (outcome, shortened) =
+            self.with_slot(space, key, |slot| slot.renew(token, ttl, now_ms));
         if shortened {
-            self.notify(key);
+            self.notify(space, key);
         }
         Ok(outcome)
+    }
+
+    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
+        let now_us = self.clock.now_us();
+        let now_ms = now_us / 1000;
+        Ok(self.with_slot(pool.space(), key, |slot| {
+            slot.prune(now_ms);
+            if let Some(id) = &bid.request_id
+                && let Some(again) = slot
+                    .holders
+                    .iter()
+                    .find(|h| h.lease.request_id.as_ref() == Some(id))
+            {
+                return Join::Granted(again.lease.clone());
+            }
+            match pool {
+                Pool::Shared => {
+                    if let Some(held) = slot.live_exclusive(now_ms) {
+                        return Join::Busy {
+                            retry_after_ms: held.lease.expires_at_ms - now_ms,
+                        };
+                    }
+                    if !slot.intents.is_empty() {
+                        return Join::Busy {
+                            retry_after_ms: Slot::soonest(
+                                slot.intents.iter().map(|(_, end)| *end),
+                                now_ms,
+                            ),
+                        };
+                    }
+                    // An expired exclusive lease is no obstacle: shared holders replace it.
+                    slot.lease = None;
+                }
+                Pool::Semaphore { limit } => {
+                    if let Some(used) = slot.limit
+                        && used != limit
+                    {
+                        return Join::LimitMismatch { limit: used };
+                    }
+                    if slot.holders.len() >= limit as usize {
+                        return Join::Busy {
+                            retry_after_ms: Slot::soonest(
+                                slot.holders.iter().map(|h| h.lease.expires_at_ms),
+                                now_ms,
+                            ),
+                        };
+                    }
+                    slot.limit = Some(limit);
+                }
+            }
+            let held = slot.lease_for(bid, now_us);
+            let lease = held.lease.clone();
+            slot.holders.push(held);
+            Join::Granted(lease)
+        }))
+    }
+
+    async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
+        let now_ms = self.clock.now_ms();
+        let slots = self.slots();
+        let slot = slots.get(&(Space::Semaphores, key.clone()));
+        let holders: Vec<Lease> = slot
+            .iter()
+            .flat_map(|s| &s.holders)
+            .filter(|h| h.lease.is_live_at(now_ms))
+            .map(|h| h.lease.clone())
+            .collect();
+        Ok(Permits {
+            now_ms,
+            limit: slot.and_then(|s| s.limit).filter(|_| !holders.is_empty()),
+            holders: sorted(holders),
+        })
+    }
+
+    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+        let now_ms = self.clock.now_ms();
+        let ended = self.with_slot(space, key, |slot| {
+            slot.prune(now_ms);
+            let mut ended: Vec<Fence> = slot.holders.drain(..).map(|h| h.lease.fence).collect();
+            if let Some(held) = slot.lease.take_if(|h| h.lease.is_live_at(now_ms)) {
+                ended.push(held.lease.fence);
+            }
+            slot.limit = None;
+            ended
+        });
+        if ended.is_empty() {
+            return Ok(Holder::NotHeld);
+        }
+        self.notify(space, key);
+        Ok(Holder::Done(ended))
+    }
+
+    async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
+        let now_ms = self.clock.now_ms();
+        // The cursor is the last key of the page before: keys are listed in order.
+        let after = match &query.cursor {
+            None => None,
+            Some(c) => Some(LockKey::parse(c).map_err(|_| super::StoreError::BadCursor)?),
+        };
+        let slots = self.slots();
+        let mut found: Vec<Listed> = slots
+            .iter()
+            .filter(|((space, key), _)| {
+                *space == query.space
+                    && key.as_str().starts_with(&query.prefix)
+                    && after.as_ref().is_none_or(|a| key > a)
+            })
+            .filter_map(|((space, key), slot)| {
+                let mut holders: Vec<Lease> = slot
+                    .holders
+                    .iter()
+                    .chain(&slot.lease)
+                    .filter(|h| h.lease.is_live_at(now_ms))
+                    .map(|h| h.lease.clone())
+                    .collect();
+                if holders.is_empty() {
+                    return None;
+                }
+                holders.sort_by_key(|l| l.fence);
+                let exclusive = slot.live_exclusive(now_ms).is_some();
+                Some(Listed {
+                    key: key.clone(),
+                    mode: (*space == Space::Locks).then_some(if exclusive {
+                        Mode::Exclusive
+                    } else {
+                        Mode::Shared
+                    }),
+                    limit: (*space == Space::Semaphores)
+                        .then_some(slot.limit)
+                        .flatten(),
+                    holders,
+                })
+            })
+            .collect();
+        found.sort_by(|a, b| a.key.cmp(&b.key));
+        let more = found.len() > query.limit;
+        found.truncate(query.limit);
+        Ok(Page {
+            now_ms,
+            next_cursor: more
+                .then(|| found.last().map(|l| l.key.to_string()))
+                .flatten(),
+            entries: found,
+        })
     }
 
     /// Never held: this store is the process's own memory, so it cannot lose leases while the
@@ -194,48 +478,6 @@ impl Store for MemoryStore {
 
     fn start(&self, notices: mpsc::Sender<Notice>) {
         let _ = self.notices.set(notices);
-    }
-}
-
-impl MemoryStore {
-    fn release_now(&self, key: &LockKey, token: &Token) -> Holder<Released> {
-        let now_ms = self.clock.now_ms();
-        let mut slots = self.slots();
-        let Some(slot) = slots.get_mut(key) else {
-            return Holder::NotHeld;
-        };
-        match &slot.lease {
-            None => Holder::NotHeld,
-            Some(lease) if !lease.is_live_at(now_ms) => Holder::NotHeld,
-            Some(lease) if lease.token != *token => Holder::NotOwner,
-            Some(_) => {
-                slot.lease = None;
-                Holder::Done(Released {
-                    held_ms: now_ms.saturating_sub(slot.granted_at_ms),
-                })
-            }
-        }
-    }
-
-    /// The outcome, and whether the lease now ends sooner than it did.
-    fn renew_now(&self, key: &LockKey, token: &Token, ttl: Ttl) -> (Holder<Lease>, bool) {
-        let now_ms = self.clock.now_ms();
-        let mut slots = self.slots();
-        let Some(slot) = slots.get_mut(key) else {
-            return (Holder::NotHeld, false);
-        };
-        match &mut slot.lease {
-            None => (Holder::NotHeld, false),
-            Some(lease) if !lease.is_live_at(now_ms) => (Holder::NotHeld, false),
-            Some(lease) if lease.token != *token => (Holder::NotOwner, false),
-            Some(lease) => {
-                let shortened = now_ms + ttl.as_ms() < lease.expires_at_ms;
-                lease.expires_at_ms = now_ms + ttl.as_ms();
-                lease.ttl_ms = ttl.as_ms();
-                slot.drop_at_ms = lease.expires_at_ms + EXPIRY_SLACK_MS;
-                (Holder::Done(lease.clone()), shortened)
-            }
-        }
     }
 }
 
@@ -250,6 +492,7 @@ mod tests {
             ttl: Ttl::from_ms(ttl),
             owner: None,
             request_id: None,
+            waits: false,
         }
     }
 

@@ -649,7 +649,9 @@ impl RedisStore {
             let give_up = Instant::now() + remaining;
             let mut pause = Duration::from_millis(50);
             loop {
-                match crate::store::Store::release(&store, &key, &token).await {
+                match crate::store::Store::release(&store, crate::store::Space::Locks, &key, &token)
+                    .await
+                {
                     Ok(Holder::Held(_)) | Err(_) if Instant::now() + pause < give_up => {
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(Duration::from_secs(1));

@@ -35,8 +35,8 @@ use self::slots::tag_for;
 pub use self::url::{ParsedUrl, Topology};
 use super::ledger::Ledger;
 use super::{
-    Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Lease, Notice, Released, Snapshot,
-    Store, StoreError, StoreResult,
+    Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Join, Lease, ListQuery, Notice, Page,
+    Permits, Pool, Released, Snapshot, Space, Store, StoreError, StoreResult,
 };
 use crate::domain::{Fence, LockKey, RequestId, Token, Ttl, millis};
 use crate::metrics::Metrics;
@@ -516,7 +516,11 @@ impl Store for RedisStore {
             (None, None, None, None) => None,
             _ => return Err(corrupt("record")),
         };
-        Ok(Snapshot { now_ms, lease })
+        Ok(Snapshot {
+            now_ms,
+            lease,
+            shared: Vec::new(),
+        })
     }
 
     async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
@@ -524,7 +528,13 @@ impl Store for RedisStore {
             .await
     }
 
-    async fn release(&self, key: &LockKey, token: &Token) -> StoreResult<Holder<Released>> {
+    async fn release(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> StoreResult<Holder<Released>> {
+        let _ = space;
         let [lock, _] = self.keys(key);
         let mut inv = self.scripts.release.call();
         inv.key(lock)
@@ -547,7 +557,14 @@ impl Store for RedisStore {
         Ok(outcome)
     }
 
-    async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> StoreResult<Holder<Lease>> {
+    async fn renew(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> StoreResult<Holder<Lease>> {
+        let _ = space;
         let told = self.replicas.before_renew(self, key, token).await?;
         let [lock, _] = self.keys(key);
         let mut inv = self.scripts.renew.call();
@@ -589,6 +606,26 @@ impl Store for RedisStore {
             &field::<String>(&reply, 4)?,
         );
         Ok(Holder::Done(lease))
+    }
+
+    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
+        let _ = (key, pool, bid);
+        Err(StoreError::Failed("not yet".into()))
+    }
+
+    async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
+        let _ = key;
+        Err(StoreError::Failed("not yet".into()))
+    }
+
+    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+        let _ = (space, key);
+        Err(StoreError::Failed("not yet".into()))
+    }
+
+    async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
+        let _ = query;
+        Err(StoreError::Failed("not yet".into()))
     }
 
     async fn ready(&self) -> StoreResult<Option<Hold>> {

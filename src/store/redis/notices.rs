@@ -18,7 +18,7 @@ use super::RedisStore;
 use super::connection::Connector;
 use super::epoch::{CHECK_EVERY, SLOT_NOTICE};
 use crate::domain::{Fence, LockKey, millis};
-use crate::store::{Notice, StoreError, StoreResult};
+use crate::store::{Notice, Space, StoreError, StoreResult};
 
 /// The payload of an epoch announcement.
 pub(super) const EPOCH_NOTICE: &str = "!epoch";
@@ -106,7 +106,7 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                                 if let Some(fence) = fence {
                                     store.ledger.forget_released(key.as_str(), fence);
                                 }
-                                if !deliver(&notices, Notice::Released(key)) {
+                                if !deliver(&notices, Notice::Released(Space::Locks, key)) {
                                     return;
                                 }
                             }

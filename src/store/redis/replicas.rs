@@ -30,7 +30,7 @@ use redis::Script;
 use super::RedisStore;
 use super::connection::Conn;
 use crate::domain::{Lease, LockKey, Token, millis};
-use crate::store::{EXPIRY_SLACK_MS, Store, StoreError, StoreResult};
+use crate::store::{EXPIRY_SLACK_MS, Space, Store, StoreError, StoreResult};
 
 /// Puts back the end of a lease that a renewal moved, if it is still that token's lease as that
 /// renewal left it (a later renewal, answered, is left alone). KEYS: lock. ARGV: token,
@@ -88,7 +88,7 @@ impl Replicas {
             return Ok(());
         };
         if lease.token == *bid {
-            match store.release(key, &lease.token).await {
+            match store.release(Space::Locks, key, &lease.token).await {
                 Ok(_) => {
                     tracing::warn!(%key, %error, "a grant was not acknowledged by the replicas in time: released it")
                 }
@@ -150,7 +150,7 @@ impl Replicas {
                     .await
                     .map(drop)
             }
-            None => store.release(key, token).await.map(drop),
+            None => store.release(Space::Locks, key, token).await.map(drop),
         };
         match undone {
             Ok(()) => {
