@@ -1,6 +1,7 @@
 //! The broker's Prometheus metrics, served on `GET /metrics`. Counted in the lock service, so
-//! they describe locks, not HTTP: acquisitions by result, wait and hold times, renewals and
-//! releases by result, takeovers of expired leases, store errors and latency, current waiters.
+//! they describe locks, not HTTP: acquisitions by kind (exclusive, shared, semaphore) and result,
+//! wait and hold times, renewals, releases and force releases by key space (locks, semaphores)
+//! and result, takeovers of expired leases, store errors and latency, current waiters.
 
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
@@ -13,6 +14,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use crate::lock::Kind;
+use crate::store::Space;
+
 /// A store primitive, as a label value.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)] // label values are written as the variants are named
@@ -23,16 +27,24 @@ pub enum StoreOp {
     release,
     renew,
     ping,
+    join,
+    permits,
+    force_release,
+    list,
 }
 
 impl StoreOp {
-    const ALL: [Self; 6] = [
+    const ALL: [Self; 10] = [
         Self::claim,
         Self::read,
         Self::take_over,
         Self::release,
         Self::renew,
         Self::ping,
+        Self::join,
+        Self::permits,
+        Self::force_release,
+        Self::list,
     ];
 }
 
@@ -49,30 +61,81 @@ struct AuthLabels {
     result: &'static str,
 }
 
+/// A kind of acquire, as a label value.
+fn kind_label(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Exclusive => "exclusive",
+        Kind::Shared => "shared",
+        Kind::Semaphore { .. } => "semaphore",
+    }
+}
+
+/// A key space, as a label value.
+fn space_label(space: Space) -> &'static str {
+    match space {
+        Space::Locks => "locks",
+        Space::Semaphores => "semaphores",
+    }
+}
+
+/// An acquire's labels: what it asked for and how it ended.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ResultLabels {
+struct KindLabels {
+    kind: &'static str,
     result: &'static str,
 }
 
-/// Counters by result, created up front so every series shows from the first scrape.
-struct ByResult<const N: usize> {
-    counters: [Counter; N],
+/// A holder-checked operation's labels: its key space and how it ended.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SpaceLabels {
+    space: &'static str,
+    result: &'static str,
 }
 
-impl<const N: usize> ByResult<N> {
+/// Counters by result and one more label (a kind or a space), each series created up front so
+/// that every one shows from the first scrape.
+struct ByResult<L> {
+    family: Family<L, Counter>,
+    /// The result label of each result (`AcquireResult` or `HolderResult`, as `usize`).
+    results: &'static [&'static str],
+}
+
+impl<L: EncodeLabelSet + Clone + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync + 'static>
+    ByResult<L>
+{
     fn register(
         registry: &mut Registry,
         name: &str,
         help: &str,
-        results: [&'static str; N],
+        results: &'static [&'static str],
+        series: impl IntoIterator<Item = L>,
     ) -> Self {
-        let family = Family::<ResultLabels, Counter>::default();
+        let family = Family::<L, Counter>::default();
         registry.register(name, help, family.clone());
-        Self {
-            counters: results.map(|result| family.get_or_create(&ResultLabels { result }).clone()),
+        for labels in series {
+            let _ = family.get_or_create(&labels);
         }
+        Self { family, results }
     }
 }
+
+/// Every (space, result) pair of `results`.
+fn by_space(results: &'static [&'static str]) -> impl Iterator<Item = SpaceLabels> {
+    [Space::Locks, Space::Semaphores]
+        .into_iter()
+        .flat_map(move |space| {
+            results.iter().map(move |result| SpaceLabels {
+                space: space_label(space),
+                result,
+            })
+        })
+}
+
+const ACQUIRE_RESULTS: &[&str] = &["granted", "locked", "error", "limit_mismatch"];
+const RENEW_RESULTS: &[&str] = &["renewed", "not_held", "not_owner", "error"];
+const RELEASE_RESULTS: &[&str] = &["released", "not_held", "not_owner", "error"];
+/// Force release knows no owner: a `not_owner` from the store would be a bug, counted as error.
+const FORCE_RESULTS: &[&str] = &["released", "not_held", "error"];
 
 fn seconds_histogram() -> Histogram {
     // 0.5 ms to about 65 s.
@@ -82,11 +145,12 @@ fn seconds_histogram() -> Histogram {
 /// Everything `/metrics` shows.
 pub struct Metrics {
     registry: Registry,
-    acquisitions: ByResult<3>,
+    acquisitions: ByResult<KindLabels>,
     acquire_wait: Histogram,
     hold: Histogram,
-    renewals: ByResult<4>,
-    releases: ByResult<4>,
+    renewals: ByResult<SpaceLabels>,
+    releases: ByResult<SpaceLabels>,
+    force_releases: ByResult<SpaceLabels>,
     takeovers: Counter,
     store_errors: Family<OpLabels, Counter>,
     store_latency: Family<OpLabels, Histogram, fn() -> Histogram>,
@@ -106,6 +170,8 @@ pub enum AcquireResult {
     Granted,
     Locked,
     Error,
+    /// A semaphore acquire whose limit differs from the holders'.
+    LimitMismatch,
 }
 
 /// A release's or renewal's outcome.
@@ -123,8 +189,22 @@ impl Default for Metrics {
         let acquisitions = ByResult::register(
             &mut registry,
             "lockbroker_acquisitions",
-            "Acquire requests by result: granted, locked (still held when the wait ran out), error",
-            ["granted", "locked", "error"],
+            "Acquire requests by kind (exclusive, shared, semaphore) and result: granted, locked \
+             (still held, or every permit taken, when the wait ran out), error, limit_mismatch \
+             (semaphores: another limit than the holders')",
+            ACQUIRE_RESULTS,
+            [Kind::Exclusive, Kind::Shared, Kind::Semaphore { limit: 1 }]
+                .into_iter()
+                .flat_map(|kind| {
+                    let results = match kind {
+                        Kind::Semaphore { .. } => ACQUIRE_RESULTS,
+                        _ => &ACQUIRE_RESULTS[..3],
+                    };
+                    results.iter().map(move |result| KindLabels {
+                        kind: kind_label(kind),
+                        result,
+                    })
+                }),
         );
         let acquire_wait = seconds_histogram();
         registry.register(
@@ -141,14 +221,24 @@ impl Default for Metrics {
         let renewals = ByResult::register(
             &mut registry,
             "lockbroker_renewals",
-            "Renew requests by result",
-            ["renewed", "not_held", "not_owner", "error"],
+            "Renew requests by key space (locks, semaphores) and result",
+            RENEW_RESULTS,
+            by_space(RENEW_RESULTS),
         );
         let releases = ByResult::register(
             &mut registry,
             "lockbroker_releases",
-            "Release requests by result",
-            ["released", "not_held", "not_owner", "error"],
+            "Release requests by key space (locks, semaphores) and result",
+            RELEASE_RESULTS,
+            by_space(RELEASE_RESULTS),
+        );
+        let force_releases = ByResult::register(
+            &mut registry,
+            "lockbroker_force_releases",
+            "Force releases (every lease on a key ended without its token) by key space and \
+             result: released, not_held, error",
+            FORCE_RESULTS,
+            by_space(FORCE_RESULTS),
         );
         let takeovers = Counter::default();
         registry.register(
@@ -233,6 +323,7 @@ impl Default for Metrics {
             hold,
             renewals,
             releases,
+            force_releases,
             takeovers,
             store_errors,
             store_latency,
@@ -248,22 +339,49 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn acquired(&self, result: AcquireResult, waited: Duration) {
-        self.acquisitions.counters[result as usize].inc();
+    pub fn acquired(&self, kind: Kind, result: AcquireResult, waited: Duration) {
+        let acquisitions = &self.acquisitions;
+        acquisitions
+            .family
+            .get_or_create(&KindLabels {
+                kind: kind_label(kind),
+                result: acquisitions.results[result as usize],
+            })
+            .inc();
         if let AcquireResult::Granted = result {
             self.acquire_wait.observe(waited.as_secs_f64());
         }
     }
 
-    pub fn released(&self, result: HolderResult, held: Option<Duration>) {
-        self.releases.counters[result as usize].inc();
+    pub fn released(&self, space: Space, result: HolderResult, held: Option<Duration>) {
+        Self::count(&self.releases, space, result as usize);
         if let Some(held) = held {
             self.hold.observe(held.as_secs_f64());
         }
     }
 
-    pub fn renewed(&self, result: HolderResult) {
-        self.renewals.counters[result as usize].inc();
+    pub fn renewed(&self, space: Space, result: HolderResult) {
+        Self::count(&self.renewals, space, result as usize);
+    }
+
+    /// A force release's outcome (a `NotOwner` cannot happen, and counts as an error).
+    pub fn force_released(&self, space: Space, result: HolderResult) {
+        let index = match result {
+            HolderResult::Done => 0,
+            HolderResult::NotHeld => 1,
+            HolderResult::NotOwner | HolderResult::Error => 2,
+        };
+        Self::count(&self.force_releases, space, index);
+    }
+
+    fn count(counters: &ByResult<SpaceLabels>, space: Space, result: usize) {
+        counters
+            .family
+            .get_or_create(&SpaceLabels {
+                space: space_label(space),
+                result: counters.results[result],
+            })
+            .inc();
     }
 
     pub fn took_over(&self) {
@@ -333,15 +451,34 @@ mod tests {
     #[test]
     fn the_exposition_names_every_series_the_docs_promise() {
         let m = Metrics::default();
-        m.acquired(AcquireResult::Granted, Duration::from_millis(3));
-        m.released(HolderResult::Done, Some(Duration::from_millis(40)));
+        m.acquired(
+            Kind::Exclusive,
+            AcquireResult::Granted,
+            Duration::from_millis(3),
+        );
+        m.acquired(
+            Kind::Semaphore { limit: 3 },
+            AcquireResult::LimitMismatch,
+            Duration::ZERO,
+        );
+        m.released(
+            Space::Locks,
+            HolderResult::Done,
+            Some(Duration::from_millis(40)),
+        );
+        m.force_released(Space::Semaphores, HolderResult::Done);
         m.store_call(StoreOp::claim, Duration::from_micros(200), true);
         let text = m.render(7, 3);
         for line in [
-            "lockbroker_acquisitions_total{result=\"granted\"} 1",
-            "lockbroker_acquisitions_total{result=\"locked\"} 0",
-            "lockbroker_releases_total{result=\"released\"} 1",
-            "lockbroker_renewals_total{result=\"not_owner\"} 0",
+            "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"granted\"} 1",
+            "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"locked\"} 0",
+            "lockbroker_acquisitions_total{kind=\"shared\",result=\"granted\"} 0",
+            "lockbroker_acquisitions_total{kind=\"semaphore\",result=\"limit_mismatch\"} 1",
+            "lockbroker_releases_total{space=\"locks\",result=\"released\"} 1",
+            "lockbroker_releases_total{space=\"semaphores\",result=\"released\"} 0",
+            "lockbroker_renewals_total{space=\"locks\",result=\"not_owner\"} 0",
+            "lockbroker_force_releases_total{space=\"semaphores\",result=\"released\"} 1",
+            "lockbroker_force_releases_total{space=\"locks\",result=\"not_held\"} 0",
             "lockbroker_takeovers_total 0",
             "lockbroker_store_errors_total{op=\"claim\"} 1",
             "lockbroker_hold_seconds_count 1",

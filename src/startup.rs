@@ -75,6 +75,8 @@ impl Application {
             LockSettings {
                 store_timeout: config.store_timeout(),
                 max_waiters: config.max_waiters,
+                // With auth, the auth layer lets only admin tokens ask.
+                allow_force_release: config.allow_force_release || config.auth_file.is_some(),
             },
             shutdown_rx,
             metrics.clone(),

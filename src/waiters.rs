@@ -1,9 +1,10 @@
 //! Waiting without polling: one broker's queues of acquires waiting for a key, woken by release
 //! notices instead of by a timer.
 //!
-//! Each key with waiters has a FIFO queue. A notice for the key wakes only the queue's head, so a
-//! release costs this broker one attempt, not one per waiter, and waiters are served in arrival
-//! order. Only the head keeps a timer (the holder's expiry, and a slow fallback poll in case a
+//! Each key with waiters has a FIFO queue, per key space (a lock and a semaphore of one name are
+//! unrelated). A notice for the key wakes only the queue's head, so a release costs this broker
+//! one attempt, not one per waiter, and waiters are served in arrival order: a shared acquire
+//! does not try while an exclusive one that came before it waits ([`Ticket::exclusive_ahead`]). Only the head keeps a timer (the holder's expiry, and a slow fallback poll in case a
 //! notice is lost); the others sleep until they are promoted or their wait runs out. A waiter
 //! that leaves — granted, timed out, or its client gone — wakes the next in line.
 
@@ -26,22 +27,29 @@ struct Waiter {
     /// long that new lease runs, so it need not look at the lock to learn it. `NO_HINT` if none;
     /// a release notice clears it (the lock may be free now).
     hint_ms: AtomicU64,
+    /// Whether it asks for the key alone (an exclusive lock), rather than for a place beside
+    /// other holders (a shared lease, a permit).
+    exclusive: bool,
 }
 
 const NO_HINT: u64 = u64::MAX;
 
-impl Default for Waiter {
-    fn default() -> Self {
+impl Waiter {
+    fn new(exclusive: bool) -> Self {
         Self {
             wake: Notify::new(),
             hint_ms: AtomicU64::new(NO_HINT),
+            exclusive,
         }
     }
 }
 
+/// A key in its space: what a queue is for.
+type Place = (Space, LockKey);
+
 #[derive(Default)]
 struct Queues {
-    by_key: HashMap<LockKey, VecDeque<Arc<Waiter>>>,
+    by_key: HashMap<Place, VecDeque<Arc<Waiter>>>,
     count: usize,
 }
 
@@ -85,9 +93,7 @@ impl Waiters {
                 return;
             };
             match notice {
-                Notice::Released(Space::Locks, key) => waiters.wake(&key),
-                // Semaphores wait on the lock service's own queues (not yet).
-                Notice::Released(Space::Semaphores, _) => {}
+                Notice::Released(space, key) => waiters.wake(space, &key),
                 Notice::Missed => waiters.wake_all(),
             }
         }
@@ -106,9 +112,16 @@ impl Waiters {
         self.len() == 0
     }
 
-    /// Joins the end of `key`'s queue; `None` when the broker already has `limit` waiters.
-    pub fn enqueue(self: &Arc<Self>, key: &LockKey) -> Option<Ticket> {
-        let me = Arc::new(Waiter::default());
+    /// Joins the end of the queue of `key` in `space`, asking for the key alone (`exclusive`) or
+    /// for a place beside other holders; `None` when the broker already has `limit` waiters.
+    pub fn enqueue(
+        self: &Arc<Self>,
+        space: Space,
+        key: &LockKey,
+        exclusive: bool,
+    ) -> Option<Ticket> {
+        let me = Arc::new(Waiter::new(exclusive));
+        let place = (space, key.clone());
         let mut queues = self.queues();
         if queues.count >= self.limit {
             return None;
@@ -116,19 +129,28 @@ impl Waiters {
         queues.count += 1;
         queues
             .by_key
-            .entry(key.clone())
+            .entry(place.clone())
             .or_default()
             .push_back(me.clone());
         Some(Ticket {
             waiters: self.clone(),
-            key: key.clone(),
+            place,
             me,
         })
     }
 
-    /// A release notice for `key`: wakes the head of its queue, if any.
-    pub fn wake(&self, key: &LockKey) {
-        if let Some(head) = self.queues().by_key.get(key).and_then(|q| q.front()) {
+    /// Whether an acquire that asks for `key` in `space` alone waits on this broker.
+    pub fn exclusive_waiting(&self, space: Space, key: &LockKey) -> bool {
+        self.queues()
+            .by_key
+            .get(&(space, key.clone()))
+            .is_some_and(|q| q.iter().any(|w| w.exclusive))
+    }
+
+    /// A release notice for `key` in `space`: wakes the head of its queue, if any.
+    pub fn wake(&self, space: Space, key: &LockKey) {
+        let place = (space, key.clone());
+        if let Some(head) = self.queues().by_key.get(&place).and_then(|q| q.front()) {
             head.hint_ms.store(NO_HINT, Ordering::SeqCst);
             head.wake.notify_one();
         }
@@ -148,7 +170,7 @@ impl Waiters {
 /// A place in a key's queue; leaving (drop) hands the head's role to the next waiter.
 pub struct Ticket {
     waiters: Arc<Waiters>,
-    key: LockKey,
+    place: Place,
     me: Arc<Waiter>,
 }
 
@@ -158,9 +180,23 @@ impl Ticket {
         self.waiters
             .queues()
             .by_key
-            .get(&self.key)
+            .get(&self.place)
             .and_then(|q| q.front())
             .is_some_and(|head| Arc::ptr_eq(head, &self.me))
+    }
+
+    /// Whether an acquire that asks for the key alone came before this one and still waits: a
+    /// shared acquire does not try then, so that it is not granted ahead of it.
+    pub fn exclusive_ahead(&self) -> bool {
+        self.waiters
+            .queues()
+            .by_key
+            .get(&self.place)
+            .is_some_and(|q| {
+                q.iter()
+                    .take_while(|w| !Arc::ptr_eq(w, &self.me))
+                    .any(|w| w.exclusive)
+            })
     }
 
     /// Completes when this waiter is woken: a notice while it is head, or its promotion to head.
@@ -177,12 +213,13 @@ impl Ticket {
         }
     }
 
-    /// Leaves the queue as the lock's new holder, telling the next in line how long the lease
-    /// runs instead of having it look: one store round trip saved per handoff.
+    /// Leaves the queue as the lock's new exclusive holder, telling the next in line how long the
+    /// lease runs instead of having it look: one store round trip saved per handoff. (A shared
+    /// holder or a permit's just leaves: the next in line may be granted too, so it looks.)
     pub fn leave_as_holder(self, lease_ms: u64) {
         {
             let queues = self.waiters.queues();
-            if let Some(queue) = queues.by_key.get(&self.key)
+            if let Some(queue) = queues.by_key.get(&self.place)
                 && queue.front().is_some_and(|h| Arc::ptr_eq(h, &self.me))
                 && let Some(next) = queue.get(1)
             {
@@ -197,14 +234,14 @@ impl Drop for Ticket {
     fn drop(&mut self) {
         let mut queues = self.waiters.queues();
         queues.count -= 1;
-        let Some(queue) = queues.by_key.get_mut(&self.key) else {
+        let Some(queue) = queues.by_key.get_mut(&self.place) else {
             return;
         };
         let was_head = queue.front().is_some_and(|h| Arc::ptr_eq(h, &self.me));
         queue.retain(|w| !Arc::ptr_eq(w, &self.me));
         match queue.front() {
             None => {
-                queues.by_key.remove(&self.key);
+                queues.by_key.remove(&self.place);
             }
             // The new head takes over the timer and looks at the lock at once.
             Some(next) if was_head => next.wake.notify_one(),
@@ -224,13 +261,13 @@ mod tests {
     #[tokio::test]
     async fn notices_wake_the_head_only_and_leaving_promotes_the_next_in_arrival_order() {
         let waiters = Waiters::new(10);
-        let a = waiters.enqueue(&key("k")).unwrap();
-        let b = waiters.enqueue(&key("k")).unwrap();
-        let other = waiters.enqueue(&key("other")).unwrap();
+        let a = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
+        let b = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
+        let other = waiters.enqueue(Space::Locks, &key("other"), true).unwrap();
         assert!(a.is_head() && !b.is_head() && other.is_head());
         assert_eq!(waiters.len(), 3);
 
-        waiters.wake(&key("k"));
+        waiters.wake(Space::Locks, &key("k"));
         // a holds a permit now; b does not.
         tokio::time::timeout(std::time::Duration::from_millis(10), a.woken())
             .await
@@ -258,9 +295,9 @@ mod tests {
     #[tokio::test]
     async fn a_head_granted_the_lock_tells_the_next_how_long_it_holds_and_a_notice_clears_that() {
         let waiters = Waiters::new(10);
-        let a = waiters.enqueue(&key("k")).unwrap();
-        let b = waiters.enqueue(&key("k")).unwrap();
-        let c = waiters.enqueue(&key("k")).unwrap();
+        let a = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
+        let b = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
+        let c = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
         a.leave_as_holder(500);
         tokio::time::timeout(std::time::Duration::from_millis(10), b.woken())
             .await
@@ -271,10 +308,10 @@ mod tests {
         c.leave_as_holder(700);
         b.leave_as_holder(900);
         assert!(waiters.is_empty());
-        let d = waiters.enqueue(&key("k")).unwrap();
-        let e = waiters.enqueue(&key("k")).unwrap();
+        let d = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
+        let e = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
         d.leave_as_holder(300);
-        waiters.wake(&key("k"));
+        waiters.wake(Space::Locks, &key("k"));
         assert_eq!(
             e.take_hint(),
             None,
@@ -285,10 +322,45 @@ mod tests {
     #[test]
     fn the_limit_bounds_waiters_across_keys_and_frees_on_leave() {
         let waiters = Waiters::new(2);
-        let a = waiters.enqueue(&key("a")).unwrap();
-        let _b = waiters.enqueue(&key("b")).unwrap();
-        assert!(waiters.enqueue(&key("c")).is_none());
+        let a = waiters.enqueue(Space::Locks, &key("a"), true).unwrap();
+        let _b = waiters.enqueue(Space::Locks, &key("b"), true).unwrap();
+        assert!(waiters.enqueue(Space::Locks, &key("c"), true).is_none());
         drop(a);
-        assert!(waiters.enqueue(&key("c")).is_some());
+        assert!(waiters.enqueue(Space::Locks, &key("c"), true).is_some());
+    }
+
+    #[tokio::test]
+    async fn a_semaphore_and_a_lock_of_one_name_queue_apart_and_each_notice_wakes_its_own() {
+        let waiters = Waiters::new(10);
+        let lock = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
+        let permit = waiters
+            .enqueue(Space::Semaphores, &key("k"), false)
+            .unwrap();
+        assert!(lock.is_head() && permit.is_head());
+        waiters.wake(Space::Semaphores, &key("k"));
+        tokio::time::timeout(std::time::Duration::from_millis(10), permit.woken())
+            .await
+            .expect("the semaphore's head is woken");
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(10), lock.woken())
+                .await
+                .is_err(),
+            "the lock's waiter sleeps on"
+        );
+    }
+
+    #[test]
+    fn a_shared_waiter_sees_an_exclusive_one_ahead_of_it_but_not_behind() {
+        let waiters = Waiters::new(10);
+        let first_shared = waiters.enqueue(Space::Locks, &key("k"), false).unwrap();
+        let exclusive = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
+        let later_shared = waiters.enqueue(Space::Locks, &key("k"), false).unwrap();
+        assert!(!first_shared.exclusive_ahead());
+        assert!(later_shared.exclusive_ahead());
+        assert!(waiters.exclusive_waiting(Space::Locks, &key("k")));
+        assert!(!waiters.exclusive_waiting(Space::Semaphores, &key("k")));
+        drop(exclusive);
+        assert!(!later_shared.exclusive_ahead());
+        assert!(!waiters.exclusive_waiting(Space::Locks, &key("k")));
     }
 }

@@ -22,7 +22,7 @@ use crate::domain::LockKey;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Permission {
-    /// Acquire, renew, release and inspect keys under the token's prefixes.
+    /// Acquire, renew, release, inspect and list keys under the token's prefixes.
     Lock,
     /// Inspect (and list) keys under the token's prefixes; with the prefix `""`, also read
     /// `/metrics` and `/openapi.json` when they are guarded.
@@ -40,6 +40,9 @@ pub enum Action<'a> {
     Inspect(&'a LockKey),
     /// Ending every lease on a key without its token (`DELETE …?force=true`): `admin` only.
     ForceRelease(&'a LockKey),
+    /// Listing the held keys that start with this prefix: `read` or `lock` on a prefix of it,
+    /// so that every key the listing could show is one the token may inspect.
+    List(&'a str),
     /// `/metrics` and `/openapi.json` under `auth_metrics`.
     Operations,
     /// A request the layer has no rule for: only `admin` passes, so a route added without a rule
@@ -110,6 +113,9 @@ impl Client {
                 self.lock && self.covers(key)
             }
             Action::Inspect(key) => (self.lock || self.read) && self.covers(key),
+            Action::List(prefix) => {
+                (self.lock || self.read) && self.prefixes.iter().any(|p| prefix.starts_with(p))
+            }
             Action::Operations => self.read && self.prefixes.iter().any(String::is_empty),
             Action::ForceRelease(_) | Action::Unlisted => false,
         }

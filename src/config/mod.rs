@@ -113,6 +113,17 @@ pub struct Settings {
         default_missing_value = "true"
     )]
     pub auth_metrics: Option<bool>,
+    /// Without an auth file, allow `DELETE …?force=true` (every lease on a key ended without its
+    /// token) from any client; otherwise it is refused with 403. With an auth file, force release
+    /// needs an "admin" token whatever this says [default: false].
+    #[arg(
+        long,
+        env = "LOCKBROKER_ALLOW_FORCE_RELEASE",
+        value_name = "BOOL",
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub allow_force_release: Option<bool>,
     /// Serve HTTPS with this certificate chain (PEM); needs --tls-key. Read again on SIGHUP and
     /// when it changes.
     #[arg(long, env = "LOCKBROKER_TLS_CERT", value_name = "FILE")]
@@ -177,6 +188,7 @@ pub struct Config {
     pub log_level: String,
     pub auth_file: Option<PathBuf>,
     pub auth_metrics: bool,
+    pub allow_force_release: bool,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     pub tls_client_ca: Option<PathBuf>,
@@ -206,6 +218,7 @@ impl Default for Config {
             log_level: "info".into(),
             auth_file: None,
             auth_metrics: false,
+            allow_force_release: false,
             tls_cert: None,
             tls_key: None,
             tls_client_ca: None,
@@ -264,6 +277,7 @@ impl Config {
             log_level: s.log_level.unwrap_or(d.log_level),
             auth_file: s.auth_file,
             auth_metrics: s.auth_metrics.unwrap_or(d.auth_metrics),
+            allow_force_release: s.allow_force_release.unwrap_or(d.allow_force_release),
             tls_cert: s.tls_cert,
             tls_key: s.tls_key,
             tls_client_ca: s.tls_client_ca,

@@ -58,6 +58,17 @@ impl LockKey {
         Ok(Self(raw.to_owned()))
     }
 
+    /// Checks a key prefix (for listings): what a key may start with, so 0 to 200 characters
+    /// from the keys' alphabet.
+    pub fn parse_prefix(raw: &str) -> Result<String, InvalidValue> {
+        if raw.is_empty() {
+            return Ok(String::new());
+        }
+        Self::parse(raw)
+            .map(|key| key.0)
+            .map_err(|e| invalid(e.0.replacen("The lock key", "The prefix", 1)))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }

@@ -8,14 +8,15 @@
 
 use std::sync::Arc;
 
-use axum::extract::{FromRequestParts, MatchedPath, Query, Request, State};
+use axum::body::Body;
+use axum::extract::{FromRequest, FromRequestParts, MatchedPath, Query, Request, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderValue, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::error::ApiError;
-use super::params::{BODY_LIMIT, KeyPath};
+use super::params::{BODY_LIMIT, KeyPath, Params};
 use crate::auth::{Action, Client, Policy, bearer_token};
 use crate::domain::LockKey;
 use crate::metrics::Metrics;
@@ -37,14 +38,47 @@ fn lock_action<'k>(parts: &Parts, key: &'k LockKey) -> Action<'k> {
         .extensions
         .get::<MatchedPath>()
         .map(MatchedPath::as_str);
+    // A semaphore's key is guarded as a lock's: the same prefixes, the same permissions.
     match (route, &parts.method) {
-        (Some("/locks/{key}"), &Method::POST) => Action::Acquire(key),
-        (Some("/locks/{key}"), &Method::GET | &Method::HEAD) => Action::Inspect(key),
-        (Some("/locks/{key}"), &Method::DELETE) if asks_force(parts) => Action::ForceRelease(key),
-        (Some("/locks/{key}"), &Method::DELETE) => Action::Release(key),
-        (Some("/locks/{key}/renew"), &Method::POST) => Action::Renew(key),
+        (Some("/locks/{key}" | "/semaphores/{key}"), &Method::POST) => Action::Acquire(key),
+        (Some("/locks/{key}" | "/semaphores/{key}"), &Method::GET | &Method::HEAD) => {
+            Action::Inspect(key)
+        }
+        (Some("/locks/{key}" | "/semaphores/{key}"), &Method::DELETE) if asks_force(parts) => {
+            Action::ForceRelease(key)
+        }
+        (Some("/locks/{key}" | "/semaphores/{key}"), &Method::DELETE) => Action::Release(key),
+        (Some("/locks/{key}/renew" | "/semaphores/{key}/renew"), &Method::POST) => {
+            Action::Renew(key)
+        }
         _ => Action::Unlisted,
     }
+}
+
+/// Whether the matched route is a listing (`GET /locks`, `GET /semaphores`), which has no key.
+fn is_listing(parts: &Parts) -> bool {
+    parts
+        .extensions
+        .get::<MatchedPath>()
+        .is_some_and(|route| matches!(route.as_str(), "/locks" | "/semaphores"))
+}
+
+/// The prefix a listing asks for, read as its handler reads it (query string or JSON body; the
+/// body is read here and handed on whole). Refused as the handler would refuse it.
+async fn listing_prefix(parts: &Parts, body: Body) -> Result<(String, Body), Response> {
+    let bytes = axum::body::to_bytes(body, BODY_LIMIT)
+        .await
+        .map_err(|_| ApiError::payload_too_large(BODY_LIMIT).into_response())?;
+    let copy = Request::from_parts(parts.clone(), Body::from(bytes.clone()));
+    let mut params = Params::from_request(copy, &())
+        .await
+        .map_err(IntoResponse::into_response)?;
+    let prefix = params
+        .text("prefix")
+        .map_err(IntoResponse::into_response)?
+        .unwrap_or_default();
+    let prefix = LockKey::parse_prefix(&prefix).map_err(|e| ApiError::from(e).into_response())?;
+    Ok((prefix, Body::from(bytes)))
 }
 
 /// Whether a release names `force` at all: whatever its value, only `admin` may send it.
@@ -109,6 +143,18 @@ pub(super) async fn guard_lock_route(
         Ok(client) => client,
         Err(refusal) => return refusal.into_response(&auth),
     };
+    if is_listing(&parts) {
+        let (prefix, body) = match listing_prefix(&parts, body).await {
+            Ok(read) => read,
+            Err(refusal) => return refusal,
+        };
+        let action = Action::List(&prefix);
+        if !client.allows(action) {
+            return forbid(&auth, client.name(), forbidden_message(client, action));
+        }
+        auth.metrics.authorized(client.name(), "allowed");
+        return next.run(Request::from_parts(parts, body)).await;
+    }
     // A key that is not valid is refused as the handler would, before any permission on it.
     let key = match KeyPath::from_request_parts(&mut parts, &()).await {
         Ok(KeyPath(key)) => key,
@@ -163,6 +209,11 @@ fn forbidden_message(client: &Client, action: Action<'_>) -> String {
         Action::ForceRelease(key) => {
             format!("The token {name:?} may not force the release of {key}: that needs \"admin\".")
         }
+        Action::List(prefix) => format!(
+            "The token {name:?} may not list keys under the prefix {prefix:?}: it needs \"read\" \
+             or \"lock\" on a prefix of it (a token for orders: lists with prefix=orders: or \
+             longer)."
+        ),
         Action::Operations | Action::Unlisted => {
             format!("The token {name:?} may not do this: it needs \"admin\".")
         }

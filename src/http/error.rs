@@ -18,6 +18,8 @@ pub struct ApiError {
     message: String,
     /// For `locked`: when the current lease ends.
     retry_after_ms: Option<u64>,
+    /// For `limit_mismatch`: the limit the semaphore's holders use.
+    limit: Option<u32>,
 }
 
 /// The body of every error response. Public so that the OpenAPI document's response types
@@ -34,6 +36,11 @@ pub struct Body<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = u64)]
     retry_after_ms: Option<u64>,
+    /// Only with `limit_mismatch`: the limit the semaphore's current holders took their permits
+    /// with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = u32)]
+    limit: Option<u32>,
 }
 
 impl ApiError {
@@ -43,6 +50,7 @@ impl ApiError {
             code,
             message: message.into(),
             retry_after_ms: None,
+            limit: None,
         }
     }
 
@@ -111,6 +119,25 @@ impl From<LockError> for ApiError {
                     "The lock is held by someone else.",
                 )
             },
+            LockError::LimitMismatch { limit } => Self {
+                limit: Some(limit),
+                ..Self::new(
+                    StatusCode::CONFLICT,
+                    "limit_mismatch",
+                    format!(
+                        "The semaphore's current holders use the limit {limit}; ask with that \
+                         limit, or wait until their permits end."
+                    ),
+                )
+            },
+            LockError::ForceReleaseOff => Self::forbidden(
+                "Force release is off on this broker: start it with --allow-force-release \
+                 (LOCKBROKER_ALLOW_FORCE_RELEASE, allow_force_release = true), or use an auth file \
+                 and an admin token.",
+            ),
+            LockError::BadCursor => Self::invalid(
+                "The cursor is not one this broker gave out; start the listing again without it.",
+            ),
             LockError::NotHeld => Self::new(
                 StatusCode::NOT_FOUND,
                 "not_held",
@@ -130,11 +157,6 @@ impl From<LockError> for ApiError {
                     format!("{limit} requests already wait on this broker; try again later."),
                 )
             },
-            LockError::StoreUnavailable(StoreError::BadCursor) => Self::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                "The cursor is not one this broker gave out; start the listing again without it.",
-            ),
             LockError::StoreUnavailable(e) => {
                 tracing::warn!(error = %e, "store unavailable");
                 Self::new(
@@ -208,6 +230,7 @@ pub fn framework_rejection(status: u16) -> Vec<u8> {
         error: code,
         message,
         retry_after_ms: None,
+        limit: None,
     })
     .expect("a plain struct serializes")
 }
@@ -218,6 +241,7 @@ impl IntoResponse for ApiError {
             error: self.code,
             message: &self.message,
             retry_after_ms: self.retry_after_ms.filter(|_| self.code == "locked"),
+            limit: self.limit,
         });
         let mut response = (self.status, body).into_response();
         if let Some(ms) = self.retry_after_ms {

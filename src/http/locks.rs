@@ -1,30 +1,33 @@
-//! The lock routes — acquire, release, renew and inspect a lease on `/locks/{key}` — and the
-//! JSON bodies they answer with. Each handler turns the request into domain values, asks the
-//! [`LockService`](crate::lock::LockService) and shapes its answer; every refusal is an
-//! [`ApiError`].
+//! The lock routes — acquire (exclusive or shared), release (by token or by force), renew and
+//! inspect a lease on `/locks/{key}`, list held locks on `/locks` — and the JSON bodies they
+//! answer with, some of which the semaphore routes (`super::semaphores`) share. Each handler
+//! turns the request into domain values, asks the [`LockService`](crate::lock::LockService) and
+//! shapes its answer; every refusal is an [`ApiError`].
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::openapi::{
-    AcquireBody, Forbidden, KeyParam, Locked, NotGranted, NotHeld, NotOwner, RenewBody,
-    RequestRefused, StoreUnavailable, TokenHeader, TokenQuery, Unauthorized,
+    AcquireBody, Forbidden, ForceQuery, ForceRefused, KeyParam, ListQueryParams, Locked, ModeName,
+    NotGranted, NotHeld, NotOwner, RenewBody, RequestRefused, StoreUnavailable, TokenHeader,
+    TokenQuery, Unauthorized,
 };
 use super::params::{KeyPath, Params};
 use super::{AppState, Limits};
 use crate::domain::{LockKey, Owner, RequestId, Ttl, WaitFor};
-use crate::lock::AcquireRequest;
-use crate::store::{Lease, Store};
+use crate::lock::{AcquireRequest, HoldersView, Kind};
+use crate::store::{Lease, ListQuery, Listed, MAX_LIST_LIMIT, Mode, Space, Store};
 
 /// The lock routes, without their state.
 pub(super) fn locks_router<S: Store>() -> Router<AppState<S>> {
     Router::new()
+        .route("/locks", get(list::<S>))
         .route(
             "/locks/{key}",
             post(acquire::<S>).delete(release::<S>).get(inspect::<S>),
@@ -35,7 +38,7 @@ pub(super) fn locks_router<S: Store>() -> Router<AppState<S>> {
 /// The body of a grant (acquire, renew). The token is shown here and nowhere else.
 #[derive(Serialize, ToSchema)]
 #[schema(as = Grant)]
-struct GrantBody<'a> {
+pub(super) struct GrantBody<'a> {
     /// The lock's key, as decoded.
     key: &'a str,
     /// The secret that proves the lease is yours (release, renew): opaque, URL-safe, at most
@@ -54,7 +57,7 @@ struct GrantBody<'a> {
 }
 
 impl<'a> GrantBody<'a> {
-    fn new(key: &'a LockKey, lease: &'a Lease) -> Self {
+    pub(super) fn new(key: &'a LockKey, lease: &'a Lease) -> Self {
         Self {
             key: key.as_str(),
             token: lease.token.as_str(),
@@ -65,35 +68,141 @@ impl<'a> GrantBody<'a> {
     }
 }
 
-/// Who holds a lock and until when. Never the token.
+/// Who holds a lock and until when. Never a token.
 #[derive(Serialize, ToSchema)]
 #[schema(as = Lease)]
 struct InspectBody<'a> {
     /// The lock's key, as decoded.
     key: &'a str,
-    /// The fence of the live lease.
+    /// `exclusive` (one holder) or `shared` (one or more holders, listed in `holders`).
+    #[schema(value_type = ModeName)]
+    mode: &'static str,
+    /// The fence of the live lease; for shared holders, the highest of theirs.
     #[schema(minimum = 1)]
     fence: u64,
-    /// When the lease ends, Unix epoch ms on the store's clock.
+    /// When the lease ends, Unix epoch ms on the store's clock; for shared holders, when the
+    /// last of their leases ends.
     expires_at_ms: u64,
-    /// Milliseconds until the lease ends.
+    /// Milliseconds until `expires_at_ms`.
     ttl_remaining_ms: u64,
-    /// The `owner` label the acquire gave, or null.
+    /// The `owner` label the acquire gave, or null; null for shared holders (each has its own,
+    /// in `holders`).
+    #[schema(required = true)]
+    owner: Option<&'a str>,
+    /// Only for `shared`: every shared holder, by fence.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    holders: Option<Vec<HolderBody<'a>>>,
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Exclusive => "exclusive",
+        Mode::Shared => "shared",
+    }
+}
+
+/// One holder of a shared lock or of a semaphore's permits. Never its token.
+#[derive(Serialize, ToSchema)]
+#[schema(as = Holder)]
+pub(super) struct HolderBody<'a> {
+    /// The fence of this holder's lease.
+    #[schema(minimum = 1)]
+    fence: u64,
+    /// When this lease ends, Unix epoch ms on the store's clock.
+    expires_at_ms: u64,
+    /// Milliseconds until this lease ends.
+    ttl_remaining_ms: u64,
+    /// The `owner` label its acquire gave, or null.
     #[schema(required = true)]
     owner: Option<&'a str>,
 }
 
-fn ttl_param(params: &mut Params, limits: &Limits) -> Result<Ttl, ApiError> {
+/// The holders of a key, one body each, by fence.
+pub(super) fn holder_bodies(now_ms: u64, holders: &[Lease]) -> Vec<HolderBody<'_>> {
+    holders
+        .iter()
+        .map(|lease| HolderBody {
+            fence: lease.fence,
+            expires_at_ms: lease.expires_at_ms,
+            ttl_remaining_ms: lease.expires_at_ms.saturating_sub(now_ms),
+            owner: lease.owner.as_ref().map(Owner::as_str),
+        })
+        .collect()
+}
+
+/// What a key's top-level fence and expiry are when several leases hold it: the highest fence
+/// and the latest end (when the key is free again, unless renewed). `None` for no holder.
+pub(super) fn aggregate(holders: &[Lease]) -> Option<(u64, u64)> {
+    let fence = holders.iter().map(|l| l.fence).max()?;
+    let end = holders.iter().map(|l| l.expires_at_ms).max()?;
+    Some((fence, end))
+}
+
+pub(super) fn ttl_param(params: &mut Params, limits: &Limits) -> Result<Ttl, ApiError> {
     Ok(Ttl::parse(
         params.int("ttl_ms")?.unwrap_or(limits.default_ttl_ms),
         limits.max_ttl_ms,
     )?)
 }
 
+/// The parameters every acquire takes: `ttl_ms`, `wait_ms`, `owner`, `request_id`.
+pub(super) fn acquire_request(
+    kind: Kind,
+    params: &mut Params,
+    limits: &Limits,
+) -> Result<AcquireRequest, ApiError> {
+    let ttl = ttl_param(params, limits)?;
+    let wait = WaitFor::parse(
+        params.int("wait_ms")?.unwrap_or(limits.default_wait_ms),
+        limits.max_wait_ms,
+    )?;
+    let owner = params
+        .text("owner")?
+        .map(|o| Owner::parse(&o))
+        .transpose()?;
+    let request_id = params
+        .text("request_id")?
+        .map(|r| RequestId::parse(&r))
+        .transpose()?;
+    Ok(AcquireRequest {
+        kind,
+        ttl,
+        wait,
+        owner,
+        request_id,
+    })
+}
+
+/// A listing's parameters: `prefix` (default ''), `limit` (1 ..= 1000, default 100), `cursor`.
+pub(super) fn list_query(space: Space, params: &mut Params) -> Result<ListQuery, ApiError> {
+    let prefix = LockKey::parse_prefix(&params.text("prefix")?.unwrap_or_default())?;
+    let limit = match params.int("limit")? {
+        None => DEFAULT_LIST_LIMIT,
+        Some(n) if (1..=MAX_LIST_LIMIT as u64).contains(&n) => n as usize,
+        Some(_) => {
+            return Err(ApiError::invalid(format!(
+                "limit must be between 1 and {MAX_LIST_LIMIT}."
+            )));
+        }
+    };
+    let cursor = params.text("cursor")?;
+    Ok(ListQuery {
+        space,
+        prefix,
+        limit,
+        cursor,
+    })
+}
+
+/// How many keys a listing page holds when the request does not say.
+const DEFAULT_LIST_LIMIT: usize = 100;
+
 /// Acquire a lock
 ///
 /// Grants a lease on `key` if nobody holds it (or the holder's lease has expired), waiting up
 /// to `wait_ms` while someone else holds it. Answers `201` only when the lease is really held.
+/// With `mode=shared`, a shared lease: granted beside other shared ones, never with an exclusive
+/// one; an exclusive acquire that waits holds new shared ones back, so it is not starved.
 #[utoipa::path(
     post,
     path = "/locks/{key}",
@@ -119,46 +228,33 @@ pub(super) async fn acquire<S: Store>(
     KeyPath(key): KeyPath,
     mut params: Params,
 ) -> Result<Response, ApiError> {
-    let ttl = ttl_param(&mut params, &state.limits)?;
-    let wait = WaitFor::parse(
-        params
-            .int("wait_ms")?
-            .unwrap_or(state.limits.default_wait_ms),
-        state.limits.max_wait_ms,
-    )?;
-    let owner = params
-        .text("owner")?
-        .map(|o| Owner::parse(&o))
-        .transpose()?;
-    let request_id = params
-        .text("request_id")?
-        .map(|r| RequestId::parse(&r))
-        .transpose()?;
-    params.finish()?;
-    let request = AcquireRequest {
-        ttl,
-        wait,
-        owner,
-        request_id,
+    let kind = match params.text("mode")?.as_deref() {
+        None | Some("exclusive") => Kind::Exclusive,
+        Some("shared") => Kind::Shared,
+        Some(_) => return Err(ApiError::invalid("mode must be exclusive or shared.")),
     };
+    let request = acquire_request(kind, &mut params, &state.limits)?;
+    params.finish()?;
     let lease = state.locks.acquire(&key, request).await?;
     Ok((StatusCode::CREATED, Json(GrantBody::new(&key, &lease))).into_response())
 }
 
 /// Release a lock
 ///
-/// Ends the lease that the token holds. The token comes in the `Lock-Token` header or the
-/// `token` query parameter, never in a body. After a `503`, the lease may still be held.
+/// Ends the lease that the token holds (the exclusive one, or one shared lease). The token
+/// comes in the `Lock-Token` header or the `token` query parameter, never in a body. After a
+/// `503`, the lease may still be held. With `force=true` and no token, ends every lease on the
+/// key instead.
 #[utoipa::path(
     delete,
     path = "/locks/{key}",
     tag = "locks",
-    params(KeyParam, TokenHeader, TokenQuery),
+    params(KeyParam, TokenHeader, TokenQuery, ForceQuery),
     responses(
-        (status = 204, description = "Released."),
+        (status = 204, description = "Released (with `force=true`: every lease on the key ended)."),
         RequestRefused,
         Unauthorized,
-        Forbidden,
+        ForceRefused,
         NotHeld,
         NotOwner,
         StoreUnavailable,
@@ -168,11 +264,26 @@ pub(super) async fn acquire<S: Store>(
 pub(super) async fn release<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
+    params: Params,
+) -> Result<StatusCode, ApiError> {
+    release_in(&state, Space::Locks, &key, params).await
+}
+
+/// A release by token, or by force, in `space`.
+pub(super) async fn release_in<S: Store>(
+    state: &AppState<S>,
+    space: Space,
+    key: &LockKey,
     mut params: Params,
 ) -> Result<StatusCode, ApiError> {
-    let token = params.token()?;
-    params.finish()?;
-    state.locks.release(&key, &token).await?;
+    if params.force()? {
+        params.finish()?;
+        state.locks.force_release(space, key).await?;
+    } else {
+        let token = params.token()?;
+        params.finish()?;
+        state.locks.release(space, key, &token).await?;
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -210,13 +321,15 @@ pub(super) async fn renew<S: Store>(
     let token = params.token()?;
     let ttl = ttl_param(&mut params, &state.limits)?;
     params.finish()?;
-    let lease = state.locks.renew(&key, &token, ttl).await?;
+    let lease = state.locks.renew(Space::Locks, &key, &token, ttl).await?;
     Ok(Json(GrantBody::new(&key, &lease)).into_response())
 }
 
 /// Inspect a lock
 ///
-/// Who holds the lock and until when; never the token. Takes no parameters.
+/// Who holds the lock, in which mode and until when; never a token. Takes no parameters. For
+/// shared holders, `fence` is the highest of theirs, `expires_at_ms` the latest end, `owner`
+/// null, and `holders` lists each.
 #[utoipa::path(
     get,
     path = "/locks/{key}",
@@ -239,12 +352,109 @@ pub(super) async fn inspect<S: Store>(
 ) -> Result<Response, ApiError> {
     params.finish()?;
     let view = state.locks.inspect(&key).await?;
-    Ok(Json(InspectBody {
+    Ok(Json(inspect_body(&key, &view)).into_response())
+}
+
+fn inspect_body<'a>(key: &'a LockKey, view: &'a HoldersView) -> InspectBody<'a> {
+    let (fence, expires_at_ms) = aggregate(&view.holders).unwrap_or_default();
+    let shared = view.mode == Some(Mode::Shared);
+    InspectBody {
         key: key.as_str(),
-        fence: view.lease.fence,
-        expires_at_ms: view.lease.expires_at_ms,
-        ttl_remaining_ms: view.ttl_remaining_ms(),
-        owner: view.lease.owner.as_ref().map(Owner::as_str),
+        mode: mode_name(view.mode.unwrap_or(Mode::Exclusive)),
+        fence,
+        expires_at_ms,
+        ttl_remaining_ms: expires_at_ms.saturating_sub(view.now_ms),
+        owner: match view.holders.as_slice() {
+            [only] if !shared => only.owner.as_ref().map(Owner::as_str),
+            _ => None,
+        },
+        holders: shared.then(|| holder_bodies(view.now_ms, &view.holders)),
+    }
+}
+
+/// One held lock in a listing. Never a token.
+#[derive(Serialize, ToSchema)]
+#[schema(as = ListedLock)]
+struct ListedLockBody<'a> {
+    /// The lock's key.
+    key: &'a str,
+    /// `exclusive` or `shared`.
+    #[schema(value_type = ModeName)]
+    mode: &'static str,
+    /// The lease's fence; for shared holders, the highest.
+    #[schema(minimum = 1)]
+    fence: u64,
+    /// When the lease ends; for shared holders, when the last one does.
+    expires_at_ms: u64,
+    /// Milliseconds until `expires_at_ms`.
+    ttl_remaining_ms: u64,
+    /// The exclusive holder's `owner` label, or null (always null for shared holders).
+    #[schema(required = true)]
+    owner: Option<&'a str>,
+}
+
+/// A page of held locks.
+#[derive(Serialize, ToSchema)]
+#[schema(as = LockList)]
+struct LockListBody<'a> {
+    /// The held locks whose keys start with the prefix, in key order.
+    locks: Vec<ListedLockBody<'a>>,
+    /// Give it as `cursor` for the next page; null on the last page.
+    #[schema(required = true)]
+    next_cursor: Option<&'a str>,
+}
+
+/// List held locks
+///
+/// The locks with live leases whose keys start with `prefix`, a page at a time, in key order;
+/// never a token. Follow `next_cursor` until it is null. A page may hold fewer than `limit`
+/// entries and still have a next one. With auth, needs `read` or `lock` on a prefix of `prefix`
+/// (so a token limited to `orders:` lists with `prefix=orders:` or longer).
+#[utoipa::path(
+    get,
+    path = "/locks",
+    tag = "locks",
+    params(ListQueryParams),
+    responses(
+        (status = 200, description = "A page of held locks.", body = LockListBody),
+        RequestRefused,
+        Unauthorized,
+        Forbidden,
+        StoreUnavailable,
+    ),
+    security((), ("bearer" = []))
+)]
+pub(super) async fn list<S: Store>(
+    State(state): State<AppState<S>>,
+    mut params: Params,
+) -> Result<Response, ApiError> {
+    let query = list_query(Space::Locks, &mut params)?;
+    params.finish()?;
+    let page = state.locks.list(&query).await?;
+    let locks = page
+        .entries
+        .iter()
+        .filter_map(|entry| listed_lock(page.now_ms, entry))
+        .collect();
+    Ok(Json(LockListBody {
+        locks,
+        next_cursor: page.next_cursor.as_deref(),
     })
     .into_response())
+}
+
+fn listed_lock(now_ms: u64, entry: &Listed) -> Option<ListedLockBody<'_>> {
+    let (fence, expires_at_ms) = aggregate(&entry.holders)?;
+    let mode = entry.mode.unwrap_or(Mode::Exclusive);
+    Some(ListedLockBody {
+        key: entry.key.as_str(),
+        mode: mode_name(mode),
+        fence,
+        expires_at_ms,
+        ttl_remaining_ms: expires_at_ms.saturating_sub(now_ms),
+        owner: match (mode, entry.holders.as_slice()) {
+            (Mode::Exclusive, [only]) => only.owner.as_ref().map(Owner::as_str),
+            _ => None,
+        },
+    })
 }

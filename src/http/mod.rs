@@ -1,6 +1,7 @@
 //! The HTTP API: the router, its state, and the layers every request goes through. Knows HTTP
-//! and the lock service, nothing of Redis. The routes live in `locks` (the lock routes) and
-//! `ops` (health, readiness, metrics, the OpenAPI document); this module puts them together.
+//! and the lock service, nothing of Redis. The routes live in `locks` (the lock routes),
+//! `semaphores` (the semaphore routes) and `ops` (health, readiness, metrics, the OpenAPI
+//! document); this module puts them together.
 
 pub mod auth;
 pub mod error;
@@ -8,6 +9,7 @@ mod locks;
 pub mod openapi;
 mod ops;
 pub mod params;
+mod semaphores;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
@@ -29,6 +31,12 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("DELETE", "/locks/{key}"),
     ("GET", "/locks/{key}"),
     ("POST", "/locks/{key}/renew"),
+    ("GET", "/locks"),
+    ("POST", "/semaphores/{key}"),
+    ("DELETE", "/semaphores/{key}"),
+    ("GET", "/semaphores/{key}"),
+    ("POST", "/semaphores/{key}/renew"),
+    ("GET", "/semaphores"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
     ("GET", "/metrics"),
@@ -75,7 +83,10 @@ impl<S> Clone for AppState<S> {
 pub fn router<S: Store>(state: AppState<S>) -> Router {
     let operations_guard = state.auth.clone().filter(|_| state.auth_metrics);
     Router::new()
-        .merge(guard_lock_routes(locks::locks_router(), state.auth.clone()))
+        .merge(guard_lock_routes(
+            locks::locks_router().merge(semaphores::semaphores_router()),
+            state.auth.clone(),
+        ))
         .merge(ops::ops_router(operations_guard))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })

@@ -1,7 +1,7 @@
 //! The OpenAPI document of the API, served at `GET /openapi.json`.
 //!
 //! It is generated (utoipa) from the `#[utoipa::path]` annotations on the handlers in
-//! `super::locks` and `super::ops`, the `ToSchema` derives on the bodies they send, and the
+//! `super::locks`, `super::semaphores` and `super::ops`, the `ToSchema` derives on the bodies they send, and the
 //! types below, which exist only to describe the API: what a request may carry (the handlers
 //! read parameters through [`super::params::Params`], which takes them from the query string
 //! and a JSON body alike), and the error responses, each written once here and listed by every
@@ -34,12 +34,19 @@ router's own included: `404 not_found` for a path that matches no route (such as
 with another method. Every `GET` also answers `HEAD`. A request head over 16 KiB (or with \
 more than 100 header fields) is `431 request_header_fields_too_large`.
 - A lease that has expired is not held, whatever the store still contains.
+- Locks are exclusive (one holder) or shared (`mode=shared`: any number of shared holders, \
+never with an exclusive one; an exclusive acquire that waits holds new shared ones back). \
+Semaphores (`/semaphores/{key}`, a space of their own) grant up to `limit` permits, each a \
+lease with its own token and fence. `DELETE` with `force=true` ends every lease on a key \
+without its token: with auth it needs `admin`; without, the broker must run with \
+`allow_force_release`, or it is `403 forbidden`.
 
 Auth: off unless the broker runs with an auth file. Then every lock route needs \
 `Authorization: Bearer <token>` (security scheme `bearer`): missing, malformed or unknown is \
 `401 unauthorized` with `WWW-Authenticate: Bearer`; a known token whose prefixes do not cover \
 the key, or that lacks the permission, is `403 forbidden` (`lock`: acquire, renew, release, \
-inspect; `read`: inspect; `admin`: everything on every key). Neither grants, waits or changes \
+inspect and list; `read`: inspect and list; `admin`: everything on every key, force release \
+included). A listing needs `read` or `lock` on a prefix of its `prefix`. Neither grants, waits or changes \
 anything. `/healthz` and `/readyz` are always open; `/metrics` and `/openapi.json` are open \
 unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key).";
 
@@ -52,6 +59,12 @@ unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key
         super::locks::release,
         super::locks::renew,
         super::locks::inspect,
+        super::locks::list,
+        super::semaphores::acquire,
+        super::semaphores::release,
+        super::semaphores::renew,
+        super::semaphores::inspect,
+        super::semaphores::list,
         super::ops::healthz,
         super::ops::readyz,
         super::ops::metrics,
@@ -61,10 +74,19 @@ unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key
     // would also let them be `null`, which the broker refuses). The error bodies are listed
     // because the shared responses below refer to them by name, and utoipa collects schemas
     // only from responses written out in the operations themselves.
-    components(schemas(ErrorCode, ErrorBody, LockedError, AcquireBody, RenewBody)),
+    components(schemas(
+        ErrorCode,
+        ErrorBody,
+        LockedError,
+        PermitConflictError,
+        AcquireBody,
+        SemaphoreAcquireBody,
+        RenewBody
+    )),
     modifiers(&BearerScheme),
     tags(
-        (name = "locks", description = "Acquire, release, renew and inspect leases."),
+        (name = "locks", description = "Acquire, release, renew, inspect and list leases on locks."),
+        (name = "semaphores", description = "Take, give back, renew, inspect and list semaphore permits."),
         (name = "operations", description = "Health, readiness, metrics and this document."),
     )
 )]
@@ -100,7 +122,8 @@ pub fn document() -> Document {
 ///
 /// `invalid_request` 400, `not_found` 404 (no such path), `not_held` 404, `method_not_allowed`
 /// 405, `locked` 409 (acquire), `not_owner` 409 (release, renew), `payload_too_large` 413,
-/// `unsupported_media_type` 415, `too_many_waiters` 503 (with `Retry-After: 1`: this broker
+/// `unsupported_media_type` 415, `limit_mismatch` 409 (a semaphore's holders use another
+/// limit), `too_many_waiters` 503 (with `Retry-After: 1`: this broker
 /// has `max_waiters` acquires waiting already; another broker may have room),
 /// `store_unavailable` 503, `shutting_down` 503, `unauthorized` 401, `forbidden` 403,
 /// `request_header_fields_too_large` 431, `internal` 500 (not expected).
@@ -120,8 +143,18 @@ pub enum ErrorCode {
     ShuttingDown,
     Unauthorized,
     Forbidden,
+    LimitMismatch,
     RequestHeaderFieldsTooLarge,
     Internal,
+}
+
+/// A lock's mode, as the API writes it: `exclusive` (one holder) or `shared` (any number of
+/// shared holders).
+#[derive(ToSchema)]
+#[schema(rename_all = "snake_case")]
+pub enum ModeName {
+    Exclusive,
+    Shared,
 }
 
 /// The body of `409 locked`: the error body with the time until the current lease ends.
@@ -134,6 +167,22 @@ pub struct LockedError {
     /// Milliseconds until the current lease ends (the `Retry-After` header gives it in whole
     /// seconds, rounded up, at least 1).
     pub retry_after_ms: u64,
+}
+
+/// The body of a `409` to a semaphore acquire: `locked` with `retry_after_ms`, or
+/// `limit_mismatch` with `limit`.
+#[derive(ToSchema)]
+pub struct PermitConflictError {
+    /// `locked` or `limit_mismatch`.
+    pub error: ErrorCode,
+    /// One human sentence.
+    pub message: String,
+    /// With `locked`: milliseconds until the first permit ends.
+    #[schema(required = false)]
+    pub retry_after_ms: u64,
+    /// With `limit_mismatch`: the limit the semaphore's current holders use.
+    #[schema(required = false, minimum = 1)]
+    pub limit: u32,
 }
 
 /// The lock's name, a path segment.
@@ -188,6 +237,82 @@ pub struct AcquireBody {
         pattern = r"^[A-Za-z0-9_-]{1,64}$"
     )]
     pub request_id: String,
+    /// `exclusive` (the default: one holder) or `shared` (any number of shared holders, never
+    /// with an exclusive one).
+    #[schema(required = false, pattern = "^(exclusive|shared)$")]
+    #[param(required = false, pattern = "^(exclusive|shared)$")]
+    pub mode: String,
+}
+
+/// The parameters of a semaphore acquire: `limit` is required; the others are as for a lock's
+/// acquire. Each may come in the query string or in a JSON object body.
+#[derive(ToSchema, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct SemaphoreAcquireBody {
+    /// How many permits the semaphore has: 1 to 10000. Every holder uses the same; another
+    /// limit while permits are held is `409 limit_mismatch`.
+    #[schema(minimum = 1, maximum = 10000)]
+    #[param(minimum = 1, maximum = 10000)]
+    pub limit: u32,
+    /// Lease length in ms, as for locks.
+    #[schema(required = false, minimum = 1)]
+    #[param(required = false, minimum = 1)]
+    pub ttl_ms: u64,
+    /// How long to wait, in ms, while every permit is taken, as for locks.
+    #[schema(required = false, minimum = 0)]
+    #[param(required = false, minimum = 0)]
+    pub wait_ms: u64,
+    /// A free label for people, shown by `GET /semaphores/{key}`.
+    #[schema(required = false, max_length = 128)]
+    #[param(required = false, max_length = 128)]
+    pub owner: String,
+    /// Makes a retried acquire safe, as for locks.
+    #[schema(
+        required = false,
+        min_length = 1,
+        max_length = 64,
+        pattern = r"^[A-Za-z0-9_-]{1,64}$"
+    )]
+    #[param(
+        required = false,
+        min_length = 1,
+        max_length = 64,
+        pattern = r"^[A-Za-z0-9_-]{1,64}$"
+    )]
+    pub request_id: String,
+}
+
+/// Ends every lease on the key without its token.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ForceQuery {
+    /// `true`, with no token: ends every lease on the key (any other value is `400`; never in
+    /// the body). With auth it needs `admin`; without, the broker must run with
+    /// `allow_force_release`.
+    #[param(required = false, pattern = "^true$")]
+    pub force: String,
+}
+
+/// A listing's parameters, in the query string (or a JSON object body).
+#[derive(IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ListQueryParams {
+    /// Only keys that start with this: 0 to 200 characters from `A-Z a-z 0-9 . _ - :`.
+    /// Default: every key.
+    #[param(
+        required = false,
+        max_length = 200,
+        pattern = r"^[A-Za-z0-9._:-]{0,200}$"
+    )]
+    pub prefix: String,
+    /// Most entries on the page: 1 to 1000. Default: 100.
+    #[param(required = false, minimum = 1, maximum = 1000)]
+    pub limit: u32,
+    /// The `next_cursor` of the page before; leave it out for the first page. A cursor the
+    /// broker did not give is `400`.
+    #[param(required = false)]
+    pub cursor: String,
 }
 
 /// The parameters of a renewal, in the query string or a JSON object body; optional. The
@@ -265,6 +390,26 @@ pub struct Unauthorized(pub ErrorBody<'static>);
 #[derive(IntoResponses)]
 #[response(status = 403)]
 pub struct Forbidden(pub ErrorBody<'static>);
+
+/// `forbidden`: with an auth file, the token is known but its prefixes do not cover the key or
+/// it lacks the permission (`force=true` needs `admin`); without one, `force=true` on a broker
+/// that does not run with `allow_force_release`.
+#[derive(IntoResponses)]
+#[response(status = 403)]
+pub struct ForceRefused(pub ErrorBody<'static>);
+
+/// `locked`: every permit is still taken when `wait_ms` ran out (with `retry_after_ms` and
+/// `Retry-After`: when the first permit ends); or `limit_mismatch`: the semaphore's current
+/// holders took their permits with another `limit` (given in the body).
+#[derive(IntoResponses)]
+#[response(
+    status = 409,
+    headers((
+        "Retry-After" = u64,
+        description = "With `locked`: seconds until the first permit ends, rounded up, at least 1."
+    ))
+)]
+pub struct PermitRefused(pub PermitConflictError);
 
 /// `not_held`: nobody holds the lock (it is free, it was released, or the lease expired).
 #[derive(IntoResponses)]

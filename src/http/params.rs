@@ -199,6 +199,36 @@ impl Params {
         Ok(Token::parse(&raw)?)
     }
 
+    /// Whether a release is a force release: `force=true` in the query string ends every lease
+    /// on the key without a token. Only `true` is a value (leave it out otherwise); never in the
+    /// body, since the auth layer decides from the query string alone who may send it; and a
+    /// force release takes no token, so one given with it is refused as a mistake.
+    pub fn force(&mut self) -> Result<bool, ApiError> {
+        if self.body.contains_key("force") {
+            return Err(ApiError::invalid(
+                "Send force=true in the query string, not in the body.",
+            ));
+        }
+        match self.take_query("force")?.as_deref() {
+            None => Ok(false),
+            Some("true") => {
+                if self.token_header.is_some()
+                    || self.query.iter().any(|(name, _)| name == "token")
+                    || self.body.contains_key("token")
+                {
+                    return Err(ApiError::invalid(
+                        "A force release takes no token: it ends every lease on the key; leave \
+                         out either the token or force=true.",
+                    ));
+                }
+                Ok(true)
+            }
+            Some(_) => Err(ApiError::invalid(
+                "force must be true (or left out for a release by token).",
+            )),
+        }
+    }
+
     /// Refuses any parameter no handler took.
     pub fn finish(self) -> Result<(), ApiError> {
         let mut unknown: Vec<&str> = self

@@ -1,7 +1,8 @@
 //! The lock service: the classic SETNX/GETSET timestamp recipe over any [`Store`] — claim with
 //! SETNX, look with GET, take over an expired lease with a safe GETSET, release and renew only as
 //! the holder — plus waiting, fencing and the guarantees around a store that fails mid-call.
-//! Knows nothing of HTTP.
+//! Shared leases on a lock and semaphore permits join a pool in one store call
+//! ([`Store::join`]) and wait in the same loop. Knows nothing of HTTP.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,12 +11,13 @@ use rand::RngExt;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use crate::domain::{LockKey, Owner, RequestId, Token, Ttl, WaitFor, millis};
+use crate::domain::{Fence, LockKey, Owner, RequestId, Token, Ttl, WaitFor, millis};
 use crate::metrics::{AcquireResult, HolderResult, Metrics, StoreOp};
 use crate::store::{
-    Bid, Grant, Hold, Holder, Lease, NOTICE_BUFFER, Space, Store, StoreError, StoreResult,
+    Bid, Grant, Hold, Holder, Join, Lease, ListQuery, Mode, NOTICE_BUFFER, Page, Pool, Space,
+    Store, StoreError, StoreResult, WRITER_INTENT_MS,
 };
-use crate::waiters::Waiters;
+use crate::waiters::{Ticket, Waiters};
 
 /// Limits and defaults the service applies; validated by the configuration.
 #[derive(Debug, Clone)]
@@ -25,6 +27,10 @@ pub struct LockSettings {
     /// Most acquires that may wait on this broker at once (an acquire that may wait counts from
     /// its first look); memory per waiter is small, but unbounded waiting is not.
     pub max_waiters: usize,
+    /// Whether force release (every lease on a key ended without its token) is allowed. With an
+    /// auth file it is (the auth layer lets only `admin` ask); without one, only if the broker
+    /// was started with `allow_force_release`.
+    pub allow_force_release: bool,
 }
 
 /// Why an operation did not do what was asked. The http layer maps each to a status.
@@ -32,6 +38,15 @@ pub struct LockSettings {
 pub enum LockError {
     #[error("the lock is held by someone else")]
     Locked { retry_after_ms: u64 },
+    /// The semaphore's live holders took their permits with another limit.
+    #[error("the semaphore's holders use the limit {limit}")]
+    LimitMismatch { limit: u32 },
+    /// Force release is off on this broker (no auth file, no `allow_force_release`).
+    #[error("force release is off on this broker")]
+    ForceReleaseOff,
+    /// A listing cursor the store did not give out.
+    #[error("the listing cursor is not one this broker gave out")]
+    BadCursor,
     #[error("nobody holds the lock")]
     NotHeld,
     #[error("someone else holds the lock")]
@@ -39,7 +54,7 @@ pub enum LockError {
     #[error("{limit} requests already wait on this broker")]
     TooManyWaiters { limit: usize },
     #[error(transparent)]
-    StoreUnavailable(#[from] StoreError),
+    StoreUnavailable(StoreError),
     #[error("the broker is shutting down")]
     ShuttingDown,
     /// A store-wide hold is in force (the store is new or lost writes; see [`Hold`]).
@@ -47,34 +62,84 @@ pub enum LockError {
     Held(Hold),
 }
 
+impl From<StoreError> for LockError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            // The client's mistake, not the store's.
+            StoreError::BadCursor => Self::BadCursor,
+            e => Self::StoreUnavailable(e),
+        }
+    }
+}
+
+/// What kind of lease an acquire asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// The lock alone: the SETNX/GETSET recipe.
+    Exclusive,
+    /// A shared lease on the lock, beside any other shared ones.
+    Shared,
+    /// One of `limit` permits of a semaphore.
+    Semaphore { limit: u32 },
+}
+
+impl Kind {
+    /// The key space the lease is in.
+    pub fn space(self) -> Space {
+        match self {
+            Kind::Exclusive | Kind::Shared => Space::Locks,
+            Kind::Semaphore { .. } => Space::Semaphores,
+        }
+    }
+
+    /// The pool a shared lease or a permit joins; `None` for the lock alone.
+    fn pool(self) -> Option<Pool> {
+        match self {
+            Kind::Exclusive => None,
+            Kind::Shared => Some(Pool::Shared),
+            Kind::Semaphore { limit } => Some(Pool::Semaphore { limit }),
+        }
+    }
+}
+
 /// An acquire as the client asked for it.
 #[derive(Debug, Clone)]
 pub struct AcquireRequest {
+    pub kind: Kind,
     pub ttl: Ttl,
     pub wait: WaitFor,
     pub owner: Option<Owner>,
     pub request_id: Option<RequestId>,
 }
 
-/// A live lease with the store's clock when it was read.
+/// The live leases on a lock or a semaphore, with the store's clock when they were read.
 #[derive(Debug, Clone)]
-pub struct LeaseView {
-    pub lease: Lease,
+pub struct HoldersView {
     pub now_ms: u64,
+    /// A lock's mode (`None` for a semaphore).
+    pub mode: Option<Mode>,
+    /// A semaphore's limit (`None` for a lock).
+    pub limit: Option<u32>,
+    /// By fence; never empty. One for an exclusive lock.
+    pub holders: Vec<Lease>,
 }
 
-impl LeaseView {
-    pub fn ttl_remaining_ms(&self) -> u64 {
-        self.lease.expires_at_ms.saturating_sub(self.now_ms)
+impl HoldersView {
+    /// Milliseconds until `lease` ends.
+    pub fn ttl_remaining_ms(&self, lease: &Lease) -> u64 {
+        lease.expires_at_ms.saturating_sub(self.now_ms)
     }
 }
 
-/// The outcome of one pass of the lock recipe.
+/// The outcome of one pass of the lock recipe, or of one try to join a pool.
 enum Attempt {
     Granted(Lease),
     /// Someone holds a live lease that ends in this many ms (store clock).
     Held {
         retry_after_ms: u64,
+        /// An exclusive bid refused because of shared holders: its intent lapses unless it
+        /// looks again within [`WRITER_INTENT_MS`], so its nap is capped at half of that.
+        behind_shared: bool,
     },
     /// The state moved under us (GET returned nil, or a takeover was lost): try again at once.
     Again,
@@ -89,6 +154,10 @@ const POLL_MIN: Duration = Duration::from_millis(5);
 
 /// How soon a waiting acquire looks again after the store failed to answer.
 const STORE_RETRY: Duration = Duration::from_millis(200);
+
+/// The longest nap of an exclusive acquire waiting behind shared holders: half its intent's life,
+/// so that the intent it renews on each look never lapses while it waits.
+const INTENT_REFRESH: Duration = Duration::from_millis(WRITER_INTENT_MS / 2);
 
 /// The head waiter's fallback poll, in case a release notice is lost: 1 s, doubling while it
 /// waits, up to 30 s — so a long wait costs a handful of store calls, not one per interval.
@@ -158,6 +227,7 @@ impl<S: Store> LockService<S> {
     /// Ends by `req.wait` plus the store timeout. Dropping the returned future (the client went
     /// away) stops the wait; a store call it interrupts is cleaned up (see [`PendingGrant`]).
     pub async fn acquire(&self, key: &LockKey, req: AcquireRequest) -> Result<Lease, LockError> {
+        let kind = req.kind;
         let bid = Bid {
             token: Token::generate(),
             ttl: req.ttl,
@@ -168,36 +238,38 @@ impl<S: Store> LockService<S> {
         let wait = req.wait.as_duration();
         let bound = wait + self.settings.store_timeout;
         let arrived = Instant::now();
-        let result = match tokio::time::timeout(
-            bound,
-            self.acquire_until(key, &bid, arrived + wait),
-        )
-        .await
-        {
-            Ok(result) => result,
-            // Only a store call can be running when this fires: the loop stops napping at
-            // the deadline, and a nap is shorter than the store timeout.
-            Err(_) => Err(StoreError::Timeout(millis(self.settings.store_timeout)).into()),
-        };
+        let result =
+            match tokio::time::timeout(bound, self.acquire_until(kind, key, &bid, arrived + wait))
+                .await
+            {
+                Ok(result) => result,
+                // Only a store call can be running when this fires: the loop stops napping at
+                // the deadline, and a nap is shorter than the store timeout.
+                Err(_) => Err(StoreError::Timeout(millis(self.settings.store_timeout)).into()),
+            };
         let outcome = match &result {
             Ok(_) => AcquireResult::Granted,
             Err(LockError::Locked { .. }) => AcquireResult::Locked,
+            Err(LockError::LimitMismatch { .. }) => AcquireResult::LimitMismatch,
             Err(_) => AcquireResult::Error,
         };
-        self.metrics.acquired(outcome, arrived.elapsed());
+        self.metrics.acquired(kind, outcome, arrived.elapsed());
         result
     }
 
     async fn acquire_until(
         &self,
+        kind: Kind,
         key: &LockKey,
         bid: &Bid,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
+        let space = kind.space();
+        let exclusive = kind == Kind::Exclusive;
         // Join the queue before the first look, so that a release landing between that look and
         // the wait still wakes us. A full queue is only an error if we do have to wait.
         let mut ticket = if Instant::now() < deadline {
-            self.waiters.enqueue(key)
+            self.waiters.enqueue(space, key, exclusive)
         } else {
             None
         };
@@ -215,16 +287,20 @@ impl<S: Store> LockService<S> {
         loop {
             let bid = retry_bid.as_ref().unwrap_or(bid);
             let attempt = match held_for_ms.take() {
-                Some(retry_after_ms) => Attempt::Held { retry_after_ms },
+                Some(retry_after_ms) => Attempt::Held {
+                    retry_after_ms,
+                    behind_shared: false,
+                },
                 // Boxed: the store call's future lives on the heap only while the call runs,
                 // instead of its whole size being reserved in every parked waiter's future.
-                None => match Box::pin(self.attempt(key, bid)).await {
+                None => match Box::pin(self.attempt(kind, key, bid, ticket.as_ref())).await {
                     // A store-wide hold lasts a few seconds: a request that may still wait waits
                     // it out, as it would a holder.
                     Err(LockError::Held(hold)) if Instant::now() < deadline => {
                         trouble = Some(LockError::Held(hold));
                         Attempt::Held {
                             retry_after_ms: hold.retry_after_ms,
+                            behind_shared: false,
                         }
                     }
                     // So does a store that failed to answer (a restart, a failover): the
@@ -250,11 +326,14 @@ impl<S: Store> LockService<S> {
                     }
                 },
             };
-            let retry_after_ms = match attempt {
+            let (retry_after_ms, behind_shared) = match attempt {
                 Attempt::Granted(lease) => {
-                    // A new lease runs its whole TTL; one handed back again by request id may
-                    // have less left, so the next in line looks for itself then.
+                    // A new exclusive lease runs its whole TTL; one handed back again by request
+                    // id may have less left, so the next in line looks for itself then. After a
+                    // shared lease or a permit the next in line may be granted too: dropping the
+                    // ticket wakes it to look.
                     if let Some(ticket) = ticket.take()
+                        && exclusive
                         && lease.token == bid.token
                     {
                         ticket.leave_as_holder(lease.ttl_ms);
@@ -265,8 +344,11 @@ impl<S: Store> LockService<S> {
                     immediate += 1;
                     continue;
                 }
-                Attempt::Again => 0,
-                Attempt::Held { retry_after_ms } => retry_after_ms,
+                Attempt::Again => (0, false),
+                Attempt::Held {
+                    retry_after_ms,
+                    behind_shared,
+                } => (retry_after_ms, behind_shared),
             };
             immediate = 0;
             let now = Instant::now();
@@ -277,18 +359,25 @@ impl<S: Store> LockService<S> {
             let Some(waiting) = &ticket else {
                 // The queue was full when we came; if there is room now, join and look again
                 // (a release may have come before we joined).
-                ticket = Some(self.waiters.enqueue(key).ok_or(LockError::TooManyWaiters {
-                    limit: self.waiters.limit(),
-                })?);
+                ticket = Some(self.waiters.enqueue(space, key, exclusive).ok_or(
+                    LockError::TooManyWaiters {
+                        limit: self.waiters.limit(),
+                    },
+                )?);
                 continue;
             };
             // The head wakes at the holder's expiry (+1 ms: a lease ends *after* its last
             // millisecond) or at the fallback poll, whichever is first, never sooner than
-            // POLL_MIN; the others sleep until a notice, their promotion or their deadline.
+            // POLL_MIN; the others sleep until a notice, their promotion or their deadline. An
+            // exclusive head behind shared holders looks again within half the intent's life, so
+            // that its intent keeps holding new shared leases back.
             let wake_at = if waiting.is_head() {
-                let nap = Duration::from_millis(retry_after_ms.saturating_add(1))
+                let mut nap = Duration::from_millis(retry_after_ms.saturating_add(1))
                     .min(jittered(fallback))
                     .max(POLL_MIN);
+                if behind_shared {
+                    nap = nap.min(INTENT_REFRESH);
+                }
                 fallback = (fallback * 2).min(FALLBACK_POLL_MAX);
                 (now + nap).min(deadline)
             } else {
@@ -302,17 +391,85 @@ impl<S: Store> LockService<S> {
         }
     }
 
+    /// One try of the acquire: a pass of the lock recipe, or a try to join a pool.
+    async fn attempt(
+        &self,
+        kind: Kind,
+        key: &LockKey,
+        bid: &Bid,
+        ticket: Option<&Ticket>,
+    ) -> Result<Attempt, LockError> {
+        match kind.pool() {
+            None => self.claim_or_take_over(key, bid).await,
+            // Fairness on this broker: a shared acquire does not try while an exclusive acquire
+            // that came before it waits here; it only looks, to know how long the lock is busy.
+            Some(Pool::Shared)
+                if ticket.map_or_else(
+                    || self.waiters.exclusive_waiting(Space::Locks, key),
+                    Ticket::exclusive_ahead,
+                ) =>
+            {
+                self.look_behind_exclusive(key).await
+            }
+            Some(pool) => self.join(key, pool, bid).await,
+        }
+    }
+
+    /// One try to join a pool: a shared lease, or a permit. One store call.
+    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> Result<Attempt, LockError> {
+        let join = self.timed(StoreOp::join, self.store.join(key, pool, bid));
+        match self.guarded(pool.space(), key, bid, join).await? {
+            Join::Granted(lease) => Ok(Attempt::Granted(lease)),
+            Join::Busy { retry_after_ms } => Ok(Attempt::Held {
+                retry_after_ms,
+                behind_shared: false,
+            }),
+            Join::LimitMismatch { limit } => Err(LockError::LimitMismatch { limit }),
+            Join::Held(hold) => Err(LockError::Held(hold)),
+        }
+    }
+
+    /// How long a lock stays busy for a shared acquire queued behind an exclusive one: until the
+    /// exclusive lease ends, or the shared leases the exclusive acquire waits for do.
+    async fn look_behind_exclusive(&self, key: &LockKey) -> Result<Attempt, LockError> {
+        let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
+        let ends = snapshot
+            .lease
+            .iter()
+            .chain(&snapshot.shared)
+            .filter(|l| l.is_live_at(snapshot.now_ms))
+            .map(|l| l.expires_at_ms - snapshot.now_ms);
+        Ok(Attempt::Held {
+            // At least 1 ms: a free lock is about to go to the exclusive acquire ahead.
+            retry_after_ms: ends.max().unwrap_or(0).max(1),
+            behind_shared: false,
+        })
+    }
+
     /// One pass of the lock recipe.
-    async fn attempt(&self, key: &LockKey, bid: &Bid) -> Result<Attempt, LockError> {
+    async fn claim_or_take_over(&self, key: &LockKey, bid: &Bid) -> Result<Attempt, LockError> {
         // 1. SETNX: a free key is ours in one round trip.
         let claim = self.timed(StoreOp::claim, self.store.claim(key, bid));
-        match self.guarded(key, bid, claim).await? {
+        match self.guarded(Space::Locks, key, bid, claim).await? {
             Grant::Granted(lease) => return Ok(Attempt::Granted(lease)),
             Grant::Held(hold) => return Err(LockError::Held(hold)),
             Grant::Refused => {}
         }
         // 2. GET: who holds it, and until when on the store's clock.
         let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
+        let exclusive_live = snapshot
+            .lease
+            .as_ref()
+            .is_some_and(|l| l.is_live_at(snapshot.now_ms));
+        if !exclusive_live && !snapshot.shared.is_empty() {
+            // Shared holders: the claim was refused for them (and recorded this bid's intent if
+            // it waits). The key is free for an exclusive lease when the last of them ends.
+            let last = snapshot.shared.iter().map(|l| l.expires_at_ms).max();
+            return Ok(Attempt::Held {
+                retry_after_ms: last.map_or(0, |end| end.saturating_sub(snapshot.now_ms)),
+                behind_shared: true,
+            });
+        }
         let Some(current) = snapshot.lease else {
             // GET returned nil: the lock was released between our SETNX and GET. It is free,
             // not expired: go straight back to SETNX.
@@ -321,6 +478,7 @@ impl<S: Store> LockService<S> {
         if current.is_live_at(snapshot.now_ms) {
             return Ok(Attempt::Held {
                 retry_after_ms: current.expires_at_ms - snapshot.now_ms,
+                behind_shared: false,
             });
         }
         // 3. Expired: take it over, so that exactly one contender wins it.
@@ -328,7 +486,7 @@ impl<S: Store> LockService<S> {
             StoreOp::take_over,
             self.store.take_over(key, current.fence, bid),
         );
-        match self.guarded(key, bid, take_over).await? {
+        match self.guarded(Space::Locks, key, bid, take_over).await? {
             Grant::Granted(lease) => {
                 self.metrics.took_over();
                 Ok(Attempt::Granted(lease))
@@ -343,6 +501,7 @@ impl<S: Store> LockService<S> {
     /// outlive the call's failure or the client's departure (see [`PendingGrant`]).
     async fn guarded<T>(
         &self,
+        space: Space,
         key: &LockKey,
         bid: &Bid,
         call: impl Future<Output = StoreResult<T>>,
@@ -352,6 +511,7 @@ impl<S: Store> LockService<S> {
             // so a lease whose answer was lost is left to be claimed (or to end at its TTL);
             // releasing it could pull it from under that repeat's 201.
             store: bid.request_id.is_none().then(|| self.store.clone()),
+            space,
             key: key.clone(),
             token: bid.token.clone(),
             ttl: bid.ttl,
@@ -365,13 +525,16 @@ impl<S: Store> LockService<S> {
         result
     }
 
-    /// Releases `key` if `token` holds its live lease.
-    pub async fn release(&self, key: &LockKey, token: &Token) -> Result<(), LockError> {
+    /// Releases `token`'s live lease on `key` in `space`: the exclusive or a shared lease of a
+    /// lock, or a semaphore's permit.
+    pub async fn release(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> Result<(), LockError> {
         let outcome = self
-            .timed(
-                StoreOp::release,
-                self.store.release(Space::Locks, key, token),
-            )
+            .timed(StoreOp::release, self.store.release(space, key, token))
             .await;
         let (result, held) = match &outcome {
             Ok(Holder::Done(released)) => (
@@ -382,37 +545,101 @@ impl<S: Store> LockService<S> {
             Ok(Holder::NotOwner) => (HolderResult::NotOwner, None),
             Ok(Holder::Held(_)) | Err(_) => (HolderResult::Error, None),
         };
-        self.metrics.released(result, held);
+        self.metrics.released(space, result, held);
         outcome?.into_result().map(drop)
     }
 
-    /// Moves the end of `token`'s live lease to `ttl` from now. Same token, same fence.
-    pub async fn renew(&self, key: &LockKey, token: &Token, ttl: Ttl) -> Result<Lease, LockError> {
+    /// Moves the end of `token`'s live lease on `key` in `space` to `ttl` from now. Same token,
+    /// same fence.
+    pub async fn renew(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> Result<Lease, LockError> {
         let outcome = self
-            .timed(
-                StoreOp::renew,
-                self.store.renew(Space::Locks, key, token, ttl),
-            )
+            .timed(StoreOp::renew, self.store.renew(space, key, token, ttl))
             .await;
-        self.metrics.renewed(match &outcome {
-            Ok(Holder::Done(_)) => HolderResult::Done,
-            Ok(Holder::NotHeld) => HolderResult::NotHeld,
-            Ok(Holder::NotOwner) => HolderResult::NotOwner,
-            Ok(Holder::Held(_)) | Err(_) => HolderResult::Error,
-        });
+        self.metrics.renewed(
+            space,
+            match &outcome {
+                Ok(Holder::Done(_)) => HolderResult::Done,
+                Ok(Holder::NotHeld) => HolderResult::NotHeld,
+                Ok(Holder::NotOwner) => HolderResult::NotOwner,
+                Ok(Holder::Held(_)) | Err(_) => HolderResult::Error,
+            },
+        );
         outcome?.into_result()
     }
 
-    /// The live lease on `key`, if any.
-    pub async fn inspect(&self, key: &LockKey) -> Result<LeaseView, LockError> {
+    /// The live leases on the lock `key`: the exclusive one, or the shared ones.
+    pub async fn inspect(&self, key: &LockKey) -> Result<HoldersView, LockError> {
         let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
-        match snapshot.lease {
-            Some(lease) if lease.is_live_at(snapshot.now_ms) => Ok(LeaseView {
-                lease,
-                now_ms: snapshot.now_ms,
+        let now_ms = snapshot.now_ms;
+        let (mode, holders) = match snapshot.lease {
+            Some(lease) if lease.is_live_at(now_ms) => (Mode::Exclusive, vec![lease]),
+            _ if !snapshot.shared.is_empty() => (Mode::Shared, snapshot.shared),
+            _ => return Err(LockError::NotHeld),
+        };
+        Ok(HoldersView {
+            now_ms,
+            mode: Some(mode),
+            limit: None,
+            holders,
+        })
+    }
+
+    /// The live permits of the semaphore `key`, with the limit they were taken with.
+    pub async fn permits(&self, key: &LockKey) -> Result<HoldersView, LockError> {
+        let permits = self.timed(StoreOp::read, self.store.permits(key)).await?;
+        match permits.limit {
+            Some(limit) if !permits.holders.is_empty() => Ok(HoldersView {
+                now_ms: permits.now_ms,
+                mode: None,
+                limit: Some(limit),
+                holders: permits.holders,
             }),
             _ => Err(LockError::NotHeld),
         }
+    }
+
+    /// Ends every live lease on `key` in `space` without their tokens; the fences it ended.
+    /// Refused unless force release is allowed on this broker (see [`LockSettings`]).
+    pub async fn force_release(
+        &self,
+        space: Space,
+        key: &LockKey,
+    ) -> Result<Vec<Fence>, LockError> {
+        if !self.settings.allow_force_release {
+            return Err(LockError::ForceReleaseOff);
+        }
+        let outcome = self
+            .timed(StoreOp::force_release, self.store.force_release(space, key))
+            .await;
+        self.metrics.force_released(
+            space,
+            match &outcome {
+                Ok(Holder::Done(_)) => HolderResult::Done,
+                Ok(Holder::NotHeld) => HolderResult::NotHeld,
+                Ok(Holder::NotOwner) => HolderResult::NotOwner,
+                Ok(Holder::Held(_)) | Err(_) => HolderResult::Error,
+            },
+        );
+        let fences = outcome?.into_result()?;
+        tracing::warn!(
+            %key,
+            ?space,
+            ?fences,
+            "force release ended {} lease(s) without their tokens",
+            fences.len()
+        );
+        Ok(fences)
+    }
+
+    /// A page of the keys in `query.space` with live leases.
+    pub async fn list(&self, query: &ListQuery) -> Result<Page, LockError> {
+        Ok(self.timed(StoreOp::list, self.store.list(query)).await?)
     }
 
     /// Whether a free key would be granted now: the store answers and no store-wide hold is in

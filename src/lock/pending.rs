@@ -22,6 +22,8 @@ use crate::store::{Holder, Space, Store};
 pub(super) struct PendingGrant<S: Store> {
     /// `None` once disarmed.
     pub store: Option<Arc<S>>,
+    /// The space the lease would be in: a lock's (exclusive or shared lease), or a semaphore's.
+    pub space: Space,
     pub key: LockKey,
     pub token: Token,
     pub ttl: Ttl,
@@ -35,12 +37,12 @@ impl<S: Store> Drop for PendingGrant<S> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (key, token) = (self.key.clone(), self.token.clone());
+        let (space, key, token) = (self.space, self.key.clone(), self.token.clone());
         let give_up = Instant::now() + Duration::from_millis(self.ttl.as_ms());
         runtime.spawn(async move {
             let mut pause = Duration::from_millis(50);
             loop {
-                match store.release(Space::Locks, &key, &token).await {
+                match store.release(space, &key, &token).await {
                     Ok(outcome) => {
                         if matches!(outcome, Holder::Done(_)) {
                             tracing::info!(%key, "released a lease granted to a request that failed or went away");

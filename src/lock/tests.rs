@@ -14,7 +14,9 @@ use futures::executor::block_on;
 
 use super::*;
 use crate::store::memory::clock::ManualClock;
-use crate::store::{Join, ListQuery, MemoryStore, Notice, Page, Permits, Pool, Snapshot, Space};
+use crate::store::{
+    Join, ListQuery, MemoryStore, Mode, Notice, Page, Permits, Pool, Snapshot, Space,
+};
 
 type Hook = Box<dyn FnOnce(&MemoryStore) + Send>;
 
@@ -164,6 +166,10 @@ fn harness() -> Harness {
 }
 
 fn harness_with(max_waiters: usize) -> Harness {
+    build_harness(max_waiters, false)
+}
+
+fn build_harness(max_waiters: usize, allow_force_release: bool) -> Harness {
     let clock = ManualClock::starting_at_ms(T0);
     let store = Arc::new(Scripted::new(MemoryStore::new(Arc::new(clock.clone()))));
     let (stop, stopped) = watch::channel(false);
@@ -172,6 +178,7 @@ fn harness_with(max_waiters: usize) -> Harness {
         LockSettings {
             store_timeout: Duration::from_secs(2),
             max_waiters,
+            allow_force_release,
         },
         stopped,
     );
@@ -186,6 +193,7 @@ fn harness_with(max_waiters: usize) -> Harness {
 
 fn request(ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
     AcquireRequest {
+        kind: Kind::Exclusive,
         ttl: Ttl::from_ms(ttl_ms),
         wait: WaitFor::from_ms(wait_ms),
         owner: None,
@@ -284,7 +292,10 @@ async fn a_lost_getset_race_writes_nothing_and_leaves_the_winners_lease_intact()
     }
     // The classic recipe's blind GETSET would have put the loser's value in the key by now.
     assert_eq!(token_in_store(&h), Some(winner.token.clone()));
-    h.locks.release(&h.key, &winner.token).await.unwrap();
+    h.locks
+        .release(Space::Locks, &h.key, &winner.token)
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -310,11 +321,14 @@ async fn releasing_a_lease_that_expired_and_was_taken_over_is_not_owner_and_keep
     let second = h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
     assert!(second.fence > first.fence);
     assert!(matches!(
-        h.locks.release(&h.key, &first.token).await,
+        h.locks.release(Space::Locks, &h.key, &first.token).await,
         Err(LockError::NotOwner)
     ));
     assert_eq!(token_in_store(&h), Some(second.token.clone()));
-    h.locks.release(&h.key, &second.token).await.unwrap();
+    h.locks
+        .release(Space::Locks, &h.key, &second.token)
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -323,7 +337,7 @@ async fn releasing_a_lease_that_expired_untaken_is_not_held() {
     let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
     h.clock.advance_ms(100);
     assert!(matches!(
-        h.locks.release(&h.key, &first.token).await,
+        h.locks.release(Space::Locks, &h.key, &first.token).await,
         Err(LockError::NotHeld)
     ));
     assert!(matches!(
@@ -339,12 +353,12 @@ async fn renewing_an_expired_lease_is_refused_and_never_revives_it() {
     h.clock.advance_ms(100);
     let ttl = Ttl::from_ms(10_000);
     assert!(matches!(
-        h.locks.renew(&h.key, &first.token, ttl).await,
+        h.locks.renew(Space::Locks, &h.key, &first.token, ttl).await,
         Err(LockError::NotHeld)
     ));
     let second = h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
     assert!(matches!(
-        h.locks.renew(&h.key, &first.token, ttl).await,
+        h.locks.renew(Space::Locks, &h.key, &first.token, ttl).await,
         Err(LockError::NotOwner)
     ));
     assert_eq!(token_in_store(&h), Some(second.token));
@@ -357,7 +371,7 @@ async fn renewing_keeps_token_and_fence_and_ends_the_lease_ttl_after_now() {
     h.clock.advance_ms(600);
     let renewed = h
         .locks
-        .renew(&h.key, &first.token, Ttl::from_ms(2_000))
+        .renew(Space::Locks, &h.key, &first.token, Ttl::from_ms(2_000))
         .await
         .unwrap();
     assert_eq!(renewed.token, first.token);
@@ -365,7 +379,7 @@ async fn renewing_keeps_token_and_fence_and_ends_the_lease_ttl_after_now() {
     assert_eq!(renewed.expires_at_ms, T0 + 600 + 2_000);
     h.clock.advance_ms(1_000);
     let view = h.locks.inspect(&h.key).await.unwrap();
-    assert_eq!(view.ttl_remaining_ms(), 1_000);
+    assert_eq!(view.ttl_remaining_ms(&view.holders[0]), 1_000);
 }
 
 #[tokio::test]
@@ -381,7 +395,10 @@ async fn fences_rise_in_grant_order_through_claims_releases_and_takeovers() {
         );
         last = lease.fence;
         if round % 2 == 0 {
-            h.locks.release(&h.key, &lease.token).await.unwrap();
+            h.locks
+                .release(Space::Locks, &h.key, &lease.token)
+                .await
+                .unwrap();
         } else {
             h.clock.advance_ms(100); // left to expire: the next grant is a takeover
         }
@@ -393,7 +410,10 @@ async fn fences_rise_in_grant_order_through_claims_releases_and_takeovers() {
 async fn a_host_clock_step_backwards_does_not_lower_fences_after_the_counter_is_lost() {
     let h = harness();
     let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
-    h.locks.release(&h.key, &first.token).await.unwrap();
+    h.locks
+        .release(Space::Locks, &h.key, &first.token)
+        .await
+        .unwrap();
     // The counter is lost (the store restarted empty) and the clock went back a little.
     h.store.inner.evict(&h.key);
     h.clock.advance_ms(crate::store::EXPIRY_SLACK_MS);
@@ -413,7 +433,10 @@ async fn a_waiting_acquire_is_granted_when_the_holder_releases() {
     while h.locks.waiting() == 0 {
         tokio::task::yield_now().await;
     }
-    h.locks.release(&h.key, &first.token).await.unwrap();
+    h.locks
+        .release(Space::Locks, &h.key, &first.token)
+        .await
+        .unwrap();
     let second = waiter.await.unwrap().unwrap();
     assert!(second.fence > first.fence);
     assert_eq!(h.locks.waiting(), 0);
@@ -515,7 +538,10 @@ async fn a_dropped_waiter_leaves_the_queue_and_no_lease_behind() {
     waiter.abort();
     assert!(waiter.await.unwrap_err().is_cancelled());
     assert_eq!(h.locks.waiting(), 0);
-    h.locks.release(&h.key, &first.token).await.unwrap();
+    h.locks
+        .release(Space::Locks, &h.key, &first.token)
+        .await
+        .unwrap();
     assert_eq!(token_in_store(&h), None);
 }
 
@@ -592,8 +618,8 @@ async fn an_owner_label_is_kept_with_the_lease() {
     };
     h.locks.acquire(&h.key, req).await.unwrap();
     let view = h.locks.inspect(&h.key).await.unwrap();
-    assert_eq!(view.lease.owner, Some(owner));
-    assert_eq!(view.ttl_remaining_ms(), 1_000);
+    assert_eq!(view.holders[0].owner, Some(owner));
+    assert_eq!(view.ttl_remaining_ms(&view.holders[0]), 1_000);
 }
 
 fn with_request_id(req: AcquireRequest, id: &str) -> AcquireRequest {
@@ -628,7 +654,10 @@ async fn repeating_an_acquire_with_its_request_id_returns_the_same_grant_while_i
         ));
     }
     // Once the lease is gone, the same id gets a new grant, not the old one.
-    h.locks.release(&h.key, &first.token).await.unwrap();
+    h.locks
+        .release(Space::Locks, &h.key, &first.token)
+        .await
+        .unwrap();
     let later = h
         .locks
         .acquire(&h.key, with_request_id(request(1_000, 0), "r-1"))
@@ -662,28 +691,33 @@ async fn metrics_count_known_traffic_by_result() {
     let first = h.locks.acquire(&h.key, request(100, 0)).await.unwrap();
     assert!(h.locks.acquire(&h.key, request(100, 0)).await.is_err()); // locked
     h.locks
-        .renew(&h.key, &first.token, Ttl::from_ms(100))
+        .renew(Space::Locks, &h.key, &first.token, Ttl::from_ms(100))
         .await
         .unwrap();
     h.clock.advance_ms(100);
     h.locks.acquire(&h.key, request(100, 0)).await.unwrap(); // a takeover
-    assert!(h.locks.release(&h.key, &first.token).await.is_err()); // not_owner
     assert!(
         h.locks
-            .renew(&h.key, &first.token, Ttl::from_ms(1))
+            .release(Space::Locks, &h.key, &first.token)
+            .await
+            .is_err()
+    ); // not_owner
+    assert!(
+        h.locks
+            .renew(Space::Locks, &h.key, &first.token, Ttl::from_ms(1))
             .await
             .is_err()
     ); // not_owner
     let text = h.locks.render_metrics();
     for line in [
-        "lockbroker_acquisitions_total{result=\"granted\"} 2",
-        "lockbroker_acquisitions_total{result=\"locked\"} 1",
-        "lockbroker_acquisitions_total{result=\"error\"} 0",
+        "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"granted\"} 2",
+        "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"locked\"} 1",
+        "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"error\"} 0",
         "lockbroker_takeovers_total 1",
-        "lockbroker_renewals_total{result=\"renewed\"} 1",
-        "lockbroker_renewals_total{result=\"not_owner\"} 1",
-        "lockbroker_releases_total{result=\"not_owner\"} 1",
-        "lockbroker_releases_total{result=\"released\"} 0",
+        "lockbroker_renewals_total{space=\"locks\",result=\"renewed\"} 1",
+        "lockbroker_renewals_total{space=\"locks\",result=\"not_owner\"} 1",
+        "lockbroker_releases_total{space=\"locks\",result=\"not_owner\"} 1",
+        "lockbroker_releases_total{space=\"locks\",result=\"released\"} 0",
         "lockbroker_store_call_seconds_count{op=\"claim\"} 3",
         "lockbroker_store_call_seconds_count{op=\"take_over\"} 1",
         "lockbroker_waiters 0",
@@ -713,7 +747,270 @@ async fn a_grant_with_a_request_id_whose_answer_was_lost_is_kept_for_the_repeat(
     assert_eq!(Scripted::count(&h.store.calls.release), 0);
     assert_eq!(token_in_store(&h), Some(again.token.clone()));
     h.locks
-        .renew(&h.key, &again.token, Ttl::from_ms(1_000))
+        .renew(Space::Locks, &h.key, &again.token, Ttl::from_ms(1_000))
         .await
         .unwrap();
+}
+
+fn shared(ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
+    AcquireRequest {
+        kind: Kind::Shared,
+        ..request(ttl_ms, wait_ms)
+    }
+}
+
+fn permit(limit: u32, ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
+    AcquireRequest {
+        kind: Kind::Semaphore { limit },
+        ..request(ttl_ms, wait_ms)
+    }
+}
+
+/// Starts an acquire as a task of its own and returns once it waits on the broker.
+async fn spawn_waiting(
+    h: &Harness,
+    req: AcquireRequest,
+) -> tokio::task::JoinHandle<Result<Lease, LockError>> {
+    let before = h.locks.waiting();
+    let (locks, key) = (h.locks.clone(), h.key.clone());
+    let task = tokio::spawn(async move { locks.acquire(&key, req).await });
+    while h.locks.waiting() == before {
+        tokio::task::yield_now().await;
+    }
+    task
+}
+
+#[tokio::test]
+async fn shared_leases_are_held_together_each_with_its_own_token_and_fence() {
+    let h = harness();
+    let one = h.locks.acquire(&h.key, shared(1_000, 0)).await.unwrap();
+    let two = h.locks.acquire(&h.key, shared(2_000, 0)).await.unwrap();
+    assert_ne!(one.token, two.token);
+    assert!(two.fence > one.fence);
+    let view = h.locks.inspect(&h.key).await.unwrap();
+    assert_eq!(view.mode, Some(Mode::Shared));
+    assert_eq!(view.holders.len(), 2);
+    // No exclusive lease beside them; one shared lease's release leaves the other.
+    assert!(matches!(
+        h.locks.acquire(&h.key, request(1_000, 0)).await,
+        Err(LockError::Locked {
+            retry_after_ms: 2_000
+        })
+    ));
+    h.locks
+        .release(Space::Locks, &h.key, &one.token)
+        .await
+        .unwrap();
+    let renewed = h
+        .locks
+        .renew(Space::Locks, &h.key, &two.token, Ttl::from_ms(500))
+        .await
+        .unwrap();
+    assert_eq!(renewed.fence, two.fence);
+    h.clock.advance_ms(500);
+    let exclusive = h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
+    assert!(exclusive.fence > two.fence);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shared_acquire_is_not_granted_ahead_of_an_exclusive_one_queued_before_it() {
+    let h = harness();
+    let holder = h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    let exclusive = spawn_waiting(&h, request(1_000, 5_000)).await;
+    let reader = spawn_waiting(&h, shared(1_000, 5_000)).await;
+    // A shared request that may not wait is refused while the exclusive one waits ahead.
+    assert!(matches!(
+        h.locks.acquire(&h.key, shared(1_000, 0)).await,
+        Err(LockError::Locked { .. })
+    ));
+    h.locks
+        .release(Space::Locks, &h.key, &holder.token)
+        .await
+        .unwrap();
+    let writer = exclusive.await.unwrap().unwrap();
+    assert!(writer.fence > holder.fence);
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!reader.is_finished(), "the reader waits for the writer");
+    h.locks
+        .release(Space::Locks, &h.key, &writer.token)
+        .await
+        .unwrap();
+    let read = reader.await.unwrap().unwrap();
+    assert!(read.fence > writer.fence);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_exclusive_acquire_holds_new_shared_ones_back_and_gets_the_lock_after_the_last_shared_one()
+ {
+    let h = harness();
+    let one = h.locks.acquire(&h.key, shared(60_000, 0)).await.unwrap();
+    let two = h.locks.acquire(&h.key, shared(60_000, 0)).await.unwrap();
+    let exclusive = spawn_waiting(&h, request(1_000, 10_000)).await;
+    // On this broker, by the queue; on any broker, by the exclusive acquire's intent.
+    assert!(matches!(
+        h.locks.acquire(&h.key, shared(1_000, 0)).await,
+        Err(LockError::Locked { .. })
+    ));
+    assert!(matches!(
+        h.store
+            .inner
+            .join(&h.key, Pool::Shared, &bid(1_000))
+            .await
+            .unwrap(),
+        Join::Busy { .. }
+    ));
+    h.locks
+        .release(Space::Locks, &h.key, &one.token)
+        .await
+        .unwrap();
+    tokio::task::yield_now().await;
+    assert!(!exclusive.is_finished(), "one shared lease is still held");
+    h.locks
+        .release(Space::Locks, &h.key, &two.token)
+        .await
+        .unwrap();
+    let writer = exclusive.await.unwrap().unwrap();
+    assert!(writer.fence > two.fence);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_exclusive_acquire_behind_shared_holders_looks_again_within_half_the_intents_life() {
+    let h = harness();
+    h.locks.acquire(&h.key, shared(60_000, 0)).await.unwrap();
+    let exclusive = spawn_waiting(&h, request(1_000, 30_000)).await;
+    let claims_before = Scripted::count(&h.store.calls.claim);
+    tokio::time::sleep(Duration::from_millis(6 * WRITER_INTENT_MS / 2 + 500)).await;
+    let looks = Scripted::count(&h.store.calls.claim) - claims_before;
+    // Without the cap, the fallback poll (1 s, doubling) would look about three times.
+    assert!(looks >= 6, "{looks} looks in 6 intent half-lives");
+    exclusive.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_granted_shared_waiter_wakes_the_next_which_is_granted_at_once_too() {
+    let h = harness();
+    let holder = h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    let first = spawn_waiting(&h, shared(1_000, 5_000)).await;
+    let second = spawn_waiting(&h, shared(1_000, 5_000)).await;
+    let released = Instant::now();
+    h.locks
+        .release(Space::Locks, &h.key, &holder.token)
+        .await
+        .unwrap();
+    let (first, second) = (
+        first.await.unwrap().unwrap(),
+        second.await.unwrap().unwrap(),
+    );
+    assert!(
+        released.elapsed() < POLL_MIN,
+        "the second reader waited {:?}",
+        released.elapsed()
+    );
+    assert_ne!(first.token, second.token);
+    assert_eq!(h.locks.inspect(&h.key).await.unwrap().holders.len(), 2);
+}
+
+#[tokio::test]
+async fn a_semaphore_grants_up_to_its_limit_and_refuses_another_limit_while_held() {
+    let h = harness();
+    let one = h.locks.acquire(&h.key, permit(2, 1_000, 0)).await.unwrap();
+    h.clock.advance_ms(100);
+    let two = h.locks.acquire(&h.key, permit(2, 1_000, 0)).await.unwrap();
+    assert!(two.fence > one.fence);
+    // Full: the first permit ends soonest.
+    assert!(matches!(
+        h.locks.acquire(&h.key, permit(2, 1_000, 0)).await,
+        Err(LockError::Locked {
+            retry_after_ms: 900
+        })
+    ));
+    assert!(matches!(
+        h.locks.acquire(&h.key, permit(3, 1_000, 0)).await,
+        Err(LockError::LimitMismatch { limit: 2 })
+    ));
+    // A lock of the same name is another key.
+    h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
+    let view = h.locks.permits(&h.key).await.unwrap();
+    assert_eq!((view.limit, view.holders.len()), (Some(2), 2));
+    h.locks
+        .release(Space::Semaphores, &h.key, &one.token)
+        .await
+        .unwrap();
+    h.locks.acquire(&h.key, permit(2, 1_000, 0)).await.unwrap();
+    // Once every permit has ended, a new limit is fine.
+    h.clock.advance_ms(1_000);
+    h.locks.acquire(&h.key, permit(5, 1_000, 0)).await.unwrap();
+    let text = h.locks.render_metrics();
+    for line in [
+        "lockbroker_acquisitions_total{kind=\"semaphore\",result=\"granted\"} 4",
+        "lockbroker_acquisitions_total{kind=\"semaphore\",result=\"locked\"} 1",
+        "lockbroker_acquisitions_total{kind=\"semaphore\",result=\"limit_mismatch\"} 1",
+        "lockbroker_releases_total{space=\"semaphores\",result=\"released\"} 1",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_permit_is_granted_when_a_permit_is_released_and_not_on_a_lock_release() {
+    let h = harness();
+    let permit_held = h.locks.acquire(&h.key, permit(1, 60_000, 0)).await.unwrap();
+    let lock_held = h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    let waiter = spawn_waiting(&h, permit(1, 1_000, 5_000)).await;
+    let claims = Scripted::count(&h.store.calls.claim);
+    h.locks
+        .release(Space::Locks, &h.key, &lock_held.token)
+        .await
+        .unwrap();
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(!waiter.is_finished());
+    assert_eq!(Scripted::count(&h.store.calls.claim), claims);
+    let released = Instant::now();
+    h.locks
+        .release(Space::Semaphores, &h.key, &permit_held.token)
+        .await
+        .unwrap();
+    let granted = waiter.await.unwrap().unwrap();
+    assert!(granted.fence > permit_held.fence);
+    assert!(released.elapsed() < POLL_MIN);
+}
+
+#[tokio::test]
+async fn force_release_is_refused_unless_allowed_and_ends_every_lease_on_the_key() {
+    let h = harness();
+    h.locks.acquire(&h.key, shared(60_000, 0)).await.unwrap();
+    assert!(matches!(
+        h.locks.force_release(Space::Locks, &h.key).await,
+        Err(LockError::ForceReleaseOff)
+    ));
+
+    let h = build_harness(16, true);
+    let one = h.locks.acquire(&h.key, shared(60_000, 0)).await.unwrap();
+    let two = h.locks.acquire(&h.key, shared(60_000, 0)).await.unwrap();
+    let mut ended = h.locks.force_release(Space::Locks, &h.key).await.unwrap();
+    ended.sort_unstable();
+    assert_eq!(ended, vec![one.fence, two.fence]);
+    assert!(matches!(
+        h.locks.inspect(&h.key).await,
+        Err(LockError::NotHeld)
+    ));
+    assert!(matches!(
+        h.locks.force_release(Space::Locks, &h.key).await,
+        Err(LockError::NotHeld)
+    ));
+    assert!(matches!(
+        h.locks.release(Space::Locks, &h.key, &one.token).await,
+        Err(LockError::NotHeld)
+    ));
+    let text = h.locks.render_metrics();
+    for line in [
+        "lockbroker_force_releases_total{space=\"locks\",result=\"released\"} 1",
+        "lockbroker_force_releases_total{space=\"locks\",result=\"not_held\"} 1",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
 }
