@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use super::{
     AcquireParams, BrokerClient, Claim, ClaimArgs, ClientError, ConnectArgs, EXIT_CODES_HELP,
-    Grant, Holder, LockEntry, LockStatus, MAX_PAGE, Page, Resource, SemaphoreEntry,
+    Grant, Holder, LockEntry, LockMode, LockStatus, MAX_PAGE, Page, Resource, SemaphoreEntry,
     SemaphoreStatus, Space, TargetArgs, exit, format_ms, parse_duration, parse_owner, parse_prefix,
     parse_request_id, parse_token, parse_ttl,
 };
@@ -401,7 +401,10 @@ fn print_status(status: &LockStatus, json: bool) {
     println!("key:       {}", status.key);
     println!("mode:      {}", status.mode);
     println!("fence:     {}", status.fence);
-    println!("owner:     {}", status.owner.as_deref().unwrap_or("-"));
+    // A shared lock's owners are its holders', listed below.
+    if status.mode == LockMode::Exclusive {
+        println!("owner:     {}", status.owner.as_deref().unwrap_or("-"));
+    }
     println!("expires:   {}", format_epoch_ms(status.expires_at_ms));
     println!("remaining: {}", format_ms(status.ttl_remaining_ms));
     if let Some(holders) = &status.holders {
