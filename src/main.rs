@@ -6,7 +6,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use lockbroker::client::bench::{self, BenchArgs};
-use lockbroker::client::commands::{self, AcquireArgs, ReleaseArgs, RenewArgs, StatusArgs};
+use lockbroker::client::commands::{
+    self, AcquireArgs, ListArgs, ReleaseArgs, RenewArgs, StatusArgs,
+};
 #[cfg(unix)]
 use lockbroker::client::run::{self, RunArgs};
 use lockbroker::config::{Config, Settings};
@@ -16,10 +18,11 @@ use lockbroker::startup::{Application, shutdown_signal};
 #[derive(Parser)]
 #[command(name = "lockbroker", version, about)]
 #[command(
-    after_help = "The client commands (acquire, release, renew, status, run) talk to the \
-                        broker at --url (LOCKBROKER_URL, default http://127.0.0.1:8080). Exit \
-                        codes: 0 done, 1 error, 2 usage, 3 locked by someone else, 4 not held, \
-                        5 lease lost during `run`; see each command's --help."
+    after_help = "The client commands (acquire, release, renew, status, list, run) talk to \
+                        the broker at --url (LOCKBROKER_URL, default http://127.0.0.1:8080). \
+                        Each takes a lock's KEY or --semaphore NAME. Exit codes: 0 done, \
+                        1 error, 2 usage, 3 locked by someone else (or every permit taken), \
+                        4 not held, 5 lease lost during `run`; see each command's --help."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -34,16 +37,20 @@ enum Command {
     /// Load a running broker and print throughput and latency (and, with --redis-url, the
     /// same lock cycle done directly on Redis, for comparison).
     Bench(BenchArgs),
-    /// Acquire a lock; print its token and fence.
+    /// Acquire a lock (exclusive, or --shared) or a semaphore's permit; print its token and
+    /// fence.
     Acquire(AcquireArgs),
-    /// Release a lock held with --token.
+    /// Release a lock or permit held with --token, or with --force every lease on it.
     Release(ReleaseArgs),
     /// Extend the lease held with --token.
     Renew(RenewArgs),
-    /// Show who holds a lock (its fence, owner and expiry; never the token).
+    /// Show who holds a lock or a semaphore's permits (fences, owners and expiries; never a
+    /// token).
     Status(StatusArgs),
-    /// Run a command while holding a lock: acquire, renew while it runs, release when it
-    /// exits, and stop it if the lease is lost.
+    /// List the held locks (or --semaphores) whose key starts with a prefix.
+    List(ListArgs),
+    /// Run a command while holding a lock (or a shared lease, or a semaphore's permit):
+    /// acquire, renew while it runs, release when it exits, and stop it if the lease is lost.
     #[cfg(unix)]
     Run(RunArgs),
 }
@@ -72,6 +79,7 @@ async fn main() -> ExitCode {
         Command::Release(args) => commands::release(args).await,
         Command::Renew(args) => commands::renew(args).await,
         Command::Status(args) => commands::status(args).await,
+        Command::List(args) => commands::list(args).await,
         #[cfg(unix)]
         Command::Run(args) => run::run(args).await,
     }

@@ -1,9 +1,89 @@
-//! The client commands' argument parsers (keys, tokens, owners, request ids, durations, TTLs) and
-//! the millisecond formatter their output uses.
+//! The client commands' argument parsers (keys, prefixes, tokens, owners, request ids,
+//! durations, TTLs, semaphore limits), the arguments that name what a command works on (a lock or
+//! a semaphore: [`TargetArgs`], and for an acquire the kind of lease too: [`ClaimArgs`]), and the
+//! millisecond formatter their output uses.
 
 use std::time::Duration;
 
+use clap::{ArgGroup, Args};
+
+use super::{Claim, MAX_SEMAPHORE_LIMIT, Resource, Space};
 use crate::domain::{LockKey, Owner, RequestId, Token};
+
+/// What `release`, `renew` and `status` work on: a lock by its KEY, or `--semaphore NAME`;
+/// exactly one of the two.
+#[derive(Debug, Clone, Args)]
+#[group(skip)]
+#[command(group(ArgGroup::new("target").args(["key", "semaphore"]).required(true)))]
+pub struct TargetArgs {
+    /// The lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
+    #[arg(value_parser = parse_key)]
+    pub key: Option<LockKey>,
+    /// A semaphore instead of a lock (semaphores and locks are separate names).
+    #[arg(long, value_name = "NAME", value_parser = parse_key)]
+    pub semaphore: Option<LockKey>,
+}
+
+impl TargetArgs {
+    /// The lock or semaphore named.
+    pub fn resource(&self) -> Resource {
+        match (&self.key, &self.semaphore) {
+            (Some(key), None) => Resource {
+                space: Space::Locks,
+                key: key.clone(),
+            },
+            (None, Some(name)) => Resource {
+                space: Space::Semaphores,
+                key: name.clone(),
+            },
+            _ => unreachable!("clap requires exactly one of KEY and --semaphore"),
+        }
+    }
+}
+
+/// What `acquire` and `run` take: an exclusive lease on a lock by its KEY, a shared one with
+/// `--shared`, or one permit of `--semaphore NAME --limit N`.
+#[derive(Debug, Clone, Args)]
+#[group(skip)]
+#[command(group(ArgGroup::new("target").args(["key", "semaphore"]).required(true)))]
+pub struct ClaimArgs {
+    /// The lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
+    #[arg(value_parser = parse_key)]
+    pub key: Option<LockKey>,
+    /// Take a shared (read) lease: held together with other shared leases, never with an
+    /// exclusive one.
+    #[arg(long, conflicts_with = "semaphore")]
+    pub shared: bool,
+    /// Take one permit of this semaphore instead of a lock (with --limit).
+    #[arg(long, value_name = "NAME", value_parser = parse_key, requires = "limit")]
+    pub semaphore: Option<LockKey>,
+    /// How many permits the semaphore has, 1 to 10000; every holder must give the same.
+    // `conflicts_with` as well as `requires`: clap lets a required argument go missing when
+    // it conflicts with one given, and --semaphore conflicts with KEY.
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = parse_limit,
+        requires = "semaphore",
+        conflicts_with = "key"
+    )]
+    pub limit: Option<u32>,
+}
+
+impl ClaimArgs {
+    /// The lease asked for.
+    pub fn claim(&self) -> Claim {
+        match (&self.key, &self.semaphore, self.limit) {
+            (Some(key), None, None) if self.shared => Claim::Shared(key.clone()),
+            (Some(key), None, None) => Claim::Exclusive(key.clone()),
+            (None, Some(name), Some(limit)) => Claim::Permit {
+                semaphore: name.clone(),
+                limit,
+            },
+            _ => unreachable!("clap requires KEY, or --semaphore with --limit"),
+        }
+    }
+}
 
 /// A duration in milliseconds, the way people write them: `30s`, `1m 30s`, `1s 500ms`.
 pub fn format_ms(ms: u64) -> String {
@@ -33,6 +113,25 @@ pub fn parse_ttl(raw: &str) -> Result<Duration, String> {
 /// A lock key, checked here as the broker would, so a typo is a usage error.
 pub fn parse_key(raw: &str) -> Result<LockKey, String> {
     LockKey::parse(raw).map_err(|e| e.0)
+}
+
+/// The start of a key, for `list`: empty, or what could begin a key.
+pub fn parse_prefix(raw: &str) -> Result<String, String> {
+    if raw.is_empty() {
+        return Ok(String::new());
+    }
+    LockKey::parse(raw)
+        .map(|key| key.as_str().to_owned())
+        .map_err(|e| format!("a prefix is the start of a key: {}", e.0))
+}
+
+/// A semaphore's number of permits: 1 to [`MAX_SEMAPHORE_LIMIT`].
+pub fn parse_limit(raw: &str) -> Result<u32, String> {
+    raw.trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|n| (1..=MAX_SEMAPHORE_LIMIT).contains(n))
+        .ok_or_else(|| format!("a semaphore has 1 to {MAX_SEMAPHORE_LIMIT} permits"))
 }
 
 pub fn parse_token(raw: &str) -> Result<Token, String> {
@@ -71,6 +170,21 @@ mod tests {
         assert!(parse_duration("soon").is_err());
         assert!(parse_ttl("0s").is_err());
         assert_eq!(parse_ttl("1ms"), Ok(Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn limits_are_1_to_10000_and_prefixes_the_start_of_a_key() {
+        assert_eq!(parse_limit("1"), Ok(1));
+        assert_eq!(parse_limit("10000"), Ok(10_000));
+        for bad in ["0", "10001", "-1", "four", ""] {
+            assert!(
+                parse_limit(bad).unwrap_err().contains("1 to 10000"),
+                "{bad}"
+            );
+        }
+        assert_eq!(parse_prefix(""), Ok(String::new()));
+        assert_eq!(parse_prefix("orders:"), Ok("orders:".to_owned()));
+        assert!(parse_prefix("a b").unwrap_err().contains("start of a key"));
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! `lockbroker acquire`, `release`, `renew` and `status`: one API call each, the answer printed
-//! for people (`key: value` lines) or, with `--json`, as one JSON object for scripts, and an
-//! exit code from [`super::exit`].
+//! `lockbroker acquire`, `release`, `renew` and `status`: one API call each, on a lock (an
+//! exclusive or shared lease) or a semaphore, the answer printed for people (`key: value` lines)
+//! or, with `--json`, as one JSON object for scripts, and an exit code from [`super::exit`].
+//! `lockbroker list`: the held locks or semaphores, page after page, as a table or JSON lines.
 
 use std::process::ExitCode;
 use std::time::{Duration, UNIX_EPOCH};
@@ -9,11 +10,12 @@ use clap::Args;
 use serde::Serialize;
 
 use super::{
-    AcquireParams, BrokerClient, ClientError, ConnectArgs, EXIT_CODES_HELP, Grant, LockStatus,
-    exit, format_ms, parse_duration, parse_key, parse_owner, parse_request_id, parse_token,
-    parse_ttl,
+    AcquireParams, BrokerClient, Claim, ClaimArgs, ClientError, ConnectArgs, EXIT_CODES_HELP,
+    Grant, Holder, LockEntry, LockMode, LockStatus, MAX_PAGE, Page, Resource, SemaphoreEntry,
+    SemaphoreStatus, Space, TargetArgs, exit, format_ms, parse_duration, parse_owner, parse_prefix,
+    parse_request_id, parse_token, parse_ttl,
 };
-use crate::domain::{LockKey, Owner, RequestId, Token};
+use crate::domain::{Owner, RequestId, Token};
 
 /// Where the broker is: shared by every client command.
 #[derive(Debug, Clone, Args)]
@@ -46,13 +48,13 @@ impl BrokerArgs {
 pub struct AcquireArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
-    /// The lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
-    #[arg(value_parser = parse_key)]
-    pub key: LockKey,
+    #[command(flatten)]
+    pub target: ClaimArgs,
     /// Lease length (30s, 1500ms, 2m) [default: the broker's, 30s unless configured].
     #[arg(long, value_parser = parse_ttl, value_name = "DURATION")]
     pub ttl: Option<Duration>,
-    /// How long to wait while someone else holds the lock; 0s answers at once.
+    /// How long to wait while someone else holds the lock (or every permit is taken); 0s
+    /// answers at once.
     #[arg(long, default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
     pub wait: Duration,
     /// A label for people, shown by `status` (at most 128 characters).
@@ -74,13 +76,23 @@ pub struct AcquireArgs {
 pub struct ReleaseArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
-    /// The lock.
-    #[arg(value_parser = parse_key)]
-    pub key: LockKey,
+    #[command(flatten)]
+    pub target: TargetArgs,
     /// The token the acquire gave. The environment keeps it out of `ps`; `lockbroker run`
     /// sets it for its command.
-    #[arg(long, env = "LOCKBROKER_TOKEN", hide_env_values = true, value_parser = parse_token)]
-    pub token: Token,
+    #[arg(
+        long,
+        env = "LOCKBROKER_TOKEN",
+        hide_env_values = true,
+        value_parser = parse_token,
+        required_unless_present = "force"
+    )]
+    pub token: Option<Token>,
+    /// End every lease on the lock (every permit of the semaphore) without a token; a token
+    /// given is not sent. The broker allows it to an admin --auth-token, or, without an auth
+    /// file, only when it runs with --allow-force-release.
+    #[arg(long)]
+    pub force: bool,
     /// Print the outcome as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
@@ -92,9 +104,8 @@ pub struct ReleaseArgs {
 pub struct RenewArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
-    /// The lock.
-    #[arg(value_parser = parse_key)]
-    pub key: LockKey,
+    #[command(flatten)]
+    pub target: TargetArgs,
     /// The token the acquire gave (see `release --help`).
     #[arg(long, env = "LOCKBROKER_TOKEN", hide_env_values = true, value_parser = parse_token)]
     pub token: Token,
@@ -112,10 +123,40 @@ pub struct RenewArgs {
 pub struct StatusArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
-    /// The lock.
-    #[arg(value_parser = parse_key)]
-    pub key: LockKey,
+    #[command(flatten)]
+    pub target: TargetArgs,
     /// Print the state (or the error) as one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `lockbroker list` flags.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = "Exit codes:
+  0    done (also when nothing is held)
+  1    error: broker unreachable, request refused (400, 403), 5xx, unexpected answer
+  2    usage error (bad flag, prefix or number)")]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// Only keys that start with this [default: every key].
+    #[arg(value_parser = parse_prefix, default_value = "", hide_default_value = true)]
+    pub prefix: String,
+    /// List semaphores (with their limit and how many permits are held) instead of locks.
+    #[arg(long)]
+    pub semaphores: bool,
+    /// Print at most this many [default: all of them, page after page].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub limit: Option<u64>,
+    /// How many to ask the broker for in one request, 1 to 1000.
+    #[arg(
+        long,
+        default_value_t = 100,
+        value_name = "N",
+        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_PAGE))
+    )]
+    pub page_size: u32,
+    /// Print one JSON object per line (as the API lists them) instead of a table.
     #[arg(long)]
     pub json: bool,
 }
@@ -126,42 +167,78 @@ pub async fn acquire(args: AcquireArgs) -> ExitCode {
         Ok(client) => client,
         Err(code) => return code,
     };
+    let claim = args.target.claim();
     let params = AcquireParams {
         ttl: args.ttl,
         wait: Some(args.wait),
         owner: args.owner,
         request_id: args.request_id,
     };
-    match client.acquire(&args.key, &params).await {
-        Ok(grant) => print_grant(&grant, args.json),
-        Err(e) => fail(&format!("cannot acquire {}", args.key), &e, args.json),
+    match client.acquire(&claim, &params).await {
+        Ok(grant) => print_grant(&grant, Some(&claim), args.json),
+        Err(e) => fail(
+            &format!("cannot acquire {}", claim.resource()),
+            &e,
+            args.json,
+        ),
     }
 }
 
-/// `lockbroker release`.
+/// `lockbroker release`, and with `--force` the release of every lease without a token.
 pub async fn release(args: ReleaseArgs) -> ExitCode {
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,
     };
-    match client.release(&args.key, &args.token).await {
+    let resource = args.target.resource();
+    let released = if args.force {
+        client.force_release(&resource).await
+    } else {
+        let token = args
+            .token
+            .as_ref()
+            .expect("clap requires --token without --force");
+        client.release(&resource, token).await
+    };
+    match released {
         Ok(()) => {
             if args.json {
                 #[derive(Serialize)]
                 struct Released<'a> {
                     key: &'a str,
                     released: bool,
+                    #[serde(skip_serializing_if = "std::ops::Not::not")]
+                    forced: bool,
                 }
                 print_json(&Released {
-                    key: args.key.as_str(),
+                    key: resource.key.as_str(),
                     released: true,
+                    forced: args.force,
                 });
+            } else if args.force {
+                println!("released {resource} (forced: every lease on it ended)");
             } else {
-                println!("released {}", args.key);
+                println!("released {resource}");
             }
             ExitCode::SUCCESS
         }
-        Err(e) => fail(&format!("cannot release {}", args.key), &e, args.json),
+        // Nothing to end: an answer, as for `status`.
+        Err(ClientError::NotHeld { .. }) if args.force => {
+            not_held(&resource, args.json);
+            ExitCode::from(exit::NOT_HELD)
+        }
+        Err(e) if args.force && e.code() == "forbidden" => {
+            eprintln!(
+                "lockbroker: cannot force the release of {resource}: {e}\n\
+                 lockbroker: a force release needs an --auth-token with the admin permission, or, \
+                 on a broker without an auth file, a broker started with --allow-force-release"
+            );
+            if args.json {
+                print_json(&e.to_json());
+            }
+            ExitCode::from(e.exit_code())
+        }
+        Err(e) => fail(&format!("cannot release {resource}"), &e, args.json),
     }
 }
 
@@ -171,41 +248,143 @@ pub async fn renew(args: RenewArgs) -> ExitCode {
         Ok(client) => client,
         Err(code) => return code,
     };
-    match client.renew(&args.key, &args.token, args.ttl).await {
-        Ok(grant) => print_grant(&grant, args.json),
-        Err(e) => fail(&format!("cannot renew {}", args.key), &e, args.json),
+    let resource = args.target.resource();
+    match client.renew(&resource, &args.token, args.ttl).await {
+        Ok(grant) => print_grant(&grant, None, args.json),
+        Err(e) => fail(&format!("cannot renew {resource}"), &e, args.json),
     }
 }
 
-/// `lockbroker status`: who holds the lock and until when; exit 4 when nobody does.
+/// `lockbroker status`: who holds the lock (or the semaphore's permits) and until when; exit 4
+/// when nobody does.
 pub async fn status(args: StatusArgs) -> ExitCode {
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,
     };
-    match client.status(&args.key).await {
-        Ok(status) => {
-            print_status(&status, args.json);
-            ExitCode::SUCCESS
-        }
+    let resource = args.target.resource();
+    let shown = match resource.space {
+        Space::Locks => client
+            .status(&resource.key)
+            .await
+            .map(|status| print_status(&status, args.json)),
+        Space::Semaphores => client
+            .semaphore_status(&resource.key)
+            .await
+            .map(|status| print_semaphore_status(&status, args.json)),
+    };
+    match shown {
+        Ok(()) => ExitCode::SUCCESS,
         // A free lock is an answer, not a failure: said on stdout, told by the exit code.
-        Err(ClientError::NotHeld) => {
-            if args.json {
-                print_json(&ClientError::NotHeld.to_json());
-            } else {
-                println!("{} is not held", args.key);
-            }
+        Err(ClientError::NotHeld { .. }) => {
+            not_held(&resource, args.json);
             ExitCode::from(exit::NOT_HELD)
         }
-        Err(e) => fail(&format!("cannot read {}", args.key), &e, args.json),
+        Err(e) => fail(&format!("cannot read {resource}"), &e, args.json),
     }
 }
 
-fn print_grant(grant: &Grant, json: bool) -> ExitCode {
+/// `lockbroker list`: every held lock (or semaphore) under the prefix, following the broker's
+/// cursor from page to page until the last one or `--limit`.
+pub async fn list(args: ListArgs) -> ExitCode {
+    let client = match args.broker.client() {
+        Ok(client) => client,
+        Err(code) => return code,
+    };
+    let (client, prefix) = (&client, args.prefix.as_str());
+    let listed = if args.semaphores {
+        list_all(&args, |cursor, n| async move {
+            client.list_semaphores(prefix, n, cursor.as_deref()).await
+        })
+        .await
+        .map(|(rows, more)| print_semaphore_rows(&rows, more, &args))
+    } else {
+        list_all(&args, |cursor, n| async move {
+            client.list_locks(prefix, n, cursor.as_deref()).await
+        })
+        .await
+        .map(|(rows, more)| print_lock_rows(&rows, more, &args))
+    };
+    match listed {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let what = if args.semaphores {
+                "semaphores"
+            } else {
+                "locks"
+            };
+            fail(&format!("cannot list the {what}"), &e, args.json)
+        }
+    }
+}
+
+/// Fetches pages with `fetch(cursor, page size)` until the last one or `--limit` entries;
+/// returns them and whether the broker had more than `--limit` let through. With `--json` each
+/// entry is printed as its page arrives (and none is returned), so a long listing streams.
+async fn list_all<T, F, Fut>(args: &ListArgs, fetch: F) -> Result<(Vec<T>, bool), ClientError>
+where
+    T: Serialize,
+    F: Fn(Option<String>, u32) -> Fut,
+    Fut: Future<Output = Result<Page<T>, ClientError>>,
+{
+    let mut rows = Vec::new();
+    let mut cursor = None;
+    let mut left = args.limit.unwrap_or(u64::MAX);
+    loop {
+        let ask = page_request(args.page_size, left);
+        let page = fetch(cursor, ask).await?;
+        let taken = page
+            .items
+            .len()
+            .min(usize::try_from(left).unwrap_or(usize::MAX));
+        left -= taken as u64;
+        let more = page.items.len() > taken || page.next_cursor.is_some();
+        for row in page.items.into_iter().take(taken) {
+            if args.json {
+                print_json(&row);
+            } else {
+                rows.push(row);
+            }
+        }
+        match page.next_cursor {
+            Some(next) if left > 0 => cursor = Some(next),
+            _ => return Ok((rows, more && left == 0)),
+        }
+    }
+}
+
+/// How many entries to ask for next: a page, or fewer when `--limit` leaves fewer to print.
+fn page_request(page_size: u32, left: u64) -> u32 {
+    u32::try_from(left).map_or(page_size, |left| page_size.min(left))
+}
+
+/// What `status` and `release --force` say of a lock or semaphore nobody holds.
+fn not_held(resource: &Resource, json: bool) {
+    if json {
+        print_json(
+            &ClientError::NotHeld {
+                space: resource.space,
+            }
+            .to_json(),
+        );
+    } else {
+        println!("{resource} is not held");
+    }
+}
+
+/// The grant as `key: value` lines, or one JSON object. On an acquire, `claim` adds a line for
+/// a shared lease (the grant itself does not say); a semaphore's grant shows its limit.
+fn print_grant(grant: &Grant, claim: Option<&Claim>, json: bool) -> ExitCode {
     if json {
         print_json(grant);
     } else {
         println!("key:     {}", grant.key);
+        if let Some(Claim::Shared(_)) = claim {
+            println!("mode:    shared");
+        }
+        if let Some(limit) = grant.limit {
+            println!("limit:   {limit}");
+        }
         println!("token:   {}", grant.token);
         println!("fence:   {}", grant.fence);
         println!("ttl:     {}", format_ms(grant.ttl_ms));
@@ -217,13 +396,147 @@ fn print_grant(grant: &Grant, json: bool) -> ExitCode {
 fn print_status(status: &LockStatus, json: bool) {
     if json {
         print_json(status);
-    } else {
-        println!("key:       {}", status.key);
-        println!("fence:     {}", status.fence);
-        println!("owner:     {}", status.owner.as_deref().unwrap_or("-"));
-        println!("expires:   {}", format_epoch_ms(status.expires_at_ms));
-        println!("remaining: {}", format_ms(status.ttl_remaining_ms));
+        return;
     }
+    println!("key:       {}", status.key);
+    println!("mode:      {}", status.mode);
+    println!("fence:     {}", status.fence);
+    // A shared lock's owners are its holders', listed below.
+    if status.mode == LockMode::Exclusive {
+        println!("owner:     {}", status.owner.as_deref().unwrap_or("-"));
+    }
+    println!("expires:   {}", format_epoch_ms(status.expires_at_ms));
+    println!("remaining: {}", format_ms(status.ttl_remaining_ms));
+    if let Some(holders) = &status.holders {
+        print_holders(holders);
+    }
+}
+
+fn print_semaphore_status(status: &SemaphoreStatus, json: bool) {
+    if json {
+        print_json(status);
+        return;
+    }
+    println!("semaphore: {}", status.key);
+    println!("limit:     {}", status.limit);
+    print_holders(&status.holders);
+}
+
+/// `holders: N`, then one line each: fence, expiry, time left and owner.
+fn print_holders(holders: &[Holder]) {
+    println!("holders:   {}", holders.len());
+    let rows: Vec<[String; 4]> = holders
+        .iter()
+        .map(|h| {
+            [
+                h.fence.to_string(),
+                format_epoch_ms(h.expires_at_ms),
+                format_ms(h.ttl_remaining_ms),
+                h.owner.clone().unwrap_or_else(|| "-".to_owned()),
+            ]
+        })
+        .collect();
+    print_table("  ", ["fence", "expires", "remaining", "owner"], &rows);
+}
+
+fn print_lock_rows(rows: &[LockEntry], more: bool, args: &ListArgs) {
+    let rows: Vec<[String; 5]> = rows
+        .iter()
+        .map(|l| {
+            [
+                l.key.clone(),
+                l.mode.to_string(),
+                l.fence.to_string(),
+                format_ms(l.ttl_remaining_ms),
+                l.owner.clone().unwrap_or_else(|| "-".to_owned()),
+            ]
+        })
+        .collect();
+    print_listing(
+        "locks",
+        &rows,
+        ["key", "mode", "fence", "remaining", "owner"],
+        more,
+        args,
+    );
+}
+
+fn print_semaphore_rows(rows: &[SemaphoreEntry], more: bool, args: &ListArgs) {
+    let rows: Vec<[String; 5]> = rows
+        .iter()
+        .map(|s| {
+            [
+                s.key.clone(),
+                s.limit.to_string(),
+                s.holders.to_string(),
+                s.fence.to_string(),
+                format_ms(s.ttl_remaining_ms),
+            ]
+        })
+        .collect();
+    print_listing(
+        "semaphores",
+        &rows,
+        ["semaphore", "limit", "holders", "fence", "remaining"],
+        more,
+        args,
+    );
+}
+
+/// The table of a listing, or a line saying nothing is held (not with `--json`, whose lines
+/// are printed already), and on stderr a note when `--limit` stopped it before the end.
+fn print_listing<const N: usize>(
+    what: &str,
+    rows: &[[String; N]],
+    header: [&str; N],
+    more: bool,
+    args: &ListArgs,
+) {
+    if !args.json {
+        if rows.is_empty() && args.prefix.is_empty() {
+            println!("no {what} held");
+        } else if rows.is_empty() {
+            println!("no {what} held under {:?}", args.prefix);
+        } else {
+            print_table("", header, rows);
+        }
+    }
+    if let (true, Some(limit)) = (more, args.limit) {
+        eprintln!("lockbroker: --limit {limit} stopped the listing; more {what} may be held");
+    }
+}
+
+/// Columns padded to their widest cell, two spaces apart; the last one is not padded.
+fn print_table<const N: usize>(indent: &str, header: [&str; N], rows: &[[String; N]]) {
+    for line in table_lines(header, rows) {
+        println!("{indent}{line}");
+    }
+}
+
+fn table_lines<const N: usize>(header: [&str; N], rows: &[[String; N]]) -> Vec<String> {
+    let mut widths = header.map(str::len);
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let line = |cells: [&str; N]| {
+        let mut line = String::new();
+        for (i, (cell, width)) in cells.iter().zip(widths).enumerate() {
+            if i + 1 == N {
+                line.push_str(cell);
+            } else {
+                line.push_str(&format!("{cell:<width$}  "));
+            }
+        }
+        line
+    };
+    std::iter::once(line(header))
+        .chain(
+            rows.iter()
+                .map(|row| line(row.each_ref().map(String::as_str))),
+        )
+        .collect()
 }
 
 /// Reports an error on stderr (and as JSON on stdout with `--json`); returns its exit code.
@@ -245,4 +558,225 @@ fn print_json(value: &impl Serialize) {
 /// An epoch-milliseconds time as RFC 3339 UTC (`2026-01-31T12:00:00.000Z`).
 fn format_epoch_ms(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+    use clap::{CommandFactory, Parser, Subcommand};
+
+    use super::*;
+    use crate::client::Space;
+    use crate::domain::LockKey;
+
+    /// The client commands as `main` wires them.
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Command,
+    }
+
+    #[derive(Subcommand)]
+    enum Command {
+        Acquire(AcquireArgs),
+        Release(ReleaseArgs),
+        Renew(RenewArgs),
+        Status(StatusArgs),
+        List(ListArgs),
+    }
+
+    fn parse(args: &[&str]) -> Result<Command, clap::Error> {
+        Cli::try_parse_from(std::iter::once("lockbroker").chain(args.iter().copied()))
+            .map(|cli| cli.command)
+    }
+
+    fn refused(args: &[&str]) -> ErrorKind {
+        match parse(args) {
+            Ok(_) => panic!("{args:?} was accepted"),
+            Err(e) => e.kind(),
+        }
+    }
+
+    fn key(raw: &str) -> LockKey {
+        LockKey::parse(raw).unwrap()
+    }
+
+    const TOKEN: &str = "000000000000000000000000000000000000000000000000";
+
+    #[test]
+    fn the_commands_are_consistent_clap_definitions() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn acquire_takes_a_key_a_shared_lease_or_a_semaphores_permit() {
+        let claim = |args: &[&str]| match parse(args).unwrap() {
+            Command::Acquire(a) => a.target.claim(),
+            _ => unreachable!(),
+        };
+        assert_eq!(claim(&["acquire", "k"]), Claim::Exclusive(key("k")));
+        assert_eq!(
+            claim(&["acquire", "k", "--shared"]),
+            Claim::Shared(key("k"))
+        );
+        assert_eq!(
+            claim(&["acquire", "--semaphore", "s", "--limit", "4"]),
+            Claim::Permit {
+                semaphore: key("s"),
+                limit: 4
+            }
+        );
+    }
+
+    #[test]
+    fn acquire_refuses_both_or_neither_a_limit_without_a_semaphore_and_shared_permits() {
+        use ErrorKind::*;
+        // Neither KEY nor --semaphore, or both.
+        assert_eq!(refused(&["acquire"]), MissingRequiredArgument);
+        assert_eq!(
+            refused(&["acquire", "k", "--semaphore", "s", "--limit", "2"]),
+            ArgumentConflict
+        );
+        // --limit goes with --semaphore, both ways.
+        assert_eq!(
+            refused(&["acquire", "--semaphore", "s"]),
+            MissingRequiredArgument
+        );
+        assert_eq!(refused(&["acquire", "k", "--limit", "2"]), ArgumentConflict);
+        assert_eq!(
+            refused(&["acquire", "--limit", "2"]),
+            MissingRequiredArgument
+        );
+        // A shared permit means nothing.
+        assert_eq!(
+            refused(&["acquire", "--semaphore", "s", "--limit", "2", "--shared"]),
+            ArgumentConflict
+        );
+        for bad in ["0", "10001", "x"] {
+            assert_eq!(
+                refused(&["acquire", "--semaphore", "s", "--limit", bad]),
+                ValueValidation,
+                "--limit {bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn release_renew_and_status_name_a_lock_or_a_semaphore_without_a_limit() {
+        let resource = |args: &[&str]| match parse(args).unwrap() {
+            Command::Release(a) => a.target.resource(),
+            Command::Renew(a) => a.target.resource(),
+            Command::Status(a) => a.target.resource(),
+            _ => unreachable!(),
+        };
+        let semaphore = resource(&["renew", "--semaphore", "s", "--token", TOKEN]);
+        assert_eq!(semaphore.space, Space::Semaphores);
+        assert_eq!(semaphore.key, key("s"));
+        assert_eq!(resource(&["status", "k"]).space, Space::Locks);
+        assert_eq!(
+            resource(&["release", "--semaphore", "s", "--token", TOKEN]).space,
+            Space::Semaphores
+        );
+        assert_eq!(refused(&["status"]), ErrorKind::MissingRequiredArgument);
+        assert_eq!(
+            refused(&["status", "k", "--semaphore", "s"]),
+            ErrorKind::ArgumentConflict
+        );
+        for command in ["release", "renew", "status"] {
+            assert_eq!(
+                refused(&[
+                    command,
+                    "--semaphore",
+                    "s",
+                    "--limit",
+                    "2",
+                    "--token",
+                    TOKEN
+                ]),
+                ErrorKind::UnknownArgument,
+                "{command} takes no --limit"
+            );
+            assert_eq!(
+                refused(&[command, "k", "--shared", "--token", TOKEN]),
+                ErrorKind::UnknownArgument,
+                "{command} takes no --shared"
+            );
+        }
+    }
+
+    #[test]
+    fn release_force_needs_no_token() {
+        let Command::Release(args) = parse(&["release", "--force", "k"]).unwrap() else {
+            unreachable!()
+        };
+        assert!(args.force);
+        let Command::Release(args) =
+            parse(&["release", "--semaphore", "s", "--force", "--json"]).unwrap()
+        else {
+            unreachable!()
+        };
+        assert_eq!(args.target.resource().space, Space::Semaphores);
+    }
+
+    #[test]
+    fn list_takes_an_optional_prefix_a_limit_and_a_page_size() {
+        let Command::List(all) = parse(&["list"]).unwrap() else {
+            unreachable!()
+        };
+        assert_eq!(
+            (all.prefix.as_str(), all.limit, all.page_size),
+            ("", None, 100)
+        );
+        let Command::List(some) = parse(&[
+            "list",
+            "orders:",
+            "--semaphores",
+            "--limit",
+            "5",
+            "--page-size",
+            "2",
+            "--json",
+        ])
+        .unwrap() else {
+            unreachable!()
+        };
+        assert_eq!(some.prefix, "orders:");
+        assert!(some.semaphores && some.json);
+        assert_eq!((some.limit, some.page_size), (Some(5), 2));
+        for bad in [
+            &["list", "a b"][..],
+            &["list", "--limit", "0"],
+            &["list", "--page-size", "1001"],
+            &["list", "--page-size", "0"],
+        ] {
+            assert_eq!(refused(bad), ErrorKind::ValueValidation, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_page_asks_for_no_more_than_the_limit_leaves() {
+        assert_eq!(page_request(100, u64::MAX), 100);
+        assert_eq!(page_request(100, 7), 7);
+        assert_eq!(page_request(2, 7), 2);
+    }
+
+    #[test]
+    fn tables_pad_every_column_but_the_last() {
+        let rows = [
+            [
+                "orders:1".to_owned(),
+                "shared".to_owned(),
+                "worker 7".to_owned(),
+            ],
+            ["b".to_owned(), "exclusive".to_owned(), "-".to_owned()],
+        ];
+        assert_eq!(
+            table_lines(["key", "mode", "owner"], &rows),
+            [
+                "key       mode       owner",
+                "orders:1  shared     worker 7",
+                "b         exclusive  -",
+            ]
+        );
+    }
 }

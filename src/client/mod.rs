@@ -1,7 +1,8 @@
 //! The client side of the same binary: a small typed HTTP client for the broker's API
-//! ([`BrokerClient`]), the `acquire`, `release`, `renew` and `status` commands ([`commands`]),
-//! `lockbroker run` ([`run`]), which holds a lock for as long as a command runs, and
-//! `lockbroker bench` ([`bench`]), a load generator that measures a running broker.
+//! ([`BrokerClient`]), the `acquire`, `release`, `renew`, `status` and `list` commands
+//! ([`commands`]), `lockbroker run` ([`run`]), which holds a lock (or a shared lease, or a
+//! semaphore's permit) for as long as a command runs, and `lockbroker bench` ([`bench`]), a load
+//! generator that measures a running broker.
 //!
 //! Every lock command returns an exit code from [`exit`], so that a shell script can branch on
 //! "held by someone else" apart from "something went wrong".
@@ -21,7 +22,8 @@ use reqwest::StatusCode;
 use serde::{Deserialize, Serialize};
 
 pub use self::args::{
-    format_ms, parse_duration, parse_key, parse_owner, parse_request_id, parse_token, parse_ttl,
+    ClaimArgs, TargetArgs, format_ms, parse_duration, parse_key, parse_limit, parse_owner,
+    parse_prefix, parse_request_id, parse_token, parse_ttl,
 };
 use crate::domain::{LockKey, Owner, RequestId, Token, millis};
 
@@ -30,16 +32,18 @@ use crate::domain::{LockKey, Owner, RequestId, Token, millis};
 pub mod exit {
     /// Done.
     pub const OK: u8 = 0;
-    /// An error: the broker could not be reached, refused the request (400), answered
-    /// 5xx, or answered something unexpected.
+    /// An error: the broker could not be reached, refused the request (400, 403, a semaphore's
+    /// `limit_mismatch`), answered 5xx, or answered something unexpected.
     pub const ERROR: u8 = 1;
     /// A usage error, from clap: unknown flag, missing argument, or a value that can never be
     /// valid (a bad key, duration, owner or request id).
     pub const USAGE: u8 = 2;
-    /// Someone else holds the lock, and the wait ran out (`acquire`, `run`).
+    /// Someone else holds the lock, or every permit of the semaphore is taken, and the wait ran
+    /// out (`acquire`, `run`).
     pub const LOCKED: u8 = 3;
     /// Nobody holds the lock with this token: `release` and `renew` of a lease that ended or
-    /// was taken over (`not_held`, `not_owner`), `status` of a free lock.
+    /// was taken over (`not_held`, `not_owner`), `status` of a free lock or semaphore, and
+    /// `release --force` of one.
     pub const NOT_HELD: u8 = 4;
     /// `run` only: the lease was lost while the command ran, and the command was stopped.
     pub const LEASE_LOST: u8 = 5;
@@ -53,19 +57,24 @@ pub mod exit {
 pub const EXIT_CODES_HELP: &str = "\
 Exit codes:
   0    done
-  1    error: broker unreachable, request refused (400), 5xx, unexpected answer
-  2    usage error (bad flag, key, duration, owner or request id)
-  3    locked: someone else holds the lock and the wait ran out
-  4    not held: the lock is free, or this token no longer holds it (not_held, not_owner)";
+  1    error: broker unreachable, request refused (400, 403, limit_mismatch), 5xx,
+       unexpected answer
+  2    usage error (bad flag, key, duration, owner, request id or limit)
+  3    locked: someone else holds the lock (every permit of the semaphore is taken) and
+       the wait ran out
+  4    not held: the lock or semaphore is free, or this token no longer holds it
+       (not_held, not_owner)";
 
 /// The exit-code table at the end of `lockbroker run --help`.
 pub const RUN_EXIT_CODES_HELP: &str = "\
 Exit codes:
   N      the command ran and exited with status N (0 included)
   128+S  the command died of signal S (143 for SIGTERM)
-  1      error before the command started: broker unreachable, request refused, 5xx
-  2      usage error (bad flag, key, duration or owner; no command after --)
-  3      locked: someone else holds the lock and the wait ran out; the command did not run
+  1      error before the command started: broker unreachable, request refused (400,
+         403, limit_mismatch: the semaphore's holders use another --limit), 5xx
+  2      usage error (bad flag, key, duration, owner or limit; no command after --)
+  3      locked: someone else holds the lock (every permit of the semaphore is taken) and
+         the wait ran out; the command did not run
   5      the lease was lost while the command ran (a renewal answered not_held or
          not_owner, or the broker stayed unreachable until the lease ended); the command
          got SIGTERM, then SIGKILL after --grace
@@ -164,6 +173,94 @@ impl ConnectArgs {
     }
 }
 
+/// The broker's two key spaces: a lock and a semaphore of the same name are unrelated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Space {
+    /// `/locks/{key}`: exclusive and shared leases.
+    Locks,
+    /// `/semaphores/{key}`: permits.
+    Semaphores,
+}
+
+impl Space {
+    /// The first segment of the API's paths for this space.
+    fn path(self) -> &'static str {
+        match self {
+            Self::Locks => "locks",
+            Self::Semaphores => "semaphores",
+        }
+    }
+}
+
+/// A lock or a semaphore, by name: what release, renew, status and force release work on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resource {
+    pub space: Space,
+    pub key: LockKey,
+}
+
+impl fmt::Display for Resource {
+    /// A lock as its bare key (as the messages always named it), a semaphore as
+    /// `semaphore NAME`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.space {
+            Space::Locks => write!(f, "{}", self.key),
+            Space::Semaphores => write!(f, "semaphore {}", self.key),
+        }
+    }
+}
+
+/// The most permits a semaphore can have, as the API bounds `limit`.
+pub const MAX_SEMAPHORE_LIMIT: u32 = 10_000;
+
+/// What an acquire asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// An exclusive lease on a lock: the only holder.
+    Exclusive(LockKey),
+    /// A shared lease on a lock: held together with other shared leases, never with an
+    /// exclusive one.
+    Shared(LockKey),
+    /// One of `limit` permits of a semaphore (1 ..= [`MAX_SEMAPHORE_LIMIT`]).
+    Permit { semaphore: LockKey, limit: u32 },
+}
+
+impl Claim {
+    /// What the lease is on, for renewing and releasing it.
+    pub fn resource(&self) -> Resource {
+        match self {
+            Self::Exclusive(key) | Self::Shared(key) => Resource {
+                space: Space::Locks,
+                key: key.clone(),
+            },
+            Self::Permit { semaphore, .. } => Resource {
+                space: Space::Semaphores,
+                key: semaphore.clone(),
+            },
+        }
+    }
+
+    /// `exclusive`, `shared` or `semaphore`: the word `bench --mode` and `run`'s
+    /// `LOCKBROKER_MODE` use.
+    pub fn mode(&self) -> &'static str {
+        match self {
+            Self::Exclusive(_) => "exclusive",
+            Self::Shared(_) => "shared",
+            Self::Permit { .. } => "semaphore",
+        }
+    }
+
+    /// The query parameters that pick the kind of lease. An exclusive lease sends none: it is
+    /// the API's default, and so a broker that predates shared leases takes it as before.
+    fn query(&self) -> Vec<(&'static str, String)> {
+        match self {
+            Self::Exclusive(_) => Vec::new(),
+            Self::Shared(_) => vec![("mode", "shared".to_owned())],
+            Self::Permit { limit, .. } => vec![("limit", limit.to_string())],
+        }
+    }
+}
+
 /// A grant, as acquire (`201`) and renew (`200`) answer it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Grant {
@@ -172,17 +269,98 @@ pub struct Grant {
     pub fence: u64,
     pub ttl_ms: u64,
     pub expires_at_ms: u64,
+    /// A semaphore's permits; absent for a lock.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// How a lock is held.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LockMode {
+    /// By one holder; the default, and what a broker that does not say means.
+    #[default]
+    Exclusive,
+    /// By one or more shared holders.
+    Shared,
+}
+
+impl fmt::Display for LockMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Exclusive => "exclusive",
+            Self::Shared => "shared",
+        })
+    }
+}
+
+/// One lease among several: a shared lock's holder, or a semaphore's. Never the token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Holder {
+    pub fence: u64,
+    pub expires_at_ms: u64,
+    pub ttl_remaining_ms: u64,
+    pub owner: Option<String>,
 }
 
 /// A lock's state, as `GET /locks/{key}` shows it. Never the token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LockStatus {
     pub key: String,
+    #[serde(default)]
+    pub mode: LockMode,
+    pub fence: u64,
+    pub expires_at_ms: u64,
+    pub ttl_remaining_ms: u64,
+    pub owner: Option<String>,
+    /// Every shared holder; absent for an exclusive lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holders: Option<Vec<Holder>>,
+}
+
+/// A semaphore's state, as `GET /semaphores/{key}` shows it. Never a token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SemaphoreStatus {
+    pub key: String,
+    pub limit: u32,
+    pub holders: Vec<Holder>,
+}
+
+/// A held lock, as `GET /locks` lists it. Never the token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LockEntry {
+    pub key: String,
+    #[serde(default)]
+    pub mode: LockMode,
     pub fence: u64,
     pub expires_at_ms: u64,
     pub ttl_remaining_ms: u64,
     pub owner: Option<String>,
 }
+
+/// A semaphore with holders, as `GET /semaphores` lists it: how many, the highest fence and the
+/// latest end among them. Never a token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SemaphoreEntry {
+    pub key: String,
+    pub limit: u32,
+    pub holders: u64,
+    pub fence: u64,
+    pub expires_at_ms: u64,
+    pub ttl_remaining_ms: u64,
+}
+
+/// One page of a listing; `next_cursor` asks for the next one, `None` after the last.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct Page<T> {
+    /// `locks` or `semaphores` in the API's body.
+    #[serde(alias = "locks", alias = "semaphores")]
+    pub items: Vec<T>,
+    pub next_cursor: Option<String>,
+}
+
+/// The most entries one page of a listing may ask for (the API's bound on `limit`).
+pub const MAX_PAGE: u32 = 1000;
 
 /// What an acquire asks for. `None` leaves a parameter to the broker's default.
 #[derive(Debug, Clone, Default)]
@@ -193,19 +371,30 @@ pub struct AcquireParams {
     pub request_id: Option<RequestId>,
 }
 
-/// Why a call did not give what was asked. The first three are the answers a caller branches
-/// on; the others are failures.
+/// Why a call did not give what was asked. The first four are the answers a caller branches
+/// on; the others are failures. `space` says whether a lock or a semaphore answered, for the
+/// message.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// `409 locked`: someone else holds the lock, and the wait ran out.
-    #[error("the lock is held by someone else{}", retry_hint(*.retry_after_ms))]
-    Locked { retry_after_ms: Option<u64> },
-    /// `404 not_held`: nobody holds the lock.
-    #[error("nobody holds the lock (it was released, or its lease expired)")]
-    NotHeld,
+    /// `409 locked`: someone else holds the lock, or every permit of the semaphore is taken,
+    /// and the wait ran out.
+    #[error("{}{}", locked_words(*.space), retry_hint(*.space, *.retry_after_ms))]
+    Locked {
+        space: Space,
+        retry_after_ms: Option<u64>,
+    },
+    /// `404 not_held`: nobody holds the lock (or this permit).
+    #[error("{}", not_held_words(*.space))]
+    NotHeld { space: Space },
     /// `409 not_owner`: someone else holds the lock; this token's lease has ended.
-    #[error("someone else holds the lock now; this token's lease has ended")]
-    NotOwner,
+    #[error("{}", not_owner_words(*.space))]
+    NotOwner { space: Space },
+    /// `409 limit_mismatch`: the semaphore's holders took their permits with another limit.
+    #[error(
+        "its holders use {}; every holder of a semaphore must give the same --limit",
+        limit.map_or_else(|| format!("another limit ({message})"), |n| format!("--limit {n}"))
+    )]
+    LimitMismatch { limit: Option<u32>, message: String },
     /// Any other error answer: `400 invalid_request`, `503 store_unavailable`, a proxy's 502...
     #[error("the broker answered {status} {code}: {message}")]
     Api {
@@ -221,9 +410,31 @@ pub enum ClientError {
     BadResponse(String),
 }
 
-fn retry_hint(retry_after_ms: Option<u64>) -> String {
-    retry_after_ms.map_or_else(String::new, |ms| {
-        format!("; its lease ends in {}", format_ms(ms))
+fn locked_words(space: Space) -> &'static str {
+    match space {
+        Space::Locks => "the lock is held by someone else",
+        Space::Semaphores => "every permit is taken",
+    }
+}
+
+fn not_held_words(space: Space) -> &'static str {
+    match space {
+        Space::Locks => "nobody holds the lock (it was released, or its lease expired)",
+        Space::Semaphores => "this permit is not held (it was released, or its lease expired)",
+    }
+}
+
+fn not_owner_words(space: Space) -> &'static str {
+    match space {
+        Space::Locks => "someone else holds the lock now; this token's lease has ended",
+        Space::Semaphores => "this token holds no permit now; its lease has ended",
+    }
+}
+
+fn retry_hint(space: Space, retry_after_ms: Option<u64>) -> String {
+    retry_after_ms.map_or_else(String::new, |ms| match space {
+        Space::Locks => format!("; its lease ends in {}", format_ms(ms)),
+        Space::Semaphores => format!("; the next one frees in {}", format_ms(ms)),
     })
 }
 
@@ -232,8 +443,11 @@ impl ClientError {
     pub fn exit_code(&self) -> u8 {
         match self {
             Self::Locked { .. } => exit::LOCKED,
-            Self::NotHeld | Self::NotOwner => exit::NOT_HELD,
-            Self::Api { .. } | Self::Transport { .. } | Self::BadResponse(_) => exit::ERROR,
+            Self::NotHeld { .. } | Self::NotOwner { .. } => exit::NOT_HELD,
+            Self::LimitMismatch { .. }
+            | Self::Api { .. }
+            | Self::Transport { .. }
+            | Self::BadResponse(_) => exit::ERROR,
         }
     }
 
@@ -252,8 +466,9 @@ impl ClientError {
     pub fn code(&self) -> &str {
         match self {
             Self::Locked { .. } => "locked",
-            Self::NotHeld => "not_held",
-            Self::NotOwner => "not_owner",
+            Self::NotHeld { .. } => "not_held",
+            Self::NotOwner { .. } => "not_owner",
+            Self::LimitMismatch { .. } => "limit_mismatch",
             Self::Api { code, .. } => code,
             Self::Transport { .. } => "unreachable",
             Self::BadResponse(_) => "bad_response",
@@ -263,11 +478,15 @@ impl ClientError {
     /// The error as one JSON object in the API's format, for `--json`.
     pub fn to_json(&self) -> serde_json::Value {
         let mut body = serde_json::json!({ "error": self.code(), "message": self.to_string() });
-        if let Self::Locked {
-            retry_after_ms: Some(ms),
-        } = self
-        {
-            body["retry_after_ms"] = (*ms).into();
+        match self {
+            Self::Locked {
+                retry_after_ms: Some(ms),
+                ..
+            } => body["retry_after_ms"] = (*ms).into(),
+            Self::LimitMismatch {
+                limit: Some(limit), ..
+            } => body["limit"] = (*limit).into(),
+            _ => {}
         }
         body
     }
@@ -279,6 +498,8 @@ struct ErrorBody {
     error: Option<String>,
     message: Option<String>,
     retry_after_ms: Option<u64>,
+    /// `limit_mismatch`: the limit the semaphore's holders use.
+    limit: Option<u32>,
 }
 
 /// A client for one broker (or one load balancer in front of several).
@@ -324,16 +545,22 @@ impl BrokerClient {
         &self.base
     }
 
-    fn lock_url(&self, key: &LockKey) -> String {
+    fn resource_url(&self, resource: &Resource) -> String {
         // The key's alphabet (A-Z a-z 0-9 . _ - :) needs no escaping in a path segment.
-        format!("{}/locks/{}", self.base, key.as_str())
+        format!(
+            "{}/{}/{}",
+            self.base,
+            resource.space.path(),
+            resource.key.as_str()
+        )
     }
 
-    /// `POST /locks/{key}`. Waits up to `params.wait` (the broker's default when `None`) for a
-    /// holder to let go.
+    /// `POST /locks/{key}` (`?mode=shared` for a shared lease) or
+    /// `POST /semaphores/{key}?limit=N`. Waits up to `params.wait` (the broker's default when
+    /// `None`) for a holder to let go.
     pub async fn acquire(
         &self,
-        key: &LockKey,
+        claim: &Claim,
         params: &AcquireParams,
     ) -> Result<Grant, ClientError> {
         #[derive(Serialize)]
@@ -353,55 +580,132 @@ impl BrokerClient {
             owner: params.owner.as_ref().map(Owner::as_str),
             request_id: params.request_id.as_ref().map(RequestId::as_str),
         };
+        let resource = claim.resource();
         let request = self
             .http
-            .post(self.lock_url(key))
+            .post(self.resource_url(&resource))
+            .query(&claim.query())
             .json(&body)
             .timeout(params.wait.unwrap_or_default() + REQUEST_TIMEOUT);
         let response = self.send(request).await?;
-        expect_json(response, StatusCode::CREATED).await
+        expect_json(response, StatusCode::CREATED, resource.space).await
     }
 
-    /// `DELETE /locks/{key}`, the token in the `Lock-Token` header.
-    pub async fn release(&self, key: &LockKey, token: &Token) -> Result<(), ClientError> {
+    /// `DELETE /locks/{key}` (or `/semaphores/{key}`), the token in the `Lock-Token` header.
+    pub async fn release(&self, resource: &Resource, token: &Token) -> Result<(), ClientError> {
         let request = self
             .http
-            .delete(self.lock_url(key))
+            .delete(self.resource_url(resource))
             .header("Lock-Token", token.as_str())
             .timeout(REQUEST_TIMEOUT);
-        let response = self.send(request).await?;
-        if response.status() == StatusCode::NO_CONTENT {
-            Ok(())
-        } else {
-            Err(error_from(response).await)
-        }
+        expect_no_content(self.send(request).await?, resource.space).await
     }
 
-    /// `POST /locks/{key}/renew`: the lease then ends `ttl` from now (the broker's default TTL
-    /// when `None`).
+    /// `DELETE /locks/{key}?force=true` (or `/semaphores/{key}`): ends every lease on it,
+    /// without a token. The broker allows it to an `admin` token, or with auth off only when it
+    /// runs with `--allow-force-release`; otherwise `403 forbidden`.
+    pub async fn force_release(&self, resource: &Resource) -> Result<(), ClientError> {
+        let request = self
+            .http
+            .delete(self.resource_url(resource))
+            .query(&[("force", "true")])
+            .timeout(REQUEST_TIMEOUT);
+        expect_no_content(self.send(request).await?, resource.space).await
+    }
+
+    /// `POST /locks/{key}/renew` (or `/semaphores/{key}/renew`): the lease then ends `ttl` from
+    /// now (the broker's default TTL when `None`).
     pub async fn renew(
         &self,
-        key: &LockKey,
+        resource: &Resource,
         token: &Token,
         ttl: Option<Duration>,
     ) -> Result<Grant, ClientError> {
         let mut request = self
             .http
-            .post(format!("{}/renew", self.lock_url(key)))
+            .post(format!("{}/renew", self.resource_url(resource)))
             .header("Lock-Token", token.as_str())
             .timeout(REQUEST_TIMEOUT);
         if let Some(ttl) = ttl {
             request = request.json(&serde_json::json!({ "ttl_ms": millis(ttl) }));
         }
         let response = self.send(request).await?;
-        expect_json(response, StatusCode::OK).await
+        expect_json(response, StatusCode::OK, resource.space).await
     }
 
     /// `GET /locks/{key}`.
     pub async fn status(&self, key: &LockKey) -> Result<LockStatus, ClientError> {
-        let request = self.http.get(self.lock_url(key)).timeout(REQUEST_TIMEOUT);
+        self.read(&Resource {
+            space: Space::Locks,
+            key: key.clone(),
+        })
+        .await
+    }
+
+    /// `GET /semaphores/{key}`.
+    pub async fn semaphore_status(&self, key: &LockKey) -> Result<SemaphoreStatus, ClientError> {
+        self.read(&Resource {
+            space: Space::Semaphores,
+            key: key.clone(),
+        })
+        .await
+    }
+
+    async fn read<T: serde::de::DeserializeOwned>(
+        &self,
+        resource: &Resource,
+    ) -> Result<T, ClientError> {
+        let request = self
+            .http
+            .get(self.resource_url(resource))
+            .timeout(REQUEST_TIMEOUT);
         let response = self.send(request).await?;
-        expect_json(response, StatusCode::OK).await
+        expect_json(response, StatusCode::OK, resource.space).await
+    }
+
+    /// `GET /locks?prefix=&limit=&cursor=`: one page of the held locks whose key starts with
+    /// `prefix`, at most `limit` (1 ..= [`MAX_PAGE`]) of them.
+    pub async fn list_locks(
+        &self,
+        prefix: &str,
+        limit: u32,
+        cursor: Option<&str>,
+    ) -> Result<Page<LockEntry>, ClientError> {
+        self.list(Space::Locks, prefix, limit, cursor).await
+    }
+
+    /// `GET /semaphores?prefix=&limit=&cursor=`: as [`Self::list_locks`], for semaphores with
+    /// holders.
+    pub async fn list_semaphores(
+        &self,
+        prefix: &str,
+        limit: u32,
+        cursor: Option<&str>,
+    ) -> Result<Page<SemaphoreEntry>, ClientError> {
+        self.list(Space::Semaphores, prefix, limit, cursor).await
+    }
+
+    async fn list<T: serde::de::DeserializeOwned>(
+        &self,
+        space: Space,
+        prefix: &str,
+        limit: u32,
+        cursor: Option<&str>,
+    ) -> Result<Page<T>, ClientError> {
+        let mut query = vec![("limit", limit.to_string())];
+        if !prefix.is_empty() {
+            query.push(("prefix", prefix.to_owned()));
+        }
+        if let Some(cursor) = cursor {
+            query.push(("cursor", cursor.to_owned()));
+        }
+        let request = self
+            .http
+            .get(format!("{}/{}", self.base, space.path()))
+            .query(&query)
+            .timeout(REQUEST_TIMEOUT);
+        let response = self.send(request).await?;
+        expect_json(response, StatusCode::OK, space).await
     }
 
     async fn send(
@@ -419,9 +723,10 @@ impl BrokerClient {
 async fn expect_json<T: serde::de::DeserializeOwned>(
     response: reqwest::Response,
     expected: StatusCode,
+    space: Space,
 ) -> Result<T, ClientError> {
     if response.status() != expected {
-        return Err(error_from(response).await);
+        return Err(error_from(response, space).await);
     }
     let text = response
         .text()
@@ -431,18 +736,36 @@ async fn expect_json<T: serde::de::DeserializeOwned>(
         .map_err(|e| ClientError::BadResponse(format!("{e} in {}", excerpt(&text))))
 }
 
-/// Turns an error answer into a [`ClientError`], keeping the API's code and message.
-async fn error_from(response: reqwest::Response) -> ClientError {
+/// `Ok` for `204 No Content`, the error otherwise.
+async fn expect_no_content(response: reqwest::Response, space: Space) -> Result<(), ClientError> {
+    if response.status() == StatusCode::NO_CONTENT {
+        Ok(())
+    } else {
+        Err(error_from(response, space).await)
+    }
+}
+
+/// Turns an error answer from `space` into a [`ClientError`], keeping the API's code and
+/// message.
+async fn error_from(response: reqwest::Response, space: Space) -> ClientError {
     let status = response.status();
     let text = response.text().await.unwrap_or_default();
     let body: Option<ErrorBody> = serde_json::from_str(&text).ok();
     let code = body.as_ref().and_then(|b| b.error.clone());
     match (status, code.as_deref()) {
         (StatusCode::CONFLICT, Some("locked")) => ClientError::Locked {
+            space,
             retry_after_ms: body.and_then(|b| b.retry_after_ms),
         },
-        (StatusCode::NOT_FOUND, Some("not_held")) => ClientError::NotHeld,
-        (StatusCode::CONFLICT, Some("not_owner")) => ClientError::NotOwner,
+        (StatusCode::NOT_FOUND, Some("not_held")) => ClientError::NotHeld { space },
+        (StatusCode::CONFLICT, Some("not_owner")) => ClientError::NotOwner { space },
+        (StatusCode::CONFLICT, Some("limit_mismatch")) => {
+            let body = body.expect("a code came from the body");
+            ClientError::LimitMismatch {
+                limit: body.limit,
+                message: body.message.unwrap_or_else(|| excerpt(&text)),
+            }
+        }
         _ => ClientError::Api {
             status,
             code: code.unwrap_or_else(|| "unexpected_response".into()),
@@ -489,15 +812,24 @@ mod tests {
 
     #[test]
     fn each_outcome_has_its_exit_code() {
-        assert_eq!(
-            ClientError::Locked {
-                retry_after_ms: None
-            }
-            .exit_code(),
-            exit::LOCKED
-        );
-        assert_eq!(ClientError::NotHeld.exit_code(), exit::NOT_HELD);
-        assert_eq!(ClientError::NotOwner.exit_code(), exit::NOT_HELD);
+        for space in [Space::Locks, Space::Semaphores] {
+            assert_eq!(
+                ClientError::Locked {
+                    space,
+                    retry_after_ms: None
+                }
+                .exit_code(),
+                exit::LOCKED
+            );
+            assert_eq!(ClientError::NotHeld { space }.exit_code(), exit::NOT_HELD);
+            assert_eq!(ClientError::NotOwner { space }.exit_code(), exit::NOT_HELD);
+        }
+        let mismatch = ClientError::LimitMismatch {
+            limit: Some(3),
+            message: "limit 3 in use".into(),
+        };
+        assert_eq!(mismatch.exit_code(), exit::ERROR);
+        assert!(!mismatch.is_transient());
         let unavailable = ClientError::Api {
             status: StatusCode::SERVICE_UNAVAILABLE,
             code: "store_unavailable".into(),
@@ -511,7 +843,130 @@ mod tests {
             message: "bad".into(),
         };
         assert!(!refused.is_transient());
-        assert!(!ClientError::NotOwner.is_transient());
+        assert!(
+            !ClientError::NotOwner {
+                space: Space::Locks
+            }
+            .is_transient()
+        );
+    }
+
+    #[test]
+    fn messages_name_what_is_taken_locks_as_before_and_permits_for_semaphores() {
+        let locked = |space| ClientError::Locked {
+            space,
+            retry_after_ms: Some(1500),
+        };
+        assert_eq!(
+            locked(Space::Locks).to_string(),
+            "the lock is held by someone else; its lease ends in 1s 500ms"
+        );
+        assert_eq!(
+            locked(Space::Semaphores).to_string(),
+            "every permit is taken; the next one frees in 1s 500ms"
+        );
+        assert_eq!(
+            ClientError::NotHeld {
+                space: Space::Locks
+            }
+            .to_string(),
+            "nobody holds the lock (it was released, or its lease expired)"
+        );
+        assert_eq!(locked(Space::Semaphores).to_json()["retry_after_ms"], 1500);
+    }
+
+    #[test]
+    fn a_limit_mismatch_says_which_limit_the_holders_use_when_the_broker_tells() {
+        let told = ClientError::LimitMismatch {
+            limit: Some(3),
+            message: "The semaphore is held with limit 3.".into(),
+        };
+        assert_eq!(
+            told.to_string(),
+            "its holders use --limit 3; every holder of a semaphore must give the same --limit"
+        );
+        assert_eq!(
+            told.to_json(),
+            serde_json::json!({"error": "limit_mismatch", "message": told.to_string(), "limit": 3})
+        );
+        let untold = ClientError::LimitMismatch {
+            limit: None,
+            message: "Another limit is in use.".into(),
+        };
+        assert!(
+            untold
+                .to_string()
+                .starts_with("its holders use another limit (Another limit is in use.)"),
+            "{untold}"
+        );
+        assert!(untold.to_json().get("limit").is_none());
+    }
+
+    #[test]
+    fn each_claim_goes_to_its_space_with_its_parameters() {
+        let key = LockKey::parse("jobs").unwrap();
+        let exclusive = Claim::Exclusive(key.clone());
+        assert_eq!(exclusive.resource().space, Space::Locks);
+        assert!(exclusive.query().is_empty(), "the API's default, unsaid");
+        let shared = Claim::Shared(key.clone());
+        assert_eq!(shared.resource().space, Space::Locks);
+        assert_eq!(shared.query(), [("mode", "shared".to_owned())]);
+        let permit = Claim::Permit {
+            semaphore: key.clone(),
+            limit: 4,
+        };
+        assert_eq!(permit.resource().space, Space::Semaphores);
+        assert_eq!(permit.query(), [("limit", "4".to_owned())]);
+        assert_eq!(permit.resource().to_string(), "semaphore jobs");
+        assert_eq!(shared.resource().to_string(), "jobs");
+        let client = BrokerClient::new("http://h:1/").unwrap();
+        assert_eq!(
+            client.resource_url(&permit.resource()),
+            "http://h:1/semaphores/jobs"
+        );
+        assert_eq!(
+            client.resource_url(&shared.resource()),
+            "http://h:1/locks/jobs"
+        );
+    }
+
+    #[test]
+    fn status_and_list_bodies_read_as_the_api_writes_them() {
+        // A broker from before shared leases sends no mode: exclusive.
+        let old: LockStatus = serde_json::from_str(
+            r#"{"key":"a","fence":1,"expires_at_ms":2,"ttl_remaining_ms":3,"owner":null}"#,
+        )
+        .unwrap();
+        assert_eq!(old.mode, LockMode::Exclusive);
+        assert_eq!(old.holders, None);
+        let shared: LockStatus = serde_json::from_str(
+            r#"{"key":"a","mode":"shared","fence":5,"expires_at_ms":2,"ttl_remaining_ms":3,
+                "owner":"x","holders":[{"fence":4,"expires_at_ms":2,"ttl_remaining_ms":3,"owner":null},
+                {"fence":5,"expires_at_ms":2,"ttl_remaining_ms":3,"owner":"x"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(shared.mode, LockMode::Shared);
+        assert_eq!(shared.holders.as_ref().map(Vec::len), Some(2));
+        let page: Page<LockEntry> = serde_json::from_str(
+            r#"{"locks":[{"key":"a","mode":"shared","fence":1,"expires_at_ms":2,
+                "ttl_remaining_ms":3,"owner":null}],"next_cursor":"c1"}"#,
+        )
+        .unwrap();
+        assert_eq!(page.items.len(), 1);
+        assert_eq!(page.next_cursor.as_deref(), Some("c1"));
+        let page: Page<SemaphoreEntry> = serde_json::from_str(
+            r#"{"semaphores":[{"key":"s","limit":4,"holders":2,"fence":9,"expires_at_ms":2,
+                "ttl_remaining_ms":3}],"next_cursor":null}"#,
+        )
+        .unwrap();
+        assert_eq!(page.items[0].holders, 2);
+        assert_eq!(page.next_cursor, None);
+        // A grant prints as the API gave it: `limit` only for a semaphore's.
+        let grant: Grant = serde_json::from_str(
+            r#"{"key":"a","token":"t","fence":1,"ttl_ms":2,"expires_at_ms":3}"#,
+        )
+        .unwrap();
+        assert!(serde_json::to_value(&grant).unwrap().get("limit").is_none());
     }
 
     #[test]

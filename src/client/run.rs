@@ -1,11 +1,14 @@
 //! `lockbroker run KEY -- COMMAND [ARGS...]`: runs a command while holding a lock, for jobs that
 //! many nodes schedule but only one may run at a time (cron on every node, one run a night).
+//! With `--shared` it holds a shared lease instead (any number of shared runs at once, never
+//! with an exclusive one), and with `--semaphore NAME --limit N` one of N permits (at most N runs
+//! at once).
 //!
-//! It acquires the lock (with a random request id, and once more with the same id if the
+//! It acquires the lease (with a random request id, and once more with the same id if the
 //! answer was lost, so a lost answer does not strand a lease), starts the command in a process
-//! group of its own with `LOCKBROKER_KEY`, `LOCKBROKER_FENCE`, `LOCKBROKER_TOKEN` and
-//! `LOCKBROKER_URL` in its environment, renews the lease every third of its TTL, and releases
-//! it when the command exits, exiting with the command's status.
+//! group of its own with `LOCKBROKER_KEY`, `LOCKBROKER_MODE`, `LOCKBROKER_FENCE`,
+//! `LOCKBROKER_TOKEN` and `LOCKBROKER_URL` in its environment, renews the lease every third of
+//! its TTL, and releases it when the command exits, exiting with the command's status.
 //!
 //! If a renewal is answered `not_held` or `not_owner`, or no renewal gets through before the
 //! lease would have ended, the lease is lost: the command's process group gets SIGTERM, then
@@ -29,10 +32,10 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 
 use super::commands::BrokerArgs;
 use super::{
-    AcquireParams, BrokerClient, ClientError, Grant, RUN_EXIT_CODES_HELP, exit, format_ms,
-    parse_duration, parse_key, parse_owner, parse_ttl,
+    AcquireParams, BrokerClient, Claim, ClaimArgs, ClientError, Grant, RUN_EXIT_CODES_HELP,
+    Resource, exit, format_ms, parse_duration, parse_owner, parse_ttl,
 };
-use crate::domain::{LockKey, Owner, RequestId, Token};
+use crate::domain::{Owner, RequestId, Token};
 
 /// Shortest pause between two renewal attempts while the broker does not answer: keeps a short
 /// lease from turning an outage into a busy loop.
@@ -48,15 +51,14 @@ const MAX_RETRY: Duration = Duration::from_secs(1);
 pub struct RunArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
-    /// The lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
-    #[arg(value_parser = parse_key)]
-    pub key: LockKey,
+    #[command(flatten)]
+    pub target: ClaimArgs,
     /// Lease length, renewed every third of it while the command runs [default: the
     /// broker's, 30s unless configured]. A lost lease is noticed within a third of it.
     #[arg(long, value_parser = parse_ttl, value_name = "DURATION")]
     pub ttl: Option<Duration>,
-    /// How long to wait while someone else holds the lock. With 0s, a lock held elsewhere
-    /// exits 3 at once and the command does not run.
+    /// How long to wait while someone else holds the lock (or every permit is taken). With 0s,
+    /// a lock held elsewhere exits 3 at once and the command does not run.
     #[arg(long, default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
     pub wait: Duration,
     /// A label for people, shown by `status` [default: HOSTNAME pid PID].
@@ -65,8 +67,8 @@ pub struct RunArgs {
     /// When the lease is lost: how long the command has between SIGTERM and SIGKILL.
     #[arg(long, default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
     pub grace: Duration,
-    /// Print nothing when the lock is held elsewhere (exit 3 says it); cron mails whatever a
-    /// job prints. Errors are still printed.
+    /// Print nothing when the lock is held elsewhere or every permit is taken (exit 3 says
+    /// it); cron mails whatever a job prints. Errors are still printed.
     #[arg(short, long)]
     pub quiet: bool,
     /// The command and its arguments, after `--`. It runs in a process group of its own, so
@@ -98,41 +100,42 @@ pub async fn run(args: RunArgs) -> ExitCode {
             RequestId::parse(Token::generate().as_str()).expect("a token is a valid request id"),
         ),
     };
+    let claim = args.target.claim();
+    let resource = claim.resource();
     let grant = tokio::select! {
-        result = acquire(&client, &args.key, &params) => match result {
+        result = acquire(&client, &claim, &params) => match result {
             Ok(grant) => grant,
             Err(e @ ClientError::Locked { .. }) => {
                 if !args.quiet {
-                    say(format_args!("cannot acquire {}: {e}; the command did not run", args.key));
+                    say(format_args!("cannot acquire {resource}: {e}; the command did not run"));
                 }
                 return ExitCode::from(exit::LOCKED);
             }
             Err(e) => {
-                say(format_args!("cannot acquire {}: {e}", args.key));
+                say(format_args!("cannot acquire {resource}: {e}"));
                 return ExitCode::from(e.exit_code());
             }
         },
         signal = signals.recv() => {
-            say(format_args!("got {signal} while acquiring {}; the command did not run", args.key));
+            say(format_args!("got {signal} while acquiring {resource}; the command did not run"));
             return ExitCode::from(128 + signal as u8);
         }
     };
     let granted_at = Instant::now();
     let Ok(token) = Token::parse(&grant.token) else {
         say(format_args!(
-            "the broker's grant of {} carries a malformed token",
-            args.key
+            "the broker's grant of {resource} carries a malformed token"
         ));
         return ExitCode::from(exit::ERROR);
     };
     let lease = Lease {
         client,
-        key: args.key.clone(),
+        resource,
         token,
         ttl: Duration::from_millis(grant.ttl_ms.max(1)),
     };
 
-    let mut child = match spawn(&args.command, &lease, &grant) {
+    let mut child = match spawn(&args.command, &lease, claim.mode(), &grant) {
         Ok(child) => child,
         Err(e) => {
             say(format_args!(
@@ -173,7 +176,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
     };
     say(format_args!(
         "lost the lease on {}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
-        lease.key,
+        lease.resource,
         humantime::format_duration(args.grace)
     ));
     let status = terminate(&mut child, group, args.grace, &mut signals).await;
@@ -188,15 +191,16 @@ pub async fn run(args: RunArgs) -> ExitCode {
 /// asks once more with the same request id, which returns that same grant if there was one.
 async fn acquire(
     client: &BrokerClient,
-    key: &LockKey,
+    claim: &Claim,
     params: &AcquireParams,
 ) -> Result<Grant, ClientError> {
-    match client.acquire(key, params).await {
+    match client.acquire(claim, params).await {
         Err(e @ ClientError::Transport { .. }) => {
             say(format_args!(
-                "acquiring {key} failed ({e}); trying once more"
+                "acquiring {} failed ({e}); trying once more",
+                claim.resource()
             ));
-            client.acquire(key, params).await
+            client.acquire(claim, params).await
         }
         other => other,
     }
@@ -206,7 +210,7 @@ async fn acquire(
 #[derive(Clone)]
 struct Lease {
     client: BrokerClient,
-    key: LockKey,
+    resource: Resource,
     token: Token,
     ttl: Duration,
 }
@@ -255,25 +259,26 @@ impl Lease {
             }
             let renewed = timeout_at(
                 ends_at,
-                self.client.renew(&self.key, &self.token, Some(self.ttl)),
+                self.client
+                    .renew(&self.resource, &self.token, Some(self.ttl)),
             )
             .await;
             match renewed {
                 Ok(Ok(_)) => {
                     if trouble.take().is_some() {
-                        say(format_args!("renewed the lease on {} again", self.key));
+                        say(format_args!("renewed the lease on {} again", self.resource));
                     }
                     ends_at = sent + self.ttl;
                     next = sent + interval;
                 }
-                Ok(Err(e @ (ClientError::NotHeld | ClientError::NotOwner))) => {
+                Ok(Err(e @ (ClientError::NotHeld { .. } | ClientError::NotOwner { .. }))) => {
                     return LeaseLost::Refused(e);
                 }
                 Ok(Err(e)) => {
                     if trouble.is_none() {
                         say(format_args!(
                             "cannot renew the lease on {} ({e}); retrying until it ends in {}",
-                            self.key,
+                            self.resource,
                             format_ms(u64::try_from((ends_at - sent).as_millis()).unwrap_or(0))
                         ));
                     }
@@ -299,34 +304,39 @@ impl Lease {
     async fn release(&self) {
         let released = tokio::time::timeout(
             self.ttl.min(super::REQUEST_TIMEOUT),
-            self.client.release(&self.key, &self.token),
+            self.client.release(&self.resource, &self.token),
         )
         .await;
         match released {
             Ok(Ok(())) => {}
-            Ok(Err(e @ (ClientError::NotHeld | ClientError::NotOwner))) => say(format_args!(
-                "the lease on {} was no longer held when the command finished: {e}",
-                self.key
-            )),
+            Ok(Err(e @ (ClientError::NotHeld { .. } | ClientError::NotOwner { .. }))) => {
+                say(format_args!(
+                    "the lease on {} was no longer held when the command finished: {e}",
+                    self.resource
+                ))
+            }
             Ok(Err(e)) => say(format_args!(
                 "cannot release {} ({e}); the lease ends by itself within {}",
-                self.key,
+                self.resource,
                 humantime::format_duration(self.ttl)
             )),
             Err(_) => say(format_args!(
                 "the broker did not answer the release of {}; the lease has ended by itself",
-                self.key
+                self.resource
             )),
         }
     }
 }
 
-/// Starts the command in a process group of its own, with the lease in its environment.
-fn spawn(command: &[OsString], lease: &Lease, grant: &Grant) -> io::Result<Child> {
+/// Starts the command in a process group of its own, with the lease in its environment:
+/// `LOCKBROKER_KEY` is the lock's key or the semaphore's name, and `LOCKBROKER_MODE` says which
+/// (`exclusive`, `shared` or `semaphore`).
+fn spawn(command: &[OsString], lease: &Lease, mode: &str, grant: &Grant) -> io::Result<Child> {
     let (program, args) = command.split_first().expect("clap requires a command");
     Command::new(program)
         .args(args)
-        .env("LOCKBROKER_KEY", lease.key.as_str())
+        .env("LOCKBROKER_KEY", lease.resource.key.as_str())
+        .env("LOCKBROKER_MODE", mode)
         .env("LOCKBROKER_FENCE", grant.fence.to_string())
         .env("LOCKBROKER_TOKEN", lease.token.as_str())
         .env("LOCKBROKER_URL", lease.client.url())
@@ -448,4 +458,78 @@ impl Drop for AbortOnDrop {
 /// One line on stderr, marked as `run`'s own among the command's output.
 fn say(message: fmt::Arguments<'_>) {
     eprintln!("lockbroker run: {message}");
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+    use crate::domain::LockKey;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<RunArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("run").chain(args.iter().copied())).map(|c| c.run)
+    }
+
+    #[test]
+    fn run_is_a_consistent_clap_definition() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn run_holds_a_lock_a_shared_lease_or_a_permit_for_the_command_after_dashes() {
+        let key = |raw| LockKey::parse(raw).unwrap();
+        let run = parse(&["k", "--", "true"]).unwrap();
+        assert_eq!(run.target.claim(), Claim::Exclusive(key("k")));
+        let run = parse(&["--shared", "k", "--", "true"]).unwrap();
+        assert_eq!(run.target.claim(), Claim::Shared(key("k")));
+        let run = parse(&["--semaphore", "s", "--limit", "2", "--", "sh", "-c", "x"]).unwrap();
+        assert_eq!(
+            run.target.claim(),
+            Claim::Permit {
+                semaphore: key("s"),
+                limit: 2
+            }
+        );
+        assert_eq!(run.command, ["sh", "-c", "x"]);
+    }
+
+    #[test]
+    fn run_refuses_a_key_with_a_semaphore_a_limit_alone_and_a_shared_permit() {
+        for (args, kind) in [
+            (&["--", "true"][..], ErrorKind::MissingRequiredArgument),
+            (
+                &["k", "--semaphore", "s", "--limit", "2", "--", "true"],
+                ErrorKind::ArgumentConflict,
+            ),
+            (
+                &["--semaphore", "s", "--", "true"],
+                ErrorKind::MissingRequiredArgument,
+            ),
+            (
+                &["k", "--limit", "2", "--", "true"],
+                ErrorKind::ArgumentConflict,
+            ),
+            (
+                &["--semaphore", "s", "--limit", "2", "--shared", "--", "true"],
+                ErrorKind::ArgumentConflict,
+            ),
+            (
+                &["--semaphore", "s", "--limit", "2"],
+                ErrorKind::MissingRequiredArgument,
+            ),
+        ] {
+            match parse(args) {
+                Ok(_) => panic!("{args:?} was accepted"),
+                Err(e) => assert_eq!(e.kind(), kind, "{args:?}"),
+            }
+        }
+    }
 }

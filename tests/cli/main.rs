@@ -3,6 +3,7 @@
 //! test's own). Every wait is bounded.
 
 mod commands;
+mod kinds;
 mod run;
 mod secure;
 mod support;

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 
-use super::{BenchArgs, Latency, Phase};
+use super::{BenchArgs, BenchMode, Latency, Phase};
 use crate::domain::Token;
 
 /// Shared by the workers of one phase: counts, samples and the stop flag.
@@ -92,6 +92,33 @@ pub(super) struct Granted {
     pub(super) token: String,
 }
 
+/// Where a phase's cycles take their lease, for the bench's `--mode`: the lease's URL (the
+/// release goes there too) and the acquire's own query parameters.
+struct Target {
+    url: String,
+    /// Empty, `mode=shared&` or `limit=N&`: an exclusive acquire is sent exactly as before
+    /// there were other modes.
+    params: String,
+}
+
+impl Target {
+    fn new(base: &str, args: &BenchArgs, key: &str) -> Self {
+        let (space, params) = match args.mode {
+            BenchMode::Exclusive => ("locks", String::new()),
+            BenchMode::Shared => ("locks", "mode=shared&".to_owned()),
+            BenchMode::Semaphore => ("semaphores", format!("limit={}&", args.limit())),
+        };
+        Self {
+            url: format!("{base}/{space}/{key}"),
+            params,
+        }
+    }
+
+    fn acquire_url(&self, wait_ms: u64) -> String {
+        format!("{}?{}ttl_ms=10000&wait_ms={wait_ms}", self.url, self.params)
+    }
+}
+
 pub(super) async fn uncontended_http(
     http: &reqwest::Client,
     base: &str,
@@ -99,46 +126,49 @@ pub(super) async fn uncontended_http(
     run_id: &str,
     progress: bool,
 ) -> Phase {
-    drive(
-        "uncontended (HTTP)",
-        args.clients,
-        args,
-        progress,
-        |i, tally| {
-            let (http, base) = (http.clone(), base.to_owned());
-            let url = format!("{base}/locks/bench-{run_id}-u{i}");
-            async move {
-                let mut local = Vec::new();
-                while !tally.stop.load(Ordering::Relaxed) {
-                    let started = Instant::now();
-                    match http_cycle(&http, &url, 0).await {
-                        Ok(_) => {
-                            tally.cycles.fetch_add(1, Ordering::Relaxed);
-                            local.push(started.elapsed());
-                        }
-                        Err(_) => {
-                            tally.errors.fetch_add(1, Ordering::Relaxed);
-                        }
+    let name = match args.mode {
+        BenchMode::Exclusive => "uncontended (HTTP)",
+        BenchMode::Shared => "uncontended shared (HTTP)",
+        BenchMode::Semaphore => "uncontended semaphore (HTTP)",
+    };
+    drive(name, args.clients, args, progress, |i, tally| {
+        let http = http.clone();
+        let target = Target::new(base, args, &format!("bench-{run_id}-u{i}"));
+        async move {
+            let mut local = Vec::new();
+            while !tally.stop.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                match http_cycle(&http, &target, 0).await {
+                    Ok(_) => {
+                        tally.cycles.fetch_add(1, Ordering::Relaxed);
+                        local.push(started.elapsed());
+                    }
+                    Err(_) => {
+                        tally.errors.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                tally.record(local);
             }
-        },
-    )
+            tally.record(local);
+        }
+    })
     .await
 }
 
-/// Acquires and releases `url`'s lock; returns when the grant arrived.
-async fn http_cycle(http: &reqwest::Client, url: &str, wait_ms: u64) -> anyhow::Result<Instant> {
+/// Acquires and releases `target`'s lease; returns when the grant arrived.
+async fn http_cycle(
+    http: &reqwest::Client,
+    target: &Target,
+    wait_ms: u64,
+) -> anyhow::Result<Instant> {
     let granted: Granted = http
-        .post(format!("{url}?ttl_ms=10000&wait_ms={wait_ms}"))
+        .post(target.acquire_url(wait_ms))
         .send()
         .await?
         .error_for_status()?
         .json()
         .await?;
     let at = Instant::now();
-    release(http, url, &granted.token).await?;
+    release(http, &target.url, &granted.token).await?;
     Ok(at)
 }
 
@@ -158,56 +188,60 @@ pub(super) async fn hot_key_http(
     run_id: &str,
     progress: bool,
 ) -> Phase {
-    let url = format!("{base}/locks/bench-{run_id}-hot");
-    drive(
-        "hot key (HTTP)",
-        args.contenders,
-        args,
-        progress,
-        |_, tally| {
-            let (http, url) = (http.clone(), url.clone());
-            async move {
-                let mut local = Vec::new();
-                let mut handoffs = Vec::new();
-                while !tally.stop.load(Ordering::Relaxed) {
-                    let started = Instant::now();
-                    let granted = http
-                        .post(format!("{url}?ttl_ms=10000&wait_ms=10000"))
-                        .send()
-                        .await
-                        .and_then(reqwest::Response::error_for_status);
-                    let granted: Granted = match granted {
-                        Ok(response) => match response.json().await {
-                            Ok(g) => g,
-                            Err(_) => {
-                                tally.errors.fetch_add(1, Ordering::Relaxed);
-                                continue;
-                            }
-                        },
+    let target = Arc::new(Target::new(base, args, &format!("bench-{run_id}-hot")));
+    let name = match args.mode {
+        BenchMode::Exclusive => "hot key (HTTP)",
+        BenchMode::Shared => "hot key shared (HTTP)",
+        BenchMode::Semaphore => "hot semaphore (HTTP)",
+    };
+    // Handoff, from one release to the next grant, means something only while one holder
+    // follows another.
+    let handoff = args.mode == BenchMode::Exclusive;
+    drive(name, args.contenders, args, progress, |_, tally| {
+        let (http, target) = (http.clone(), target.clone());
+        async move {
+            let mut local = Vec::new();
+            let mut handoffs = Vec::new();
+            while !tally.stop.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                let granted = http
+                    .post(target.acquire_url(10_000))
+                    .send()
+                    .await
+                    .and_then(reqwest::Response::error_for_status);
+                let granted: Granted = match granted {
+                    Ok(response) => match response.json().await {
+                        Ok(g) => g,
                         Err(_) => {
                             tally.errors.fetch_add(1, Ordering::Relaxed);
                             continue;
                         }
-                    };
+                    },
+                    Err(_) => {
+                        tally.errors.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                };
+                if handoff {
                     if let Some(released) = tally.released_at.lock().unwrap().take() {
                         handoffs.push(released.elapsed());
                     }
                     *tally.released_at.lock().unwrap() = Some(Instant::now());
-                    match release(&http, &url, &granted.token).await {
-                        Ok(()) => {
-                            tally.cycles.fetch_add(1, Ordering::Relaxed);
-                            local.push(started.elapsed());
-                        }
-                        Err(_) => {
-                            tally.errors.fetch_add(1, Ordering::Relaxed);
-                        }
+                }
+                match release(&http, &target.url, &granted.token).await {
+                    Ok(()) => {
+                        tally.cycles.fetch_add(1, Ordering::Relaxed);
+                        local.push(started.elapsed());
+                    }
+                    Err(_) => {
+                        tally.errors.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                tally.record(local);
-                tally.handoffs.lock().unwrap().extend(handoffs);
             }
-        },
-    )
+            tally.record(local);
+            tally.handoffs.lock().unwrap().extend(handoffs);
+        }
+    })
     .await
 }
 
@@ -237,6 +271,30 @@ pub(super) async fn wait_until_granting(http: &reqwest::Client, base: &str) -> a
         }
     }
     Ok(())
+}
+
+/// Takes and releases one lease of the bench's `--mode`, so that a broker that does not grant
+/// it (one from before shared leases and semaphores, say) stops the run with its answer instead
+/// of filling every phase with errors.
+pub(super) async fn check_mode(
+    http: &reqwest::Client,
+    base: &str,
+    args: &BenchArgs,
+    run_id: &str,
+) -> anyhow::Result<()> {
+    let target = Target::new(base, args, &format!("bench-{run_id}-mode"));
+    let answer = http.post(target.acquire_url(0)).send().await?;
+    let status = answer.status();
+    if status != reqwest::StatusCode::CREATED {
+        let body = answer.text().await.unwrap_or_default();
+        bail!(
+            "the broker at {base} does not grant a {} lease: it answered {status} {}",
+            args.mode.as_str(),
+            body.trim()
+        );
+    }
+    let granted: Granted = answer.json().await?;
+    release(http, &target.url, &granted.token).await
 }
 
 /// Keys [`wait_until_granting`] asks for: enough to land on every master of a small cluster.

@@ -6,6 +6,11 @@
 //! with several contenders and zero hold time, measuring handoff (from a release being sent to
 //! the next grant arriving); (c) with `--redis-url`, phase (a)'s cycle done by this process
 //! straight on Redis with the broker's own scripts (one EVALSHA to claim, one to release).
+//!
+//! `--mode` picks the lease the HTTP phases take: an exclusive lease (the default), a shared
+//! lease on the lock, or one permit of a semaphore of `--limit` permits. Phase (c) exists for
+//! exclusive leases only, and handoff is measured only where one holder follows another (an
+//! exclusive lease).
 
 mod direct;
 mod http;
@@ -18,15 +23,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::Serialize;
 
 use self::direct::uncontended_direct;
-use self::http::{hot_key_http, uncontended_http, wait_until_granting};
+use self::http::{check_mode, hot_key_http, uncontended_http, wait_until_granting};
 pub use self::ledger::{LedgerCost, ledger_cost};
 use self::redis_stats::{RedisCost, data_nodes};
 pub use self::redis_stats::{command_calls, script_calls};
 use self::waiters::park_waiters;
+use crate::client::parse_limit;
 use crate::domain::Token;
 use crate::store::RedisStore;
 use crate::store::redis::RedisSettings;
@@ -64,6 +70,14 @@ pub struct BenchArgs {
     /// connection instead of one connection each.
     #[arg(long)]
     pub http2: bool,
+    /// The lease each cycle takes: an exclusive lease on a lock, a shared lease on it, or one
+    /// permit of a semaphore (see --limit). The direct-Redis phase runs for exclusive only.
+    #[arg(long, value_enum, default_value_t = BenchMode::Exclusive)]
+    pub mode: BenchMode,
+    /// With --mode semaphore: each semaphore's permits, so on the hot key this many
+    /// contenders hold one at once [default: 4].
+    #[arg(long, value_name = "N", value_parser = parse_limit)]
+    pub limit: Option<u32>,
     /// Print one JSON summary on stdout instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -72,6 +86,39 @@ pub struct BenchArgs {
     /// process, and how long its periodic sweep and a put-back snapshot take.
     #[arg(long, value_name = "LEASES")]
     pub ledger: Option<usize>,
+}
+
+/// The lease a bench cycle takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchMode {
+    /// `POST /locks/{key}`: one holder at a time.
+    Exclusive,
+    /// `POST /locks/{key}?mode=shared`: every contender holds it at once.
+    Shared,
+    /// `POST /semaphores/{key}?limit=N`: N contenders hold a permit at once.
+    Semaphore,
+}
+
+impl BenchMode {
+    /// The mode as `--mode` writes it.
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Exclusive => "exclusive",
+            Self::Shared => "shared",
+            Self::Semaphore => "semaphore",
+        }
+    }
+}
+
+/// A semaphore's permits in `--mode semaphore` when `--limit` is not given.
+pub const DEFAULT_BENCH_LIMIT: u32 = 4;
+
+impl BenchArgs {
+    /// The semaphore's permits in `--mode semaphore`.
+    fn limit(&self) -> u32 {
+        self.limit.unwrap_or(DEFAULT_BENCH_LIMIT)
+    }
 }
 
 /// Latency percentiles of one phase, in milliseconds.
@@ -136,6 +183,13 @@ impl Phase {
 /// The whole run.
 #[derive(Debug, Serialize)]
 pub struct Summary {
+    /// The lease the HTTP phases took; absent for exclusive leases, whose summary is as it
+    /// always was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<BenchMode>,
+    /// `--mode semaphore`: each semaphore's permits.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
     pub phases: Vec<Phase>,
     /// Uncontended broker cycles/s over direct-Redis cycles/s, measured in this run.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -163,6 +217,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
     if args.clients == 0 || args.contenders == 0 {
         bail!("--clients and --contenders must be at least 1");
     }
+    if args.limit.is_some() && args.mode != BenchMode::Semaphore {
+        bail!("--limit is the semaphore's permits: give it with --mode semaphore");
+    }
     let base = args.url.trim_end_matches('/').to_owned();
     let http = args
         .connect
@@ -184,6 +241,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         Some(url) => data_nodes(url).await?,
     };
     let run_id = Token::generate().as_str()[..8].to_owned();
+    if args.mode != BenchMode::Exclusive {
+        check_mode(&http, &base, &args, &run_id).await?;
+    }
     let progress = std::io::stderr().is_terminal() && !args.json;
 
     let mut phases = Vec::new();
@@ -198,7 +258,11 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
     phases.push(hot);
 
     let mut broker_over_direct = None;
-    if let Some(url) = &args.redis_url {
+    if let Some(url) = args
+        .redis_url
+        .as_ref()
+        .filter(|_| args.mode == BenchMode::Exclusive)
+    {
         let store = RedisStore::connect(
             &RedisSettings {
                 url: url.clone(),
@@ -225,6 +289,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         None
     };
     let summary = Summary {
+        mode: (args.mode != BenchMode::Exclusive).then_some(args.mode),
+        limit: (args.mode == BenchMode::Semaphore).then(|| args.limit()),
         phases,
         broker_over_direct,
         waiters,
@@ -238,6 +304,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
 }
 
 fn print_table(summary: &Summary) {
+    match (summary.mode, summary.limit) {
+        (Some(BenchMode::Semaphore), Some(limit)) => {
+            println!("mode: semaphore, {limit} permits on each key");
+        }
+        (Some(BenchMode::Shared), _) => println!("mode: shared leases"),
+        _ => {}
+    }
     println!(
         "{:<28} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8} {:>6}",
         "phase",
