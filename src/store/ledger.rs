@@ -14,11 +14,31 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::domain::{Fence, Lease, LockKey, Owner, RequestId, Token};
+use crate::store::Space;
+
+/// What a remembered lease is: a lock's exclusive lease, one of its shared leases, or a
+/// semaphore permit (with the limit it was taken with).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Exclusive,
+    Shared,
+    Permit { limit: u32 },
+}
+
+impl Kind {
+    pub fn space(self) -> Space {
+        match self {
+            Kind::Exclusive | Kind::Shared => Space::Locks,
+            Kind::Permit { .. } => Space::Semaphores,
+        }
+    }
+}
 
 /// One live lease as the granting broker remembers it (as handed out by [`Ledger::live`] and
 /// [`Ledger::get`]; the ledger itself keeps a compact form).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
+    pub kind: Kind,
     pub token: Token,
     pub fence: Fence,
     /// When the lease ends, on this host's monotonic clock: the moment its grant or renewal was
@@ -103,12 +123,22 @@ fn nibble(c: u8) -> Option<u8> {
     }
 }
 
+/// The pool leases (shared leases, permits) this broker holds on one key.
+#[derive(Debug)]
+struct Pool {
+    /// The semaphore's limit (0 for a lock's shared leases).
+    limit: u32,
+    members: Vec<Kept>,
+}
+
 /// The broker's live leases, by key.
 #[derive(Debug)]
 pub struct Ledger {
     /// A std Mutex: nothing awaits while holding it, and each critical section is one map
     /// operation (or one pass over the map, once a second, to drop ended leases).
     leases: Mutex<HashMap<Box<str>, Kept>>,
+    /// Shared leases and permits, by space and key; a few per key, usually.
+    pools: Mutex<HashMap<(Space, Box<str>), Pool>>,
     /// What `Kept::ends_ms` counts from.
     base: Instant,
 }
@@ -117,6 +147,7 @@ impl Default for Ledger {
     fn default() -> Self {
         Self {
             leases: Mutex::default(),
+            pools: Mutex::default(),
             base: Instant::now(),
         }
     }
@@ -134,8 +165,13 @@ impl Ledger {
         u64::try_from(since.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
     }
 
-    fn expand(&self, key: &str, kept: &Kept) -> (LockKey, Entry) {
+    fn pools(&self) -> MutexGuard<'_, HashMap<(Space, Box<str>), Pool>> {
+        self.pools.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn expand(&self, key: &str, kind: Kind, kept: &Kept) -> (LockKey, Entry) {
         let entry = Entry {
+            kind,
             token: kept.token.token(),
             fence: kept.fence,
             ends: self.base + Duration::from_millis(kept.ends_ms),
@@ -152,12 +188,47 @@ impl Ledger {
         )
     }
 
-    /// Remembers `lease` on `key`, ending at `ends` (the moment its grant or renewal was answered
-    /// plus what the store said remained of it). A renewal keeps the request id the grant had
-    /// (the store does not echo it).
-    pub fn record(&self, key: &LockKey, lease: &Lease, ends: Instant) {
+    /// Remembers `lease` of `kind` on `key`, ending at `ends` (the moment its grant or renewal
+    /// was answered plus what the store said remained of it). A renewal keeps the request id the
+    /// grant had (the store does not echo it).
+    pub fn record(&self, key: &LockKey, kind: Kind, lease: &Lease, ends: Instant) {
         let ends_ms = self.ms_after_base(ends);
         let token = KeptToken::of(&lease.token);
+        let kept = |request_id| Kept {
+            token: KeptToken::of(&lease.token),
+            fence: lease.fence,
+            ends_ms,
+            ttl_ms: u32::try_from(lease.ttl_ms).unwrap_or(u32::MAX),
+            owner: lease.owner.as_ref().map(|o| o.as_str().into()),
+            request_id,
+        };
+        if kind != Kind::Exclusive {
+            let limit = match kind {
+                Kind::Permit { limit } => limit,
+                _ => 0,
+            };
+            let mut pools = self.pools();
+            let pool = pools
+                .entry((kind.space(), key.as_str().into()))
+                .or_insert(Pool {
+                    limit,
+                    members: Vec::new(),
+                });
+            match pool.members.iter_mut().find(|m| m.token == token) {
+                Some(old) => {
+                    let request_id = lease
+                        .request_id
+                        .as_ref()
+                        .map(|id| id.as_str().into())
+                        .or(old.request_id.take());
+                    *old = kept(request_id);
+                }
+                None => pool
+                    .members
+                    .push(kept(lease.request_id.as_ref().map(|id| id.as_str().into()))),
+            }
+            return;
+        }
         let mut leases = self.leases();
         let request_id = match (leases.get(key.as_str()), &lease.request_id) {
             (_, Some(id)) => Some(id.as_str().into()),
@@ -175,6 +246,50 @@ impl Ledger {
                 request_id,
             },
         );
+    }
+
+    /// Forgets `token`'s pool lease on `key` in `space` (released, or found gone).
+    pub fn forget_pooled(&self, space: Space, key: &LockKey, token: &Token) {
+        let token = KeptToken::of(token);
+        let mut pools = self.pools();
+        let id = (space, Box::<str>::from(key.as_str()));
+        if let Some(pool) = pools.get_mut(&id) {
+            pool.members.retain(|m| m.token != token);
+            if pool.members.is_empty() {
+                pools.remove(&id);
+            }
+        }
+    }
+
+    /// Forgets `token`'s lease on `key` in `space`, whatever its kind.
+    pub fn forget_any(&self, space: Space, key: &LockKey, token: &Token) {
+        if space == Space::Locks {
+            self.forget(key, token);
+        }
+        self.forget_pooled(space, key, token);
+    }
+
+    /// A release notice from any broker: the lease on `key` in `space` with that fence is over
+    /// — and, with `all`, every lease on the key up to that fence (a force release). An
+    /// exclusive lease with a lower fence is over too: the released one came after it.
+    pub fn forget_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
+        if space == Space::Locks {
+            self.forget_released(key, fence);
+        }
+        let mut pools = self.pools();
+        let id = (space, Box::<str>::from(key));
+        if let Some(pool) = pools.get_mut(&id) {
+            pool.members.retain(|m| {
+                if all {
+                    m.fence > fence
+                } else {
+                    m.fence != fence
+                }
+            });
+            if pool.members.is_empty() {
+                pools.remove(&id);
+            }
+        }
     }
 
     /// Forgets `token`'s lease on `key` (released, or found gone). Another token's entry stays.
@@ -197,41 +312,76 @@ impl Ledger {
         }
     }
 
-    /// Whether `token`'s lease on `key` is still remembered.
-    pub fn holds(&self, key: &LockKey, token: &Token) -> bool {
-        self.leases()
-            .get(key.as_str())
-            .is_some_and(|e| e.token == KeptToken::of(token))
+    /// Whether `token`'s lease of `kind` on `key` is still remembered.
+    pub fn holds(&self, key: &LockKey, kind: Kind, token: &Token) -> bool {
+        self.get(key, kind, token).is_some()
     }
 
-    /// The entry for `key`, if any.
-    pub fn get(&self, key: &LockKey) -> Option<Entry> {
-        self.leases()
-            .get(key.as_str())
-            .map(|kept| self.expand(key.as_str(), kept).1)
+    /// The entry for `token`'s lease of `kind` on `key`, if any.
+    pub fn get(&self, key: &LockKey, kind: Kind, token: &Token) -> Option<Entry> {
+        let token = KeptToken::of(token);
+        if kind == Kind::Exclusive {
+            return self
+                .leases()
+                .get(key.as_str())
+                .filter(|kept| kept.token == token)
+                .map(|kept| self.expand(key.as_str(), kind, kept).1);
+        }
+        self.pools()
+            .get(&(kind.space(), key.as_str().into()))
+            .and_then(|pool| pool.members.iter().find(|m| m.token == token))
+            .map(|kept| self.expand(key.as_str(), kind, kept).1)
     }
 
     /// Drops the leases that have ended by `now`; returns how many.
     pub fn sweep(&self, now: Instant) -> usize {
         let now_ms = self.ms_after_base(now);
-        let mut leases = self.leases();
-        let before = leases.len();
-        leases.retain(|_, e| e.ends_ms > now_ms);
-        before - leases.len()
+        let mut dropped = {
+            let mut leases = self.leases();
+            let before = leases.len();
+            leases.retain(|_, e| e.ends_ms > now_ms);
+            before - leases.len()
+        };
+        self.pools().retain(|_, pool| {
+            let before = pool.members.len();
+            pool.members.retain(|m| m.ends_ms > now_ms);
+            dropped += before - pool.members.len();
+            !pool.members.is_empty()
+        });
+        dropped
     }
 
     /// The leases still live at `now`, to put back.
     pub fn live(&self, now: Instant) -> Vec<(LockKey, Entry)> {
         let now_ms = self.ms_after_base(now);
-        self.leases()
+        let mut live: Vec<(LockKey, Entry)> = self
+            .leases()
             .iter()
             .filter(|(_, e)| e.ends_ms > now_ms)
-            .map(|(k, e)| self.expand(k, e))
-            .collect()
+            .map(|(k, e)| self.expand(k, Kind::Exclusive, e))
+            .collect();
+        for ((space, key), pool) in self.pools().iter() {
+            let kind = match space {
+                Space::Locks => Kind::Shared,
+                Space::Semaphores => Kind::Permit { limit: pool.limit },
+            };
+            live.extend(
+                pool.members
+                    .iter()
+                    .filter(|m| m.ends_ms > now_ms)
+                    .map(|m| self.expand(key, kind, m)),
+            );
+        }
+        live
     }
 
     pub fn len(&self) -> usize {
         self.leases().len()
+            + self
+                .pools()
+                .values()
+                .map(|p| p.members.len())
+                .sum::<usize>()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -262,24 +412,26 @@ mod tests {
         let start = Instant::now();
         ledger.record(
             &a,
+            Kind::Exclusive,
             &lease(&ta, 1, 1_000),
             start + Duration::from_millis(1_000),
         );
         ledger.record(
             &b,
+            Kind::Exclusive,
             &lease(&tb, 2, 5_000),
             start + Duration::from_millis(5_000),
         );
         // Someone else's token does not forget the entry.
         ledger.forget(&a, &tb);
-        assert!(ledger.holds(&a, &ta));
+        assert!(ledger.holds(&a, Kind::Exclusive, &ta));
         let live = ledger.live(start + Duration::from_millis(999));
         assert_eq!(live.len(), 2);
         assert_eq!(ledger.sweep(start + Duration::from_millis(1_000)), 1);
-        assert!(!ledger.holds(&a, &ta));
+        assert!(!ledger.holds(&a, Kind::Exclusive, &ta));
         assert_eq!(
             ledger
-                .get(&b)
+                .get(&b, Kind::Exclusive, &tb)
                 .unwrap()
                 .remaining(start + Duration::from_millis(1_000)),
             Duration::from_millis(4_000)
@@ -300,11 +452,15 @@ mod tests {
         ] {
             ledger.record(
                 &key,
+                Kind::Exclusive,
                 &lease(&token, 1, 1_000),
                 Instant::now() + Duration::from_millis(1_000),
             );
-            assert!(ledger.holds(&key, &token));
-            assert_eq!(ledger.get(&key).unwrap().token, token);
+            assert!(ledger.holds(&key, Kind::Exclusive, &token));
+            assert_eq!(
+                ledger.get(&key, Kind::Exclusive, &token).unwrap().token,
+                token
+            );
             let (_, live) = ledger.live(Instant::now()).pop().unwrap();
             assert_eq!(live.token, token);
         }
@@ -318,15 +474,62 @@ mod tests {
         let start = Instant::now();
         let mut granted = lease(&token, 7, 1_000);
         granted.request_id = Some(RequestId::parse("job-1").unwrap());
-        ledger.record(&key, &granted, start + Duration::from_millis(1_000));
+        ledger.record(
+            &key,
+            Kind::Exclusive,
+            &granted,
+            start + Duration::from_millis(1_000),
+        );
         // Renewed half a second in, for 3 s.
         ledger.record(
             &key,
+            Kind::Exclusive,
             &lease(&token, 7, 3_000),
             start + Duration::from_millis(3_500),
         );
-        let entry = ledger.get(&key).unwrap();
+        let entry = ledger.get(&key, Kind::Exclusive, &token).unwrap();
         assert_eq!(entry.ends, start + Duration::from_millis(3_500));
         assert_eq!(entry.request_id.unwrap().as_str(), "job-1");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pool_leases_are_kept_one_per_token_and_forgotten_by_fence_or_all_at_once() {
+        let ledger = Ledger::default();
+        let key = LockKey::parse("k").unwrap();
+        let ends = Instant::now() + Duration::from_millis(1_000);
+        let tokens: Vec<Token> = (0..3).map(|_| Token::generate()).collect();
+        for (i, token) in tokens.iter().enumerate() {
+            ledger.record(
+                &key,
+                Kind::Shared,
+                &lease(token, 10 + i as u64, 1_000),
+                ends,
+            );
+        }
+        ledger.record(
+            &key,
+            Kind::Permit { limit: 2 },
+            &lease(&tokens[0], 7, 1_000),
+            ends,
+        );
+        ledger.record(&key, Kind::Exclusive, &lease(&tokens[1], 5, 1_000), ends);
+        assert_eq!(ledger.len(), 5);
+        // A renewal replaces its own entry.
+        ledger.record(&key, Kind::Shared, &lease(&tokens[0], 10, 2_000), ends);
+        assert_eq!(ledger.len(), 5);
+        // A notice for shared fence 11 ends that lease and the older exclusive one, not fence 10.
+        ledger.forget_ended(Space::Locks, "k", 11, false);
+        assert!(!ledger.holds(&key, Kind::Shared, &tokens[1]));
+        assert!(!ledger.holds(&key, Kind::Exclusive, &tokens[1]));
+        assert!(ledger.holds(&key, Kind::Shared, &tokens[0]));
+        let permit = ledger
+            .get(&key, Kind::Permit { limit: 2 }, &tokens[0])
+            .unwrap();
+        assert_eq!((permit.fence, permit.kind), (7, Kind::Permit { limit: 2 }));
+        // A force release up to fence 12 ends every shared lease; the semaphore is another space.
+        ledger.forget_ended(Space::Locks, "k", 12, true);
+        assert_eq!(ledger.len(), 1);
+        ledger.forget_any(Space::Semaphores, &key, &tokens[0]);
+        assert!(ledger.is_empty());
     }
 }

@@ -14,5 +14,6 @@ mod outage;
 mod process;
 mod round_trips;
 mod store_loss;
+mod store_pools;
 mod tls;
 mod waiting;

@@ -14,6 +14,7 @@ const LOCKBROKER: &str = env!("CARGO_BIN_EXE_lockbroker");
 mod cluster_failover;
 mod demo;
 mod faults;
+mod kinds;
 mod proxy;
 mod skew;
 mod soak;

@@ -24,7 +24,7 @@ pub struct LedgerCost {
 /// token, an owner label) and measures it.
 pub fn ledger_cost(leases: usize) -> LedgerCost {
     use crate::domain::{Lease, Owner};
-    use crate::store::ledger::Ledger;
+    use crate::store::ledger::{Kind, Ledger};
     let ledger = Ledger::default();
     let owner = Owner::parse("web-7 pid 4242").expect("a valid owner");
     let now = tokio::time::Instant::now();
@@ -41,7 +41,12 @@ pub fn ledger_cost(leases: usize) -> LedgerCost {
             owner: Some(owner.clone()),
             request_id: None,
         };
-        ledger.record(&key, &lease, now + Duration::from_millis(lease.ttl_ms));
+        ledger.record(
+            &key,
+            Kind::Exclusive,
+            &lease,
+            now + Duration::from_millis(lease.ttl_ms),
+        );
     }
     let after = crate::metrics::resident_memory_bytes();
     let started = Instant::now();

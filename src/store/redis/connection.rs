@@ -189,6 +189,35 @@ impl Conn {
     }
 }
 
+impl Conn {
+    /// One `SCAN` step on the master whose slots start at `first_slot` (on one server: the
+    /// server): the next cursor and the keys matching `pattern`.
+    pub async fn scan_step(
+        &mut self,
+        first_slot: u16,
+        cursor: u64,
+        pattern: &str,
+        count: usize,
+    ) -> RedisResult<(u64, Vec<String>)> {
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(count);
+        match self {
+            Self::Single(conn) => scan.query_async(conn).await,
+            Self::Cluster(conn) => {
+                let node = Route::new(first_slot, SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
+                Ok(redis::from_redis_value(
+                    conn.route_command(scan, routing).await?,
+                )?)
+            }
+        }
+    }
+}
+
 /// After a failed attempt, how long requests fail at once before one of them tries again, so a
 /// Redis that is down costs one connection attempt per interval, not one per request.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(100);

@@ -41,8 +41,8 @@ use super::RedisStore;
 use super::connection::Conn;
 use super::slots::{SLOTS, slot_of};
 use crate::domain::{LockKey, Token, millis};
-use crate::store::ledger::Entry;
-use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Holder, StoreError, StoreResult};
+use crate::store::ledger::{Entry, Kind};
+use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Holder, Space, StoreError, StoreResult};
 
 /// How many leases one put-back script call carries. Bounded so that one call stays short for
 /// Redis (a script blocks the server while it runs).
@@ -193,7 +193,7 @@ struct PutBack {
 /// One shard of the store for the epoch: a cluster master's slots, or the whole store.
 pub(super) struct Shard {
     /// The shard's first slot (0 for one server): its epoch is decided on this slot's marker.
-    first: u16,
+    pub first: u16,
     /// Its slot ranges, inclusive (empty for one server: every key).
     ranges: Vec<(u16, u16)>,
 }
@@ -574,8 +574,27 @@ impl RedisStore {
         let mut inv = self.scripts.put_back.call();
         inv.key(marker).arg(epoch).arg(EXPIRY_SLACK_MS);
         for (key, entry) in batch {
-            let [lock, fence] = self.keys(key);
-            inv.key(lock).key(fence);
+            let names = self.names(entry.kind.space(), key);
+            match entry.kind {
+                Kind::Exclusive => inv
+                    .key(names.lock)
+                    .key(names.fence)
+                    .key(names.pool)
+                    .key(names.ends)
+                    .arg("x"),
+                Kind::Shared => inv
+                    .key(names.pool)
+                    .key(names.ends)
+                    .key(names.fence)
+                    .key(names.lock)
+                    .arg("s"),
+                Kind::Permit { limit } => inv
+                    .key(names.pool)
+                    .key(names.ends)
+                    .key(names.fence)
+                    .key(names.lock)
+                    .arg(limit),
+            };
             inv.arg(entry.token.as_str())
                 .arg(entry.fence)
                 .arg(millis(entry.remaining(now)).max(1))
@@ -619,7 +638,8 @@ impl RedisStore {
                         "a lock had two holders after a store loss; the lease with the higher \
                          fence stays, the other holder's next renew answers not_owner"
                     );
-                    self.ledger.forget(key, &entry.token);
+                    self.ledger
+                        .forget_any(entry.kind.space(), key, &entry.token);
                 }
                 3 => {
                     report.double_claims += 1;
@@ -632,10 +652,15 @@ impl RedisStore {
                 }
                 _ => return Err(StoreError::Failed("malformed put-back reply".into())),
             }
-            if code != 2 && !self.ledger.holds(key, &entry.token) {
+            if code != 2 && !self.ledger.holds(key, entry.kind, &entry.token) {
                 // Released while the put-back ran: release it again, or it would block its key
                 // until it ends.
-                self.release_again(key.clone(), entry.token.clone(), entry.remaining(now));
+                self.release_again(
+                    entry.kind.space(),
+                    key.clone(),
+                    entry.token.clone(),
+                    entry.remaining(now),
+                );
             }
         }
         Ok(true)
@@ -643,15 +668,13 @@ impl RedisStore {
 
     /// Releases a lease put back after its holder had released it, retrying (the store may still
     /// be on its way back, or the hold in force) until a definite answer or the lease's end.
-    fn release_again(&self, key: LockKey, token: Token, remaining: Duration) {
+    fn release_again(&self, space: Space, key: LockKey, token: Token, remaining: Duration) {
         let store = self.clone();
         tokio::spawn(async move {
             let give_up = Instant::now() + remaining;
             let mut pause = Duration::from_millis(50);
             loop {
-                match crate::store::Store::release(&store, crate::store::Space::Locks, &key, &token)
-                    .await
-                {
+                match crate::store::Store::release(&store, space, &key, &token).await {
                     Ok(Holder::Held(_)) | Err(_) if Instant::now() + pause < give_up => {
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(Duration::from_secs(1));
@@ -664,7 +687,7 @@ impl RedisStore {
 
     /// A lease recorded under an epoch older than the newest one seen may have missed the
     /// put-back (its answer raced the loss): put it back on its own.
-    pub(super) fn put_back_late(&self, key: LockKey) {
+    pub(super) fn put_back_late(&self, key: LockKey, kind: Kind, token: Token) {
         let store = self.clone();
         tokio::spawn(async move {
             let Some(link) = store.connection.current() else {
@@ -677,7 +700,7 @@ impl RedisStore {
             let Ok(epoch) = store.epoch.for_grant(slot) else {
                 return;
             };
-            let Some(entry) = store.ledger.get(&key) else {
+            let Some(entry) = store.ledger.get(&key, kind, &token) else {
                 return;
             };
             let mut report = PutBack::default();
@@ -713,7 +736,7 @@ impl RedisStore {
 }
 
 /// The cluster's masters and their slot ranges (`CLUSTER SLOTS`), ordered by first slot.
-async fn masters(conn: &mut Conn) -> redis::RedisResult<Vec<Shard>> {
+pub(super) async fn masters(conn: &mut Conn) -> redis::RedisResult<Vec<Shard>> {
     let ranges: Vec<Value> = redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await?;
     let mut by_master: BTreeMap<(String, u16), Vec<(u16, u16)>> = BTreeMap::new();
     for range in &ranges {

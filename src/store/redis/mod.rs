@@ -6,6 +6,7 @@
 
 mod connection;
 mod epoch;
+mod listing;
 mod notices;
 mod replicas;
 mod replies;
@@ -28,17 +29,17 @@ use tokio::time::Instant;
 use self::connection::{Conn, Connection, Connector, Link, breaks_connection};
 use self::epoch::Epoch;
 use self::replicas::Replicas;
-use self::replies::{ReadReply, corrupt, field, held, parse_owner, refusal};
+use self::replies::{corrupt, field, held, lease_at, leases_from, parse_owner, refusal};
 use self::scripts::{Call, Scripts};
 pub use self::slots::slot_of;
 use self::slots::tag_for;
 pub use self::url::{ParsedUrl, Topology};
-use super::ledger::Ledger;
+use super::ledger::{Kind, Ledger};
 use super::{
     Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Join, Lease, ListQuery, Notice, Page,
     Permits, Pool, Released, Snapshot, Space, Store, StoreError, StoreResult,
 };
-use crate::domain::{Fence, LockKey, RequestId, Token, Ttl, millis};
+use crate::domain::{Fence, LockKey, Token, Ttl, millis};
 use crate::metrics::Metrics;
 
 /// Connection settings for [`RedisStore::connect`].
@@ -110,6 +111,58 @@ impl RedisTls {
 /// before the first `rediss://` client is built; a provider already installed is kept.
 pub fn install_tls_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// A semaphore's release notices carry its key after this (a lock key never has it).
+const SEMAPHORE_NOTICE: &str = "#";
+
+/// The Redis keys of one key in one space (see `scripts.rs`).
+struct Names {
+    /// The exclusive lease (for a semaphore: its pool, where no such lease is).
+    lock: String,
+    fence: String,
+    pool: String,
+    ends: String,
+    /// The waiting exclusive acquires' intents.
+    writers: String,
+    /// What release notices carry for the key.
+    notice: String,
+}
+
+/// Which granting script a bid runs.
+#[derive(Debug, Clone, Copy)]
+enum How {
+    Claim,
+    /// The fence of the expired lease seen.
+    TakeOver(Fence),
+    Join(Pool),
+}
+
+/// What a granting script answered.
+enum Granting {
+    Granted(Lease),
+    Refused,
+    Busy { retry_after_ms: u64 },
+    LimitMismatch { limit: u32 },
+    Held(Hold),
+}
+
+impl Granting {
+    /// The answer of CLAIM or TAKE_OVER.
+    fn exclusive(self) -> Grant {
+        match self {
+            Granting::Granted(lease) => Grant::Granted(lease),
+            Granting::Held(hold) => Grant::Held(hold),
+            Granting::Refused | Granting::Busy { .. } | Granting::LimitMismatch { .. } => {
+                Grant::Refused
+            }
+        }
+    }
+}
+
+/// An owner label as the pool scripts take it: '' for none, else '=' and the label.
+fn labelled(owner: Option<&str>) -> String {
+    owner.map_or(String::new(), |o| format!("={o}"))
 }
 
 /// The Redis store. Cloning is cheap: everything is shared.
@@ -185,6 +238,30 @@ impl RedisStore {
             format!("{}{{{}}}:lock", self.prefix, key),
             format!("{}{{{}}}:fence", self.prefix, key),
         ]
+    }
+
+    /// The Redis keys of `key` in `space` (see `scripts.rs`).
+    fn names(&self, space: Space, key: &LockKey) -> Names {
+        let base = format!("{}{{{}}}", self.prefix, key);
+        match space {
+            Space::Locks => Names {
+                lock: format!("{base}:lock"),
+                fence: format!("{base}:fence"),
+                pool: format!("{base}:shared"),
+                ends: format!("{base}:shared:ends"),
+                writers: format!("{base}:writers"),
+                notice: key.as_str().into(),
+            },
+            Space::Semaphores => Names {
+                // A semaphore has no exclusive lease: the scripts find none in its pool.
+                lock: format!("{base}:sem"),
+                fence: format!("{base}:sem:fence"),
+                pool: format!("{base}:sem"),
+                ends: format!("{base}:sem:ends"),
+                writers: format!("{base}:sem:writers"),
+                notice: format!("{SEMAPHORE_NOTICE}{key}"),
+            },
+        }
     }
 
     /// On a cluster, the slot of `key`'s Redis keys.
@@ -370,17 +447,15 @@ impl RedisStore {
         }
     }
 
-    /// Runs CLAIM or TAKE_OVER for `bid`. A refusal because the store is in another epoch than
-    /// this broker knows waits for the broker to catch up (put its leases back), then tries
+    /// Runs CLAIM, TAKE_OVER or JOIN for `bid`. A refusal because the store is in another epoch
+    /// than this broker knows waits for the broker to catch up (put its leases back), then tries
     /// once more.
-    async fn grant(
-        &self,
-        script: &scripts::Lua,
-        key: &LockKey,
-        bid: &Bid,
-        seen: Option<Fence>,
-    ) -> StoreResult<Grant> {
-        let [lock, fence] = self.keys(key);
+    async fn grant(&self, how: How, key: &LockKey, bid: &Bid) -> StoreResult<Granting> {
+        let space = match how {
+            How::Join(pool) => pool.space(),
+            How::Claim | How::TakeOver(_) => Space::Locks,
+        };
+        let names = self.names(space, key);
         let slot = self.slot(key);
         let marker = self.marker_for(key);
         let mut tries = 0;
@@ -388,28 +463,63 @@ impl RedisStore {
             tries += 1;
             let known = match self.epoch.for_grant(slot) {
                 Ok(known) => known,
-                Err(hold) => return Ok(Grant::Held(hold)),
+                Err(hold) => return Ok(Granting::Held(hold)),
             };
-            let mut inv = script.call();
-            inv.key(&lock)
-                .key(&fence)
-                .key(&marker)
-                .arg(bid.token.as_str())
-                .arg(bid.ttl.as_ms())
-                .arg(if bid.owner.is_some() { "1" } else { "0" })
-                .arg(bid.owner.as_ref().map_or("", |o| o.as_str()))
-                .arg(EXPIRY_SLACK_MS)
-                .arg(&known)
-                .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()));
-            if let Some(seen) = seen {
-                inv.arg(seen);
+            let rid = bid.request_id.as_ref().map_or("", |r| r.as_str());
+            let mut inv;
+            match how {
+                How::Claim | How::TakeOver(_) => {
+                    let script = if matches!(how, How::Claim) {
+                        &self.scripts.claim
+                    } else {
+                        &self.scripts.take_over
+                    };
+                    inv = script.call();
+                    inv.key(&names.lock)
+                        .key(&names.fence)
+                        .key(&marker)
+                        .key(&names.pool)
+                        .key(&names.ends)
+                        .key(&names.writers)
+                        .arg(bid.token.as_str())
+                        .arg(bid.ttl.as_ms())
+                        .arg(if bid.owner.is_some() { "1" } else { "0" })
+                        .arg(bid.owner.as_ref().map_or("", |o| o.as_str()))
+                        .arg(EXPIRY_SLACK_MS)
+                        .arg(&known)
+                        .arg(rid)
+                        .arg(if bid.waits { "1" } else { "0" });
+                    if let How::TakeOver(seen) = how {
+                        inv.arg(seen);
+                    }
+                }
+                How::Join(pool) => {
+                    inv = self.scripts.join.call();
+                    inv.key(&names.pool)
+                        .key(&names.ends)
+                        .key(&names.fence)
+                        .key(&marker);
+                    if pool == Pool::Shared {
+                        inv.key(&names.lock).key(&names.writers);
+                    }
+                    inv.arg(bid.token.as_str())
+                        .arg(bid.ttl.as_ms())
+                        .arg(labelled(bid.owner.as_ref().map(|o| o.as_str())))
+                        .arg(EXPIRY_SLACK_MS)
+                        .arg(match pool {
+                            Pool::Shared => String::new(),
+                            Pool::Semaphore { limit } => limit.to_string(),
+                        })
+                        .arg(&known)
+                        .arg(rid);
+                }
             }
             let reply: Vec<Value> = self
                 .with_link(async |conn| self.invoke(conn, &inv).await)
                 .await?;
             let answered = Instant::now();
             match field::<u8>(&reply, 0)? {
-                0 => return Ok(Grant::Refused),
+                0 => return Ok(Granting::Refused),
                 1 => {
                     let token: String = field(&reply, 3)?;
                     let lease = Lease {
@@ -429,19 +539,25 @@ impl RedisStore {
                     // is older than its TTL.
                     let remaining = lease.expires_at_ms.saturating_sub(field(&reply, 5)?);
                     self.replicas
-                        .confirm_grant(self, key, &bid.token, &lease)
+                        .confirm_grant(self, space, key, &bid.token, &lease)
                         .await?;
+                    let kind = match how {
+                        How::Join(Pool::Shared) => Kind::Shared,
+                        How::Join(Pool::Semaphore { limit }) => Kind::Permit { limit },
+                        How::Claim | How::TakeOver(_) => Kind::Exclusive,
+                    };
                     self.remember(
                         key,
+                        kind,
                         slot,
                         &lease,
                         answered + Duration::from_millis(remaining),
                         &known,
                     );
-                    return Ok(Grant::Granted(lease));
+                    return Ok(Granting::Granted(lease));
                 }
                 2 => {
-                    return Ok(Grant::Held(held(
+                    return Ok(Granting::Held(held(
                         field(&reply, 1)?,
                         field(&reply, 2)?,
                         &field::<String>(&reply, 3)?,
@@ -460,14 +576,24 @@ impl RedisStore {
                 }
                 3 if tries <= 2 => {
                     if let Some(hold) = self.clone().catch_up_task().await? {
-                        return Ok(Grant::Held(hold));
+                        return Ok(Granting::Held(hold));
                     }
                 }
                 3 => {
-                    return Ok(Grant::Held(Hold {
+                    return Ok(Granting::Held(Hold {
                         reason: HoldReason::PuttingBack,
                         retry_after_ms: 1_000,
                     }));
+                }
+                4 => {
+                    return Ok(Granting::Busy {
+                        retry_after_ms: field(&reply, 1)?,
+                    });
+                }
+                5 => {
+                    return Ok(Granting::LimitMismatch {
+                        limit: field(&reply, 1)?,
+                    });
                 }
                 code => return Err(StoreError::Failed(format!("unexpected grant reply {code}"))),
             }
@@ -480,52 +606,60 @@ impl RedisStore {
     fn remember(
         &self,
         key: &LockKey,
+        kind: Kind,
         slot: Option<u16>,
         lease: &Lease,
         ends: Instant,
         epoch: &str,
     ) {
-        self.ledger.record(key, lease, ends);
+        self.ledger.record(key, kind, lease, ends);
         if self.epoch.is_behind(slot, epoch) {
-            self.put_back_late(key.clone());
+            self.put_back_late(key.clone(), kind, lease.token.clone());
         }
+    }
+
+    /// Runs RELEASE, RENEW or FORCE's call on `key` in `space`: the keys every holder script
+    /// takes.
+    fn holder_call<'s>(&self, script: &'s scripts::Lua, space: Space, key: &LockKey) -> Call<'s> {
+        let names = self.names(space, key);
+        let mut inv = script.call();
+        inv.key(names.lock)
+            .key(self.marker_for(key))
+            .key(names.pool)
+            .key(names.ends);
+        inv
     }
 }
 
 impl Store for RedisStore {
     async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
-        self.grant(&self.scripts.claim, key, bid, None).await
+        self.grant(How::Claim, key, bid)
+            .await
+            .map(Granting::exclusive)
     }
 
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
-        let [lock, _] = self.keys(key);
+        let names = self.names(Space::Locks, key);
         let mut inv = self.scripts.read.call();
-        inv.key(lock);
-        let (now_ms, token, fence, expires, ttl, owner, request_id): ReadReply = self
+        inv.key(names.lock).key(names.pool).key(names.ends);
+        let reply: Vec<Value> = self
             .with_link(async |conn| self.invoke(conn, &inv).await)
             .await?;
-        let lease = match (token, fence, expires, ttl) {
-            (Some(token), Some(fence), Some(expires_at_ms), Some(ttl_ms)) => Some(Lease {
-                token: Token::parse(&token).map_err(|_| corrupt("token"))?,
-                fence,
-                expires_at_ms,
-                ttl_ms,
-                owner: parse_owner(owner)?,
-                request_id: request_id.and_then(|r| RequestId::parse(&r).ok()),
-            }),
-            (None, None, None, None) => None,
-            _ => return Err(corrupt("record")),
+        let lease = match field::<Option<String>>(&reply, 1)? {
+            Some(_) => Some(lease_at(&reply, 1)?),
+            None => None,
         };
         Ok(Snapshot {
-            now_ms,
+            now_ms: field(&reply, 0)?,
             lease,
-            shared: Vec::new(),
+            shared: leases_from(&reply, 7)?,
         })
     }
 
     async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
-        self.grant(&self.scripts.take_over, key, bid, Some(seen))
+        self.grant(How::TakeOver(seen), key, bid)
             .await
+            .map(Granting::exclusive)
     }
 
     async fn release(
@@ -534,14 +668,11 @@ impl Store for RedisStore {
         key: &LockKey,
         token: &Token,
     ) -> StoreResult<Holder<Released>> {
-        let _ = space;
-        let [lock, _] = self.keys(key);
-        let mut inv = self.scripts.release.call();
-        inv.key(lock)
-            .key(self.marker_for(key))
-            .arg(token.as_str())
+        let names = self.names(space, key);
+        let mut inv = self.holder_call(&self.scripts.release, space, key);
+        inv.arg(token.as_str())
             .arg(&*self.channel)
-            .arg(key.as_str());
+            .arg(&names.notice);
         let reply: Vec<Value> = self
             .with_link(async |conn| self.invoke(conn, &inv).await)
             .await?;
@@ -552,7 +683,7 @@ impl Store for RedisStore {
             _ => refusal(&reply)?,
         };
         if !matches!(outcome, Holder::Held(_)) {
-            self.ledger.forget(key, token);
+            self.ledger.forget_any(space, key, token);
         }
         Ok(outcome)
     }
@@ -564,17 +695,14 @@ impl Store for RedisStore {
         token: &Token,
         ttl: Ttl,
     ) -> StoreResult<Holder<Lease>> {
-        let _ = space;
-        let told = self.replicas.before_renew(self, key, token).await?;
-        let [lock, _] = self.keys(key);
-        let mut inv = self.scripts.renew.call();
-        inv.key(lock)
-            .key(self.marker_for(key))
-            .arg(token.as_str())
+        let told = self.replicas.before_renew(self, space, key, token).await?;
+        let names = self.names(space, key);
+        let mut inv = self.holder_call(&self.scripts.renew, space, key);
+        inv.arg(token.as_str())
             .arg(ttl.as_ms())
             .arg(EXPIRY_SLACK_MS)
             .arg(&*self.channel)
-            .arg(key.as_str());
+            .arg(&names.notice);
         let reply: Vec<Value> = self
             .with_link(async |conn| self.invoke(conn, &inv).await)
             .await?;
@@ -582,7 +710,7 @@ impl Store for RedisStore {
         if field::<u8>(&reply, 0)? != 1 {
             let outcome = refusal(&reply)?;
             if !matches!(outcome, Holder::Held(_)) {
-                self.ledger.forget(key, token);
+                self.ledger.forget_any(space, key, token);
             }
             return Ok(outcome);
         }
@@ -594,12 +722,23 @@ impl Store for RedisStore {
             owner: parse_owner(field(&reply, 3)?)?,
             request_id: None,
         };
+        // A pool lease's reply has a sixth field: its semaphore's limit ('' for a shared lease).
+        let kind = match (space, reply.len()) {
+            (Space::Locks, 5) => Kind::Exclusive,
+            (Space::Locks, _) => Kind::Shared,
+            (Space::Semaphores, _) => Kind::Permit {
+                limit: field::<String>(&reply, 5)?
+                    .parse()
+                    .map_err(|_| corrupt("limit"))?,
+            },
+        };
         self.replicas
-            .confirm_renew(self, key, token, told, &lease)
+            .confirm_renew(self, space, key, token, told, &lease)
             .await?;
         let ends = answered + Duration::from_millis(ttl.as_ms());
         self.remember(
             key,
+            kind,
             self.slot(key),
             &lease,
             ends,
@@ -609,23 +748,62 @@ impl Store for RedisStore {
     }
 
     async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
-        let _ = (key, pool, bid);
-        Err(StoreError::Failed("not yet".into()))
+        Ok(match self.grant(How::Join(pool), key, bid).await? {
+            Granting::Granted(lease) => Join::Granted(lease),
+            Granting::Held(hold) => Join::Held(hold),
+            Granting::Busy { retry_after_ms } => Join::Busy { retry_after_ms },
+            Granting::LimitMismatch { limit } => Join::LimitMismatch { limit },
+            Granting::Refused => {
+                return Err(StoreError::Failed("unexpected join reply".into()));
+            }
+        })
     }
 
     async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
-        let _ = key;
-        Err(StoreError::Failed("not yet".into()))
+        let names = self.names(Space::Semaphores, key);
+        let mut inv = self.scripts.permits.call();
+        inv.key(names.pool).key(names.ends);
+        let reply: Vec<Value> = self
+            .with_link(async |conn| self.invoke(conn, &inv).await)
+            .await?;
+        let holders = leases_from(&reply, 2)?;
+        let limit = match field::<Option<String>>(&reply, 1)? {
+            Some(limit) if !holders.is_empty() => {
+                Some(limit.parse().map_err(|_| corrupt("limit"))?)
+            }
+            _ => None,
+        };
+        Ok(Permits {
+            now_ms: field(&reply, 0)?,
+            limit,
+            holders,
+        })
     }
 
     async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
-        let _ = (space, key);
-        Err(StoreError::Failed("not yet".into()))
+        let names = self.names(space, key);
+        let mut inv = self.holder_call(&self.scripts.force, space, key);
+        inv.arg(&*self.channel).arg(&names.notice);
+        let reply: Vec<Value> = self
+            .with_link(async |conn| self.invoke(conn, &inv).await)
+            .await?;
+        if field::<u8>(&reply, 0)? != 1 {
+            return refusal(&reply);
+        }
+        let fences: Vec<Fence> = (1..reply.len())
+            .map(|i| field(&reply, i))
+            .collect::<StoreResult<_>>()?;
+        if fences.is_empty() {
+            return Ok(Holder::NotHeld);
+        }
+        if let Some(&top) = fences.iter().max() {
+            self.ledger.forget_ended(space, key.as_str(), top, true);
+        }
+        Ok(Holder::Done(fences))
     }
 
     async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
-        let _ = query;
-        Err(StoreError::Failed("not yet".into()))
+        listing::page(self, query).await
     }
 
     async fn ready(&self) -> StoreResult<Option<Hold>> {

@@ -14,9 +14,9 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
 
-use super::RedisStore;
 use super::connection::Connector;
 use super::epoch::{CHECK_EVERY, SLOT_NOTICE};
+use super::{RedisStore, SEMAPHORE_NOTICE};
 use crate::domain::{Fence, LockKey, millis};
 use crate::store::{Notice, Space, StoreError, StoreResult};
 
@@ -102,11 +102,11 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                                         tracing::warn!(slot, error = %e, "cannot put leases back on a repaired slot");
                                     }
                                 });
-                            } else if let Some((key, fence)) = parse_notice(payload) {
-                                if let Some(fence) = fence {
-                                    store.ledger.forget_released(key.as_str(), fence);
+                            } else if let Some(notice) = parse_notice(payload) {
+                                if let Some(fence) = notice.fence {
+                                    store.ledger.forget_ended(notice.space, notice.key.as_str(), fence, notice.all);
                                 }
-                                if !deliver(&notices, Notice::Released(Space::Locks, key)) {
+                                if !deliver(&notices, Notice::Released(notice.space, notice.key)) {
                                     return;
                                 }
                             }
@@ -140,15 +140,40 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
     }
 }
 
-/// A release notice: the key, and the released lease's fence (a renew that shortened a lease
-/// publishes the key alone).
-fn parse_notice(payload: &[u8]) -> Option<(LockKey, Option<Fence>)> {
+/// A release notice as published: `[#]key[ fence[ *]]`.
+#[derive(Debug, PartialEq, Eq)]
+struct Published {
+    space: Space,
+    key: LockKey,
+    /// The released lease's fence (a renew that shortened a lease publishes the key alone).
+    fence: Option<Fence>,
+    /// Every lease on the key up to that fence ended (a force release).
+    all: bool,
+}
+
+fn parse_notice(payload: &[u8]) -> Option<Published> {
     let text = std::str::from_utf8(payload).ok()?;
-    let (key, fence) = match text.split_once(' ') {
-        Some((key, fence)) => (key, Some(fence.parse().ok()?)),
-        None => (text, None),
+    let (space, text) = match text.strip_prefix(SEMAPHORE_NOTICE) {
+        Some(rest) => (Space::Semaphores, rest),
+        None => (Space::Locks, text),
     };
-    Some((LockKey::parse(key).ok()?, fence))
+    let mut parts = text.split(' ');
+    let key = LockKey::parse(parts.next()?).ok()?;
+    let fence = match parts.next() {
+        Some(fence) => Some(fence.parse().ok()?),
+        None => None,
+    };
+    let all = match parts.next() {
+        None => false,
+        Some("*") => true,
+        Some(_) => return None,
+    };
+    Some(Published {
+        space,
+        key,
+        fence,
+        all,
+    })
 }
 
 /// Hands a notice on; `false` once nobody listens any more. A full channel drops the notice:

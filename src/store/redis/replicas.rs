@@ -80,6 +80,7 @@ impl Replicas {
     pub async fn confirm_grant(
         &self,
         store: &RedisStore,
+        space: Space,
         key: &LockKey,
         bid: &Token,
         lease: &Lease,
@@ -88,7 +89,7 @@ impl Replicas {
             return Ok(());
         };
         if lease.token == *bid {
-            match store.release(Space::Locks, key, &lease.token).await {
+            match store.release(space, key, &lease.token).await {
                 Ok(_) => {
                     tracing::warn!(%key, %error, "a grant was not acknowledged by the replicas in time: released it")
                 }
@@ -101,13 +102,16 @@ impl Replicas {
     }
 
     /// Before a renewal: the lease as its holder knows it, if acknowledgements are asked for.
+    /// Only an exclusive lease is restored this way; a shared lease or a permit whose renewal the
+    /// replicas did not acknowledge is released.
     pub async fn before_renew(
         &self,
         store: &RedisStore,
+        space: Space,
         key: &LockKey,
         token: &Token,
     ) -> StoreResult<Option<Told>> {
-        if self.acks == 0 {
+        if self.acks == 0 || space != Space::Locks {
             return Ok(None);
         }
         let snapshot = store.read(key).await?;
@@ -126,6 +130,7 @@ impl Replicas {
     pub async fn confirm_renew(
         &self,
         store: &RedisStore,
+        space: Space,
         key: &LockKey,
         token: &Token,
         told: Option<Told>,
@@ -150,7 +155,7 @@ impl Replicas {
                     .await
                     .map(drop)
             }
-            None => store.release(Space::Locks, key, token).await.map(drop),
+            None => store.release(space, key, token).await.map(drop),
         };
         match undone {
             Ok(()) => {

@@ -3,7 +3,7 @@
 
 use redis::{FromRedisValue, Value};
 
-use crate::domain::Owner;
+use crate::domain::{Lease, Owner, RequestId, Token};
 use crate::store::{Hold, HoldReason, Holder, StoreError, StoreResult};
 
 /// A hold as the scripts report it.
@@ -51,12 +51,29 @@ pub(super) fn parse_owner(raw: Option<String>) -> StoreResult<Option<Owner>> {
         .transpose()
 }
 
-pub(super) type ReadReply = (
-    u64,
-    Option<String>,
-    Option<u64>,
-    Option<u64>,
-    Option<u64>,
-    Option<String>,
-    Option<String>,
-);
+/// The lease whose six fields (token, fence, expires_at, ttl, owner, request id) start at
+/// element `at` of a reply.
+pub(super) fn lease_at(reply: &[Value], at: usize) -> StoreResult<Lease> {
+    let token: String = field(reply, at)?;
+    Ok(Lease {
+        token: Token::parse(&token).map_err(|_| corrupt("token"))?,
+        fence: field(reply, at + 1)?,
+        expires_at_ms: field(reply, at + 2)?,
+        ttl_ms: field(reply, at + 3)?,
+        owner: parse_owner(field(reply, at + 4)?)?,
+        request_id: field::<Option<String>>(reply, at + 5)?.and_then(|r| RequestId::parse(&r).ok()),
+    })
+}
+
+/// The leases listed six fields each from element `from` to the reply's end, by fence.
+pub(super) fn leases_from(reply: &[Value], from: usize) -> StoreResult<Vec<Lease>> {
+    if reply.len() < from || !(reply.len() - from).is_multiple_of(6) {
+        return Err(corrupt("reply"));
+    }
+    let mut leases = (from..reply.len())
+        .step_by(6)
+        .map(|at| lease_at(reply, at))
+        .collect::<StoreResult<Vec<_>>>()?;
+    leases.sort_by_key(|l| l.fence);
+    Ok(leases)
+}
