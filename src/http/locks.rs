@@ -413,6 +413,7 @@ struct LockListBody<'a> {
 #[utoipa::path(
     get,
     path = "/locks",
+    operation_id = "list_locks",
     tag = "locks",
     params(ListQueryParams),
     responses(

@@ -115,6 +115,7 @@ struct ListBody<'a> {
 #[utoipa::path(
     post,
     path = "/semaphores/{key}",
+    operation_id = "acquire_permit",
     tag = "semaphores",
     params(KeyParam, SemaphoreAcquireBody),
     request_body(
@@ -174,6 +175,7 @@ fn permit_body<'a>(key: &'a LockKey, lease: &'a Lease, limit: u32) -> PermitBody
 #[utoipa::path(
     delete,
     path = "/semaphores/{key}",
+    operation_id = "release_permit",
     tag = "semaphores",
     params(KeyParam, TokenHeader, TokenQuery, ForceQuery),
     responses(
@@ -202,6 +204,7 @@ pub(super) async fn release<S: Store>(
 #[utoipa::path(
     post,
     path = "/semaphores/{key}/renew",
+    operation_id = "renew_permit",
     tag = "semaphores",
     params(KeyParam, TokenHeader, TokenQuery, RenewBody),
     request_body(
@@ -243,6 +246,7 @@ pub(super) async fn renew<S: Store>(
 #[utoipa::path(
     get,
     path = "/semaphores/{key}",
+    operation_id = "inspect_semaphore",
     tag = "semaphores",
     params(KeyParam),
     responses(
@@ -277,6 +281,7 @@ pub(super) async fn inspect<S: Store>(
 #[utoipa::path(
     get,
     path = "/semaphores",
+    operation_id = "list_semaphores",
     tag = "semaphores",
     params(ListQueryParams),
     responses(

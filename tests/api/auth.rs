@@ -172,8 +172,8 @@ impl Route {
             Self::Acquire => StatusCode::CREATED,
             Self::Renew | Self::Inspect | Self::Metrics | Self::Document => StatusCode::OK,
             Self::Release => StatusCode::NO_CONTENT,
-            // Not implemented yet: a release with an unknown parameter.
-            Self::ForceRelease => StatusCode::BAD_REQUEST,
+            // Each case's key is free: nothing to end.
+            Self::ForceRelease => StatusCode::NOT_FOUND,
         }
     }
 }
@@ -303,7 +303,7 @@ async fn no_token_or_an_unknown_one_is_401_on_every_guarded_route_and_nothing_is
         metrics
             .text
             .lines()
-            .any(|l| l == "lockbroker_acquisitions_total{result=\"granted\"} 1"),
+            .any(|l| l == "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"granted\"} 1"),
         "{}",
         metrics.text
     );

@@ -436,8 +436,8 @@ async fn unknown_paths_are_404_not_found_in_the_api_error_format(b: &Backend) {
     for (method, path) in [
         (Method::GET, "/"),
         (Method::GET, "/nope"),
-        (Method::GET, "/locks"),
         (Method::GET, "/locks/"),
+        (Method::GET, "/semaphores/"),
         (Method::POST, "/locks/"),
         (Method::GET, "/locks/a/b"),
         (Method::POST, "/locks/a/b"),
@@ -843,9 +843,17 @@ async fn inspecting_shows_the_lease_but_never_its_token(b: &Backend) {
         fields.sort_unstable();
         assert_eq!(
             fields,
-            ["expires_at_ms", "fence", "key", "owner", "ttl_remaining_ms"]
+            [
+                "expires_at_ms",
+                "fence",
+                "key",
+                "mode",
+                "owner",
+                "ttl_remaining_ms"
+            ]
         );
         assert_eq!(shown["key"], key);
+        assert_eq!(shown["mode"], "exclusive");
         assert_eq!(shown["fence"], grant.fence);
         assert_eq!(shown["expires_at_ms"], grant.expires_at_ms);
         assert_eq!(shown["owner"], owner, "owner is null when none was given");

@@ -69,16 +69,32 @@ async fn metrics_count_known_traffic_and_a_redis_outage_on_redis() {
 
     // /metrics does not need the store: it still answers.
     let m = scrape(&app).await;
-    m.expect("lockbroker_acquisitions_total", &[("result", "error")], 2.0);
-    m.expect("lockbroker_releases_total", &[("result", "error")], 1.0);
-    m.expect("lockbroker_renewals_total", &[("result", "error")], 1.0);
+    m.expect(
+        "lockbroker_acquisitions_total",
+        &[("kind", "exclusive"), ("result", "error")],
+        2.0,
+    );
+    m.expect(
+        "lockbroker_releases_total",
+        &[("space", "locks"), ("result", "error")],
+        1.0,
+    );
+    m.expect(
+        "lockbroker_renewals_total",
+        &[("space", "locks"), ("result", "error")],
+        1.0,
+    );
     // The counts from before the outage stand.
     m.expect(
         "lockbroker_acquisitions_total",
-        &[("result", "granted")],
+        &[("kind", "exclusive"), ("result", "granted")],
         6.0,
     );
-    m.expect("lockbroker_releases_total", &[("result", "released")], 2.0);
+    m.expect(
+        "lockbroker_releases_total",
+        &[("space", "locks"), ("result", "released")],
+        2.0,
+    );
     // One failed claim per acquire (each acquire gave up on its first store call).
     let claim_errors = m.value("lockbroker_store_errors_total", &[("op", "claim")]);
     assert!(
@@ -102,7 +118,11 @@ async fn known_traffic(app: &TestApp) -> Grant {
     // Nothing counted yet, but every result's series is there from the first scrape.
     let fresh = scrape(app).await;
     for result in ["granted", "locked", "error"] {
-        fresh.expect("lockbroker_acquisitions_total", &[("result", result)], 0.0);
+        fresh.expect(
+            "lockbroker_acquisitions_total",
+            &[("kind", "exclusive"), ("result", result)],
+            0.0,
+        );
     }
     for family in ["lockbroker_renewals_total", "lockbroker_releases_total"] {
         let results = if family == "lockbroker_renewals_total" {
@@ -111,7 +131,7 @@ async fn known_traffic(app: &TestApp) -> Grant {
             ["released", "not_held", "not_owner", "error"]
         };
         for result in results {
-            fresh.expect(family, &[("result", result)], 0.0);
+            fresh.expect(family, &[("space", "locks"), ("result", result)], 0.0);
         }
     }
     fresh.expect("lockbroker_takeovers_total", &[], 0.0);
@@ -164,7 +184,7 @@ async fn known_traffic(app: &TestApp) -> Grant {
     let m = scrape(app).await;
     m.expect(
         "lockbroker_acquisitions_total",
-        &[("result", "granted")],
+        &[("kind", "exclusive"), ("result", "granted")],
         5.0,
     );
     m.expect("lockbroker_takeovers_total", &[], 1.0);
@@ -175,7 +195,7 @@ async fn known_traffic(app: &TestApp) -> Grant {
     let parked = wait_for_waiters(app, 1.0).await;
     parked.expect(
         "lockbroker_acquisitions_total",
-        &[("result", "granted")],
+        &[("kind", "exclusive"), ("result", "granted")],
         5.0,
     );
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -190,23 +210,59 @@ async fn known_traffic(app: &TestApp) -> Grant {
     let m = scrape(app).await;
     m.expect(
         "lockbroker_acquisitions_total",
-        &[("result", "granted")],
+        &[("kind", "exclusive"), ("result", "granted")],
         6.0,
     );
     m.expect(
         "lockbroker_acquisitions_total",
-        &[("result", "locked")],
+        &[("kind", "exclusive"), ("result", "locked")],
         2.0,
     );
-    m.expect("lockbroker_acquisitions_total", &[("result", "error")], 0.0);
-    m.expect("lockbroker_renewals_total", &[("result", "renewed")], 1.0);
-    m.expect("lockbroker_renewals_total", &[("result", "not_owner")], 1.0);
-    m.expect("lockbroker_renewals_total", &[("result", "not_held")], 1.0);
-    m.expect("lockbroker_renewals_total", &[("result", "error")], 0.0);
-    m.expect("lockbroker_releases_total", &[("result", "released")], 2.0);
-    m.expect("lockbroker_releases_total", &[("result", "not_owner")], 2.0);
-    m.expect("lockbroker_releases_total", &[("result", "not_held")], 1.0);
-    m.expect("lockbroker_releases_total", &[("result", "error")], 0.0);
+    m.expect(
+        "lockbroker_acquisitions_total",
+        &[("kind", "exclusive"), ("result", "error")],
+        0.0,
+    );
+    m.expect(
+        "lockbroker_renewals_total",
+        &[("space", "locks"), ("result", "renewed")],
+        1.0,
+    );
+    m.expect(
+        "lockbroker_renewals_total",
+        &[("space", "locks"), ("result", "not_owner")],
+        1.0,
+    );
+    m.expect(
+        "lockbroker_renewals_total",
+        &[("space", "locks"), ("result", "not_held")],
+        1.0,
+    );
+    m.expect(
+        "lockbroker_renewals_total",
+        &[("space", "locks"), ("result", "error")],
+        0.0,
+    );
+    m.expect(
+        "lockbroker_releases_total",
+        &[("space", "locks"), ("result", "released")],
+        2.0,
+    );
+    m.expect(
+        "lockbroker_releases_total",
+        &[("space", "locks"), ("result", "not_owner")],
+        2.0,
+    );
+    m.expect(
+        "lockbroker_releases_total",
+        &[("space", "locks"), ("result", "not_held")],
+        1.0,
+    );
+    m.expect(
+        "lockbroker_releases_total",
+        &[("space", "locks"), ("result", "error")],
+        0.0,
+    );
     m.expect("lockbroker_takeovers_total", &[], 1.0);
     // A wait is observed per grant; a hold per release that released.
     m.expect("lockbroker_acquire_wait_seconds_count", &[], 6.0);

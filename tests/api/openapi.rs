@@ -18,6 +18,10 @@ use serde_json::{Value, json};
 
 const LOCK: &str = "/locks/{key}";
 const RENEW: &str = "/locks/{key}/renew";
+const LOCKS: &str = "/locks";
+const SEMAPHORE: &str = "/semaphores/{key}";
+const SEMAPHORE_RENEW: &str = "/semaphores/{key}/renew";
+const SEMAPHORES: &str = "/semaphores";
 
 /// The methods a probe tries on every documented path.
 const METHODS: &[&str] = &[
@@ -28,6 +32,7 @@ const METHODS: &[&str] = &[
 const ERROR_CODES: &[&str] = &[
     "unauthorized",
     "forbidden",
+    "limit_mismatch",
     "request_header_fields_too_large",
     "invalid_request",
     "not_found",
@@ -478,8 +483,10 @@ async fn the_document_lists_exactly_the_routes_the_router_serves() {
     // Paths that are not routes, near misses of the real ones included, are 404 not_found.
     for path in [
         "/",
-        "/locks",
         "/locks/",
+        "/semaphores/",
+        "/semaphores/oa-probe/",
+        "/semaphore/oa-probe",
         "/locks/oa-probe/",
         "/locks/oa-probe/renew/",
         "/locks/oa-probe/renew/x",
@@ -517,6 +524,7 @@ async fn every_documented_status_is_one_a_request_gets_and_no_other() {
     let app = spawn_app(None).await;
     let mut cov = Coverage::new(fetch_document(&app).await);
     lock_scenarios(&app, &mut cov).await;
+    shared_and_semaphore_scenarios(&app, &mut cov).await;
     operations_scenarios(&app, &mut cov).await;
     waiting_scenarios(&mut cov).await;
     dead_store_scenarios(&mut cov).await;
@@ -545,6 +553,12 @@ async fn auth_scenarios(cov: &mut Coverage) {
         ("DELETE", LOCK, "/locks/theirs"),
         ("GET", LOCK, "/locks/theirs"),
         ("POST", RENEW, "/locks/theirs/renew"),
+        ("GET", LOCKS, "/locks?prefix=theirs"),
+        ("POST", SEMAPHORE, "/semaphores/theirs?limit=2"),
+        ("DELETE", SEMAPHORE, "/semaphores/theirs"),
+        ("GET", SEMAPHORE, "/semaphores/theirs"),
+        ("POST", SEMAPHORE_RENEW, "/semaphores/theirs/renew"),
+        ("GET", SEMAPHORES, "/semaphores?prefix=theirs"),
         ("GET", "/metrics", "/metrics"),
         ("GET", "/openapi.json", "/openapi.json"),
     ];
@@ -731,6 +745,158 @@ async fn lock_scenarios(app: &TestApp, cov: &mut Coverage) {
     answer.expect_status(StatusCode::NO_CONTENT);
 }
 
+/// What every route that reads parameters refuses before it does anything: an unknown
+/// parameter (400), a body over the limit (413), a body that is not JSON (415).
+async fn refusals(app: &TestApp, cov: &mut Coverage, method: &str, documented: &str, url: &str) {
+    let method_ = Method::from_bytes(method.as_bytes()).unwrap();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let answer = app
+        .send(app.request(method_.clone(), &format!("{url}{sep}bogus=1")))
+        .await;
+    cov.record(method, documented, &answer);
+    answer.expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+    let answer = app
+        .send(app.request(method_.clone(), url).json(&oversized_body()))
+        .await;
+    cov.record(method, documented, &answer);
+    answer.expect_error(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large");
+    let answer = app
+        .send(
+            app.request(method_, url)
+                .header(CONTENT_TYPE, "text/plain")
+                .body("hello"),
+        )
+        .await;
+    cov.record(method, documented, &answer);
+    answer.expect_error(StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type");
+}
+
+/// Shared locks, semaphores and the listings on the embedded store: every status but 401, 403
+/// and 503.
+async fn shared_and_semaphore_scenarios(app: &TestApp, cov: &mut Coverage) {
+    // A shared lock, inspected and listed.
+    let answer = app.acquire("oa-shared", "mode=shared&owner=reader").await;
+    cov.record("POST", LOCK, &answer);
+    answer.expect_grant(StatusCode::CREATED);
+    let answer = app.inspect("oa-shared").await;
+    cov.record("GET", LOCK, &answer);
+    assert_eq!(
+        answer.expect_status(StatusCode::OK).json()["mode"],
+        "shared"
+    );
+    let answer = app.get("/locks?prefix=oa-&limit=1").await;
+    cov.record("GET", LOCKS, &answer);
+    let page = answer.expect_status(StatusCode::OK).json();
+    let cursor = page["next_cursor"]
+        .as_str()
+        .expect("more than one held lock");
+    let answer = app.get(&format!("/locks?prefix=oa-&cursor={cursor}")).await;
+    cov.record("GET", LOCKS, &answer);
+    answer.expect_status(StatusCode::OK);
+    refusals(app, cov, "GET", LOCKS, "/locks").await;
+
+    // A semaphore.
+    let key = "/semaphores/oa-sem";
+    let body = json!({"limit": 1, "ttl_ms": 30000, "wait_ms": 0, "owner": "doc", "request_id": "oa-sem-1"});
+    cov.check_request("POST", SEMAPHORE, &body);
+    let answer = app.send(app.request(Method::POST, key).json(&body)).await;
+    cov.record("POST", SEMAPHORE, &answer);
+    answer.expect_status(StatusCode::CREATED);
+    let token = answer.json()["token"].as_str().unwrap().to_owned();
+    let answer = app
+        .send(app.request(Method::POST, &format!("{key}?limit=1")))
+        .await;
+    cov.record("POST", SEMAPHORE, &answer);
+    answer.expect_error(StatusCode::CONFLICT, "locked");
+    let answer = app
+        .send(app.request(Method::POST, &format!("{key}?limit=2")))
+        .await;
+    cov.record("POST", SEMAPHORE, &answer);
+    answer.expect_error(StatusCode::CONFLICT, "limit_mismatch");
+    refusals(app, cov, "POST", SEMAPHORE, &format!("{key}?limit=1")).await;
+
+    let renew = format!("{key}/renew");
+    let answer = app
+        .send(
+            app.request(Method::POST, &renew)
+                .header("Lock-Token", &token)
+                .json(&json!({"ttl_ms": 20000})),
+        )
+        .await;
+    cov.record("POST", SEMAPHORE_RENEW, &answer);
+    answer.expect_grant(StatusCode::OK);
+    let answer = app
+        .send(
+            app.request(Method::POST, &renew)
+                .header("Lock-Token", "not-the-token"),
+        )
+        .await;
+    cov.record("POST", SEMAPHORE_RENEW, &answer);
+    answer.expect_error(StatusCode::CONFLICT, "not_owner");
+    let answer = app
+        .send(
+            app.request(Method::POST, "/semaphores/oa-free/renew")
+                .header("Lock-Token", &token),
+        )
+        .await;
+    cov.record("POST", SEMAPHORE_RENEW, &answer);
+    answer.expect_error(StatusCode::NOT_FOUND, "not_held");
+    refusals(app, cov, "POST", SEMAPHORE_RENEW, &renew).await;
+
+    let answer = app.get(key).await;
+    cov.record("GET", SEMAPHORE, &answer);
+    assert_eq!(answer.expect_status(StatusCode::OK).json()["limit"], 1);
+    let answer = app.get("/semaphores/oa-free").await;
+    cov.record("GET", SEMAPHORE, &answer);
+    answer.expect_error(StatusCode::NOT_FOUND, "not_held");
+    refusals(app, cov, "GET", SEMAPHORE, key).await;
+
+    let answer = app.get("/semaphores?prefix=oa-").await;
+    cov.record("GET", SEMAPHORES, &answer);
+    assert_eq!(
+        answer.expect_status(StatusCode::OK).json()["semaphores"][0]["holders"],
+        1
+    );
+    refusals(app, cov, "GET", SEMAPHORES, "/semaphores").await;
+
+    let answer = app
+        .send(
+            app.request(Method::DELETE, key)
+                .header("Lock-Token", "not-the-token"),
+        )
+        .await;
+    cov.record("DELETE", SEMAPHORE, &answer);
+    answer.expect_error(StatusCode::CONFLICT, "not_owner");
+    // Force release is off on a broker without auth unless it runs with allow_force_release.
+    let answer = app
+        .send(app.request(Method::DELETE, &format!("{key}?force=true")))
+        .await;
+    cov.record("DELETE", SEMAPHORE, &answer);
+    answer.expect_error(StatusCode::FORBIDDEN, "forbidden");
+    let answer = app
+        .send(app.request(Method::DELETE, "/locks/oa-shared?force=true"))
+        .await;
+    cov.record("DELETE", LOCK, &answer);
+    answer.expect_error(StatusCode::FORBIDDEN, "forbidden");
+    refusals(app, cov, "DELETE", SEMAPHORE, key).await;
+    let answer = app
+        .send(
+            app.request(Method::DELETE, key)
+                .header("Lock-Token", &token),
+        )
+        .await;
+    cov.record("DELETE", SEMAPHORE, &answer);
+    answer.expect_status(StatusCode::NO_CONTENT);
+    let answer = app
+        .send(
+            app.request(Method::DELETE, key)
+                .header("Lock-Token", &token),
+        )
+        .await;
+    cov.record("DELETE", SEMAPHORE, &answer);
+    answer.expect_error(StatusCode::NOT_FOUND, "not_held");
+}
+
 /// Health, readiness, metrics and the document itself.
 async fn operations_scenarios(app: &TestApp, cov: &mut Coverage) {
     for path in ["/healthz", "/readyz", "/metrics", "/openapi.json"] {
@@ -774,6 +940,33 @@ async fn dead_store_scenarios(cov: &mut Coverage) {
         ("DELETE", LOCK, app.release(key, token).await),
         ("POST", RENEW, app.renew(key, token, "").await),
         ("GET", LOCK, app.inspect(key).await),
+        ("GET", LOCKS, app.get("/locks").await),
+        (
+            "POST",
+            SEMAPHORE,
+            app.send(app.request(Method::POST, "/semaphores/oa-dead?limit=2"))
+                .await,
+        ),
+        (
+            "DELETE",
+            SEMAPHORE,
+            app.send(
+                app.request(Method::DELETE, "/semaphores/oa-dead")
+                    .header("Lock-Token", token),
+            )
+            .await,
+        ),
+        (
+            "POST",
+            SEMAPHORE_RENEW,
+            app.send(
+                app.request(Method::POST, "/semaphores/oa-dead/renew")
+                    .header("Lock-Token", token),
+            )
+            .await,
+        ),
+        ("GET", SEMAPHORE, app.get("/semaphores/oa-dead").await),
+        ("GET", SEMAPHORES, app.get("/semaphores").await),
         ("GET", "/readyz", app.get("/readyz").await),
     ];
     for (method, path, answer) in &answers {

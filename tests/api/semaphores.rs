@@ -1,0 +1,266 @@
+//! Semaphores over HTTP: up to `limit` permits on `/semaphores/{key}`, each a lease with its
+//! own token and fence; `limit_mismatch`; renew, release, inspect and `request_id` as for locks;
+//! waiting for a permit. Written once, run on the embedded store and on Redis; the limit across
+//! brokers runs on two brokers sharing one Redis.
+
+use std::time::{Duration, Instant};
+
+use lockbroker_test_support::app::{Backend, TestApp, spawn_app};
+use lockbroker_test_support::http::Answer;
+use lockbroker_test_support::on_both_stores;
+use lockbroker_test_support::redis_server::RedisServer;
+use reqwest::{Method, StatusCode};
+use serde_json::Value;
+use tokio::task::JoinHandle;
+
+use crate::shared::until_waiting;
+use crate::waiting::{PROMPTLY, answer_within};
+
+on_both_stores!(
+    a_semaphore_grants_up_to_limit_permits_then_answers_locked,
+    limit_is_required_and_from_1_to_10000,
+    another_limit_is_409_limit_mismatch_naming_the_holders_limit,
+    permits_renew_release_and_repeat_by_request_id_as_leases_do,
+    a_waiting_request_gets_a_permit_when_one_is_released,
+    a_semaphore_and_a_lock_of_one_name_are_unrelated,
+    force_release_ends_every_permit_where_it_is_allowed,
+);
+
+/// `POST /semaphores/{key}?{query}`.
+async fn take(app: &TestApp, key: &str, query: &str) -> Answer {
+    app.send(app.request(Method::POST, &format!("/semaphores/{key}?{query}")))
+        .await
+}
+
+/// Takes a permit and checks the `201` body: a grant plus `limit`, nothing else.
+async fn permit(app: &TestApp, key: &str, query: &str) -> Value {
+    let body = take(app, key, query)
+        .await
+        .expect_status(StatusCode::CREATED)
+        .json();
+    let mut fields: Vec<&str> = body
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    fields.sort_unstable();
+    assert_eq!(
+        fields,
+        ["expires_at_ms", "fence", "key", "limit", "token", "ttl_ms"],
+        "{body}"
+    );
+    body
+}
+
+fn token(body: &Value) -> &str {
+    body["token"].as_str().expect("a token")
+}
+
+async fn give_back(app: &TestApp, key: &str, token: &str) -> Answer {
+    app.send(
+        app.request(Method::DELETE, &format!("/semaphores/{key}"))
+            .header("Lock-Token", token),
+    )
+    .await
+}
+
+fn spawn_take(app: &TestApp, key: &str, query: &str) -> JoinHandle<Answer> {
+    let request = app.request(Method::POST, &format!("/semaphores/{key}?{query}"));
+    tokio::spawn(async move {
+        Answer::read(
+            request
+                .send()
+                .await
+                .expect("the request reaches the broker"),
+        )
+        .await
+    })
+}
+
+async fn a_semaphore_grants_up_to_limit_permits_then_answers_locked(b: &Backend) {
+    let app = &b.app;
+    let one = permit(app, "pool", "limit=2&ttl_ms=20000").await;
+    let two = permit(app, "pool", "limit=2&ttl_ms=30000&owner=second").await;
+    assert_eq!(one["limit"], 2);
+    assert_ne!(token(&one), token(&two));
+    assert!(two["fence"].as_u64() > one["fence"].as_u64());
+    let full = take(app, "pool", "limit=2").await;
+    let body = full.expect_error(StatusCode::CONFLICT, "locked");
+    assert!(
+        body["retry_after_ms"]
+            .as_u64()
+            .is_some_and(|ms| ms > 15_000 && ms <= 20_000),
+        "the first permit ends first: {body}"
+    );
+    assert!(full.header("retry-after").is_some());
+    let shown = app
+        .get("/semaphores/pool")
+        .await
+        .expect_status(StatusCode::OK)
+        .json();
+    assert_eq!(shown["key"], "pool");
+    assert_eq!(shown["limit"], 2);
+    let holders = shown["holders"].as_array().expect("holders");
+    assert_eq!(holders.len(), 2);
+    assert_eq!(holders[1]["owner"], "second");
+    assert_eq!(holders[1]["fence"], two["fence"]);
+    assert!(!shown.to_string().contains(token(&one)));
+}
+
+async fn limit_is_required_and_from_1_to_10000(b: &Backend) {
+    let app = &b.app;
+    for bad in ["", "limit=0", "limit=10001", "limit=-1", "limit=two"] {
+        take(app, "bounds", bad)
+            .await
+            .expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+    }
+    permit(app, "bounds", "limit=10000").await;
+    permit(app, "bounds-1", "limit=1").await;
+    app.send(
+        app.request(Method::POST, "/semaphores/bounds-json")
+            .json(&serde_json::json!({"limit": 3, "ttl_ms": 5000})),
+    )
+    .await
+    .expect_status(StatusCode::CREATED);
+}
+
+async fn another_limit_is_409_limit_mismatch_naming_the_holders_limit(b: &Backend) {
+    let app = &b.app;
+    let held = permit(app, "mismatch", "limit=3").await;
+    let body = take(app, "mismatch", "limit=5&wait_ms=200")
+        .await
+        .expect_error(StatusCode::CONFLICT, "limit_mismatch");
+    assert_eq!(body["limit"], 3);
+    give_back(app, "mismatch", token(&held))
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    // Nobody holds a permit now: another limit is fine.
+    permit(app, "mismatch", "limit=5").await;
+}
+
+async fn permits_renew_release_and_repeat_by_request_id_as_leases_do(b: &Backend) {
+    let app = &b.app;
+    let first = permit(app, "renewed", "limit=2&ttl_ms=5000&request_id=job-1").await;
+    let again = permit(app, "renewed", "limit=2&ttl_ms=5000&request_id=job-1").await;
+    assert_eq!(
+        (token(&again), &again["fence"]),
+        (token(&first), &first["fence"])
+    );
+    let other = permit(app, "renewed", "limit=2").await;
+    let renewed = app
+        .send(
+            app.request(Method::POST, "/semaphores/renewed/renew?ttl_ms=60000")
+                .header("Lock-Token", token(&first)),
+        )
+        .await
+        .expect_grant(StatusCode::OK);
+    assert_eq!(renewed.fence, first["fence"].as_u64().unwrap());
+    assert_eq!(renewed.ttl_ms, 60_000);
+    give_back(app, "renewed", token(&first))
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    give_back(app, "renewed", token(&first))
+        .await
+        .expect_error(StatusCode::CONFLICT, "not_owner");
+    give_back(app, "renewed", token(&other))
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    give_back(app, "renewed", token(&other))
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
+    app.get("/semaphores/renewed")
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
+}
+
+async fn a_waiting_request_gets_a_permit_when_one_is_released(b: &Backend) {
+    let app = &b.app;
+    let held = permit(app, "queue", "limit=1&ttl_ms=30000").await;
+    let waiter = spawn_take(app, "queue", "limit=1&wait_ms=10000");
+    until_waiting(app, 1).await;
+    give_back(app, "queue", token(&held))
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let released = Instant::now();
+    let granted = answer_within(waiter, Duration::from_secs(3)).await;
+    granted.expect_status(StatusCode::CREATED);
+    assert!(released.elapsed() < PROMPTLY, "{:?}", released.elapsed());
+    assert!(granted.json()["fence"].as_u64() > held["fence"].as_u64());
+}
+
+async fn a_semaphore_and_a_lock_of_one_name_are_unrelated(b: &Backend) {
+    let app = &b.app;
+    let sem = permit(app, "twin", "limit=1").await;
+    let lock = app.grant("twin", "").await;
+    app.inspect("twin").await.expect_status(StatusCode::OK);
+    // A lock's token does not release a permit, nor the other way round.
+    give_back(app, "twin", &lock.token)
+        .await
+        .expect_error(StatusCode::CONFLICT, "not_owner");
+    app.release("twin", token(&sem))
+        .await
+        .expect_error(StatusCode::CONFLICT, "not_owner");
+    app.release("twin", &lock.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    app.get("/semaphores/twin")
+        .await
+        .expect_status(StatusCode::OK);
+}
+
+async fn force_release_ends_every_permit_where_it_is_allowed(b: &Backend) {
+    let allowed = b.another_app(|c| c.allow_force_release = true).await;
+    permit(&allowed, "forced-sem", "limit=3").await;
+    permit(&allowed, "forced-sem", "limit=3").await;
+    let force = |app: &TestApp| app.request(Method::DELETE, "/semaphores/forced-sem?force=true");
+    b.app
+        .send(force(&b.app))
+        .await
+        .expect_error(StatusCode::FORBIDDEN, "forbidden");
+    allowed
+        .send(force(&allowed))
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    allowed
+        .get("/semaphores/forced-sem")
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
+    allowed
+        .send(force(&allowed))
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphores_limit_holds_across_brokers_and_a_release_on_one_wakes_a_waiter_on_another() {
+    let redis = RedisServer::start().await;
+    let (a, b) = (
+        spawn_app(Some(redis.url())).await,
+        spawn_app(Some(redis.url())).await,
+    );
+    redis.wait_until_listening(2).await;
+    let one = permit(&a, "shared-pool", "limit=2&ttl_ms=30000").await;
+    permit(&b, "shared-pool", "limit=2&ttl_ms=30000").await;
+    for app in [&a, &b] {
+        take(app, "shared-pool", "limit=2")
+            .await
+            .expect_error(StatusCode::CONFLICT, "locked");
+        let body = take(app, "shared-pool", "limit=4")
+            .await
+            .expect_error(StatusCode::CONFLICT, "limit_mismatch");
+        assert_eq!(body["limit"], 2);
+    }
+    let waiter = spawn_take(&b, "shared-pool", "limit=2&wait_ms=10000");
+    until_waiting(&b, 1).await;
+    give_back(&a, "shared-pool", token(&one))
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let released = Instant::now();
+    answer_within(waiter, Duration::from_secs(3))
+        .await
+        .expect_status(StatusCode::CREATED);
+    assert!(released.elapsed() < PROMPTLY, "{:?}", released.elapsed());
+    let shown = a.get("/semaphores/shared-pool").await.json();
+    assert_eq!(shown["holders"].as_array().map(Vec::len), Some(2));
+}
