@@ -214,6 +214,8 @@ impl Ledger {
                     limit,
                     members: Vec::new(),
                 });
+            // The live permits of a semaphore share one limit: the newest grant's.
+            pool.limit = limit;
             match pool.members.iter_mut().find(|m| m.token == token) {
                 Some(old) => {
                     let request_id = lease

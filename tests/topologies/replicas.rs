@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use lockbroker_test_support::app::spawn_app_with;
 use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::redis_server::RedisServer;
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 
 /// The acknowledging broker's store timeout: WAIT waits half of it.
 const STORE_TIMEOUT_MS: u64 = 600;
@@ -106,6 +106,13 @@ async fn grants_and_renewals_wait_for_the_replica_and_leave_nothing_when_it_stal
         .renew("acked", &held.token, "ttl_ms=20000")
         .await
         .expect_grant(StatusCode::OK);
+    // A shared lease and a semaphore permit, the same way.
+    let reader = acked.grant("readers", "mode=shared&ttl_ms=20000").await;
+    let permit = acked
+        .send(acked.request(Method::POST, "/semaphores/pool?limit=2&ttl_ms=20000"))
+        .await;
+    permit.expect_status(StatusCode::CREATED);
+    let permit = permit.json();
 
     replica.pause();
     let asked = Instant::now();
@@ -134,6 +141,29 @@ async fn grants_and_renewals_wait_for_the_replica_and_leave_nothing_when_it_stal
         .expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
     let view = plain.inspect("acked").await.json();
     assert_eq!(view["expires_at_ms"], renewed.expires_at_ms, "{view}");
+    // So do a shared lease's and a permit's: each ends when its holder was last told.
+    acked
+        .renew("readers", &reader.token, "ttl_ms=30000")
+        .await
+        .expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    let view = plain.inspect("readers").await.json();
+    assert_eq!(
+        view["holders"][0]["expires_at_ms"], reader.expires_at_ms,
+        "{view}"
+    );
+    acked
+        .send(
+            acked
+                .request(Method::POST, "/semaphores/pool/renew?ttl_ms=30000")
+                .header("Lock-Token", permit["token"].as_str().unwrap()),
+        )
+        .await
+        .expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+    let view = plain.get("/semaphores/pool").await.json();
+    assert_eq!(
+        view["holders"][0]["expires_at_ms"], permit["expires_at_ms"],
+        "{view}"
+    );
 
     replica.resume();
     until_in_sync(&master).await;

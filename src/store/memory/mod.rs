@@ -331,6 +331,12 @@ impl Store for MemoryStore {
         let now_ms = now_us / 1000;
         Ok(self.with_slot(pool.space(), key, |slot| {
             slot.prune(now_ms);
+            if let Pool::Semaphore { limit } = pool
+                && let Some(used) = slot.limit
+                && used != limit
+            {
+                return Join::LimitMismatch { limit: used };
+            }
             if let Some(id) = &bid.request_id
                 && let Some(again) = slot
                     .holders
@@ -358,11 +364,6 @@ impl Store for MemoryStore {
                     slot.lease = None;
                 }
                 Pool::Semaphore { limit } => {
-                    if let Some(used) = slot.limit
-                        && used != limit
-                    {
-                        return Join::LimitMismatch { limit: used };
-                    }
                     if slot.holders.len() >= limit as usize {
                         return Join::Busy {
                             retry_after_ms: Slot::soonest(

@@ -3,10 +3,12 @@
 //!
 //! A page holds at most the limit asked for. Its cursor says where the next page starts: the
 //! master (by its first slot), the `SCAN` cursor, and — when a page ended inside one `SCAN`
-//! batch — the last key it listed, so the next page runs that batch again and lists only the
-//! keys after it (a batch's keys are listed in key order). A key held throughout a listing is
-//! listed at least once (possibly twice, as `SCAN` may return a key twice), unless Redis resizes
-//! its key table between two pages that split one batch; a page may hold fewer entries than the
+//! batch — the last key it listed, with the batch's count and where it ended, so the next page
+//! runs that batch again with the same count and lists only the keys after it (a batch's keys
+//! are listed in key order). If the batch run again ends elsewhere (keys came or went, the table
+//! was resized), the filter could hide keys the first run did not reach, so the whole batch is
+//! listed again instead: a key held throughout a listing is listed at least once, possibly
+//! twice (as `SCAN` itself may return a key twice). A page may hold fewer entries than the
 //! limit, or none, and still have a next cursor (`SCAN` walks empty stretches of the key table
 //! too, and each page does a bounded amount of work).
 
@@ -29,25 +31,45 @@ struct Cursor {
     /// The master's first slot (0 on one server).
     node: u16,
     scan: u64,
-    /// The last key listed from the batch at `scan`, when a page ended inside it.
-    after: Option<LockKey>,
+    /// When a page ended inside the batch at `scan`: how far into it.
+    within: Option<Within>,
+}
+
+/// How far a page got into one `SCAN` batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Within {
+    /// The batch's `COUNT`, and the cursor it ended at.
+    count: usize,
+    end: u64,
+    /// The last key listed from it.
+    after: LockKey,
 }
 
 impl Cursor {
     fn parse(raw: &str) -> Option<Self> {
-        let mut parts = raw.splitn(3, '.');
+        let mut parts = raw.splitn(5, '.');
         let node = parts.next()?.parse().ok()?;
         let scan = parts.next()?.parse().ok()?;
-        let after = match parts.next()? {
-            "" => None,
-            key => Some(LockKey::parse(key).ok()?),
+        let within = match (parts.next(), parts.next(), parts.next()) {
+            (None, None, None) => None,
+            (Some(count), Some(end), Some(after)) => Some(Within {
+                count: count.parse().ok().filter(|c| (1..=10_000).contains(c))?,
+                end: end.parse().ok()?,
+                after: LockKey::parse(after).ok()?,
+            }),
+            _ => return None,
         };
-        Some(Self { node, scan, after })
+        Some(Self { node, scan, within })
     }
 
     fn render(&self) -> String {
-        let after = self.after.as_ref().map_or("", |k| k.as_str());
-        format!("{}.{}.{after}", self.node, self.scan)
+        match &self.within {
+            None => format!("{}.{}", self.node, self.scan),
+            Some(w) => format!(
+                "{}.{}.{}.{}.{}",
+                self.node, self.scan, w.count, w.end, w.after
+            ),
+        }
     }
 }
 
@@ -102,7 +124,7 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
         at = at.map(|c| Cursor {
             node: nodes.get(node_index).copied().unwrap_or(c.node),
             scan: 0,
-            after: None,
+            within: None,
         });
     }
     let pattern = format!(
@@ -110,8 +132,8 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
         glob_escaped(&store.prefix),
         glob_escaped(&query.prefix)
     );
-    let count = (query.limit * 3).clamp(30, 1_000);
-    let (mut scan, mut after) = at.map_or((0, None), |c| (c.scan, c.after));
+    let fresh_count = (query.limit * 3).clamp(30, 1_000);
+    let (mut scan, mut within) = at.map_or((0, None), |c| (c.scan, c.within));
     let mut entries: Vec<Listed> = Vec::new();
     // The store's clock as the reads saw it (0 while nothing is listed: no entry needs it).
     let mut now_ms = 0;
@@ -119,6 +141,8 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
         let Some(&node) = nodes.get(node_index) else {
             break;
         };
+        // A batch a page ended inside is run again with its own count.
+        let count = within.as_ref().map_or(fresh_count, |w| w.count);
         let (next, keys) = store
             .with_link(async |conn| conn.scan_step(node, scan, &pattern, count).await)
             .await?;
@@ -128,8 +152,10 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
             .collect();
         found.sort_unstable();
         found.dedup();
-        if let Some(after) = after.take() {
-            found.retain(|k| *k > after);
+        if let Some(w) = within.take()
+            && w.end == next
+        {
+            found.retain(|k| *k > w.after);
         }
         let read: Vec<StoreResult<Option<(u64, Listed)>>> = stream::iter(found)
             .map(|key| read_one(store, query.space, key))
@@ -146,19 +172,16 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
         let room = query.limit - entries.len();
         if listed.len() > room {
             listed.truncate(room);
-            let last = listed.last().map(|l| l.key.clone());
+            let within = listed.last().map(|l| Within {
+                count,
+                end: next,
+                after: l.key.clone(),
+            });
             entries.extend(listed);
             return Ok(Page {
                 now_ms,
                 entries,
-                next_cursor: Some(
-                    Cursor {
-                        node,
-                        scan,
-                        after: last,
-                    }
-                    .render(),
-                ),
+                next_cursor: Some(Cursor { node, scan, within }.render()),
             });
         }
         entries.extend(listed);
@@ -176,7 +199,7 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
         Cursor {
             node,
             scan,
-            after: None,
+            within: None,
         }
         .render()
     });
@@ -244,17 +267,31 @@ mod tests {
             Cursor {
                 node: 0,
                 scan: 0,
-                after: None,
+                within: None,
             },
             Cursor {
                 node: 5461,
                 scan: 1234,
-                after: Some(LockKey::parse("orders:42").unwrap()),
+                within: Some(Within {
+                    count: 30,
+                    end: 99,
+                    after: LockKey::parse("orders.42").unwrap(),
+                }),
             },
         ] {
             assert_eq!(Cursor::parse(&c.render()), Some(c));
         }
-        for bad in ["", "x", "1", "1.2", "1.x.", "1.2.a/b", "-1.2."] {
+        for bad in [
+            "",
+            "x",
+            "1",
+            "1.2.",
+            "1.x",
+            "1.2.3.4",
+            "1.2.0.4.a",
+            "1.2.3.4.a/b",
+            "-1.2",
+        ] {
             assert_eq!(Cursor::parse(bad), None, "{bad:?}");
         }
     }

@@ -11,7 +11,8 @@
 //! When the replicas do not confirm in time, nothing is left that the client was not told:
 //! - a **grant** is released (by its token, holder-checked), and the request answers
 //!   `503 store_unavailable`;
-//! - a **renewal** puts back the end of the lease that the holder had before it (read just
+//! - a **renewal** (of an exclusive lease, a shared one or a permit) puts back the end of the
+//!   lease that the holder had before it (read just
 //!   before renewing), and answers `503`: the lease then ends exactly when the holder was last
 //!   told, neither later (the master would otherwise keep a longer lease than any answer said)
 //!   nor sooner (ending it would hand the key to someone else while its holder still believes
@@ -46,6 +47,18 @@ redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1
 "#;
 
+/// RESTORE for a shared lease or a permit: KEYS: pool, its ends; ARGV as for RESTORE.
+const RESTORE_POOLED: &str = r#"
+local rec = redis.call('HGET', KEYS[1], ARGV[1])
+if not rec then return 0 end
+local f, e, t, rest = string.match(rec, '^(%d+)|(%d+)|(%d+)|(.*)$')
+if e ~= ARGV[7] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], f .. '|' .. ARGV[2] .. '|' .. ARGV[3] .. '|' .. rest)
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('PUBLISH', ARGV[5], ARGV[6])
+return 1
+"#;
+
 /// What the store does after each granting or renewing write.
 pub(super) struct Replicas {
     /// How many replicas must have a write before it is answered; 0: no `WAIT` at all.
@@ -56,6 +69,7 @@ pub(super) struct Replicas {
     /// script before it and the release after it need the other half.
     wait_ms: u64,
     restore: Script,
+    restore_pooled: Script,
 }
 
 /// The lease as its holder knew it before a renewal: what a renewal that replicas did not
@@ -63,6 +77,8 @@ pub(super) struct Replicas {
 pub(super) struct Told {
     expires_at_ms: u64,
     ttl_ms: u64,
+    /// A shared lease or a permit, not the exclusive lease.
+    pooled: bool,
 }
 
 impl Replicas {
@@ -71,6 +87,7 @@ impl Replicas {
             acks,
             wait_ms: (millis(store_timeout) / 2).max(1),
             restore: Script::new(RESTORE),
+            restore_pooled: Script::new(RESTORE_POOLED),
         }
     }
 
@@ -101,9 +118,8 @@ impl Replicas {
         Err(error)
     }
 
-    /// Before a renewal: the lease as its holder knows it, if acknowledgements are asked for.
-    /// Only an exclusive lease is restored this way; a shared lease or a permit whose renewal the
-    /// replicas did not acknowledge is released.
+    /// Before a renewal: the lease as its holder knows it (exclusive, shared or a permit), if
+    /// acknowledgements are asked for.
     pub async fn before_renew(
         &self,
         store: &RedisStore,
@@ -111,16 +127,32 @@ impl Replicas {
         key: &LockKey,
         token: &Token,
     ) -> StoreResult<Option<Told>> {
-        if self.acks == 0 || space != Space::Locks {
+        if self.acks == 0 {
             return Ok(None);
         }
-        let snapshot = store.read(key).await?;
-        Ok(snapshot
-            .lease
-            .filter(|l| l.token == *token && l.is_live_at(snapshot.now_ms))
-            .map(|l| Told {
-                expires_at_ms: l.expires_at_ms,
-                ttl_ms: l.ttl_ms,
+        let (now_ms, exclusive, pooled) = match space {
+            Space::Locks => {
+                let snapshot = store.read(key).await?;
+                (snapshot.now_ms, snapshot.lease, snapshot.shared)
+            }
+            Space::Semaphores => {
+                let permits = store.permits(key).await?;
+                (permits.now_ms, None, permits.holders)
+            }
+        };
+        let told = |l: &Lease, pooled| Told {
+            expires_at_ms: l.expires_at_ms,
+            ttl_ms: l.ttl_ms,
+            pooled,
+        };
+        Ok(exclusive
+            .filter(|l| l.token == *token && l.is_live_at(now_ms))
+            .map(|l| told(&l, false))
+            .or_else(|| {
+                pooled
+                    .iter()
+                    .find(|l| l.token == *token)
+                    .map(|l| told(l, true))
             }))
     }
 
@@ -141,14 +173,20 @@ impl Replicas {
         };
         let undone = match told {
             Some(told) => {
-                let [lock, _] = store.keys(key);
-                let mut inv = self.restore.key(lock);
+                let names = store.names(space, key);
+                let mut inv = if told.pooled {
+                    let mut inv = self.restore_pooled.key(names.pool);
+                    inv.key(names.ends);
+                    inv
+                } else {
+                    self.restore.key(names.lock)
+                };
                 inv.arg(token.as_str())
                     .arg(told.expires_at_ms)
                     .arg(told.ttl_ms)
                     .arg(EXPIRY_SLACK_MS)
                     .arg(&*store.channel)
-                    .arg(key.as_str())
+                    .arg(&names.notice)
                     .arg(renewed.expires_at_ms);
                 store
                     .with_link(async |conn| inv.invoke_async::<u8>(conn).await)

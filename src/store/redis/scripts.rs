@@ -56,6 +56,12 @@ local function keep(key, ms)
   if left >= 0 and left < ms then redis.call('PEXPIRE', key, ms) end
   if left == -1 then redis.call('PEXPIRE', key, ms) end
 end
+-- Drops a holder's request id from its pool, unless the id now names a later holder.
+local function drop_rid(pool, rid, token)
+  if rid ~= '' and redis.call('HGET', pool, '?' .. rid) == token then
+    redis.call('HDEL', pool, '?' .. rid)
+  end
+end
 -- Drops up to 100 ended holders of a pool (hash, ends) per call.
 local function prune(pool, ends, now_ms)
   local gone = redis.call('ZRANGEBYSCORE', ends, '-inf', int(now_ms), 'LIMIT', 0, 100)
@@ -63,7 +69,7 @@ local function prune(pool, ends, now_ms)
     local rec = redis.call('HGET', pool, token)
     if rec then
       local _, _, _, _, rid = record(rec)
-      if rid ~= '' then redis.call('HDEL', pool, '?' .. rid) end
+      drop_rid(pool, rid, token)
       redis.call('HDEL', pool, token)
     end
     redis.call('ZREM', ends, token)
@@ -200,6 +206,11 @@ local held = checked(now, KEYS[4])
 if held then return held end
 local now_ms = math.floor(now / 1000)
 prune(KEYS[1], KEYS[2], now_ms)
+local live = live_count(KEYS[2], now_ms)
+if ARGV[5] ~= '' and live > 0 then
+  local used = tonumber(redis.call('HGET', KEYS[1], '#limit') or ARGV[5])
+  if used ~= tonumber(ARGV[5]) then return {5, used} end
+end
 if ARGV[7] ~= '' then
   local again = redis.call('HGET', KEYS[1], '?' .. ARGV[7])
   local rec = again and redis.call('HGET', KEYS[1], again)
@@ -208,7 +219,6 @@ if ARGV[7] ~= '' then
     if e > now_ms then return {1, f, e, again, t, now_ms} end
   end
 end
-local live = live_count(KEYS[2], now_ms)
 if ARGV[5] == '' then
   local x = redis.call('HGET', KEYS[5], 'expires_at')
   if x then
@@ -221,8 +231,6 @@ if ARGV[5] == '' then
 else
   local limit = tonumber(ARGV[5])
   if live > 0 then
-    local used = tonumber(redis.call('HGET', KEYS[1], '#limit') or ARGV[5])
-    if used ~= limit then return {5, used} end
     if live >= limit then
       local first = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. int(now_ms), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
       return {4, tonumber(first[2]) - now_ms}
@@ -292,7 +300,7 @@ end
 local function leave_pool(rec)
   local _, _, _, _, rid = record(rec)
   redis.call('HDEL', KEYS[3], ARGV[1])
-  if rid ~= '' then redis.call('HDEL', KEYS[3], '?' .. rid) end
+  drop_rid(KEYS[3], rid, ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
 end
 "#;
@@ -310,14 +318,14 @@ if h == 4 then
   local f, _, _, g = record(reason)
   leave_pool(reason)
   redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' ' .. int(f))
-  return {1, now - g}
+  return {1, math.max(0, now - g)}
 end
 if h ~= 1 then return {h} end
 local v = redis.call('HMGET', KEYS[1], 'granted_at', 'fence')
 local granted = tonumber(v[1] or now)
 redis.call('DEL', KEYS[1])
 redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' ' .. v[2])
-return {1, now - granted}
+return {1, math.max(0, now - granted)}
 "#;
 
 /// ARGV: token, ttl_ms, slack_ms, notice channel, notice key. A renew that makes the lease end
@@ -531,21 +539,21 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
     end
     if write and lock ~= pool then
       local cur = redis.call('HMGET', lock, 'fence', 'expires_at')
-      if cur[1] and tonumber(cur[2]) > now_ms then
-        if tonumber(cur[1]) > fence then
-          code, other, write = 2, tonumber(cur[1]), false
-        else
-          code, other = 3, tonumber(cur[1])
-          redis.call('DEL', lock)
-        end
+      if cur[1] and tonumber(cur[2]) > now_ms and tonumber(cur[1]) > fence then
+        code, other, write = 2, tonumber(cur[1]), false
+      elseif cur[1] then
+        if tonumber(cur[2]) > now_ms then code, other = 3, tonumber(cur[1]) end
+        redis.call('DEL', lock)
       end
+    end
+    if write and kind ~= 's' and live_count(ends, now_ms) == 0 then
+      redis.call('HSET', pool, '#limit', kind)
     end
     if write then
       local r = (rid ~= '' and string.sub(rid, 2)) or ''
       redis.call('HSET', pool, token, int(fence) .. '|' .. int(now_ms + remaining) .. '|' .. ttl .. '|' .. int(now_ms) .. '|' .. r .. '|' .. owner)
       if r ~= '' then redis.call('HSET', pool, '?' .. r, token) end
       redis.call('ZADD', ends, int(now_ms + remaining), token)
-      if kind ~= 's' and not redis.call('HGET', pool, '#limit') then redis.call('HSET', pool, '#limit', kind) end
     end
     keep(pool, remaining + slack)
     keep(ends, remaining + slack)
