@@ -159,6 +159,11 @@ async fn semaphores_grant_up_to_their_limit_refuse_another_limit_and_repeat_by_r
         (again.token.clone(), again.fence),
         (b.token.clone(), b.fence)
     );
+    // Repeated with another limit, it is refused: the permit was taken under the holders' one.
+    assert_eq!(
+        join(&store, &k, Pool::Semaphore { limit: 3 }, &with_id).await,
+        Join::LimitMismatch { limit: 2 }
+    );
     match join(&store, &k, two, &bid(1_000)).await {
         Join::Busy { retry_after_ms } => assert!((9_000..=10_000).contains(&retry_after_ms)),
         other => panic!("{other:?}"),
