@@ -44,6 +44,11 @@ local function epoch(marker)
   local m = redis.call('HMGET', marker, 'id', 'hold_until', 'reason')
   return m[1], tonumber(m[2] or '0'), m[3] or ''
 end
+"#;
+
+/// Helpers of the scripts on pools (shared leases, semaphore permits), kept out of the exclusive
+/// path's scripts: each script defines its functions again on every call.
+const POOLS: &str = r#"
 local function record(rec)
   local f, e, t, g, r, o = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
   return tonumber(f), tonumber(e), tonumber(t), tonumber(g), r, o
@@ -135,15 +140,18 @@ end
 -- then records its intent); KEYS[4] shared pool, KEYS[5] its ends, KEYS[6] the intents.
 local function grant(now)
   local now_ms = math.floor(now / 1000)
-  if live_count(KEYS[5], now_ms) > 0 then
-    if ARGV[8] == '1' then
-      redis.call('ZADD', KEYS[6], int(now_ms + WRITER_INTENT_MS), ARGV[1])
-      keep(KEYS[6], WRITER_INTENT_MS + tonumber(ARGV[5]))
+  if redis.call('ZCARD', KEYS[5]) > 0 then
+    if redis.call('ZCOUNT', KEYS[5], '(' .. int(now_ms), '+inf') > 0 then
+      if ARGV[8] == '1' then
+        redis.call('ZADD', KEYS[6], int(now_ms + WRITER_INTENT_MS), ARGV[1])
+        redis.call('PEXPIRE', KEYS[6], WRITER_INTENT_MS + tonumber(ARGV[5]))
+      end
+      return {0}
     end
-    return {0}
+    redis.call('DEL', KEYS[4], KEYS[5])
   end
-  redis.call('DEL', KEYS[4], KEYS[5])
-  redis.call('ZREM', KEYS[6], ARGV[1])
+  -- Only a bid that waits ever recorded an intent.
+  if ARGV[8] == '1' then redis.call('ZREM', KEYS[6], ARGV[1]) end
   local fence = fence_for(KEYS[2], now)
   local ttl = tonumber(ARGV[2])
   local expires = now_ms + ttl
@@ -253,11 +261,14 @@ return {1, fence, expires, ARGV[1], ttl, now_ms}
 
 /// GET, with Redis's clock read in the same step so the expiry is judged on the store's time.
 /// KEYS: lock, shared pool, its ends. Replies the clock, the exclusive lease's six fields, then
-/// six for each live shared lease (see `holders`).
+/// (when there is no exclusive lease record) six for each live shared lease (see `holders`).
 const READ: &str = r#"
 local now = math.floor(now_us() / 1000)
 local v = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires_at', 'ttl', 'owner', 'request_id')
 local out = {now, v[1] or false, v[2] or false, v[3] or false, v[4] or false, v[5] or false, v[6] or false}
+-- No shared lease is live beside an exclusive lease record (a shared grant deletes an expired
+-- one, an exclusive grant needs no live shared lease): the exclusive path skips the look.
+if v[1] then return out end
 for _, x in ipairs(holders(KEYS[2], KEYS[3], now)) do out[#out + 1] = x end
 return out
 "#;
@@ -658,19 +669,20 @@ impl Scripts {
         let intent = format!("local WRITER_INTENT_MS = {WRITER_INTENT_MS}\n");
         Self {
             claim: Lua::new([PRELUDE, &intent, GRANT, CLAIM].concat()),
-            read: Lua::new([PRELUDE, READ].concat()),
+            read: Lua::new([PRELUDE, POOLS, READ].concat()),
             take_over: Lua::new([PRELUDE, &intent, GRANT, TAKE_OVER].concat()),
-            release: Lua::new([PRELUDE, HOLDER, RELEASE].concat()),
-            renew: Lua::new([PRELUDE, HOLDER, RENEW].concat()),
-            join: Lua::new([PRELUDE, &intent, GRANT, JOIN].concat()),
-            permits: Lua::new([PRELUDE, PERMITS].concat()),
-            force: Lua::new([PRELUDE, FORCE].concat()),
+            release: Lua::new([PRELUDE, POOLS, HOLDER, RELEASE].concat()),
+            renew: Lua::new([PRELUDE, POOLS, HOLDER, RENEW].concat()),
+            join: Lua::new([PRELUDE, POOLS, &intent, GRANT, JOIN].concat()),
+            permits: Lua::new([PRELUDE, POOLS, PERMITS].concat()),
+            force: Lua::new([PRELUDE, POOLS, FORCE].concat()),
             check: [PRELUDE, CHECK].concat(),
             mark: MARK,
             repair: REPAIR,
             put_back: Lua::new(
                 [
                     PRELUDE,
+                    POOLS,
                     &format!("local PUT_BACK_HOLD_MS = {PUT_BACK_HOLD_MS}\n"),
                     PUT_BACK,
                 ]
