@@ -148,6 +148,41 @@ async fn brokers_run_as_the_readme_acl_user_and_never_show_its_password() {
         .await
         .expect_status(StatusCode::NO_CONTENT);
 
+    // Shared leases, a semaphore permit and the listings use their own commands too.
+    let reader = send(Method::POST, one.url("/locks/acl-rw?mode=shared"), None)
+        .await
+        .expect_grant(StatusCode::CREATED);
+    send(Method::POST, two.url("/locks/acl-rw"), None)
+        .await
+        .expect_error(StatusCode::CONFLICT, "locked");
+    let permit = send(Method::POST, two.url("/semaphores/acl-pool?limit=2"), None).await;
+    permit.expect_status(StatusCode::CREATED);
+    let listed = send(Method::GET, one.url("/locks?prefix=acl"), None).await;
+    listed.expect_status(StatusCode::OK);
+    assert_eq!(
+        listed.json()["locks"][0]["key"],
+        "acl-rw",
+        "{}",
+        listed.text
+    );
+    send(Method::GET, one.url("/semaphores"), None)
+        .await
+        .expect_status(StatusCode::OK);
+    send(
+        Method::DELETE,
+        two.url("/locks/acl-rw"),
+        Some(&reader.token),
+    )
+    .await
+    .expect_status(StatusCode::NO_CONTENT);
+    send(
+        Method::DELETE,
+        one.url("/semaphores/acl-pool"),
+        permit.json()["token"].as_str(),
+    )
+    .await
+    .expect_status(StatusCode::NO_CONTENT);
+
     // Every command the brokers sent was allowed.
     let denied: Vec<redis::Value> = redis::cmd("ACL")
         .arg("LOG")
