@@ -14,6 +14,9 @@ pub struct Lease {
     pub owner: Option<Owner>,
     /// The id of the acquire that produced the lease, if it gave one.
     pub request_id: Option<RequestId>,
+    /// A semaphore permit: the limit it was taken with (`None` for a lock's leases, and where a
+    /// store read does not say).
+    pub limit: Option<u32>,
 }
 
 impl Lease {

@@ -15,8 +15,7 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::error::ApiError;
 use super::locks::{
-    GrantBody, HolderBody, acquire_request, aggregate, holder_bodies, list_query, release_in,
-    ttl_param,
+    HolderBody, acquire_request, aggregate, holder_bodies, list_query, release_in, ttl_param,
 };
 use super::openapi::{
     Forbidden, ForceQuery, ForceRefused, KeyParam, ListQueryParams, NotGranted, NotHeld, NotOwner,
@@ -214,8 +213,7 @@ pub(super) async fn release<S: Store>(
             the token."
     ),
     responses(
-        (status = 200, description = "Renewed: the grant again (without `limit`), with the new \
-            expiry.", body = GrantBody),
+        (status = 200, description = "Renewed: the grant again, with the new expiry.", body = PermitBody),
         RequestRefused,
         Unauthorized,
         Forbidden,
@@ -237,7 +235,8 @@ pub(super) async fn renew<S: Store>(
         .locks
         .renew(Space::Semaphores, &key, &token, ttl)
         .await?;
-    Ok(Json(GrantBody::new(&key, &lease)).into_response())
+    let limit = lease.limit.unwrap_or_default();
+    Ok(Json(permit_body(&key, &lease, limit)).into_response())
 }
 
 /// Inspect a semaphore

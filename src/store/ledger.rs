@@ -403,6 +403,7 @@ mod tests {
             ttl_ms,
             owner: None,
             request_id: None,
+            limit: None,
         }
     }
 

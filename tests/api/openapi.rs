@@ -824,7 +824,8 @@ async fn shared_and_semaphore_scenarios(app: &TestApp, cov: &mut Coverage) {
         )
         .await;
     cov.record("POST", SEMAPHORE_RENEW, &answer);
-    answer.expect_grant(StatusCode::OK);
+    answer.expect_status(StatusCode::OK);
+    assert_eq!(answer.json()["limit"], 1, "{}", answer.text);
     let answer = app
         .send(
             app.request(Method::POST, &renew)

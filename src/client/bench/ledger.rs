@@ -40,6 +40,7 @@ pub fn ledger_cost(leases: usize) -> LedgerCost {
             ttl_ms: 30_000,
             owner: Some(owner.clone()),
             request_id: None,
+            limit: None,
         };
         ledger.record(
             &key,

@@ -65,6 +65,7 @@ impl Slot {
             ttl_ms: bid.ttl.as_ms(),
             owner: bid.owner.clone(),
             request_id: bid.request_id.clone(),
+            limit: None,
         };
         self.keep_until(lease.expires_at_ms);
         Held {
@@ -375,7 +376,10 @@ impl Store for MemoryStore {
                     slot.limit = Some(limit);
                 }
             }
-            let held = slot.lease_for(bid, now_us);
+            let mut held = slot.lease_for(bid, now_us);
+            if let Pool::Semaphore { limit } = pool {
+                held.lease.limit = Some(limit);
+            }
             let lease = held.lease.clone();
             slot.holders.push(held);
             Join::Granted(lease)

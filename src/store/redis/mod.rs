@@ -534,6 +534,10 @@ impl RedisStore {
                         ttl_ms: field(&reply, 4)?,
                         owner: bid.owner.clone(),
                         request_id: bid.request_id.clone(),
+                        limit: match how {
+                            How::Join(Pool::Semaphore { limit }) => Some(limit),
+                            _ => None,
+                        },
                     };
                     // What remains on the store's clock: a lease handed back again by request id
                     // is older than its TTL.
@@ -714,14 +718,6 @@ impl Store for RedisStore {
             }
             return Ok(outcome);
         }
-        let lease = Lease {
-            token: token.clone(),
-            fence: field(&reply, 1)?,
-            expires_at_ms: field(&reply, 2)?,
-            ttl_ms: ttl.as_ms(),
-            owner: parse_owner(field(&reply, 3)?)?,
-            request_id: None,
-        };
         // A pool lease's reply has a sixth field: its semaphore's limit ('' for a shared lease).
         let kind = match (space, reply.len()) {
             (Space::Locks, 5) => Kind::Exclusive,
@@ -730,6 +726,18 @@ impl Store for RedisStore {
                 limit: field::<String>(&reply, 5)?
                     .parse()
                     .map_err(|_| corrupt("limit"))?,
+            },
+        };
+        let lease = Lease {
+            token: token.clone(),
+            fence: field(&reply, 1)?,
+            expires_at_ms: field(&reply, 2)?,
+            ttl_ms: ttl.as_ms(),
+            owner: parse_owner(field(&reply, 3)?)?,
+            request_id: None,
+            limit: match kind {
+                Kind::Permit { limit } => Some(limit),
+                _ => None,
             },
         };
         self.replicas

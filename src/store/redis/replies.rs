@@ -62,6 +62,7 @@ pub(super) fn lease_at(reply: &[Value], at: usize) -> StoreResult<Lease> {
         ttl_ms: field(reply, at + 3)?,
         owner: parse_owner(field(reply, at + 4)?)?,
         request_id: field::<Option<String>>(reply, at + 5)?.and_then(|r| RequestId::parse(&r).ok()),
+        limit: None,
     })
 }
 
