@@ -1,5 +1,6 @@
 //! The broker on a real Redis Cluster (3 masters, 3 replicas): locks spread over every master,
-//! release notices wake waiters on other brokers, and a master that loses its data (flushed)
+//! shared leases and semaphore permits work there and the listings walk every master, release
+//! notices wake waiters on other brokers, and a master that loses its data (flushed)
 //! gets its live leases put back while the other masters keep granting. One cluster for the
 //! file's scenarios, run in order: starting one takes seconds.
 //!
@@ -8,7 +9,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::wait_until_ready;
@@ -56,6 +57,7 @@ async fn on_a_cluster_locks_spread_over_the_masters_wake_across_brokers_and_surv
     every_master_grants(&cluster, &one).await;
 
     locks_spread_over_every_master(&cluster, &one, &two).await;
+    shared_leases_permits_and_listings_work_on_every_master(&cluster, &one, &two).await;
     a_release_wakes_a_waiter_on_another_broker_within_100_ms(&one, &two).await;
     a_flushed_master_gets_its_leases_back_while_the_others_grant(&cluster, &one, &two).await;
     a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(&cluster, &one, &two).await;
@@ -118,6 +120,93 @@ async fn locks_spread_over_every_master(cluster: &RedisCluster, one: &TestApp, t
         one.release(key, &again.token)
             .await
             .expect_status(StatusCode::NO_CONTENT);
+    }
+}
+
+/// Shared leases and permits on keys of every master (each script's keys on one slot), and the
+/// listings, which walk every master in turn, in small pages.
+async fn shared_leases_permits_and_listings_work_on_every_master(
+    cluster: &RedisCluster,
+    one: &TestApp,
+    two: &TestApp,
+) {
+    const KEYS: usize = 18;
+    let mut masters = BTreeSet::new();
+    let mut held = Vec::new();
+    for i in 0..KEYS {
+        let key = format!("rw-{i:02}");
+        masters.insert(cluster.master_of(&lock_key(&key)).await);
+        let first = one.grant(&key, "mode=shared&ttl_ms=30000").await;
+        let second = two.grant(&key, "mode=shared&ttl_ms=30000").await;
+        two.acquire(&key, "")
+            .await
+            .expect_error(StatusCode::CONFLICT, "locked");
+        let permit = one
+            .send(one.request(Method::POST, &format!("/semaphores/sem-{i:02}?limit=1")))
+            .await;
+        permit.expect_status(StatusCode::CREATED);
+        two.send(two.request(Method::POST, &format!("/semaphores/sem-{i:02}?limit=1")))
+            .await
+            .expect_error(StatusCode::CONFLICT, "locked");
+        held.push((
+            key,
+            first,
+            second,
+            permit.json()["token"].as_str().unwrap().to_owned(),
+        ));
+    }
+    assert_eq!(
+        masters.len(),
+        3,
+        "{KEYS} locks landed on masters {masters:?} only"
+    );
+
+    for (path, field, prefix) in [
+        ("/locks", "locks", "rw-"),
+        ("/semaphores", "semaphores", "sem-"),
+    ] {
+        let mut listed = Vec::new();
+        let mut cursor: Option<String> = None;
+        for page in 0.. {
+            assert!(page < 200, "the listing of {path} does not end");
+            let query = match &cursor {
+                None => format!("{path}?prefix={prefix}&limit=4"),
+                Some(c) => format!("{path}?prefix={prefix}&limit=4&cursor={c}"),
+            };
+            let answer = two.get(&query).await;
+            answer.expect_status(StatusCode::OK);
+            let body = answer.json();
+            let entries = body[field].as_array().unwrap();
+            assert!(entries.len() <= 4, "{}", answer.text);
+            for entry in entries {
+                assert!(entry.get("token").is_none(), "a listing shows no token");
+                listed.push(entry["key"].as_str().unwrap().to_owned());
+            }
+            match body["next_cursor"].as_str() {
+                Some(next) => cursor = Some(next.to_owned()),
+                None => break,
+            }
+        }
+        listed.sort();
+        listed.dedup();
+        let expected: Vec<String> = (0..KEYS).map(|i| format!("{}{i:02}", prefix)).collect();
+        assert_eq!(listed, expected, "{path} on every master");
+    }
+
+    for (key, first, second, permit) in held {
+        one.release(&key, &second.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+        two.release(&key, &first.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+        let semaphore = key.replace("rw-", "sem-");
+        two.send(
+            two.request(Method::DELETE, &format!("/semaphores/{semaphore}"))
+                .header("Lock-Token", permit),
+        )
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
     }
 }
 
