@@ -19,6 +19,8 @@ use crate::store::{
 };
 use crate::waiters::{Ticket, Waiters};
 
+pub use crate::store::Kind;
+
 /// Limits and defaults the service applies; validated by the configuration.
 #[derive(Debug, Clone)]
 pub struct LockSettings {
@@ -68,36 +70,6 @@ impl From<StoreError> for LockError {
             // The client's mistake, not the store's.
             StoreError::BadCursor => Self::BadCursor,
             e => Self::StoreUnavailable(e),
-        }
-    }
-}
-
-/// What kind of lease an acquire asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// The lock alone: the SETNX/GETSET recipe.
-    Exclusive,
-    /// A shared lease on the lock, beside any other shared ones.
-    Shared,
-    /// One of `limit` permits of a semaphore.
-    Semaphore { limit: u32 },
-}
-
-impl Kind {
-    /// The key space the lease is in.
-    pub fn space(self) -> Space {
-        match self {
-            Kind::Exclusive | Kind::Shared => Space::Locks,
-            Kind::Semaphore { .. } => Space::Semaphores,
-        }
-    }
-
-    /// The pool a shared lease or a permit joins; `None` for the lock alone.
-    fn pool(self) -> Option<Pool> {
-        match self {
-            Kind::Exclusive => None,
-            Kind::Shared => Some(Pool::Shared),
-            Kind::Semaphore { limit } => Some(Pool::Semaphore { limit }),
         }
     }
 }

@@ -14,25 +14,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::domain::{Fence, Lease, LockKey, Owner, RequestId, Token};
+pub use crate::store::Kind;
 use crate::store::Space;
-
-/// What a remembered lease is: a lock's exclusive lease, one of its shared leases, or a
-/// semaphore permit (with the limit it was taken with).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Exclusive,
-    Shared,
-    Permit { limit: u32 },
-}
-
-impl Kind {
-    pub fn space(self) -> Space {
-        match self {
-            Kind::Exclusive | Kind::Shared => Space::Locks,
-            Kind::Permit { .. } => Space::Semaphores,
-        }
-    }
-}
 
 /// One live lease as the granting broker remembers it (as handed out by [`Ledger::live`] and
 /// [`Ledger::get`]; the ledger itself keeps a compact form).
@@ -204,7 +187,7 @@ impl Ledger {
         };
         if kind != Kind::Exclusive {
             let limit = match kind {
-                Kind::Permit { limit } => limit,
+                Kind::Semaphore { limit } => limit,
                 _ => 0,
             };
             let mut pools = self.pools();
@@ -365,7 +348,7 @@ impl Ledger {
         for ((space, key), pool) in self.pools().iter() {
             let kind = match space {
                 Space::Locks => Kind::Shared,
-                Space::Semaphores => Kind::Permit { limit: pool.limit },
+                Space::Semaphores => Kind::Semaphore { limit: pool.limit },
             };
             live.extend(
                 pool.members
@@ -511,7 +494,7 @@ mod tests {
         }
         ledger.record(
             &key,
-            Kind::Permit { limit: 2 },
+            Kind::Semaphore { limit: 2 },
             &lease(&tokens[0], 7, 1_000),
             ends,
         );
@@ -526,9 +509,12 @@ mod tests {
         assert!(!ledger.holds(&key, Kind::Exclusive, &tokens[1]));
         assert!(ledger.holds(&key, Kind::Shared, &tokens[0]));
         let permit = ledger
-            .get(&key, Kind::Permit { limit: 2 }, &tokens[0])
+            .get(&key, Kind::Semaphore { limit: 2 }, &tokens[0])
             .unwrap();
-        assert_eq!((permit.fence, permit.kind), (7, Kind::Permit { limit: 2 }));
+        assert_eq!(
+            (permit.fence, permit.kind),
+            (7, Kind::Semaphore { limit: 2 })
+        );
         // A force release up to fence 12 ends every shared lease; the semaphore is another space.
         ledger.forget_ended(Space::Locks, "k", 12, true);
         assert_eq!(ledger.len(), 1);

@@ -74,6 +74,36 @@ impl Pool {
     }
 }
 
+/// What kind of lease an acquire asks for, and a broker remembers in its ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// The lock alone: the SETNX/GETSET recipe.
+    Exclusive,
+    /// A shared lease on the lock, beside any other shared ones.
+    Shared,
+    /// One of `limit` permits of a semaphore.
+    Semaphore { limit: u32 },
+}
+
+impl Kind {
+    /// The key space the lease is in.
+    pub fn space(self) -> Space {
+        match self {
+            Kind::Exclusive | Kind::Shared => Space::Locks,
+            Kind::Semaphore { .. } => Space::Semaphores,
+        }
+    }
+
+    /// The pool a shared lease or a permit joins; `None` for the lock alone.
+    pub fn pool(self) -> Option<Pool> {
+        match self {
+            Kind::Exclusive => None,
+            Kind::Shared => Some(Pool::Shared),
+            Kind::Semaphore { limit } => Some(Pool::Semaphore { limit }),
+        }
+    }
+}
+
 /// The largest semaphore limit.
 pub const MAX_SEMAPHORE_LIMIT: u32 = 10_000;
 

@@ -588,7 +588,7 @@ impl RedisStore {
                     .key(names.fence)
                     .key(names.lock)
                     .arg("s"),
-                Kind::Permit { limit } => inv
+                Kind::Semaphore { limit } => inv
                     .key(names.pool)
                     .key(names.ends)
                     .key(names.fence)

@@ -547,7 +547,7 @@ impl RedisStore {
                         .await?;
                     let kind = match how {
                         How::Join(Pool::Shared) => Kind::Shared,
-                        How::Join(Pool::Semaphore { limit }) => Kind::Permit { limit },
+                        How::Join(Pool::Semaphore { limit }) => Kind::Semaphore { limit },
                         How::Claim | How::TakeOver(_) => Kind::Exclusive,
                     };
                     self.remember(
@@ -722,7 +722,7 @@ impl Store for RedisStore {
         let kind = match (space, reply.len()) {
             (Space::Locks, 5) => Kind::Exclusive,
             (Space::Locks, _) => Kind::Shared,
-            (Space::Semaphores, _) => Kind::Permit {
+            (Space::Semaphores, _) => Kind::Semaphore {
                 limit: field::<String>(&reply, 5)?
                     .parse()
                     .map_err(|_| corrupt("limit"))?,
@@ -736,7 +736,7 @@ impl Store for RedisStore {
             owner: parse_owner(field(&reply, 3)?)?,
             request_id: None,
             limit: match kind {
-                Kind::Permit { limit } => Some(limit),
+                Kind::Semaphore { limit } => Some(limit),
                 _ => None,
             },
         };
