@@ -113,6 +113,15 @@ impl<I: AsyncRead + Unpin> AsyncRead for Stream<I> {
             if this.replayed == this.replay.len() {
                 this.replay = Vec::new();
                 this.replayed = 0;
+                // What else has arrived goes in the same read: hyper then holds the whole head
+                // after its first read. Handed only the replayed bytes, it would read the rest
+                // into space reserved past them, doubling its 8 KiB read buffer for every
+                // connection. Nothing more yet (`Pending`) is still a read of `n` bytes.
+                if buf.remaining() > 0
+                    && let Poll::Ready(Err(e)) = Pin::new(&mut this.inner).poll_read(cx, buf)
+                {
+                    return Poll::Ready(Err(e));
+                }
             }
             return Poll::Ready(Ok(()));
         }

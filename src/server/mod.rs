@@ -167,7 +167,9 @@ impl Connection {
             Some(acceptor) => {
                 let mut closing = self.closing.clone();
                 let accepted = tokio::select! {
-                    accepted = tokio::time::timeout(self.header_timeout, acceptor.accept(stream)) => {
+                    // Boxed, as the TLS connection's serving: a plain connection's task does not
+                    // carry room for TLS state.
+                    accepted = tokio::time::timeout(self.header_timeout, Box::pin(acceptor.accept(stream))) => {
                         accepted
                     }
                     _ = closing.changed() => return,
@@ -187,7 +189,7 @@ impl Connection {
                     Some(b"h2") => Protocol::Http2,
                     _ => Protocol::Http1,
                 };
-                self.run(stream, Vec::new(), protocol, started).await;
+                Box::pin(self.run(stream, Vec::new(), protocol, started)).await;
             }
         }
     }
@@ -228,12 +230,15 @@ impl Connection {
                     .saturating_sub(started.elapsed())
                     .max(Duration::from_millis(1));
                 let io = TokioIo::new(io::Stream::new(stream, read, true));
-                let connection = http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(first_head.min(header_timeout))
-                    .max_header_size(MAX_HEAD_BYTES)
-                    .serve_connection(io, service);
-                tokio::pin!(connection);
+                // Boxed, as the HTTP/2 one below: the connection's task then takes the size of
+                // the protocol it speaks, not of the larger of the two.
+                let mut connection = Box::pin(
+                    http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(first_head.min(header_timeout))
+                        .max_header_size(MAX_HEAD_BYTES)
+                        .serve_connection(io, service),
+                );
                 tokio::select! {
                     result = connection.as_mut() => result,
                     _ = closing.changed() => {
@@ -247,13 +252,14 @@ impl Connection {
             }
             Protocol::Http2 => {
                 let io = TokioIo::new(io::Stream::new(stream, read, false));
-                let connection = http2::Builder::new(TokioExecutor::new())
-                    .timer(TokioTimer::new())
-                    .keep_alive_interval(H2_KEEP_ALIVE)
-                    .keep_alive_timeout(H2_KEEP_ALIVE)
-                    .max_header_list_size(MAX_HEAD_BYTES as u32)
-                    .serve_connection(io, service);
-                tokio::pin!(connection);
+                let mut connection = Box::pin(
+                    http2::Builder::new(TokioExecutor::new())
+                        .timer(TokioTimer::new())
+                        .keep_alive_interval(H2_KEEP_ALIVE)
+                        .keep_alive_timeout(H2_KEEP_ALIVE)
+                        .max_header_list_size(MAX_HEAD_BYTES as u32)
+                        .serve_connection(io, service),
+                );
                 // HTTP/2 has no header timer between requests: a connection with no stream
                 // for header_timeout is closed here (GOAWAY), as an idle HTTP/1.1 one is.
                 let mut check = tokio::time::interval((header_timeout / 4).max(IDLE_CHECK_MIN));
