@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 
+use super::lean::{LeanClient, plain_authority};
 use super::{BenchArgs, BenchMode, Latency, Phase};
 use crate::domain::Token;
 
@@ -96,6 +97,8 @@ pub(super) struct Granted {
 /// release goes there too) and the acquire's own query parameters.
 struct Target {
     url: String,
+    /// `url` without the broker's base: what the lean client sends.
+    path: String,
     /// Empty, `mode=shared&` or `limit=N&`: an exclusive acquire is sent exactly as before
     /// there were other modes.
     params: String,
@@ -108,14 +111,23 @@ impl Target {
             BenchMode::Shared => ("locks", "mode=shared&".to_owned()),
             BenchMode::Semaphore => ("semaphores", format!("limit={}&", args.limit())),
         };
+        let path = format!("/{space}/{key}");
         Self {
-            url: format!("{base}/{space}/{key}"),
+            url: format!("{base}{path}"),
+            path,
             params,
         }
     }
 
     fn acquire_url(&self, wait_ms: u64) -> String {
         format!("{}?{}ttl_ms=10000&wait_ms={wait_ms}", self.url, self.params)
+    }
+
+    fn acquire_path(&self, wait_ms: u64) -> String {
+        format!(
+            "{}?{}ttl_ms=10000&wait_ms={wait_ms}",
+            self.path, self.params
+        )
     }
 }
 
@@ -131,11 +143,43 @@ pub(super) async fn uncontended_http(
         BenchMode::Shared => "uncontended shared (HTTP)",
         BenchMode::Semaphore => "uncontended semaphore (HTTP)",
     };
+    // A plain http:// broker gets the lean client (`lean.rs`); HTTPS the general one.
+    let lean = plain_authority(base).map(|a| (a.to_owned(), args.connect.auth_token.clone()));
     drive(name, args.clients, args, progress, |i, tally| {
         let http = http.clone();
         let target = Target::new(base, args, &format!("bench-{run_id}-u{i}"));
+        let lean = lean.clone();
         async move {
             let mut local = Vec::new();
+            if let Some((authority, auth)) = lean {
+                let acquire = target.acquire_path(0);
+                let mut client = match LeanClient::connect(&authority, auth.as_deref()).await {
+                    Ok(client) => client,
+                    Err(_) => {
+                        tally.errors.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                };
+                while !tally.stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    match client.cycle(&target.path, &acquire).await {
+                        Ok(()) => {
+                            tally.cycles.fetch_add(1, Ordering::Relaxed);
+                            local.push(started.elapsed());
+                        }
+                        Err(_) => {
+                            tally.errors.fetch_add(1, Ordering::Relaxed);
+                            // The connection may be gone: a new one, or this client stops.
+                            match LeanClient::connect(&authority, auth.as_deref()).await {
+                                Ok(fresh) => client = fresh,
+                                Err(_) => break,
+                            }
+                        }
+                    }
+                }
+                tally.record(local);
+                return;
+            }
             while !tally.stop.load(Ordering::Relaxed) {
                 let started = Instant::now();
                 match http_cycle(&http, &target, 0).await {

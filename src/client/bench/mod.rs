@@ -5,16 +5,20 @@
 //! Phases: (a) uncontended acquire+release cycles, each client on its own key; (b) one hot key
 //! with several contenders and zero hold time, measuring handoff (from a release being sent to
 //! the next grant arriving); (c) with `--redis-url`, phase (a)'s cycle done by this process
-//! straight on Redis with the broker's own scripts (one EVALSHA to claim, one to release).
+//! straight on Redis with the broker's own scripts (one EVALSHA to claim, one to release);
+//! (d) with `--redis-url` on one server, the textbook Redis lock cycle with nothing of
+//! the broker's (`SET NX PX`, then a Lua compare-and-delete): the raw baseline.
 //!
 //! `--mode` picks the lease the HTTP phases take: an exclusive lease (the default), a shared
 //! lease on the lock, or one permit of a semaphore of `--limit` permits. Phase (c) exists for
-//! exclusive leases only, and handoff is measured only where one holder follows another (an
+//! exclusive leases only (phase (d) is the same in every mode), and handoff is measured only where one holder follows another (an
 //! exclusive lease).
 
 mod direct;
 mod http;
+mod lean;
 mod ledger;
+mod raw;
 mod redis_stats;
 mod waiters;
 
@@ -29,13 +33,14 @@ use serde::Serialize;
 use self::direct::uncontended_direct;
 use self::http::{check_mode, hot_key_http, uncontended_http, wait_until_granting};
 pub use self::ledger::{LedgerCost, ledger_cost};
+use self::raw::uncontended_raw;
 use self::redis_stats::{RedisCost, data_nodes};
 pub use self::redis_stats::{command_calls, script_calls};
 use self::waiters::park_waiters;
 use crate::client::parse_limit;
 use crate::domain::Token;
 use crate::store::RedisStore;
-use crate::store::redis::RedisSettings;
+use crate::store::redis::{ParsedUrl, RedisSettings, Topology};
 
 /// `lockbroker bench` flags.
 #[derive(Debug, Clone, Args)]
@@ -194,6 +199,10 @@ pub struct Summary {
     /// Uncontended broker cycles/s over direct-Redis cycles/s, measured in this run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub broker_over_direct: Option<f64>,
+    /// Uncontended broker cycles/s over raw Redis lock cycles/s (`SET NX PX` + compare-and-delete),
+    /// measured in this run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub broker_over_raw: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub waiters: Option<WaitersPhase>,
 }
@@ -283,6 +292,24 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         }
         phases.push(direct);
     }
+    let mut broker_over_raw = None;
+    // One server only: the raw cycle neither routes keys nor follows sentinels.
+    let single = match &args.redis_url {
+        Some(url) => Some(ParsedUrl::parse(url)?).filter(|p| p.topology == Topology::Single),
+        None => None,
+    };
+    if let Some(parsed) = single {
+        let client = redis::Client::open(parsed.connection_info(0)?)?;
+        let cost = RedisCost::start(&redis).await?;
+        let mut raw = uncontended_raw(&client, &args, &run_id, progress).await?;
+        raw.set_redis_cost(cost.per(raw.cycles).await?);
+        // Each cycle's SET is a round trip too, though not a script call.
+        raw.redis_calls_per_cycle = raw.redis_calls_per_cycle.map(|calls| calls + 1.0);
+        if raw.cycles_per_sec > 0.0 {
+            broker_over_raw = Some(phases[0].cycles_per_sec / raw.cycles_per_sec);
+        }
+        phases.push(raw);
+    }
     let waiters = if args.waiters > 0 {
         Some(park_waiters(&base, &args.connect, args.waiters, args.http2, &run_id).await?)
     } else {
@@ -293,6 +320,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         limit: (args.mode == BenchMode::Semaphore).then(|| args.limit()),
         phases,
         broker_over_direct,
+        broker_over_raw,
         waiters,
     };
     if args.json {
@@ -353,9 +381,12 @@ fn print_table(summary: &Summary) {
     if let Some(ratio) = summary.broker_over_direct {
         println!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
     }
+    if let Some(ratio) = summary.broker_over_raw {
+        println!("broker / raw Redis lock cycle (uncontended cycles/s): {ratio:.3}");
+    }
     println!(
-        "calls: Redis script calls (EVALSHA/EVAL) per acquire+release cycle; redis µs: Redis CPU \
-         time (user+system, every data node) per cycle"
+        "calls: Redis round trips per acquire+release cycle (script calls; raw Redis: its SET \
+         and its script call); redis µs: Redis CPU time (user+system, every data node) per cycle"
     );
     if let Some(w) = &summary.waiters {
         println!(
