@@ -13,6 +13,11 @@
 FROM rust:1-slim-bookworm AS builder
 WORKDIR /build
 
+# make: the jemalloc allocator (tikv-jemalloc-sys) builds its C library with it.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends make \
+    && rm -rf /var/lib/apt/lists/*
+
 # 1. Dependencies only, cached until a manifest or Cargo.lock changes: build the real
 #    manifests against stub sources. Every target path the manifest names (lib, bins, and any
 #    [[test]]/[[bench]]/[[example]] entries) gets a stub, so `cargo build` can read the

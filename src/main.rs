@@ -14,6 +14,12 @@ use lockbroker::client::run::{self, RunArgs};
 use lockbroker::config::{Config, Settings};
 use lockbroker::startup::{Application, shutdown_signal};
 
+/// jemalloc: a parked HTTP/1.1 waiter takes 14.8 KB with it against 23.1 KB with glibc's
+/// allocator (hyper's per-connection buffers stay untouched, so not resident, until used), and
+/// the broker spends less CPU per request (README, Benchmark).
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// A distributed-lock broker: leases with fencing tokens over HTTP, kept in Redis.
 #[derive(Parser)]
 #[command(name = "lockbroker", version, about)]
