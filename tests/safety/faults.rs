@@ -181,7 +181,15 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
         "the surviving brokers must keep serving: {} sections after the kill",
         after.len()
     );
-    assert!(after.iter().all(|s| s.broker != doomed.address()));
+    // A grant the doomed broker sent just before it died can still arrive after `killed`; a
+    // grant asked for after it cannot come from that broker.
+    assert!(
+        report
+            .sections
+            .iter()
+            .filter(|s| s.sent > killed)
+            .all(|s| s.broker != doomed.address())
+    );
 }
 
 /// What a lock protects: a resource that refuses writes carrying a fence older than one it has
