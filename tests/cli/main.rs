@@ -2,6 +2,7 @@
 //! brokers run in this process on port 0 (the embedded store, or a `redis-server` of the
 //! test's own). Every wait is bounded.
 
+mod bench;
 mod commands;
 mod kinds;
 mod run;

@@ -120,14 +120,15 @@ impl Target {
     }
 
     fn acquire_url(&self, wait_ms: u64) -> String {
-        format!("{}?{}ttl_ms=10000&wait_ms={wait_ms}", self.url, self.params)
+        format!("{}{}", self.url, self.acquire_query(wait_ms))
     }
 
     fn acquire_path(&self, wait_ms: u64) -> String {
-        format!(
-            "{}?{}ttl_ms=10000&wait_ms={wait_ms}",
-            self.path, self.params
-        )
+        format!("{}{}", self.path, self.acquire_query(wait_ms))
+    }
+
+    fn acquire_query(&self, wait_ms: u64) -> String {
+        format!("?{}ttl_ms=10000&wait_ms={wait_ms}", self.params)
     }
 }
 
@@ -304,6 +305,18 @@ pub(super) async fn wait_until_granting(http: &reqwest::Client, base: &str) -> a
                 let granted: Granted = answer.json().await?;
                 release(http, &url, &granted.token).await?;
                 break;
+            }
+            // Refused, not settling: waiting would not help.
+            if matches!(
+                answer.status(),
+                reqwest::StatusCode::UNAUTHORIZED | reqwest::StatusCode::FORBIDDEN
+            ) {
+                bail!(
+                    "the broker at {base} answered {} to the bench's first acquire: with an \
+                     auth file, give --auth-token with the lock permission on keys starting \
+                     \"bench-\"",
+                    answer.status()
+                );
             }
             if Instant::now() > deadline {
                 bail!(

@@ -11,8 +11,8 @@
 //!
 //! `--mode` picks the lease the HTTP phases take: an exclusive lease (the default), a shared
 //! lease on the lock, or one permit of a semaphore of `--limit` permits. Phase (c) exists for
-//! exclusive leases only (phase (d) is the same in every mode), and handoff is measured only where one holder follows another (an
-//! exclusive lease).
+//! exclusive leases only (phase (d) is the same in every mode), and handoff is measured only
+//! where one holder follows another (an exclusive lease).
 
 mod direct;
 mod http;
