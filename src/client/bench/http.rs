@@ -28,6 +28,17 @@ impl Tally {
         self.samples.lock().unwrap().extend(local);
     }
 
+    /// Counts one cycle begun at `started`: its time goes in `local` if it succeeded; if not,
+    /// it is an error.
+    pub(super) fn count(&self, ok: bool, started: Instant, local: &mut Vec<Duration>) {
+        if ok {
+            self.cycles.fetch_add(1, Ordering::Relaxed);
+            local.push(started.elapsed());
+        } else {
+            self.errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     fn into_phase(self, name: &'static str, clients: usize, elapsed: Duration) -> Phase {
         let cycles = self.cycles.load(Ordering::Relaxed);
         let handoffs = self.handoffs.into_inner().unwrap();
@@ -163,18 +174,13 @@ pub(super) async fn uncontended_http(
                 };
                 while !tally.stop.load(Ordering::Relaxed) {
                     let started = Instant::now();
-                    match client.cycle(&target.path, &acquire).await {
-                        Ok(()) => {
-                            tally.cycles.fetch_add(1, Ordering::Relaxed);
-                            local.push(started.elapsed());
-                        }
-                        Err(_) => {
-                            tally.errors.fetch_add(1, Ordering::Relaxed);
-                            // The connection may be gone: a new one, or this client stops.
-                            match LeanClient::connect(&authority, auth.as_deref()).await {
-                                Ok(fresh) => client = fresh,
-                                Err(_) => break,
-                            }
+                    let ok = client.cycle(&target.path, &acquire).await.is_ok();
+                    tally.count(ok, started, &mut local);
+                    if !ok {
+                        // The connection may be gone: a new one, or this client stops.
+                        match LeanClient::connect(&authority, auth.as_deref()).await {
+                            Ok(fresh) => client = fresh,
+                            Err(_) => break,
                         }
                     }
                 }
@@ -183,15 +189,8 @@ pub(super) async fn uncontended_http(
             }
             while !tally.stop.load(Ordering::Relaxed) {
                 let started = Instant::now();
-                match http_cycle(&http, &target, 0).await {
-                    Ok(_) => {
-                        tally.cycles.fetch_add(1, Ordering::Relaxed);
-                        local.push(started.elapsed());
-                    }
-                    Err(_) => {
-                        tally.errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                let ok = http_cycle(&http, &target, 0).await.is_ok();
+                tally.count(ok, started, &mut local);
             }
             tally.record(local);
         }

@@ -65,12 +65,7 @@ pub(super) async fn uncontended_raw(
                         ),
                         _ => false,
                     };
-                    if ok {
-                        tally.cycles.fetch_add(1, Ordering::Relaxed);
-                        local.push(started.elapsed());
-                    } else {
-                        tally.errors.fetch_add(1, Ordering::Relaxed);
-                    }
+                    tally.count(ok, started, &mut local);
                 }
                 tally.record(local);
             }
