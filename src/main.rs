@@ -16,7 +16,7 @@ use lockbroker::startup::{Application, shutdown_signal};
 
 /// jemalloc: a parked HTTP/1.1 waiter takes 14.8 KB with it against 23.1 KB with glibc's
 /// allocator (hyper's per-connection buffers stay untouched, so not resident, until used), and
-/// the broker spends less CPU per request (README, Benchmark).
+/// the broker spends less CPU per request (docs/benchmarks.md).
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

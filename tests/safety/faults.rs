@@ -553,7 +553,7 @@ async fn after_a_loss_the_hold_back_set_by_a_broker_that_knew_the_store_binds_a_
     let lost = Instant::now();
     let fresh = &in_process_brokers(&redis.url(), 1, MAX_TTL_MS).await[0];
     // Until a broker that knew the old store reaches the new one, a broker that never saw the old
-    // one cannot tell it from a new store (see the README); this is not asserted, only shown.
+    // one cannot tell it from a new store (see docs/failover.md); this is not asserted, only shown.
     let window = fresh.acquire("elsewhere", "ttl_ms=1000").await;
     proxy.set(Mode::Pass);
 

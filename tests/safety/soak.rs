@@ -8,7 +8,7 @@
 //!   failing run can be replayed.
 //!
 //! CI runs the short default; `LOCKBROKER_SOAK_SECONDS=600 LOCKBROKER_SOAK_CLIENTS=48 cargo test
-//! --release --test safety soak -- --nocapture` is the long run (see the README).
+//! --release --test safety soak -- --nocapture` is the long run (see docs/testing.md).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -96,7 +96,7 @@ async fn a_soak_of_random_faults_never_breaks_mutual_exclusion() {
     let end = run.started() + plan.limit;
     let mut faults = Vec::new();
     // Each fault lasts a moment, then everything is healed and ready again before the next, so
-    // that the faults come one at a time (see the README for what holds when they pile up).
+    // that the faults come one at a time (see docs/failover.md for what holds when they pile up).
     while Instant::now() + Duration::from_millis(1500) < end {
         tokio::time::sleep(Duration::from_millis(dice.between(200, 600))).await;
         let lasts = Duration::from_millis(dice.between(100, 700));

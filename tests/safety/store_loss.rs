@@ -61,7 +61,7 @@ async fn a_broker_cut_off_during_a_loss_finds_its_key_granted_again_keeps_the_hi
     proxy.set(Mode::Drop);
     redis.flushall().await;
     // The broker that stayed notices the loss, holds for the settle time, and then — with
-    // nobody to put the lease back — grants the key again: the case the README says is not
+    // nobody to put the lease back — grants the key again: the case docs/failover.md says is not
     // covered (a lease whose broker cannot reach the store for longer than the settle time).
     let second = granted(&present, "twice").await;
     assert!(second.fence > first.fence, "fences still rise");

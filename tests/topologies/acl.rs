@@ -1,5 +1,5 @@
-//! A Redis ACL user: the `ACL SETUSER` line the README gives (read from README.md, so the two
-//! cannot drift apart) is applied to a fresh Redis, and brokers run as that user through the
+//! A Redis ACL user: the `ACL SETUSER` line the documentation gives (read from
+//! docs/topologies.md, so the two cannot drift apart) is applied to a fresh Redis, and brokers run as that user through the
 //! whole life of a lock — acquire, a waiter woken by the release notice, renew, release,
 //! readiness, and the put-back after a `FLUSHALL` — with no command refused (`ACL LOG` stays
 //! empty). The password appears nowhere: not in the brokers' logs at debug level, not in an
@@ -16,14 +16,14 @@ use crate::LOCKBROKER;
 
 const PASSWORD: &str = "Pa55-w0rd-n3ver-l0gged";
 const WRONG_PASSWORD: &str = "Wr0ng-pa55-n3ver-l0gged";
-/// Stands for the password in the README's line.
+/// Stands for the password in the documented line.
 const PLACEHOLDER: &str = ">CHANGE-ME";
 
-/// The README's `ACL SETUSER lockbroker …` line, the only one there.
-fn readme_acl_line() -> String {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
-        .expect("cannot read README.md");
-    let lines: Vec<&str> = readme
+/// The documented `ACL SETUSER lockbroker …` line (docs/topologies.md), the only one there.
+fn documented_acl_line() -> String {
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/topologies.md"))
+        .expect("cannot read docs/topologies.md");
+    let lines: Vec<&str> = page
         .lines()
         .map(str::trim)
         .filter(|l| l.starts_with("ACL SETUSER lockbroker "))
@@ -31,7 +31,7 @@ fn readme_acl_line() -> String {
     assert_eq!(
         lines.len(),
         1,
-        "one ACL SETUSER line in README.md: {lines:?}"
+        "one ACL SETUSER line in docs/topologies.md: {lines:?}"
     );
     assert!(lines[0].contains(PLACEHOLDER), "the line has {PLACEHOLDER}");
     lines[0].to_owned()
@@ -75,10 +75,10 @@ async fn until_waiting(broker: &BrokerProcess, n: u64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn brokers_run_as_the_readme_acl_user_and_never_show_its_password() {
+async fn brokers_run_as_the_documented_acl_user_and_never_show_its_password() {
     let redis = RedisServer::start().await;
     let mut admin = redis.connection().await;
-    let line = readme_acl_line().replace(PLACEHOLDER, &format!(">{PASSWORD}"));
+    let line = documented_acl_line().replace(PLACEHOLDER, &format!(">{PASSWORD}"));
     let mut setuser = redis::cmd("ACL");
     for word in line.split_whitespace().skip(1) {
         setuser.arg(word);
@@ -86,7 +86,7 @@ async fn brokers_run_as_the_readme_acl_user_and_never_show_its_password() {
     let () = setuser
         .query_async(&mut admin)
         .await
-        .unwrap_or_else(|e| panic!("the README's ACL line is refused: {e}"));
+        .unwrap_or_else(|e| panic!("the documented ACL line is refused: {e}"));
 
     let one = broker_as(&redis, PASSWORD).await;
     let two = broker_as(&redis, PASSWORD).await;
@@ -191,7 +191,7 @@ async fn brokers_run_as_the_readme_acl_user_and_never_show_its_password() {
         .expect("ACL LOG");
     assert!(
         denied.is_empty(),
-        "the README's ACL line refused commands: {denied:?}"
+        "the documented ACL line refused commands: {denied:?}"
     );
 
     // WAIT, sent only with replica acknowledgements (tested in replicas.rs), is allowed too.
@@ -204,7 +204,7 @@ async fn brokers_run_as_the_readme_acl_user_and_never_show_its_password() {
         .query_async(&mut admin)
         .await
         .expect("ACL DRYRUN");
-    assert_eq!(wait, "OK", "the README's ACL line refuses WAIT");
+    assert_eq!(wait, "OK", "the documented ACL line refuses WAIT");
 
     // The broker with the wrong password (started after the ACL LOG was read: a failed AUTH
     // is logged there too) is not ready, and says why.

@@ -6,7 +6,7 @@
 //! the connection to the master of the lock's slot (see [`Conn::wait_for_replicas`]). On a
 //! shared multiplexed connection it may wait for other requests' later writes too: a stricter
 //! wait, never a looser one. `WAIT` blocks the connection it runs on: while a replica stalls,
-//! the broker's other calls queue behind it (see the README).
+//! the broker's other calls queue behind it (see docs/topologies.md).
 //!
 //! When the replicas do not confirm in time, nothing is left that the client was not told:
 //! - a **grant** is released (by its token, holder-checked), and the request answers
