@@ -271,32 +271,41 @@ public final class Lease implements AutoCloseable {
             }
             scheduleLossCheck();
             if (autoRenew) {
-                scheduleRenew(renewEvery());
+                scheduleRenew(Math.min(renewEvery(), (lostAt() - System.nanoTime()) / 2));
             }
         }
     }
 
     /**
-     * For a grant that came back on a retry, which may have been made by an earlier request and
-     * be nearly over: renews it to learn a safe end. True when a renewal was confirmed; retried
-     * (503, network) until the lease's conservative end or the caller's deadline, whichever is
-     * later... but never past the lease's end.
+     * True when the lease's end, as counted from the request that may have made it, is less
+     * than one renewal period away: a grant after a long wait, or one that came back on a retry.
+     * Such a lease is renewed before it is returned, to learn a safe end.
+     */
+    synchronized boolean needsConfirmation() {
+        return lostAt() - System.nanoTime() < renewEvery();
+    }
+
+    /**
+     * Renews the lease to learn a safe end. True when a renewal was confirmed; retried (503,
+     * network) while the lease may be live or the caller's deadline has not passed, at least once.
      */
     boolean confirm(long deadlineNanos) {
         long backoffMs = LockBroker.FIRST_BACKOFF_MS;
+        boolean first = true;
         while (true) {
             long until;
             synchronized (this) {
-                until = lostAt();
+                until = lostAt() - deadlineNanos > 0 ? lostAt() : deadlineNanos; // the later of the two
             }
             long left = until - System.nanoTime();
-            if (left <= 0) {
+            if (left <= 0 && !first) {
                 return false;
             }
+            first = false;
             long sent = System.nanoTime();
             try {
                 HttpResponse<String> response = broker.send("POST", path + "/renew", renewBody(), token,
-                        Duration.ofNanos(left));
+                        broker.requestTimeout);
                 if (response.statusCode() == 200) {
                     renewed(sent, Json.parseObject(response.body()));
                     return true;
@@ -309,9 +318,13 @@ public final class Lease implements AutoCloseable {
                     backoffMs = after;
                 }
             } catch (IOException e) {
-                // retried below while the lease can still be live
+                // retried below
             } catch (InterruptedException e) {
                 Thread.currentThread().interrupt();
+                return false;
+            }
+            left = until - System.nanoTime();
+            if (left <= 0) {
                 return false;
             }
             try {

@@ -293,13 +293,15 @@ public final class LockBroker implements AutoCloseable {
                 Map<String, Object> answer = Json.parseObject(response.body());
                 String code = string(answer, "error");
                 if (status == 201) {
+                    // The grant was made after `sent` (or, on a retry, after the first request
+                    // that may have made it): its end is no earlier than that plus the ttl.
                     Lease lease = new Lease(this, r, answer, retried ? unsureSince : sent, ttlMs);
-                    if (retried && !lease.confirm(deadline)) {
-                        // The grant came back on a retry and could not be renewed: it may be
-                        // nearly over. Not returned; released in the background.
+                    if (lease.needsConfirmation() && !lease.confirm(deadline)) {
+                        // Granted after a long wait or on a retry, so possibly nearly over, and
+                        // no renewal confirmed it: not returned; released in the background.
                         lease.abandon();
                         trouble = new BrokerUnavailableException("the broker granted '" + r.key
-                                + "' on a retry but did not confirm it with a renewal", 0, null, null);
+                                + "' but did not confirm it with a renewal", 0, null, null);
                         unsureSince = -1;
                         requestId = newRequestId();
                     } else {

@@ -68,6 +68,7 @@ public final class ClientTests {
         Map<String, Body> perStore = new LinkedHashMap<>();
         perStore.put("grant_and_release", ClientTests::grantAndRelease);
         perStore.put("second_acquirer_granted_after_release", ClientTests::waitGrantedAfterRelease);
+        perStore.put("granted_after_a_wait_longer_than_its_ttl_stays_held", ClientTests::waitedLongerThanTtl);
         perStore.put("locked_after_wait_and_try_acquire_empty", ClientTests::lockedAndTryEmpty);
         perStore.put("renewal_holds_lease_for_3_ttls", ClientTests::renewHolds);
         perStore.put("lost_within_ttl_after_force_release", ClientTests::lostAfterForceRelease);
@@ -180,6 +181,26 @@ public final class ClientTests {
             Lease granted = second.get(10, TimeUnit.SECONDS);
             check(granted.isHeld(), "the waiter got the lock once it was released");
             check(granted.fence() > first.fence(), "with a greater fence");
+            granted.release();
+        }
+    }
+
+    static void waitedLongerThanTtl(Env env) throws Exception {
+        try (LockBroker one = LockBroker.create(env.url()); LockBroker two = LockBroker.create(env.url())) {
+            String key = env.key("longwait");
+            Duration ttl = Duration.ofMillis(1000);
+            Lease first = one.acquire(key, Duration.ofSeconds(10), Duration.ZERO);
+            long waitersBefore = metric(env.url(), "lockbroker_waiters");
+            CompletableFuture<Lease> second = async(() -> two.acquire(key, ttl, Duration.ofSeconds(20)));
+            awaitMetric(env.url(), "lockbroker_waiters", waitersBefore + 1);
+            // The waiter waits longer than its own ttl: its lease must not count as over on arrival.
+            Thread.sleep(1500);
+            first.release();
+            Lease granted = second.get(10, TimeUnit.SECONDS);
+            check(granted.isHeld(), "held on arrival");
+            Thread.sleep(1500); // more than its ttl: held by its renewals
+            check(granted.isHeld(), "still held");
+            equal(granted.fence(), fenceOf(get(env.url() + "/locks/" + key).body()), "the broker holds it");
             granted.release();
         }
     }
