@@ -255,7 +255,8 @@ public final class LockBroker implements AutoCloseable {
         }
         String path = r.path();
         long ttlMs = millis(r.ttl, "ttl", 1);
-        long waitMs = millis(r.wait, "wait", 0);
+        // Past a year, a wait is "for ever" (and nanoTime arithmetic stays clear of overflow).
+        long waitMs = Math.min(millis(r.wait, "wait", 0), TimeUnit.DAYS.toMillis(365));
         long start = System.nanoTime();
         long deadline = start + TimeUnit.MILLISECONDS.toNanos(waitMs);
         String requestId = newRequestId();
@@ -487,8 +488,11 @@ public final class LockBroker implements AutoCloseable {
         if (d == null) {
             throw new IllegalArgumentException(name + " is required");
         }
+        if (d.isNegative() || d.compareTo(Duration.ofDays(3650)) > 0) {
+            throw new IllegalArgumentException(name + " must be between " + min + " ms and ten years, not " + d);
+        }
         long ms = d.toMillis();
-        if (ms < min || d.isNegative()) {
+        if (ms < min) {
             throw new IllegalArgumentException(name + " must be at least " + min + " ms, not " + d);
         }
         return ms;

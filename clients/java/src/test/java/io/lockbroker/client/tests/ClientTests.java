@@ -78,6 +78,9 @@ public final class ClientTests {
         perStore.put("unavailable_after_wait_without_grant", ClientTests::unavailable);
         perStore.put("no_renew_after_release_or_close", ClientTests::noRenewAfterClose);
         perStore.put("token_never_shown", ClientTests::tokenNeverShown);
+        perStore.put("given_up_acquire_leaves_no_lease_behind", ClientTests::givenUpLeavesNothing);
+        perStore.put("without_auto_renew_lost_at_its_end", ClientTests::noAutoRenew);
+        perStore.put("bad_key_is_a_clear_error", ClientTests::badKey);
         Map<String, Body> redisOnly = new LinkedHashMap<>();
         redisOnly.put("store_down_503s_retried_without_double_grant", ClientTests::storeDown);
         Map<String, Body> own = new LinkedHashMap<>();
@@ -156,7 +159,11 @@ public final class ClientTests {
             equal(key, lease.key(), "key");
             check(lease.fence() > 0, "the fence is positive");
             equal(lease.fence(), fenceOf(get(env.url() + "/locks/" + key).body()), "the broker shows the lease's fence");
-            lease.release();
+            // Ownership is the lease object, not the thread: another thread releases it.
+            async(() -> {
+                lease.release();
+                return null;
+            }).get(10, TimeUnit.SECONDS);
             check(!lease.isHeld(), "a released lease is not held");
             equal(404, get(env.url() + "/locks/" + key).statusCode(), "released at the broker");
             lease.release();
@@ -448,6 +455,72 @@ public final class ClientTests {
             check(!broker.toString().contains("not-shown-either"), "toString hides the auth token");
             lease.release();
             check(!lease.toString().contains(token), "toString hides the token after release");
+        }
+    }
+
+    static void givenUpLeavesNothing(Env env) throws Exception {
+        try (RecordingProxy proxy = new RecordingProxy(env.url());
+                LockBroker broker = LockBroker.create(proxy.url())) {
+            String key = env.key("givenup");
+            // Every acquire reaches the broker, which grants it (the retries with the same
+            // request_id get the same lease), but the client only ever hears 503.
+            proxy.fault(c -> c.isAcquire() && c.path.endsWith("/" + key), RecordingProxy.Fault.FORWARD_THEN_503,
+                    Integer.MAX_VALUE);
+            try {
+                broker.acquire(key, Duration.ofSeconds(20), Duration.ofMillis(300));
+                throw new AssertionError("returned a lease the client never heard granted");
+            } catch (BrokerUnavailableException e) {
+                equal(503, e.status(), "status");
+            }
+            equal(200, get(env.url() + "/locks/" + key).statusCode(), "the broker did grant it");
+            proxy.clearFaults();
+            // Once the broker's answers get through, the client finds the grant by its
+            // request_id and releases it, long before its 20 s ttl.
+            proxy.awaitCount(c -> "DELETE".equals(c.method) && c.path.endsWith("/" + key) && c.status == 204, 1,
+                    Duration.ofSeconds(10));
+            equal(404, get(env.url() + "/locks/" + key).statusCode(), "released, not left behind");
+            long ids = proxy.calls().stream().filter(c -> c.isAcquire() && c.path.endsWith("/" + key))
+                    .map(c -> requestId(c.body)).distinct().count();
+            equal(1L, ids, "every request carried the one request_id");
+        }
+    }
+
+    static void noAutoRenew(Env env) throws Exception {
+        try (LockBroker broker = LockBroker.create(env.url())) {
+            Duration ttl = Duration.ofMillis(800);
+            Lease lease = broker.lock(env.key("norenew")).ttl(ttl).autoRenew(false).acquire();
+            CompletableFuture<Boolean> lost = new CompletableFuture<>();
+            lease.onLost(() -> lost.complete(true));
+            lease.renew(); // by hand
+            check(lost.get(ttl.toMillis() + 1000, TimeUnit.MILLISECONDS), "lost once its end came");
+            check(!lease.isHeld(), "not held");
+            try {
+                lease.renew();
+                throw new AssertionError("renewed a lost lease");
+            } catch (LeaseLostException e) {
+                check(e.getMessage().contains("lost"), e.getMessage());
+            }
+            lease.release();
+        }
+    }
+
+    static void badKey(Env env) throws Exception {
+        try (LockBroker broker = LockBroker.create(env.url())) {
+            try {
+                broker.acquire("no spaces/or slashes", Duration.ofSeconds(1), Duration.ZERO);
+                throw new AssertionError("a bad key was accepted");
+            } catch (LockedException | BrokerUnavailableException e) {
+                throw new AssertionError("a bad key reported as " + e.getClass().getSimpleName(), e);
+            } catch (LockBrokerException e) {
+                equal(400, e.status(), "status");
+                equal("invalid_request", e.code(), "code");
+            }
+            try {
+                broker.acquire("k", Duration.ZERO, Duration.ZERO);
+                throw new AssertionError("a zero ttl was accepted");
+            } catch (IllegalArgumentException e) {
+                check(e.getMessage().contains("ttl"), e.getMessage());
+            }
         }
     }
 
