@@ -88,21 +88,47 @@ public final class ClientTests {
 
         List<String> filters = List.of(args);
         int[] tally = new int[2];
-        try (Processes.Broker embedded = Processes.Broker.start(null)) {
-            Env env = new Env("embedded", embedded, null);
-            runAll(env, perStore, filters, tally);
-            runAll(env, own, filters, tally);
-        }
-        try (Processes.Redis redis = Processes.Redis.start();
-                Processes.Broker onRedis = Processes.Broker.start(redis.url())) {
-            Env env = new Env("redis", onRedis, redis);
-            awaitReady(env.url());
-            runAll(env, perStore, filters, tally);
-            runAll(env, redisOnly, filters, tally);
+        // The two stores' suites run side by side, each against its own broker.
+        CompletableFuture<Void> onEmbedded = async(() -> {
+            try (Processes.Broker embedded = Processes.Broker.start(null)) {
+                Env env = new Env("embedded", embedded, null);
+                runAll(env, perStore, filters, tally);
+                runAll(env, own, filters, tally);
+            } catch (Exception e) {
+                throw new IllegalStateException("cannot start the broker on the embedded store", e);
+            }
+            return null;
+        });
+        CompletableFuture<Void> onRedis = async(() -> {
+            try (Processes.Redis redis = Processes.Redis.start();
+                    Processes.Broker broker = Processes.Broker.start(redis.url())) {
+                Env env = new Env("redis", broker, redis);
+                awaitReady(env.url());
+                runAll(env, perStore, filters, tally);
+                runAll(env, redisOnly, filters, tally);
+            } catch (Exception e) {
+                throw new IllegalStateException("cannot start Redis and a broker on it", e);
+            }
+            return null;
+        });
+        for (CompletableFuture<Void> suite : List.of(onEmbedded, onRedis)) {
+            try {
+                suite.get();
+            } catch (java.util.concurrent.ExecutionException e) {
+                e.getCause().printStackTrace(System.out);
+                synchronized (tally) {
+                    tally[1]++;
+                }
+            }
         }
         System.out.printf("# %.1f s%n", (System.nanoTime() - started) / 1e9);
-        System.out.println(tally[0] + " passed, " + tally[1] + " failed");
-        System.exit(tally[1] == 0 ? 0 : 1);
+        // Nothing may print after the tally (a background release's warning, say).
+        java.util.logging.Logger.getLogger("").setLevel(java.util.logging.Level.OFF);
+        System.err.flush();
+        synchronized (tally) {
+            System.out.println(tally[0] + " passed, " + tally[1] + " failed");
+            System.exit(tally[1] == 0 ? 0 : 1);
+        }
     }
 
     private static void runAll(Env env, Map<String, Body> tests, List<String> filters, int[] tally) {
@@ -138,12 +164,14 @@ public final class ClientTests {
                 failure = "interrupted";
             }
             long ms = (System.nanoTime() - t0) / 1_000_000;
-            if (failure == null) {
-                tally[0]++;
-                System.out.println("ok   " + name + " (" + ms + " ms)");
-            } else {
-                tally[1]++;
-                System.out.println("FAIL " + name + " (" + ms + " ms): " + failure);
+            synchronized (tally) {
+                if (failure == null) {
+                    tally[0]++;
+                    System.out.println("ok   " + name + " (" + ms + " ms)");
+                } else {
+                    tally[1]++;
+                    System.out.println("FAIL " + name + " (" + ms + " ms): " + failure);
+                }
             }
         }
     }
