@@ -343,7 +343,7 @@ public final class Lease implements AutoCloseable {
             state = State.RELEASED;
             releaseSent = true;
         }
-        broker.background.execute(this::delete);
+        broker.inBackground(this::delete);
     }
 
     private long lostAt() {
@@ -470,11 +470,7 @@ public final class Lease implements AutoCloseable {
         if (!forSure) {
             // The broker may still count it held; if it comes back in time, let the key go.
             broker.open.remove(this);
-            try {
-                broker.background.execute(this::release);
-            } catch (java.util.concurrent.RejectedExecutionException e) {
-                // the client is closing
-            }
+            broker.inBackground(this::release);
         } else {
             broker.open.remove(this);
         }

@@ -260,9 +260,11 @@ public final class LockBroker implements AutoCloseable {
         long start = System.nanoTime();
         long deadline = start + TimeUnit.MILLISECONDS.toNanos(waitMs);
         String requestId = newRequestId();
-        // The send time of the first request since the last definite "not granted" whose outcome
-        // may have been a grant: a lease granted then ends no earlier than this plus the ttl.
-        long unsureSince = -1;
+        // Whether a request since the last definite "not granted" may have been granted (its
+        // answer was a 503 or never came), and the send time of the first such request: a lease
+        // granted then ends no earlier than this plus the ttl.
+        boolean unsure = false;
+        long unsureSince = 0;
         long backoff = FIRST_BACKOFF_MS;
         boolean firstAttempt = true;
         BrokerUnavailableException trouble = null;
@@ -271,8 +273,9 @@ public final class LockBroker implements AutoCloseable {
             long sent = System.nanoTime();
             long askWait = Math.min(Math.max(0, TimeUnit.NANOSECONDS.toMillis(deadline - sent)),
                     maxWaitPerRequest.toMillis());
-            boolean retried = unsureSince >= 0;
-            if (unsureSince < 0) {
+            boolean retried = unsure;
+            if (!unsure) {
+                unsure = true;
                 unsureSince = sent;
             }
             Map<String, Object> body = r.body(ttlMs, askWait, requestId, owner);
@@ -303,7 +306,7 @@ public final class LockBroker implements AutoCloseable {
                         lease.abandon();
                         trouble = new BrokerUnavailableException("the broker granted '" + r.key
                                 + "' but did not confirm it with a renewal", 0, null, null);
-                        unsureSince = -1;
+                        unsure = false;
                         requestId = newRequestId();
                     } else {
                         open.add(lease);
@@ -315,7 +318,7 @@ public final class LockBroker implements AutoCloseable {
                         return lease;
                     }
                 } else if (status == 409 && "locked".equals(code)) {
-                    unsureSince = -1;
+                    unsure = false;
                     if (System.nanoTime() - deadline < 0 && askWait > 0) {
                         continue; // the wait was split over several requests
                     }
@@ -326,6 +329,9 @@ public final class LockBroker implements AutoCloseable {
                             + (code == null ? "" : " " + code) + describe(answer), status, code, null);
                     retryAfter = retryAfterMs(response);
                 } else {
+                    if (retried) {
+                        cleanUpAfter(path, body, unsureSince, ttlMs);
+                    }
                     throw refusal("acquire '" + r.key + "'", status, answer);
                 }
             }
@@ -335,7 +341,9 @@ public final class LockBroker implements AutoCloseable {
             boolean staleConnection = firstAttempt && trouble.status() == 0;
             firstAttempt = false;
             if (left <= 0 && !staleConnection) {
-                cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs);
+                if (unsure) {
+                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs);
+                }
                 throw trouble;
             }
             long pause;
@@ -352,7 +360,9 @@ public final class LockBroker implements AutoCloseable {
             try {
                 Thread.sleep(pause);
             } catch (InterruptedException e) {
-                cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs);
+                if (unsure) {
+                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs);
+                }
                 Thread.currentThread().interrupt();
                 throw new LockBrokerException("interrupted while acquiring '" + r.key + "'", e);
             }
@@ -365,13 +375,13 @@ public final class LockBroker implements AutoCloseable {
      * comes back, so that no lease is left that nobody holds the token of.
      */
     private void cleanUpAfter(String path, Map<String, Object> body, long unsureSince, long ttlMs) {
-        if (unsureSince < 0 || closed) {
+        if (closed) {
             return;
         }
         Map<String, Object> noWait = new LinkedHashMap<>(body);
         noWait.put("wait_ms", 0L);
         long until = unsureSince + TimeUnit.MILLISECONDS.toNanos(ttlMs);
-        background.execute(() -> {
+        inBackground(() -> {
             long backoff = FIRST_BACKOFF_MS;
             while (!closed && System.nanoTime() - until < 0) {
                 try {
@@ -404,6 +414,15 @@ public final class LockBroker implements AutoCloseable {
                 backoff = Math.min(backoff * 2, MAX_BACKOFF_MS);
             }
         });
+    }
+
+    /** Runs blocking clean-up work on a background thread; nothing once the client is closed. */
+    void inBackground(Runnable work) {
+        try {
+            background.execute(work);
+        } catch (java.util.concurrent.RejectedExecutionException e) {
+            // closed meanwhile: close() released what it could
+        }
     }
 
     // ---------------------------------------------------------------------------------------
