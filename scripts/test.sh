@@ -7,8 +7,8 @@
 # clock-skew tests (tests/safety) run brokers under `faketime`, so this script only makes sure
 # `redis-server` and `faketime` are installed (on Debian/Ubuntu it installs them with apt) and then
 # runs `cargo test --all-targets`: the root package's unit tests and its api, cli and safety suites
-# (test-support/, the workspace's other crate, only holds their fixtures). It never starts a
-# Redis server itself.
+# (test-support/, the workspace's other crate, only holds their fixtures); then each client
+# library's tests against the broker binary that built. It never starts a Redis server itself.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -85,4 +85,18 @@ MSG
 fi
 echo "Using $(command -v faketime)"
 
-exec cargo test --all-targets "$@"
+cargo test --all-targets "$@"
+
+# --- Java client (clients/java) ------------------------------------------------------------
+# Its tests run against the broker binary `cargo test` has just built, on the embedded store and
+# on a redis-server they start themselves; they need a JDK (11+).
+if ! command -v javac >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        echo "javac not found: installing default-jdk-headless with apt-get (the Java client's tests need it)."
+        apt_install default-jdk-headless
+    else
+        echo "error: javac (a JDK 11 or later) is not on PATH, and the Java client's tests need it." >&2
+        exit 1
+    fi
+fi
+LOCKBROKER_BIN="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/lockbroker" clients/java/test.sh

@@ -1,0 +1,127 @@
+package io.lockbroker.client;
+
+import java.net.URLEncoder;
+import java.nio.charset.StandardCharsets;
+import java.time.Duration;
+import java.util.LinkedHashMap;
+import java.util.Map;
+import java.util.Optional;
+
+/**
+ * One acquire, with every option: {@code broker.lock("k").shared().owner("node-7")
+ * .ttl(Duration.ofSeconds(10)).maxWait(Duration.ofSeconds(2)).acquire()}. Defaults: a 30 s ttl,
+ * no wait, renewed in the background, the broker's default owner label.
+ *
+ * <p>{@link #acquire()} sends one request with a generated {@code request_id} and lets the
+ * broker wait. On {@code 503} or a failed connection it asks again with the same
+ * {@code request_id} (so a grant made meanwhile comes back instead of a second one) after the
+ * broker's {@code Retry-After} or a short backoff, until the wait has run out. A grant that came
+ * back only on a retry is confirmed with a renewal before it is returned; one the client could
+ * not confirm, or an outcome it never learnt, is released in the background.
+ */
+public final class LockRequest {
+    final LockBroker broker;
+    final String key;
+    final Lease.Kind kind;
+    final int limit;
+    Duration ttl = Duration.ofSeconds(30);
+    Duration wait = Duration.ZERO;
+    String owner;
+    boolean autoRenew = true;
+
+    LockRequest(LockBroker broker, String key, Lease.Kind kind, int limit) {
+        if (key == null || key.isEmpty()) {
+            throw new IllegalArgumentException("a key is required");
+        }
+        this.broker = broker;
+        this.key = key;
+        this.kind = kind;
+        this.limit = limit;
+    }
+
+    /** The lease's length; renewed by that much each time (default 30 s). */
+    public LockRequest ttl(Duration ttl) {
+        this.ttl = ttl;
+        return this;
+    }
+
+    /** How long to wait while others hold the key (default: not at all). */
+    public LockRequest maxWait(Duration wait) {
+        this.wait = wait;
+        return this;
+    }
+
+    /** A shared (read) lease instead of an exclusive one; not for semaphores. */
+    public LockRequest shared() {
+        if (kind == Lease.Kind.PERMIT) {
+            throw new IllegalStateException("a semaphore permit has no shared mode");
+        }
+        return new LockRequest(broker, key, Lease.Kind.SHARED, 0).copy(this);
+    }
+
+    /** The label {@code GET /locks/{key}} shows for this lease, for people (at most 128 characters). */
+    public LockRequest owner(String owner) {
+        this.owner = owner;
+        return this;
+    }
+
+    /** {@code false}: no background renewal; the lease ends after its ttl unless {@link Lease#renew()} is called. */
+    public LockRequest autoRenew(boolean autoRenew) {
+        this.autoRenew = autoRenew;
+        return this;
+    }
+
+    /**
+     * Acquires, waiting up to {@link #maxWait(Duration)}.
+     *
+     * @throws LockedException not granted within the wait
+     * @throws BrokerUnavailableException the broker could not be reached, or kept answering 503
+     */
+    public Lease acquire() {
+        return broker.acquire(this);
+    }
+
+    /** Acquires without waiting ({@code wait_ms=0}); empty when others hold it. */
+    public Optional<Lease> tryAcquire() {
+        Duration saved = wait;
+        wait = Duration.ZERO;
+        try {
+            return Optional.of(broker.acquire(this));
+        } catch (LockedException e) {
+            return Optional.empty();
+        } finally {
+            wait = saved;
+        }
+    }
+
+    private LockRequest copy(LockRequest from) {
+        this.ttl = from.ttl;
+        this.wait = from.wait;
+        this.owner = from.owner;
+        this.autoRenew = from.autoRenew;
+        return this;
+    }
+
+    /** {@code /locks/KEY} or {@code /semaphores/KEY}, the key percent-encoded. */
+    String path() {
+        String space = kind == Lease.Kind.PERMIT ? "/semaphores/" : "/locks/";
+        // The broker decides which keys are valid; characters a path cannot carry are escaped
+        // so that it sees (and refuses) them as they are.
+        return space + URLEncoder.encode(key, StandardCharsets.UTF_8).replace("+", "%20");
+    }
+
+    Map<String, Object> body(long ttlMs, long waitMs, String requestId, String defaultOwner) {
+        Map<String, Object> body = new LinkedHashMap<>();
+        body.put("ttl_ms", ttlMs);
+        body.put("wait_ms", waitMs);
+        body.put("request_id", requestId);
+        body.put("owner", owner != null ? owner : defaultOwner);
+        if (kind == Lease.Kind.SHARED) {
+            body.put("mode", "shared");
+        }
+        if (kind == Lease.Kind.PERMIT) {
+            body.put("limit", (long) limit);
+        }
+        return body;
+    }
+}
