@@ -288,7 +288,10 @@ public final class LockBroker implements AutoCloseable {
                         "cannot reach the broker at " + url + ": " + e, 0, null, e);
                 response = null;
             } catch (InterruptedException e) {
-                cleanUpAfter(path, body, unsureSince, ttlMs);
+                // The request may still be parked at the broker (JDKs before 16 do not abort it):
+                // nothing it says is conclusive before it would have ended by itself.
+                cleanUpAfter(path, body, unsureSince, ttlMs,
+                        sent + TimeUnit.MILLISECONDS.toNanos(askWait) + requestTimeout.toNanos());
                 Thread.currentThread().interrupt();
                 throw new LockBrokerException("interrupted while acquiring '" + r.key + "'", e);
             }
@@ -330,7 +333,7 @@ public final class LockBroker implements AutoCloseable {
                     retryAfter = retryAfterMs(response);
                 } else {
                     if (retried) {
-                        cleanUpAfter(path, body, unsureSince, ttlMs);
+                        cleanUpAfter(path, body, unsureSince, ttlMs, System.nanoTime());
                     }
                     throw refusal("acquire '" + r.key + "'", status, answer);
                 }
@@ -342,7 +345,7 @@ public final class LockBroker implements AutoCloseable {
             firstAttempt = false;
             if (left <= 0 && !staleConnection) {
                 if (unsure) {
-                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs);
+                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs, System.nanoTime());
                 }
                 throw trouble;
             }
@@ -361,7 +364,7 @@ public final class LockBroker implements AutoCloseable {
                 Thread.sleep(pause);
             } catch (InterruptedException e) {
                 if (unsure) {
-                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs);
+                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs, System.nanoTime());
                 }
                 Thread.currentThread().interrupt();
                 throw new LockBrokerException("interrupted while acquiring '" + r.key + "'", e);
@@ -372,15 +375,19 @@ public final class LockBroker implements AutoCloseable {
     /**
      * After giving up on an acquire whose last requests may have been granted: asks again with
      * the same request_id (and no wait) until any such grant would have ended, and releases what
-     * comes back, so that no lease is left that nobody holds the token of.
+     * comes back, so that no lease is left that nobody holds the token of. A "locked" answer
+     * means none of ours is live only once no request of ours can still be waiting at the
+     * broker ({@code conclusiveAfter}); before that it keeps asking.
      */
-    private void cleanUpAfter(String path, Map<String, Object> body, long unsureSince, long ttlMs) {
+    private void cleanUpAfter(String path, Map<String, Object> body, long unsureSince, long ttlMs,
+            long conclusiveAfter) {
         if (closed) {
             return;
         }
         Map<String, Object> noWait = new LinkedHashMap<>(body);
         noWait.put("wait_ms", 0L);
-        long until = unsureSince + TimeUnit.MILLISECONDS.toNanos(ttlMs);
+        long ttl = TimeUnit.MILLISECONDS.toNanos(ttlMs);
+        long until = conclusiveAfter - unsureSince > 0 ? conclusiveAfter + ttl : unsureSince + ttl;
         inBackground(() -> {
             long backoff = FIRST_BACKOFF_MS;
             while (!closed && System.nanoTime() - until < 0) {
@@ -394,7 +401,8 @@ public final class LockBroker implements AutoCloseable {
                         }
                         return;
                     }
-                    if (status != 503 && status != 429 && status < 500) {
+                    boolean conclusive = System.nanoTime() - conclusiveAfter >= 0;
+                    if (status == 409 && conclusive || status != 409 && status != 503 && status != 429 && status < 500) {
                         return; // not ours: someone else holds it, or nothing to find
                     }
                     Long after = retryAfterMs(response);
