@@ -337,7 +337,9 @@ public final class LockBroker implements AutoCloseable {
             // Retry with the same request_id (a grant made meanwhile comes back, not a second
             // one), for as long as the caller's wait lasts.
             long left = deadline - System.nanoTime();
-            boolean staleConnection = firstAttempt && trouble.status() == 0;
+            boolean staleConnection = firstAttempt && trouble.status() == 0
+                    && trouble.getCause() instanceof IOException
+                    && !(trouble.getCause() instanceof java.net.http.HttpTimeoutException);
             firstAttempt = false;
             if (left <= 0 && !staleConnection) {
                 if (unsure) {
