@@ -66,7 +66,7 @@ public final class Lease implements AutoCloseable {
     private ScheduledFuture<?> renewTask;
     private ScheduledFuture<?> lossTask;
     private CompletableFuture<?> renewing;
-    private long backoff = LockBroker.FIRST_BACKOFF_MS;
+    private final Backoff backoff = new Backoff();
 
     Lease(LockBroker broker, LockRequest r, Map<String, Object> answer, long sentNanos, long askedTtlMs) {
         this.broker = broker;
@@ -290,19 +290,19 @@ public final class Lease implements AutoCloseable {
      * network) while the lease may be live or the caller's deadline has not passed, at least once.
      */
     boolean confirm(long deadlineNanos) {
-        long backoffMs = LockBroker.FIRST_BACKOFF_MS;
+        Backoff pauses = new Backoff();
         boolean first = true;
         while (true) {
             long until;
             synchronized (this) {
                 until = lostAt() - deadlineNanos > 0 ? lostAt() : deadlineNanos; // the later of the two
             }
-            long left = until - System.nanoTime();
-            if (left <= 0 && !first) {
+            if (until - System.nanoTime() <= 0 && !first) {
                 return false;
             }
             first = false;
             long sent = System.nanoTime();
+            Long retryAfter = null;
             try {
                 HttpResponse<String> response = broker.send("POST", path + "/renew", renewBody(), token,
                         broker.requestTimeout);
@@ -313,27 +313,16 @@ public final class Lease implements AutoCloseable {
                 if (response.statusCode() == 404 || response.statusCode() == 409) {
                     return false;
                 }
-                Long after = LockBroker.retryAfterMs(response);
-                if (after != null) {
-                    backoffMs = after;
-                }
+                retryAfter = LockBroker.retryAfterMs(response);
             } catch (IOException e) {
                 // retried below
             } catch (InterruptedException e) {
                 Thread.currentThread().interrupt();
                 return false;
             }
-            left = until - System.nanoTime();
-            if (left <= 0) {
+            if (until - System.nanoTime() <= 0 || !pauses.sleep(retryAfter, until)) {
                 return false;
             }
-            try {
-                Thread.sleep(Math.min(LockBroker.jitter(backoffMs), TimeUnit.NANOSECONDS.toMillis(left) + 1));
-            } catch (InterruptedException e) {
-                Thread.currentThread().interrupt();
-                return false;
-            }
-            backoffMs = Math.min(backoffMs * 2, LockBroker.MAX_BACKOFF_MS);
         }
     }
 
@@ -414,21 +403,14 @@ public final class Lease implements AutoCloseable {
                 return;
             }
             if (status == 200) {
-                backoff = LockBroker.FIRST_BACKOFF_MS;
+                backoff.reset();
                 renewed(sent, answer);
                 scheduleRenew(sent + renewEvery() - System.nanoTime());
                 return;
             }
             // 503, another error, or no answer: try again soon, while the lease may be live;
             // the loss timer fires if no renewal is confirmed in time.
-            Long after = response == null ? null : LockBroker.retryAfterMs(response);
-            long pauseMs;
-            if (after != null) {
-                pauseMs = after;
-            } else {
-                pauseMs = LockBroker.jitter(backoff);
-                backoff = Math.min(backoff * 2, LockBroker.MAX_BACKOFF_MS);
-            }
+            long pauseMs = backoff.pauseMs(response == null ? null : LockBroker.retryAfterMs(response));
             if (status != 503 && status != 429 && status < 500 && response != null) {
                 LockBroker.warn("renewal of '" + key + "' refused with " + status + "; retrying until the lease ends");
             }
@@ -518,9 +500,10 @@ public final class Lease implements AutoCloseable {
     /** DELETE with the token, retried on 503 and network errors for the release timeout. */
     private void delete() {
         long until = System.nanoTime() + broker.releaseTimeout.toNanos();
-        long backoffMs = LockBroker.FIRST_BACKOFF_MS;
-        String last = null;
+        Backoff pauses = new Backoff();
         while (true) {
+            String trouble;
+            Long retryAfter = null;
             try {
                 HttpResponse<String> response = broker.send("DELETE", path, null, token, broker.requestTimeout);
                 int status = response.statusCode();
@@ -532,30 +515,22 @@ public final class Lease implements AutoCloseable {
                             + LockBroker.string(Json.parseObject(response.body()), "error"));
                     return;
                 }
-                last = "answered " + status;
-                Long after = LockBroker.retryAfterMs(response);
-                if (after != null) {
-                    backoffMs = after;
-                }
+                trouble = "answered " + status;
+                retryAfter = LockBroker.retryAfterMs(response);
             } catch (IOException e) {
-                last = e.toString();
+                trouble = "could not be reached: " + e;
             } catch (InterruptedException e) {
                 Thread.currentThread().interrupt();
                 return;
             }
-            long left = until - System.nanoTime();
-            if (left <= 0) {
-                LockBroker.warn("could not release '" + key + "' (the broker " + last
+            if (until - System.nanoTime() <= 0) {
+                LockBroker.warn("could not release '" + key + "' (the broker " + trouble
                         + "); it ends by its ttl, as it is no longer renewed");
                 return;
             }
-            try {
-                Thread.sleep(Math.min(LockBroker.jitter(backoffMs), TimeUnit.NANOSECONDS.toMillis(left) + 1));
-            } catch (InterruptedException e) {
-                Thread.currentThread().interrupt();
+            if (!pauses.sleep(retryAfter, until)) {
                 return;
             }
-            backoffMs = Math.min(backoffMs * 2, LockBroker.MAX_BACKOFF_MS);
         }
     }
 }

@@ -21,7 +21,6 @@ import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
 import java.util.concurrent.ScheduledThreadPoolExecutor;
 import java.util.concurrent.ThreadFactory;
-import java.util.concurrent.ThreadLocalRandom;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
 
@@ -45,9 +44,6 @@ import java.util.concurrent.atomic.AtomicInteger;
 public final class LockBroker implements AutoCloseable {
     private static final System.Logger LOG = System.getLogger(LockBroker.class.getName());
     private static final SecureRandom RANDOM = new SecureRandom();
-    /** The first pause after a 503 without Retry-After, or a connection failure; doubled up to {@link #MAX_BACKOFF_MS}. */
-    static final long FIRST_BACKOFF_MS = 50;
-    static final long MAX_BACKOFF_MS = 1000;
 
     final String url;
     private final String authToken;
@@ -265,7 +261,7 @@ public final class LockBroker implements AutoCloseable {
         // granted then ends no earlier than this plus the ttl.
         boolean unsure = false;
         long unsureSince = 0;
-        long backoff = FIRST_BACKOFF_MS;
+        Backoff backoff = new Backoff();
         boolean firstAttempt = true;
         BrokerUnavailableException trouble = null;
         while (true) {
@@ -288,7 +284,10 @@ public final class LockBroker implements AutoCloseable {
                         "cannot reach the broker at " + url + ": " + e, 0, null, e);
                 response = null;
             } catch (InterruptedException e) {
-                cleanUpAfter(path, body, unsureSince, ttlMs);
+                // The request may still be parked at the broker (JDKs before 16 do not abort it):
+                // nothing it says is conclusive before it would have ended by itself.
+                cleanUpAfter(path, body, unsureSince, ttlMs,
+                        sent + TimeUnit.MILLISECONDS.toNanos(askWait) + requestTimeout.toNanos());
                 Thread.currentThread().interrupt();
                 throw new LockBrokerException("interrupted while acquiring '" + r.key + "'", e);
             }
@@ -330,7 +329,7 @@ public final class LockBroker implements AutoCloseable {
                     retryAfter = retryAfterMs(response);
                 } else {
                     if (retried) {
-                        cleanUpAfter(path, body, unsureSince, ttlMs);
+                        cleanUpAfter(path, body, unsureSince, ttlMs, System.nanoTime());
                     }
                     throw refusal("acquire '" + r.key + "'", status, answer);
                 }
@@ -338,33 +337,23 @@ public final class LockBroker implements AutoCloseable {
             // Retry with the same request_id (a grant made meanwhile comes back, not a second
             // one), for as long as the caller's wait lasts.
             long left = deadline - System.nanoTime();
-            boolean staleConnection = firstAttempt && trouble.status() == 0;
+            boolean staleConnection = firstAttempt && trouble.status() == 0
+                    && trouble.getCause() instanceof IOException
+                    && !(trouble.getCause() instanceof java.net.http.HttpTimeoutException);
             firstAttempt = false;
             if (left <= 0 && !staleConnection) {
                 if (unsure) {
-                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs);
+                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs, System.nanoTime());
                 }
                 throw trouble;
             }
-            long pause;
-            if (staleConnection) {
-                pause = 0; // a kept-alive connection the broker had closed: try a fresh one at once
-            } else if (retryAfter != null) {
-                pause = retryAfter;
-            } else {
-                pause = jitter(backoff);
-                backoff = Math.min(backoff * 2, MAX_BACKOFF_MS);
-            }
-            // The last try comes when the wait ends, with wait_ms=0.
-            pause = Math.min(pause, TimeUnit.NANOSECONDS.toMillis(left) + 1);
-            try {
-                Thread.sleep(pause);
-            } catch (InterruptedException e) {
+            // A kept-alive connection the broker had closed: try a fresh one at once. Otherwise
+            // pause, but not past the end of the wait: the last try comes then, with wait_ms=0.
+            if (!staleConnection && !backoff.sleep(retryAfter, deadline)) {
                 if (unsure) {
-                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs);
+                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, owner), unsureSince, ttlMs, System.nanoTime());
                 }
-                Thread.currentThread().interrupt();
-                throw new LockBrokerException("interrupted while acquiring '" + r.key + "'", e);
+                throw new LockBrokerException("interrupted while acquiring '" + r.key + "'", new InterruptedException());
             }
         }
     }
@@ -372,18 +361,23 @@ public final class LockBroker implements AutoCloseable {
     /**
      * After giving up on an acquire whose last requests may have been granted: asks again with
      * the same request_id (and no wait) until any such grant would have ended, and releases what
-     * comes back, so that no lease is left that nobody holds the token of.
+     * comes back, so that no lease is left that nobody holds the token of. A "locked" answer
+     * means none of ours is live only once no request of ours can still be waiting at the
+     * broker ({@code conclusiveAfter}); before that it keeps asking.
      */
-    private void cleanUpAfter(String path, Map<String, Object> body, long unsureSince, long ttlMs) {
+    private void cleanUpAfter(String path, Map<String, Object> body, long unsureSince, long ttlMs,
+            long conclusiveAfter) {
         if (closed) {
             return;
         }
         Map<String, Object> noWait = new LinkedHashMap<>(body);
         noWait.put("wait_ms", 0L);
-        long until = unsureSince + TimeUnit.MILLISECONDS.toNanos(ttlMs);
+        long ttl = TimeUnit.MILLISECONDS.toNanos(ttlMs);
+        long until = conclusiveAfter - unsureSince > 0 ? conclusiveAfter + ttl : unsureSince + ttl;
         inBackground(() -> {
-            long backoff = FIRST_BACKOFF_MS;
+            Backoff backoff = new Backoff();
             while (!closed && System.nanoTime() - until < 0) {
+                Long retryAfter = null;
                 try {
                     HttpResponse<String> response = send("POST", path, Json.object(noWait), null, requestTimeout);
                     int status = response.statusCode();
@@ -394,24 +388,19 @@ public final class LockBroker implements AutoCloseable {
                         }
                         return;
                     }
-                    if (status != 503 && status != 429 && status < 500) {
+                    boolean conclusive = System.nanoTime() - conclusiveAfter >= 0;
+                    if (status == 409 && conclusive || status != 409 && status != 503 && status != 429 && status < 500) {
                         return; // not ours: someone else holds it, or nothing to find
                     }
-                    Long after = retryAfterMs(response);
-                    if (after != null) {
-                        backoff = after;
-                    }
+                    retryAfter = retryAfterMs(response);
                 } catch (IOException e) {
                     // still unreachable; try again while a lost grant could still be live
                 } catch (InterruptedException e) {
                     return;
                 }
-                try {
-                    Thread.sleep(jitter(backoff));
-                } catch (InterruptedException e) {
+                if (!backoff.sleep(retryAfter, until)) {
                     return;
                 }
-                backoff = Math.min(backoff * 2, MAX_BACKOFF_MS);
             }
         });
     }
@@ -491,12 +480,6 @@ public final class LockBroker implements AutoCloseable {
     static Long number(Map<String, Object> map, String field) {
         Object value = map.get(field);
         return value instanceof Number ? ((Number) value).longValue() : null;
-    }
-
-    /** {@code backoff} moved by up to a quarter either way, so that clients do not retry in step. */
-    static long jitter(long backoffMs) {
-        long spread = backoffMs / 4;
-        return spread == 0 ? backoffMs : backoffMs - spread + ThreadLocalRandom.current().nextLong(2 * spread + 1);
     }
 
     static void warn(String message) {

@@ -80,6 +80,7 @@ public final class ClientTests {
         perStore.put("token_never_shown", ClientTests::tokenNeverShown);
         perStore.put("given_up_acquire_leaves_no_lease_behind", ClientTests::givenUpLeavesNothing);
         perStore.put("without_auto_renew_lost_at_its_end", ClientTests::noAutoRenew);
+        perStore.put("interrupted_waiter_leaves_no_lease_behind", ClientTests::interruptedWaiter);
         perStore.put("bad_key_is_a_clear_error", ClientTests::badKey);
         Map<String, Body> redisOnly = new LinkedHashMap<>();
         redisOnly.put("store_down_503s_retried_without_double_grant", ClientTests::storeDown);
@@ -510,6 +511,36 @@ public final class ClientTests {
             long ids = proxy.calls().stream().filter(c -> c.isAcquire() && c.path.endsWith("/" + key))
                     .map(c -> requestId(c.body)).distinct().count();
             equal(1L, ids, "every request carried the one request_id");
+        }
+    }
+
+    static void interruptedWaiter(Env env) throws Exception {
+        try (LockBroker one = LockBroker.create(env.url()); LockBroker two = LockBroker.create(env.url())) {
+            String key = env.key("interrupted");
+            Lease holder = one.acquire(key, Duration.ofSeconds(10), Duration.ZERO);
+            long waitersBefore = metric(env.url(), "lockbroker_waiters");
+            AtomicReference<Thread> waiter = new AtomicReference<>();
+            CompletableFuture<Boolean> interrupted = async(() -> {
+                waiter.set(Thread.currentThread());
+                try {
+                    two.acquire(key, Duration.ofSeconds(20), Duration.ofSeconds(20));
+                    return false;
+                } catch (LockBrokerException e) {
+                    return Thread.currentThread().isInterrupted();
+                }
+            });
+            awaitMetric(env.url(), "lockbroker_waiters", waitersBefore + 1);
+            waiter.get().interrupt();
+            check(interrupted.get(10, TimeUnit.SECONDS), "acquire gave up, the thread still interrupted");
+            holder.release();
+            // Whether the broker dropped the abandoned wait or granted it, no lease may stay
+            // behind: the key is free again long before the waiter's 20 s ttl.
+            long end = System.nanoTime() + TimeUnit.SECONDS.toNanos(8);
+            while (get(env.url() + "/locks/" + key).statusCode() != 404) {
+                check(System.nanoTime() < end, "a lease was left behind");
+                Thread.sleep(50);
+            }
+            one.tryAcquire(key, Duration.ofSeconds(1)).orElseThrow().release();
         }
     }
 
