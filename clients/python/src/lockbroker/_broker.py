@@ -8,6 +8,7 @@ lasts. A repeat of a request the broker did grant answers that same lease, so a 
 makes a second holder, and a grant whose answer was lost is found again, not left behind.
 """
 
+import logging
 import secrets
 import ssl
 import threading
@@ -27,6 +28,8 @@ from ._lease import (
 from ._transport import NoAnswer, Transport
 
 __version__ = "0.1.0"
+
+log = logging.getLogger("lockbroker")
 
 #: The broker's default ``max_wait_ms``: a longer wait is asked for in parts of this length.
 DEFAULT_MAX_WAIT = 60.0
@@ -263,6 +266,8 @@ class Broker:
                     raise error_from(answer)
                 problem, delay = answer.message, backoff.delay(answer.retry_after())
             now = time.monotonic()
+            log.debug("acquire of %r not answered: %s; again in %.2f s", key, problem,
+                      min(delay, max(deadline - now, 0.0)))
             if now >= deadline:
                 raise Unavailable(
                     f"could not acquire {key!r}: {problem}",
