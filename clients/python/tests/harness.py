@@ -224,13 +224,14 @@ class BrokerProcess:
         assert status == 200, (status, body)
         return body.get("holders") or [body]
 
-    def metric(self, name: str) -> float:
-        """The sum of every series of a counter in ``/metrics``."""
+    def metric(self, name: str, label: str = "") -> float:
+        """The sum of the series of a metric in ``/metrics`` (those with ``label``, such as
+        ``space="semaphores"``, if given)."""
         status, text = self.call("GET", "/metrics")
         assert status == 200
         total = 0.0
         for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 

@@ -89,6 +89,47 @@ def test_auto_renew_holds_a_lease_for_more_than_three_ttls(broker: BrokerProcess
         lease.release()
 
 
+@pytest.mark.parametrize("kind", ["shared", "permit"])
+def test_shared_leases_and_permits_renew_too(broker: BrokerProcess, key: str, kind: str) -> None:
+    space = "semaphores" if kind == "permit" else "locks"
+    label = f'space="{space}",result="renewed"'
+    with Broker(broker.url) as client:
+        if kind == "permit":
+            lease = client.acquire_permit(key, 3, ttl=0.6)
+        else:
+            lease = client.acquire(key, ttl=0.6, shared=True)
+        before = broker.metric("lockbroker_renewals_total", label)
+        first_end = broker.holders(key, space)[0]["expires_at_ms"]
+        wait_until(lambda: broker.metric("lockbroker_renewals_total", label) >= before + 3, 10,
+                   "three renewals")
+        assert broker.holders(key, space)[0]["expires_at_ms"] > first_end
+        assert lease.held
+        lease.release()
+        assert broker.holders(key, space) == []
+
+
+def test_a_bearer_token_is_sent_and_a_refusal_is_an_error(tmp_path, key: str) -> None:
+    auth = tmp_path / "auth.toml"
+    auth.write_text(
+        '[[tokens]]\nname = "orders-app"\ntoken = "orders-secret-0123456789"\n'
+        'prefixes = ["py-"]\npermissions = ["lock"]\n'
+    )
+    broker = BrokerProcess(None, ("--auth-file", str(auth)))
+    try:
+        with Broker(broker.url, token="orders-secret-0123456789") as client:
+            assert "orders-secret" not in repr(client)
+            client.acquire(key, ttl=10).release()
+            with pytest.raises(BrokerError) as outside:
+                client.acquire("elsewhere", ttl=10)
+            assert outside.value.status == 403 and outside.value.code == "forbidden"
+        with Broker(broker.url) as anonymous:
+            with pytest.raises(BrokerError) as refused:
+                anonymous.acquire(key, ttl=10)
+            assert refused.value.status == 401
+    finally:
+        broker.close()
+
+
 def test_lost_after_a_force_release_within_the_ttl(broker: BrokerProcess, key: str) -> None:
     ttl = 2.0
     with Broker(broker.url) as client:

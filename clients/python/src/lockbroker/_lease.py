@@ -211,7 +211,15 @@ class Lease:
             log.warning("could not release the lease on %r (fence %d): %s", self.key, self.fence, e)
 
     def __repr__(self) -> str:
-        state = "held" if self.held else (self.lost_reason and "lost") or "released"
+        with self._lock:
+            if self._live_locked(time.monotonic()):
+                state = "held"
+            elif self._released:
+                state = "released"
+            elif self._lost_reason is not None:
+                state = f"lost ({self._lost_reason})"
+            else:
+                state = "ended"
         return (
             f"<Lease key={self.key!r} fence={self.fence} mode={self.mode!r}"
             + (f" limit={self.limit}" if self.limit is not None else "")
