@@ -144,7 +144,7 @@ def test_a_redis_outage_is_unavailable_at_once_and_waited_out_within_the_wait(
 
 
 def test_renewals_answered_503_are_retried_and_the_lease_kept(redis_spawn: Spawner, key: str) -> None:
-    ttl = 3.0
+    ttl = 4.0
     redis = redis_spawn.redis()
     broker = redis_spawn.broker(redis=redis)
     proxy = redis_spawn.proxy(broker)

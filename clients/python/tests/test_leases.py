@@ -1,6 +1,7 @@
 """Grants, waits, refusals, renewals, release and the lost signal, against a real broker on the
 embedded store and on Redis."""
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -229,6 +230,19 @@ def test_ownership_is_the_lease_not_the_thread(broker: BrokerProcess, key: str) 
             assert pool.submit(lambda: lease.held).result()
             pool.submit(lease.release).result()
         assert broker.holders(key) == []
+
+
+def test_asyncio_tasks_share_a_lease_through_threads(broker: BrokerProcess, key: str) -> None:
+    async def scenario() -> None:
+        with Broker(broker.url) as client:
+            lease = await asyncio.to_thread(client.acquire, key, 10, 5)
+            assert await asyncio.to_thread(client.try_acquire, key, 10) is None
+            # Released by another task, on another thread than the one that acquired it.
+            await asyncio.create_task(asyncio.to_thread(lease.release))
+            assert not lease.held
+            assert broker.holders(key) == []
+
+    asyncio.run(scenario())
 
 
 def test_concurrent_acquirers_get_one_lease_at_a_time(broker: BrokerProcess, key: str) -> None:
