@@ -36,6 +36,19 @@ def test_lost_within_the_ttl_when_the_broker_stops(spawn: Spawner, key: str) -> 
         lease.release()  # quiet: the lease has ended, nobody can be asked
 
 
+def test_leaving_a_with_block_when_the_broker_is_gone_does_not_fail_the_block(
+    spawn: Spawner, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = spawn.broker()
+    with Broker(broker.url, timeout=1.0) as client:
+        with client.acquire(key, ttl=30) as lease:
+            broker.kill()
+        assert not lease.held
+        with pytest.raises(Unavailable):
+            lease.release()  # asked directly, it says the lease may still stand
+    assert any("could not release" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["exclusive", "shared"])
 def test_a_grant_whose_answer_was_lost_is_found_again_not_granted_twice(
     spawn: Spawner, key: str, shared: bool

@@ -186,11 +186,15 @@ class Broker:
         with self._core.lock:
             self._core.closed = True
             leases = list(self._core.leases)
+        # One deadline for them all: a broker that cannot be reached costs `timeout` once.
+        give_up = time.monotonic() + self._core.timeout
         for lease in leases:
             try:
-                lease.release()
-            except BrokerError:
-                pass  # logged by the lease; it ends by its ttl
+                lease._release(give_up)
+            except BrokerError as e:
+                # No longer renewed, it ends by its ttl.
+                log.warning("could not release the lease on %r (fence %d): %s",
+                            lease.key, lease.fence, e)
         self._core.transport.close()
 
     def __enter__(self) -> "Broker":

@@ -180,10 +180,14 @@ class Lease:
 
     def release(self) -> None:
         """Ends the lease: stops its renewals for good (waiting for one under way), then
-        ``DELETE``s it. Idempotent; quiet when the broker says the lease had already ended
-        (``404``/``409``) or when its end has passed. Raises :class:`Unavailable` when the
-        lease may still stand and the broker could not be reached to end it (it then ends by
-        its ttl), :class:`BrokerError` for a refusal such as ``403``."""
+        ``DELETE``s it, retrying ``503``s and network errors for up to the broker's ``timeout``.
+        Idempotent; quiet when the broker says the lease had already ended (``404``/``409``) or
+        when its end has passed. Raises :class:`Unavailable` when the lease may still stand and
+        the broker could not be reached to end it (it then ends by its ttl, as it is no longer
+        renewed), :class:`BrokerError` for a refusal such as ``403``."""
+        self._release(time.monotonic() + self._core.timeout)
+
+    def _release(self, give_up: float) -> None:
         with self._lock:
             if self._release_done:
                 return
@@ -192,7 +196,7 @@ class Lease:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
-        self._delete()
+        self._delete(give_up)
 
     def close(self) -> None:
         """The same as :meth:`release`."""
@@ -204,10 +208,14 @@ class Lease:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             self.release()
+        except Unavailable as e:
+            # The block's work is done and the lease is no longer renewed: it ends by its ttl.
+            # Failing the block for it would turn finished work into an error.
+            log.warning("could not release the lease on %r (fence %d): %s", self.key, self.fence, e)
         except BrokerError as e:
             if exc_type is None:
                 raise
-            # The block's own exception matters more; the lease ends by its ttl anyway.
+            # The block's own exception matters more.
             log.warning("could not release the lease on %r (fence %d): %s", self.key, self.fence, e)
 
     def __repr__(self) -> str:
@@ -355,9 +363,8 @@ class Lease:
         with self._lock:
             return self._lost_reason in (NOT_HELD, NOT_OWNER) or now >= self._end + margin_for(self.ttl)
 
-    def _delete(self) -> None:
+    def _delete(self, give_up: float) -> None:
         backoff = Backoff()
-        give_up = time.monotonic() + self._core.timeout
         while True:
             now = time.monotonic()
             try:
