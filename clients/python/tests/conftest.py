@@ -61,6 +61,12 @@ class Spawner:
         self._proxies.append(proxy)
         return proxy
 
+    def on_redis_behind_proxy(self) -> "tuple[RedisServer, BrokerProcess, Proxy]":
+        """A Redis of the test's own, a broker on it, and a recording proxy in front."""
+        redis = self.redis()
+        broker = self.broker(redis=redis)
+        return redis, broker, self.proxy(broker)
+
     def close(self) -> None:
         for proxy in self._proxies:
             proxy.close()
