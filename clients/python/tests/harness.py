@@ -86,7 +86,7 @@ class RedisServer:
             self.port = free_port()
             if self._launch():
                 return
-        raise RuntimeError("redis-server did not start on any free port")
+        raise RuntimeError("redis-server did not start on any free port (is redis-server on PATH?)")
 
     @property
     def url(self) -> str:
@@ -108,7 +108,9 @@ class RedisServer:
                 return True
             time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+        with open(os.path.join(self.dir, "redis.log"), errors="replace") as f:
+            log = f.read()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING:\n{log}")
 
     def _pings(self) -> bool:
         try:
