@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -150,6 +151,7 @@ class RedisServer:
         if self.proc is not None:
             self.resume()
         self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class BrokerProcess:
