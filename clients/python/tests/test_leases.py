@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from harness import BrokerProcess, wait_until
+from harness import BrokerProcess, Proxy, wait_until
 from lockbroker import Broker, BrokerError, LimitMismatch, Locked, Unavailable
 
 
@@ -68,6 +68,24 @@ def test_a_waiting_acquire_is_granted_when_the_holder_releases(broker: BrokerPro
         assert lease.held and lease.fence > first.fence
         assert [h["fence"] for h in broker.holders(key)] == [lease.fence]
         lease.release()
+
+
+def test_a_lease_granted_after_a_long_wait_is_renewed_before_acquire_returns(
+    broker: BrokerProcess, key: str
+) -> None:
+    proxy = Proxy(broker.url)
+    try:
+        with Broker(broker.url) as other, Broker(proxy.url) as client:
+            # Not renewed: it ends by itself after a second, well past a third of the waiter's
+            # ttl, so the client cannot tell from its own clock when the grant happened.
+            holder = other.acquire(key, ttl=1.0, auto_renew=False)
+            lease = client.acquire(key, ttl=0.9, wait=10)
+            renewals = proxy.seen(lambda e: e.path == f"/locks/{key}/renew")
+            assert len(renewals) >= 1 and renewals[0].status == 200
+            assert lease.held and lease.fence > holder.fence
+            lease.release()
+    finally:
+        proxy.close()
 
 
 def test_auto_renew_holds_a_lease_for_more_than_three_ttls(broker: BrokerProcess, key: str) -> None:

@@ -262,7 +262,11 @@ class Broker:
                                           renew_every, auto_renew)
                     if lease is not None:
                         return lease
-                    continue  # the grant was gone before it could be confirmed: ask again
+                    # The grant was gone (404/409) before it could be confirmed: ask again,
+                    # while the wait lasts.
+                    if time.monotonic() >= deadline:
+                        raise Locked(f"the grant of {key!r} ended before it could be confirmed")
+                    continue
                 if answer.status == 409 and answer.code == "locked" and \
                         time.monotonic() < deadline - 0.001 and ask < deadline - now:
                     continue  # a wait longer than the broker's longest, asked for in parts
@@ -302,7 +306,7 @@ class Broker:
             # Granted after a wait, or found again by a retry: the grant happened at some
             # instant since `first_sent`, so the end the client can prove is early. A renewal
             # now gives it an end measured from now.
-            outcome, _, _ = lease._renew_once(now)
+            outcome, _, _ = lease._renew_once(now, confirming=True)
             if outcome == _GONE:
                 return None
             if outcome != _RENEWED and not lease.held:

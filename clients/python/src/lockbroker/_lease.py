@@ -279,8 +279,12 @@ class Lease:
                 return "renew"
             self._cond.wait(min(due, self._end) - now)
 
-    def _renew_once(self, now: float):
-        """One renewal request. Returns (outcome, answer or None, problem)."""
+    def _renew_once(self, now: float, confirming: bool = False):
+        """One renewal request, sent at ``now``. Returns (outcome, answer or None, problem).
+
+        ``confirming``: the renewal that fixes the end of a lease not yet handed out (see
+        ``Broker._granted``); its end may have passed, as nobody has been told it is held.
+        """
         with self._lock:
             # Checked under the lock, as `release` sets it under the lock before waiting for
             # this thread: no renewal starts after a release began.
@@ -288,7 +292,8 @@ class Lease:
                 return _STOPPED, None, "released"
             ttl = self.ttl
             end = self._end
-        timeout = min(self._core.timeout, max(end - now, 0.05))
+        # Never waiting past the lease's end: the lost signal must not be late for an answer.
+        timeout = self._core.timeout if confirming else min(self._core.timeout, max(end - now, 0.05))
         try:
             answer = self._core.transport.request(
                 "POST",
@@ -304,7 +309,7 @@ class Lease:
             with self._cond:
                 if self._lost_reason is not None:
                     return _GONE, answer, "lost"
-                if received >= self._end:
+                if received >= self._end and not confirming:
                     late = True
                 else:
                     late = False
