@@ -239,7 +239,8 @@ class Broker:
         body["request_id"] = secrets.token_urlsafe(18)
         deadline = time.monotonic() + wait
         backoff = Backoff()
-        # When the first attempt left: no lease it produced can have begun earlier.
+        # When the first attempt that may have reached the broker left: no lease this acquire
+        # produced can have begun earlier.
         first_sent: Optional[float] = None
         problem = "no attempt made"
         while True:
@@ -248,15 +249,17 @@ class Broker:
             now = time.monotonic()
             ask = min(max(deadline - now, 0.0), self._max_wait)
             body["wait_ms"] = int(ask * 1000)
-            if first_sent is None:
-                first_sent = now
             try:
                 answer = self._core.transport.request(
                     "POST", path, body=body, timeout=ask + self._core.timeout
                 )
             except NoAnswer as e:
+                if e.sent and first_sent is None:
+                    first_sent = now
                 answer, problem, delay = None, str(e), backoff.delay()
             else:
+                if first_sent is None:
+                    first_sent = now
                 if answer.status == 201:
                     lease = self._granted(space, key, mode, answer.body, ttl, first_sent,
                                           renew_every, auto_renew)
