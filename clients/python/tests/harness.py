@@ -269,13 +269,17 @@ class Exchange:
 
 class Proxy:
     """An HTTP/1.1 proxy in front of a broker, on a loopback port: it records every exchange,
-    and closes the client's connection instead of answering when :attr:`drop` says so (the
-    request still reaches the broker, whose answer is lost on the way back)."""
+    closes the client's connection instead of answering when :attr:`drop` says so (the request
+    still reaches the broker, whose answer is lost on the way back), and answers a status of
+    its own without forwarding when :attr:`refuse` gives one."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.replace("http://", "")
         self.exchanges: List[Exchange] = []
         self.drop: Callable[[Exchange], bool] = lambda exchange: False
+        #: A status to answer instead of forwarding the request (a load balancer whose broker
+        #: did not answer), or None to forward it.
+        self.refuse: Callable[[Exchange], Optional[int]] = lambda exchange: None
         self._cond = threading.Condition()
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
@@ -336,6 +340,17 @@ class Proxy:
                 exchange = Exchange(method, path, body)
                 with self._cond:
                     self.exchanges.append(exchange)
+                refused = self.refuse(exchange)
+                if refused is not None:
+                    raw = b'{"error": "bad_gateway", "message": "no broker answered"}'
+                    with self._cond:
+                        exchange.status = refused
+                        exchange.answer = json.loads(raw)
+                        self._cond.notify_all()
+                    client.sendall(
+                        f"HTTP/1.1 {refused} Refused\r\nContent-Type: application/json\r\n"
+                        f"Content-Length: {len(raw)}\r\n\r\n".encode("latin-1") + raw)
+                    continue
                 forward = {k: v for k, v in headers.items()
                            if k.lower() not in ("host", "connection", "content-length")}
                 host, port = self.upstream.split(":")

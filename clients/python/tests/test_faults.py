@@ -111,6 +111,19 @@ def test_a_503_is_retried_after_retry_after_with_the_same_request_id(spawn: Spaw
         assert broker.holders(key) == []
 
 
+def test_a_load_balancers_502_and_504_are_retried(spawn: Spawner, key: str) -> None:
+    broker = spawn.broker()
+    proxy = spawn.proxy(broker)
+    statuses = [502, 504]
+    proxy.refuse = lambda e: statuses.pop(0) if posts_to(key)(e) and statuses else None
+    with Broker(proxy.url) as client:
+        lease = client.acquire(key, ttl=30, wait=5)
+        attempts = proxy.seen(posts_to(key))
+        assert [a.status for a in attempts] == [502, 504, 201]
+        assert len({a.json()["request_id"] for a in attempts}) == 1
+        lease.release()
+
+
 def test_a_waiting_acquire_survives_a_broker_restart(spawn: Spawner, key: str) -> None:
     redis = spawn.redis() if spawn.store == "redis" else None
     broker = spawn.broker(redis=redis)

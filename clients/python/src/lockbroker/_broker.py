@@ -2,9 +2,9 @@
 of the leases it handed out so that :meth:`Broker.close` ends them.
 
 An acquire is one ``POST`` with a ``request_id`` generated for it; the broker does the waiting.
-When the broker answers ``503`` or no answer comes, the same request is sent again (same
-``request_id``) after the broker's ``Retry-After`` or a short backoff, while the caller's wait
-lasts. A repeat of a request the broker did grant answers that same lease, so a retry never
+When the broker answers ``503`` (or a load balancer in front ``502``/``504``) or no answer comes,
+the same request is sent again (same ``request_id``) after the broker's ``Retry-After`` or a
+short backoff, while the caller's wait lasts. A repeat of a request the broker did grant answers that same lease, so a retry never
 makes a second holder, and a grant whose answer was lost is found again, not left behind.
 """
 
@@ -25,7 +25,7 @@ from ._lease import (
     margin_for,
     ttl_ms,
 )
-from ._transport import NoAnswer, Transport
+from ._transport import RETRYABLE, NoAnswer, Transport
 
 __version__ = "0.1.0"
 
@@ -273,7 +273,7 @@ class Broker:
                 if answer.status == 409 and answer.code == "locked" and \
                         time.monotonic() < deadline - 0.001 and ask < deadline - now:
                     continue  # a wait longer than the broker's longest, asked for in parts
-                if answer.status != 503:
+                if answer.status not in RETRYABLE:
                     raise error_from(answer)
                 problem, delay = answer.message, backoff.delay(answer.retry_after())
             now = time.monotonic()

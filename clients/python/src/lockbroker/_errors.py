@@ -62,6 +62,6 @@ def error_from(answer: "Answer") -> BrokerError:
     if answer.status == 409 and code == "limit_mismatch":
         limit = answer.body.get("limit")
         return LimitMismatch(answer.message, limit=limit if isinstance(limit, int) else None)
-    if answer.status == 503:
-        return Unavailable(answer.message, status=503, code=code)
+    if answer.status in (502, 503, 504):
+        return Unavailable(answer.message, status=answer.status, code=code)
     return BrokerError(answer.message, status=answer.status, code=code)

@@ -17,7 +17,7 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from ._errors import BrokerError, Unavailable, error_from
-from ._transport import Answer, NoAnswer
+from ._transport import RETRYABLE, Answer, NoAnswer
 
 if TYPE_CHECKING:
     from ._broker import _Core
@@ -325,7 +325,7 @@ class Lease:
         if answer.status in (404, 409):
             self._lose(NOT_OWNER if answer.code == "not_owner" else NOT_HELD)
             return _GONE, answer, answer.message
-        if answer.status != 503:
+        if answer.status not in RETRYABLE:
             # 401/403 (the auth file changed?), 400: kept trying until the end, as a refusal
             # that lasts until then loses the lease anyway.
             log.warning("renewal of %r (fence %d) refused with HTTP %d: %s",
@@ -384,7 +384,7 @@ class Lease:
             else:
                 if answer.status in (204, 404, 409):
                     break
-                if answer.status != 503:
+                if answer.status not in RETRYABLE:
                     raise error_from(answer)
                 problem = answer.message
             now = time.monotonic()

@@ -33,6 +33,12 @@ class NoAnswer(Exception):
         self.sent = sent
 
 
+#: Statuses that mean "try again": the broker's own ``503``, and the ``502``/``504`` of a load
+#: balancer in front of brokers that did not answer it (the request may have reached one, which
+#: is why every repeat carries the same ``request_id``).
+RETRYABLE = frozenset({502, 503, 504})
+
+
 class Answer:
     """A broker's answer: the status, the headers and the JSON body (``{}`` when there is none)."""
 
