@@ -149,6 +149,35 @@ def test_a_waiting_acquire_survives_a_broker_restart(spawn: Spawner, key: str) -
         lease.release()
 
 
+@pytest.mark.parametrize("outage", ["stopped", "hung"])
+def test_503s_from_a_redis_outage_are_retried_with_one_request_id_and_one_grant(
+    redis_spawn: Spawner, key: str, outage: str
+) -> None:
+    redis, broker, proxy = redis_spawn.on_redis_behind_proxy()
+    # Waits asked for in parts of 0.3 s: the broker answers each part's end with 503 while Redis
+    # is out (a longer part it would wait out itself), and the client asks again.
+    with Broker(proxy.url, max_wait=0.3) as client:
+        redis.stop() if outage == "stopped" else redis.pause()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                # Shared, so that a second grant would show as a second holder.
+                future = pool.submit(lambda: client.acquire(key, ttl=30, wait=15, shared=True))
+                proxy.wait_for(lambda e: posts_to(key)(e) and e.status == 503, count=2)
+                # Back: empty after a stop (the broker settles, then grants); after a hang,
+                # Redis runs the claims queued meanwhile, and the repeat finds that grant.
+                redis.restart() if outage == "stopped" else redis.resume()
+                lease = future.result(timeout=20)
+        finally:
+            if outage == "hung":
+                redis.resume()
+        attempts = proxy.seen(posts_to(key))
+        assert attempts[-1].status == 201
+        assert len({a.json()["request_id"] for a in attempts}) == 1
+        assert [h["fence"] for h in broker.holders(key)] == [lease.fence]
+        lease.release()
+        assert broker.holders(key) == []
+
+
 def test_a_redis_outage_is_unavailable_at_once_and_waited_out_within_the_wait(
     redis_spawn: Spawner, key: str
 ) -> None:
