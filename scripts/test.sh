@@ -100,3 +100,18 @@ if ! command -v javac >/dev/null 2>&1; then
     fi
 fi
 LOCKBROKER_BIN="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/lockbroker" clients/java/test.sh
+
+# --- Python client (clients/python) ----------------------------------------------------------
+# Its pytest suite runs against the same broker binary, on the embedded store and on a
+# redis-server it starts itself; it needs python3 (3.9+) and installs pytest with pip if missing.
+if ! command -v python3 >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        echo "python3 not found: installing python3 and python3-pytest with apt-get (the Python client's tests need them)."
+        apt_install python3 python3-pytest
+    else
+        echo "error: python3 (3.9 or later) is not on PATH, and the Python client's tests need it." >&2
+        echo "       macOS: brew install python; Fedora/RHEL: dnf install python3; Arch: pacman -S python; Alpine: apk add python3" >&2
+        exit 1
+    fi
+fi
+LOCKBROKER_BIN="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/lockbroker" clients/python/test.sh

@@ -1,0 +1,25 @@
+"""Client for lockbroker, the distributed-lock broker: leases that renew themselves, say when
+they are lost, and carry a fence.
+
+    from lockbroker import Broker, Locked
+
+    with Broker("http://127.0.0.1:8080") as broker:
+        with broker.acquire("orders:42", ttl=10, wait=5) as lease:
+            ...  # write, passing lease.fence to the resource; stop if lease.held turns false
+
+Standard library only; thread-safe.
+"""
+
+from ._broker import Broker, __version__
+from ._errors import BrokerError, LimitMismatch, Locked, Unavailable
+from ._lease import Lease
+
+__all__ = [
+    "Broker",
+    "BrokerError",
+    "Lease",
+    "LimitMismatch",
+    "Locked",
+    "Unavailable",
+    "__version__",
+]
