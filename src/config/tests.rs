@@ -191,3 +191,34 @@ fn settings_that_give_up_a_guarantee_come_back_as_warnings() {
     };
     assert!(resolve(args).unwrap().warnings().is_empty());
 }
+
+#[test]
+fn every_setting_s_flag_and_environment_variable_follow_from_its_file_key() {
+    use clap::Args;
+    let command = ServeArgs::augment_args(clap::Command::new("serve"));
+    let flags: Vec<&str> = command
+        .get_arguments()
+        .map(|arg| arg.get_id().as_str())
+        .collect();
+    for arg in command.get_arguments() {
+        let key = arg.get_id().as_str();
+        assert_eq!(
+            arg.get_long(),
+            Some(key.replace('_', "-").as_str()),
+            "{key}"
+        );
+        let env = format!("LOCKBROKER_{}", key.to_ascii_uppercase());
+        assert_eq!(arg.get_env(), Some(std::ffi::OsStr::new(&env)), "{key}");
+    }
+    // The file's keys are the flags' names, but for `config`, which names the file.
+    let serde_json::Value::Object(keys) = serde_json::to_value(Settings::default()).unwrap() else {
+        panic!("the settings serialize to an object");
+    };
+    let keys: Vec<&str> = keys.keys().map(String::as_str).collect();
+    let mut without_config: Vec<&str> = flags.iter().copied().filter(|f| *f != "config").collect();
+    let mut sorted_keys = keys.clone();
+    without_config.sort_unstable();
+    sorted_keys.sort_unstable();
+    assert_eq!(sorted_keys, without_config);
+    assert_eq!(flags.len(), 26, "{flags:?}");
+}
