@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::{LockError, LockService};
 use crate::domain::{Fence, LockKey, Token, Ttl};
 use crate::metrics::{HolderResult, StoreOp};
-use crate::store::{Holder, Lease, Space, Store};
+use crate::store::{Holder, Lease, Space, Store, StoreResult};
 
 impl<S: Store> LockService<S> {
     /// Releases `token`'s live lease on `key` in `space`: the exclusive or a shared lease of a
@@ -20,16 +20,11 @@ impl<S: Store> LockService<S> {
         let outcome = self
             .timed(StoreOp::release, self.store.release(space, key, token))
             .await;
-        let (result, held) = match &outcome {
-            Ok(Holder::Done(released)) => (
-                HolderResult::Done,
-                Some(Duration::from_millis(released.held_ms)),
-            ),
-            Ok(Holder::NotHeld) => (HolderResult::NotHeld, None),
-            Ok(Holder::NotOwner) => (HolderResult::NotOwner, None),
-            Ok(Holder::Held(_)) | Err(_) => (HolderResult::Error, None),
+        let held = match &outcome {
+            Ok(Holder::Done(released)) => Some(Duration::from_millis(released.held_ms)),
+            _ => None,
         };
-        self.metrics.released(space, result, held);
+        self.metrics.released(space, holder_result(&outcome), held);
         outcome?.into_result().map(drop)
     }
 
@@ -45,20 +40,12 @@ impl<S: Store> LockService<S> {
         let outcome = self
             .timed(StoreOp::renew, self.store.renew(space, key, token, ttl))
             .await;
-        self.metrics.renewed(
-            space,
-            match &outcome {
-                Ok(Holder::Done(_)) => HolderResult::Done,
-                Ok(Holder::NotHeld) => HolderResult::NotHeld,
-                Ok(Holder::NotOwner) => HolderResult::NotOwner,
-                Ok(Holder::Held(_)) | Err(_) => HolderResult::Error,
-            },
-        );
+        self.metrics.renewed(space, holder_result(&outcome));
         outcome?.into_result()
     }
 
     /// Ends every live lease on `key` in `space` without their tokens; the fences it ended.
-    /// Refused unless force release is allowed on this broker (see [`LockSettings`]).
+    /// Refused unless force release is allowed on this broker (see [`LockSettings`](super::LockSettings)).
     pub async fn force_release(
         &self,
         space: Space,
@@ -70,15 +57,7 @@ impl<S: Store> LockService<S> {
         let outcome = self
             .timed(StoreOp::force_release, self.store.force_release(space, key))
             .await;
-        self.metrics.force_released(
-            space,
-            match &outcome {
-                Ok(Holder::Done(_)) => HolderResult::Done,
-                Ok(Holder::NotHeld) => HolderResult::NotHeld,
-                Ok(Holder::NotOwner) => HolderResult::NotOwner,
-                Ok(Holder::Held(_)) | Err(_) => HolderResult::Error,
-            },
-        );
+        self.metrics.force_released(space, holder_result(&outcome));
         let fences = outcome?.into_result()?;
         tracing::warn!(
             %key,
@@ -88,5 +67,15 @@ impl<S: Store> LockService<S> {
             fences.len()
         );
         Ok(fences)
+    }
+}
+
+/// How a holder-checked store call ended, as the metrics count it.
+fn holder_result<T>(outcome: &StoreResult<Holder<T>>) -> HolderResult {
+    match outcome {
+        Ok(Holder::Done(_)) => HolderResult::Done,
+        Ok(Holder::NotHeld) => HolderResult::NotHeld,
+        Ok(Holder::NotOwner) => HolderResult::NotOwner,
+        Ok(Holder::Held(_)) | Err(_) => HolderResult::Error,
     }
 }
