@@ -1,6 +1,7 @@
 //! The declaration of every setting, once: its type, its default and its documentation, from
 //! which the flag of `lockbroker serve` (`--default-ttl-ms`), the environment variable
-//! (`LOCKBROKER_DEFAULT_TTL_MS`) and the config file's key (`default_ttl_ms`) all follow.
+//! (`LOCKBROKER_DEFAULT_TTL_MS`) and the config file's key (`default_ttl_ms`) all follow. The
+//! variable's name is written out, as clap wants a literal, and a test holds it to the rule.
 
 use std::path::PathBuf;
 
@@ -38,6 +39,8 @@ macro_rules! value_of {
 /// Declares every setting once (`name: Type = default;`, or `name: Type;` for one that may be
 /// absent): the options one source gives ([`Settings`]), how a higher source layers over a
 /// lower one, and the values with the defaults applied ([`Values`]).
+// The type is an identifier (every setting's is), so that clap's derive, which reads the field's
+// type to tell an optional value, sees exactly the `Option<T>` it would see written by hand.
 macro_rules! settings {
     ($(
         $(#[$attr:meta])*
