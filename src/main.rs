@@ -11,7 +11,7 @@ use lockbroker::client::commands::{
 };
 #[cfg(unix)]
 use lockbroker::client::run::{self, RunArgs};
-use lockbroker::config::{Config, Settings};
+use lockbroker::config::{Config, ServeArgs};
 use lockbroker::startup::{Application, shutdown_signal};
 
 /// jemalloc: a parked HTTP/1.1 waiter takes 14.8 KB with it against 23.1 KB with glibc's
@@ -39,7 +39,7 @@ struct Cli {
 enum Command {
     /// Run the broker.
     // Boxed: the settings are many times larger than any other command's arguments.
-    Serve(Box<Settings>),
+    Serve(Box<ServeArgs>),
     /// Load a running broker and print throughput and latency (and, with --redis-url, the
     /// same lock cycle done directly on Redis, for comparison).
     Bench(BenchArgs),
@@ -91,9 +91,9 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn serve(settings: Settings) -> anyhow::Result<()> {
-    let config = Config::load(settings)?;
-    lockbroker::telemetry::init(config.log_format, &config.log_level);
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let config = Config::load(args)?;
+    lockbroker::telemetry::init(config.log.format, &config.log.level);
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }

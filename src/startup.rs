@@ -13,13 +13,11 @@ use tokio::sync::{Notify, watch};
 
 use crate::auth::Policy;
 use crate::config::{Config, StoreBackend};
-use crate::http::{AppState, Auth, Limits, router};
-use crate::lock::{LockService, LockSettings};
+use crate::http::{AppState, Auth, router};
+use crate::lock::LockService;
 use crate::metrics::Metrics;
 use crate::reload::{Reloadable, Reloader};
-use crate::server::tls::TlsFiles;
 use crate::server::{ServeSettings, serve};
-use crate::store::redis::RedisSettings;
 use crate::store::{AnyStore, MemoryStore, RedisStore};
 
 /// How often the embedded store drops keys whose leases ended long ago.
@@ -41,22 +39,11 @@ impl Application {
     /// Redis comes.
     pub async fn build(config: &Config) -> anyhow::Result<Self> {
         let metrics = Arc::new(Metrics::default());
-        let store = match &config.redis_url {
-            StoreBackend::Redis(url) | StoreBackend::Sentinel(url) | StoreBackend::Cluster(url) => {
-                let store = RedisStore::connect(
-                    &RedisSettings {
-                        url: url.expose().to_owned(),
-                        key_prefix: config.key_prefix.clone(),
-                        timeout: config.store_timeout(),
-                        store_loss_delay: Duration::from_millis(config.store_loss_delay_ms),
-                        store_settle: Duration::from_millis(config.store_settle_ms),
-                        tls: config.redis_tls(),
-                        replica_acks: config.redis_replica_acks,
-                    },
-                    metrics.clone(),
-                )
-                .context("cannot set up the Redis store")?;
-                tracing::info!(redis = %url, "locks are kept in Redis");
+        let store = match &config.store {
+            StoreBackend::Redis(settings) => {
+                let store = RedisStore::connect(settings, metrics.clone())
+                    .context("cannot set up the Redis store")?;
+                tracing::info!(redis = %settings.url, "locks are kept in Redis");
                 AnyStore::Redis(store)
             }
             StoreBackend::Memory => {
@@ -72,23 +59,13 @@ impl Application {
         let (shutdown, shutdown_rx) = watch::channel(false);
         let locks = LockService::with_metrics(
             store.clone(),
-            LockSettings {
-                store_timeout: config.store_timeout(),
-                max_waiters: config.max_waiters,
-                // With auth, the auth layer lets only admin tokens ask.
-                allow_force_release: config.allow_force_release || config.auth_file.is_some(),
-            },
+            config.lock.clone(),
             shutdown_rx,
             metrics.clone(),
         );
-        let limits = Limits {
-            default_ttl_ms: config.default_ttl_ms,
-            max_ttl_ms: config.max_ttl_ms,
-            default_wait_ms: config.default_wait_ms,
-            max_wait_ms: config.max_wait_ms,
-        };
+        let serving = &config.serving;
         let mut reloader = Reloader::default();
-        let auth = match &config.auth_file {
+        let auth = match &serving.auth_file {
             None => None,
             Some(path) => {
                 let policy = Policy::load(path)?;
@@ -108,13 +85,9 @@ impl Application {
                 })
             }
         };
-        let tls = match (&config.tls_cert, &config.tls_key) {
-            (Some(cert), Some(key)) => {
-                let files = TlsFiles {
-                    cert: cert.clone(),
-                    key: key.clone(),
-                    client_ca: config.tls_client_ca.clone(),
-                };
+        let tls = match &serving.tls {
+            Some(files) => {
+                let files = files.clone();
                 let tls = Arc::new(Reloadable::new(files.load()?));
                 let paths = files.paths();
                 reloader.watch(
@@ -126,24 +99,24 @@ impl Application {
                 );
                 Some(tls)
             }
-            _ => None,
+            None => None,
         };
-        let listener = TcpListener::bind(config.listen)
+        let listener = TcpListener::bind(serving.listen)
             .await
-            .with_context(|| format!("cannot listen on {}", config.listen))?;
+            .with_context(|| format!("cannot listen on {}", serving.listen))?;
         Ok(Self {
             listener,
             router: router(AppState {
                 locks,
-                limits,
+                limits: config.limits,
                 auth,
-                auth_metrics: config.auth_metrics,
+                auth_metrics: serving.auth_metrics,
             }),
             shutdown,
             store,
             serve: ServeSettings {
-                header_timeout: config.header_timeout(),
-                max_connections: config.max_connections,
+                header_timeout: serving.header_timeout,
+                max_connections: serving.max_connections,
                 tls,
             },
             reloader,

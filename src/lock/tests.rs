@@ -12,10 +12,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures::executor::block_on;
 
+use super::acquire::POLL_MIN;
 use super::*;
+use crate::domain::{LockKey, Token};
 use crate::store::memory::clock::ManualClock;
 use crate::store::{
-    Join, ListQuery, MemoryStore, Mode, Notice, Page, Permits, Pool, Snapshot, Space,
+    Bid, Grant, Join, ListQuery, MemoryStore, Mode, Notice, Page, Permits, Pool, Snapshot, Space,
+    WRITER_INTENT_MS,
 };
 
 type Hook = Box<dyn FnOnce(&MemoryStore) + Send>;

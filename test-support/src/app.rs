@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockbroker::config::{Config, StoreBackend};
+use lockbroker::config::{Config, Settings};
 use lockbroker::startup::Application;
 use reqwest::{Client, Method, RequestBuilder, StatusCode};
 use serde_json::Value;
@@ -32,19 +32,24 @@ pub async fn spawn_app(redis_url: Option<String>) -> TestApp {
     spawn_app_with(redis_url, |_| {}).await
 }
 
-/// As [`spawn_app`], with the configuration adjusted by `tweak` first.
-pub async fn spawn_app_with(redis_url: Option<String>, tweak: impl FnOnce(&mut Config)) -> TestApp {
+/// As [`spawn_app`], with the settings adjusted by `tweak` first (as flags would give them:
+/// checked as a broker checks its own).
+pub async fn spawn_app_with(
+    redis_url: Option<String>,
+    tweak: impl FnOnce(&mut Settings),
+) -> TestApp {
     init_test_log();
-    let mut config = Config {
-        listen: "127.0.0.1:0".parse().expect("a valid address"),
-        redis_url: StoreBackend::parse(redis_url.as_deref().unwrap_or_default())
-            .expect("a valid Redis URL"),
+    let mut settings = Settings {
+        listen: Some("127.0.0.1:0".into()),
+        redis_url,
         // A new Redis per test: no settling time before the first grant (the tests of the
         // settling set their own).
-        store_settle_ms: 0,
-        ..Config::default()
+        store_settle_ms: Some(0),
+        ..Settings::default()
     };
-    tweak(&mut config);
+    tweak(&mut settings);
+    let config =
+        Config::resolve(settings, Settings::default()).expect("the settings must be valid");
     let app = Application::build(&config)
         .await
         .expect("the broker must build");
@@ -192,7 +197,7 @@ impl Backend {
         Self::start_with(kind, |_| {}).await
     }
 
-    pub async fn start_with(kind: StoreKind, tweak: impl FnOnce(&mut Config)) -> Self {
+    pub async fn start_with(kind: StoreKind, tweak: impl FnOnce(&mut Settings)) -> Self {
         let redis = match kind {
             StoreKind::Embedded => None,
             StoreKind::Redis => Some(RedisServer::start().await),
@@ -203,7 +208,7 @@ impl Backend {
 
     /// Another broker on the same store: on Redis it shares the locks; the embedded store is
     /// per broker, so there it is a fresh, unrelated broker.
-    pub async fn another_app(&self, tweak: impl FnOnce(&mut Config)) -> TestApp {
+    pub async fn another_app(&self, tweak: impl FnOnce(&mut Settings)) -> TestApp {
         spawn_app_with(self.redis.as_ref().map(RedisServer::url), tweak).await
     }
 }

@@ -84,7 +84,7 @@ async fn spawn_guarded(file: &AuthFile, auth_metrics: bool) -> TestApp {
     let path = file.path().to_owned();
     spawn_app_with(None, move |c| {
         c.auth_file = Some(path);
-        c.auth_metrics = auth_metrics;
+        c.auth_metrics = Some(auth_metrics);
     })
     .await
 }

@@ -119,7 +119,7 @@ async fn fences_keep_rising_after_redis_restarts_without_its_data() {
     let mut redis = RedisServer::start().await;
     // No settle time: grants resume as soon as the lease is back (the hold has tests of its
     // own in `store_loss`).
-    let app = spawn_app_with(Some(redis.url()), |c| c.store_settle_ms = 0).await;
+    let app = spawn_app_with(Some(redis.url()), |c| c.store_settle_ms = Some(0)).await;
     let mut last = 0;
     for _ in 0..3 {
         let grant = app.grant("durable", "").await;
@@ -154,7 +154,10 @@ async fn fences_keep_rising_after_redis_restarts_without_its_data() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_broker_writes_redis_keys_only_under_its_prefix() {
     let redis = RedisServer::start().await;
-    let app = spawn_app_with(Some(redis.url()), |c| c.key_prefix = "apitest:".into()).await;
+    let app = spawn_app_with(Some(redis.url()), |c| {
+        c.key_prefix = Some("apitest:".into())
+    })
+    .await;
     app.grant("orders:42", "").await;
     app.grant("x", "").await;
     let mut conn = redis.connection().await;
@@ -174,8 +177,8 @@ async fn the_broker_writes_redis_keys_only_under_its_prefix() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn brokers_with_different_prefixes_do_not_share_locks() {
     let redis = RedisServer::start().await;
-    let blue = spawn_app_with(Some(redis.url()), |c| c.key_prefix = "blue:".into()).await;
-    let green = spawn_app_with(Some(redis.url()), |c| c.key_prefix = "green:".into()).await;
+    let blue = spawn_app_with(Some(redis.url()), |c| c.key_prefix = Some("blue:".into())).await;
+    let green = spawn_app_with(Some(redis.url()), |c| c.key_prefix = Some("green:".into())).await;
     blue.grant("deploy", "").await;
     green.grant("deploy", "").await;
     blue.acquire("deploy", "")

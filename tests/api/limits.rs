@@ -67,7 +67,7 @@ fn assert_error(answer: &(u16, Value), status: u16, code: &str) {
 }
 
 async fn spawn_with_header_timeout(ms: u64) -> TestApp {
-    spawn_app_with(None, |c| c.header_timeout_ms = ms).await
+    spawn_app_with(None, |c| c.header_timeout_ms = Some(ms)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,7 +201,7 @@ async fn a_huge_announced_body_is_answered_413_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_max_connections_wait_until_one_closes() {
-    let app = spawn_app_with(None, |c| c.max_connections = 2).await;
+    let app = spawn_app_with(None, |c| c.max_connections = Some(2)).await;
     let first = connect(&app).await;
     let _second = connect(&app).await;
     // Both taken (idle, within the header timeout): a third client is not answered...

@@ -40,7 +40,7 @@ async fn metrics_count_known_traffic_on_the_embedded_store() {
 async fn metrics_count_known_traffic_and_a_redis_outage_on_redis() {
     let mut redis = RedisServer::start().await;
     let app = spawn_app_with(Some(redis.url()), |c| {
-        c.store_timeout_ms = STORE_TIMEOUT_MS;
+        c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
     })
     .await;
     // Release notices wake the waiter at once rather than at its fallback poll.

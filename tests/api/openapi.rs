@@ -545,7 +545,7 @@ async fn auth_scenarios(cov: &mut Coverage) {
     let path = file.clone();
     let app = spawn_app_with(None, move |c| {
         c.auth_file = Some(path);
-        c.auth_metrics = true;
+        c.auth_metrics = Some(true);
     })
     .await;
     let cases = [
@@ -909,7 +909,7 @@ async fn operations_scenarios(app: &TestApp, cov: &mut Coverage) {
 
 /// The 503s of a waiting acquire: too many waiters, then the broker shutting down.
 async fn waiting_scenarios(cov: &mut Coverage) {
-    let app = spawn_app_with(None, |c| c.max_waiters = 1).await;
+    let app = spawn_app_with(None, |c| c.max_waiters = Some(1)).await;
     let key = "oa-busy";
     let holder = app.acquire(key, "ttl_ms=30000").await;
     cov.record("POST", LOCK, &holder);
@@ -931,7 +931,7 @@ async fn waiting_scenarios(cov: &mut Coverage) {
 /// Every store call fails: a broker whose Redis URL points at a closed port.
 async fn dead_store_scenarios(cov: &mut Coverage) {
     let app = spawn_app_with(Some("redis://127.0.0.1:1/".to_owned()), |c| {
-        c.store_timeout_ms = 200;
+        c.store_timeout_ms = Some(200);
     })
     .await;
     let key = "oa-dead";
@@ -987,8 +987,8 @@ async fn dead_store_scenarios(cov: &mut Coverage) {
 async fn data_loss_scenario(cov: &mut Coverage) {
     let mut redis = RedisServer::start().await;
     let app = spawn_app_with(Some(redis.url()), |c| {
-        c.store_loss_delay_ms = 60_000;
-        c.store_timeout_ms = 500;
+        c.store_loss_delay_ms = Some(60_000);
+        c.store_timeout_ms = Some(500);
     })
     .await;
     let answer = app.acquire("oa-before-loss", "ttl_ms=1000").await;

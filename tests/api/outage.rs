@@ -21,8 +21,8 @@ const LATENESS: Duration = Duration::from_millis(1500);
 /// hold while leases are put back has tests of its own (`store_loss`).
 async fn broker_on(redis: &RedisServer) -> TestApp {
     spawn_app_with(Some(redis.url()), |c| {
-        c.store_timeout_ms = STORE_TIMEOUT_MS;
-        c.store_loss_delay_ms = 0;
+        c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
+        c.store_loss_delay_ms = Some(0);
     })
     .await
 }

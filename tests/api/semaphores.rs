@@ -214,7 +214,7 @@ async fn a_semaphore_and_a_lock_of_one_name_are_unrelated(b: &Backend) {
 }
 
 async fn force_release_ends_every_permit_where_it_is_allowed(b: &Backend) {
-    let allowed = b.another_app(|c| c.allow_force_release = true).await;
+    let allowed = b.another_app(|c| c.allow_force_release = Some(true)).await;
     permit(&allowed, "forced-sem", "limit=3").await;
     permit(&allowed, "forced-sem", "limit=3").await;
     let force = |app: &TestApp| app.request(Method::DELETE, "/semaphores/forced-sem?force=true");

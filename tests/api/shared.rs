@@ -183,7 +183,7 @@ async fn waiting_shared_requests_are_all_granted_when_the_exclusive_holder_relea
 }
 
 async fn force_release_ends_every_shared_lease_only_where_it_is_allowed(b: &Backend) {
-    let allowed = b.another_app(|c| c.allow_force_release = true).await;
+    let allowed = b.another_app(|c| c.allow_force_release = Some(true)).await;
     let one = allowed.grant("forced", "mode=shared").await;
     allowed.grant("forced", "mode=shared").await;
     let force =

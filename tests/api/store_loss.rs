@@ -21,8 +21,8 @@ const RECOVERY_LIMIT: Duration = Duration::from_secs(10);
 
 async fn broker(redis: &RedisServer) -> TestApp {
     spawn_app_with(Some(redis.url()), |c| {
-        c.store_timeout_ms = 1000;
-        c.store_settle_ms = SETTLE_MS;
+        c.store_timeout_ms = Some(1000);
+        c.store_settle_ms = Some(SETTLE_MS);
     })
     .await
 }
@@ -252,7 +252,7 @@ fn reason(answer: &Answer) -> String {
 async fn readyz_says_settling_on_a_new_store_and_holding_back_after_a_detected_loss() {
     let redis = RedisServer::start().await;
     let started = Instant::now();
-    let app = spawn_app_with(Some(redis.url()), |c| c.store_settle_ms = 1500).await;
+    let app = spawn_app_with(Some(redis.url()), |c| c.store_settle_ms = Some(1500)).await;
     // A store never seen before is new or emptied, never "lost".
     let (readyz, acquire) = loop {
         let readyz = app.get("/readyz").await;

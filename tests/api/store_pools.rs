@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lockbroker::domain::{LockKey, RequestId, Token, Ttl};
-use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls};
+use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
 use lockbroker::store::{
     Bid, Grant, Holder, Join, ListQuery, Mode, Notice, Pool, Space, Store, StoreError,
 };
@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 fn store(redis: &RedisServer, prefix: &str) -> (RedisStore, mpsc::Receiver<Notice>) {
     let store = RedisStore::connect(
         &RedisSettings {
-            url: redis.url(),
+            url: RedisUrl::parse(&redis.url()).unwrap(),
             key_prefix: prefix.into(),
             timeout: Duration::from_secs(2),
             store_loss_delay: Duration::ZERO,

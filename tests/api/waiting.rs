@@ -154,7 +154,7 @@ async fn wait_until_a_waiting_place_frees(app: &TestApp, key: &str) {
 
 async fn an_abandoned_waiter_stops_waiting_and_leaves_no_lease_behind(b: &Backend) {
     // One waiting place: whether the abandoned waiter still holds it shows over HTTP.
-    let app = b.another_app(|c| c.max_waiters = 1).await;
+    let app = b.another_app(|c| c.max_waiters = Some(1)).await;
     let holder = app.grant("left", "ttl_ms=30000").await;
     let waiter = app.spawn_acquire("left", "wait_ms=10000");
     tokio::time::sleep(SETTLE).await;
@@ -182,7 +182,7 @@ async fn an_abandoned_waiter_stops_waiting_and_leaves_no_lease_behind(b: &Backen
 }
 
 async fn an_abandoned_waiter_hands_its_place_to_the_next_in_line(b: &Backend) {
-    let app = b.another_app(|c| c.max_waiters = 2).await;
+    let app = b.another_app(|c| c.max_waiters = Some(2)).await;
     let holder = app.grant("line", "ttl_ms=30000").await;
     let first = app.spawn_acquire("line", "wait_ms=10000");
     tokio::time::sleep(SETTLE).await;
@@ -219,7 +219,7 @@ async fn an_abandoned_waiter_hands_its_place_to_the_next_in_line(b: &Backend) {
 }
 
 async fn a_waiter_past_max_waiters_is_refused_at_once_with_503_too_many_waiters(b: &Backend) {
-    let app = b.another_app(|c| c.max_waiters = 1).await;
+    let app = b.another_app(|c| c.max_waiters = Some(1)).await;
     let holder = app.grant("crowded", "ttl_ms=30000").await;
     let first = app.spawn_acquire("crowded", "wait_ms=10000");
     tokio::time::sleep(SETTLE).await;

@@ -23,9 +23,9 @@ async fn brokers(cluster: &RedisCluster, n: usize) -> Vec<TestApp> {
     for _ in 0..n {
         apps.push(
             spawn_app_with(Some(cluster.url()), |c| {
-                c.store_timeout_ms = STORE_TIMEOUT_MS;
+                c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
                 // The default: every broker must catch up within it, under the suite's load.
-                c.store_settle_ms = 3000;
+                c.store_settle_ms = Some(3000);
             })
             .await,
         );

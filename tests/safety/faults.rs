@@ -51,14 +51,15 @@ pub(crate) async fn until_sections(run: &torture::Run, n: usize) {
 }
 
 async fn in_process_brokers(redis_url: &str, n: usize, max_ttl_ms: u64) -> Vec<TestApp> {
+    let default_ttl_ms = lockbroker::config::Config::default().limits.default_ttl_ms;
     let mut apps = Vec::new();
     for _ in 0..n {
         apps.push(
             spawn_app_with(Some(redis_url.to_owned()), |c| {
-                c.store_timeout_ms = STORE_TIMEOUT_MS;
-                c.max_ttl_ms = max_ttl_ms;
-                c.default_ttl_ms = c.default_ttl_ms.min(max_ttl_ms);
-                c.store_loss_delay_ms = max_ttl_ms;
+                c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
+                c.max_ttl_ms = Some(max_ttl_ms);
+                c.default_ttl_ms = Some(default_ttl_ms.min(max_ttl_ms));
+                c.store_loss_delay_ms = Some(max_ttl_ms);
             })
             .await,
         );
@@ -603,7 +604,7 @@ async fn after_a_loss_the_hold_back_set_by_a_broker_that_knew_the_store_binds_a_
 async fn a_half_open_redis_connection_is_replaced_after_one_timeout() {
     let redis = RedisServer::start().await;
     let proxy = Proxy::start(redis_addr(&redis.url())).await;
-    let app = spawn_app_with(Some(proxy.redis_url()), |c| c.store_timeout_ms = 300).await;
+    let app = spawn_app_with(Some(proxy.redis_url()), |c| c.store_timeout_ms = Some(300)).await;
     app.grant("before", "ttl_ms=1000").await;
     // The broker's connections now go nowhere while looking alive (something still
     // acknowledges every packet); a new connection to Redis works.

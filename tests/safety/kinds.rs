@@ -404,7 +404,7 @@ async fn read_write_locks_and_a_semaphore_keep_their_promises_across_a_redis_flu
     for _ in 0..3 {
         // A settle time, so that every broker puts its leases back before anything is granted
         // after the flush.
-        apps.push(spawn_app_with(Some(redis.url()), |c| c.store_settle_ms = 1_500).await);
+        apps.push(spawn_app_with(Some(redis.url()), |c| c.store_settle_ms = Some(1_500)).await);
     }
     redis.wait_until_listening(3).await;
     for app in &apps {

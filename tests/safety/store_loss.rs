@@ -15,8 +15,8 @@ use crate::proxy::{Mode, Proxy, redis_addr};
 
 async fn broker(redis_url: String, settle_ms: u64) -> TestApp {
     spawn_app_with(Some(redis_url), |c| {
-        c.store_timeout_ms = 300;
-        c.store_settle_ms = settle_ms;
+        c.store_timeout_ms = Some(300);
+        c.store_settle_ms = Some(settle_ms);
     })
     .await
 }

@@ -21,8 +21,8 @@ const SETTLE_MS: u64 = 1000;
 
 async fn broker(cluster: &RedisCluster) -> TestApp {
     spawn_app_with(Some(cluster.url()), |c| {
-        c.store_timeout_ms = 2000;
-        c.store_settle_ms = SETTLE_MS;
+        c.store_timeout_ms = Some(2000);
+        c.store_settle_ms = Some(SETTLE_MS);
     })
     .await
 }

@@ -90,8 +90,8 @@ async fn grants_and_renewals_wait_for_the_replica_and_leave_nothing_when_it_stal
     let replica = RedisServer::start().await;
     replicate(&master, &replica).await;
     let acked = spawn_app_with(Some(master.url()), |c| {
-        c.redis_replica_acks = 1;
-        c.store_timeout_ms = STORE_TIMEOUT_MS;
+        c.redis_replica_acks = Some(1);
+        c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
     })
     .await;
     // A broker that does not wait, to look at the store.

@@ -86,10 +86,10 @@ async fn scenario<T>(name: &str, run: impl Future<Output = T>) -> T {
 async fn two_brokers(topology: &SentinelTopology) -> [TestApp; 2] {
     let spawn = || {
         spawn_app_with(Some(topology.url()), |c| {
-            c.store_timeout_ms = STORE_TIMEOUT_MS;
+            c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
             // Long enough for the other broker to put its leases back (both hear of the new
             // master at once), short enough to keep the test quick.
-            c.store_settle_ms = 1500;
+            c.store_settle_ms = Some(1500);
         })
     };
     let brokers = [spawn().await, spawn().await];
@@ -182,8 +182,8 @@ async fn brokers_on_the_sentinel_url_grant_and_release_on_the_master(
     };
     let with = |url: String| {
         spawn_app_with(Some(url), |c| {
-            c.store_timeout_ms = STORE_TIMEOUT_MS;
-            c.store_settle_ms = 1500;
+            c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
+            c.store_settle_ms = Some(1500);
         })
     };
     let two_of_three = with(url([s1, dead[0], s3])).await;

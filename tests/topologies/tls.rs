@@ -78,7 +78,9 @@ async fn a_broker_over_tls_grants_releases_and_wakes_waiters() {
     let certs = Certificates::generate();
     let redis = TlsRedis::start(&certs, ClientCertificates::NotAsked).await;
     let ca = certs.ca();
-    let tweak = |config: &mut lockbroker::config::Config| config.redis_tls_ca = Some(ca.clone());
+    let tweak = |settings: &mut lockbroker::config::Settings| {
+        settings.redis_tls_ca = Some(ca.clone());
+    };
     let one = spawn_app_with(Some(redis.url()), tweak).await;
     let two = spawn_app_with(Some(redis.url()), tweak).await;
     wait_until_ready(&one.address, READY_LIMIT).await;
@@ -154,10 +156,12 @@ async fn a_server_that_asks_for_client_certificates_admits_only_a_broker_with_on
 
 #[tokio::test]
 async fn tls_files_are_read_for_cluster_and_sentinel_urls_too() {
-    use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls};
+    use lockbroker::store::redis::{
+        ClientCertificate, RedisSettings, RedisStore, RedisTls, RedisUrl,
+    };
     let certs = Certificates::generate();
     let settings = |url: &str, tls: RedisTls| RedisSettings {
-        url: url.to_owned(),
+        url: RedisUrl::parse(url).expect("a valid Redis URL"),
         key_prefix: "lockbroker:".into(),
         timeout: Duration::from_secs(1),
         store_loss_delay: Duration::ZERO,
@@ -167,8 +171,10 @@ async fn tls_files_are_read_for_cluster_and_sentinel_urls_too() {
     };
     let files = RedisTls {
         ca: Some(certs.ca()),
-        cert: Some(certs.client_cert()),
-        key: Some(certs.client_key()),
+        client: Some(ClientCertificate {
+            cert: certs.client_cert(),
+            key: certs.client_key(),
+        }),
     };
     // Built (certificates parsed, clients configured) without connecting.
     for url in [
@@ -182,7 +188,10 @@ async fn tls_files_are_read_for_cluster_and_sentinel_urls_too() {
     }
     // A key file that is not a key is refused at start, saying which file.
     let not_a_key = RedisTls {
-        key: Some(certs.ca()),
+        client: Some(ClientCertificate {
+            cert: certs.client_cert(),
+            key: certs.ca(),
+        }),
         ..files
     };
     let error = RedisStore::connect(

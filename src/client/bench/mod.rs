@@ -40,7 +40,7 @@ use self::waiters::park_waiters;
 use crate::client::parse_limit;
 use crate::domain::Token;
 use crate::store::RedisStore;
-use crate::store::redis::{ParsedUrl, RedisSettings, Topology};
+use crate::store::redis::{ParsedUrl, RedisSettings, RedisUrl, Topology};
 
 /// `lockbroker bench` flags.
 #[derive(Debug, Clone, Args)]
@@ -274,7 +274,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
     {
         let store = RedisStore::connect(
             &RedisSettings {
-                url: url.clone(),
+                url: RedisUrl::parse(url)?,
                 key_prefix: args.key_prefix.clone(),
                 timeout: Duration::from_secs(2),
                 store_loss_delay: Duration::ZERO,

@@ -33,7 +33,7 @@ use self::replies::{corrupt, field, held, lease_at, leases_from, parse_owner, re
 use self::scripts::{Call, Scripts};
 pub use self::slots::slot_of;
 use self::slots::tag_for;
-pub use self::url::{ParsedUrl, Topology};
+pub use self::url::{ParsedUrl, RedisUrl, Topology};
 use super::ledger::{Kind, Ledger};
 use super::{
     Bid, EXPIRY_SLACK_MS, Grant, Hold, HoldReason, Holder, Join, Lease, ListQuery, Notice, Page,
@@ -42,10 +42,11 @@ use super::{
 use crate::domain::{Fence, LockKey, Token, Ttl, millis};
 use crate::metrics::Metrics;
 
-/// Connection settings for [`RedisStore::connect`].
+/// Connection settings for [`RedisStore::connect`]. `Debug` shows no password.
 #[derive(Debug, Clone)]
 pub struct RedisSettings {
-    pub url: String,
+    /// The Redis to keep locks in, parsed once.
+    pub url: RedisUrl,
     /// Prepended to every Redis key the broker writes.
     pub key_prefix: String,
     /// Bound on one store call, connecting included.
@@ -56,7 +57,8 @@ pub struct RedisSettings {
     /// How long a new epoch holds every grant, so that every running broker that knew the store
     /// puts its live leases back first.
     pub store_settle: Duration,
-    /// Certificates for `rediss://` URLs.
+    /// Certificates for TLS URLs (`rediss…://`); the configuration refuses them with a plain
+    /// URL, so they are not checked against it again here.
     pub tls: RedisTls,
     /// How many replicas must have a grant or renewal before it is answered (see
     /// `replicas.rs`); 0: answered once the master has it.
@@ -66,10 +68,19 @@ pub struct RedisSettings {
 /// PEM files for TLS to Redis. Without a CA file the system's roots are trusted.
 #[derive(Debug, Clone, Default)]
 pub struct RedisTls {
+    /// The CA that Redis's certificate must chain to.
     pub ca: Option<PathBuf>,
-    /// A client certificate, with its key (`key`).
-    pub cert: Option<PathBuf>,
-    pub key: Option<PathBuf>,
+    /// A certificate to present to Redis.
+    pub client: Option<ClientCertificate>,
+}
+
+/// A client certificate for TLS to Redis: both files or neither, by construction.
+#[derive(Debug, Clone)]
+pub struct ClientCertificate {
+    /// The certificate (PEM).
+    pub cert: PathBuf,
+    /// Its private key (PEM).
+    pub key: PathBuf,
 }
 
 impl RedisTls {
@@ -83,17 +94,12 @@ impl RedisTls {
                 ))
             })
         };
-        let client_tls = match (&self.cert, &self.key) {
-            (None, None) => None,
-            (Some(cert), Some(key)) => Some(ClientTlsConfig {
-                client_cert: read("certificate", cert)?,
-                client_key: read("key", key)?,
+        let client_tls = match &self.client {
+            None => None,
+            Some(client) => Some(ClientTlsConfig {
+                client_cert: read("certificate", &client.cert)?,
+                client_key: read("key", &client.key)?,
             }),
-            _ => {
-                return Err(StoreError::Failed(
-                    "a Redis TLS client certificate needs both its certificate and its key".into(),
-                ));
-            }
         };
         let root_cert = self.ca.as_ref().map(|ca| read("CA", ca)).transpose()?;
         Ok(
@@ -190,7 +196,7 @@ impl RedisStore {
     /// Sets up the store without waiting for Redis: the broker starts (and says it is not
     /// ready) while Redis is down, and connects when it returns.
     pub fn connect(settings: &RedisSettings, metrics: Arc<Metrics>) -> StoreResult<Self> {
-        let url = ParsedUrl::parse(&settings.url)?;
+        let url = settings.url.parsed();
         // A response timeout alone does not tell a dead connection from a slow one: on a
         // connection whose far end vanished without a reset (a host gone, a black-holing
         // middlebox), every call would time out until the kernel gave up, minutes later.
@@ -207,13 +213,7 @@ impl RedisStore {
             install_tls_provider();
         }
         let tls = settings.tls.load()?;
-        if tls.is_some() && !url.tls {
-            return Err(StoreError::Failed(
-                "Redis TLS files are set but the Redis URL does not ask for TLS (rediss://…)"
-                    .into(),
-            ));
-        }
-        let connector = Connector::build(&url, tcp, tls, settings.timeout)?;
+        let connector = Connector::build(url, tcp, tls, settings.timeout)?;
         let cluster = url.topology == Topology::Cluster;
         let prefix = settings.key_prefix.as_str();
         Ok(Self {

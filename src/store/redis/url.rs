@@ -1,6 +1,6 @@
 //! Redis URLs: which topology a URL names, and the parts of the multi-host forms
 //! (`redis+sentinel://`, `redis+cluster://`) that the `redis` crate's own URL parser does not
-//! read.
+//! read; and [`RedisUrl`], a URL parsed once and kept as the secret it may be.
 
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo};
 
@@ -160,6 +160,74 @@ impl ParsedUrl {
             .into_connection_info()
             .map_err(|e| invalid(e.to_string()))?;
         Ok(info.set_redis_settings(self.redis_info()))
+    }
+}
+
+/// A Redis URL, parsed once, which may hold a password. `Debug` and `Display` mask it, and the
+/// user name with it (`redis://***@host:port/db`), so neither a log line nor a printed
+/// configuration shows it.
+#[derive(Clone)]
+pub struct RedisUrl {
+    text: String,
+    parsed: ParsedUrl,
+}
+
+impl RedisUrl {
+    /// Parses `url` (see [`ParsedUrl::parse`]); errors never repeat it.
+    pub fn parse(url: &str) -> Result<Self, StoreError> {
+        Ok(Self {
+            parsed: ParsedUrl::parse(url)?,
+            text: url.to_owned(),
+        })
+    }
+
+    /// Its parts, password included: for connecting, never for printing.
+    pub fn parsed(&self) -> &ParsedUrl {
+        &self.parsed
+    }
+
+    /// The URL as configured, password included: never for printing.
+    pub fn expose(&self) -> &str {
+        &self.text
+    }
+
+    /// Which deployment it names.
+    pub fn topology(&self) -> Topology {
+        self.parsed.topology
+    }
+
+    /// Whether it asks for TLS (`rediss…://`).
+    pub fn tls(&self) -> bool {
+        self.parsed.tls
+    }
+}
+
+impl PartialEq for RedisUrl {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for RedisUrl {}
+
+impl std::fmt::Display for RedisUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let url = &self.text;
+        // The last `@`: a password may contain `@` itself.
+        match (url.find("://"), url.rfind('@')) {
+            (Some(scheme), Some(at)) if at > scheme => {
+                write!(f, "{}://***@{}", &url[..scheme], &url[at + 1..])
+            }
+            _ => f.write_str(url),
+        }
+    }
+}
+
+impl std::fmt::Debug for RedisUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("RedisUrl")
+            .field(&format_args!("{self}"))
+            .finish()
     }
 }
 
