@@ -19,6 +19,12 @@ pub async fn grants_wait_and_answers_locked(store: Store) {
         .expect("a free key is granted");
     assert!(first.is_held());
     assert_eq!(first.key(), "orders:1");
+    let token = first.token().as_str().to_owned();
+    assert!(token.len() >= 32, "a real token");
+    assert!(
+        !format!("{first:?}").contains(&token),
+        "no Debug output shows the token"
+    );
     let status = client.status("orders:1").await.unwrap();
     assert_eq!(status.fence, first.fence());
 

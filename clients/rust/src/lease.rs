@@ -1,7 +1,6 @@
-//! The lease guard: [`Client::acquire`] and its kin take a lease (the broker waits; an
-//! unavailable broker is asked again with the same request id), and the [`Lease`] they return
-//! renews itself in a background task, says once when it is lost, and is released by
-//! [`Lease::release`] or, on a best-effort basis, when dropped.
+//! The lease guard: the [`Lease`] that [`Client::acquire`] and its kin return renews itself in
+//! a background task, says once when it is lost, and is released by [`Lease::release`] or, on a
+//! best-effort basis, when dropped.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,20 +9,20 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::{Instant, sleep, sleep_until, timeout, timeout_at};
+use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 
 use crate::client::{Client, REQUEST_TIMEOUT};
 use crate::error::Error;
-use crate::types::{AcquireParams, Claim, Grant, Resource, Token, new_request_id};
+use crate::types::{Claim, Grant, Resource, Token};
 
 /// Shortest pause between two attempts while the broker does not answer: keeps a short lease
 /// from turning an outage into a busy loop.
-const MIN_RETRY: Duration = Duration::from_millis(10);
+pub(crate) const MIN_RETRY: Duration = Duration::from_millis(10);
 
 /// Longest pause between two attempts while the broker does not answer (unless the broker's
 /// `Retry-After` asks for more on an acquire): a broker that comes back is noticed within a
 /// second.
-const MAX_RETRY: Duration = Duration::from_secs(1);
+pub(crate) const MAX_RETRY: Duration = Duration::from_secs(1);
 
 /// What an acquire asks for beyond the key: the lease's length, how long the broker may wait
 /// for it, a label for people, and how the guard renews it.
@@ -160,87 +159,6 @@ impl fmt::Debug for Lease {
             .field("ttl", &self.shared.ttl)
             .field("state", &*self.shared.state.borrow())
             .finish_non_exhaustive()
-    }
-}
-
-impl Client {
-    /// An exclusive lease on `key` for `ttl`, waiting up to `wait` while someone else holds it.
-    /// [`Error::Locked`] when the wait ran out; an error with [`Error::is_transient`] when the
-    /// broker stayed unreachable or unavailable.
-    pub async fn acquire(&self, key: &str, ttl: Duration, wait: Duration) -> Result<Lease, Error> {
-        self.acquire_with(
-            Claim::Exclusive(key.to_owned()),
-            LeaseOptions::new(ttl).wait(wait),
-        )
-        .await
-    }
-
-    /// An exclusive lease on `key` if it is free now, `None` if someone else holds it.
-    pub async fn try_acquire(&self, key: &str, ttl: Duration) -> Result<Option<Lease>, Error> {
-        self.try_acquire_with(Claim::Exclusive(key.to_owned()), LeaseOptions::new(ttl))
-            .await
-    }
-
-    /// [`Client::try_acquire`] for any claim (a shared lease, a permit); `options.wait` is not
-    /// used.
-    pub async fn try_acquire_with(
-        &self,
-        claim: Claim,
-        options: LeaseOptions,
-    ) -> Result<Option<Lease>, Error> {
-        match self.acquire_with(claim, options.wait(Duration::ZERO)).await {
-            Ok(lease) => Ok(Some(lease)),
-            Err(Error::Locked { .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// A lease for `claim` (exclusive, shared, or a semaphore's permit). One request id for
-    /// every attempt: a 503 or a lost connection is asked again after the broker's
-    /// `Retry-After` (or a short pause) until `options.wait` has run out, and at least once,
-    /// so a grant whose answer was lost is returned rather than left behind.
-    pub async fn acquire_with(&self, claim: Claim, options: LeaseOptions) -> Result<Lease, Error> {
-        let first_sent = Instant::now();
-        let deadline = first_sent + options.wait;
-        let mut params = AcquireParams {
-            ttl: Some(options.ttl),
-            wait: None,
-            owner: options.owner.clone(),
-            request_id: Some(new_request_id()),
-        };
-        let mut retried = false;
-        let mut pause = MIN_RETRY * 5;
-        loop {
-            params.wait = Some(deadline.saturating_duration_since(Instant::now()));
-            match self.grant(&claim, &params).await {
-                Ok(grant) => {
-                    // The lease began after the first attempt was sent, whichever attempt's
-                    // answer brought it: its end is judged from then.
-                    return Ok(Lease::hold(
-                        self.clone(),
-                        &claim,
-                        &grant,
-                        first_sent,
-                        options,
-                    ));
-                }
-                Err(e) if e.is_transient() && (!retried || Instant::now() < deadline) => {
-                    // Never past the caller's deadline, except for the one attempt that settles
-                    // an outcome left unsure when no wait was left at all.
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    let wanted = e.retry_after().unwrap_or(pause);
-                    sleep(if left.is_zero() {
-                        wanted.min(MAX_RETRY)
-                    } else {
-                        wanted.min(left)
-                    })
-                    .await;
-                    pause = (pause * 2).min(MAX_RETRY);
-                    retried = true;
-                }
-                Err(e) => return Err(e),
-            }
-        }
     }
 }
 

@@ -27,6 +27,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod acquire;
 mod client;
 mod error;
 mod lease;
