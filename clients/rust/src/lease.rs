@@ -250,65 +250,69 @@ impl Lease {
         }
     }
 
-    /// Stops the renewals for good, then releases the lease (also a lost one: the broker may
-    /// still hold it for a moment). Idempotent: a second call sends nothing, and a lease that
+    /// Stops the renewals for good (a renewal already in flight is let finish, so that the
+    /// `DELETE` comes after it), then releases the lease (also a lost one: the broker may still
+    /// hold it for a moment). Idempotent: a second call sends nothing, and a lease that
     /// was gone at the broker (`404`, `409`) is not an error. An error means the broker could
     /// not be asked or refused otherwise; the lease then ends by its ttl. Each request is
     /// bounded by [`REQUEST_TIMEOUT`]; wrap the call in a timeout for a shorter bound.
     pub async fn release(&self) -> Result<Released, Error> {
-        self.stop_renewing().await;
         if self.shared.release_sent.swap(true, Ordering::SeqCst) {
             return Ok(Released::Before);
         }
-        self.shared.state.send_if_modified(|state| match state {
+        self.shared.mark_released();
+        let renewer = self.renewer.lock().expect("never poisoned").take();
+        self.shared.release_after(renewer).await
+    }
+}
+
+impl Shared {
+    /// `Released`, unless the lease was lost first: the renewal task sees it and stops.
+    fn mark_released(&self) {
+        self.state.send_if_modified(|state| match state {
             LeaseState::Held => {
                 *state = LeaseState::Released;
                 true
             }
             _ => false,
         });
-        let shared = &self.shared;
-        match shared.client.release(&shared.resource, &shared.token).await {
+    }
+
+    /// Waits for the renewal task to stop (it does between renewals, or after the one in
+    /// flight, so the `DELETE` always comes after the last renewal), then releases.
+    async fn release_after(&self, renewer: Option<JoinHandle<()>>) -> Result<Released, Error> {
+        if let Some(renewer) = renewer {
+            let _ = renewer.await;
+        }
+        match self.client.release(&self.resource, &self.token).await {
             Ok(()) => Ok(Released::Now),
             Err(e) if e.is_gone() => Ok(Released::Gone(e)),
             Err(e) => Err(e),
-        }
-    }
-
-    /// Ends the renewal task and waits until it has, so that no renewal starts after this.
-    async fn stop_renewing(&self) {
-        let renewer = self.renewer.lock().expect("never poisoned").take();
-        if let Some(renewer) = renewer {
-            renewer.abort();
-            let _ = renewer.await;
         }
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if let Some(renewer) = self.renewer.get_mut().expect("never poisoned").take() {
-            renewer.abort();
-        }
-        self.shared.state.send_if_modified(|state| {
-            let held = matches!(state, LeaseState::Held);
-            if held {
-                *state = LeaseState::Released;
-            }
-            held
-        });
         if self.shared.release_sent.swap(true, Ordering::SeqCst) {
             return;
         }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let shared = self.shared.clone();
-            runtime.spawn(async move {
-                let _ = timeout(
-                    shared.ttl.min(REQUEST_TIMEOUT),
-                    shared.client.release(&shared.resource, &shared.token),
-                )
-                .await;
-            });
+        self.shared.mark_released();
+        let renewer = self.renewer.get_mut().expect("never poisoned").take();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let shared = self.shared.clone();
+                runtime.spawn(async move {
+                    let bound = shared.ttl.min(REQUEST_TIMEOUT);
+                    let _ = timeout(bound, shared.release_after(renewer)).await;
+                });
+            }
+            // No runtime to release on: stop renewing, and the lease ends by its ttl.
+            Err(_) => {
+                if let Some(renewer) = renewer {
+                    renewer.abort();
+                }
+            }
         }
     }
 }
@@ -338,13 +342,18 @@ async fn keep(
     let mut ends_at = sent_at + shared.ttl;
     let mut next = sent_at + every;
     let mut last: Option<Error> = None;
+    let mut state = shared.state.subscribe();
     loop {
-        sleep_until(next.min(ends_at)).await;
+        tokio::select! {
+            () = sleep_until(next.min(ends_at)) => {}
+            // Released (or dropped): no renewal starts after that.
+            _ = state.wait_for(|s| !matches!(s, LeaseState::Held)) => return,
+        }
         let sent = Instant::now();
         if sent >= ends_at {
             return lose(&shared, Loss::Expired { last });
         }
-        if !matches!(*shared.state.borrow(), LeaseState::Held) {
+        if !matches!(*state.borrow(), LeaseState::Held) {
             return;
         }
         let renewed = timeout_at(
