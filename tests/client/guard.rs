@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use lockbroker_client::{Claim, Error, LeaseOptions, LeaseState, Loss, Released, Resource};
-use tokio::time::timeout;
+use tokio::time::{Instant, timeout};
 
 use super::{RENEWED, Setup, Store, eventually};
 
@@ -232,6 +232,48 @@ pub async fn no_renewal_is_sent_after_release_or_drop(store: Store) {
         setup.client.status("brief").await,
         Err(Error::NotHeld { .. })
     ));
+}
+
+/// Two brokers on one Redis; the lease's broker is killed. The holder learns of the loss
+/// before the other broker can grant the key to anyone else: the guard judges the lease's end
+/// from when its last confirmed renewal was sent, which is never later than the store's.
+pub async fn a_lease_is_lost_before_another_broker_can_grant_it() {
+    let mut setup = Setup::start(Store::Redis).await;
+    let (_other, other_client) = setup.another_broker().await;
+    let ttl = Duration::from_secs(2);
+    let lease = setup
+        .client
+        .acquire("handed-over", ttl, Duration::ZERO)
+        .await
+        .unwrap();
+    eventually("a renewal got through", || async {
+        setup.metric(RENEWED).await >= 1.0
+    })
+    .await;
+    setup.broker.kill();
+    let (loss, next) = tokio::join!(
+        async {
+            let loss = timeout(ttl * 2, lease.lost())
+                .await
+                .expect("the loss is signalled");
+            (loss, Instant::now())
+        },
+        async {
+            let next = other_client
+                .acquire("handed-over", LONG, ttl * 3)
+                .await
+                .expect("the other broker grants the key once the lease ends");
+            (next, Instant::now())
+        },
+    );
+    assert!(matches!(loss.0, Loss::Expired { .. }), "{}", loss.0);
+    assert!(
+        loss.1 <= next.1,
+        "the loss was signalled {:?} after the key was granted again",
+        loss.1 - next.1
+    );
+    assert!(next.0.fence() > lease.fence());
+    next.0.release().await.unwrap();
 }
 
 /// A broker on a new Redis settles before its first grant, answering `503` with a

@@ -19,7 +19,9 @@ use lockbroker_test_support::redis_server::RedisServer;
 struct Setup {
     broker: BrokerProcess,
     /// Kept alive as long as the broker uses it; `None` for the embedded store.
-    _redis: Option<RedisServer>,
+    redis: Option<RedisServer>,
+    /// How the broker was started, to start a second one on the same store.
+    command: BrokerCommand,
     client: Client,
 }
 
@@ -55,13 +57,26 @@ impl Setup {
                 }
             },
         );
-        let broker = BrokerProcess::start(command).await;
+        let broker = BrokerProcess::start(command.clone()).await;
         let client = Client::new(&broker.address()).expect("a valid URL");
         Self {
             broker,
-            _redis: redis,
+            redis,
+            command,
             client,
         }
+    }
+
+    /// Another broker on the same Redis, ready to grant, and a client for it.
+    async fn another_broker(&self) -> (BrokerProcess, Client) {
+        assert!(
+            self.redis.is_some(),
+            "brokers share a Redis, not an embedded store"
+        );
+        let broker = BrokerProcess::start(self.command.clone()).await;
+        wait_until_ready(&broker.address(), Duration::from_secs(10)).await;
+        let client = Client::new(&broker.address()).expect("a valid URL");
+        (broker, client)
     }
 
     /// A series of the broker's `/metrics`.
@@ -112,6 +127,11 @@ on_both_stores! {
     loss_after_force_release => crate::guard::a_force_release_is_signalled_as_a_loss_within_the_ttl;
     loss_after_broker_stop => crate::guard::a_stopped_broker_is_signalled_as_a_loss_within_the_ttl;
     no_renewal_after_release => crate::guard::no_renewal_is_sent_after_release_or_drop;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_whose_broker_died_is_lost_before_another_broker_grants_its_key() {
+    guard::a_lease_is_lost_before_another_broker_can_grant_it().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

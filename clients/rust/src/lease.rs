@@ -103,7 +103,8 @@ pub enum Loss {
     /// A renewal was answered `not_held` or `not_owner`: nobody, or somebody else, holds it.
     #[error("a renewal was refused: {0}")]
     Refused(Error),
-    /// No renewal was confirmed before the lease would have ended.
+    /// No renewal was confirmed before the lease would have ended (judged from when the last
+    /// confirmed renewal was sent, a tenth of the ttl early, so the signal precedes the end).
     #[error("no renewal got through before it ended{}", last.as_ref().map_or_else(String::new, |e| format!(" (last: {e})")))]
     Expired { last: Option<Error> },
 }
@@ -328,10 +329,10 @@ fn lose(shared: &Shared, loss: Loss) {
     });
 }
 
-/// The renewal task: renews every `every` until the lease is released (the task is aborted)
-/// or lost. A renewal that fails without an answer that ends the lease is retried until the
-/// lease would have ended, judged from when the last confirmed renewal was sent: the broker
-/// cannot have extended it past that.
+/// The renewal task: renews every `every` until the lease is released or lost. A renewal that
+/// fails without an answer that ends the lease is retried until the lease would have ended,
+/// judged from when the last confirmed renewal was sent (the broker cannot have extended it past
+/// that), less a tenth of the ttl.
 async fn keep(
     shared: Arc<Shared>,
     sent_at: Instant,
@@ -339,7 +340,10 @@ async fn keep(
     on_trouble: Option<TroubleHook>,
 ) {
     let retry = (every / 4).clamp(MIN_RETRY, MAX_RETRY);
-    let mut ends_at = sent_at + shared.ttl;
+    // The lease is judged lost a tenth of its ttl before the earliest moment it can end at the
+    // broker, so that the signal comes before the end even when this task's timer fires late.
+    let lasts = shared.ttl - shared.ttl / 10;
+    let mut ends_at = sent_at + lasts;
     let mut next = sent_at + every;
     let mut last: Option<Error> = None;
     let mut state = shared.state.subscribe();
@@ -370,7 +374,7 @@ async fn keep(
                 {
                     report(&Trouble::Recovered);
                 }
-                ends_at = sent + shared.ttl;
+                ends_at = sent + lasts;
                 next = sent + every;
             }
             Ok(Err(e)) if e.is_gone() => return lose(&shared, Loss::Refused(e)),
