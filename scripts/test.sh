@@ -6,8 +6,9 @@
 # The integration tests start their own redis-server processes on free loopback ports, and the
 # clock-skew tests (tests/safety) run brokers under `faketime`, so this script only makes sure
 # `redis-server` and `faketime` are installed (on Debian/Ubuntu it installs them with apt) and then
-# runs `cargo test --all-targets`: the root package's unit tests and its api, cli and safety suites
-# (test-support/, the workspace's other crate, only holds their fixtures); then each client
+# runs `cargo test --workspace --all-targets`: the root package's unit tests and its api, cli,
+# client and safety suites, and the unit tests of the workspace's other crates (clients/rust, the
+# lockbroker-client crate; test-support/, which holds the suites' fixtures); then each client
 # library's tests against the broker binary that built. It never starts a Redis server itself.
 set -euo pipefail
 
@@ -85,7 +86,7 @@ MSG
 fi
 echo "Using $(command -v faketime)"
 
-cargo test --all-targets "$@"
+cargo test --workspace --all-targets "$@"
 
 # --- Java client (clients/java) ------------------------------------------------------------
 # Its tests run against the broker binary `cargo test` has just built, on the embedded store and

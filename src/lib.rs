@@ -4,7 +4,6 @@
 #![forbid(unsafe_code)]
 
 pub mod auth;
-pub mod client;
 pub mod config;
 pub mod domain;
 pub mod http;

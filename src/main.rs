@@ -1,16 +1,18 @@
-//! `lockbroker`: parses the command line and runs the chosen command. Everything else lives in
-//! the library, where the tests drive it.
+//! `lockbroker`: parses the command line and runs the chosen command. The broker (`serve`)
+//! lives in the `lockbroker` library; the client commands live here, in [`cli`], on the
+//! `lockbroker-client` crate, so the server library exports nothing for them.
 #![forbid(unsafe_code)]
+
+mod cli;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use lockbroker::client::bench::{self, BenchArgs};
-use lockbroker::client::commands::{
-    self, AcquireArgs, ListArgs, ReleaseArgs, RenewArgs, StatusArgs,
-};
+use cli::bench::{self, BenchArgs};
+use cli::commands::{self, AcquireArgs, ReleaseArgs, RenewArgs, StatusArgs};
+use cli::list::{self, ListArgs};
 #[cfg(unix)]
-use lockbroker::client::run::{self, RunArgs};
+use cli::run::{self, RunArgs};
 use lockbroker::config::{Config, ServeArgs};
 use lockbroker::startup::{Application, shutdown_signal};
 
@@ -67,14 +69,17 @@ async fn main() -> ExitCode {
         Command::Serve(args) => report(serve(*args).await),
         Command::Bench(args) => match args.ledger {
             Some(leases) => {
-                let cost = bench::ledger_cost(leases);
+                let cost = lockbroker::store::ledger_cost(leases);
                 if args.json {
-                    println!("{}", serde_json::to_string(&cost).expect("plain numbers"));
+                    cli::print_json(&cost);
                 } else {
-                    println!(
+                    cli::out!(
                         "ledger: {} live leases, {:.0} bytes per lease (resident memory growth); \
                          sweep {:.1} ms, put-back snapshot {:.1} ms",
-                        cost.leases, cost.bytes_per_lease, cost.sweep_ms, cost.snapshot_ms
+                        cost.leases,
+                        cost.bytes_per_lease,
+                        cost.sweep_ms,
+                        cost.snapshot_ms
                     );
                 }
                 ExitCode::SUCCESS
@@ -85,7 +90,7 @@ async fn main() -> ExitCode {
         Command::Release(args) => commands::release(args).await,
         Command::Renew(args) => commands::renew(args).await,
         Command::Status(args) => commands::status(args).await,
-        Command::List(args) => commands::list(args).await,
+        Command::List(args) => list::list(args).await,
         #[cfg(unix)]
         Command::Run(args) => run::run(args).await,
     }

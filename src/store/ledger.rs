@@ -369,6 +369,7 @@ impl Ledger {
                 .sum::<usize>()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -6,7 +6,8 @@
 //! made atomic where the recipe's version races, and each reading the time from the store's own clock, so that every broker sharing a
 //! store measures leases on one clock whatever its host's clock says.
 
-pub mod ledger;
+pub(crate) mod ledger;
+mod ledger_cost;
 pub mod memory;
 pub mod redis;
 
@@ -14,6 +15,7 @@ use std::future::Future;
 
 use tokio::sync::mpsc;
 
+pub use ledger_cost::{LedgerCost, ledger_cost};
 pub use memory::MemoryStore;
 pub use redis::RedisStore;
 

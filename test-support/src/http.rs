@@ -1,6 +1,6 @@
 //! Speaking the API over HTTP: the test client, an answer read to its end with assertions on
 //! the API's formats ([`Answer`]), and the grant body ([`Grant`]). These follow the API's
-//! contract and do not reuse `lockbroker::client`'s types, so that a change to the API fails
+//! contract and do not reuse `lockbroker-client`'s types, so that a change to the API fails
 //! the tests even when the client changed along with it.
 
 use std::time::Duration;

@@ -308,3 +308,29 @@ async fn help_documents_the_exit_codes() {
         assert!(help.stdout.contains(line), "run --help lacks {line:?}");
     }
 }
+
+/// `lockbroker list | head -1`: a reader that closed its end of the pipe ends the command
+/// quietly (141, as SIGPIPE would), with no panic and nothing on stderr; the pipe's read end is
+/// closed before the command starts, so its first write finds it closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_pipe_ends_list_and_status_quietly() {
+    let app = spawn_app(None).await;
+    let url = &app.address;
+    for key in ["piped:1", "piped:2", "piped:3"] {
+        lockbroker(url, &["acquire", key]).await.expect_code(0);
+    }
+    for args in [
+        &["list"][..],
+        &["list", "--json"],
+        &["status", "piped:1"],
+        &["acquire", "piped:4", "--json"],
+    ] {
+        let (reader, writer) = std::io::pipe().expect("a pipe");
+        drop(reader);
+        let mut command = lockbroker_command(url, args);
+        command.stdout(writer);
+        let outcome = finish(command.spawn().expect("the binary starts")).await;
+        assert_eq!(outcome.stderr, "", "{args:?} says nothing");
+        outcome.expect_code(141);
+    }
+}

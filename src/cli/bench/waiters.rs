@@ -31,7 +31,7 @@ async fn scrape(http: &reqwest::Client, base: &str, name: &str) -> anyhow::Resul
 
 pub(super) async fn park_waiters(
     base: &str,
-    connect: &crate::client::ConnectArgs,
+    connect: &crate::cli::ConnectArgs,
     n: usize,
     http2: bool,
     run_id: &str,

@@ -5,7 +5,7 @@
 use anyhow::Context;
 use redis::aio::MultiplexedConnection;
 
-use crate::store::redis::{ParsedUrl, Topology};
+use lockbroker::store::redis::{ParsedUrl, Topology};
 
 /// Connections to the data nodes behind `url`: the server; every node named by a cluster URL
 /// (replicas run no scripts, so summing over all of them counts the masters' work); or the

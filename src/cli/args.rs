@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Args};
 
-use super::{Claim, MAX_SEMAPHORE_LIMIT, Resource, Space};
-use crate::domain::{LockKey, Owner, RequestId, Token};
+use lockbroker_client::{Claim, MAX_SEMAPHORE_LIMIT, Resource, Token};
+
+use lockbroker::domain::{LockKey, Owner, RequestId};
 
 /// What `release`, `renew` and `status` work on: a lock by its KEY, or `--semaphore NAME`;
 /// exactly one of the two.
@@ -18,24 +19,18 @@ use crate::domain::{LockKey, Owner, RequestId, Token};
 pub struct TargetArgs {
     /// The lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
     #[arg(value_parser = parse_key)]
-    pub key: Option<LockKey>,
+    pub key: Option<String>,
     /// A semaphore instead of a lock (semaphores and locks are separate names).
     #[arg(long, value_name = "NAME", value_parser = parse_key)]
-    pub semaphore: Option<LockKey>,
+    pub semaphore: Option<String>,
 }
 
 impl TargetArgs {
     /// The lock or semaphore named.
     pub fn resource(&self) -> Resource {
         match (&self.key, &self.semaphore) {
-            (Some(key), None) => Resource {
-                space: Space::Locks,
-                key: key.clone(),
-            },
-            (None, Some(name)) => Resource {
-                space: Space::Semaphores,
-                key: name.clone(),
-            },
+            (Some(key), None) => Resource::lock(key.clone()),
+            (None, Some(name)) => Resource::semaphore(name.clone()),
             _ => unreachable!("clap requires exactly one of KEY and --semaphore"),
         }
     }
@@ -49,14 +44,14 @@ impl TargetArgs {
 pub struct ClaimArgs {
     /// The lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
     #[arg(value_parser = parse_key)]
-    pub key: Option<LockKey>,
+    pub key: Option<String>,
     /// Take a shared (read) lease: held together with other shared leases, never with an
     /// exclusive one.
     #[arg(long, conflicts_with = "semaphore")]
     pub shared: bool,
     /// Take one permit of this semaphore instead of a lock (with --limit).
     #[arg(long, value_name = "NAME", value_parser = parse_key, requires = "limit")]
-    pub semaphore: Option<LockKey>,
+    pub semaphore: Option<String>,
     /// How many permits the semaphore has, 1 to 10000; every holder must give the same.
     // `conflicts_with` as well as `requires`: clap lets a required argument go missing when
     // it conflicts with one given, and --semaphore conflicts with KEY.
@@ -85,10 +80,7 @@ impl ClaimArgs {
     }
 }
 
-/// A duration in milliseconds, the way people write them: `30s`, `1m 30s`, `1s 500ms`.
-pub fn format_ms(ms: u64) -> String {
-    humantime::format_duration(Duration::from_millis(ms)).to_string()
-}
+pub use lockbroker_client::format_ms;
 
 /// Parses a human duration (`30s`, `1500ms`, `2m`, `1h 30m`) that is a whole number of
 /// milliseconds, the API's unit.
@@ -111,8 +103,10 @@ pub fn parse_ttl(raw: &str) -> Result<Duration, String> {
 }
 
 /// A lock key, checked here as the broker would, so a typo is a usage error.
-pub fn parse_key(raw: &str) -> Result<LockKey, String> {
-    LockKey::parse(raw).map_err(|e| e.0)
+pub fn parse_key(raw: &str) -> Result<String, String> {
+    LockKey::parse(raw)
+        .map(|key| key.as_str().to_owned())
+        .map_err(|e| e.0)
 }
 
 /// The start of a key, for `list`: empty, or what could begin a key.
@@ -134,16 +128,25 @@ pub fn parse_limit(raw: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("a semaphore has 1 to {MAX_SEMAPHORE_LIMIT} permits"))
 }
 
+/// A lease's token, checked as the broker would.
 pub fn parse_token(raw: &str) -> Result<Token, String> {
-    Token::parse(raw).map_err(|e| e.0)
+    lockbroker::domain::Token::parse(raw)
+        .map(|token| Token::new(token.as_str()))
+        .map_err(|e| e.0)
 }
 
-pub fn parse_owner(raw: &str) -> Result<Owner, String> {
-    Owner::parse(raw).map_err(|e| e.0)
+/// An owner label: at most 128 characters, no control characters.
+pub fn parse_owner(raw: &str) -> Result<String, String> {
+    Owner::parse(raw)
+        .map(|owner| owner.as_str().to_owned())
+        .map_err(|e| e.0)
 }
 
-pub fn parse_request_id(raw: &str) -> Result<RequestId, String> {
-    RequestId::parse(raw).map_err(|e| e.0)
+/// A request id: 1 to 64 characters from A-Z a-z 0-9 _ -.
+pub fn parse_request_id(raw: &str) -> Result<String, String> {
+    RequestId::parse(raw)
+        .map(|id| id.as_str().to_owned())
+        .map_err(|e| e.0)
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use anyhow::bail;
 
 use super::lean::{LeanClient, plain_authority};
 use super::{BenchArgs, BenchMode, Latency, Phase};
-use crate::domain::Token;
+use lockbroker::domain::Token;
 
 /// Shared by the workers of one phase: counts, samples and the stop flag.
 #[derive(Default)]

@@ -1,5 +1,6 @@
-//! `lockbroker bench --ledger N`: the memory and sweep/snapshot time of the lease ledger, measured
-//! in this process.
+//! The cost of the lease ledger, measured in this process: its memory per lease and the time of
+//! a sweep and of a put-back's snapshot. `lockbroker bench --ledger N` prints it; the ledger
+//! itself stays private to the store.
 
 use std::time::{Duration, Instant};
 
@@ -23,8 +24,8 @@ pub struct LedgerCost {
 /// Fills a ledger with `leases` leases shaped like real ones (a 20-character key, a generated
 /// token, an owner label) and measures it.
 pub fn ledger_cost(leases: usize) -> LedgerCost {
+    use super::ledger::{Kind, Ledger};
     use crate::domain::{Lease, Owner};
-    use crate::store::ledger::{Kind, Ledger};
     let ledger = Ledger::default();
     let owner = Owner::parse("web-7 pid 4242").expect("a valid owner");
     let now = tokio::time::Instant::now();

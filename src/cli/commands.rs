@@ -1,46 +1,23 @@
 //! `lockbroker acquire`, `release`, `renew` and `status`: one API call each, on a lock (an
 //! exclusive or shared lease) or a semaphore, the answer printed for people (`key: value` lines)
 //! or, with `--json`, as one JSON object for scripts, and an exit code from [`super::exit`].
-//! `lockbroker list`: the held locks or semaphores, page after page, as a table or JSON lines.
 
 use std::process::ExitCode;
 use std::time::{Duration, UNIX_EPOCH};
 
 use clap::Args;
+use lockbroker_client::{
+    AcquireParams, Claim, Error, Grant, Holder, LockMode, LockStatus, SemaphoreStatus, Space,
+};
 use serde::Serialize;
 
+use super::list::print_table;
 use super::{
-    AcquireParams, BrokerClient, Claim, ClaimArgs, ClientError, ConnectArgs, EXIT_CODES_HELP,
-    Grant, Holder, LockEntry, LockMode, LockStatus, MAX_PAGE, Page, Resource, SemaphoreEntry,
-    SemaphoreStatus, Space, TargetArgs, exit, format_ms, parse_duration, parse_owner, parse_prefix,
-    parse_request_id, parse_token, parse_ttl,
+    BrokerArgs, ClaimArgs, EXIT_CODES_HELP, TargetArgs, error_json, exit, exit_code, fail,
+    format_ms, not_held, parse_duration, parse_owner, parse_request_id, parse_token, parse_ttl,
+    print_json,
 };
-use crate::domain::{Owner, RequestId, Token};
-
-/// Where the broker is: shared by every client command.
-#[derive(Debug, Clone, Args)]
-pub struct BrokerArgs {
-    /// The broker (or the load balancer in front of several).
-    #[arg(
-        long,
-        env = "LOCKBROKER_URL",
-        default_value = "http://127.0.0.1:8080",
-        value_name = "URL"
-    )]
-    pub url: String,
-    #[command(flatten)]
-    pub connect: ConnectArgs,
-}
-
-impl BrokerArgs {
-    /// The client, or exit 1 with the reason the URL, the token or a TLS file is unusable.
-    pub fn client(&self) -> Result<BrokerClient, ExitCode> {
-        BrokerClient::connect(&self.url, &self.connect).map_err(|why| {
-            eprintln!("lockbroker: {why}");
-            ExitCode::from(exit::ERROR)
-        })
-    }
-}
+use lockbroker_client::Token;
 
 /// `lockbroker acquire` flags.
 #[derive(Debug, Clone, Args)]
@@ -59,12 +36,12 @@ pub struct AcquireArgs {
     pub wait: Duration,
     /// A label for people, shown by `status` (at most 128 characters).
     #[arg(long, value_parser = parse_owner)]
-    pub owner: Option<Owner>,
+    pub owner: Option<String>,
     /// Makes the acquire safe to repeat: while the lease it produced is held, an acquire with
     /// the same id returns that same lease (1 to 64 characters from A-Z a-z 0-9 _ -; make it
     /// random, since whoever knows it gets the token).
     #[arg(long, value_parser = parse_request_id, value_name = "ID")]
-    pub request_id: Option<RequestId>,
+    pub request_id: Option<String>,
     /// Print the grant (or the error) as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
@@ -130,37 +107,6 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
-/// `lockbroker list` flags.
-#[derive(Debug, Clone, Args)]
-#[command(after_help = "Exit codes:
-  0    done (also when nothing is held)
-  1    error: broker unreachable, request refused (400, 403), 5xx, unexpected answer
-  2    usage error (bad flag, prefix or number)")]
-pub struct ListArgs {
-    #[command(flatten)]
-    pub broker: BrokerArgs,
-    /// Only keys that start with this [default: every key].
-    #[arg(value_parser = parse_prefix, default_value = "", hide_default_value = true)]
-    pub prefix: String,
-    /// List semaphores (with their limit and how many permits are held) instead of locks.
-    #[arg(long)]
-    pub semaphores: bool,
-    /// Print at most this many [default: all of them, page after page].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
-    pub limit: Option<u64>,
-    /// How many to ask the broker for in one request, 1 to 1000.
-    #[arg(
-        long,
-        default_value_t = 100,
-        value_name = "N",
-        value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_PAGE))
-    )]
-    pub page_size: u32,
-    /// Print one JSON object per line (as the API lists them) instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
 /// `lockbroker acquire`: prints the token and the fence.
 pub async fn acquire(args: AcquireArgs) -> ExitCode {
     let client = match args.broker.client() {
@@ -174,7 +120,7 @@ pub async fn acquire(args: AcquireArgs) -> ExitCode {
         owner: args.owner,
         request_id: args.request_id,
     };
-    match client.acquire(&claim, &params).await {
+    match client.grant(&claim, &params).await {
         Ok(grant) => print_grant(&grant, Some(&claim), args.json),
         Err(e) => fail(
             &format!("cannot acquire {}", claim.resource()),
@@ -216,14 +162,14 @@ pub async fn release(args: ReleaseArgs) -> ExitCode {
                     forced: args.force,
                 });
             } else if args.force {
-                println!("released {resource} (forced: every lease on it ended)");
+                out!("released {resource} (forced: every lease on it ended)");
             } else {
-                println!("released {resource}");
+                out!("released {resource}");
             }
             ExitCode::SUCCESS
         }
         // Nothing to end: an answer, as for `status`.
-        Err(ClientError::NotHeld { .. }) if args.force => {
+        Err(Error::NotHeld { .. }) if args.force => {
             not_held(&resource, args.json);
             ExitCode::from(exit::NOT_HELD)
         }
@@ -234,9 +180,9 @@ pub async fn release(args: ReleaseArgs) -> ExitCode {
                  on a broker without an auth file, a broker started with --allow-force-release"
             );
             if args.json {
-                print_json(&e.to_json());
+                print_json(&error_json(&e));
             }
-            ExitCode::from(e.exit_code())
+            ExitCode::from(exit_code(&e))
         }
         Err(e) => fail(&format!("cannot release {resource}"), &e, args.json),
     }
@@ -276,99 +222,11 @@ pub async fn status(args: StatusArgs) -> ExitCode {
     match shown {
         Ok(()) => ExitCode::SUCCESS,
         // A free lock is an answer, not a failure: said on stdout, told by the exit code.
-        Err(ClientError::NotHeld { .. }) => {
+        Err(Error::NotHeld { .. }) => {
             not_held(&resource, args.json);
             ExitCode::from(exit::NOT_HELD)
         }
         Err(e) => fail(&format!("cannot read {resource}"), &e, args.json),
-    }
-}
-
-/// `lockbroker list`: every held lock (or semaphore) under the prefix, following the broker's
-/// cursor from page to page until the last one or `--limit`.
-pub async fn list(args: ListArgs) -> ExitCode {
-    let client = match args.broker.client() {
-        Ok(client) => client,
-        Err(code) => return code,
-    };
-    let (client, prefix) = (&client, args.prefix.as_str());
-    let listed = if args.semaphores {
-        list_all(&args, |cursor, n| async move {
-            client.list_semaphores(prefix, n, cursor.as_deref()).await
-        })
-        .await
-        .map(|(rows, more)| print_semaphore_rows(&rows, more, &args))
-    } else {
-        list_all(&args, |cursor, n| async move {
-            client.list_locks(prefix, n, cursor.as_deref()).await
-        })
-        .await
-        .map(|(rows, more)| print_lock_rows(&rows, more, &args))
-    };
-    match listed {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            let what = if args.semaphores {
-                "semaphores"
-            } else {
-                "locks"
-            };
-            fail(&format!("cannot list the {what}"), &e, args.json)
-        }
-    }
-}
-
-/// Fetches pages with `fetch(cursor, page size)` until the last one or `--limit` entries;
-/// returns them and whether the broker had more than `--limit` let through. With `--json` each
-/// entry is printed as its page arrives (and none is returned), so a long listing streams.
-async fn list_all<T, F, Fut>(args: &ListArgs, fetch: F) -> Result<(Vec<T>, bool), ClientError>
-where
-    T: Serialize,
-    F: Fn(Option<String>, u32) -> Fut,
-    Fut: Future<Output = Result<Page<T>, ClientError>>,
-{
-    let mut rows = Vec::new();
-    let mut cursor = None;
-    let mut left = args.limit.unwrap_or(u64::MAX);
-    loop {
-        let ask = page_request(args.page_size, left);
-        let page = fetch(cursor, ask).await?;
-        let taken = page
-            .items
-            .len()
-            .min(usize::try_from(left).unwrap_or(usize::MAX));
-        left -= taken as u64;
-        let more = page.items.len() > taken || page.next_cursor.is_some();
-        for row in page.items.into_iter().take(taken) {
-            if args.json {
-                print_json(&row);
-            } else {
-                rows.push(row);
-            }
-        }
-        match page.next_cursor {
-            Some(next) if left > 0 => cursor = Some(next),
-            _ => return Ok((rows, more && left == 0)),
-        }
-    }
-}
-
-/// How many entries to ask for next: a page, or fewer when `--limit` leaves fewer to print.
-fn page_request(page_size: u32, left: u64) -> u32 {
-    u32::try_from(left).map_or(page_size, |left| page_size.min(left))
-}
-
-/// What `status` and `release --force` say of a lock or semaphore nobody holds.
-fn not_held(resource: &Resource, json: bool) {
-    if json {
-        print_json(
-            &ClientError::NotHeld {
-                space: resource.space,
-            }
-            .to_json(),
-        );
-    } else {
-        println!("{resource} is not held");
     }
 }
 
@@ -378,17 +236,17 @@ fn print_grant(grant: &Grant, claim: Option<&Claim>, json: bool) -> ExitCode {
     if json {
         print_json(grant);
     } else {
-        println!("key:     {}", grant.key);
+        out!("key:     {}", grant.key);
         if let Some(Claim::Shared(_)) = claim {
-            println!("mode:    shared");
+            out!("mode:    shared");
         }
         if let Some(limit) = grant.limit {
-            println!("limit:   {limit}");
+            out!("limit:   {limit}");
         }
-        println!("token:   {}", grant.token);
-        println!("fence:   {}", grant.fence);
-        println!("ttl:     {}", format_ms(grant.ttl_ms));
-        println!("expires: {}", format_epoch_ms(grant.expires_at_ms));
+        out!("token:   {}", grant.token.as_str());
+        out!("fence:   {}", grant.fence);
+        out!("ttl:     {}", format_ms(grant.ttl_ms));
+        out!("expires: {}", format_epoch_ms(grant.expires_at_ms));
     }
     ExitCode::SUCCESS
 }
@@ -398,15 +256,15 @@ fn print_status(status: &LockStatus, json: bool) {
         print_json(status);
         return;
     }
-    println!("key:       {}", status.key);
-    println!("mode:      {}", status.mode);
-    println!("fence:     {}", status.fence);
+    out!("key:       {}", status.key);
+    out!("mode:      {}", status.mode);
+    out!("fence:     {}", status.fence);
     // A shared lock's owners are its holders', listed below.
     if status.mode == LockMode::Exclusive {
-        println!("owner:     {}", status.owner.as_deref().unwrap_or("-"));
+        out!("owner:     {}", status.owner.as_deref().unwrap_or("-"));
     }
-    println!("expires:   {}", format_epoch_ms(status.expires_at_ms));
-    println!("remaining: {}", format_ms(status.ttl_remaining_ms));
+    out!("expires:   {}", format_epoch_ms(status.expires_at_ms));
+    out!("remaining: {}", format_ms(status.ttl_remaining_ms));
     if let Some(holders) = &status.holders {
         print_holders(holders);
     }
@@ -417,14 +275,14 @@ fn print_semaphore_status(status: &SemaphoreStatus, json: bool) {
         print_json(status);
         return;
     }
-    println!("semaphore: {}", status.key);
-    println!("limit:     {}", status.limit);
+    out!("semaphore: {}", status.key);
+    out!("limit:     {}", status.limit);
     print_holders(&status.holders);
 }
 
 /// `holders: N`, then one line each: fence, expiry, time left and owner.
 fn print_holders(holders: &[Holder]) {
-    println!("holders:   {}", holders.len());
+    out!("holders:   {}", holders.len());
     let rows: Vec<[String; 4]> = holders
         .iter()
         .map(|h| {
@@ -439,122 +297,6 @@ fn print_holders(holders: &[Holder]) {
     print_table("  ", ["fence", "expires", "remaining", "owner"], &rows);
 }
 
-fn print_lock_rows(rows: &[LockEntry], more: bool, args: &ListArgs) {
-    let rows: Vec<[String; 5]> = rows
-        .iter()
-        .map(|l| {
-            [
-                l.key.clone(),
-                l.mode.to_string(),
-                l.fence.to_string(),
-                format_ms(l.ttl_remaining_ms),
-                l.owner.clone().unwrap_or_else(|| "-".to_owned()),
-            ]
-        })
-        .collect();
-    print_listing(
-        "locks",
-        &rows,
-        ["key", "mode", "fence", "remaining", "owner"],
-        more,
-        args,
-    );
-}
-
-fn print_semaphore_rows(rows: &[SemaphoreEntry], more: bool, args: &ListArgs) {
-    let rows: Vec<[String; 5]> = rows
-        .iter()
-        .map(|s| {
-            [
-                s.key.clone(),
-                s.limit.to_string(),
-                s.holders.to_string(),
-                s.fence.to_string(),
-                format_ms(s.ttl_remaining_ms),
-            ]
-        })
-        .collect();
-    print_listing(
-        "semaphores",
-        &rows,
-        ["semaphore", "limit", "holders", "fence", "remaining"],
-        more,
-        args,
-    );
-}
-
-/// The table of a listing, or a line saying nothing is held (not with `--json`, whose lines
-/// are printed already), and on stderr a note when `--limit` stopped it before the end.
-fn print_listing<const N: usize>(
-    what: &str,
-    rows: &[[String; N]],
-    header: [&str; N],
-    more: bool,
-    args: &ListArgs,
-) {
-    if !args.json {
-        if rows.is_empty() && args.prefix.is_empty() {
-            println!("no {what} held");
-        } else if rows.is_empty() {
-            println!("no {what} held under {:?}", args.prefix);
-        } else {
-            print_table("", header, rows);
-        }
-    }
-    if let (true, Some(limit)) = (more, args.limit) {
-        eprintln!("lockbroker: --limit {limit} stopped the listing; more {what} may be held");
-    }
-}
-
-/// Columns padded to their widest cell, two spaces apart; the last one is not padded.
-fn print_table<const N: usize>(indent: &str, header: [&str; N], rows: &[[String; N]]) {
-    for line in table_lines(header, rows) {
-        println!("{indent}{line}");
-    }
-}
-
-fn table_lines<const N: usize>(header: [&str; N], rows: &[[String; N]]) -> Vec<String> {
-    let mut widths = header.map(str::len);
-    for row in rows {
-        for (width, cell) in widths.iter_mut().zip(row) {
-            *width = (*width).max(cell.chars().count());
-        }
-    }
-    let line = |cells: [&str; N]| {
-        let mut line = String::new();
-        for (i, (cell, width)) in cells.iter().zip(widths).enumerate() {
-            if i + 1 == N {
-                line.push_str(cell);
-            } else {
-                line.push_str(&format!("{cell:<width$}  "));
-            }
-        }
-        line
-    };
-    std::iter::once(line(header))
-        .chain(
-            rows.iter()
-                .map(|row| line(row.each_ref().map(String::as_str))),
-        )
-        .collect()
-}
-
-/// Reports an error on stderr (and as JSON on stdout with `--json`); returns its exit code.
-fn fail(doing: &str, e: &ClientError, json: bool) -> ExitCode {
-    eprintln!("lockbroker: {doing}: {e}");
-    if json {
-        print_json(&e.to_json());
-    }
-    ExitCode::from(e.exit_code())
-}
-
-fn print_json(value: &impl Serialize) {
-    println!(
-        "{}",
-        serde_json::to_string(value).expect("plain structs always serialize")
-    );
-}
-
 /// An epoch-milliseconds time as RFC 3339 UTC (`2026-01-31T12:00:00.000Z`).
 fn format_epoch_ms(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
@@ -566,8 +308,7 @@ mod tests {
     use clap::{CommandFactory, Parser, Subcommand};
 
     use super::*;
-    use crate::client::Space;
-    use crate::domain::LockKey;
+    use crate::cli::list::ListArgs;
 
     /// The client commands as `main` wires them.
     #[derive(Parser)]
@@ -597,8 +338,8 @@ mod tests {
         }
     }
 
-    fn key(raw: &str) -> LockKey {
-        LockKey::parse(raw).unwrap()
+    fn key(raw: &str) -> String {
+        raw.to_owned()
     }
 
     const TOKEN: &str = "000000000000000000000000000000000000000000000000";
@@ -751,32 +492,5 @@ mod tests {
         ] {
             assert_eq!(refused(bad), ErrorKind::ValueValidation, "{bad:?}");
         }
-    }
-
-    #[test]
-    fn a_page_asks_for_no_more_than_the_limit_leaves() {
-        assert_eq!(page_request(100, u64::MAX), 100);
-        assert_eq!(page_request(100, 7), 7);
-        assert_eq!(page_request(2, 7), 2);
-    }
-
-    #[test]
-    fn tables_pad_every_column_but_the_last() {
-        let rows = [
-            [
-                "orders:1".to_owned(),
-                "shared".to_owned(),
-                "worker 7".to_owned(),
-            ],
-            ["b".to_owned(), "exclusive".to_owned(), "-".to_owned()],
-        ];
-        assert_eq!(
-            table_lines(["key", "mode", "owner"], &rows),
-            [
-                "key       mode       owner",
-                "orders:1  shared     worker 7",
-                "b         exclusive  -",
-            ]
-        );
     }
 }

@@ -23,27 +23,21 @@ use std::process::{ExitCode, ExitStatus};
 use std::time::Duration;
 
 use clap::Args;
+use lockbroker_client::{
+    AcquireParams, Claim, Client, Error, Grant, Lease, LeaseOptions, REQUEST_TIMEOUT, Released,
+    Trouble, new_request_id,
+};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{SignalKind, signal as listen_for};
-use tokio::task::JoinHandle;
-use tokio::time::{Instant, sleep_until, timeout_at};
+use tokio::time::{Instant, sleep_until};
 
-use super::commands::BrokerArgs;
 use super::{
-    AcquireParams, BrokerClient, Claim, ClaimArgs, ClientError, Grant, RUN_EXIT_CODES_HELP,
-    Resource, exit, format_ms, parse_duration, parse_owner, parse_ttl,
+    BrokerArgs, ClaimArgs, RUN_EXIT_CODES_HELP, exit, exit_code, format_ms, parse_duration,
+    parse_owner, parse_ttl,
 };
-use crate::domain::{Owner, RequestId, Token};
-
-/// Shortest pause between two renewal attempts while the broker does not answer: keeps a short
-/// lease from turning an outage into a busy loop.
-const MIN_RETRY: Duration = Duration::from_millis(10);
-
-/// Longest pause between two renewal attempts while the broker does not answer: a broker that
-/// comes back is noticed within a second, whatever the TTL.
-const MAX_RETRY: Duration = Duration::from_secs(1);
+use lockbroker::domain::Owner;
 
 /// `lockbroker run` flags.
 #[derive(Debug, Clone, Args)]
@@ -63,7 +57,7 @@ pub struct RunArgs {
     pub wait: Duration,
     /// A label for people, shown by `status` [default: HOSTNAME pid PID].
     #[arg(long, value_parser = parse_owner)]
-    pub owner: Option<Owner>,
+    pub owner: Option<String>,
     /// When the lease is lost: how long the command has between SIGTERM and SIGKILL.
     #[arg(long, default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
     pub grace: Duration,
@@ -96,16 +90,15 @@ pub async fn run(args: RunArgs) -> ExitCode {
         ttl: args.ttl,
         wait: Some(args.wait),
         owner: Some(args.owner.clone().unwrap_or_else(default_owner)),
-        request_id: Some(
-            RequestId::parse(Token::generate().as_str()).expect("a token is a valid request id"),
-        ),
+        request_id: Some(new_request_id()),
     };
     let claim = args.target.claim();
     let resource = claim.resource();
+    let sent_at = Instant::now();
     let grant = tokio::select! {
         result = acquire(&client, &claim, &params) => match result {
             Ok(grant) => grant,
-            Err(e @ ClientError::Locked { .. }) => {
+            Err(e @ Error::Locked { .. }) => {
                 if !args.quiet {
                     say(format_args!("cannot acquire {resource}: {e}; the command did not run"));
                 }
@@ -113,7 +106,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
             }
             Err(e) => {
                 say(format_args!("cannot acquire {resource}: {e}"));
-                return ExitCode::from(e.exit_code());
+                return ExitCode::from(exit_code(&e));
             }
         },
         signal = signals.recv() => {
@@ -121,28 +114,28 @@ pub async fn run(args: RunArgs) -> ExitCode {
             return ExitCode::from(128 + signal as u8);
         }
     };
-    let granted_at = Instant::now();
-    let Ok(token) = Token::parse(&grant.token) else {
-        say(format_args!(
-            "the broker's grant of {resource} carries a malformed token"
-        ));
-        return ExitCode::from(exit::ERROR);
-    };
-    let lease = Lease {
-        client,
-        resource,
-        token,
-        ttl: Duration::from_millis(grant.ttl_ms.max(1)),
-    };
+    // From here the lease renews itself every third of its TTL, and says when it is lost.
+    let mut options = LeaseOptions::new(Duration::from_millis(grant.ttl_ms.max(1)));
+    let renewing = resource.clone();
+    options.on_trouble = Some(std::sync::Arc::new(
+        move |trouble: &Trouble| match trouble {
+            Trouble::Failing { error, ends_in } => say(format_args!(
+                "cannot renew the lease on {renewing} ({error}); retrying until it ends in {}",
+                format_ms(u64::try_from(ends_in.as_millis()).unwrap_or(0))
+            )),
+            Trouble::Recovered => say(format_args!("renewed the lease on {renewing} again")),
+        },
+    ));
+    let lease = Lease::hold(client.clone(), &claim, &grant, sent_at, options);
 
-    let mut child = match spawn(&args.command, &lease, claim.mode(), &grant) {
+    let mut child = match spawn(&args.command, &lease, &client, claim.mode()) {
         Ok(child) => child,
         Err(e) => {
             say(format_args!(
                 "cannot run {:?}: {e}",
                 args.command[0].to_string_lossy()
             ));
-            lease.release().await;
+            release(&lease).await;
             return ExitCode::from(if e.kind() == io::ErrorKind::NotFound {
                 exit::NOT_FOUND
             } else {
@@ -156,27 +149,20 @@ pub async fn run(args: RunArgs) -> ExitCode {
             .and_then(|id| i32::try_from(id).ok())
             .expect("a child not yet waited for has a pid"),
     );
-    let mut keeper = AbortOnDrop(tokio::spawn(lease.clone().keep(granted_at)));
 
     let lost = loop {
         tokio::select! {
             biased;
             status = child.wait() => {
-                keeper.0.abort();
-                lease.release().await;
+                release(&lease).await;
                 return exit_code_of(status);
             }
             signal = signals.recv() => send(group, signal),
-            lost = &mut keeper.0 => {
-                break lost.unwrap_or_else(|e| LeaseLost::Expired {
-                    last_error: Some(format!("the renewal task failed: {e}")),
-                });
-            }
+            lost = lease.lost() => break lost,
         }
     };
     say(format_args!(
-        "lost the lease on {}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
-        lease.resource,
+        "lost the lease on {resource}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
         humantime::format_duration(args.grace)
     ));
     let status = terminate(&mut child, group, args.grace, &mut signals).await;
@@ -189,157 +175,51 @@ pub async fn run(args: RunArgs) -> ExitCode {
 
 /// Acquires, and on a transport error (the answer may have been lost after the broker granted)
 /// asks once more with the same request id, which returns that same grant if there was one.
-async fn acquire(
-    client: &BrokerClient,
-    claim: &Claim,
-    params: &AcquireParams,
-) -> Result<Grant, ClientError> {
-    match client.acquire(claim, params).await {
-        Err(e @ ClientError::Transport { .. }) => {
+async fn acquire(client: &Client, claim: &Claim, params: &AcquireParams) -> Result<Grant, Error> {
+    match client.grant(claim, params).await {
+        Err(e @ Error::Transport { .. }) => {
             say(format_args!(
                 "acquiring {} failed ({e}); trying once more",
                 claim.resource()
             ));
-            client.acquire(claim, params).await
+            client.grant(claim, params).await
         }
         other => other,
     }
 }
 
-/// Everything needed to renew and release the lease `run` holds.
-#[derive(Clone)]
-struct Lease {
-    client: BrokerClient,
-    resource: Resource,
-    token: Token,
-    ttl: Duration,
-}
-
-/// Why the lease was lost while the command ran.
-#[derive(Debug)]
-enum LeaseLost {
-    /// A renewal was answered: nobody, or somebody else, holds the lock now.
-    Refused(ClientError),
-    /// No renewal got through before the lease ended.
-    Expired { last_error: Option<String> },
-}
-
-impl fmt::Display for LeaseLost {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Refused(e) => write!(f, "a renewal was refused: {e}"),
-            Self::Expired {
-                last_error: Some(e),
-            } => write!(f, "no renewal got through before it ended (last: {e})"),
-            Self::Expired { last_error: None } => {
-                write!(f, "no renewal got through before it ended")
-            }
-        }
-    }
-}
-
-impl Lease {
-    /// Renews every third of the TTL until the lease is lost, and says why. A renewal that
-    /// fails without an answer (or with a 5xx) is retried until the lease would have ended, as
-    /// judged from when the last successful renewal was sent: the lease cannot have been
-    /// extended past that. Runs until aborted while the lease is kept.
-    async fn keep(self, granted_at: Instant) -> LeaseLost {
-        let interval = (self.ttl / 3).max(Duration::from_millis(1));
-        let retry = (interval / 4).clamp(MIN_RETRY, MAX_RETRY);
-        let mut ends_at = granted_at + self.ttl;
-        let mut next = granted_at + interval;
-        let mut trouble: Option<String> = None;
-        loop {
-            sleep_until(next).await;
-            let sent = Instant::now();
-            if sent >= ends_at {
-                return LeaseLost::Expired {
-                    last_error: trouble,
-                };
-            }
-            let renewed = timeout_at(
-                ends_at,
-                self.client
-                    .renew(&self.resource, &self.token, Some(self.ttl)),
-            )
-            .await;
-            match renewed {
-                Ok(Ok(_)) => {
-                    if trouble.take().is_some() {
-                        say(format_args!("renewed the lease on {} again", self.resource));
-                    }
-                    ends_at = sent + self.ttl;
-                    next = sent + interval;
-                }
-                Ok(Err(e @ (ClientError::NotHeld { .. } | ClientError::NotOwner { .. }))) => {
-                    return LeaseLost::Refused(e);
-                }
-                Ok(Err(e)) => {
-                    if trouble.is_none() {
-                        say(format_args!(
-                            "cannot renew the lease on {} ({e}); retrying until it ends in {}",
-                            self.resource,
-                            format_ms(u64::try_from((ends_at - sent).as_millis()).unwrap_or(0))
-                        ));
-                    }
-                    trouble = Some(e.to_string());
-                    next = (Instant::now() + retry).min(ends_at);
-                }
-                Err(_) => {
-                    return LeaseLost::Expired {
-                        last_error: Some(
-                            trouble.unwrap_or_else(|| {
-                                "the last renewal was still unanswered".to_owned()
-                            }),
-                        ),
-                    };
-                }
-            }
-        }
-    }
-
-    /// Releases after the command exited. A failure is reported, not fatal: the command's
-    /// status is what `run` exits with, and an unreleased lease ends by itself. Waits at most
-    /// one TTL, by which time the lease has ended anyway.
-    async fn release(&self) {
-        let released = tokio::time::timeout(
-            self.ttl.min(super::REQUEST_TIMEOUT),
-            self.client.release(&self.resource, &self.token),
-        )
-        .await;
-        match released {
-            Ok(Ok(())) => {}
-            Ok(Err(e @ (ClientError::NotHeld { .. } | ClientError::NotOwner { .. }))) => {
-                say(format_args!(
-                    "the lease on {} was no longer held when the command finished: {e}",
-                    self.resource
-                ))
-            }
-            Ok(Err(e)) => say(format_args!(
-                "cannot release {} ({e}); the lease ends by itself within {}",
-                self.resource,
-                humantime::format_duration(self.ttl)
-            )),
-            Err(_) => say(format_args!(
-                "the broker did not answer the release of {}; the lease has ended by itself",
-                self.resource
-            )),
-        }
+/// Releases after the command exited. A failure is reported, not fatal: the command's status
+/// is what `run` exits with, and an unreleased lease ends by itself. Waits at most one TTL, by
+/// which time the lease has ended anyway.
+async fn release(lease: &Lease) {
+    let resource = lease.resource();
+    match tokio::time::timeout(lease.ttl().min(REQUEST_TIMEOUT), lease.release()).await {
+        Ok(Ok(Released::Now | Released::Before)) => {}
+        Ok(Ok(Released::Gone(e))) => say(format_args!(
+            "the lease on {resource} was no longer held when the command finished: {e}"
+        )),
+        Ok(Err(e)) => say(format_args!(
+            "cannot release {resource} ({e}); the lease ends by itself within {}",
+            humantime::format_duration(lease.ttl())
+        )),
+        Err(_) => say(format_args!(
+            "the broker did not answer the release of {resource}; the lease has ended by itself"
+        )),
     }
 }
 
 /// Starts the command in a process group of its own, with the lease in its environment:
 /// `LOCKBROKER_KEY` is the lock's key or the semaphore's name, and `LOCKBROKER_MODE` says which
 /// (`exclusive`, `shared` or `semaphore`).
-fn spawn(command: &[OsString], lease: &Lease, mode: &str, grant: &Grant) -> io::Result<Child> {
+fn spawn(command: &[OsString], lease: &Lease, client: &Client, mode: &str) -> io::Result<Child> {
     let (program, args) = command.split_first().expect("clap requires a command");
     Command::new(program)
         .args(args)
-        .env("LOCKBROKER_KEY", lease.resource.key.as_str())
+        .env("LOCKBROKER_KEY", lease.key())
         .env("LOCKBROKER_MODE", mode)
-        .env("LOCKBROKER_FENCE", grant.fence.to_string())
-        .env("LOCKBROKER_TOKEN", lease.token.as_str())
-        .env("LOCKBROKER_URL", lease.client.url())
+        .env("LOCKBROKER_FENCE", lease.fence().to_string())
+        .env("LOCKBROKER_TOKEN", lease.token().as_str())
+        .env("LOCKBROKER_URL", client.url())
         .process_group(0)
         .spawn()
 }
@@ -398,7 +278,7 @@ fn exit_code_of(status: io::Result<ExitStatus>) -> ExitCode {
 }
 
 /// `HOSTNAME pid PID`: which node's run holds the lock, for `status`.
-fn default_owner() -> Owner {
+fn default_owner() -> String {
     let host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_else(|_| "unknown-host".to_owned());
@@ -407,7 +287,10 @@ fn default_owner() -> Owner {
         .filter(|c| !c.is_control())
         .take(Owner::MAX_LEN)
         .collect();
-    Owner::parse(&label).expect("a short label without control characters")
+    Owner::parse(&label)
+        .expect("a short label without control characters")
+        .as_str()
+        .to_owned()
 }
 
 /// The signals `run` passes on to its command.
@@ -446,15 +329,6 @@ impl Signals {
     }
 }
 
-/// Aborts the renewal task when `run` returns, whichever way it does.
-struct AbortOnDrop(JoinHandle<LeaseLost>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// One line on stderr, marked as `run`'s own among the command's output.
 fn say(message: fmt::Arguments<'_>) {
     eprintln!("lockbroker run: {message}");
@@ -466,7 +340,6 @@ mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::*;
-    use crate::domain::LockKey;
 
     #[derive(Parser)]
     struct Cli {
@@ -485,7 +358,7 @@ mod tests {
 
     #[test]
     fn run_holds_a_lock_a_shared_lease_or_a_permit_for_the_command_after_dashes() {
-        let key = |raw| LockKey::parse(raw).unwrap();
+        let key = |raw: &str| raw.to_owned();
         let run = parse(&["k", "--", "true"]).unwrap();
         assert_eq!(run.target.claim(), Claim::Exclusive(key("k")));
         let run = parse(&["--shared", "k", "--", "true"]).unwrap();

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use super::http::drive;
 use super::{BenchArgs, Phase};
-use crate::domain::{LockKey, Token, Ttl};
-use crate::store::{Bid, Grant, Holder, RedisStore, Space, Store};
+use lockbroker::domain::{LockKey, Token, Ttl};
+use lockbroker::store::{Bid, Grant, Holder, RedisStore, Space, Store};
 
 pub(super) async fn uncontended_direct(
     store: Arc<RedisStore>,

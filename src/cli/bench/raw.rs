@@ -15,7 +15,7 @@ use redis::aio::MultiplexedConnection;
 
 use super::http::drive;
 use super::{BenchArgs, Phase};
-use crate::domain::Token;
+use lockbroker::domain::Token;
 
 /// Deletes the key only if it still holds this token: the release every Redis lock recipe uses.
 const COMPARE_AND_DELETE: &str =

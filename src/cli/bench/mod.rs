@@ -17,7 +17,6 @@
 mod direct;
 mod http;
 mod lean;
-mod ledger;
 mod raw;
 mod redis_stats;
 mod waiters;
@@ -32,15 +31,13 @@ use serde::Serialize;
 
 use self::direct::uncontended_direct;
 use self::http::{check_mode, hot_key_http, uncontended_http, wait_until_granting};
-pub use self::ledger::{LedgerCost, ledger_cost};
 use self::raw::uncontended_raw;
 use self::redis_stats::{RedisCost, data_nodes};
-pub use self::redis_stats::{command_calls, script_calls};
 use self::waiters::park_waiters;
-use crate::client::parse_limit;
-use crate::domain::Token;
-use crate::store::RedisStore;
-use crate::store::redis::{ParsedUrl, RedisSettings, RedisUrl, Topology};
+use crate::cli::parse_limit;
+use lockbroker::domain::Token;
+use lockbroker::store::RedisStore;
+use lockbroker::store::redis::{ParsedUrl, RedisSettings, RedisUrl, Topology};
 
 /// `lockbroker bench` flags.
 #[derive(Debug, Clone, Args)]
@@ -49,7 +46,7 @@ pub struct BenchArgs {
     #[arg(long, env = "LOCKBROKER_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
     #[command(flatten)]
-    pub connect: crate::client::ConnectArgs,
+    pub connect: crate::cli::ConnectArgs,
     /// The Redis the broker uses: adds the direct-Redis phase and counts Redis calls per
     /// operation (from INFO commandstats).
     #[arg(long)]
@@ -324,7 +321,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         waiters,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&summary)?);
+        crate::cli::out!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         print_table(&summary);
     }
@@ -334,12 +331,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
 fn print_table(summary: &Summary) {
     match (summary.mode, summary.limit) {
         (Some(BenchMode::Semaphore), Some(limit)) => {
-            println!("mode: semaphore, {limit} permits on each key");
+            crate::cli::out!("mode: semaphore, {limit} permits on each key");
         }
-        (Some(BenchMode::Shared), _) => println!("mode: shared leases"),
+        (Some(BenchMode::Shared), _) => crate::cli::out!("mode: shared leases"),
         _ => {}
     }
-    println!(
+    crate::cli::out!(
         "{:<28} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8} {:>6}",
         "phase",
         "clients",
@@ -360,7 +357,7 @@ fn print_table(summary: &Summary) {
                 .as_ref()
                 .map_or("-".into(), |h| format!("{:.2}", f(h)))
         };
-        println!(
+        crate::cli::out!(
             "{:<28} {:>7} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9} {:>9} {:>7} {:>8} {:>6}",
             p.name,
             p.clients,
@@ -379,17 +376,17 @@ fn print_table(summary: &Summary) {
         );
     }
     if let Some(ratio) = summary.broker_over_direct {
-        println!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
+        crate::cli::out!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
     }
     if let Some(ratio) = summary.broker_over_raw {
-        println!("broker / raw Redis lock cycle (uncontended cycles/s): {ratio:.3}");
+        crate::cli::out!("broker / raw Redis lock cycle (uncontended cycles/s): {ratio:.3}");
     }
-    println!(
+    crate::cli::out!(
         "calls: Redis round trips per acquire+release cycle (script calls; raw Redis: its SET \
          and its script call); redis µs: Redis CPU time (user+system, every data node) per cycle"
     );
     if let Some(w) = &summary.waiters {
-        println!(
+        crate::cli::out!(
             "parked waiters: {} ({} failed); broker RSS {:.1} MiB -> {:.1} MiB, {:.0} bytes per waiter; drained {:.0} ms after their clients left",
             w.waiters,
             w.errors,

@@ -1,0 +1,277 @@
+//! [`Error`]: why a call did not give what was asked, with the broker's own error code kept,
+//! and whether asking again may help ([`Error::is_transient`]).
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde::Deserialize;
+
+use crate::types::{Space, format_ms};
+
+/// Why a call did not give what was asked. The first four are answers a caller branches on;
+/// the others are failures. `space` says whether a lock or a semaphore answered, for the
+/// message.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// `409 locked`: someone else holds the lock, or every permit of the semaphore is taken,
+    /// and the wait ran out.
+    #[error("{}{}", locked_words(*.space), retry_hint(*.space, *.retry_after_ms))]
+    Locked {
+        space: Space,
+        retry_after_ms: Option<u64>,
+    },
+    /// `404 not_held`: nobody holds the lock (or this permit).
+    #[error("{}", not_held_words(*.space))]
+    NotHeld { space: Space },
+    /// `409 not_owner`: someone else holds the lock; this token's lease has ended.
+    #[error("{}", not_owner_words(*.space))]
+    NotOwner { space: Space },
+    /// `409 limit_mismatch`: the semaphore's holders took their permits with another limit.
+    #[error(
+        "its holders use {}; every holder of a semaphore must give the same --limit",
+        limit.map_or_else(|| format!("another limit ({message})"), |n| format!("--limit {n}"))
+    )]
+    LimitMismatch { limit: Option<u32>, message: String },
+    /// Any other error answer: `400 invalid_request`, `503 store_unavailable`, a proxy's 502...
+    /// `retry_after` is the answer's `Retry-After` header, when it had one.
+    #[error("the broker answered {status} {code}: {message}")]
+    Api {
+        status: StatusCode,
+        code: String,
+        message: String,
+        retry_after: Option<Duration>,
+    },
+    /// No answer: the connection was refused or reset, or the request timed out.
+    #[error("cannot reach the broker at {url}: {reason}")]
+    Transport { url: String, reason: String },
+    /// A success status with a body that is not what the API promises.
+    #[error("the broker's answer could not be read: {0}")]
+    BadResponse(String),
+}
+
+fn locked_words(space: Space) -> &'static str {
+    match space {
+        Space::Locks => "the lock is held by someone else",
+        Space::Semaphores => "every permit is taken",
+    }
+}
+
+fn not_held_words(space: Space) -> &'static str {
+    match space {
+        Space::Locks => "nobody holds the lock (it was released, or its lease expired)",
+        Space::Semaphores => "this permit is not held (it was released, or its lease expired)",
+    }
+}
+
+fn not_owner_words(space: Space) -> &'static str {
+    match space {
+        Space::Locks => "someone else holds the lock now; this token's lease has ended",
+        Space::Semaphores => "this token holds no permit now; its lease has ended",
+    }
+}
+
+fn retry_hint(space: Space, retry_after_ms: Option<u64>) -> String {
+    retry_after_ms.map_or_else(String::new, |ms| match space {
+        Space::Locks => format!("; its lease ends in {}", format_ms(ms)),
+        Space::Semaphores => format!("; the next one frees in {}", format_ms(ms)),
+    })
+}
+
+impl Error {
+    /// Whether the same request may succeed later: no answer, or a 5xx (the store was
+    /// unavailable, the broker was shutting down, a proxy found no broker).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Transport { .. } => true,
+            Self::Api { status, .. } => status.is_server_error(),
+            _ => false,
+        }
+    }
+
+    /// Whether the answer says the lease is gone: `not_held` or `not_owner`.
+    pub fn is_gone(&self) -> bool {
+        matches!(self, Self::NotHeld { .. } | Self::NotOwner { .. })
+    }
+
+    /// The API's error code for this error; `unreachable` and `bad_response` for the two that
+    /// have no answer to take one from.
+    pub fn code(&self) -> &str {
+        match self {
+            Self::Locked { .. } => "locked",
+            Self::NotHeld { .. } => "not_held",
+            Self::NotOwner { .. } => "not_owner",
+            Self::LimitMismatch { .. } => "limit_mismatch",
+            Self::Api { code, .. } => code,
+            Self::Transport { .. } => "unreachable",
+            Self::BadResponse(_) => "bad_response",
+        }
+    }
+
+    /// How long the broker asked to wait before trying again (`Retry-After`), if it said.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Api { retry_after, .. } => *retry_after,
+            Self::Locked { retry_after_ms, .. } => retry_after_ms.map(Duration::from_millis),
+            _ => None,
+        }
+    }
+}
+
+/// The API's error body; every field optional, since a proxy in front may answer otherwise.
+#[derive(Deserialize)]
+struct ErrorBody {
+    error: Option<String>,
+    message: Option<String>,
+    retry_after_ms: Option<u64>,
+    /// `limit_mismatch`: the limit the semaphore's holders use.
+    limit: Option<u32>,
+}
+
+/// Turns an error answer from `space` into an [`Error`], keeping the API's code and message.
+pub(crate) async fn error_from(response: reqwest::Response, space: Space) -> Error {
+    let status = response.status();
+    let retry_after = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_secs);
+    let text = response.text().await.unwrap_or_default();
+    let body: Option<ErrorBody> = serde_json::from_str(&text).ok();
+    let code = body.as_ref().and_then(|b| b.error.clone());
+    match (status, code.as_deref()) {
+        (StatusCode::CONFLICT, Some("locked")) => Error::Locked {
+            space,
+            retry_after_ms: body.and_then(|b| b.retry_after_ms),
+        },
+        (StatusCode::NOT_FOUND, Some("not_held")) => Error::NotHeld { space },
+        (StatusCode::CONFLICT, Some("not_owner")) => Error::NotOwner { space },
+        (StatusCode::CONFLICT, Some("limit_mismatch")) => {
+            let (limit, message) = body.map_or((None, None), |b| (b.limit, b.message));
+            Error::LimitMismatch {
+                limit,
+                message: message.unwrap_or_else(|| excerpt(&text)),
+            }
+        }
+        _ => Error::Api {
+            status,
+            code: code.unwrap_or_else(|| "unexpected_response".into()),
+            message: body
+                .and_then(|b| b.message)
+                .unwrap_or_else(|| excerpt(&text)),
+            retry_after,
+        },
+    }
+}
+
+/// An error and its causes on one line: reqwest's own `Display` stops at "error sending
+/// request", and the reason (connection refused, timed out) is further down.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// The start of a body that was not what was expected, for a message.
+pub(crate) fn excerpt(text: &str) -> String {
+    let text = text.trim();
+    if text.is_empty() {
+        return "(empty body)".into();
+    }
+    let cut: String = text.chars().take(200).collect();
+    if cut.len() < text.len() {
+        format!("{cut}…")
+    } else {
+        cut
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_no_answer_and_5xx_are_worth_asking_again() {
+        let answer = |status| Error::Api {
+            status,
+            code: "x".into(),
+            message: "m".into(),
+            retry_after: Some(Duration::from_secs(1)),
+        };
+        assert!(answer(StatusCode::SERVICE_UNAVAILABLE).is_transient());
+        assert!(!answer(StatusCode::BAD_REQUEST).is_transient());
+        assert_eq!(
+            answer(StatusCode::SERVICE_UNAVAILABLE).retry_after(),
+            Some(Duration::from_secs(1))
+        );
+        let gone = Error::NotOwner {
+            space: Space::Locks,
+        };
+        assert!(!gone.is_transient() && gone.is_gone());
+        let mismatch = Error::LimitMismatch {
+            limit: Some(3),
+            message: "limit 3 in use".into(),
+        };
+        assert!(!mismatch.is_transient() && !mismatch.is_gone());
+    }
+
+    #[test]
+    fn messages_name_what_is_taken_locks_and_permits_for_semaphores() {
+        let locked = |space| Error::Locked {
+            space,
+            retry_after_ms: Some(1500),
+        };
+        assert_eq!(
+            locked(Space::Locks).to_string(),
+            "the lock is held by someone else; its lease ends in 1s 500ms"
+        );
+        assert_eq!(
+            locked(Space::Semaphores).to_string(),
+            "every permit is taken; the next one frees in 1s 500ms"
+        );
+        assert_eq!(
+            Error::NotHeld {
+                space: Space::Locks
+            }
+            .to_string(),
+            "nobody holds the lock (it was released, or its lease expired)"
+        );
+    }
+
+    #[test]
+    fn a_limit_mismatch_says_which_limit_the_holders_use_when_the_broker_tells() {
+        let told = Error::LimitMismatch {
+            limit: Some(3),
+            message: "The semaphore is held with limit 3.".into(),
+        };
+        assert_eq!(
+            told.to_string(),
+            "its holders use --limit 3; every holder of a semaphore must give the same --limit"
+        );
+        let untold = Error::LimitMismatch {
+            limit: None,
+            message: "Another limit is in use.".into(),
+        };
+        assert!(
+            untold
+                .to_string()
+                .starts_with("its holders use another limit (Another limit is in use.)"),
+            "{untold}"
+        );
+    }
+
+    #[test]
+    fn long_bodies_are_cut_and_empty_ones_said() {
+        assert_eq!(excerpt("  "), "(empty body)");
+        let long = "x".repeat(300);
+        assert_eq!(excerpt(&long).chars().count(), 201);
+    }
+}

@@ -1,0 +1,402 @@
+//! The lease guard: the [`Lease`] that [`Client::acquire`] and its kin return renews itself in
+//! a background task, says once when it is lost, and is released by [`Lease::release`] or, on a
+//! best-effort basis, when dropped.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep_until, timeout, timeout_at};
+
+use crate::client::{Client, REQUEST_TIMEOUT};
+use crate::error::Error;
+use crate::types::{Claim, Grant, Resource, Token};
+
+/// Shortest pause between two attempts while the broker does not answer: keeps a short lease
+/// from turning an outage into a busy loop.
+pub(crate) const MIN_RETRY: Duration = Duration::from_millis(10);
+
+/// Longest pause between two attempts while the broker does not answer (unless the broker's
+/// `Retry-After` asks for more on an acquire): a broker that comes back is noticed within a
+/// second.
+pub(crate) const MAX_RETRY: Duration = Duration::from_secs(1);
+
+/// What an acquire asks for beyond the key: the lease's length, how long the broker may wait
+/// for it, a label for people, and how the guard renews it.
+#[derive(Clone)]
+pub struct LeaseOptions {
+    /// The lease's length; each renewal extends it to this much from the renewal.
+    pub ttl: Duration,
+    /// How long the broker waits while someone else holds the lock; `0` answers at once. 503s
+    /// and connection failures are retried within it.
+    pub wait: Duration,
+    /// A label shown by the broker's status and listings (at most 128 characters).
+    pub owner: Option<String>,
+    /// How often the guard renews; a third of `ttl` when `None`.
+    pub renew_every: Option<Duration>,
+    /// Called from the renewal task when a renewal fails without ending the lease (the guard
+    /// keeps trying until the lease's end), and when one gets through again.
+    pub on_trouble: Option<TroubleHook>,
+}
+
+impl fmt::Debug for LeaseOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseOptions")
+            .field("ttl", &self.ttl)
+            .field("wait", &self.wait)
+            .field("owner", &self.owner)
+            .field("renew_every", &self.renew_every)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LeaseOptions {
+    /// A lease of `ttl`, no wait, no owner, renewed every third of `ttl`.
+    pub fn new(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            wait: Duration::ZERO,
+            owner: None,
+            renew_every: None,
+            on_trouble: None,
+        }
+    }
+
+    /// Waits up to `wait` for the lease.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// Labels the lease for people.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.owner = Some(owner.into());
+        self
+    }
+
+    /// Renews every `every` instead of every third of the ttl.
+    pub fn renew_every(mut self, every: Duration) -> Self {
+        self.renew_every = Some(every);
+        self
+    }
+}
+
+/// What [`LeaseOptions::on_trouble`] holds: called on the renewal task, so it must be quick.
+pub type TroubleHook = Arc<dyn Fn(&Trouble) + Send + Sync>;
+
+/// A renewal's trouble, for [`LeaseOptions::on_trouble`].
+#[derive(Debug)]
+pub enum Trouble {
+    /// A renewal failed without an answer that ends the lease (no answer, a 5xx); the guard
+    /// tries again until `ends_in` has passed.
+    Failing { error: Error, ends_in: Duration },
+    /// A renewal got through after failing ones.
+    Recovered,
+}
+
+/// Why a lease was lost.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Loss {
+    /// A renewal was answered `not_held` or `not_owner`: nobody, or somebody else, holds it.
+    #[error("a renewal was refused: {0}")]
+    Refused(Error),
+    /// No renewal was confirmed before the lease would have ended (judged from when the last
+    /// confirmed renewal was sent, a tenth of the ttl early, so the signal precedes the end).
+    #[error("no renewal got through before it ended{}", last.as_ref().map_or_else(String::new, |e| format!(" (last: {e})")))]
+    Expired { last: Option<Error> },
+}
+
+/// What [`Lease::release`] did.
+#[derive(Debug)]
+pub enum Released {
+    /// The broker ended the lease now.
+    Now,
+    /// The broker had no such lease any more (`not_held`, `not_owner`): it had ended already.
+    Gone(Error),
+    /// An earlier call (or a drop) released it; nothing was sent.
+    Before,
+}
+
+/// Where a lease stands.
+#[derive(Debug, Clone)]
+pub enum LeaseState {
+    /// Held, as far as the last confirmed renewal tells.
+    Held,
+    /// Released by its holder ([`Lease::release`] or a drop).
+    Released,
+    /// Lost: the holder must stop acting on it (the fence still protects the resource).
+    Lost(Loss),
+}
+
+/// A held lease: its key, fence and token, renewed in the background while it lives. Dropping
+/// it stops the renewals and releases it on a best-effort basis (a task on the current tokio
+/// runtime; if there is none, or the runtime ends first, the lease ends by its ttl). Prefer
+/// [`Lease::release`], which says whether the broker confirmed. `Debug` shows no token.
+pub struct Lease {
+    shared: Arc<Shared>,
+    renewer: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Shared {
+    client: Client,
+    resource: Resource,
+    token: Token,
+    fence: u64,
+    ttl: Duration,
+    /// Sent `Released` or `Lost` once; whoever changes it from `Held` first decides.
+    state: watch::Sender<LeaseState>,
+    /// Set by the first release (or drop): later ones send nothing.
+    release_sent: AtomicBool,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("resource", &self.shared.resource)
+            .field("fence", &self.shared.fence)
+            .field("ttl", &self.shared.ttl)
+            .field("state", &*self.shared.state.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Lease {
+    /// Takes over a lease granted by a call of the caller's own ([`Client::grant`]) and keeps
+    /// it as [`Client::acquire_with`] does. `sent_at`: when the request that produced the grant
+    /// was sent (the lease cannot end before `sent_at + ttl`, and is judged to end then).
+    pub fn hold(
+        client: Client,
+        claim: &Claim,
+        grant: &Grant,
+        sent_at: Instant,
+        options: LeaseOptions,
+    ) -> Self {
+        let ttl = Duration::from_millis(grant.ttl_ms.max(1));
+        let every = options
+            .renew_every
+            .unwrap_or(ttl / 3)
+            .max(Duration::from_millis(1));
+        let shared = Arc::new(Shared {
+            client,
+            resource: claim.resource(),
+            token: grant.token.clone(),
+            fence: grant.fence,
+            ttl,
+            state: watch::Sender::new(LeaseState::Held),
+            release_sent: AtomicBool::new(false),
+        });
+        let renewer = tokio::spawn(keep(shared.clone(), sent_at, every, options.on_trouble));
+        Self {
+            shared,
+            renewer: Mutex::new(Some(renewer)),
+        }
+    }
+
+    /// The lock's key or the semaphore's name.
+    pub fn key(&self) -> &str {
+        &self.shared.resource.key
+    }
+
+    /// What the lease is on.
+    pub fn resource(&self) -> &Resource {
+        &self.shared.resource
+    }
+
+    /// The fencing token: send it with every write to the protected resource, which refuses a
+    /// fence lower than one it has seen.
+    pub fn fence(&self) -> u64 {
+        self.shared.fence
+    }
+
+    /// The lease's token, for handing the lease to another process.
+    pub fn token(&self) -> &Token {
+        &self.shared.token
+    }
+
+    /// The lease's length, as the broker granted it.
+    pub fn ttl(&self) -> Duration {
+        self.shared.ttl
+    }
+
+    /// Whether the lease is held: neither released nor lost.
+    pub fn is_held(&self) -> bool {
+        matches!(*self.shared.state.borrow(), LeaseState::Held)
+    }
+
+    /// Where the lease stands now.
+    pub fn state(&self) -> LeaseState {
+        self.shared.state.borrow().clone()
+    }
+
+    /// A receiver that sees the lease's state change (once: to released or to lost).
+    pub fn subscribe(&self) -> watch::Receiver<LeaseState> {
+        self.shared.state.subscribe()
+    }
+
+    /// Resolves when the lease is lost (at once if it was already); never if it is released
+    /// instead. Made for `tokio::select!` next to the work the lease protects.
+    pub async fn lost(&self) -> Loss {
+        let mut state = self.shared.state.subscribe();
+        let lost = state
+            .wait_for(|s| matches!(s, LeaseState::Lost(_)))
+            .await
+            .map(|s| s.clone());
+        match lost {
+            Ok(LeaseState::Lost(loss)) => loss,
+            // The sender lives in `self.shared`, which outlives this borrow.
+            _ => std::future::pending().await,
+        }
+    }
+
+    /// Stops the renewals for good (a renewal already in flight is let finish, so that the
+    /// `DELETE` comes after it), then releases the lease (also a lost one: the broker may still
+    /// hold it for a moment). Idempotent: a second call sends nothing, and a lease that
+    /// was gone at the broker (`404`, `409`) is not an error. An error means the broker could
+    /// not be asked or refused otherwise; the lease then ends by its ttl. Each request is
+    /// bounded by [`REQUEST_TIMEOUT`]; wrap the call in a timeout for a shorter bound.
+    pub async fn release(&self) -> Result<Released, Error> {
+        if self.shared.release_sent.swap(true, Ordering::SeqCst) {
+            return Ok(Released::Before);
+        }
+        self.shared.mark_released();
+        let renewer = self.renewer.lock().expect("never poisoned").take();
+        self.shared.release_after(renewer).await
+    }
+}
+
+impl Shared {
+    /// `Released`, unless the lease was lost first: the renewal task sees it and stops.
+    fn mark_released(&self) {
+        self.state.send_if_modified(|state| match state {
+            LeaseState::Held => {
+                *state = LeaseState::Released;
+                true
+            }
+            _ => false,
+        });
+    }
+
+    /// Waits for the renewal task to stop (it does between renewals, or after the one in
+    /// flight, so the `DELETE` always comes after the last renewal), then releases.
+    async fn release_after(&self, renewer: Option<JoinHandle<()>>) -> Result<Released, Error> {
+        if let Some(renewer) = renewer {
+            let _ = renewer.await;
+        }
+        match self.client.release(&self.resource, &self.token).await {
+            Ok(()) => Ok(Released::Now),
+            Err(e) if e.is_gone() => Ok(Released::Gone(e)),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.shared.release_sent.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.shared.mark_released();
+        let renewer = self.renewer.get_mut().expect("never poisoned").take();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let shared = self.shared.clone();
+                runtime.spawn(async move {
+                    let bound = shared.ttl.min(REQUEST_TIMEOUT);
+                    let _ = timeout(bound, shared.release_after(renewer)).await;
+                });
+            }
+            // No runtime to release on: stop renewing, and the lease ends by its ttl.
+            Err(_) => {
+                if let Some(renewer) = renewer {
+                    renewer.abort();
+                }
+            }
+        }
+    }
+}
+
+/// Marks the lease lost, unless it was released first.
+fn lose(shared: &Shared, loss: Loss) {
+    shared.state.send_if_modified(|state| match state {
+        LeaseState::Held => {
+            *state = LeaseState::Lost(loss);
+            true
+        }
+        _ => false,
+    });
+}
+
+/// The renewal task: renews every `every` until the lease is released or lost. A renewal that
+/// fails without an answer that ends the lease is retried until the lease would have ended,
+/// judged from when the last confirmed renewal was sent (the broker cannot have extended it past
+/// that), less a tenth of the ttl.
+async fn keep(
+    shared: Arc<Shared>,
+    sent_at: Instant,
+    every: Duration,
+    on_trouble: Option<TroubleHook>,
+) {
+    let retry = (every / 4).clamp(MIN_RETRY, MAX_RETRY);
+    // The lease is judged lost a tenth of its ttl before the earliest moment it can end at the
+    // broker, so that the signal comes before the end even when this task's timer fires late.
+    let lasts = shared.ttl - shared.ttl / 10;
+    let mut ends_at = sent_at + lasts;
+    let mut next = sent_at + every;
+    let mut last: Option<Error> = None;
+    let mut state = shared.state.subscribe();
+    loop {
+        tokio::select! {
+            () = sleep_until(next.min(ends_at)) => {}
+            // Released (or dropped): no renewal starts after that.
+            _ = state.wait_for(|s| !matches!(s, LeaseState::Held)) => return,
+        }
+        let sent = Instant::now();
+        if sent >= ends_at {
+            return lose(&shared, Loss::Expired { last });
+        }
+        if !matches!(*state.borrow(), LeaseState::Held) {
+            return;
+        }
+        let renewed = timeout_at(
+            ends_at,
+            shared
+                .client
+                .renew(&shared.resource, &shared.token, Some(shared.ttl)),
+        )
+        .await;
+        match renewed {
+            Ok(Ok(_)) => {
+                if last.take().is_some()
+                    && let Some(report) = &on_trouble
+                {
+                    report(&Trouble::Recovered);
+                }
+                ends_at = sent + lasts;
+                next = sent + every;
+            }
+            Ok(Err(e)) if e.is_gone() => return lose(&shared, Loss::Refused(e)),
+            Ok(Err(e)) => {
+                if let (None, Some(report)) = (&last, &on_trouble) {
+                    report(&Trouble::Failing {
+                        error: e.clone(),
+                        ends_in: ends_at.saturating_duration_since(sent),
+                    });
+                }
+                last = Some(e);
+                next = Instant::now() + retry;
+            }
+            Err(_) => {
+                let last = last.or_else(|| {
+                    Some(Error::Transport {
+                        url: shared.client.url().to_owned(),
+                        reason: "the last renewal was still unanswered".into(),
+                    })
+                });
+                return lose(&shared, Loss::Expired { last });
+            }
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! An async client for lockbroker, the distributed-lock broker.
+//!
+//! [`Client::acquire`] takes a lease (the broker does the waiting); the [`Lease`] it returns
+//! renews itself in the background at a third of its ttl, tells when it is lost
+//! ([`Lease::is_held`], [`Lease::lost`], [`Lease::subscribe`]), and is released by
+//! [`Lease::release`] or, best effort, when dropped. Acquires carry a generated request id, so
+//! a 503 or a lost answer is asked again without ever making a second holder. Shared leases and
+//! semaphore permits go through [`Client::acquire_with`] and a [`Claim`].
+//!
+//! The one-request calls the command line uses ([`Client::grant`], [`Client::renew`],
+//! [`Client::release`], status and listings) are public too.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! let broker = lockbroker_client::Client::new("http://127.0.0.1:8080")?;
+//! let lease = broker
+//!     .acquire("orders:42", Duration::from_secs(10), Duration::from_secs(5))
+//!     .await?;
+//! tokio::select! {
+//!     loss = lease.lost() => eprintln!("stop writing: {loss}"),
+//!     () = async { /* the work, sending lease.fence() with each write */ } => {}
+//! }
+//! lease.release().await?;
+//! # Ok(())
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+
+mod acquire;
+mod client;
+mod error;
+mod lease;
+mod types;
+
+pub use crate::client::{BuildError, Client, ClientBuilder, REQUEST_TIMEOUT};
+pub use crate::error::Error;
+pub use crate::lease::{Lease, LeaseOptions, LeaseState, Loss, Released, Trouble, TroubleHook};
+pub use crate::types::{
+    AcquireParams, Claim, Grant, Holder, LockEntry, LockMode, LockStatus, MAX_PAGE,
+    MAX_SEMAPHORE_LIMIT, Page, Resource, SemaphoreEntry, SemaphoreStatus, Space, Token, format_ms,
+    new_request_id,
+};
