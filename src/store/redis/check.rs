@@ -23,7 +23,7 @@ impl RedisStore {
     /// catches up with a new one. Returns the store-wide hold in force, if any.
     ///
     /// Every check reads the server's `run_id` again, so a restart behind a proxy that keeps
-    /// client connections open is noticed within [`CHECK_EVERY`] too.
+    /// client connections open is noticed within [`CHECK_EVERY`](super::epoch::CHECK_EVERY) too.
     ///
     /// A connection that fails the check is replaced and the check made again at once (the new
     /// connection's verification is the check): after a restart, the old connection is usually

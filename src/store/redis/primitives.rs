@@ -55,10 +55,7 @@ impl Store for RedisStore {
     ) -> StoreResult<Holder<Released>> {
         let place = self.place(space, key);
         let release = Release {
-            on: HolderKeys {
-                keys: &place.keys,
-                marker: &place.marker,
-            },
+            on: HolderKeys::of(&place),
             token,
             channel: &self.channel,
         };
@@ -82,10 +79,7 @@ impl Store for RedisStore {
         let told = self.replicas.before_renew(self, space, key, token).await?;
         let place = self.place(space, key);
         let renew = Renew {
-            on: HolderKeys {
-                keys: &place.keys,
-                marker: &place.marker,
-            },
+            on: HolderKeys::of(&place),
             token,
             ttl,
             channel: &self.channel,
@@ -162,10 +156,7 @@ impl Store for RedisStore {
     async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
         let place = self.place(space, key);
         let force = Force {
-            on: HolderKeys {
-                keys: &place.keys,
-                marker: &place.marker,
-            },
+            on: HolderKeys::of(&place),
             channel: &self.channel,
         };
         let fences = match self.run(&force).await? {

@@ -5,7 +5,7 @@ use redis::{FromRedisValue, ParsingError, Value};
 
 use super::{Call, Fields, Lua, ScriptCall, Scripts, held, unknown};
 use crate::domain::{Fence, Owner, Token, Ttl};
-use crate::store::redis::keys::RedisKeys;
+use crate::store::redis::keys::{Place, RedisKeys};
 use crate::store::{EXPIRY_SLACK_MS, Hold, Holder};
 
 /// The keys every holder script takes (`lib/holder.lua`): the exclusive lock (for a semaphore:
@@ -15,7 +15,14 @@ pub(crate) struct HolderKeys<'a> {
     pub marker: &'a str,
 }
 
-impl HolderKeys<'_> {
+impl<'a> HolderKeys<'a> {
+    pub fn of(place: &'a Place<'_>) -> Self {
+        Self {
+            keys: &place.keys,
+            marker: &place.marker,
+        }
+    }
+
     fn write(&self, call: &mut Call<'_>) {
         call.key(&self.keys.lock)
             .key(self.marker)
