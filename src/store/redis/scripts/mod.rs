@@ -54,16 +54,24 @@ use crate::store::{Hold, HoldReason, StoreError, StoreResult};
 /// `Script`), computed once.
 pub(crate) struct Lua {
     name: &'static str,
-    source: &'static str,
+    source: String,
     sha: Script,
 }
 
 impl Lua {
+    /// The script of `source` without its comment lines: what a script's file says of it is for
+    /// readers, not worth sending to Redis with every `EVAL` (the epoch check's, once a second;
+    /// a cluster master's marks, one per slot).
     fn new(name: &'static str, source: &'static str) -> Self {
+        let source: String = source
+            .lines()
+            .filter(|line| !line.trim_start().starts_with("--"))
+            .flat_map(|line| [line, "\n"])
+            .collect();
         Self {
             name,
+            sha: Script::new(&source),
             source,
-            sha: Script::new(source),
         }
     }
 }

@@ -26,6 +26,19 @@ fn the_scripts_use_the_brokers_own_writer_intent() {
 }
 
 #[test]
+fn scripts_go_to_redis_without_their_comments_and_with_all_their_code() {
+    let scripts = Scripts::new();
+    let claim = &scripts.claim.source;
+    assert!(!claim.lines().any(|l| l.trim_start().starts_with("--")));
+    let file = include_str!("claim.lua");
+    assert!(file.starts_with("-- CLAIM"));
+    for code in file.lines().filter(|l| !l.trim_start().starts_with("--")) {
+        assert!(claim.contains(code), "{code}");
+    }
+    assert!(claim.contains("local function fence_for(counter, now)"));
+}
+
+#[test]
 fn a_grant_reply_decodes_by_its_code_and_nothing_may_be_missing_or_left_over() {
     let granted = vec![
         int(1),
