@@ -309,6 +309,11 @@ impl Connection {
         }
     }
 
+    /// The bound on one store call, connecting included.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The verified connection if there is one now; never waits.
     pub fn current(&self) -> Option<Link> {
         match &*self.state.borrow() {

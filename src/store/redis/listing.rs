@@ -103,7 +103,7 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
         Some(raw) => Some(Cursor::parse(raw).ok_or(StoreError::BadCursor)?),
     };
     // The masters by first slot; one server is one "master" at slot 0.
-    let nodes: Vec<u16> = if store.cluster {
+    let nodes: Vec<u16> = if store.layout.cluster {
         let shards = store.with_link(async |conn| masters(conn).await).await?;
         shards.iter().map(|s| s.first).collect()
     } else {
@@ -129,7 +129,7 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
     }
     let pattern = format!(
         "{}{{{}*}}:*",
-        glob_escaped(&store.prefix),
+        glob_escaped(&store.layout.prefix),
         glob_escaped(&query.prefix)
     );
     let fresh_count = (query.limit * 3).clamp(30, 1_000);
@@ -148,7 +148,7 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
             .await?;
         let mut found: Vec<LockKey> = keys
             .iter()
-            .filter_map(|k| client_key(&store.prefix, query.space, k))
+            .filter_map(|k| client_key(&store.layout.prefix, query.space, k))
             .collect();
         found.sort_unstable();
         found.dedup();

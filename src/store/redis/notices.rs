@@ -14,9 +14,10 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
 
+use super::RedisStore;
 use super::connection::Connector;
 use super::epoch::{CHECK_EVERY, SLOT_NOTICE};
-use super::{RedisStore, SEMAPHORE_NOTICE};
+use super::keys::SEMAPHORE_NOTICE;
 use crate::domain::{Fence, LockKey, millis};
 use crate::store::{Notice, Space, StoreError, StoreResult};
 
@@ -67,7 +68,7 @@ const RETRY_MIN: Duration = Duration::from_millis(100);
 /// ([`Notice::Missed`]), since notices published while disconnected are lost, and the epoch
 /// is checked (Redis may be back after a restart).
 pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
-    let (channel, timeout) = (&store.channel, store.timeout);
+    let (channel, timeout) = (&store.channel, store.connection.timeout());
     let mut backoff = Duration::from_millis(100);
     let mut attempt = 0;
     // A master switch the sentinels announced (`sentinel.rs`) moves the subscriber at once.

@@ -286,7 +286,7 @@ async fn listen(
         if notices.is_closed() {
             return;
         }
-        match subscribe(sentinel, store.timeout).await {
+        match subscribe(sentinel, store.connection.timeout()).await {
             Ok((mut sink, mut stream)) => {
                 tracing::debug!(sentinel = %addr, "listening for failovers");
                 backoff = RETRY_MIN;
@@ -306,7 +306,7 @@ async fn listen(
                                 return;
                             }
                             let pong = tokio::time::timeout(
-                                store.timeout,
+                                store.connection.timeout(),
                                 sink.ping::<redis::Value>(),
                             )
                             .await;

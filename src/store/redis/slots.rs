@@ -54,9 +54,11 @@ mod tests {
         assert_eq!(slot_of(b"123456789"), 0x31C3);
         assert_eq!(slot_of(b"foo"), 12182);
         assert_eq!(slot_of(b"{user1000}.following"), slot_of(b"user1000"));
-        assert_eq!(slot_of(b"foo{}{bar}"), slot_of(b"foo{}{bar}"));
+        // An empty first tag: the whole key is hashed (`CLUSTER KEYSLOT foo{}{bar}` is 8363).
+        assert_eq!(slot_of(b"foo{}{bar}"), 8363);
         assert_ne!(slot_of(b"foo{}{bar}"), slot_of(b"bar"));
         assert_eq!(slot_of(b"foo{{bar}}zap"), slot_of(b"{bar"));
+        assert_eq!(slot_of(b"foo{{bar}}zap"), 4015);
     }
 
     #[test]

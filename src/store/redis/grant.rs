@@ -1,0 +1,177 @@
+//! Granting: CLAIM, TAKE_OVER or JOIN run in the epoch this broker knows (caught up with first
+//! when the store is in another), then the wait for replicas, then the ledger.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::RedisStore;
+use super::keys::Place;
+use super::scripts::{Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver};
+use crate::domain::{Fence, Lease, LockKey, Token};
+use crate::store::{Bid, Hold, HoldReason, Kind, Pool, StoreError, StoreResult};
+
+/// Which granting script a bid runs.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum GrantScript {
+    Claim,
+    /// Takes over the expired lease with this fence.
+    TakeOver {
+        seen: Fence,
+    },
+    Join(Pool),
+}
+
+impl GrantScript {
+    /// The kind of lease it grants.
+    fn kind(self) -> Kind {
+        match self {
+            GrantScript::Claim | GrantScript::TakeOver { .. } => Kind::Exclusive,
+            GrantScript::Join(Pool::Shared) => Kind::Shared,
+            GrantScript::Join(Pool::Semaphore { limit }) => Kind::Semaphore { limit },
+        }
+    }
+}
+
+impl RedisStore {
+    /// Runs `script` for `bid` on `key`: the lease granted (confirmed by the replicas asked for,
+    /// and in the ledger), or what the script answered instead.
+    pub(super) async fn grant(
+        &self,
+        script: GrantScript,
+        key: &LockKey,
+        bid: &Bid,
+    ) -> StoreResult<Result<Lease, NotGranted>> {
+        let kind = script.kind();
+        let place = self.place(kind.space(), key);
+        let at = &place;
+        let attempt = |epoch: String| async move { self.attempt(script, at, bid, &epoch).await };
+        let (granted, epoch) = match self.in_epoch(place.slot, attempt).await? {
+            Ok(granted) => granted,
+            Err(not) => return Ok(Err(not)),
+        };
+        let answered = Instant::now();
+        // What remains on the store's clock: a lease handed back again by request id is older
+        // than its TTL.
+        let remaining = Duration::from_millis(granted.expires_at_ms.saturating_sub(granted.now_ms));
+        let lease = lease_of(granted, bid, kind)?;
+        self.replicas
+            .confirm_grant(self, kind.space(), key, &bid.token, &lease)
+            .await?;
+        self.remember(key, kind, place.slot, &lease, answered + remaining, &epoch);
+        Ok(Ok(lease))
+    }
+
+    /// One run of `script` in `epoch`.
+    async fn attempt(
+        &self,
+        script: GrantScript,
+        place: &Place<'_>,
+        bid: &Bid,
+        epoch: &str,
+    ) -> StoreResult<Epoched<GrantReply>> {
+        let (keys, marker) = (&place.keys, &*place.marker);
+        let claim = Claim {
+            keys,
+            marker,
+            bid,
+            epoch,
+        };
+        match script {
+            GrantScript::Claim => self.run(&claim).await,
+            GrantScript::TakeOver { seen } => self.run(&TakeOver { claim, seen }).await,
+            GrantScript::Join(pool) => {
+                self.run(&Join {
+                    keys,
+                    marker,
+                    pool,
+                    bid,
+                    epoch,
+                })
+                .await
+            }
+        }
+    }
+
+    /// Runs `attempt` in the epoch this broker knows for `slot`: its grant, with that epoch, or
+    /// what it answered instead. A script that finds the store in another epoch than this
+    /// broker knows is answered by catching up (putting this broker's leases back), then tried
+    /// again; on a cluster, a slot that moved here from a master this broker has caught up with
+    /// is adopted in that master's epoch, and a slot whose marker alone is missing repaired.
+    async fn in_epoch<F: Future<Output = StoreResult<Epoched<GrantReply>>>>(
+        &self,
+        slot: Option<u16>,
+        attempt: impl Fn(String) -> F,
+    ) -> StoreResult<Result<(Granted, String), NotGranted>> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let known = match self.epoch.for_grant(slot) {
+                Ok(known) => known,
+                Err(hold) => return Ok(Err(NotGranted::Held(hold))),
+            };
+            let marker = match attempt(known.clone()).await? {
+                Epoched::Answered(GrantReply::Granted(granted)) => return Ok(Ok((granted, known))),
+                Epoched::Answered(GrantReply::NotGranted(not)) => return Ok(Err(not)),
+                Epoched::OtherEpoch(marker) => marker,
+            };
+            match (tries, slot, marker) {
+                (1, Some(slot), Some(epoch)) if self.epoch.adopt(slot, &epoch) => {}
+                // Caught up and the slot's marker is still missing: it alone lost it.
+                (2, Some(slot), None) => self.clone().repair_task(slot).await?,
+                (1 | 2, ..) => {
+                    if let Some(hold) = self.clone().catch_up_task().await? {
+                        return Ok(Err(NotGranted::Held(hold)));
+                    }
+                }
+                _ => {
+                    return Ok(Err(NotGranted::Held(Hold {
+                        reason: HoldReason::PuttingBack,
+                        retry_after_ms: 1_000,
+                    })));
+                }
+            }
+        }
+    }
+
+    /// Records a lease granted or renewed here in the ledger. If it was written in an epoch
+    /// older than the newest one this broker has seen, its answer raced a loss and the put-back
+    /// may have missed it: it is put back on its own.
+    pub(super) fn remember(
+        &self,
+        key: &LockKey,
+        kind: Kind,
+        slot: Option<u16>,
+        lease: &Lease,
+        ends: Instant,
+        epoch: &str,
+    ) {
+        self.ledger.record(key, kind, lease, ends);
+        if self.epoch.is_behind(slot, epoch) {
+            self.put_back_late(key.clone(), kind, lease.token.clone());
+        }
+    }
+}
+
+/// The lease `granted` is, for `bid`.
+fn lease_of(granted: Granted, bid: &Bid, kind: Kind) -> StoreResult<Lease> {
+    Ok(Lease {
+        // The bid's own token, or the one of the earlier grant this repeats.
+        token: if granted.token == bid.token.as_str() {
+            bid.token.clone()
+        } else {
+            Token::parse(&granted.token).map_err(|_| {
+                StoreError::Failed("Redis handed back a lease with a malformed token".into())
+            })?
+        },
+        fence: granted.fence,
+        expires_at_ms: granted.expires_at_ms,
+        ttl_ms: granted.ttl_ms,
+        owner: bid.owner.clone(),
+        request_id: bid.request_id.clone(),
+        limit: match kind {
+            Kind::Semaphore { limit } => Some(limit),
+            Kind::Exclusive | Kind::Shared => None,
+        },
+    })
+}

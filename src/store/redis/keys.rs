@@ -1,0 +1,112 @@
+//! Where the broker's data is in Redis: the keys of one client key in one space, the epoch
+//! markers, and on a cluster the slot a key's scripts run on (the layout itself is described in
+//! `scripts/mod.rs`).
+
+use std::borrow::Cow;
+
+use super::RedisStore;
+use super::slots::{slot_of, tag_for};
+use crate::domain::LockKey;
+use crate::store::Space;
+
+/// A semaphore's release notices carry its key after this (a lock key never has it).
+pub(super) const SEMAPHORE_NOTICE: &str = "#";
+
+/// Where every Redis key of the broker is.
+pub(super) struct Layout {
+    /// Prepended to every Redis key the broker writes.
+    pub prefix: String,
+    /// `<prefix>epoch`: the store's epoch marker (see `epoch.rs`); on a cluster, one per slot.
+    pub marker: String,
+    /// On a Redis Cluster: per-master epochs, per-slot markers (see `epoch.rs`).
+    pub cluster: bool,
+}
+
+/// The Redis keys of one client key in one space, all with the client key as their hash tag.
+pub(super) struct RedisKeys {
+    /// The exclusive lease (for a semaphore: its pool, where no such lease is).
+    pub lock: String,
+    pub fence: String,
+    pub pool: String,
+    pub ends: String,
+    /// The waiting exclusive acquires' intents.
+    pub writers: String,
+    /// What release notices carry for the key.
+    pub notice: String,
+}
+
+/// What a script on one key needs to know of where it runs: the key's Redis keys, its slot on
+/// a cluster, and the epoch marker on that slot.
+pub(super) struct Place<'a> {
+    pub keys: RedisKeys,
+    pub slot: Option<u16>,
+    pub marker: Cow<'a, str>,
+}
+
+impl RedisStore {
+    /// `key`'s exclusive lease and fence counter in the lock space.
+    pub(super) fn keys(&self, key: &LockKey) -> [String; 2] {
+        let prefix = &self.layout.prefix;
+        [
+            format!("{prefix}{{{key}}}:lock"),
+            format!("{prefix}{{{key}}}:fence"),
+        ]
+    }
+
+    /// The Redis keys of `key` in `space`.
+    pub(super) fn names(&self, space: Space, key: &LockKey) -> RedisKeys {
+        let base = format!("{}{{{}}}", self.layout.prefix, key);
+        match space {
+            Space::Locks => RedisKeys {
+                lock: format!("{base}:lock"),
+                fence: format!("{base}:fence"),
+                pool: format!("{base}:shared"),
+                ends: format!("{base}:shared:ends"),
+                writers: format!("{base}:writers"),
+                notice: key.as_str().into(),
+            },
+            Space::Semaphores => RedisKeys {
+                // A semaphore has no exclusive lease: the scripts find none in its pool.
+                lock: format!("{base}:sem"),
+                fence: format!("{base}:sem:fence"),
+                pool: format!("{base}:sem"),
+                ends: format!("{base}:sem:ends"),
+                writers: format!("{base}:sem:writers"),
+                notice: format!("{SEMAPHORE_NOTICE}{key}"),
+            },
+        }
+    }
+
+    /// Where a script on `key` in `space` runs.
+    pub(super) fn place(&self, space: Space, key: &LockKey) -> Place<'_> {
+        Place {
+            keys: self.names(space, key),
+            slot: self.slot(key),
+            marker: self.marker_for(key),
+        }
+    }
+
+    /// On a cluster, the slot of `key`'s Redis keys.
+    pub(super) fn slot(&self, key: &LockKey) -> Option<u16> {
+        self.layout
+            .cluster
+            .then(|| slot_of(format!("{}{{{}}}", self.layout.prefix, key).as_bytes()))
+    }
+
+    /// The epoch marker a script on `key` reads: the store's, or on a cluster its slot's.
+    pub(super) fn marker_for(&self, key: &LockKey) -> Cow<'_, str> {
+        match self.slot(key) {
+            Some(slot) => Cow::Owned(self.marker_of(slot)),
+            None => Cow::Borrowed(&self.layout.marker),
+        }
+    }
+
+    /// The epoch marker of `slot` (on one server, the store's one marker).
+    pub(super) fn marker_of(&self, slot: u16) -> String {
+        if self.layout.cluster {
+            format!("{}{{{}}}", self.layout.marker, tag_for(slot))
+        } else {
+            self.layout.marker.clone()
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! The store's primitives on Redis: each one script call (`scripts/`), and what the broker does
+//! with its answer (the ledger, the replicas).
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::grant::GrantScript;
+use super::scripts::{
+    Force, ForceReply, HolderKeys, NotGranted, Read, ReadPermits, Release, ReleaseReply, Renew,
+    RenewReply, Renewed,
+};
+use super::{RedisStore, listing, notices, sentinel};
+use crate::domain::{Fence, Lease, LockKey, Token, Ttl};
+use crate::store::{
+    Bid, Grant, Hold, HoldReason, Holder, Join, Kind, ListQuery, Notice, Page, Permits, Pool,
+    Released, Snapshot, Space, Store, StoreError, StoreResult,
+};
+
+/// The answer of CLAIM or TAKE_OVER.
+fn exclusive(granted: Result<Lease, NotGranted>) -> Grant {
+    match granted {
+        Ok(lease) => Grant::Granted(lease),
+        Err(NotGranted::Held(hold)) => Grant::Held(hold),
+        Err(NotGranted::Refused | NotGranted::Busy { .. } | NotGranted::LimitMismatch { .. }) => {
+            Grant::Refused
+        }
+    }
+}
+
+impl Store for RedisStore {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
+        self.grant(GrantScript::Claim, key, bid)
+            .await
+            .map(exclusive)
+    }
+
+    async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
+        let keys = self.names(Space::Locks, key);
+        self.run(&Read { keys: &keys }).await
+    }
+
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
+        self.grant(GrantScript::TakeOver { seen }, key, bid)
+            .await
+            .map(exclusive)
+    }
+
+    async fn release(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> StoreResult<Holder<Released>> {
+        let place = self.place(space, key);
+        let release = Release {
+            on: HolderKeys::of(&place),
+            token,
+            channel: &self.channel,
+        };
+        let outcome = match self.run(&release).await? {
+            ReleaseReply::Released { held_ms } => Holder::Done(Released { held_ms }),
+            ReleaseReply::Refused(refusal) => refusal.answer(),
+        };
+        if !matches!(outcome, Holder::Held(_)) {
+            self.ledger.forget_any(space, key, token);
+        }
+        Ok(outcome)
+    }
+
+    async fn renew(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> StoreResult<Holder<Lease>> {
+        let told = self.replicas.before_renew(self, space, key, token).await?;
+        let place = self.place(space, key);
+        let renew = Renew {
+            on: HolderKeys::of(&place),
+            token,
+            ttl,
+            channel: &self.channel,
+        };
+        let reply = self.run(&renew).await?;
+        let answered = Instant::now();
+        let (kind, renewed) = match (space, reply) {
+            (_, RenewReply::Refused(refusal)) => {
+                let outcome = refusal.answer();
+                if !matches!(outcome, Holder::Held(_)) {
+                    self.ledger.forget_any(space, key, token);
+                }
+                return Ok(outcome);
+            }
+            (Space::Locks, RenewReply::Exclusive(renewed)) => (Kind::Exclusive, renewed),
+            (Space::Locks, RenewReply::Pooled { renewed, .. }) => (Kind::Shared, renewed),
+            (Space::Semaphores, RenewReply::Pooled { renewed, limit }) => {
+                let limit = limit.ok_or_else(|| {
+                    StoreError::Failed(
+                        "Redis renewed a permit of a semaphore without a limit".into(),
+                    )
+                })?;
+                (Kind::Semaphore { limit }, renewed)
+            }
+            (Space::Semaphores, RenewReply::Exclusive(_)) => {
+                return Err(StoreError::Failed(
+                    "Redis renewed an exclusive lease on a semaphore".into(),
+                ));
+            }
+        };
+        let Renewed {
+            fence,
+            expires_at_ms,
+            owner,
+            epoch,
+        } = renewed;
+        let lease = Lease {
+            token: token.clone(),
+            fence,
+            expires_at_ms,
+            ttl_ms: ttl.as_ms(),
+            owner,
+            request_id: None,
+            limit: match kind {
+                Kind::Semaphore { limit } => Some(limit),
+                Kind::Exclusive | Kind::Shared => None,
+            },
+        };
+        self.replicas
+            .confirm_renew(self, space, key, token, told, &lease)
+            .await?;
+        let ends = answered + Duration::from_millis(ttl.as_ms());
+        self.remember(key, kind, place.slot, &lease, ends, &epoch);
+        Ok(Holder::Done(lease))
+    }
+
+    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
+        Ok(match self.grant(GrantScript::Join(pool), key, bid).await? {
+            Ok(lease) => Join::Granted(lease),
+            Err(NotGranted::Held(hold)) => Join::Held(hold),
+            Err(NotGranted::Busy { retry_after_ms }) => Join::Busy { retry_after_ms },
+            Err(NotGranted::LimitMismatch { limit }) => Join::LimitMismatch { limit },
+            Err(NotGranted::Refused) => {
+                return Err(StoreError::Failed("unexpected join reply".into()));
+            }
+        })
+    }
+
+    async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
+        let keys = self.names(Space::Semaphores, key);
+        self.run(&ReadPermits { keys: &keys }).await
+    }
+
+    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+        let place = self.place(space, key);
+        let force = Force {
+            on: HolderKeys::of(&place),
+            channel: &self.channel,
+        };
+        let fences = match self.run(&force).await? {
+            ForceReply::Ended(fences) => fences,
+            ForceReply::Refused(refusal) => return Ok(refusal.answer()),
+        };
+        let Some(&top) = fences.iter().max() else {
+            return Ok(Holder::NotHeld);
+        };
+        self.ledger.forget_ended(space, key.as_str(), top, true);
+        Ok(Holder::Done(fences))
+    }
+
+    async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
+        listing::page(self, query).await
+    }
+
+    async fn ready(&self) -> StoreResult<Option<Hold>> {
+        if self.epoch.putting_back() {
+            return Ok(Some(Hold {
+                reason: HoldReason::PuttingBack,
+                retry_after_ms: 1_000,
+            }));
+        }
+        self.clone().catch_up_task().await
+    }
+
+    fn ledger_len(&self) -> usize {
+        self.ledger.len()
+    }
+
+    fn start(&self, notices: mpsc::Sender<Notice>) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("no runtime for the store's background work; waiters will poll");
+            return;
+        };
+        runtime.spawn(notices::watch_epoch(self.clone(), notices.clone()));
+        runtime.spawn(sentinel::follow_failovers(self.clone(), notices.clone()));
+        runtime.spawn(notices::listen(self.clone(), notices));
+    }
+}

@@ -1,0 +1,240 @@
+//! The calls of the epoch's scripts — CHECK (`check.lua`), MARK (`mark.lua`), REPAIR
+//! (`repair.lua`) and PUT_BACK (`put_back.lua`) — and their replies.
+
+use redis::{FromRedisValue, ParsingError, Value};
+
+use super::{Call, Fields, Lua, ScriptCall, Scripts, unknown};
+use crate::domain::Fence;
+use crate::store::ledger::Entry;
+use crate::store::redis::keys::RedisKeys;
+use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Kind};
+
+/// CHECK's call: the epoch check of the shard whose epoch `marker` records.
+pub(crate) struct Check<'a> {
+    pub marker: &'a str,
+    /// The epoch this broker knows of the shard, if any.
+    pub known: Option<&'a str>,
+    pub settle_ms: u64,
+    pub loss_delay_ms: u64,
+    pub channel: &'a str,
+}
+
+impl ScriptCall for Check<'_> {
+    type Reply = Checked;
+
+    fn script(scripts: &Scripts) -> &Lua {
+        &scripts.check
+    }
+
+    fn write(&self, call: &mut Call<'_>) {
+        call.key(self.marker);
+        call.arg(self.known.unwrap_or(""))
+            .arg(self.settle_ms)
+            .arg(self.loss_delay_ms)
+            .arg(self.channel);
+    }
+}
+
+/// What the epoch check answered: the shard's epoch as the check left it.
+#[derive(Clone)]
+pub(crate) struct Checked {
+    pub id: String,
+    pub hold_until_ms: u64,
+    pub now_ms: u64,
+    pub reason: String,
+    pub run_id: String,
+}
+
+impl Checked {
+    /// The store-wide hold in force on the shard, if any.
+    pub fn hold(&self) -> Option<Hold> {
+        (self.now_ms < self.hold_until_ms).then(|| Hold {
+            reason: if self.reason == "loss" {
+                HoldReason::Loss
+            } else {
+                HoldReason::Settling
+            },
+            retry_after_ms: self.hold_until_ms - self.now_ms,
+        })
+    }
+}
+
+impl FromRedisValue for Checked {
+    fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
+        let mut fields = Fields::of(reply)?;
+        let checked = Checked {
+            id: fields.next()?,
+            hold_until_ms: fields.next()?,
+            now_ms: fields.next()?,
+            reason: fields.next()?,
+            run_id: fields.next()?,
+        };
+        fields.finish()?;
+        Ok(checked)
+    }
+}
+
+/// MARK's call: copies the master's epoch, as `checked` says, to one slot's `marker`.
+pub(crate) struct Mark<'a> {
+    pub marker: &'a str,
+    pub checked: &'a Checked,
+}
+
+impl ScriptCall for Mark<'_> {
+    /// Always 1.
+    type Reply = i64;
+
+    fn script(scripts: &Scripts) -> &Lua {
+        &scripts.mark
+    }
+
+    fn write(&self, call: &mut Call<'_>) {
+        let checked = self.checked;
+        call.key(self.marker);
+        call.arg(&checked.id)
+            .arg(&checked.run_id)
+            .arg(checked.hold_until_ms)
+            .arg(&checked.reason);
+    }
+}
+
+/// REPAIR's call: gives a slot's `marker` back in `epoch`, held for `hold_ms`, and announces it
+/// on `channel`.
+pub(crate) struct Repair<'a> {
+    pub marker: &'a str,
+    pub epoch: &'a str,
+    pub hold_ms: u64,
+    pub channel: &'a str,
+    pub announcement: &'a str,
+}
+
+impl ScriptCall for Repair<'_> {
+    /// Whether it wrote the marker (`false`: one was there).
+    type Reply = bool;
+
+    fn script(scripts: &Scripts) -> &Lua {
+        &scripts.repair
+    }
+
+    fn write(&self, call: &mut Call<'_>) {
+        call.key(self.marker);
+        call.arg(self.epoch)
+            .arg(self.hold_ms)
+            .arg(self.channel)
+            .arg(self.announcement);
+    }
+}
+
+/// PUT_BACK's call: puts `leases` back into `epoch`, on the shard (or slot) of `marker`.
+pub(crate) struct PutBack<'a> {
+    pub marker: &'a str,
+    pub epoch: &'a str,
+    pub leases: Vec<LeaseBack<'a>>,
+}
+
+/// One lease to put back: its keys, its ledger entry, and what remains of it (ms, at least 1).
+pub(crate) struct LeaseBack<'a> {
+    pub keys: RedisKeys,
+    pub entry: &'a Entry,
+    pub remaining_ms: u64,
+}
+
+impl ScriptCall for PutBack<'_> {
+    type Reply = PutBackReply;
+
+    fn script(scripts: &Scripts) -> &Lua {
+        &scripts.put_back
+    }
+
+    fn write(&self, call: &mut Call<'_>) {
+        call.key(self.marker);
+        for LeaseBack { keys, entry, .. } in &self.leases {
+            match entry.kind {
+                Kind::Exclusive => call
+                    .key(&keys.lock)
+                    .key(&keys.fence)
+                    .key(&keys.pool)
+                    .key(&keys.ends),
+                Kind::Shared | Kind::Semaphore { .. } => call
+                    .key(&keys.pool)
+                    .key(&keys.ends)
+                    .key(&keys.fence)
+                    .key(&keys.lock),
+            };
+        }
+        call.arg(self.epoch).arg(EXPIRY_SLACK_MS);
+        // '' for none, else '=' and the value.
+        let given = |v: Option<&str>| v.map_or(String::new(), |v| format!("={v}"));
+        for LeaseBack {
+            entry,
+            remaining_ms,
+            ..
+        } in &self.leases
+        {
+            match entry.kind {
+                Kind::Exclusive => call.arg("x"),
+                Kind::Shared => call.arg("s"),
+                Kind::Semaphore { limit } => call.arg(limit),
+            };
+            call.arg(entry.token.as_str())
+                .arg(entry.fence)
+                .arg(*remaining_ms)
+                .arg(entry.ttl_ms)
+                .arg(given(entry.owner.as_ref().map(|o| o.as_str())))
+                .arg(given(entry.request_id.as_ref().map(|r| r.as_str())));
+        }
+    }
+}
+
+/// PUT_BACK's reply.
+pub(crate) enum PutBackReply {
+    /// `{-1}`: the store is no longer in the epoch (a loss during the put-back).
+    OtherEpoch,
+    /// What became of each lease, in the call's order.
+    Placed(Vec<Placed>),
+}
+
+/// What became of one lease put back.
+pub(crate) struct Placed {
+    pub outcome: Placement,
+    /// Its fence counter was below its fence, and was raised.
+    pub counter_raised: bool,
+}
+
+pub(crate) enum Placement {
+    /// Code 1: written back.
+    Written,
+    /// Code 0: the key already held it (its end moved out if that was later).
+    AlreadyThere,
+    /// Code 2: another live lease with this higher fence was there, and stays.
+    OtherKept { fence: Fence },
+    /// Code 3: another live lease with this lower fence was there, and this one replaced it.
+    OtherReplaced { fence: Fence },
+}
+
+impl FromRedisValue for PutBackReply {
+    fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
+        let mut fields = Fields::of(reply)?;
+        let mut placed = Vec::new();
+        while !fields.is_empty() {
+            let code: i64 = fields.next()?;
+            if code == -1 && placed.is_empty() {
+                fields.finish()?;
+                return Ok(PutBackReply::OtherEpoch);
+            }
+            let other: Fence = fields.next()?;
+            let outcome = match code {
+                1 => Placement::Written,
+                0 => Placement::AlreadyThere,
+                2 => Placement::OtherKept { fence: other },
+                3 => Placement::OtherReplaced { fence: other },
+                code => return Err(unknown("put_back", code)),
+            };
+            placed.push(Placed {
+                outcome,
+                counter_raised: fields.next::<i64>()? == 1,
+            });
+        }
+        Ok(PutBackReply::Placed(placed))
+    }
+}

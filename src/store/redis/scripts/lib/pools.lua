@@ -1,0 +1,53 @@
+-- Helpers of the scripts on pools (shared leases, semaphore permits), kept out of the exclusive
+-- path's scripts: each script defines its functions again on every call. A pool is a hash
+-- (token -> `fence|expires_at|ttl|granted_at|request_id|owner`, and `?<request_id>` -> token)
+-- and a sorted set of ends (token -> expires_at); see `scripts/mod.rs`.
+local function record(rec)
+  local f, e, t, g, r, o = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
+  return tonumber(f), tonumber(e), tonumber(t), tonumber(g), r, o
+end
+local function live_count(ends, now_ms)
+  return redis.call('ZCOUNT', ends, '(' .. int(now_ms), '+inf')
+end
+local function keep(key, ms)
+  local left = redis.call('PTTL', key)
+  if left >= 0 and left < ms then redis.call('PEXPIRE', key, ms) end
+  if left == -1 then redis.call('PEXPIRE', key, ms) end
+end
+-- Drops a holder's request id from its pool, unless the id now names a later holder.
+local function drop_rid(pool, rid, token)
+  if rid ~= '' and redis.call('HGET', pool, '?' .. rid) == token then
+    redis.call('HDEL', pool, '?' .. rid)
+  end
+end
+-- Drops up to 100 ended holders of a pool (hash, ends) per call.
+local function prune(pool, ends, now_ms)
+  local gone = redis.call('ZRANGEBYSCORE', ends, '-inf', int(now_ms), 'LIMIT', 0, 100)
+  for _, token in ipairs(gone) do
+    local rec = redis.call('HGET', pool, token)
+    if rec then
+      local _, _, _, _, rid = record(rec)
+      drop_rid(pool, rid, token)
+      redis.call('HDEL', pool, token)
+    end
+    redis.call('ZREM', ends, token)
+  end
+end
+-- The live holders of a pool: {token, fence, expires, ttl, owner-or-false, request-id-or-false}...
+local function holders(pool, ends, now_ms)
+  local out = {}
+  local tokens = redis.call('ZRANGEBYSCORE', ends, '(' .. int(now_ms), '+inf')
+  for _, token in ipairs(tokens) do
+    local rec = redis.call('HGET', pool, token)
+    if rec then
+      local f, e, t, _, r, o = record(rec)
+      out[#out + 1] = token
+      out[#out + 1] = f
+      out[#out + 1] = e
+      out[#out + 1] = t
+      out[#out + 1] = (o ~= '' and string.sub(o, 2)) or false
+      out[#out + 1] = (r ~= '' and r) or false
+    end
+  end
+  return out
+end

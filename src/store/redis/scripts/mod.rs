@@ -1,0 +1,256 @@
+//! The Lua scripts and their typed calls. Each store primitive is one script, so that each step
+//! of the lock recipe (SETNX to claim, GET to look, GETSET to take over an expired lease, a
+//! holder-checked DEL to release) runs atomically on Redis and reads the time from Redis's own
+//! clock.
+//!
+//! Each script is a `.lua` file in this folder, which says what it does, its `KEYS`, its `ARGV`
+//! and its replies. Helpers several scripts share are in `lib/` and joined in front of a script
+//! at build time (the `concat!` in [`Scripts::new`]). Beside the files, for each script, a Rust
+//! type writes its keys and arguments in the order the file reads them ([`ScriptCall::write`]:
+//! the one place that order is written), and a reply type decodes what it answers
+//! ([`FromRedisValue`], reading the fields in order like mini-redis's `Parse` reads a frame), so
+//! no other code orders arguments or indexes a reply. To add a script: its `.lua` file, a field in
+//! [`Scripts`], a call type that implements [`ScriptCall`], and its reply type.
+//!
+//! Layout of one lock's Redis keys, which share a hash tag so every script stays on one slot of
+//! a Redis Cluster (see [`RedisKeys`](super::keys::RedisKeys)): `<prefix>{<key>}:lock`, a hash
+//! with `token`, `fence`, `expires_at` (Unix ms on Redis's clock), `ttl`, `granted_at` and, when
+//! given, `owner` and `request_id`, for the exclusive lease; `<prefix>{<key>}:fence`, the key's
+//! fence counter; the shared leases in a pool (below) at `<prefix>{<key>}:shared`; and
+//! `<prefix>{<key>}:writers`, a sorted set of the intents of waiting exclusive acquires (token →
+//! end, ms), which holds new shared grants back.
+//!
+//! A pool — the shared leases of a lock, or the permits of a semaphore — is a hash `<pool>`
+//! (each holder's token → `fence|expires_at|ttl|granted_at|request_id|owner`, with `owner` `=`
+//! and the label or empty for none, and `?<request_id>` → token) and a sorted set
+//! `<pool>:ends` (token → expires_at), so ended holders are found without reading every one.
+//! A semaphore's pool is `<prefix>{<key>}:sem`, with its limit in the hash's `#limit` and its
+//! own fence counter `<prefix>{<key>}:sem:fence`: semaphores and locks are separate spaces.
+//!
+//! The epoch marker `<prefix>epoch` is a hash, never expired: `id` (the epoch, Redis's clock in
+//! µs when it began), `run_id` (the server process it began on), `hold_until` (ms; nothing is
+//! granted before it) and `reason` (`settle` or `loss`). On a Redis Cluster there is one marker
+//! per slot, `<prefix>epoch{<tag>}`, so that a script's keys stay on one slot. See `epoch.rs` for
+//! what an epoch is.
+
+mod epoch;
+mod grant;
+mod holder;
+mod reads;
+
+use redis::{Cmd, FromRedisValue, ParsingError, Script, ToRedisArgs, Value};
+
+pub(crate) use self::epoch::{
+    Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
+};
+pub(crate) use self::grant::{Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver};
+pub(crate) use self::holder::{
+    Force, ForceReply, HolderKeys, Release, ReleaseReply, Renew, RenewReply, Renewed,
+};
+pub(crate) use self::reads::{Read, ReadPermits};
+use crate::store::{Hold, HoldReason, StoreError, StoreResult};
+
+/// One script: its name (for errors), its source, and its SHA1 (from the `redis` crate's
+/// `Script`), computed once.
+pub(crate) struct Lua {
+    name: &'static str,
+    source: String,
+    sha: Script,
+}
+
+impl Lua {
+    /// The script of `source` without its comment lines: what a script's file says of it is for
+    /// readers, not worth sending to Redis with every `EVAL` (the epoch check's, once a second;
+    /// a cluster master's marks, one per slot).
+    fn new(name: &'static str, source: &'static str) -> Self {
+        let source: String = source
+            .lines()
+            .filter(|line| !line.trim_start().starts_with("--"))
+            .flat_map(|line| [line, "\n"])
+            .collect();
+        Self {
+            name,
+            sha: Script::new(&source),
+            source,
+        }
+    }
+}
+
+/// A script's call type: its keys and arguments, and what its reply decodes to.
+pub(crate) trait ScriptCall {
+    /// What the script answers.
+    type Reply: FromRedisValue;
+
+    /// The script this call runs.
+    fn script(scripts: &Scripts) -> &Lua;
+
+    /// Adds the keys, then the arguments, in the order the script's `.lua` file reads them.
+    fn write(&self, call: &mut Call<'_>);
+}
+
+/// A script call with its keys and arguments: run by SHA ([`Call::by_sha`]), or with its source
+/// ([`Call::with_source`]) when the server answers NOSCRIPT. What the server does on NOSCRIPT is
+/// the store's decision (see `RedisStore::invoke`): the crate's own fallback
+/// (`ScriptInvocation::invoke_async`) would load the script on every master of a cluster, and
+/// the crate keeps the command it sends with the source to itself.
+pub(crate) struct Call<'a> {
+    lua: &'a Lua,
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl Call<'_> {
+    /// Only a [`ScriptCall::write`] adds keys and arguments: the order is written there alone.
+    fn key(&mut self, key: impl ToRedisArgs) -> &mut Self {
+        key.write_redis_args(&mut self.keys);
+        self
+    }
+
+    fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
+        arg.write_redis_args(&mut self.args);
+        self
+    }
+
+    /// `EVALSHA`: the server runs the script if it has it cached.
+    pub fn by_sha(&self) -> Cmd {
+        self.command("EVALSHA", self.lua.sha.get_hash().as_bytes())
+    }
+
+    /// `EVAL` with the source, which also caches it on that server.
+    pub fn with_source(&self) -> Cmd {
+        self.command("EVAL", self.lua.source.as_bytes())
+    }
+
+    fn command(&self, verb: &str, script: &[u8]) -> Cmd {
+        let mut cmd = redis::cmd(verb);
+        cmd.arg(script)
+            .arg(self.keys.len())
+            .arg(&*self.keys)
+            .arg(&*self.args);
+        cmd
+    }
+
+    /// Decodes the script's reply, or says which script answered what the broker cannot read.
+    pub fn decode<T: FromRedisValue>(&self, reply: Value) -> StoreResult<T> {
+        T::from_redis_value(reply).map_err(|e| {
+            StoreError::Failed(format!(
+                "Redis answered the {} script with a malformed reply: {e}",
+                self.lua.name
+            ))
+        })
+    }
+}
+
+/// Every script of the broker, built once: each one's SHA is computed at construction.
+pub(crate) struct Scripts {
+    claim: Lua,
+    take_over: Lua,
+    join: Lua,
+    read: Lua,
+    permits: Lua,
+    release: Lua,
+    renew: Lua,
+    force: Lua,
+    /// The epoch check, run with plain EVAL: this background check, once a second, then shows
+    /// apart from the lock operations in Redis's command statistics.
+    check: Lua,
+    /// Run with plain EVAL too, and only when a master's epoch changes.
+    mark: Lua,
+    /// Plain EVAL, on the rare slot whose marker alone went missing.
+    repair: Lua,
+    put_back: Lua,
+}
+
+impl Scripts {
+    pub fn new() -> Self {
+        macro_rules! lua {
+            ($name:literal: $($file:literal),+) => {
+                Lua::new($name, concat!($(include_str!($file)),+))
+            };
+        }
+        Self {
+            claim: lua!("claim": "lib/prelude.lua", "lib/grant.lua", "claim.lua"),
+            take_over: lua!("take_over": "lib/prelude.lua", "lib/grant.lua", "take_over.lua"),
+            join: lua!("join": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "join.lua"),
+            read: lua!("read": "lib/prelude.lua", "lib/pools.lua", "read.lua"),
+            permits: lua!("permits": "lib/prelude.lua", "lib/pools.lua", "permits.lua"),
+            release: lua!("release": "lib/prelude.lua", "lib/pools.lua", "lib/holder.lua", "release.lua"),
+            renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/holder.lua", "renew.lua"),
+            force: lua!("force": "lib/prelude.lua", "lib/pools.lua", "force.lua"),
+            check: lua!("check": "lib/prelude.lua", "check.lua"),
+            mark: lua!("mark": "mark.lua"),
+            repair: lua!("repair": "repair.lua"),
+            put_back: lua!("put_back": "lib/prelude.lua", "lib/pools.lua", "put_back.lua"),
+        }
+    }
+
+    /// `call`'s script with its keys and arguments.
+    pub fn call<S: ScriptCall>(&self, call: &S) -> Call<'_> {
+        let mut built = Call {
+            lua: S::script(self),
+            keys: Vec::new(),
+            args: Vec::new(),
+        };
+        call.write(&mut built);
+        built
+    }
+}
+
+/// The fields of a script's array reply, read in order, as mini-redis's `Parse` reads a frame:
+/// each read says what type it expects, and a reply that ends early or has fields left over is
+/// malformed.
+pub(crate) struct Fields(std::vec::IntoIter<Value>);
+
+impl Fields {
+    pub fn of(reply: Value) -> Result<Self, ParsingError> {
+        match reply {
+            Value::Array(items) => Ok(Self(items.into_iter())),
+            other => Err(format!("expected an array, got {other:?}").into()),
+        }
+    }
+
+    /// The next field, as a `T`.
+    pub fn next<T: FromRedisValue>(&mut self) -> Result<T, ParsingError> {
+        let value = self
+            .0
+            .next()
+            .ok_or_else(|| ParsingError::from("the reply ended early"))?;
+        T::from_redis_value(value)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.len() == 0
+    }
+
+    /// The end of the reply: nothing may be left.
+    pub fn finish(self) -> Result<(), ParsingError> {
+        if self.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} fields left over", self.0.len()).into())
+        }
+    }
+}
+
+/// A store-wide hold as the scripts report it: its end and Redis's clock (ms), and its reason.
+fn held(fields: &mut Fields) -> Result<Hold, ParsingError> {
+    let hold_until_ms: u64 = fields.next()?;
+    let now_ms: u64 = fields.next()?;
+    let reason: String = fields.next()?;
+    Ok(Hold {
+        reason: if reason == "loss" {
+            HoldReason::Loss
+        } else {
+            HoldReason::Settling
+        },
+        retry_after_ms: hold_until_ms.saturating_sub(now_ms).max(1),
+    })
+}
+
+/// A reply code that `script` never answers.
+fn unknown(script: &str, code: i64) -> ParsingError {
+    format!("unexpected {script} reply code {code}").into()
+}
+
+#[cfg(test)]
+mod tests;

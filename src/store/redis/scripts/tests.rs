@@ -1,0 +1,131 @@
+//! The reply types against replies as the scripts write them (their run against a real Redis is
+//! what the api and safety suites exercise).
+
+use redis::{FromRedisValue, Value};
+
+use super::holder::Refusal;
+use super::*;
+use crate::store::WRITER_INTENT_MS;
+
+fn int(n: i64) -> Value {
+    Value::Int(n)
+}
+
+fn text(s: &str) -> Value {
+    Value::BulkString(s.as_bytes().to_vec())
+}
+
+fn reply(fields: Vec<Value>) -> Value {
+    Value::Array(fields)
+}
+
+#[test]
+fn the_scripts_use_the_brokers_own_writer_intent() {
+    let declared = format!("local WRITER_INTENT_MS = {WRITER_INTENT_MS}\n");
+    assert!(include_str!("lib/grant.lua").contains(&declared));
+}
+
+#[test]
+fn scripts_go_to_redis_without_their_comments_and_with_all_their_code() {
+    let scripts = Scripts::new();
+    let claim = &scripts.claim.source;
+    assert!(!claim.lines().any(|l| l.trim_start().starts_with("--")));
+    let file = include_str!("claim.lua");
+    assert!(file.starts_with("-- CLAIM"));
+    for code in file.lines().filter(|l| !l.trim_start().starts_with("--")) {
+        assert!(claim.contains(code), "{code}");
+    }
+    assert!(claim.contains("local function fence_for(counter, now)"));
+}
+
+#[test]
+fn a_grant_reply_decodes_by_its_code_and_nothing_may_be_missing_or_left_over() {
+    let granted = vec![
+        int(1),
+        int(7),
+        text("1700"),
+        text("tok"),
+        int(500),
+        int(1200),
+    ];
+    match Epoched::<GrantReply>::from_redis_value(reply(granted.clone())) {
+        Ok(Epoched::Answered(GrantReply::Granted(g))) => {
+            assert_eq!(
+                (g.fence, g.expires_at_ms, g.ttl_ms, g.now_ms),
+                (7, 1700, 500, 1200)
+            );
+            assert_eq!(g.token, "tok");
+        }
+        _ => panic!("not a grant"),
+    }
+    let mut longer = granted.clone();
+    longer.push(int(0));
+    assert!(Epoched::<GrantReply>::from_redis_value(reply(longer)).is_err());
+    assert!(Epoched::<GrantReply>::from_redis_value(reply(granted[..5].to_vec())).is_err());
+    assert!(matches!(
+        Epoched::<GrantReply>::from_redis_value(reply(vec![int(3), Value::Nil])),
+        Ok(Epoched::OtherEpoch(None))
+    ));
+    assert!(matches!(
+        Epoched::<GrantReply>::from_redis_value(reply(vec![int(2), int(900), int(400), text("loss")])),
+        Ok(Epoched::Answered(GrantReply::NotGranted(NotGranted::Held(hold))))
+            if hold.retry_after_ms == 500 && hold.reason == crate::store::HoldReason::Loss
+    ));
+    assert!(Epoched::<GrantReply>::from_redis_value(reply(vec![int(6)])).is_err());
+}
+
+#[test]
+fn a_renewal_says_which_lease_it_renewed_by_its_code() {
+    let renewed = |code, limit: Option<&str>| {
+        let mut fields = vec![int(code), text("9"), int(2000), Value::Nil, text("e1")];
+        fields.extend(limit.map(text));
+        RenewReply::from_redis_value(reply(fields))
+    };
+    assert!(
+        matches!(renewed(1, None), Ok(RenewReply::Exclusive(r)) if r.fence == 9 && r.epoch == "e1")
+    );
+    assert!(matches!(
+        renewed(4, Some("")),
+        Ok(RenewReply::Pooled { limit: None, .. })
+    ));
+    assert!(matches!(
+        renewed(4, Some("3")),
+        Ok(RenewReply::Pooled { limit: Some(3), .. })
+    ));
+    // The kind is the code's, never the length's.
+    assert!(renewed(1, Some("")).is_err());
+    assert!(renewed(4, None).is_err());
+    assert!(renewed(4, Some("x")).is_err());
+    assert!(matches!(
+        RenewReply::from_redis_value(reply(vec![int(2)])),
+        Ok(RenewReply::Refused(Refusal::NotOwner))
+    ));
+}
+
+#[test]
+fn a_put_back_reply_is_one_outcome_per_lease_or_the_epoch_moved() {
+    let placed = PutBackReply::from_redis_value(reply(vec![
+        int(1),
+        int(0),
+        int(1),
+        int(2),
+        int(44),
+        int(0),
+    ]));
+    match placed {
+        Ok(PutBackReply::Placed(placed)) => {
+            assert!(matches!(placed[0].outcome, Placement::Written) && placed[0].counter_raised);
+            assert!(
+                matches!(placed[1].outcome, Placement::OtherKept { fence: 44 })
+                    && !placed[1].counter_raised
+            );
+        }
+        _ => panic!("not placed"),
+    }
+    assert!(matches!(
+        PutBackReply::from_redis_value(reply(vec![int(-1)])),
+        Ok(PutBackReply::OtherEpoch)
+    ));
+    assert!(PutBackReply::from_redis_value(reply(vec![int(1), int(0)])).is_err());
+    assert!(PutBackReply::from_redis_value(reply(vec![int(7), int(0), int(0)])).is_err());
+}
