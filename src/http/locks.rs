@@ -14,11 +14,11 @@ use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::openapi::{
-    AcquireBody, Forbidden, ForceQuery, ForceRefused, KeyParam, ListQueryParams, Locked, ModeName,
-    NotGranted, NotHeld, NotOwner, RenewBody, RequestRefused, StoreUnavailable, TokenHeader,
-    TokenQuery, Unauthorized,
+    Forbidden, ForceRefused, KeyParam, Locked, NotGranted, NotHeld, NotOwner, RequestRefused,
+    StoreUnavailable, TokenHeader, Unauthorized,
 };
-use super::params::{KeyPath, Params};
+use super::params::{KeyPath, Params, token};
+use super::requests::{AcquireBody, ListQueryParams, ModeName, NoParams, ReleaseQuery, RenewBody};
 use super::{AppState, Limits};
 use crate::domain::{LockKey, Owner, RequestId, Ttl, WaitFor};
 use crate::lock::{AcquireRequest, HoldersView, Kind};
@@ -138,9 +138,9 @@ pub(super) fn aggregate(holders: &[Lease]) -> Option<(u64, u64)> {
     Some((fence, end))
 }
 
-pub(super) fn ttl_param(params: &mut Params, limits: &Limits) -> Result<Ttl, ApiError> {
+pub(super) fn ttl_param(ttl_ms: Option<u64>, limits: &Limits) -> Result<Ttl, ApiError> {
     Ok(Ttl::parse(
-        params.int("ttl_ms")?.unwrap_or(limits.default_ttl_ms),
+        ttl_ms.unwrap_or(limits.default_ttl_ms),
         limits.max_ttl_ms,
     )?)
 }
@@ -148,35 +148,28 @@ pub(super) fn ttl_param(params: &mut Params, limits: &Limits) -> Result<Ttl, Api
 /// The parameters every acquire takes: `ttl_ms`, `wait_ms`, `owner`, `request_id`.
 pub(super) fn acquire_request(
     kind: Kind,
-    params: &mut Params,
+    ttl_ms: Option<u64>,
+    wait_ms: Option<u64>,
+    owner: Option<String>,
+    request_id: Option<String>,
     limits: &Limits,
 ) -> Result<AcquireRequest, ApiError> {
-    let ttl = ttl_param(params, limits)?;
-    let wait = WaitFor::parse(
-        params.int("wait_ms")?.unwrap_or(limits.default_wait_ms),
-        limits.max_wait_ms,
-    )?;
-    let owner = params
-        .text("owner")?
-        .map(|o| Owner::parse(&o))
-        .transpose()?;
-    let request_id = params
-        .text("request_id")?
-        .map(|r| RequestId::parse(&r))
-        .transpose()?;
     Ok(AcquireRequest {
         kind,
-        ttl,
-        wait,
-        owner,
-        request_id,
+        ttl: ttl_param(ttl_ms, limits)?,
+        wait: WaitFor::parse(
+            wait_ms.unwrap_or(limits.default_wait_ms),
+            limits.max_wait_ms,
+        )?,
+        owner: owner.map(|o| Owner::parse(&o)).transpose()?,
+        request_id: request_id.map(|r| RequestId::parse(&r)).transpose()?,
     })
 }
 
 /// A listing's parameters: `prefix` (default ''), `limit` (1 ..= 1000, default 100), `cursor`.
-pub(super) fn list_query(space: Space, params: &mut Params) -> Result<ListQuery, ApiError> {
-    let prefix = LockKey::parse_prefix(&params.text("prefix")?.unwrap_or_default())?;
-    let limit = match params.int("limit")? {
+pub(super) fn list_query(space: Space, params: ListQueryParams) -> Result<ListQuery, ApiError> {
+    let prefix = LockKey::parse_prefix(&params.prefix.unwrap_or_default())?;
+    let limit = match params.limit {
         None => DEFAULT_LIST_LIMIT,
         Some(n) if (1..=MAX_LIST_LIMIT as u64).contains(&n) => n as usize,
         Some(_) => {
@@ -185,12 +178,11 @@ pub(super) fn list_query(space: Space, params: &mut Params) -> Result<ListQuery,
             )));
         }
     };
-    let cursor = params.text("cursor")?;
     Ok(ListQuery {
         space,
         prefix,
         limit,
-        cursor,
+        cursor: params.cursor,
     })
 }
 
@@ -226,15 +218,20 @@ const DEFAULT_LIST_LIMIT: usize = 100;
 pub(super) async fn acquire<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    mut params: Params,
+    Params { values, .. }: Params<AcquireBody>,
 ) -> Result<Response, ApiError> {
-    let kind = match params.text("mode")?.as_deref() {
-        None | Some("exclusive") => Kind::Exclusive,
-        Some("shared") => Kind::Shared,
-        Some(_) => return Err(ApiError::invalid("mode must be exclusive or shared.")),
+    let kind = match values.mode {
+        None | Some(ModeName::Exclusive) => Kind::Exclusive,
+        Some(ModeName::Shared) => Kind::Shared,
     };
-    let request = acquire_request(kind, &mut params, &state.limits)?;
-    params.finish()?;
+    let request = acquire_request(
+        kind,
+        values.ttl_ms,
+        values.wait_ms,
+        values.owner,
+        values.request_id,
+        &state.limits,
+    )?;
     let lease = state.locks.acquire(&key, request).await?;
     Ok((StatusCode::CREATED, Json(GrantBody::new(&key, &lease))).into_response())
 }
@@ -249,7 +246,7 @@ pub(super) async fn acquire<S: Store>(
     delete,
     path = "/locks/{key}",
     tag = "locks",
-    params(KeyParam, TokenHeader, TokenQuery, ForceQuery),
+    params(KeyParam, TokenHeader, ReleaseQuery),
     responses(
         (status = 204, description = "Released (with `force=true`: every lease on the key ended)."),
         RequestRefused,
@@ -264,7 +261,7 @@ pub(super) async fn acquire<S: Store>(
 pub(super) async fn release<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    params: Params,
+    params: Params<ReleaseQuery>,
 ) -> Result<StatusCode, ApiError> {
     release_in(&state, Space::Locks, &key, params).await
 }
@@ -274,14 +271,23 @@ pub(super) async fn release_in<S: Store>(
     state: &AppState<S>,
     space: Space,
     key: &LockKey,
-    mut params: Params,
+    params: Params<ReleaseQuery>,
 ) -> Result<StatusCode, ApiError> {
-    if params.force()? {
-        params.finish()?;
+    let Params {
+        values,
+        token_header,
+    } = params;
+    if values.force.is_some() {
+        // A force release takes no token, so one given with it is refused as a mistake.
+        if token_header.is_some() || values.token.is_some() {
+            return Err(ApiError::invalid(
+                "A force release takes no token: it ends every lease on the key; leave out \
+                 either the token or force=true.",
+            ));
+        }
         state.locks.force_release(space, key).await?;
     } else {
-        let token = params.token()?;
-        params.finish()?;
+        let token = token(token_header, values.token)?;
         state.locks.release(space, key, &token).await?;
     }
     Ok(StatusCode::NO_CONTENT)
@@ -295,7 +301,7 @@ pub(super) async fn release_in<S: Store>(
     post,
     path = "/locks/{key}/renew",
     tag = "locks",
-    params(KeyParam, TokenHeader, TokenQuery, RenewBody),
+    params(KeyParam, TokenHeader, RenewBody),
     request_body(
         content = ref("#/components/schemas/RenewBody"),
         content_type = "application/json",
@@ -316,11 +322,10 @@ pub(super) async fn release_in<S: Store>(
 pub(super) async fn renew<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    mut params: Params,
+    params: Params<RenewBody>,
 ) -> Result<Response, ApiError> {
-    let token = params.token()?;
-    let ttl = ttl_param(&mut params, &state.limits)?;
-    params.finish()?;
+    let token = token(params.token_header, params.values.token)?;
+    let ttl = ttl_param(params.values.ttl_ms, &state.limits)?;
     let lease = state.locks.renew(Space::Locks, &key, &token, ttl).await?;
     Ok(Json(GrantBody::new(&key, &lease)).into_response())
 }
@@ -348,9 +353,8 @@ pub(super) async fn renew<S: Store>(
 pub(super) async fn inspect<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    params: Params,
+    _: Params<NoParams>,
 ) -> Result<Response, ApiError> {
-    params.finish()?;
     let view = state.locks.inspect(&key).await?;
     Ok(Json(inspect_body(&key, &view)).into_response())
 }
@@ -427,10 +431,9 @@ struct LockListBody<'a> {
 )]
 pub(super) async fn list<S: Store>(
     State(state): State<AppState<S>>,
-    mut params: Params,
+    params: Params<ListQueryParams>,
 ) -> Result<Response, ApiError> {
-    let query = list_query(Space::Locks, &mut params)?;
-    params.finish()?;
+    let query = list_query(Space::Locks, params.values)?;
     let page = state.locks.list(&query).await?;
     let locks = page
         .entries
