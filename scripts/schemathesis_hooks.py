@@ -9,6 +9,7 @@ rules tie parameters in different places together, and OpenAPI has no way to say
    parameter (both: the same value).
 3. A release sends either the token or `force=true`, never both (a force release takes no
    token; one given with it is refused as a mistake).
+4. A semaphore acquire needs `limit`, in the query string or the body.
 
 Each request generated to be valid is made to keep these rules, and nothing else is changed, so that
 schemathesis checks everything the document says and nothing it cannot say.
@@ -37,6 +38,13 @@ def map_case(context, case):
     # Rule 1: a name in both the query string and the body is kept in the query string only.
     if query and isinstance(case.body, dict):
         case.body = {name: value for name, value in case.body.items() if name not in query}
+    if (case.method.upper(), case.path) == ("POST", "/semaphores/{key}"):
+        body = case.body if isinstance(case.body, dict) else {}
+        if "limit" not in body and "limit" not in (query or {}):
+            # Rule 4: one of them is required.
+            query = query if query is not None else {}
+            query["limit"] = 1
+            case.query = query
     if (case.method.upper(), case.path) in TOKEN_OPERATIONS:
         headers = case.headers if isinstance(case.headers, dict) else {}
         query = query if query is not None else {}

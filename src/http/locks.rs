@@ -12,17 +12,20 @@ use axum::{Json, Router};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use super::AppState;
 use super::error::ApiError;
 use super::openapi::{
     Forbidden, ForceRefused, KeyParam, Locked, NotGranted, NotHeld, NotOwner, RequestRefused,
     StoreUnavailable, TokenHeader, Unauthorized,
 };
 use super::params::{KeyPath, Params, token};
-use super::requests::{AcquireBody, ListQueryParams, ModeName, NoParams, ReleaseQuery, RenewBody};
-use super::{AppState, Limits};
-use crate::domain::{LockKey, Owner, RequestId, Ttl, WaitFor};
-use crate::lock::{AcquireRequest, HoldersView, Kind};
-use crate::store::{Lease, ListQuery, Listed, MAX_LIST_LIMIT, Mode, Space, Store};
+use super::requests::{
+    AcquireBody, ListQueryParams, ModeName, NoParams, ReleaseQuery, RenewBody, acquire_request,
+    list_query, ttl_param,
+};
+use crate::domain::{LockKey, Owner};
+use crate::lock::{HoldersView, Kind};
+use crate::store::{Lease, Listed, Mode, Space, Store};
 
 /// The lock routes, without their state.
 pub(super) fn locks_router<S: Store>() -> Router<AppState<S>> {
@@ -137,57 +140,6 @@ pub(super) fn aggregate(holders: &[Lease]) -> Option<(u64, u64)> {
     let end = holders.iter().map(|l| l.expires_at_ms).max()?;
     Some((fence, end))
 }
-
-pub(super) fn ttl_param(ttl_ms: Option<u64>, limits: &Limits) -> Result<Ttl, ApiError> {
-    Ok(Ttl::parse(
-        ttl_ms.unwrap_or(limits.default_ttl_ms),
-        limits.max_ttl_ms,
-    )?)
-}
-
-/// The parameters every acquire takes: `ttl_ms`, `wait_ms`, `owner`, `request_id`.
-pub(super) fn acquire_request(
-    kind: Kind,
-    ttl_ms: Option<u64>,
-    wait_ms: Option<u64>,
-    owner: Option<String>,
-    request_id: Option<String>,
-    limits: &Limits,
-) -> Result<AcquireRequest, ApiError> {
-    Ok(AcquireRequest {
-        kind,
-        ttl: ttl_param(ttl_ms, limits)?,
-        wait: WaitFor::parse(
-            wait_ms.unwrap_or(limits.default_wait_ms),
-            limits.max_wait_ms,
-        )?,
-        owner: owner.map(|o| Owner::parse(&o)).transpose()?,
-        request_id: request_id.map(|r| RequestId::parse(&r)).transpose()?,
-    })
-}
-
-/// A listing's parameters: `prefix` (default ''), `limit` (1 ..= 1000, default 100), `cursor`.
-pub(super) fn list_query(space: Space, params: ListQueryParams) -> Result<ListQuery, ApiError> {
-    let prefix = LockKey::parse_prefix(&params.prefix.unwrap_or_default())?;
-    let limit = match params.limit {
-        None => DEFAULT_LIST_LIMIT,
-        Some(n) if (1..=MAX_LIST_LIMIT as u64).contains(&n) => n as usize,
-        Some(_) => {
-            return Err(ApiError::invalid(format!(
-                "limit must be between 1 and {MAX_LIST_LIMIT}."
-            )));
-        }
-    };
-    Ok(ListQuery {
-        space,
-        prefix,
-        limit,
-        cursor: params.cursor,
-    })
-}
-
-/// How many keys a listing page holds when the request does not say.
-const DEFAULT_LIST_LIMIT: usize = 100;
 
 /// Acquire a lock
 ///

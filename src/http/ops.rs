@@ -125,5 +125,8 @@ pub(super) async fn readyz<S: Store>(
 pub(super) async fn openapi_json<S: Store>(
     State(state): State<AppState<S>>,
 ) -> Json<serde_json::Value> {
-    Json(openapi::document(&state.limits))
+    Json(openapi::document(
+        &state.limits,
+        state.locks.cursor_pattern(),
+    ))
 }

@@ -8,11 +8,20 @@
 //!
 //! Every field is optional here, also where the operation requires it (`limit` of a semaphore
 //! acquire: its handler refuses a request without one), so that a parameter can be parsed from
-//! the query string and the body apart and the two merged (see `Params`).
+//! the query string and the body apart and the two merged (see `Params`). The document says so
+//! too: OpenAPI cannot require a parameter in one of two places (`limit`, the token), nor tie a
+//! parameter in the query string to the same one in the body; `scripts/schemathesis_hooks.py`
+//! states those rules for schemathesis.
 
 use serde::de::{DeserializeOwned, Error as _, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 use utoipa::{IntoParams, ToSchema};
+
+use super::Limits;
+use super::error::ApiError;
+use crate::domain::{LockKey, Owner, RequestId, Ttl, WaitFor};
+use crate::lock::{AcquireRequest, Kind};
+use crate::store::{ListQuery, MAX_LIST_LIMIT, Space};
 
 /// A request's parameters, as parsed from the query string and a JSON body alike.
 pub trait Parameters: DeserializeOwned + Serialize + Default {
@@ -116,15 +125,15 @@ impl Parameters for AcquireBody {}
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct SemaphoreAcquireBody {
-    /// How many permits the semaphore has. Every holder uses the same; another limit while
-    /// permits are held is `409 limit_mismatch`.
+    /// How many permits the semaphore has. Required, in the query string or the body. Every
+    /// holder uses the same; another limit while permits are held is `409 limit_mismatch`.
     #[serde(
         default,
         deserialize_with = "int",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schema(value_type = u64, required = true, minimum = 1)]
-    #[param(value_type = u64, required = true, minimum = 1)]
+    #[schema(value_type = u64, required = false, minimum = 1)]
+    #[param(value_type = u64, required = false, minimum = 1)]
     pub limit: Option<u64>,
     /// Lease length in ms, as for locks.
     #[serde(
@@ -271,6 +280,60 @@ impl Parameters for ListQueryParams {}
 pub struct NoParams {}
 
 impl Parameters for NoParams {}
+
+// From parameters to domain values, with the bounds of the configuration and the store.
+
+/// The lease length a request asks for, or the default; within `max_ttl_ms`.
+pub(super) fn ttl_param(ttl_ms: Option<u64>, limits: &Limits) -> Result<Ttl, ApiError> {
+    Ok(Ttl::parse(
+        ttl_ms.unwrap_or(limits.default_ttl_ms),
+        limits.max_ttl_ms,
+    )?)
+}
+
+/// The parameters every acquire takes: `ttl_ms`, `wait_ms`, `owner`, `request_id`.
+pub(super) fn acquire_request(
+    kind: Kind,
+    ttl_ms: Option<u64>,
+    wait_ms: Option<u64>,
+    owner: Option<String>,
+    request_id: Option<String>,
+    limits: &Limits,
+) -> Result<AcquireRequest, ApiError> {
+    Ok(AcquireRequest {
+        kind,
+        ttl: ttl_param(ttl_ms, limits)?,
+        wait: WaitFor::parse(
+            wait_ms.unwrap_or(limits.default_wait_ms),
+            limits.max_wait_ms,
+        )?,
+        owner: owner.map(|o| Owner::parse(&o)).transpose()?,
+        request_id: request_id.map(|r| RequestId::parse(&r)).transpose()?,
+    })
+}
+
+/// A listing's parameters: `prefix` (default ''), `limit` (1 ..= 1000, default 100), `cursor`.
+pub(super) fn list_query(space: Space, params: ListQueryParams) -> Result<ListQuery, ApiError> {
+    let prefix = LockKey::parse_prefix(&params.prefix.unwrap_or_default())?;
+    let limit = match params.limit {
+        None => DEFAULT_LIST_LIMIT,
+        Some(n) if (1..=MAX_LIST_LIMIT as u64).contains(&n) => n as usize,
+        Some(_) => {
+            return Err(ApiError::invalid(format!(
+                "limit must be between 1 and {MAX_LIST_LIMIT}."
+            )));
+        }
+    };
+    Ok(ListQuery {
+        space,
+        prefix,
+        limit,
+        cursor: params.cursor,
+    })
+}
+
+/// How many keys a listing page holds when the request does not say.
+const DEFAULT_LIST_LIMIT: usize = 100;
 
 /// A non-negative integer: a JSON number with no fraction (`5000`, `5000.0`), or its decimal
 /// digits in the query string.

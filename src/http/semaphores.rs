@@ -14,15 +14,16 @@ use utoipa::ToSchema;
 
 use super::AppState;
 use super::error::ApiError;
-use super::locks::{
-    HolderBody, acquire_request, aggregate, holder_bodies, list_query, release_in, ttl_param,
-};
+use super::locks::{HolderBody, aggregate, holder_bodies, release_in};
 use super::openapi::{
     Forbidden, ForceRefused, KeyParam, NotGranted, NotHeld, NotOwner, PermitRefused,
     RequestRefused, StoreUnavailable, TokenHeader, Unauthorized,
 };
 use super::params::{KeyPath, Params, token};
-use super::requests::{ListQueryParams, NoParams, ReleaseQuery, RenewBody, SemaphoreAcquireBody};
+use super::requests::{
+    ListQueryParams, NoParams, ReleaseQuery, RenewBody, SemaphoreAcquireBody, acquire_request,
+    list_query, ttl_param,
+};
 use crate::domain::LockKey;
 use crate::lock::Kind;
 use crate::store::{Lease, Listed, MAX_SEMAPHORE_LIMIT, Space, Store};
