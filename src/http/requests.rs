@@ -59,7 +59,7 @@ pub enum ModeName {
 
 /// The parameters of an acquire. Each may come in the query string or in a JSON object body
 /// (integers as JSON numbers); all are optional.
-#[derive(Default, Serialize, Deserialize, ToSchema, IntoParams)]
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireBody {
@@ -121,7 +121,7 @@ impl Parameters for AcquireBody {}
 
 /// The parameters of a semaphore acquire: `limit` is required; the others are as for a lock's
 /// acquire. Each may come in the query string or in a JSON object body.
-#[derive(Default, Serialize, Deserialize, ToSchema, IntoParams)]
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct SemaphoreAcquireBody {
@@ -177,7 +177,7 @@ impl Parameters for SemaphoreAcquireBody {}
 
 /// The parameters of a renewal: `ttl_ms` in the query string or a JSON object body, optional;
 /// the token in the query string (or the `Lock-Token` header), never in the body.
-#[derive(Default, Serialize, Deserialize, ToSchema, IntoParams)]
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct RenewBody {
@@ -209,7 +209,7 @@ impl Parameters for RenewBody {
 
 /// The parameters of a release, in the query string only: the token (or the `Lock-Token`
 /// header), or `force=true` without one.
-#[derive(Default, Serialize, Deserialize, IntoParams)]
+#[derive(Debug, Default, Serialize, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseQuery {
@@ -240,7 +240,7 @@ impl Parameters for ReleaseQuery {
 }
 
 /// A listing's parameters, in the query string (or a JSON object body).
-#[derive(Default, Serialize, Deserialize, IntoParams)]
+#[derive(Debug, Default, Serialize, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ListQueryParams {
@@ -275,7 +275,7 @@ pub struct ListQueryParams {
 impl Parameters for ListQueryParams {}
 
 /// The parameters of an operation that takes none (inspect): any is refused.
-#[derive(Default, Serialize, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NoParams {}
 
