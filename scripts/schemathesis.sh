@@ -82,6 +82,12 @@ curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null || {
     exit 1
 }
 
-SCHEMATHESIS_HOOKS=scripts/schemathesis_hooks.py "${schemathesis[@]}" run \
+# From the scratch directory, where schemathesis keeps its cache, removed on exit.
+hooks="$PWD/scripts/schemathesis_hooks.py"
+if [[ "${schemathesis[0]}" != schemathesis ]]; then
+    schemathesis[0]="$PWD/${schemathesis[0]}"
+fi
+cd "$work"
+SCHEMATHESIS_HOOKS="$hooks" "${schemathesis[@]}" run \
     "http://127.0.0.1:$port/openapi.json" \
     --phases examples,fuzzing --checks all "$@"
