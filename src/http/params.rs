@@ -170,14 +170,20 @@ fn from_query<T: Parameters>(query: &str) -> Result<T, ApiError> {
 
 /// `T` from a JSON body's names.
 fn from_body<T: Parameters>(body: Map<String, Value>) -> Result<T, ApiError> {
-    T::deserialize(Value::Object(body.clone())).map_err(|_| {
-        let culprit = body.into_iter().find_map(|(name, value)| {
-            let one = Map::from_iter([(name.clone(), value)]);
-            T::deserialize(Value::Object(one))
-                .err()
-                .map(|e| (name, e.to_string()))
-        });
-        refused(culprit.as_ref().map(|(name, e)| (name.as_str(), e.clone())))
+    let body = Value::Object(body);
+    T::deserialize(&body).map_err(|_| {
+        // Which one: each name alone (only on this error path).
+        let culprit = body
+            .as_object()
+            .into_iter()
+            .flatten()
+            .find_map(|(name, value)| {
+                let one = Value::Object(Map::from_iter([(name.clone(), value.clone())]));
+                T::deserialize(&one)
+                    .err()
+                    .map(|e| (name.as_str(), e.to_string()))
+            });
+        refused(culprit)
     })
 }
 
