@@ -17,6 +17,7 @@ use axum::response::{IntoResponse, Response};
 
 use super::error::ApiError;
 use super::params::{BODY_LIMIT, KeyPath, Params};
+use super::requests::Parameters;
 use crate::auth::{Action, Client, Policy, bearer_token};
 use crate::domain::LockKey;
 use crate::metrics::Metrics;
@@ -70,16 +71,27 @@ async fn listing_prefix(parts: &Parts, body: Body) -> Result<(String, Body), Res
         .await
         .map_err(|_| ApiError::payload_too_large(BODY_LIMIT).into_response())?;
     let copy = Request::from_parts(parts.clone(), Body::from(bytes.clone()));
-    let mut params = Params::from_request(copy, &())
+    let params = Params::<ListingPrefix>::from_request(copy, &())
         .await
         .map_err(IntoResponse::into_response)?;
-    let prefix = params
-        .text("prefix")
-        .map_err(IntoResponse::into_response)?
-        .unwrap_or_default();
+    let prefix = params.values.prefix.unwrap_or_default();
     let prefix = LockKey::parse_prefix(&prefix).map_err(|e| ApiError::from(e).into_response())?;
     Ok((prefix, Body::from(bytes)))
 }
+
+/// A listing's `prefix`, the one parameter the auth layer reads of it; the others are the
+/// handler's to check (after auth, as for every route).
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct ListingPrefix {
+    #[serde(
+        default,
+        deserialize_with = "super::requests::text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    prefix: Option<String>,
+}
+
+impl Parameters for ListingPrefix {}
 
 /// Whether a release names `force` at all: whatever its value, only `admin` may send it.
 fn asks_force(parts: &Parts) -> bool {

@@ -166,9 +166,9 @@ impl From<LockError> for ApiError {
                         StoreError::Timeout(ms) => {
                             format!("The lock store did not answer within {ms} ms.")
                         }
-                        StoreError::Failed(_) | StoreError::BadCursor => {
-                            "The lock store could not be reached.".into()
-                        }
+                        // `Failed`. (A bad cursor is the client's mistake: `LockError::BadCursor`,
+                        // never wrapped here.)
+                        _ => "The lock store could not be reached.".into(),
                     },
                 )
             }

@@ -12,17 +12,20 @@ use axum::{Json, Router};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use super::AppState;
 use super::error::ApiError;
 use super::openapi::{
-    AcquireBody, Forbidden, ForceQuery, ForceRefused, KeyParam, ListQueryParams, Locked, ModeName,
-    NotGranted, NotHeld, NotOwner, RenewBody, RequestRefused, StoreUnavailable, TokenHeader,
-    TokenQuery, Unauthorized,
+    Forbidden, ForceRefused, KeyParam, Locked, NotGranted, NotHeld, NotOwner, RequestRefused,
+    StoreUnavailable, TokenHeader, Unauthorized,
 };
-use super::params::{KeyPath, Params};
-use super::{AppState, Limits};
-use crate::domain::{LockKey, Owner, RequestId, Ttl, WaitFor};
-use crate::lock::{AcquireRequest, HoldersView, Kind};
-use crate::store::{Lease, ListQuery, Listed, MAX_LIST_LIMIT, Mode, Space, Store};
+use super::params::{KeyPath, Params, token};
+use super::requests::{
+    AcquireBody, ListQueryParams, ModeName, NoParams, ReleaseQuery, RenewBody, acquire_request,
+    list_query, ttl_param,
+};
+use crate::domain::{LockKey, Owner};
+use crate::lock::{HoldersView, Kind};
+use crate::store::{Lease, Listed, Mode, Space, Store};
 
 /// The lock routes, without their state.
 pub(super) fn locks_router<S: Store>() -> Router<AppState<S>> {
@@ -138,65 +141,6 @@ pub(super) fn aggregate(holders: &[Lease]) -> Option<(u64, u64)> {
     Some((fence, end))
 }
 
-pub(super) fn ttl_param(params: &mut Params, limits: &Limits) -> Result<Ttl, ApiError> {
-    Ok(Ttl::parse(
-        params.int("ttl_ms")?.unwrap_or(limits.default_ttl_ms),
-        limits.max_ttl_ms,
-    )?)
-}
-
-/// The parameters every acquire takes: `ttl_ms`, `wait_ms`, `owner`, `request_id`.
-pub(super) fn acquire_request(
-    kind: Kind,
-    params: &mut Params,
-    limits: &Limits,
-) -> Result<AcquireRequest, ApiError> {
-    let ttl = ttl_param(params, limits)?;
-    let wait = WaitFor::parse(
-        params.int("wait_ms")?.unwrap_or(limits.default_wait_ms),
-        limits.max_wait_ms,
-    )?;
-    let owner = params
-        .text("owner")?
-        .map(|o| Owner::parse(&o))
-        .transpose()?;
-    let request_id = params
-        .text("request_id")?
-        .map(|r| RequestId::parse(&r))
-        .transpose()?;
-    Ok(AcquireRequest {
-        kind,
-        ttl,
-        wait,
-        owner,
-        request_id,
-    })
-}
-
-/// A listing's parameters: `prefix` (default ''), `limit` (1 ..= 1000, default 100), `cursor`.
-pub(super) fn list_query(space: Space, params: &mut Params) -> Result<ListQuery, ApiError> {
-    let prefix = LockKey::parse_prefix(&params.text("prefix")?.unwrap_or_default())?;
-    let limit = match params.int("limit")? {
-        None => DEFAULT_LIST_LIMIT,
-        Some(n) if (1..=MAX_LIST_LIMIT as u64).contains(&n) => n as usize,
-        Some(_) => {
-            return Err(ApiError::invalid(format!(
-                "limit must be between 1 and {MAX_LIST_LIMIT}."
-            )));
-        }
-    };
-    let cursor = params.text("cursor")?;
-    Ok(ListQuery {
-        space,
-        prefix,
-        limit,
-        cursor,
-    })
-}
-
-/// How many keys a listing page holds when the request does not say.
-const DEFAULT_LIST_LIMIT: usize = 100;
-
 /// Acquire a lock
 ///
 /// Grants a lease on `key` if nobody holds it (or the holder's lease has expired), waiting up
@@ -226,15 +170,20 @@ const DEFAULT_LIST_LIMIT: usize = 100;
 pub(super) async fn acquire<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    mut params: Params,
+    Params { values, .. }: Params<AcquireBody>,
 ) -> Result<Response, ApiError> {
-    let kind = match params.text("mode")?.as_deref() {
-        None | Some("exclusive") => Kind::Exclusive,
-        Some("shared") => Kind::Shared,
-        Some(_) => return Err(ApiError::invalid("mode must be exclusive or shared.")),
+    let kind = match values.mode {
+        None | Some(ModeName::Exclusive) => Kind::Exclusive,
+        Some(ModeName::Shared) => Kind::Shared,
     };
-    let request = acquire_request(kind, &mut params, &state.limits)?;
-    params.finish()?;
+    let request = acquire_request(
+        kind,
+        values.ttl_ms,
+        values.wait_ms,
+        values.owner,
+        values.request_id,
+        &state.limits,
+    )?;
     let lease = state.locks.acquire(&key, request).await?;
     Ok((StatusCode::CREATED, Json(GrantBody::new(&key, &lease))).into_response())
 }
@@ -249,7 +198,7 @@ pub(super) async fn acquire<S: Store>(
     delete,
     path = "/locks/{key}",
     tag = "locks",
-    params(KeyParam, TokenHeader, TokenQuery, ForceQuery),
+    params(KeyParam, TokenHeader, ReleaseQuery),
     responses(
         (status = 204, description = "Released (with `force=true`: every lease on the key ended)."),
         RequestRefused,
@@ -264,7 +213,7 @@ pub(super) async fn acquire<S: Store>(
 pub(super) async fn release<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    params: Params,
+    params: Params<ReleaseQuery>,
 ) -> Result<StatusCode, ApiError> {
     release_in(&state, Space::Locks, &key, params).await
 }
@@ -274,14 +223,23 @@ pub(super) async fn release_in<S: Store>(
     state: &AppState<S>,
     space: Space,
     key: &LockKey,
-    mut params: Params,
+    params: Params<ReleaseQuery>,
 ) -> Result<StatusCode, ApiError> {
-    if params.force()? {
-        params.finish()?;
+    let Params {
+        values,
+        token_header,
+    } = params;
+    if values.force.is_some() {
+        // A force release takes no token, so one given with it is refused as a mistake.
+        if token_header.is_some() || values.token.is_some() {
+            return Err(ApiError::invalid(
+                "A force release takes no token: it ends every lease on the key; leave out \
+                 either the token or force=true.",
+            ));
+        }
         state.locks.force_release(space, key).await?;
     } else {
-        let token = params.token()?;
-        params.finish()?;
+        let token = token(token_header, values.token)?;
         state.locks.release(space, key, &token).await?;
     }
     Ok(StatusCode::NO_CONTENT)
@@ -295,7 +253,7 @@ pub(super) async fn release_in<S: Store>(
     post,
     path = "/locks/{key}/renew",
     tag = "locks",
-    params(KeyParam, TokenHeader, TokenQuery, RenewBody),
+    params(KeyParam, TokenHeader, RenewBody),
     request_body(
         content = ref("#/components/schemas/RenewBody"),
         content_type = "application/json",
@@ -316,11 +274,10 @@ pub(super) async fn release_in<S: Store>(
 pub(super) async fn renew<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    mut params: Params,
+    params: Params<RenewBody>,
 ) -> Result<Response, ApiError> {
-    let token = params.token()?;
-    let ttl = ttl_param(&mut params, &state.limits)?;
-    params.finish()?;
+    let token = token(params.token_header, params.values.token)?;
+    let ttl = ttl_param(params.values.ttl_ms, &state.limits)?;
     let lease = state.locks.renew(Space::Locks, &key, &token, ttl).await?;
     Ok(Json(GrantBody::new(&key, &lease)).into_response())
 }
@@ -348,9 +305,8 @@ pub(super) async fn renew<S: Store>(
 pub(super) async fn inspect<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    params: Params,
+    _: Params<NoParams>,
 ) -> Result<Response, ApiError> {
-    params.finish()?;
     let view = state.locks.inspect(&key).await?;
     Ok(Json(inspect_body(&key, &view)).into_response())
 }
@@ -427,10 +383,9 @@ struct LockListBody<'a> {
 )]
 pub(super) async fn list<S: Store>(
     State(state): State<AppState<S>>,
-    mut params: Params,
+    params: Params<ListQueryParams>,
 ) -> Result<Response, ApiError> {
-    let query = list_query(Space::Locks, &mut params)?;
-    params.finish()?;
+    let query = list_query(Space::Locks, params.values)?;
     let page = state.locks.list(&query).await?;
     let locks = page
         .entries

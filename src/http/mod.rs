@@ -9,6 +9,7 @@ mod locks;
 pub mod openapi;
 mod ops;
 pub mod params;
+mod requests;
 mod semaphores;
 
 use axum::Router;

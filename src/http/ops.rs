@@ -19,7 +19,7 @@ use crate::store::Store;
 pub(super) fn ops_router<S: Store>(guard: Option<Auth>) -> Router<AppState<S>> {
     let readable = Router::new()
         .route("/metrics", get(metrics::<S>))
-        .route("/openapi.json", get(openapi_json));
+        .route("/openapi.json", get(openapi_json::<S>));
     let readable = match guard {
         Some(auth) => readable.route_layer(axum::middleware::from_fn_with_state(
             auth,
@@ -122,6 +122,11 @@ pub(super) async fn readyz<S: Store>(
     ),
     security((), ("bearer" = []))
 )]
-pub(super) async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
-    Json(openapi::document())
+pub(super) async fn openapi_json<S: Store>(
+    State(state): State<AppState<S>>,
+) -> Json<serde_json::Value> {
+    Json(openapi::document(
+        &state.limits,
+        state.locks.cursor_pattern(),
+    ))
 }

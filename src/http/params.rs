@@ -3,12 +3,13 @@
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
+use super::requests::{LOCK_TOKEN_HEADER, Parameters};
 use crate::domain::{LockKey, Token};
 
 /// Request bodies are small JSON objects; anything larger is refused.
@@ -30,22 +31,22 @@ impl<S: Send + Sync> FromRequestParts<S> for KeyPath {
     }
 }
 
-/// Parameters from the query string and the JSON body together. A handler takes the ones it
-/// knows with `int`/`text` and calls `finish`, which refuses whatever is left, so typos fail.
-pub struct Params {
-    query: Vec<(String, String)>,
-    body: Map<String, Value>,
+/// A request's parameters `T`, from the query string and the JSON body together, and the
+/// `Lock-Token` header. A parameter may come in either; in both, only with the same value. A
+/// name `T` does not know, or a value it does not take, is refused with the name in the message.
+pub struct Params<T> {
+    /// The parameters.
+    pub values: T,
     /// The `Lock-Token` header, if sent.
-    token_header: Option<String>,
+    pub token_header: Option<String>,
 }
 
-impl<S: Send + Sync> FromRequest<S> for Params {
+impl<S: Send + Sync, T: Parameters> FromRequest<S> for Params<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let Query(query) = Query::<Vec<(String, String)>>::try_from_uri(req.uri())
-            .map_err(|_| ApiError::invalid("The query string is malformed."))?;
-        let token_header = match req.headers().get("lock-token") {
+        let query = req.uri().query().unwrap_or("").to_owned();
+        let token_header = match req.headers().get(LOCK_TOKEN_HEADER) {
             None => None,
             Some(v) => Some(
                 v.to_str()
@@ -85,10 +86,115 @@ impl<S: Send + Sync> FromRequest<S> for Params {
             }
         };
         Ok(Self {
-            query,
-            body,
+            values: parse(&query, body)?,
             token_header,
         })
+    }
+}
+
+/// `T` from the query string and the body's names, merged.
+fn parse<T: Parameters>(query: &str, body: Map<String, Value>) -> Result<T, ApiError> {
+    if let Some((_, why)) = T::QUERY_ONLY
+        .iter()
+        .find(|(name, _)| body.contains_key(*name))
+    {
+        return Err(ApiError::invalid(*why));
+    }
+    let from_query = from_query::<T>(query)?;
+    if body.is_empty() {
+        return Ok(from_query);
+    }
+    let from_body = from_body::<T>(body)?;
+    if query.is_empty() {
+        return Ok(from_body);
+    }
+    // Both: compare name by name, as JSON values of the same type.
+    let (Ok(Value::Object(mut merged)), Ok(Value::Object(other))) = (
+        serde_json::to_value(&from_query),
+        serde_json::to_value(&from_body),
+    ) else {
+        unreachable!("a request's parameters serialize to a JSON object")
+    };
+    for (name, value) in other {
+        match merged.get(&name) {
+            Some(given) if *given != value => {
+                return Err(ApiError::invalid(format!(
+                    "{name} is given twice with different values."
+                )));
+            }
+            _ => {
+                merged.insert(name, value);
+            }
+        }
+    }
+    T::deserialize(Value::Object(merged))
+        .map_err(|e| ApiError::invalid(format!("The parameters are refused: {e}.")))
+}
+
+/// `T` from the query string. A name given twice must have the same value each time.
+fn from_query<T: Parameters>(query: &str) -> Result<T, ApiError> {
+    let malformed = || ApiError::invalid("The query string is malformed.");
+    let pairs: Vec<(String, String)> =
+        serde_urlencoded::from_str(query).map_err(|_| malformed())?;
+    let mut unique: Vec<(String, String)> = Vec::with_capacity(pairs.len());
+    let mut repeated = false;
+    for (name, value) in pairs {
+        match unique.iter().find(|(n, _)| *n == name) {
+            Some((_, v)) if *v != value => {
+                return Err(ApiError::invalid(format!(
+                    "{name} is given twice in the query string with different values."
+                )));
+            }
+            Some(_) => repeated = true,
+            None => unique.push((name, value)),
+        }
+    }
+    let deduplicated;
+    let query = if !repeated {
+        query
+    } else {
+        deduplicated = serde_urlencoded::to_string(&unique).map_err(|_| malformed())?;
+        &deduplicated
+    };
+    serde_urlencoded::from_str::<T>(query).map_err(|_| {
+        // Which one: each name alone (only on this error path).
+        let culprit = unique.iter().find_map(|pair| {
+            let one = serde_urlencoded::to_string([pair]).ok()?;
+            serde_urlencoded::from_str::<T>(&one)
+                .err()
+                .map(|e| (pair.0.as_str(), e.to_string()))
+        });
+        refused(culprit)
+    })
+}
+
+/// `T` from a JSON body's names.
+fn from_body<T: Parameters>(body: Map<String, Value>) -> Result<T, ApiError> {
+    let body = Value::Object(body);
+    T::deserialize(&body).map_err(|_| {
+        // Which one: each name alone (only on this error path).
+        let culprit = body
+            .as_object()
+            .into_iter()
+            .flatten()
+            .find_map(|(name, value)| {
+                let one = Value::Object(Map::from_iter([(name.clone(), value.clone())]));
+                T::deserialize(&one)
+                    .err()
+                    .map(|e| (name.as_str(), e.to_string()))
+            });
+        refused(culprit)
+    })
+}
+
+/// The refusal of one parameter, by its name and serde's reason.
+fn refused(culprit: Option<(&str, String)>) -> ApiError {
+    match culprit {
+        Some((name, e)) if e.starts_with("unknown field") => {
+            ApiError::invalid(format!("Unknown parameter: {name}."))
+        }
+        Some((name, e)) => ApiError::invalid(format!("{name} {e}.")),
+        None => ApiError::invalid("The parameters are refused."),
     }
 }
 
@@ -135,130 +241,140 @@ fn is_json_content_type(v: &str) -> bool {
         || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
-impl Params {
-    /// The query's value for `name`, refusing a name given twice with different values.
-    fn take_query(&mut self, name: &str) -> Result<Option<String>, ApiError> {
-        let mut found: Option<String> = None;
-        let mut i = 0;
-        while i < self.query.len() {
-            if self.query[i].0 == name {
-                let (_, v) = self.query.remove(i);
-                if found.as_ref().is_some_and(|f| *f != v) {
-                    return Err(ApiError::invalid(format!(
-                        "{name} is given twice in the query string with different values."
-                    )));
-                }
-                found = Some(v);
-            } else {
-                i += 1;
-            }
-        }
-        Ok(found)
-    }
-
-    /// A non-negative integer parameter, from the query or the body (a JSON number).
-    pub fn int(&mut self, name: &str) -> Result<Option<u64>, ApiError> {
-        let not_int = || ApiError::invalid(format!("{name} must be a non-negative integer."));
-        let from_query = match self.take_query(name)? {
-            None => None,
-            Some(s) => Some(s.parse::<u64>().map_err(|_| not_int())?),
-        };
-        let from_body = match self.body.remove(name) {
-            None => None,
-            Some(v) => Some(v.as_u64().ok_or_else(not_int)?),
-        };
-        same_in_both(name, from_query, from_body)
-    }
-
-    /// A string parameter, from the query or the body (a JSON string).
-    pub fn text(&mut self, name: &str) -> Result<Option<String>, ApiError> {
-        let from_query = self.take_query(name)?;
-        let from_body = match self.body.remove(name) {
-            None => None,
-            Some(Value::String(s)) => Some(s),
-            Some(_) => return Err(ApiError::invalid(format!("{name} must be a string."))),
-        };
-        same_in_both(name, from_query, from_body)
-    }
-
-    /// The lease token: the `Lock-Token` header or the `token` query parameter, never the body
-    /// (bodies end up in logs and proxies' caches more often than headers).
-    pub fn token(&mut self) -> Result<Token, ApiError> {
-        if self.body.contains_key("token") {
+/// The lease token: the `Lock-Token` header or the `token` query parameter (equal if both).
+pub fn token(header: Option<String>, query: Option<String>) -> Result<Token, ApiError> {
+    let raw = match (header, query) {
+        (Some(a), Some(b)) if a != b => {
             return Err(ApiError::invalid(
-                "Send the token in the Lock-Token header or the token query parameter, not in the body.",
+                "token is given twice with different values.",
             ));
         }
-        let from_query = self.take_query("token")?;
-        let raw =
-            same_in_both("token", self.token_header.take(), from_query)?.ok_or_else(|| {
-                ApiError::invalid(
-                    "A token is required, in the Lock-Token header or the token query parameter.",
-                )
-            })?;
-        Ok(Token::parse(&raw)?)
-    }
-
-    /// Whether a release is a force release: `force=true` in the query string ends every lease
-    /// on the key without a token. Only `true` is a value (leave it out otherwise); never in the
-    /// body, since the auth layer decides from the query string alone who may send it; and a
-    /// force release takes no token, so one given with it is refused as a mistake.
-    pub fn force(&mut self) -> Result<bool, ApiError> {
-        if self.body.contains_key("force") {
-            return Err(ApiError::invalid(
-                "Send force=true in the query string, not in the body.",
-            ));
-        }
-        match self.take_query("force")?.as_deref() {
-            None => Ok(false),
-            Some("true") => {
-                if self.token_header.is_some()
-                    || self.query.iter().any(|(name, _)| name == "token")
-                    || self.body.contains_key("token")
-                {
-                    return Err(ApiError::invalid(
-                        "A force release takes no token: it ends every lease on the key; leave \
-                         out either the token or force=true.",
-                    ));
-                }
-                Ok(true)
-            }
-            Some(_) => Err(ApiError::invalid(
-                "force must be true (or left out for a release by token).",
-            )),
-        }
-    }
-
-    /// Refuses any parameter no handler took.
-    pub fn finish(self) -> Result<(), ApiError> {
-        let mut unknown: Vec<&str> = self
-            .query
-            .iter()
-            .map(|(k, _)| k.as_str())
-            .chain(self.body.keys().map(String::as_str))
-            .collect();
-        unknown.sort_unstable();
-        unknown.dedup();
-        if unknown.is_empty() {
-            Ok(())
-        } else {
-            Err(ApiError::invalid(format!(
-                "Unknown parameter(s): {}.",
-                unknown.join(", ")
-            )))
-        }
-    }
+        (a, b) => a.or(b).ok_or_else(|| {
+            ApiError::invalid(
+                "A token is required, in the Lock-Token header or the token query parameter.",
+            )
+        })?,
+    };
+    Ok(Token::parse(&raw)?)
 }
 
-fn same_in_both<T: PartialEq>(
-    name: &str,
-    a: Option<T>,
-    b: Option<T>,
-) -> Result<Option<T>, ApiError> {
-    match (a, b) {
-        (Some(a), Some(b)) if a != b => Err(ApiError::invalid(format!(
-            "{name} is given twice with different values."
-        ))),
-        (a, b) => Ok(a.or(b)),
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::http::requests::{AcquireBody, ModeName, ReleaseQuery, RenewBody};
+
+    fn body(value: Value) -> Map<String, Value> {
+        value.as_object().expect("an object").clone()
+    }
+
+    /// The sentence an `ApiError` says (its Debug shows the message).
+    fn refusal<T: std::fmt::Debug>(result: Result<T, ApiError>) -> String {
+        format!("{:?}", result.expect_err("refused"))
+    }
+
+    #[test]
+    fn a_parameter_comes_from_the_query_string_the_body_or_both_alike() {
+        let p: AcquireBody = parse("ttl_ms=5000&mode=shared", Map::new()).unwrap();
+        assert_eq!((p.ttl_ms, p.mode), (Some(5000), Some(ModeName::Shared)));
+        let p: AcquireBody = parse("", body(json!({"ttl_ms": 5000, "owner": "me"}))).unwrap();
+        assert_eq!((p.ttl_ms, p.owner.as_deref()), (Some(5000), Some("me")));
+        // The same value in both, 5000.0 being the integer 5000 as JSON Schema counts.
+        let p: AcquireBody = parse(
+            "ttl_ms=5000&ttl_ms=5000&wait_ms=3",
+            body(json!({"ttl_ms": 5000.0, "request_id": "r"})),
+        )
+        .unwrap();
+        assert_eq!(p.ttl_ms, Some(5000));
+        assert_eq!(p.wait_ms, Some(3));
+        assert_eq!(p.request_id.as_deref(), Some("r"));
+    }
+
+    #[test]
+    fn different_values_of_one_parameter_are_refused() {
+        let both = refusal(parse::<AcquireBody>(
+            "ttl_ms=5000",
+            body(json!({"ttl_ms": 1})),
+        ));
+        assert!(
+            both.contains("ttl_ms is given twice with different values"),
+            "{both}"
+        );
+        let twice = refusal(parse::<AcquireBody>("ttl_ms=1&ttl_ms=2", Map::new()));
+        assert!(
+            twice.contains("ttl_ms is given twice in the query string"),
+            "{twice}"
+        );
+    }
+
+    #[test]
+    fn a_refusal_names_the_parameter() {
+        for (query, json, says) in [
+            (
+                "ttl_ms=abc",
+                json!({}),
+                "ttl_ms must be a non-negative integer",
+            ),
+            (
+                "wait_ms=-1",
+                json!({}),
+                "wait_ms must be a non-negative integer",
+            ),
+            (
+                "",
+                json!({"ttl_ms": "5000"}),
+                "ttl_ms must be a non-negative integer",
+            ),
+            (
+                "",
+                json!({"ttl_ms": null}),
+                "ttl_ms must be a non-negative integer",
+            ),
+            (
+                "",
+                json!({"ttl_ms": 1.5}),
+                "ttl_ms must be a non-negative integer",
+            ),
+            ("", json!({"owner": 7}), "owner must be a string"),
+            ("mode=both", json!({}), "mode must be exclusive or shared"),
+            ("ttl=5", json!({}), "Unknown parameter: ttl"),
+            ("ttl_ms=5", json!({"typo": 1}), "Unknown parameter: typo"),
+        ] {
+            let refused = refusal(parse::<AcquireBody>(query, body(json)));
+            assert!(refused.contains(says), "{query}: {refused}");
+        }
+    }
+
+    #[test]
+    fn the_token_and_force_come_in_the_query_string_never_the_body() {
+        let p: RenewBody = parse("token=abc&ttl_ms=5", Map::new()).unwrap();
+        assert_eq!(p.token.as_deref(), Some("abc"));
+        let refused = refusal(parse::<RenewBody>("", body(json!({"token": "abc"}))));
+        assert!(refused.contains("not in the body"), "{refused}");
+        assert!(
+            parse::<ReleaseQuery>("force=true", Map::new())
+                .unwrap()
+                .force
+                .is_some()
+        );
+        let refused = refusal(parse::<ReleaseQuery>("", body(json!({"force": "true"}))));
+        assert!(
+            refused.contains("in the query string, not in the body"),
+            "{refused}"
+        );
+        let refused = refusal(parse::<ReleaseQuery>("force=yes", Map::new()));
+        assert!(refused.contains("force must be true"), "{refused}");
+    }
+
+    #[test]
+    fn the_token_is_the_header_or_the_query_parameter_equal_if_both() {
+        let t = |h: Option<&str>, q: Option<&str>| token(h.map(Into::into), q.map(Into::into));
+        assert_eq!(t(Some("abc"), None).unwrap().as_str(), "abc");
+        assert_eq!(t(None, Some("abc")).unwrap().as_str(), "abc");
+        assert_eq!(t(Some("abc"), Some("abc")).unwrap().as_str(), "abc");
+        assert!(refusal(t(Some("abc"), Some("abd"))).contains("different values"));
+        assert!(refusal(t(None, None)).contains("A token is required"));
+        assert!(refusal(t(Some("has space"), None)).contains("token"));
     }
 }

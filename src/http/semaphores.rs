@@ -14,15 +14,16 @@ use utoipa::ToSchema;
 
 use super::AppState;
 use super::error::ApiError;
-use super::locks::{
-    HolderBody, acquire_request, aggregate, holder_bodies, list_query, release_in, ttl_param,
-};
+use super::locks::{HolderBody, aggregate, holder_bodies, release_in};
 use super::openapi::{
-    Forbidden, ForceQuery, ForceRefused, KeyParam, ListQueryParams, NotGranted, NotHeld, NotOwner,
-    PermitRefused, RenewBody, RequestRefused, SemaphoreAcquireBody, StoreUnavailable, TokenHeader,
-    TokenQuery, Unauthorized,
+    Forbidden, ForceRefused, KeyParam, NotGranted, NotHeld, NotOwner, PermitRefused,
+    RequestRefused, StoreUnavailable, TokenHeader, Unauthorized,
 };
-use super::params::{KeyPath, Params};
+use super::params::{KeyPath, Params, token};
+use super::requests::{
+    ListQueryParams, NoParams, ReleaseQuery, RenewBody, SemaphoreAcquireBody, acquire_request,
+    list_query, ttl_param,
+};
 use crate::domain::LockKey;
 use crate::lock::Kind;
 use crate::store::{Lease, Listed, MAX_SEMAPHORE_LIMIT, Space, Store};
@@ -57,7 +58,7 @@ struct PermitBody<'a> {
     /// When the permit ends, Unix epoch ms on the store's clock.
     expires_at_ms: u64,
     /// How many permits the semaphore has.
-    #[schema(minimum = 1, maximum = 10000)]
+    #[schema(minimum = 1)]
     limit: u32,
 }
 
@@ -68,7 +69,7 @@ struct InspectBody<'a> {
     /// The semaphore's key, as decoded.
     key: &'a str,
     /// The limit the holders took their permits with.
-    #[schema(minimum = 1, maximum = 10000)]
+    #[schema(minimum = 1)]
     limit: u32,
     /// Each live permit, by fence.
     holders: Vec<HolderBody<'a>>,
@@ -81,7 +82,7 @@ struct ListedBody<'a> {
     /// The semaphore's key.
     key: &'a str,
     /// The limit its holders use.
-    #[schema(minimum = 1, maximum = 10000)]
+    #[schema(minimum = 1)]
     limit: u32,
     /// How many permits are taken.
     #[schema(minimum = 1)]
@@ -135,9 +136,9 @@ struct ListBody<'a> {
 pub(super) async fn acquire<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    mut params: Params,
+    Params { values, .. }: Params<SemaphoreAcquireBody>,
 ) -> Result<Response, ApiError> {
-    let limit = match params.int("limit")? {
+    let limit = match values.limit {
         Some(n) if (1..=u64::from(MAX_SEMAPHORE_LIMIT)).contains(&n) => n as u32,
         Some(_) => {
             return Err(ApiError::invalid(format!(
@@ -145,13 +146,20 @@ pub(super) async fn acquire<S: Store>(
             )));
         }
         None => {
-            return Err(ApiError::invalid(
-                "limit is required: how many permits the semaphore has (1 to 10000).",
-            ));
+            return Err(ApiError::invalid(format!(
+                "limit is required: how many permits the semaphore has (1 to \
+                     {MAX_SEMAPHORE_LIMIT})."
+            )));
         }
     };
-    let request = acquire_request(Kind::Semaphore { limit }, &mut params, &state.limits)?;
-    params.finish()?;
+    let request = acquire_request(
+        Kind::Semaphore { limit },
+        values.ttl_ms,
+        values.wait_ms,
+        values.owner,
+        values.request_id,
+        &state.limits,
+    )?;
     let lease = state.locks.acquire(&key, request).await?;
     Ok((StatusCode::CREATED, Json(permit_body(&key, &lease, limit))).into_response())
 }
@@ -176,7 +184,7 @@ fn permit_body<'a>(key: &'a LockKey, lease: &'a Lease, limit: u32) -> PermitBody
     path = "/semaphores/{key}",
     operation_id = "release_permit",
     tag = "semaphores",
-    params(KeyParam, TokenHeader, TokenQuery, ForceQuery),
+    params(KeyParam, TokenHeader, ReleaseQuery),
     responses(
         (status = 204, description = "Released (with `force=true`: every permit ended)."),
         RequestRefused,
@@ -191,7 +199,7 @@ fn permit_body<'a>(key: &'a LockKey, lease: &'a Lease, limit: u32) -> PermitBody
 pub(super) async fn release<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    params: Params,
+    params: Params<ReleaseQuery>,
 ) -> Result<StatusCode, ApiError> {
     release_in(&state, Space::Semaphores, &key, params).await
 }
@@ -205,7 +213,7 @@ pub(super) async fn release<S: Store>(
     path = "/semaphores/{key}/renew",
     operation_id = "renew_permit",
     tag = "semaphores",
-    params(KeyParam, TokenHeader, TokenQuery, RenewBody),
+    params(KeyParam, TokenHeader, RenewBody),
     request_body(
         content = ref("#/components/schemas/RenewBody"),
         content_type = "application/json",
@@ -226,11 +234,10 @@ pub(super) async fn release<S: Store>(
 pub(super) async fn renew<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    mut params: Params,
+    params: Params<RenewBody>,
 ) -> Result<Response, ApiError> {
-    let token = params.token()?;
-    let ttl = ttl_param(&mut params, &state.limits)?;
-    params.finish()?;
+    let token = token(params.token_header, params.values.token)?;
+    let ttl = ttl_param(params.values.ttl_ms, &state.limits)?;
     let lease = state
         .locks
         .renew(Space::Semaphores, &key, &token, ttl)
@@ -261,9 +268,8 @@ pub(super) async fn renew<S: Store>(
 pub(super) async fn inspect<S: Store>(
     State(state): State<AppState<S>>,
     KeyPath(key): KeyPath,
-    params: Params,
+    _: Params<NoParams>,
 ) -> Result<Response, ApiError> {
-    params.finish()?;
     let view = state.locks.permits(&key).await?;
     Ok(Json(InspectBody {
         key: key.as_str(),
@@ -294,10 +300,9 @@ pub(super) async fn inspect<S: Store>(
 )]
 pub(super) async fn list<S: Store>(
     State(state): State<AppState<S>>,
-    mut params: Params,
+    params: Params<ListQueryParams>,
 ) -> Result<Response, ApiError> {
-    let query = list_query(Space::Semaphores, &mut params)?;
-    params.finish()?;
+    let query = list_query(Space::Semaphores, params.values)?;
     let page = state.locks.list(&query).await?;
     let semaphores = page
         .entries

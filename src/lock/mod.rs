@@ -169,6 +169,11 @@ impl<S: Store> LockService<S> {
 }
 
 impl<S: Store> LockService<S> {
+    /// The listing cursors the store takes (see [`Store::cursor_pattern`]).
+    pub fn cursor_pattern(&self) -> Option<&'static str> {
+        self.store.cursor_pattern()
+    }
+
     /// Whether a free key would be granted now: the store answers and no store-wide hold is in
     /// force.
     pub async fn ready(&self) -> Result<(), LockError> {

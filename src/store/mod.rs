@@ -336,6 +336,13 @@ pub trait Store: Send + Sync + 'static {
     /// A page of the keys in `query.space` that have live leases and start with the prefix.
     fn list(&self, query: &ListQuery) -> impl Future<Output = StoreResult<Page>> + Send;
 
+    /// The cursors `list` takes, as a regular expression for the API's document: every string
+    /// it matches is taken (none is refused as [`StoreError::BadCursor`]), and every cursor
+    /// the store gives out matches it. `None`: not said.
+    fn cursor_pattern(&self) -> Option<&'static str> {
+        None
+    }
+
     /// Whether a free key would be granted now (for `/readyz`): an error if the store does not
     /// answer, the hold in force if there is one.
     fn ready(&self) -> impl Future<Output = StoreResult<Option<Hold>>> + Send;
@@ -416,6 +423,13 @@ impl Store for AnyStore {
 
     async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
         delegate!(self, s => s.list(query))
+    }
+
+    fn cursor_pattern(&self) -> Option<&'static str> {
+        match self {
+            AnyStore::Memory(s) => s.cursor_pattern(),
+            AnyStore::Redis(s) => s.cursor_pattern(),
+        }
     }
 
     async fn ready(&self) -> StoreResult<Option<Hold>> {

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use lockbroker::store::MAX_SEMAPHORE_LIMIT;
 use lockbroker_test_support::app::{Backend, TestApp, spawn_app};
 use lockbroker_test_support::http::Answer;
 use lockbroker_test_support::on_both_stores;
@@ -18,7 +19,7 @@ use crate::waiting::{PROMPTLY, answer_within};
 
 on_both_stores!(
     a_semaphore_grants_up_to_limit_permits_then_answers_locked,
-    limit_is_required_and_from_1_to_10000,
+    limit_is_required_and_from_1_to_the_most_permits,
     another_limit_is_409_limit_mismatch_naming_the_holders_limit,
     permits_renew_release_and_repeat_by_request_id_as_leases_do,
     a_waiting_request_gets_a_permit_when_one_is_released,
@@ -108,14 +109,15 @@ async fn a_semaphore_grants_up_to_limit_permits_then_answers_locked(b: &Backend)
     assert!(!shown.to_string().contains(token(&one)));
 }
 
-async fn limit_is_required_and_from_1_to_10000(b: &Backend) {
+async fn limit_is_required_and_from_1_to_the_most_permits(b: &Backend) {
     let app = &b.app;
-    for bad in ["", "limit=0", "limit=10001", "limit=-1", "limit=two"] {
+    let over = format!("limit={}", MAX_SEMAPHORE_LIMIT + 1);
+    for bad in ["", "limit=0", &over, "limit=-1", "limit=two"] {
         take(app, "bounds", bad)
             .await
             .expect_error(StatusCode::BAD_REQUEST, "invalid_request");
     }
-    permit(app, "bounds", "limit=10000").await;
+    permit(app, "bounds", &format!("limit={MAX_SEMAPHORE_LIMIT}")).await;
     permit(app, "bounds-1", "limit=1").await;
     app.send(
         app.request(Method::POST, "/semaphores/bounds-json")

@@ -421,6 +421,11 @@ impl Store for MemoryStore {
         Ok(Holder::Done(ended))
     }
 
+    /// A cursor is the last key of the page before.
+    fn cursor_pattern(&self) -> Option<&'static str> {
+        Some(r"^[A-Za-z0-9._:-]{1,200}$")
+    }
+
     async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
         let now_ms = self.clock.now_ms();
         // The cursor is the last key of the page before: keys are listed in order.

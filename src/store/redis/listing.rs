@@ -45,6 +45,12 @@ struct Within {
     after: LockKey,
 }
 
+/// What [`Cursor::parse`] takes, for the API's document: `node.scan`, or
+/// `node.scan.count.end.after` — `node` a slot (0 ..= 16383), `count` 1 ..= 10000, `scan` and
+/// `end` integers that fit a u64 (19 digits), `after` a key. (Every cursor `render` writes
+/// matches: a master's first slot, a `COUNT` of at most 10000, Redis's own SCAN cursors.)
+pub(super) const CURSOR_PATTERN: &str = r"^(1638[0-3]|163[0-7][0-9]|16[0-2][0-9]{2}|1[0-5][0-9]{3}|[0-9]{1,4})\.[0-9]{1,19}(\.(10000|[1-9][0-9]{0,3})\.[0-9]{1,19}\.[A-Za-z0-9._:-]{1,200})?$";
+
 impl Cursor {
     fn parse(raw: &str) -> Option<Self> {
         let mut parts = raw.splitn(5, '.');

@@ -174,6 +174,10 @@ impl Store for RedisStore {
         listing::page(self, query).await
     }
 
+    fn cursor_pattern(&self) -> Option<&'static str> {
+        Some(listing::CURSOR_PATTERN)
+    }
+
     async fn ready(&self) -> StoreResult<Option<Hold>> {
         if self.epoch.putting_back() {
             return Ok(Some(Hold {

@@ -13,7 +13,12 @@ use utoipa::openapi::OpenApi as Document;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{IntoParams, IntoResponses, Modify, OpenApi, ToSchema};
 
+use serde_json::Value;
+
+use super::Limits;
 use super::error::Body as ErrorBody;
+use super::requests::{AcquireBody, RenewBody, SemaphoreAcquireBody};
+use crate::store::{MAX_LIST_LIMIT, MAX_SEMAPHORE_LIMIT};
 
 /// What the document says about the API as a whole: its conventions.
 const DESCRIPTION: &str = "\
@@ -113,9 +118,83 @@ impl Modify for BearerScheme {
     }
 }
 
-/// The document as served.
-pub fn document() -> Document {
-    ApiDoc::openapi()
+/// The document as served by a broker with these limits: the generated one with every bound
+/// that comes from the configuration or the store written in (see [`bounds`]).
+pub fn document(limits: &Limits, cursor_pattern: Option<&str>) -> Value {
+    let mut doc = serde_json::to_value(ApiDoc::openapi()).expect("the document serializes");
+    bounds(&mut doc, limits);
+    if let Some(pattern) = cursor_pattern {
+        for path in ["/locks", "/semaphores"] {
+            let parameters = doc["paths"][path]["get"]["parameters"].as_array_mut();
+            for parameter in parameters.into_iter().flatten() {
+                if parameter["name"] == "cursor" {
+                    parameter["schema"]["pattern"] = pattern.into();
+                }
+            }
+        }
+    }
+    doc
+}
+
+/// Writes the `maximum` of every parameter and property whose bound is not a constant of the
+/// code that utoipa's attributes could name: `ttl_ms` and `wait_ms` of a request (the
+/// configuration's `max_ttl_ms`, `max_wait_ms`), a semaphore's `limit`
+/// ([`MAX_SEMAPHORE_LIMIT`]) and a listing's ([`MAX_LIST_LIMIT`]).
+fn bounds(doc: &mut Value, limits: &Limits) {
+    let request = |name: &str| match name {
+        "ttl_ms" => Some(limits.max_ttl_ms),
+        "wait_ms" => Some(limits.max_wait_ms),
+        "limit" => Some(u64::from(MAX_SEMAPHORE_LIMIT)),
+        _ => None,
+    };
+    if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
+        for (path, item) in paths {
+            let listing = path == "/locks" || path == "/semaphores";
+            let operations = item
+                .as_object_mut()
+                .into_iter()
+                .flat_map(|o| o.values_mut());
+            for parameter in operations
+                .filter_map(|op| op.get_mut("parameters").and_then(Value::as_array_mut))
+                .flatten()
+            {
+                let max = match parameter["name"].as_str() {
+                    Some("limit") if listing => Some(MAX_LIST_LIMIT as u64),
+                    Some(name) => request(name),
+                    None => None,
+                };
+                if let Some(max) = max {
+                    parameter["schema"]["maximum"] = max.into();
+                }
+            }
+        }
+    }
+    let schemas = doc
+        .get_mut("components")
+        .and_then(|c| c.get_mut("schemas"))
+        .and_then(Value::as_object_mut);
+    if let Some(schemas) = schemas {
+        for (schema, body) in schemas {
+            let is_request = matches!(
+                schema.as_str(),
+                "AcquireBody" | "SemaphoreAcquireBody" | "RenewBody"
+            );
+            let Some(properties) = body.get_mut("properties").and_then(Value::as_object_mut) else {
+                continue;
+            };
+            for (name, property) in properties {
+                let max = match name.as_str() {
+                    // Every semaphore's `limit`, in a request or an answer.
+                    "limit" => Some(u64::from(MAX_SEMAPHORE_LIMIT)),
+                    name if is_request => request(name),
+                    _ => None,
+                };
+                if let Some(max) = max {
+                    property["maximum"] = max.into();
+                }
+            }
+        }
+    }
 }
 
 /// The codes in the `error` field of an error body, with their statuses.
@@ -146,15 +225,6 @@ pub enum ErrorCode {
     LimitMismatch,
     RequestHeaderFieldsTooLarge,
     Internal,
-}
-
-/// A lock's mode, as the API writes it: `exclusive` (one holder) or `shared` (any number of
-/// shared holders).
-#[derive(ToSchema)]
-#[schema(rename_all = "snake_case")]
-pub enum ModeName {
-    Exclusive,
-    Shared,
 }
 
 /// The body of `409 locked`: the error body with the time until the current lease ends.
@@ -199,135 +269,6 @@ pub struct KeyParam {
     pub key: String,
 }
 
-/// The parameters of an acquire. Each may come in the query string or in a JSON object body
-/// (integers as JSON numbers); all are optional.
-#[derive(ToSchema, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct AcquireBody {
-    /// Lease length in ms, 1 to the broker's `max_ttl_ms` (default 3600000). Default: the
-    /// broker's `default_ttl_ms` (30000).
-    #[schema(required = false, minimum = 1)]
-    #[param(required = false, minimum = 1)]
-    pub ttl_ms: u64,
-    /// How long to wait, in ms, while someone else holds the lock: 0 to the broker's
-    /// `max_wait_ms` (default 60000). Default: the broker's `default_wait_ms` (0). The request
-    /// ends by `wait_ms` plus the store timeout; a client that disconnects stops the wait.
-    #[schema(required = false, minimum = 0)]
-    #[param(required = false, minimum = 0)]
-    pub wait_ms: u64,
-    /// A free label for people, shown by `GET /locks/{key}`: at most 128 characters, no
-    /// control characters.
-    #[schema(required = false, max_length = 128)]
-    #[param(required = false, max_length = 128)]
-    pub owner: String,
-    /// Makes a retried acquire safe: 1 to 64 characters from `A-Z a-z 0-9 _ -`. Repeating an
-    /// acquire with the same key and `request_id` while the lease it produced is held answers
-    /// `201` with that same grant (same token, same fence) instead of `409`.
-    #[schema(
-        required = false,
-        min_length = 1,
-        max_length = 64,
-        pattern = r"^[A-Za-z0-9_-]{1,64}$"
-    )]
-    #[param(
-        required = false,
-        min_length = 1,
-        max_length = 64,
-        pattern = r"^[A-Za-z0-9_-]{1,64}$"
-    )]
-    pub request_id: String,
-    /// `exclusive` (the default: one holder) or `shared` (any number of shared holders, never
-    /// with an exclusive one).
-    #[schema(required = false, pattern = "^(exclusive|shared)$")]
-    #[param(required = false, pattern = "^(exclusive|shared)$")]
-    pub mode: String,
-}
-
-/// The parameters of a semaphore acquire: `limit` is required; the others are as for a lock's
-/// acquire. Each may come in the query string or in a JSON object body.
-#[derive(ToSchema, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct SemaphoreAcquireBody {
-    /// How many permits the semaphore has: 1 to 10000. Every holder uses the same; another
-    /// limit while permits are held is `409 limit_mismatch`.
-    #[schema(minimum = 1, maximum = 10000)]
-    #[param(minimum = 1, maximum = 10000)]
-    pub limit: u32,
-    /// Lease length in ms, as for locks.
-    #[schema(required = false, minimum = 1)]
-    #[param(required = false, minimum = 1)]
-    pub ttl_ms: u64,
-    /// How long to wait, in ms, while every permit is taken, as for locks.
-    #[schema(required = false, minimum = 0)]
-    #[param(required = false, minimum = 0)]
-    pub wait_ms: u64,
-    /// A free label for people, shown by `GET /semaphores/{key}`.
-    #[schema(required = false, max_length = 128)]
-    #[param(required = false, max_length = 128)]
-    pub owner: String,
-    /// Makes a retried acquire safe, as for locks.
-    #[schema(
-        required = false,
-        min_length = 1,
-        max_length = 64,
-        pattern = r"^[A-Za-z0-9_-]{1,64}$"
-    )]
-    #[param(
-        required = false,
-        min_length = 1,
-        max_length = 64,
-        pattern = r"^[A-Za-z0-9_-]{1,64}$"
-    )]
-    pub request_id: String,
-}
-
-/// Ends every lease on the key without its token.
-#[derive(IntoParams)]
-#[into_params(parameter_in = Query)]
-pub struct ForceQuery {
-    /// `true`, with no token: ends every lease on the key (any other value is `400`; never in
-    /// the body). With auth it needs `admin`; without, the broker must run with
-    /// `allow_force_release`.
-    #[param(required = false, pattern = "^true$")]
-    pub force: String,
-}
-
-/// A listing's parameters, in the query string (or a JSON object body).
-#[derive(IntoParams)]
-#[into_params(parameter_in = Query)]
-pub struct ListQueryParams {
-    /// Only keys that start with this: 0 to 200 characters from `A-Z a-z 0-9 . _ - :`.
-    /// Default: every key.
-    #[param(
-        required = false,
-        max_length = 200,
-        pattern = r"^[A-Za-z0-9._:-]{0,200}$"
-    )]
-    pub prefix: String,
-    /// Most entries on the page: 1 to 1000. Default: 100.
-    #[param(required = false, minimum = 1, maximum = 1000)]
-    pub limit: u32,
-    /// The `next_cursor` of the page before; leave it out for the first page. A cursor the
-    /// broker did not give is `400`.
-    #[param(required = false)]
-    pub cursor: String,
-}
-
-/// The parameters of a renewal, in the query string or a JSON object body; optional. The
-/// token is never accepted in the body.
-#[derive(ToSchema, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct RenewBody {
-    /// The new lease length in ms, counted from the renewal: 1 to the broker's `max_ttl_ms`
-    /// (default 3600000). Default: the broker's `default_ttl_ms` (30000).
-    #[schema(required = false, minimum = 1)]
-    #[param(required = false, minimum = 1)]
-    pub ttl_ms: u64,
-}
-
 /// The lease token, in a header (preferred: query strings end up in access logs).
 #[derive(IntoParams)]
 #[into_params(parameter_in = Header)]
@@ -338,18 +279,10 @@ pub struct TokenHeader {
         rename = "Lock-Token",
         required = false,
         min_length = 1,
-        max_length = 128
+        max_length = 128,
+        pattern = r"^[A-Za-z0-9._~-]{1,128}$"
     )]
     pub lock_token: String,
-}
-
-/// The lease token, in the query string.
-#[derive(IntoParams)]
-#[into_params(parameter_in = Query)]
-pub struct TokenQuery {
-    /// The token the acquire returned, if not sent in the `Lock-Token` header.
-    #[param(required = false, min_length = 1, max_length = 128)]
-    pub token: String,
 }
 
 // The error responses. Each one's doc comment is its description in the document.
@@ -465,29 +398,4 @@ pub struct StoreUnavailable(pub ErrorBody<'static>);
 pub struct NotGranted(pub ErrorBody<'static>);
 
 #[cfg(test)]
-mod tests {
-    use std::collections::BTreeSet;
-
-    use super::*;
-
-    #[test]
-    fn the_document_has_one_operation_per_route() {
-        let doc = serde_json::to_value(document()).expect("the document serializes");
-        let documented: BTreeSet<(String, String)> = doc["paths"]
-            .as_object()
-            .expect("paths")
-            .iter()
-            .flat_map(|(path, item)| {
-                item.as_object()
-                    .expect("a path item")
-                    .keys()
-                    .map(|method| (method.to_uppercase(), path.clone()))
-            })
-            .collect();
-        let routes: BTreeSet<(String, String)> = super::super::ROUTES
-            .iter()
-            .map(|&(m, p)| (m.to_owned(), p.to_owned()))
-            .collect();
-        assert_eq!(documented, routes);
-    }
-}
+mod tests;

@@ -1,0 +1,65 @@
+"""The rules of the lockbroker API that OpenAPI 3.1 cannot state, for schemathesis.
+
+`/openapi.json` states every rule it can (types, bounds, patterns, required parameters). Three
+rules tie parameters in different places together, and OpenAPI has no way to say that:
+
+1. A parameter may come in the query string or in the JSON body; in both, only with the same
+   value (api.md: otherwise `400`).
+2. Release and renew need the lease token, in the `Lock-Token` header or the `token` query
+   parameter (both: the same value).
+3. A release sends either the token or `force=true`, never both (a force release takes no
+   token; one given with it is refused as a mistake).
+4. A semaphore acquire needs `limit`, in the query string or the body.
+
+Each request generated to be valid is made to keep these rules, and nothing else is changed, so that
+schemathesis checks everything the document says and nothing it cannot say.
+"""
+
+import schemathesis
+
+# A well-formed token that no acquire hands out: release and renew answer 404 not_held.
+NO_SUCH_TOKEN = "schemathesis-no-such-token"
+
+TOKEN_OPERATIONS = {
+    ("DELETE", "/locks/{key}"),
+    ("DELETE", "/semaphores/{key}"),
+    ("POST", "/locks/{key}/renew"),
+    ("POST", "/semaphores/{key}/renew"),
+}
+
+
+@schemathesis.hook
+def map_case(context, case):
+    # Only requests meant to be valid: a request meant to break the document is refused
+    # whatever these rules say, and changing it could take out what breaks it.
+    if case.meta is not None and case.meta.generation.mode != "positive":
+        return case
+    query = case.query if isinstance(case.query, dict) else None
+    # Rule 1: a name in both the query string and the body is kept in the query string only.
+    if query and isinstance(case.body, dict):
+        case.body = {name: value for name, value in case.body.items() if name not in query}
+    if (case.method.upper(), case.path) == ("POST", "/semaphores/{key}"):
+        body = case.body if isinstance(case.body, dict) else {}
+        if "limit" not in body and "limit" not in (query or {}):
+            # Rule 4: one of them is required.
+            query = query if query is not None else {}
+            query["limit"] = 1
+            case.query = query
+    if (case.method.upper(), case.path) in TOKEN_OPERATIONS:
+        headers = case.headers if isinstance(case.headers, dict) else {}
+        query = query if query is not None else {}
+        header_name = next((h for h in headers if h.lower() == "lock-token"), None)
+        if "force" in query:
+            # Rule 3: force=true goes alone.
+            query.pop("token", None)
+            if header_name is not None:
+                headers.pop(header_name)
+        elif header_name is not None and "token" in query:
+            # Rule 2: one place is enough (two would have to agree).
+            query.pop("token")
+        elif header_name is None and "token" not in query:
+            # Rule 2: one of them is required.
+            headers["Lock-Token"] = NO_SUCH_TOKEN
+        case.headers = headers
+        case.query = query
+    return case

@@ -1,0 +1,393 @@
+//! What each request may carry, one type per operation. The same type parses the query string
+//! and the JSON body (serde, through [`super::params::Params`]) and documents them in
+//! `/openapi.json` (utoipa's `IntoParams` for the query string, `ToSchema` for the body), so the
+//! parser and the document cannot list different parameters. The bounds that come from the
+//! configuration or from the store (`max_ttl_ms`, `max_wait_ms`, a semaphore's and a listing's
+//! most `limit`) are written into the document by `super::openapi::bounds`; the handlers check
+//! them when they turn these values into domain values.
+//!
+//! Every field is optional here, also where the operation requires it (`limit` of a semaphore
+//! acquire: its handler refuses a request without one), so that a parameter can be parsed from
+//! the query string and the body apart and the two merged (see `Params`). The document says so
+//! too: OpenAPI cannot require a parameter in one of two places (`limit`, the token), nor tie a
+//! parameter in the query string to the same one in the body; `scripts/schemathesis_hooks.py`
+//! states those rules for schemathesis.
+
+use serde::de::{DeserializeOwned, Error as _, Visitor};
+use serde::{Deserialize, Deserializer, Serialize};
+use utoipa::{IntoParams, ToSchema};
+
+use super::Limits;
+use super::error::ApiError;
+use crate::domain::{LockKey, Owner, RequestId, Ttl, WaitFor};
+use crate::lock::{AcquireRequest, Kind};
+use crate::store::{ListQuery, MAX_LIST_LIMIT, Space};
+
+/// A request's parameters, as parsed from the query string and a JSON body alike.
+pub trait Parameters: DeserializeOwned + Serialize + Default {
+    /// Names accepted in the query string but never in a body (the token, `force`), each with
+    /// the sentence that refuses it there.
+    const QUERY_ONLY: &'static [(&'static str, &'static str)] = &[];
+}
+
+/// The name of the header a lease token may come in, as the parser reads it; the document's
+/// `TokenHeader` spells the same name (a unit test checks).
+pub const LOCK_TOKEN_HEADER: &str = "Lock-Token";
+
+/// Why the token may not come in a body (bodies end up in logs and proxies' caches more often
+/// than headers).
+const TOKEN_NOT_IN_BODY: (&str, &str) = (
+    "token",
+    "Send the token in the Lock-Token header or the token query parameter, not in the body.",
+);
+
+/// Why `force` may not come in a body: the auth layer decides from the query string alone who
+/// may send it.
+const FORCE_NOT_IN_BODY: (&str, &str) = (
+    "force",
+    "Send force=true in the query string, not in the body.",
+);
+
+/// A lock's mode, as the API writes it: `exclusive` (one holder) or `shared` (any number of
+/// shared holders).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ModeName {
+    Exclusive,
+    Shared,
+}
+
+/// The parameters of an acquire. Each may come in the query string or in a JSON object body
+/// (integers as JSON numbers); all are optional.
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireBody {
+    /// Lease length in ms, 1 to the broker's `max_ttl_ms` (default 3600000). Default: the
+    /// broker's `default_ttl_ms` (30000).
+    #[serde(
+        default,
+        deserialize_with = "int",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = u64, required = false, minimum = 1)]
+    #[param(value_type = u64, required = false, minimum = 1)]
+    pub ttl_ms: Option<u64>,
+    /// How long to wait, in ms, while someone else holds the lock: 0 to the broker's
+    /// `max_wait_ms` (default 60000). Default: the broker's `default_wait_ms` (0). The request
+    /// ends by `wait_ms` plus the store timeout; a client that disconnects stops the wait.
+    #[serde(
+        default,
+        deserialize_with = "int",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = u64, required = false, minimum = 0)]
+    #[param(value_type = u64, required = false, minimum = 0)]
+    pub wait_ms: Option<u64>,
+    /// A free label for people, shown by `GET /locks/{key}`: at most 128 characters, no
+    /// control characters.
+    #[serde(
+        default,
+        deserialize_with = "text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = String, required = false, max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$")]
+    #[param(value_type = String, required = false, max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$")]
+    pub owner: Option<String>,
+    /// Makes a retried acquire safe: 1 to 64 characters from `A-Z a-z 0-9 _ -`. Repeating an
+    /// acquire with the same key and `request_id` while the lease it produced is held answers
+    /// `201` with that same grant (same token, same fence) instead of `409`.
+    #[serde(
+        default,
+        deserialize_with = "text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = String, required = false, min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
+    #[param(value_type = String, required = false, min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
+    pub request_id: Option<String>,
+    /// `exclusive` (the default: one holder) or `shared` (any number of shared holders, never
+    /// with an exclusive one).
+    #[serde(
+        default,
+        deserialize_with = "mode",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = ModeName, required = false)]
+    #[param(value_type = ModeName, required = false)]
+    pub mode: Option<ModeName>,
+}
+
+impl Parameters for AcquireBody {}
+
+/// The parameters of a semaphore acquire: `limit` is required; the others are as for a lock's
+/// acquire. Each may come in the query string or in a JSON object body.
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct SemaphoreAcquireBody {
+    /// How many permits the semaphore has. Required, in the query string or the body. Every
+    /// holder uses the same; another limit while permits are held is `409 limit_mismatch`.
+    #[serde(
+        default,
+        deserialize_with = "int",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = u64, required = false, minimum = 1)]
+    #[param(value_type = u64, required = false, minimum = 1)]
+    pub limit: Option<u64>,
+    /// Lease length in ms, as for locks.
+    #[serde(
+        default,
+        deserialize_with = "int",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = u64, required = false, minimum = 1)]
+    #[param(value_type = u64, required = false, minimum = 1)]
+    pub ttl_ms: Option<u64>,
+    /// How long to wait, in ms, while every permit is taken, as for locks.
+    #[serde(
+        default,
+        deserialize_with = "int",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = u64, required = false, minimum = 0)]
+    #[param(value_type = u64, required = false, minimum = 0)]
+    pub wait_ms: Option<u64>,
+    /// A free label for people, shown by `GET /semaphores/{key}`, as for locks.
+    #[serde(
+        default,
+        deserialize_with = "text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = String, required = false, max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$")]
+    #[param(value_type = String, required = false, max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$")]
+    pub owner: Option<String>,
+    /// Makes a retried acquire safe, as for locks.
+    #[serde(
+        default,
+        deserialize_with = "text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = String, required = false, min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
+    #[param(value_type = String, required = false, min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
+    pub request_id: Option<String>,
+}
+
+impl Parameters for SemaphoreAcquireBody {}
+
+/// The parameters of a renewal: `ttl_ms` in the query string or a JSON object body, optional;
+/// the token in the query string (or the `Lock-Token` header), never in the body.
+#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct RenewBody {
+    /// The new lease length in ms, counted from the renewal: 1 to the broker's `max_ttl_ms`
+    /// (default 3600000). Default: the broker's `default_ttl_ms` (30000).
+    #[serde(
+        default,
+        deserialize_with = "int",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(value_type = u64, required = false, minimum = 1)]
+    #[param(value_type = u64, required = false, minimum = 1)]
+    pub ttl_ms: Option<u64>,
+    /// The token the acquire returned, if not sent in the `Lock-Token` header (if both, they
+    /// must be equal). One of the two is required. Never in the body.
+    #[serde(
+        default,
+        deserialize_with = "text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schema(ignore)]
+    #[param(value_type = String, required = false, min_length = 1, max_length = 128, pattern = r"^[A-Za-z0-9._~-]{1,128}$")]
+    pub token: Option<String>,
+}
+
+impl Parameters for RenewBody {
+    const QUERY_ONLY: &'static [(&'static str, &'static str)] = &[TOKEN_NOT_IN_BODY];
+}
+
+/// The parameters of a release, in the query string only: the token (or the `Lock-Token`
+/// header), or `force=true` without one.
+#[derive(Debug, Default, Serialize, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseQuery {
+    /// The token the acquire returned, if not sent in the `Lock-Token` header (if both, they
+    /// must be equal). One of the two, or `force=true`, is required.
+    #[serde(
+        default,
+        deserialize_with = "text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[param(value_type = String, required = false, min_length = 1, max_length = 128, pattern = r"^[A-Za-z0-9._~-]{1,128}$")]
+    pub token: Option<String>,
+    /// `true`, with no token: ends every lease on the key (any other value is `400`; never in
+    /// the body). With auth it needs `admin`; without, the broker must run with
+    /// `allow_force_release`.
+    #[serde(
+        default,
+        deserialize_with = "force",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[param(value_type = String, required = false, pattern = "^true$")]
+    pub force: Option<ForceTrue>,
+}
+
+impl Parameters for ReleaseQuery {
+    const QUERY_ONLY: &'static [(&'static str, &'static str)] =
+        &[TOKEN_NOT_IN_BODY, FORCE_NOT_IN_BODY];
+}
+
+/// A listing's parameters, in the query string (or a JSON object body).
+#[derive(Debug, Default, Serialize, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct ListQueryParams {
+    /// Only keys that start with this: 0 to 200 characters from `A-Z a-z 0-9 . _ - :`.
+    /// Default: every key.
+    #[serde(
+        default,
+        deserialize_with = "text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[param(value_type = String, required = false, max_length = 200, pattern = r"^[A-Za-z0-9._:-]{0,200}$")]
+    pub prefix: Option<String>,
+    /// Most entries on the page. Default: 100.
+    #[serde(
+        default,
+        deserialize_with = "int",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[param(value_type = u64, required = false, minimum = 1)]
+    pub limit: Option<u64>,
+    /// The `next_cursor` of the page before; leave it out for the first page. A cursor the
+    /// broker did not give is `400`.
+    #[serde(
+        default,
+        deserialize_with = "text",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[param(value_type = String, required = false, min_length = 1)]
+    pub cursor: Option<String>,
+}
+
+impl Parameters for ListQueryParams {}
+
+/// The parameters of an operation that takes none (inspect): any is refused.
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoParams {}
+
+impl Parameters for NoParams {}
+
+// From parameters to domain values, with the bounds of the configuration and the store.
+
+/// The lease length a request asks for, or the default; within `max_ttl_ms`.
+pub(super) fn ttl_param(ttl_ms: Option<u64>, limits: &Limits) -> Result<Ttl, ApiError> {
+    Ok(Ttl::parse(
+        ttl_ms.unwrap_or(limits.default_ttl_ms),
+        limits.max_ttl_ms,
+    )?)
+}
+
+/// The parameters every acquire takes: `ttl_ms`, `wait_ms`, `owner`, `request_id`.
+pub(super) fn acquire_request(
+    kind: Kind,
+    ttl_ms: Option<u64>,
+    wait_ms: Option<u64>,
+    owner: Option<String>,
+    request_id: Option<String>,
+    limits: &Limits,
+) -> Result<AcquireRequest, ApiError> {
+    Ok(AcquireRequest {
+        kind,
+        ttl: ttl_param(ttl_ms, limits)?,
+        wait: WaitFor::parse(
+            wait_ms.unwrap_or(limits.default_wait_ms),
+            limits.max_wait_ms,
+        )?,
+        owner: owner.map(|o| Owner::parse(&o)).transpose()?,
+        request_id: request_id.map(|r| RequestId::parse(&r)).transpose()?,
+    })
+}
+
+/// A listing's parameters: `prefix` (default ''), `limit` (1 ..= 1000, default 100), `cursor`.
+pub(super) fn list_query(space: Space, params: ListQueryParams) -> Result<ListQuery, ApiError> {
+    let prefix = LockKey::parse_prefix(&params.prefix.unwrap_or_default())?;
+    let limit = match params.limit {
+        None => DEFAULT_LIST_LIMIT,
+        Some(n) if (1..=MAX_LIST_LIMIT as u64).contains(&n) => n as usize,
+        Some(_) => {
+            return Err(ApiError::invalid(format!(
+                "limit must be between 1 and {MAX_LIST_LIMIT}."
+            )));
+        }
+    };
+    Ok(ListQuery {
+        space,
+        prefix,
+        limit,
+        cursor: params.cursor,
+    })
+}
+
+/// How many keys a listing page holds when the request does not say.
+const DEFAULT_LIST_LIMIT: usize = 100;
+
+/// A non-negative integer: a JSON number with no fraction (`5000`, `5000.0`), or its decimal
+/// digits in the query string.
+fn int<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+    struct Int;
+    impl Visitor<'_> for Int {
+        type Value = u64;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a non-negative integer")
+        }
+        fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<u64, E> {
+            Ok(n)
+        }
+        fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<u64, E> {
+            u64::try_from(n).map_err(|_| E::custom(""))
+        }
+        fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<u64, E> {
+            // JSON Schema counts 5000.0 as an integer; so does the broker.
+            if n.fract() == 0.0 && (0.0..18_446_744_073_709_551_616.0).contains(&n) {
+                Ok(n as u64)
+            } else {
+                Err(E::custom(""))
+            }
+        }
+    }
+    deserializer
+        .deserialize_u64(Int)
+        .map(Some)
+        .map_err(|_| D::Error::custom("must be a non-negative integer"))
+}
+
+/// A string: a JSON string, or the query string's text.
+pub(super) fn text<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
+    String::deserialize(deserializer)
+        .map(Some)
+        .map_err(|_| D::Error::custom("must be a string"))
+}
+
+fn mode<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<ModeName>, D::Error> {
+    ModeName::deserialize(deserializer)
+        .map(Some)
+        .map_err(|_| D::Error::custom("must be exclusive or shared"))
+}
+
+/// The one value of `force`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ForceTrue {
+    #[serde(rename = "true")]
+    True,
+}
+
+/// `force`: only `true` is a value (leave it out otherwise).
+fn force<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<ForceTrue>, D::Error> {
+    ForceTrue::deserialize(deserializer)
+        .map(Some)
+        .map_err(|_| D::Error::custom("must be true (or left out for a release by token)"))
+}
