@@ -1,6 +1,7 @@
-//! Fixtures shared by lockbroker's test suites (`tests/api`, `tests/cli`, `tests/safety`,
-//! `tests/topologies`). Each fixture starts what a test needs on free loopback ports and tears it down when dropped, so
-//! every test owns its servers and nothing has to be running beforehand.
+//! Fixtures shared by lockbroker's test suites (`tests/api`, `tests/cli`, `tests/client`,
+//! `tests/safety`, `tests/topologies`). Each fixture starts what a test needs on free loopback
+//! ports and tears it down when dropped, so every test owns its servers and nothing has to be
+//! running beforehand.
 //!
 //! - [`redis_server`]: a throwaway `redis-server` per test.
 //! - [`app`]: a broker run in the test process on port 0 ([`app::spawn_app`]), and the
