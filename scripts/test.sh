@@ -7,9 +7,10 @@
 # clock-skew tests (tests/safety) run brokers under `faketime`, so this script only makes sure
 # `redis-server` and `faketime` are installed (on Debian/Ubuntu it installs them with apt) and then
 # runs `cargo test --workspace --all-targets`: the root package's unit tests and its api, cli,
-# client and safety suites, and the unit tests of the workspace's other crates (clients/rust, the
-# lockbroker-client crate; test-support/, which holds the suites' fixtures); then each client
-# library's tests against the broker binary that built. It never starts a Redis server itself.
+# client, safety and topologies suites, and the unit tests of the workspace's other crates
+# (clients/rust, the lockbroker-client crate; test-support/, which holds the suites' fixtures);
+# then each client library's tests against the broker binary that built. It never starts a Redis
+# server itself.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

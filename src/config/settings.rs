@@ -89,8 +89,9 @@ settings! {
     /// Address to listen on [default: 127.0.0.1:8080].
     #[arg(long, env = "LOCKBROKER_LISTEN", value_name = "ADDR")]
     listen: String = String::from("127.0.0.1:8080");
-    /// Redis to keep locks in (redis://[user:pass@]host:port/db). Without it, the embedded
-    /// in-memory store: correct for one broker, not shared between brokers.
+    /// Redis to keep locks in (redis://user:pass@host:port/db, user and password optional).
+    /// Without it, the embedded in-memory store: correct for one broker, not shared between
+    /// brokers.
     #[arg(long, env = "LOCKBROKER_REDIS_URL", value_name = "URL")]
     redis_url: String;
     /// Prefix of every Redis key the broker writes [default: lockbroker:].

@@ -55,7 +55,7 @@ impl<S: Store> LockService<S> {
     /// Acquires `key`, waiting up to `req.wait` while someone else holds it.
     ///
     /// Ends by `req.wait` plus the store timeout. Dropping the returned future (the client went
-    /// away) stops the wait; a store call it interrupts is cleaned up (see [`PendingGrant`]).
+    /// away) stops the wait; a store call it interrupts is cleaned up (see `PendingGrant`).
     pub async fn acquire(&self, key: &LockKey, req: AcquireRequest) -> Result<Lease, LockError> {
         let kind = req.kind;
         let bid = Bid {

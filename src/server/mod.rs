@@ -13,7 +13,7 @@
 //!   error body ([`io`]);
 //! - on shutdown, idle connections and half-sent heads are closed at once, requests under way
 //!   finish (waiting ones are answered `503` by the lock service), and whatever is still open
-//!   after [`DRAIN_LIMIT`] is dropped.
+//!   after `DRAIN_LIMIT` is dropped.
 
 pub mod io;
 pub mod tls;

@@ -1,6 +1,7 @@
-//! Fixtures shared by lockbroker's test suites (`tests/api`, `tests/cli`, `tests/safety`). Each
-//! fixture starts what a test needs on free loopback ports and tears it down when dropped, so
-//! every test owns its servers and nothing has to be running beforehand.
+//! Fixtures shared by lockbroker's test suites (`tests/api`, `tests/cli`, `tests/client`,
+//! `tests/safety`, `tests/topologies`). Each fixture starts what a test needs on free loopback
+//! ports and tears it down when dropped, so every test owns its servers and nothing has to be
+//! running beforehand.
 //!
 //! - [`redis_server`]: a throwaway `redis-server` per test.
 //! - [`app`]: a broker run in the test process on port 0 ([`app::spawn_app`]), and the
@@ -8,6 +9,8 @@
 //! - [`broker`]: the real `lockbroker serve` as a child process, for start-up, signals,
 //!   SIGKILL and a host clock shifted with `faketime`.
 //! - [`certs`]: a CA, server and client certificates made in the test, for the broker's HTTPS.
+//! - [`cluster`]: a real Redis Cluster of masters and replicas (`redis-cli --cluster create`)
+//!   that tests flush and fail over.
 //! - [`http`]: the test HTTP client and readers of the API's answers.
 //! - [`sentinel`]: a Redis Sentinel deployment (a master, two replicas, three sentinels) that
 //!   tests fail over.

@@ -6,6 +6,8 @@
 //! Anchors follow GitHub's rules: the heading's text, lowercased, with punctuation dropped
 //! (letters, digits, `-` and `_` kept), each space turned into `-`, and `-1`, `-2`, … appended to
 //! repeated headings.
+//!
+//! The README stays short (at most 400 lines) and links every page of docs/.
 
 use std::collections::{HashMap, HashSet};
 use std::fs;
@@ -357,6 +359,34 @@ fn every_relative_link_in_the_markdown_files_reaches_an_existing_file_and_headin
         "only {links} links found: is the parser reading the files?"
     );
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// The README is read in ten minutes; the rest belongs in docs/.
+#[test]
+fn the_readme_stays_short_and_names_the_docs_pages() {
+    let readme = fs::read_to_string(root().join("README.md")).expect("cannot read README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= 400,
+        "README.md has {lines} lines; move detail into docs/"
+    );
+    let mut pages = Vec::new();
+    for entry in fs::read_dir(root().join("docs")).expect("cannot read docs/") {
+        let name = entry.expect("a directory entry").file_name();
+        let name = name.to_string_lossy().into_owned();
+        if name.ends_with(".md") {
+            pages.push(name);
+        }
+    }
+    assert!(!pages.is_empty(), "no pages in docs/");
+    let unlinked: Vec<&String> = pages
+        .iter()
+        .filter(|page| !readme.contains(&format!("](docs/{page})")))
+        .collect();
+    assert!(
+        unlinked.is_empty(),
+        "README.md does not link these docs pages: {unlinked:?}"
+    );
 }
 
 #[test]

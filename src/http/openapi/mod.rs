@@ -119,7 +119,7 @@ impl Modify for BearerScheme {
 }
 
 /// The document as served by a broker with these limits: the generated one with every bound
-/// that comes from the configuration or the store written in (see [`bounds`]).
+/// that comes from the configuration or the store written in (see `bounds`).
 pub fn document(limits: &Limits, cursor_pattern: Option<&str>) -> Value {
     let mut doc = serde_json::to_value(ApiDoc::openapi()).expect("the document serializes");
     bounds(&mut doc, limits);
