@@ -6,6 +6,10 @@
 /// The binary the broker processes run (see `tests/safety/main.rs`).
 const LOCKBROKER: &str = env!("CARGO_BIN_EXE_lockbroker");
 
+#[allow(dead_code)] // Each suite uses its own part of the shared torture check.
+#[path = "../safety/torture.rs"]
+mod torture;
+
 mod acl;
 mod cluster;
 mod replicas;

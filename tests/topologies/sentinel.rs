@@ -19,9 +19,7 @@ use lockbroker_test_support::sentinel::{MASTER_NAME, SentinelTopology};
 use reqwest::StatusCode;
 use tokio::time::Instant;
 
-#[allow(dead_code)] // Each suite uses its own part of the shared torture check.
-#[path = "../safety/torture.rs"]
-mod torture;
+use crate::torture;
 
 use torture::{Brokers, Plan};
 
