@@ -7,9 +7,8 @@
 //! This file owns the service's types, its construction and the store-call helpers; the
 //! operations are split by concern: `acquire.rs` (the recipe and waiting), `release.rs`
 //! (release, renewal and force release: a holder's, or an admin's, calls on a lease) and
-//! `inspect.rs` (reading holders and listing keys); `outage.rs` tells store outages in the logs;
-//! `pending.rs` cleans up a grant whose answer
-//! was lost.
+//! `inspect.rs` (reading holders and listing keys); `outage.rs` tells store outages in the
+//! logs; `pending.rs` cleans up a grant whose answer was lost.
 
 mod acquire;
 mod inspect;

@@ -192,8 +192,8 @@ async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_
     replicate(&master, &replica).await;
     let spawn = || {
         spawn_app_with(Some(master.url()), |c| {
-            c.redis_replica_acks = 1;
-            c.store_timeout_ms = STORE_TIMEOUT_MS;
+            c.redis_replica_acks = Some(1);
+            c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
         })
     };
     let brokers = [Arc::new(spawn().await), Arc::new(spawn().await)];
