@@ -190,6 +190,9 @@ async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_
     let master = RedisServer::start().await;
     let replica = RedisServer::start().await;
     replicate(&master, &replica).await;
+    // A longer store timeout than the other test's: 48 grants at once on a loaded machine must
+    // not time out before the replica stalls on purpose.
+    const STORE_TIMEOUT_MS: u64 = 2000;
     let spawn = || {
         spawn_app_with(Some(master.url()), |c| {
             c.redis_replica_acks = Some(1);
@@ -231,15 +234,15 @@ async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_
     eprintln!("{CONCURRENT} concurrent grants were acknowledged by {waits} WAITs");
 
     // The torture check (no overlap, no lost update, rising fences, only allowed answers) across
-    // a replica that stops acknowledging for a second: grants meanwhile answer 503 and are
-    // released, grants before and after are acknowledged.
+    // a replica that stops acknowledging for longer than a WAIT waits (half the store timeout):
+    // grants meanwhile answer 503 and are released, grants before and after are acknowledged.
     let addresses: Vec<String> = brokers.iter().map(|b| b.address.clone()).collect();
     let wait_ms = 1000;
     let plan = Plan {
         ttl_ms: 2000,
         wait_ms,
         hold_ms: 0..=3,
-        limit: Duration::from_secs(20),
+        limit: Duration::from_secs(30),
         // The contract's bound (wait_ms + the store timeout), plus scheduling slack.
         answer_bound: Duration::from_millis(wait_ms + STORE_TIMEOUT_MS + 1500),
         ..Plan::new("hot", 8, 100)
@@ -252,7 +255,7 @@ async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_
     }
     let before = run.sections_so_far();
     replica.pause();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_millis(STORE_TIMEOUT_MS * 2)).await;
     replica.resume();
     until_in_sync(&master).await;
     let resumed = run.sections_so_far();
