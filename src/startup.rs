@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{Notify, watch};
 
 use crate::auth::Policy;
@@ -101,8 +101,7 @@ impl Application {
             }
             None => None,
         };
-        let listener = TcpListener::bind(serving.listen)
-            .await
+        let listener = bind(serving.listen, serving.listen_backlog)
             .with_context(|| format!("cannot listen on {}", serving.listen))?;
         Ok(Self {
             listener,
@@ -220,4 +219,22 @@ pub async fn shutdown_signal() {
         () = ctrl_c => {}
         () = terminate => {}
     }
+}
+
+/// The listener on `addr`, with a listen queue of `backlog` connections (the kernel caps it at
+/// its own maximum). Not `TcpListener::bind`, whose queue is 128: a burst of new connections
+/// (a fleet reconnecting after a restart), or connections waiting past `max_connections`,
+/// would overflow it and time out in `connect`.
+fn bind(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    // As `TcpListener::bind` does on Unix: a restarted broker binds its port again at once,
+    // without waiting for the old connections' TIME_WAIT to pass.
+    #[cfg(unix)]
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
 }

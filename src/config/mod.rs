@@ -19,7 +19,7 @@ pub use self::settings::{LogFormat, Settings};
 use crate::http::Limits;
 use crate::lock::LockSettings;
 use crate::server::tls::TlsFiles;
-use crate::store::redis::{ClientCertificate, RedisSettings, RedisTls, RedisUrl};
+use crate::store::redis::{ClientCertificate, RedisSettings, RedisTls, RedisUrl, Topology};
 
 /// `lockbroker serve`'s arguments: the config file, and the settings as flags.
 #[derive(Clone, Args)]
@@ -58,6 +58,8 @@ pub struct ServingSettings {
     pub header_timeout: Duration,
     /// Most connections open at once.
     pub max_connections: usize,
+    /// The listen queue's length: connections the kernel holds before the broker takes them.
+    pub listen_backlog: u32,
     /// HTTPS from these files; plain HTTP when `None`.
     pub tls: Option<TlsFiles>,
     /// The auth file; without one, every client may do everything.
@@ -98,6 +100,10 @@ pub struct LogSettings {
 /// (they retry within 100 ms to 1 s); shorter is allowed, with a warning.
 const MIN_SAFE_SETTLE_MS: u64 = 1_000;
 
+/// Largest listen queue asked for: Linux keeps the backlog in 16 bits and caps it at
+/// net.core.somaxconn anyway.
+const MAX_LISTEN_BACKLOG: u32 = 65_535;
+
 /// Longest lease a broker may be configured to allow: a day. Longer leases are a sign of a
 /// lock used as a flag, and keep a key blocked for that long when a holder dies.
 const MAX_TTL_CEILING_MS: u64 = 86_400_000;
@@ -137,6 +143,7 @@ impl Config {
                 listen,
                 header_timeout: Duration::from_millis(v.header_timeout_ms),
                 max_connections: v.max_connections,
+                listen_backlog: v.listen_backlog,
                 // Both or neither: checked above.
                 tls: v.tls_cert.zip(v.tls_key).map(|(cert, key)| TlsFiles {
                     cert,
@@ -194,6 +201,21 @@ impl Config {
                     "store_settle_ms ({settle_ms}) is shorter than {MIN_SAFE_SETTLE_MS}: after \
                      Redis restarts or is flushed, a key may be granted before the broker that \
                      holds its live lease has put it back"
+                ));
+            }
+            let topology = match redis.url.topology() {
+                Topology::Sentinel => Some("Redis Sentinel"),
+                Topology::Cluster => Some("Redis Cluster"),
+                Topology::Single => None,
+            };
+            if let Some(topology) = topology.filter(|_| redis.replica_acks == 0) {
+                warnings.push(format!(
+                    "redis_replica_acks is 0 on {topology}: a master cut off from its replicas \
+                     by a network partition can keep granting, and after the failover its \
+                     replica grants the same locks again (two holders at once). Set \
+                     redis_replica_acks to 1 (--redis-replica-acks 1, \
+                     LOCKBROKER_REDIS_REPLICA_ACKS=1) and give the Redis servers \
+                     min-replicas-to-write 1 and min-replicas-max-lag 2"
                 ));
             }
         }
@@ -268,6 +290,9 @@ fn validate(v: &Values, redis_url: Option<&RedisUrl>) -> anyhow::Result<()> {
     }
     if v.max_connections == 0 {
         bail!("max_connections must be at least 1");
+    }
+    if !(1..=MAX_LISTEN_BACKLOG).contains(&v.listen_backlog) {
+        bail!("listen_backlog must be between 1 and {MAX_LISTEN_BACKLOG}");
     }
     tracing_subscriber::EnvFilter::try_new(&v.log_level)
         .with_context(|| format!("log_level {:?} is not a valid filter", v.log_level))?;

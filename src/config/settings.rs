@@ -187,4 +187,9 @@ settings! {
     /// Most connections open at once; later ones wait in the kernel's queue [default: 10000].
     #[arg(long, env = "LOCKBROKER_MAX_CONNECTIONS", value_name = "N")]
     max_connections: usize = 10_000;
+    /// Connections the kernel may hold queued, not yet taken by the broker (past
+    /// max_connections, or in a burst); the kernel caps it at its own maximum
+    /// (net.core.somaxconn on Linux) [default: 1024].
+    #[arg(long, env = "LOCKBROKER_LISTEN_BACKLOG", value_name = "N")]
+    listen_backlog: u32 = 1024;
 }

@@ -220,5 +220,30 @@ fn every_setting_s_flag_and_environment_variable_follow_from_its_file_key() {
     without_config.sort_unstable();
     sorted_keys.sort_unstable();
     assert_eq!(sorted_keys, without_config);
-    assert_eq!(flags.len(), 26, "{flags:?}");
+    assert_eq!(flags.len(), 27, "{flags:?}");
+}
+
+#[test]
+fn replica_acks_0_on_sentinel_or_cluster_is_a_warning_naming_the_setting() {
+    let warnings = |url: &str, acks: Option<u32>| {
+        let args = Settings {
+            redis_url: Some(url.into()),
+            redis_replica_acks: acks,
+            ..Settings::default()
+        };
+        resolve(args).unwrap().warnings()
+    };
+    for url in [
+        "redis+sentinel://127.0.0.1:26379/lockbroker",
+        "redis+cluster://127.0.0.1:7000",
+    ] {
+        let given = warnings(url, None);
+        assert_eq!(given.len(), 1, "{url}: {given:?}");
+        assert!(given[0].contains("partition"), "{given:?}");
+        assert!(given[0].contains("--redis-replica-acks 1"), "{given:?}");
+        assert!(given[0].contains("min-replicas-to-write"), "{given:?}");
+        assert!(warnings(url, Some(1)).is_empty(), "{url}");
+    }
+    // One server has no failover to lose a grant to.
+    assert!(warnings("redis://127.0.0.1:6379", None).is_empty());
 }

@@ -20,6 +20,8 @@ pub struct ApiError {
     retry_after_ms: Option<u64>,
     /// For `limit_mismatch`: the limit the semaphore's holders use.
     limit: Option<u32>,
+    /// A `store_unavailable` because the store did not answer (not a hold).
+    store_down: bool,
 }
 
 /// The body of every error response. Public so that the OpenAPI document's response types
@@ -51,6 +53,7 @@ impl ApiError {
             message: message.into(),
             retry_after_ms: None,
             limit: None,
+            store_down: false,
         }
     }
 
@@ -158,19 +161,24 @@ impl From<LockError> for ApiError {
                 )
             },
             LockError::StoreUnavailable(e) => {
-                tracing::warn!(error = %e, "store unavailable");
-                Self::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "store_unavailable",
-                    match e {
-                        StoreError::Timeout(ms) => {
-                            format!("The lock store did not answer within {ms} ms.")
-                        }
-                        // `Failed`. (A bad cursor is the client's mistake: `LockError::BadCursor`,
-                        // never wrapped here.)
-                        _ => "The lock store could not be reached.".into(),
-                    },
-                )
+                // Logged once per outage (see `crate::lock::Outage`), not once per request.
+                tracing::debug!(error = %e, "store unavailable");
+                let message = match e {
+                    StoreError::Timeout(ms) => {
+                        format!("The lock store did not answer within {ms} ms.")
+                    }
+                    // `Failed`. (A bad cursor is the client's mistake: `LockError::BadCursor`,
+                    // never wrapped here.)
+                    _ => "The lock store could not be reached.".into(),
+                };
+                Self {
+                    store_down: true,
+                    ..Self::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "store_unavailable",
+                        message,
+                    )
+                }
             }
             LockError::Held(hold) => Self {
                 retry_after_ms: Some(hold.retry_after_ms),
@@ -235,6 +243,16 @@ pub fn framework_rejection(status: u16) -> Vec<u8> {
     .expect("a plain struct serializes")
 }
 
+/// Marks a response as an answer the API defines (every [`ApiError`] is one): a `503` among
+/// them is the store's or the broker's state (an outage, a hold, a full wait queue, a
+/// shutdown), not a bug, and is not logged as an error. A 5xx without it is.
+#[derive(Debug, Clone, Copy)]
+pub struct Expected {
+    /// `503 store_unavailable` because the store did not answer (not a hold): counted into the
+    /// current outage.
+    pub store_unavailable: bool,
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = Json(Body {
@@ -244,6 +262,9 @@ impl IntoResponse for ApiError {
             limit: self.limit,
         });
         let mut response = (self.status, body).into_response();
+        response.extensions_mut().insert(Expected {
+            store_unavailable: self.store_down,
+        });
         if let Some(ms) = self.retry_after_ms {
             // Whole seconds, rounded up, at least 1.
             let secs = ms.div_ceil(1000).max(1);

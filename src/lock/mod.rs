@@ -7,11 +7,12 @@
 //! This file owns the service's types, its construction and the store-call helpers; the
 //! operations are split by concern: `acquire.rs` (the recipe and waiting), `release.rs`
 //! (release, renewal and force release: a holder's, or an admin's, calls on a lease) and
-//! `inspect.rs` (reading holders and listing keys); `pending.rs` cleans up a grant whose answer
-//! was lost.
+//! `inspect.rs` (reading holders and listing keys); `outage.rs` tells store outages in the
+//! logs; `pending.rs` cleans up a grant whose answer was lost.
 
 mod acquire;
 mod inspect;
+mod outage;
 mod pending;
 mod release;
 
@@ -27,6 +28,7 @@ use crate::store::{Hold, Holder, Lease, Mode, NOTICE_BUFFER, Store, StoreError, 
 use crate::waiters::Waiters;
 
 pub use crate::store::Kind;
+pub use outage::Outage;
 
 /// Limits and defaults the service applies; validated by the configuration.
 #[derive(Debug, Clone)]
@@ -117,6 +119,7 @@ pub struct LockService<S> {
     waiters: Arc<Waiters>,
     shutdown: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
+    outage: Arc<Outage>,
 }
 
 impl<S> Clone for LockService<S> {
@@ -127,6 +130,7 @@ impl<S> Clone for LockService<S> {
             waiters: self.waiters.clone(),
             shutdown: self.shutdown.clone(),
             metrics: self.metrics.clone(),
+            outage: self.outage.clone(),
         }
     }
 }
@@ -159,6 +163,7 @@ impl<S: Store> LockService<S> {
             waiters,
             shutdown,
             metrics,
+            outage: Arc::default(),
         }
     }
 
@@ -193,7 +198,14 @@ impl<S: Store> LockService<S> {
         let result = call.await;
         self.metrics
             .store_call(op, started.elapsed(), result.is_err());
+        self.outage.observe(&result);
         result
+    }
+
+    /// Whether the store answers, as this service's store calls found; the HTTP layer counts
+    /// the requests it refuses meanwhile.
+    pub fn outage(&self) -> &Arc<Outage> {
+        &self.outage
     }
 
     /// The metrics, with the current number of waiters, in the OpenMetrics text format.

@@ -227,7 +227,7 @@ async fn no_bearer_token_nor_lock_token_is_logged_even_at_trace_level() {
 fn inconsistent_security_settings_stop_the_broker_with_a_message() {
     let missing = temp_file("missing", "pem");
     let missing = missing.to_str().unwrap();
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 7] = [
         (&["--tls-cert", missing], "tls_cert and tls_key go together"),
         (
             &["--tls-client-ca", missing],
@@ -236,6 +236,7 @@ fn inconsistent_security_settings_stop_the_broker_with_a_message() {
         (&["--auth-metrics"], "auth_metrics needs auth_file"),
         (&["--header-timeout-ms", "0"], "header_timeout_ms"),
         (&["--max-connections", "0"], "max_connections"),
+        (&["--listen-backlog", "0"], "listen_backlog"),
         (&["--tls-cert", missing, "--tls-key", missing], "tls_cert"),
     ];
     for (args, mentions) in cases {

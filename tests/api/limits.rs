@@ -228,6 +228,58 @@ async fn connections_past_max_connections_wait_until_one_closes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_connections_behind_max_connections_50_all_connect_and_are_served() {
+    const CLIENTS: usize = 200;
+    // Idle connections are not cut off while the test holds them.
+    let app = spawn_app_with(None, |c| {
+        c.max_connections = Some(50);
+        c.header_timeout_ms = Some(60_000);
+    })
+    .await;
+    let addr = app.address.trim_start_matches("http://").to_owned();
+    // Every client connects, all at once, and sends nothing until all of them are connected:
+    // 50 are taken by the broker, the other 150 wait in the kernel's listen queue. With a queue
+    // shorter than that, the connects past it are dropped and retried in vain, as no taken
+    // connection goes away meanwhile.
+    let connected = std::sync::Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let mut clients = tokio::task::JoinSet::new();
+    for _ in 0..CLIENTS {
+        let (addr, connected) = (addr.clone(), connected.clone());
+        clients.spawn(async move {
+            let mut stream = TcpStream::connect(addr).await.expect("connect");
+            connected.wait().await;
+            stream
+                .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await
+                .expect("send the request");
+            let mut answer = Vec::new();
+            stream
+                .read_to_end(&mut answer)
+                .await
+                .expect("read the answer");
+            answer
+        });
+    }
+    let mut served = 0;
+    // A bound on the whole run, not a measurement: a connect the queue dropped is retried for
+    // minutes.
+    tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(answer) = clients.join_next().await {
+            let answer = answer.expect("a client task");
+            assert!(
+                answer.starts_with(b"HTTP/1.1 200"),
+                "{:?}",
+                String::from_utf8_lossy(&answer)
+            );
+            served += 1;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{served} of {CLIENTS} connections were served within 60 s"));
+    assert_eq!(served, CLIENTS);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_idle_and_slow_connections_do_not_keep_other_clients_from_being_served() {
     let app = spawn_app_with(None, |_| {}).await;
     let mut idle = Vec::new();

@@ -4,7 +4,8 @@
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
-use lockbroker_test_support::http::Answer;
+use lockbroker_test_support::broker::{self, BrokerProcess, BrokerSpec};
+use lockbroker_test_support::http::{Answer, http_client};
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
@@ -226,4 +227,82 @@ async fn fences_keep_rising_when_redis_rolls_its_fence_counter_back() {
         second.fence,
         first.fence
     );
+}
+
+/// Waits until the broker's log has a line containing `needle`, polling the log file.
+async fn wait_for_log_line(broker: &BrokerProcess, needle: &str, limit: Duration) {
+    let started = Instant::now();
+    while !broker.output().contains(needle) {
+        assert!(
+            started.elapsed() < limit,
+            "no log line with {needle:?} within {limit:?}:\n{}",
+            broker.output()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_restart_under_a_polling_client_is_logged_as_two_warnings_and_no_error() {
+    const BEGAN: &str = "the lock store stopped answering";
+    const ENDED: &str = "the lock store answers again";
+    let mut redis = RedisServer::start().await;
+    let spec = BrokerSpec {
+        store_timeout_ms: STORE_TIMEOUT_MS,
+        ..BrokerSpec::on(env!("CARGO_BIN_EXE_lockbroker"), redis.url())
+    };
+    let broker = BrokerProcess::start(spec).await;
+    broker::wait_until_ready(&broker.address(), Duration::from_secs(5)).await;
+
+    // A client polling the lock every 50 ms, as a job waiting for it would, through the outage
+    // and the hold after it; it counts the answers that said the store did not answer.
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let poller = {
+        let url = broker.url("/locks/polled?ttl_ms=200");
+        tokio::spawn(async move {
+            let client = http_client();
+            let mut unavailable = 0;
+            while !*stopped.borrow_and_update() {
+                let answer = Answer::read(client.post(&url).send().await.expect("poll")).await;
+                match answer.status {
+                    StatusCode::CREATED | StatusCode::CONFLICT => {}
+                    StatusCode::SERVICE_UNAVAILABLE => {
+                        answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
+                        unavailable += 1;
+                    }
+                    other => panic!("unexpected answer {other}: {}", answer.text),
+                }
+                let _ = tokio::time::timeout(Duration::from_millis(50), stopped.changed()).await;
+            }
+            unavailable
+        })
+    };
+
+    redis.stop();
+    wait_for_log_line(&broker, BEGAN, Duration::from_secs(10)).await;
+    redis.restart().await;
+    // Back, past the hold while leases are put back, and quiet for a second.
+    wait_for_log_line(&broker, ENDED, Duration::from_secs(20)).await;
+    stop.send(true).expect("the poller listens");
+    let unavailable = poller.await.expect("the poller");
+    assert!(unavailable > 0, "the client never saw the outage");
+
+    let log = broker.output();
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains("ERROR")).collect();
+    assert!(errors.is_empty(), "error lines for a Redis restart:\n{log}");
+    let began: Vec<&str> = log.lines().filter(|l| l.contains(BEGAN)).collect();
+    let ended: Vec<&str> = log.lines().filter(|l| l.contains(ENDED)).collect();
+    assert_eq!(began.len(), 1, "{log}");
+    assert_eq!(ended.len(), 1, "{log}");
+    for line in began.iter().chain(&ended) {
+        assert!(line.contains("WARN"), "{line}");
+    }
+    // The end says how long it lasted and how many requests were refused meanwhile.
+    let refused: u64 = ended[0]
+        .split("ms out; ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of refused requests: {}", ended[0]));
+    assert!(refused > 0, "{}", ended[0]);
 }

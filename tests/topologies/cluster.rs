@@ -61,6 +61,7 @@ async fn on_a_cluster_locks_spread_over_the_masters_wake_across_brokers_and_surv
     a_release_wakes_a_waiter_on_another_broker_within_100_ms(&one, &two).await;
     a_flushed_master_gets_its_leases_back_while_the_others_grant(&cluster, &one, &two).await;
     a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(&cluster, &one, &two).await;
+    crate::replica_acks_0_warns_once_at_start(cluster.url()).await;
 }
 
 /// Waits until a key on each master is granted (each master settles on its own).

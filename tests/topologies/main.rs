@@ -6,8 +6,64 @@
 /// The binary the broker processes run (see `tests/safety/main.rs`).
 const LOCKBROKER: &str = env!("CARGO_BIN_EXE_lockbroker");
 
+#[allow(dead_code)] // Each suite uses its own part of the shared torture check.
+#[path = "../safety/torture.rs"]
+mod torture;
+
 mod acl;
 mod cluster;
 mod replicas;
 mod sentinel;
 mod tls;
+
+use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, listen_on};
+
+/// What the warning about replica acks 0 on Sentinel or Cluster starts with.
+const NO_ACKS_WARNING: &str = "redis_replica_acks is 0 on";
+
+/// Starts a broker process on `redis_url` with `--redis-replica-acks acks`, waits until it
+/// serves (its start-up warnings are written before it listens), and returns the lines of its
+/// log that carry the warning about replica acks 0.
+async fn replica_acks_warnings(redis_url: String, acks: u32) -> Vec<String> {
+    let command = BrokerCommand::configured(LOCKBROKER, move |command, port| {
+        listen_on(command, port);
+        command.args([
+            "--redis-url",
+            &redis_url,
+            "--redis-replica-acks",
+            &acks.to_string(),
+        ]);
+    });
+    let broker = BrokerProcess::start(command).await;
+    let output = broker.output();
+    let lines: Vec<String> = output
+        .lines()
+        .filter(|line| line.contains(NO_ACKS_WARNING))
+        .map(str::to_owned)
+        .collect();
+    for line in &lines {
+        assert!(line.contains("WARN"), "not a warning: {line}");
+    }
+    lines
+}
+
+/// On a Sentinel or Cluster URL, a broker with replica acks 0 warns once at start, naming the
+/// risk and the setting that removes it; one with acks 1 does not.
+async fn replica_acks_0_warns_once_at_start(redis_url: String) {
+    let warned = replica_acks_warnings(redis_url.clone(), 0).await;
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    for needle in [
+        "partition",
+        "two holders",
+        "--redis-replica-acks 1",
+        "min-replicas-to-write",
+    ] {
+        assert!(
+            warned[0].contains(needle),
+            "{needle:?} missing: {}",
+            warned[0]
+        );
+    }
+    let quiet = replica_acks_warnings(redis_url, 1).await;
+    assert!(quiet.is_empty(), "{quiet:?}");
+}

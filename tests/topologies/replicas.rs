@@ -3,12 +3,17 @@
 //! answers 503 within about the store timeout and leaves nothing behind, and a renewal leaves
 //! the lease ending when its holder was last told.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::spawn_app_with;
 use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
+
+use crate::torture;
+
+use torture::{Brokers, Plan};
 
 /// The acknowledging broker's store timeout: WAIT waits half of it.
 const STORE_TIMEOUT_MS: u64 = 600;
@@ -177,4 +182,107 @@ async fn grants_and_renewals_wait_for_the_replica_and_leave_nothing_when_it_stal
         .renew("acked", &held.token, "ttl_ms=5000")
         .await
         .expect_status(StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_and_the_torture_check_holds_across_a_stalled_replica()
+ {
+    let master = RedisServer::start().await;
+    let replica = RedisServer::start().await;
+    replicate(&master, &replica).await;
+    // A longer store timeout than the other test's: 48 grants at once on a loaded machine must
+    // not time out before the replica stalls on purpose.
+    const STORE_TIMEOUT_MS: u64 = 2000;
+    let spawn = || {
+        spawn_app_with(Some(master.url()), |c| {
+            c.redis_replica_acks = Some(1);
+            c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
+        })
+    };
+    let brokers = [Arc::new(spawn().await), Arc::new(spawn().await)];
+    for broker in &brokers {
+        wait_until_ready(&broker.address, Duration::from_secs(5)).await;
+    }
+
+    // Many grants at once on one broker: the ones whose writes land while a WAIT is in flight
+    // share the next one, and still each is on the replica when its answer arrives.
+    const CONCURRENT: usize = 48;
+    let waits_before = wait_calls(&master).await;
+    let mut grants = tokio::task::JoinSet::new();
+    for i in 0..CONCURRENT {
+        let (app, replica_conn) = (brokers[i % 2].clone(), replica.connection().await);
+        grants.spawn(async move {
+            let key = format!("together-{i}");
+            let grant = app.grant(&key, "ttl_ms=20000").await;
+            let mut replica_conn = replica_conn;
+            let on_replica: u8 = redis::cmd("EXISTS")
+                .arg(format!("lockbroker:{{{key}}}:lock"))
+                .query_async(&mut replica_conn)
+                .await
+                .expect("EXISTS on the replica");
+            (key, grant.token, on_replica)
+        });
+    }
+    while let Some(outcome) = grants.join_next().await {
+        let (key, _, on_replica) = outcome.expect("a grant task");
+        assert_eq!(
+            on_replica, 1,
+            "{key} was answered before the replica had it"
+        );
+    }
+    let waits = wait_calls(&master).await - waits_before;
+    eprintln!("{CONCURRENT} concurrent grants were acknowledged by {waits} WAITs");
+
+    // The torture check (no overlap, no lost update, rising fences, only allowed answers) across
+    // a replica that stops acknowledging for longer than a WAIT waits (half the store timeout):
+    // grants meanwhile answer 503 and are released, grants before and after are acknowledged.
+    let addresses: Vec<String> = brokers.iter().map(|b| b.address.clone()).collect();
+    let wait_ms = 1000;
+    let plan = Plan {
+        ttl_ms: 2000,
+        wait_ms,
+        hold_ms: 0..=3,
+        limit: Duration::from_secs(30),
+        // The contract's bound (wait_ms + the store timeout), plus scheduling slack.
+        answer_bound: Duration::from_millis(wait_ms + STORE_TIMEOUT_MS + 1500),
+        ..Plan::new("hot", 8, 100)
+    };
+    let run = torture::start(&Brokers::new(addresses), &plan);
+    let started = Instant::now();
+    while run.sections_so_far() < 20 {
+        assert!(started.elapsed() < Duration::from_secs(10), "no traffic");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = run.sections_so_far();
+    replica.pause();
+    tokio::time::sleep(Duration::from_millis(STORE_TIMEOUT_MS * 2)).await;
+    replica.resume();
+    until_in_sync(&master).await;
+    let resumed = run.sections_so_far();
+    let report = run.finish().await;
+    let summary = report.check();
+    assert!(
+        summary.unavailable > 0,
+        "no grant was refused while the replica stalled: {summary}"
+    );
+    assert!(
+        summary.sections >= resumed + 20,
+        "only {} sections after the replica came back ({before} before it stalled): {summary}",
+        summary.sections - resumed
+    );
+    eprintln!("{summary}");
+}
+
+/// How many `WAIT`s `redis` has run.
+async fn wait_calls(redis: &RedisServer) -> u64 {
+    let mut conn = redis.connection().await;
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO commandstats");
+    info.lines()
+        .find_map(|line| line.strip_prefix("cmdstat_wait:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().expect("a count"))
 }

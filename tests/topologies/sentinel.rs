@@ -19,9 +19,7 @@ use lockbroker_test_support::sentinel::{MASTER_NAME, SentinelTopology};
 use reqwest::StatusCode;
 use tokio::time::Instant;
 
-#[allow(dead_code)] // Each suite uses its own part of the shared torture check.
-#[path = "../safety/torture.rs"]
-mod torture;
+use crate::torture;
 
 use torture::{Brokers, Plan};
 
@@ -42,6 +40,11 @@ const PROBE: &str = "lockbroker-test:written-after-the-cut";
 async fn behind_sentinel_brokers_grant_on_the_master_and_across_failovers_that_lose_writes_keep_every_live_lease_and_rising_fences()
  {
     let mut topology = SentinelTopology::start().await;
+    scenario(
+        "a broker on the sentinel URL with replica acks 0 warns once at start",
+        crate::replica_acks_0_warns_once_at_start(topology.url()),
+    )
+    .await;
     let in_process = scenario(
         "brokers on the sentinel URL grant, release and listen on the master",
         brokers_on_the_sentinel_url_grant_and_release_on_the_master(&topology),

@@ -8,6 +8,15 @@
 //! wait, never a looser one. `WAIT` blocks the connection it runs on: while a replica stalls,
 //! the broker's other calls queue behind it (see docs/topologies.md).
 //!
+//! **Group commit.** One `WAIT` acknowledges every earlier write on its connection, so grants
+//! share them: at most one `WAIT` is in flight per connection ([`Group`]), and the grants whose
+//! writes complete meanwhile are all answered by the next one. One `WAIT` per grant would put
+//! each grant's script behind every earlier grant's replication round trip (Redis runs a
+//! connection's commands in order, and `WAIT` holds the connection until it returns). A grant
+//! is only ever answered by a `WAIT` sent after its own write had completed: each `WAIT` is
+//! numbered when it is sent, a grant notes the number reached once its write is done, and only
+//! a `WAIT` with a higher number answers it.
+//!
 //! When the replicas do not confirm in time, nothing is left that the client was not told:
 //! - a **grant** is released (by its token, holder-checked), and the request answers
 //!   `503 store_unavailable`;
@@ -24,6 +33,9 @@
 //! The clean-up is a write the stalled replicas do not have either; what counts is the master,
 //! which every later request reads.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::Script;
@@ -70,6 +82,58 @@ pub(super) struct Replicas {
     wait_ms: u64,
     restore: Script,
     restore_pooled: Script,
+    /// The group commit of the one connection of a single server or a Sentinel master.
+    single: Group,
+    /// On a cluster, one group per slot: `WAIT` goes to the slot's master (see the module's
+    /// documentation).
+    slots: Mutex<HashMap<u16, Arc<Group>>>,
+}
+
+/// Group commit on one connection: the `WAIT`s sent on it, one at a time, and the outcome of the
+/// last one, which answers every grant whose write completed before it was sent.
+#[derive(Default)]
+struct Group {
+    /// Held while a `WAIT` is in flight: the next grants wait for it, then share one `WAIT`.
+    turn: tokio::sync::Mutex<()>,
+    /// How many `WAIT`s were sent on this connection; counted up just before each is sent.
+    sent: AtomicU64,
+    /// The last `WAIT` that returned: its number and how many replicas acknowledged.
+    last: Mutex<Option<(u64, StoreResult<u64>)>>,
+}
+
+impl Group {
+    /// How many replicas acknowledged a `WAIT` sent after this call began, so after the
+    /// caller's write completed: the last one's answer if it was sent late enough, or one this
+    /// call sends, after the one in flight returns. Waits at most `limit` for its turn.
+    async fn acknowledged(
+        &self,
+        limit: Duration,
+        wait: impl AsyncFnOnce() -> StoreResult<u64>,
+    ) -> StoreResult<u64> {
+        // Every WAIT numbered above `mark` is sent after this point.
+        let mark = self.sent.load(Ordering::SeqCst);
+        let answered = || {
+            self.last
+                .lock()
+                .expect("the WAIT record is never poisoned")
+                .as_ref()
+                .filter(|(number, _)| *number > mark)
+                .map(|(_, acked)| acked.clone())
+        };
+        let Ok(_turn) = tokio::time::timeout(limit, self.turn.lock()).await else {
+            return Err(StoreError::Timeout(millis(limit)));
+        };
+        // A WAIT sent after `mark` returned while this call waited for its turn: it covers
+        // this call's write (group commit).
+        if let Some(acked) = answered() {
+            return acked;
+        }
+        let number = self.sent.fetch_add(1, Ordering::SeqCst) + 1;
+        let acked = wait().await;
+        *self.last.lock().expect("the WAIT record is never poisoned") =
+            Some((number, acked.clone()));
+        acked
+    }
 }
 
 /// The lease as its holder knew it before a renewal: what a renewal that replicas did not
@@ -88,6 +152,8 @@ impl Replicas {
             wait_ms: (millis(store_timeout) / 2).max(1),
             restore: Script::new(RESTORE),
             restore_pooled: Script::new(RESTORE_POOLED),
+            single: Group::default(),
+            slots: Mutex::default(),
         }
     }
 
@@ -213,9 +279,29 @@ impl Replicas {
         }
         let [lock, _] = store.keys(key);
         let (acks, wait_ms) = (self.acks, self.wait_ms);
-        let acked = store
-            .with_link(async |conn: &mut Conn| conn.wait_for_replicas(&lock, acks, wait_ms).await)
-            .await?;
+        let wait = async || {
+            store
+                .with_link(async |conn: &mut Conn| {
+                    conn.wait_for_replicas(&lock, acks, wait_ms).await
+                })
+                .await
+        };
+        // The turn waits at most as long as the WAIT it waits for: a grant waits for two WAITs
+        // at most, both within the store timeout (each WAIT waits half of it).
+        let limit = Duration::from_millis(wait_ms);
+        let acked = match store.slot(key) {
+            None => self.single.acknowledged(limit, wait).await,
+            Some(slot) => {
+                let group = self
+                    .slots
+                    .lock()
+                    .expect("the groups are never poisoned")
+                    .entry(slot)
+                    .or_default()
+                    .clone();
+                group.acknowledged(limit, wait).await
+            }
+        }?;
         if acked >= u64::from(acks) {
             return Ok(());
         }
