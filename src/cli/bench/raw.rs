@@ -18,8 +18,7 @@ use super::{BenchArgs, Phase};
 use lockbroker::domain::Token;
 
 /// Deletes the key only if it still holds this token: the release every Redis lock recipe uses.
-const COMPARE_AND_DELETE: &str =
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
+const COMPARE_AND_DELETE: &str = include_str!("compare_and_delete.lua");
 
 pub(super) async fn uncontended_raw(
     client: &redis::Client,
