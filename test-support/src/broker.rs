@@ -132,6 +132,8 @@ pub struct BrokerSpec {
     pub store_settle_ms: u64,
     /// A `faketime` offset for the host clock, such as `+5s` or `-5s`.
     pub skew: Option<&'static str>,
+    /// `--redis-replica-acks`; `None`: the default (0).
+    pub replica_acks: Option<u32>,
 }
 
 impl BrokerSpec {
@@ -144,6 +146,7 @@ impl BrokerSpec {
             store_loss_delay_ms: None,
             store_settle_ms: 3_000,
             skew: None,
+            replica_acks: None,
         }
     }
 
@@ -170,6 +173,9 @@ impl BrokerSpec {
         ];
         if let Some(delay) = self.store_loss_delay_ms {
             args.extend(["--store-loss-delay-ms".to_owned(), delay.to_string()]);
+        }
+        if let Some(acks) = self.replica_acks {
+            args.extend(["--redis-replica-acks".to_owned(), acks.to_string()]);
         }
         args
     }

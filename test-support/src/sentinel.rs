@@ -7,8 +7,9 @@
 //! sync, every sentinel knows both replicas and both other sentinels, and `SENTINEL ckquorum`
 //! agrees. Tests then kill the master ([`SentinelTopology::kill_master`]), await the promotion
 //! ([`SentinelTopology::wait_for_new_master`]), stage a failover that really loses writes
-//! ([`SentinelTopology::cut_off_replicas`]), and bring the dead server back as a replica
-//! ([`SentinelTopology::heal`]) for the next failover.
+//! ([`SentinelTopology::cut_off_replicas`]), freeze the master so that it stops answering
+//! without refusing ([`SentinelTopology::pause_master`]), and bring the dead server back as a
+//! replica ([`SentinelTopology::heal`]) for the next failover.
 //!
 //! Timings (redis-server 7.0 on loopback, with the settings below): the sentinels find each other
 //! within 2–5 s; a replica is promoted 1.5–4.5 s after its master is killed.
@@ -210,6 +211,29 @@ impl SentinelTopology {
         let port = self.master_port().await;
         self.node_mut(port).server.stop();
         (port, Instant::now())
+    }
+
+    /// Freezes the master (SIGSTOP): it stops answering without refusing, as a host that
+    /// vanished or a partition looks from the outside. Its kernel still accepts connections and
+    /// acknowledges what is sent, so nothing fails fast: every wait on it ends only by a
+    /// timeout. Returns its port and when it froze; [`Self::resume`] thaws it.
+    pub async fn pause_master(&self) -> (u16, Instant) {
+        let port = self.master_port().await;
+        self.node(port).server.pause();
+        (port, Instant::now())
+    }
+
+    /// Thaws the data server on `port` that [`Self::pause_master`] froze. After a failover it
+    /// still believes it is the master until the sentinels (or [`Self::heal`]) demote it.
+    pub fn resume(&self, port: u16) {
+        self.node(port).server.resume();
+    }
+
+    fn node(&self, port: u16) -> &Node {
+        self.data
+            .iter()
+            .find(|n| n.server.port() == port)
+            .unwrap_or_else(|| panic!("no data server on port {port}"))
     }
 
     /// Polls until the sentinels name a master other than `old` and `ROLE` confirms it (for at
