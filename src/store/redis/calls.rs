@@ -16,11 +16,21 @@ impl RedisStore {
     /// Runs a script on the verified connection (see [`RedisStore::with_link`]) and decodes
     /// its reply.
     pub(super) async fn run<S: ScriptCall>(&self, script: &S) -> StoreResult<S::Reply> {
+        self.run_tracked(script).await.map(|(reply, _)| reply)
+    }
+
+    /// Runs a script as [`RedisStore::run`] does, and says which connection (its generation)
+    /// carried it: replicas confirm a write only by a `WAIT` on that same connection, since
+    /// `WAIT` counts the writes of its own connection alone (see `replicas.rs`).
+    pub(super) async fn run_tracked<S: ScriptCall>(
+        &self,
+        script: &S,
+    ) -> StoreResult<(S::Reply, u64)> {
         let call = self.scripts.call(script);
-        let reply: Value = self
-            .with_link(async |conn| self.invoke(conn, &call).await)
+        let (reply, generation): (Value, u64) = self
+            .with_link_tracked(async |conn| self.invoke(conn, &call).await)
             .await?;
-        call.decode(reply)
+        Ok((call.decode(reply)?, generation))
     }
 
     /// Runs a script on `conn`, within the store's time bound, sending its source on NOSCRIPT
@@ -185,14 +195,55 @@ impl RedisStore {
         &self,
         call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
     ) -> StoreResult<T> {
+        self.with_link_tracked(call).await.map(|(v, _)| v)
+    }
+
+    /// [`RedisStore::with_link`], which also says the generation of the connection it used.
+    pub(super) async fn with_link_tracked<T>(
+        &self,
+        call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
+    ) -> StoreResult<(T, u64)> {
         let deadline = Instant::now() + self.connection.timeout();
-        let timed_out = || StoreError::Timeout(millis(self.connection.timeout()));
         let link = match self.connection.current() {
             Some(link) => link,
             None => tokio::time::timeout_at(deadline, self.link())
                 .await
-                .map_err(|_| timed_out())??,
+                .map_err(|_| StoreError::Timeout(millis(self.connection.timeout())))??,
         };
+        let generation = link.generation;
+        self.call_on(link, deadline, call)
+            .await
+            .map(|v| (v, generation))
+    }
+
+    /// Runs `call` on connection `generation` only, within the store's time bound: an error,
+    /// without running it, if that connection is no longer the verified one (replaced, or
+    /// down). For a `WAIT` that must count the writes an earlier call made on that connection.
+    pub(super) async fn with_link_on<T>(
+        &self,
+        generation: u64,
+        call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
+    ) -> StoreResult<T> {
+        let deadline = Instant::now() + self.connection.timeout();
+        match self.connection.current() {
+            Some(link) if link.generation == generation => self.call_on(link, deadline, call).await,
+            _ => Err(StoreError::Failed(
+                "the Redis connection that carried the write was replaced before its replicas \
+                 confirmed it"
+                    .into(),
+            )),
+        }
+    }
+
+    /// Runs `call` on `link` until `deadline`; a call that fails in a way that condemns the
+    /// connection, or times out, replaces it.
+    async fn call_on<T>(
+        &self,
+        link: Link,
+        deadline: Instant,
+        call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
+    ) -> StoreResult<T> {
+        let timed_out = || StoreError::Timeout(millis(self.connection.timeout()));
         let mut conn = link.conn.clone();
         match tokio::time::timeout_at(deadline, call(&mut conn)).await {
             Ok(Ok(v)) => Ok(v),

@@ -1,12 +1,14 @@
 //! Granting: CLAIM, TAKE_OVER or JOIN run in the epoch this broker knows (caught up with first
 //! when the store is in another), then the wait for replicas, then the ledger.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::RedisStore;
 use super::keys::Place;
+use super::replicas::Written;
 use super::scripts::{Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver};
 use crate::domain::{Fence, Lease, LockKey, Token};
 use crate::store::{Bid, Hold, HoldReason, Kind, Pool, StoreError, StoreResult};
@@ -45,7 +47,14 @@ impl RedisStore {
         let kind = script.kind();
         let place = self.place(kind.space(), key);
         let at = &place;
-        let attempt = |epoch: String| async move { self.attempt(script, at, bid, &epoch).await };
+        // The connection the granting write went over: its replicas are asked on that one.
+        let carried = AtomicU64::new(0);
+        let carried_by = &carried;
+        let attempt = |epoch: String| async move {
+            let (reply, generation) = self.attempt(script, at, bid, &epoch).await?;
+            carried_by.store(generation, Ordering::Relaxed);
+            Ok(reply)
+        };
         let (granted, epoch) = match self.in_epoch(place.slot, attempt).await? {
             Ok(granted) => granted,
             Err(not) => return Ok(Err(not)),
@@ -56,20 +65,29 @@ impl RedisStore {
         let remaining = Duration::from_millis(granted.expires_at_ms.saturating_sub(granted.now_ms));
         let lease = lease_of(granted, bid, kind)?;
         self.replicas
-            .confirm_grant(self, kind.space(), key, &bid.token, &lease)
+            .confirm_grant(
+                self,
+                kind.space(),
+                key,
+                &bid.token,
+                Written {
+                    lease: &lease,
+                    generation: carried.load(Ordering::Relaxed),
+                },
+            )
             .await?;
         self.remember(key, kind, place.slot, &lease, answered + remaining, &epoch);
         Ok(Ok(lease))
     }
 
-    /// One run of `script` in `epoch`.
+    /// One run of `script` in `epoch`, and the generation of the connection it went over.
     async fn attempt(
         &self,
         script: GrantScript,
         place: &Place<'_>,
         bid: &Bid,
         epoch: &str,
-    ) -> StoreResult<Epoched<GrantReply>> {
+    ) -> StoreResult<(Epoched<GrantReply>, u64)> {
         let (keys, marker) = (&place.keys, &*place.marker);
         let claim = Claim {
             keys,
@@ -78,10 +96,10 @@ impl RedisStore {
             epoch,
         };
         match script {
-            GrantScript::Claim => self.run(&claim).await,
-            GrantScript::TakeOver { seen } => self.run(&TakeOver { claim, seen }).await,
+            GrantScript::Claim => self.run_tracked(&claim).await,
+            GrantScript::TakeOver { seen } => self.run_tracked(&TakeOver { claim, seen }).await,
             GrantScript::Join(pool) => {
-                self.run(&Join {
+                self.run_tracked(&Join {
                     keys,
                     marker,
                     pool,

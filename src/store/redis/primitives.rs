@@ -7,6 +7,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::grant::GrantScript;
+use super::replicas::Written;
 use super::scripts::{
     Force, ForceReply, HolderKeys, NotGranted, Read, ReadPermits, Release, ReleaseReply, Renew,
     RenewReply, Renewed,
@@ -84,7 +85,7 @@ impl Store for RedisStore {
             ttl,
             channel: &self.channel,
         };
-        let reply = self.run(&renew).await?;
+        let (reply, generation) = self.run_tracked(&renew).await?;
         let answered = Instant::now();
         let (kind, renewed) = match (space, reply) {
             (_, RenewReply::Refused(refusal)) => {
@@ -129,7 +130,17 @@ impl Store for RedisStore {
             },
         };
         self.replicas
-            .confirm_renew(self, space, key, token, told, &lease)
+            .confirm_renew(
+                self,
+                space,
+                key,
+                token,
+                told,
+                Written {
+                    lease: &lease,
+                    generation,
+                },
+            )
             .await?;
         let ends = answered + Duration::from_millis(ttl.as_ms());
         self.remember(key, kind, place.slot, &lease, ends, &epoch);

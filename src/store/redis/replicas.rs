@@ -17,6 +17,15 @@
 //! numbered when it is sent, a grant notes the number reached once its write is done, and only
 //! a `WAIT` with a higher number answers it.
 //!
+//! **The same connection.** `WAIT` counts only the writes of the connection it runs on: on a
+//! connection made after the write (the one that carried it broke, timed out or was replaced
+//! after a master switch), it has nothing to wait for and would answer at once with every
+//! replica — an acknowledgement of nothing. So each write's connection generation is noted,
+//! and only a `WAIT` on that same connection answers it; if the connection was replaced
+//! meanwhile, the write counts as not acknowledged (released or put back, as below). On a
+//! cluster, the cluster client can also remake a node's connection unseen; that case is not
+//! covered (docs/topologies.md).
+//!
 //! When the replicas do not confirm in time, nothing is left that the client was not told:
 //! - a **grant** is released (by its token, holder-checked), and the request answers
 //!   `503 store_unavailable`;
@@ -45,31 +54,11 @@ use super::connection::Conn;
 use crate::domain::{Lease, LockKey, Token, millis};
 use crate::store::{EXPIRY_SLACK_MS, Space, Store, StoreError, StoreResult};
 
-/// Puts back the end of a lease that a renewal moved, if it is still that token's lease as that
-/// renewal left it (a later renewal, answered, is left alone). KEYS: lock. ARGV: token,
-/// expires_at to restore, its ttl, slack_ms, notice channel, client key, the renewal's
-/// expires_at. The notice wakes waiters that timed their wait for the longer lease. Replies 1
-/// restored, 0 nothing to do.
-const RESTORE: &str = r#"
-local cur = redis.call('HMGET', KEYS[1], 'token', 'expires_at')
-if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[7] then return 0 end
-redis.call('HSET', KEYS[1], 'expires_at', ARGV[2], 'ttl', ARGV[3])
-redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', tonumber(ARGV[2]) + tonumber(ARGV[4])))
-redis.call('PUBLISH', ARGV[5], ARGV[6])
-return 1
-"#;
+/// Puts back the end of an exclusive lease whose renewal the replicas did not acknowledge.
+const RESTORE: &str = include_str!("scripts/restore.lua");
 
-/// RESTORE for a shared lease or a permit: KEYS: pool, its ends; ARGV as for RESTORE.
-const RESTORE_POOLED: &str = r#"
-local rec = redis.call('HGET', KEYS[1], ARGV[1])
-if not rec then return 0 end
-local f, e, t, rest = string.match(rec, '^(%d+)|(%d+)|(%d+)|(.*)$')
-if e ~= ARGV[7] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], f .. '|' .. ARGV[2] .. '|' .. ARGV[3] .. '|' .. rest)
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
-redis.call('PUBLISH', ARGV[5], ARGV[6])
-return 1
-"#;
+/// RESTORE for a shared lease or a permit.
+const RESTORE_POOLED: &str = include_str!("scripts/restore_pooled.lua");
 
 /// What the store does after each granting or renewing write.
 pub(super) struct Replicas {
@@ -97,17 +86,21 @@ struct Group {
     turn: tokio::sync::Mutex<()>,
     /// How many `WAIT`s were sent on this connection; counted up just before each is sent.
     sent: AtomicU64,
-    /// The last `WAIT` that returned: its number and how many replicas acknowledged.
-    last: Mutex<Option<(u64, StoreResult<u64>)>>,
+    /// The last `WAIT` that returned: its number, the generation of the connection it ran on,
+    /// and how many replicas acknowledged.
+    last: Mutex<Option<(u64, u64, StoreResult<u64>)>>,
 }
 
 impl Group {
     /// How many replicas acknowledged a `WAIT` sent after this call began, so after the
-    /// caller's write completed: the last one's answer if it was sent late enough, or one this
-    /// call sends, after the one in flight returns. Waits at most `limit` for its turn.
+    /// caller's write completed, on the connection `generation` that carried that write: the
+    /// last one's answer if it was sent late enough on that connection, or one this call sends
+    /// (`wait` runs it on that connection, or fails), after the one in flight returns. Waits
+    /// at most `limit` for its turn.
     async fn acknowledged(
         &self,
         limit: Duration,
+        generation: u64,
         wait: impl AsyncFnOnce() -> StoreResult<u64>,
     ) -> StoreResult<u64> {
         // Every WAIT numbered above `mark` is sent after this point.
@@ -117,8 +110,8 @@ impl Group {
                 .lock()
                 .expect("the WAIT record is never poisoned")
                 .as_ref()
-                .filter(|(number, _)| *number > mark)
-                .map(|(_, acked)| acked.clone())
+                .filter(|(number, on, _)| *number > mark && *on == generation)
+                .map(|(_, _, acked)| acked.clone())
         };
         let Ok(_turn) = tokio::time::timeout(limit, self.turn.lock()).await else {
             return Err(StoreError::Timeout(millis(limit)));
@@ -131,9 +124,16 @@ impl Group {
         let number = self.sent.fetch_add(1, Ordering::SeqCst) + 1;
         let acked = wait().await;
         *self.last.lock().expect("the WAIT record is never poisoned") =
-            Some((number, acked.clone()));
+            Some((number, generation, acked.clone()));
         acked
     }
+}
+
+/// A lease a script wrote (granted or renewed), and the generation of the connection that
+/// carried the write: its acknowledgement is asked on that connection.
+pub(super) struct Written<'a> {
+    pub lease: &'a Lease,
+    pub generation: u64,
 }
 
 /// The lease as its holder knew it before a renewal: what a renewal that replicas did not
@@ -166,9 +166,9 @@ impl Replicas {
         space: Space,
         key: &LockKey,
         bid: &Token,
-        lease: &Lease,
+        Written { lease, generation }: Written<'_>,
     ) -> StoreResult<()> {
-        let Err(error) = self.confirm(store, key).await else {
+        let Err(error) = self.confirm(store, key, generation).await else {
             return Ok(());
         };
         if lease.token == *bid {
@@ -232,9 +232,12 @@ impl Replicas {
         key: &LockKey,
         token: &Token,
         told: Option<Told>,
-        renewed: &Lease,
+        Written {
+            lease: renewed,
+            generation,
+        }: Written<'_>,
     ) -> StoreResult<()> {
-        let Err(error) = self.confirm(store, key).await else {
+        let Err(error) = self.confirm(store, key, generation).await else {
             return Ok(());
         };
         let undone = match told {
@@ -272,8 +275,8 @@ impl Replicas {
         Err(error)
     }
 
-    /// `WAIT`s for the replicas after a write on `key`'s connection.
-    async fn confirm(&self, store: &RedisStore, key: &LockKey) -> StoreResult<()> {
+    /// `WAIT`s for the replicas after a write on `key` made over connection `generation`.
+    async fn confirm(&self, store: &RedisStore, key: &LockKey, generation: u64) -> StoreResult<()> {
         if self.acks == 0 {
             return Ok(());
         }
@@ -281,7 +284,7 @@ impl Replicas {
         let (acks, wait_ms) = (self.acks, self.wait_ms);
         let wait = async || {
             store
-                .with_link(async |conn: &mut Conn| {
+                .with_link_on(generation, async |conn: &mut Conn| {
                     conn.wait_for_replicas(&lock, acks, wait_ms).await
                 })
                 .await
@@ -290,7 +293,7 @@ impl Replicas {
         // at most, both within the store timeout (each WAIT waits half of it).
         let limit = Duration::from_millis(wait_ms);
         let acked = match store.slot(key) {
-            None => self.single.acknowledged(limit, wait).await,
+            None => self.single.acknowledged(limit, generation, wait).await,
             Some(slot) => {
                 let group = self
                     .slots
@@ -299,7 +302,7 @@ impl Replicas {
                     .entry(slot)
                     .or_default()
                     .clone();
-                group.acknowledged(limit, wait).await
+                group.acknowledged(limit, generation, wait).await
             }
         }?;
         if acked >= u64::from(acks) {
@@ -307,5 +310,80 @@ impl Replicas {
         }
         tracing::debug!(%key, acked, wanted = acks, wait_ms, "replicas did not acknowledge in time");
         Err(StoreError::Timeout(wait_ms))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use tokio::sync::oneshot;
+
+    use super::*;
+
+    /// Lets the spawned tasks run until `done` holds (a current-thread runtime: they run only
+    /// when this task yields).
+    async fn until(done: impl Fn() -> bool) {
+        while !done() {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Three writes on one group: A's `WAIT` in flight, then B and C wait for their turn, C's
+    /// write on connection `c_generation`. Returns how many `WAIT`s were sent in all.
+    async fn waits_sent(c_generation: u64) -> usize {
+        let group = Arc::new(Group::default());
+        let sent = Arc::new(AtomicUsize::new(0));
+        let limit = Duration::from_secs(5);
+        let blocked_wait = |gate: oneshot::Receiver<()>| {
+            let sent = sent.clone();
+            async move || {
+                sent.fetch_add(1, Ordering::SeqCst);
+                gate.await.expect("the test opens the gate");
+                Ok(1)
+            }
+        };
+        let (open_a, gate_a) = oneshot::channel();
+        let (open_b, gate_b) = oneshot::channel();
+        let a = tokio::spawn({
+            let (group, wait) = (group.clone(), blocked_wait(gate_a));
+            async move { group.acknowledged(limit, 1, wait).await }
+        });
+        until(|| sent.load(Ordering::SeqCst) == 1).await;
+        let b = tokio::spawn({
+            let (group, wait) = (group.clone(), blocked_wait(gate_b));
+            async move { group.acknowledged(limit, 1, wait).await }
+        });
+        tokio::task::yield_now().await;
+        let c = tokio::spawn({
+            let (group, sent) = (group.clone(), sent.clone());
+            async move {
+                group
+                    .acknowledged(limit, c_generation, async || {
+                        sent.fetch_add(1, Ordering::SeqCst);
+                        Ok(1)
+                    })
+                    .await
+            }
+        });
+        tokio::task::yield_now().await;
+        open_a.send(()).unwrap();
+        assert_eq!(a.await.unwrap().unwrap(), 1);
+        // B's WAIT is sent after C's write completed.
+        until(|| sent.load(Ordering::SeqCst) == 2).await;
+        open_b.send(()).unwrap();
+        assert_eq!(b.await.unwrap().unwrap(), 1);
+        assert_eq!(c.await.unwrap().unwrap(), 1);
+        sent.load(Ordering::SeqCst)
+    }
+
+    #[tokio::test]
+    async fn a_wait_sent_after_a_write_on_its_connection_answers_it_too() {
+        assert_eq!(waits_sent(1).await, 2);
+    }
+
+    #[tokio::test]
+    async fn a_wait_on_a_newer_connection_never_answers_a_write_made_on_an_older_one() {
+        assert_eq!(waits_sent(2).await, 3);
     }
 }
