@@ -434,7 +434,7 @@ impl Metrics {
 
 /// The process's resident set size, from `/proc/self/statm` (pages × 4 KiB, the page size of
 /// every Linux platform the broker is built for); 0 where that file does not exist.
-pub fn resident_memory_bytes() -> u64 {
+pub(crate) fn resident_memory_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
@@ -442,7 +442,7 @@ pub fn resident_memory_bytes() -> u64 {
 }
 
 /// The content type of [`Metrics::render`]'s output.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 #[cfg(test)]
 mod tests {

@@ -56,7 +56,11 @@ impl<S: Store> LockService<S> {
     ///
     /// Ends by `req.wait` plus the store timeout. Dropping the returned future (the client went
     /// away) stops the wait; a store call it interrupts is cleaned up (see `PendingGrant`).
-    pub async fn acquire(&self, key: &LockKey, req: AcquireRequest) -> Result<Lease, LockError> {
+    pub(crate) async fn acquire(
+        &self,
+        key: &LockKey,
+        req: AcquireRequest,
+    ) -> Result<Lease, LockError> {
         let kind = req.kind;
         let bid = Bid {
             token: Token::generate(),

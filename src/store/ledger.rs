@@ -14,13 +14,13 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::domain::{Fence, Lease, LockKey, Owner, RequestId, Token};
-pub use crate::store::Kind;
+pub(crate) use crate::store::Kind;
 use crate::store::Space;
 
 /// One live lease as the granting broker remembers it (as handed out by [`Ledger::live`] and
 /// [`Ledger::get`]; the ledger itself keeps a compact form).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Entry {
+pub(crate) struct Entry {
     pub kind: Kind,
     pub token: Token,
     pub fence: Fence,
@@ -36,7 +36,7 @@ pub struct Entry {
 
 impl Entry {
     /// What is left of the lease at `now`; zero once it has ended.
-    pub fn remaining(&self, now: Instant) -> Duration {
+    pub(crate) fn remaining(&self, now: Instant) -> Duration {
         self.ends.saturating_duration_since(now)
     }
 }
@@ -116,7 +116,7 @@ struct Pool {
 
 /// The broker's live leases, by key.
 #[derive(Debug)]
-pub struct Ledger {
+pub(crate) struct Ledger {
     /// A std Mutex: nothing awaits while holding it, and each critical section is one map
     /// operation (or one pass over the map, once a second, to drop ended leases).
     leases: Mutex<HashMap<Box<str>, Kept>>,
@@ -174,7 +174,7 @@ impl Ledger {
     /// Remembers `lease` of `kind` on `key`, ending at `ends` (the moment its grant or renewal
     /// was answered plus what the store said remained of it). A renewal keeps the request id the
     /// grant had (the store does not echo it).
-    pub fn record(&self, key: &LockKey, kind: Kind, lease: &Lease, ends: Instant) {
+    pub(crate) fn record(&self, key: &LockKey, kind: Kind, lease: &Lease, ends: Instant) {
         let ends_ms = self.ms_after_base(ends);
         let token = KeptToken::of(&lease.token);
         let kept = |request_id| Kept {
@@ -234,7 +234,7 @@ impl Ledger {
     }
 
     /// Forgets `token`'s pool lease on `key` in `space` (released, or found gone).
-    pub fn forget_pooled(&self, space: Space, key: &LockKey, token: &Token) {
+    pub(crate) fn forget_pooled(&self, space: Space, key: &LockKey, token: &Token) {
         let token = KeptToken::of(token);
         let mut pools = self.pools();
         let id = (space, Box::<str>::from(key.as_str()));
@@ -247,7 +247,7 @@ impl Ledger {
     }
 
     /// Forgets `token`'s lease on `key` in `space`, whatever its kind.
-    pub fn forget_any(&self, space: Space, key: &LockKey, token: &Token) {
+    pub(crate) fn forget_any(&self, space: Space, key: &LockKey, token: &Token) {
         if space == Space::Locks {
             self.forget(key, token);
         }
@@ -257,7 +257,7 @@ impl Ledger {
     /// A release notice from any broker: the lease on `key` in `space` with that fence is over
     /// — and, with `all`, every lease on the key up to that fence (a force release). An
     /// exclusive lease with a lower fence is over too: the released one came after it.
-    pub fn forget_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
+    pub(crate) fn forget_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
         if space == Space::Locks {
             self.forget_released(key, fence);
         }
@@ -278,7 +278,7 @@ impl Ledger {
     }
 
     /// Forgets `token`'s lease on `key` (released, or found gone). Another token's entry stays.
-    pub fn forget(&self, key: &LockKey, token: &Token) {
+    pub(crate) fn forget(&self, key: &LockKey, token: &Token) {
         let mut leases = self.leases();
         if leases
             .get(key.as_str())
@@ -290,7 +290,7 @@ impl Ledger {
 
     /// Forgets the lease on `key` if its fence is at most `fence`: a release notice from any
     /// broker says the lease with that fence is over, and so is any older one.
-    pub fn forget_released(&self, key: &str, fence: Fence) {
+    pub(crate) fn forget_released(&self, key: &str, fence: Fence) {
         let mut leases = self.leases();
         if leases.get(key).is_some_and(|e| e.fence <= fence) {
             leases.remove(key);
@@ -298,12 +298,12 @@ impl Ledger {
     }
 
     /// Whether `token`'s lease of `kind` on `key` is still remembered.
-    pub fn holds(&self, key: &LockKey, kind: Kind, token: &Token) -> bool {
+    pub(crate) fn holds(&self, key: &LockKey, kind: Kind, token: &Token) -> bool {
         self.get(key, kind, token).is_some()
     }
 
     /// The entry for `token`'s lease of `kind` on `key`, if any.
-    pub fn get(&self, key: &LockKey, kind: Kind, token: &Token) -> Option<Entry> {
+    pub(crate) fn get(&self, key: &LockKey, kind: Kind, token: &Token) -> Option<Entry> {
         let token = KeptToken::of(token);
         if kind == Kind::Exclusive {
             return self
@@ -319,7 +319,7 @@ impl Ledger {
     }
 
     /// Drops the leases that have ended by `now`; returns how many.
-    pub fn sweep(&self, now: Instant) -> usize {
+    pub(crate) fn sweep(&self, now: Instant) -> usize {
         let now_ms = self.ms_after_base(now);
         let mut dropped = {
             let mut leases = self.leases();
@@ -337,7 +337,7 @@ impl Ledger {
     }
 
     /// The leases still live at `now`, to put back.
-    pub fn live(&self, now: Instant) -> Vec<(LockKey, Entry)> {
+    pub(crate) fn live(&self, now: Instant) -> Vec<(LockKey, Entry)> {
         let now_ms = self.ms_after_base(now);
         let mut live: Vec<(LockKey, Entry)> = self
             .leases()
@@ -360,7 +360,7 @@ impl Ledger {
         live
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.leases().len()
             + self
                 .pools()

@@ -8,7 +8,7 @@
 
 pub(crate) mod ledger;
 mod ledger_cost;
-pub mod memory;
+pub(crate) mod memory;
 pub mod redis;
 
 use std::future::Future;
@@ -16,7 +16,7 @@ use std::future::Future;
 use tokio::sync::mpsc;
 
 pub use ledger_cost::{LedgerCost, ledger_cost};
-pub use memory::MemoryStore;
+pub(crate) use memory::MemoryStore;
 pub use redis::RedisStore;
 
 pub use crate::domain::Lease;
@@ -39,7 +39,7 @@ pub struct Bid {
 /// How long a waiting exclusive bid's intent holds new shared acquires back. An exclusive
 /// acquire waiting behind shared holders looks again at least every half of this (see
 /// `LockService`), which renews its intent; an intent whose acquire went away ends by itself.
-pub const WRITER_INTENT_MS: u64 = 2_000;
+pub(crate) const WRITER_INTENT_MS: u64 = 2_000;
 
 /// The key spaces: a lock and a semaphore of the same name are unrelated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -218,7 +218,7 @@ pub struct ListQuery {
 }
 
 /// The most entries one listing page holds.
-pub const MAX_LIST_LIMIT: usize = 1_000;
+pub(crate) const MAX_LIST_LIMIT: usize = 1_000;
 
 /// A release done: how long the lease had been held, on the store's clock (renewals included).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -252,10 +252,10 @@ pub enum Notice {
 
 /// Room for notices not yet handed to waiters. A full channel drops a notice; waiters still wake
 /// at the holder's expiry and on their fallback poll, so a burst costs latency, never a grant.
-pub const NOTICE_BUFFER: usize = 4096;
+pub(crate) const NOTICE_BUFFER: usize = 4096;
 
 /// What a store call answers.
-pub type StoreResult<T> = Result<T, StoreError>;
+pub(crate) type StoreResult<T> = Result<T, StoreError>;
 
 /// Why the store did not answer. Never mistaken for "someone holds the lock".
 #[derive(Debug, Clone, thiserror::Error)]
@@ -273,7 +273,7 @@ pub enum StoreError {
 /// Slack added to a lease's logical expiry for the store's own expiry of the key (Redis
 /// PEXPIRE): a safety net so abandoned keys do not pile up, far enough past the logical expiry
 /// that the logical timestamp stays the truth even if the store's clock is stepped.
-pub const EXPIRY_SLACK_MS: u64 = 60_000;
+pub(crate) const EXPIRY_SLACK_MS: u64 = 60_000;
 
 /// The primitives the algorithm needs. Each call is one atomic step on the store.
 pub trait Store: Send + Sync + 'static {
@@ -363,7 +363,7 @@ pub trait Store: Send + Sync + 'static {
 /// The store a running broker uses: chosen at start from the configuration.
 // One value per broker, behind an Arc: the size difference costs nothing, a Box an indirection.
 #[allow(clippy::large_enum_variant)]
-pub enum AnyStore {
+pub(crate) enum AnyStore {
     Memory(MemoryStore),
     Redis(RedisStore),
 }

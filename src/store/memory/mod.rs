@@ -1,7 +1,7 @@
 //! The embedded store: the same primitives as Redis, in one process. Correct for a single
 //! broker; brokers do not share it.
 
-pub mod clock;
+pub(crate) mod clock;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -139,7 +139,7 @@ impl Slot {
 
 /// The in-memory store.
 #[derive(Clone)]
-pub struct MemoryStore {
+pub(crate) struct MemoryStore {
     /// A std Mutex, not a tokio one: nothing awaits while holding it, and every critical section
     /// is a few map operations.
     slots: Arc<Mutex<HashMap<(Space, LockKey), Slot>>>,
@@ -155,7 +155,7 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    pub fn new(clock: Arc<dyn Clock>) -> Self {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
         Self {
             slots: Arc::default(),
             clock,
@@ -177,7 +177,7 @@ impl MemoryStore {
     }
 
     /// Drops the slots whose keys Redis would have expired by now. Returns how many were dropped.
-    pub fn sweep(&self) -> usize {
+    pub(crate) fn sweep(&self) -> usize {
         let now = self.clock.now_ms();
         let mut slots = self.slots();
         let before = slots.len();
@@ -187,17 +187,9 @@ impl MemoryStore {
 
     /// Deletes the lock `key` outright, as Redis does when the key's own expiry passes or
     /// someone runs DEL on it: the leases and the fence counter all go.
-    pub fn evict(&self, key: &LockKey) {
+    #[cfg(test)]
+    pub(crate) fn evict(&self, key: &LockKey) {
         self.slots().remove(&(Space::Locks, key.clone()));
-    }
-
-    /// How many keys the store keeps (live, expired or only a fence counter).
-    pub fn len(&self) -> usize {
-        self.slots().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Tells the waiters that `key` may be free earlier than they were told. Called after the
@@ -518,7 +510,7 @@ mod tests {
         assert_eq!(store.sweep(), 0);
         clock.advance_ms(1);
         assert_eq!(store.sweep(), 1);
-        assert!(store.is_empty());
+        assert!(store.slots().is_empty());
         // The counter went with the slot; the next fence is seeded from the clock, still above.
         let Grant::Granted(second) = store.claim(&key, &bid(100)).await.unwrap() else {
             panic!("a swept key must be free");

@@ -23,7 +23,7 @@ mod replicas;
 mod scripts;
 mod sentinel;
 mod slots;
-pub mod url;
+pub(crate) mod url;
 
 use std::path::PathBuf;
 use std::sync::Arc;

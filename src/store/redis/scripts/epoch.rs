@@ -47,7 +47,7 @@ pub(crate) struct Checked {
 
 impl Checked {
     /// The store-wide hold in force on the shard, if any.
-    pub fn hold(&self) -> Option<Hold> {
+    pub(crate) fn hold(&self) -> Option<Hold> {
         (self.now_ms < self.hold_until_ms).then(|| Hold {
             reason: if self.reason == "loss" {
                 HoldReason::Loss

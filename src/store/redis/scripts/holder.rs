@@ -16,7 +16,7 @@ pub(crate) struct HolderKeys<'a> {
 }
 
 impl<'a> HolderKeys<'a> {
-    pub fn of(place: &'a Place<'_>) -> Self {
+    pub(crate) fn of(place: &'a Place<'_>) -> Self {
         Self {
             keys: &place.keys,
             marker: &place.marker,
@@ -117,7 +117,7 @@ impl Refusal {
         })
     }
 
-    pub fn answer<T>(self) -> Holder<T> {
+    pub(crate) fn answer<T>(self) -> Holder<T> {
         match self {
             Refusal::NotHeld => Holder::NotHeld,
             Refusal::NotOwner => Holder::NotOwner,
