@@ -14,7 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::lock::Kind;
+use crate::store::Kind;
 use crate::store::Space;
 
 /// A store primitive, as a label value.

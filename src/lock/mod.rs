@@ -24,10 +24,11 @@ use tokio::time::Instant;
 
 use crate::domain::{Owner, RequestId, Ttl, WaitFor};
 use crate::metrics::{Metrics, StoreOp};
-use crate::store::{Hold, Holder, Lease, Mode, NOTICE_BUFFER, Store, StoreError, StoreResult};
+use crate::store::{
+    Hold, Holder, Kind, Lease, Mode, NOTICE_BUFFER, Store, StoreError, StoreResult,
+};
 use crate::waiters::Waiters;
 
-pub(crate) use crate::store::Kind;
 pub(crate) use outage::Outage;
 
 /// Limits and defaults the service applies; validated by the configuration.
@@ -70,7 +71,7 @@ pub(crate) enum LockError {
     ShuttingDown,
     /// A store-wide hold is in force (the store is new or lost writes; see [`Hold`]).
     #[error("a store-wide hold is in force for {} ms", .0.retry_after_ms)]
-    Held(Hold),
+    OnHold(Hold),
 }
 
 impl From<StoreError> for LockError {
@@ -183,7 +184,7 @@ impl<S: Store> LockService<S> {
     pub(crate) async fn ready(&self) -> Result<(), LockError> {
         match self.timed(StoreOp::ping, self.store.ready()).await? {
             None => Ok(()),
-            Some(hold) => Err(LockError::Held(hold)),
+            Some(hold) => Err(LockError::OnHold(hold)),
         }
     }
 
@@ -221,7 +222,7 @@ impl<T> Holder<T> {
             Holder::Done(v) => Ok(v),
             Holder::NotHeld => Err(LockError::NotHeld),
             Holder::NotOwner => Err(LockError::NotOwner),
-            Holder::Held(hold) => Err(LockError::Held(hold)),
+            Holder::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
     }
 }

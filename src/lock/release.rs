@@ -76,6 +76,6 @@ fn holder_result<T>(outcome: &StoreResult<Holder<T>>) -> HolderResult {
         Ok(Holder::Done(_)) => HolderResult::Done,
         Ok(Holder::NotHeld) => HolderResult::NotHeld,
         Ok(Holder::NotOwner) => HolderResult::NotOwner,
-        Ok(Holder::Held(_)) | Err(_) => HolderResult::Error,
+        Ok(Holder::OnHold(_)) | Err(_) => HolderResult::Error,
     }
 }

@@ -14,8 +14,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::domain::{Fence, Lease, LockKey, Owner, RequestId, Token};
-pub(crate) use crate::store::Kind;
-use crate::store::Space;
+use crate::store::{Kind, Space};
 
 /// One live lease as the granting broker remembers it (as handed out by [`Ledger::live`] and
 /// [`Ledger::get`]; the ledger itself keeps a compact form).

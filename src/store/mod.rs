@@ -1,5 +1,5 @@
 //! The store: the few atomic primitives the lock algorithm is built from, implemented for
-//! Redis ([`RedisStore`]) and for memory ([`MemoryStore`], the embedded default).
+//! Redis ([`RedisStore`]) and for memory (`MemoryStore`, the embedded default).
 //!
 //! The primitives are the steps of the classic SETNX/GETSET timestamp recipe — SETNX to claim,
 //! GET to look, GETSET to take over an expired lease, a holder-checked DEL to release — each
@@ -30,7 +30,7 @@ pub struct Bid {
     pub owner: Option<Owner>,
     pub request_id: Option<RequestId>,
     /// Exclusive bids only: the bid will wait if refused. A claim refused because of shared
-    /// holders then records the bid's intent (for [`WRITER_INTENT_MS`]), and no new shared
+    /// holders then records the bid's intent (for `WRITER_INTENT_MS`), and no new shared
     /// lease is granted on the key while an intent is live, so a stream of shared acquires on
     /// any broker cannot starve a waiting exclusive one. A grant to the bid ends its intent.
     pub waits: bool,
@@ -63,7 +63,7 @@ pub enum Pool {
     /// A shared lease on a lock key: granted while no exclusive lease is live on the key and no
     /// exclusive acquire has a live intent (see [`Bid::waits`]).
     Shared,
-    /// One of `limit` permits of a semaphore (1 ..= [`MAX_SEMAPHORE_LIMIT`]).
+    /// One of `limit` permits of a semaphore (1 ..= `MAX_SEMAPHORE_LIMIT`).
     Semaphore { limit: u32 },
 }
 
@@ -122,13 +122,13 @@ pub enum Join {
     /// The semaphore's live holders took their permits with another limit.
     LimitMismatch { limit: u32 },
     /// A store-wide hold is in force.
-    Held(Hold),
+    OnHold(Hold),
 }
 
 /// The answer to a call that may grant (SETNX, the safe GETSET): one word for "not granted" in
 /// both, since the caller knows which it asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Grant {
+pub enum GrantAnswer {
     /// The bid now holds the key — or, for SETNX, the key holds the live lease that an earlier
     /// acquire with the bid's request id produced, and this is that lease again.
     Granted(Lease),
@@ -136,7 +136,7 @@ pub enum Grant {
     /// or claimed it first, or its holder renewed it. Nothing was written either way.
     Refused,
     /// A store-wide hold is in force: no key is granted until it ends (see [`Hold`]).
-    Held(Hold),
+    OnHold(Hold),
 }
 
 /// A store-wide hold: nothing is granted, store-wide, until it ends.
@@ -211,7 +211,7 @@ pub struct ListQuery {
     pub space: Space,
     /// Keys starting with this ('' for all).
     pub prefix: String,
-    /// At most this many entries (1 ..= [`MAX_LIST_LIMIT`]).
+    /// At most this many entries (1 ..= `MAX_LIST_LIMIT`).
     pub limit: usize,
     /// A `next_cursor` an earlier page gave, or `None` for the first page.
     pub cursor: Option<String>,
@@ -237,7 +237,7 @@ pub enum Holder<T> {
     NotOwner,
     /// The key holds no live lease, but a store-wide hold is in force: the lease may be about to
     /// be put back, so "not held" would be a guess.
-    Held(Hold),
+    OnHold(Hold),
 }
 
 /// What a store tells the lock service's waiters.
@@ -281,7 +281,11 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// A key whose lease expired is *not* free here; the algorithm reads it and takes it over,
     /// so that exactly one contender wins it.
-    fn claim(&self, key: &LockKey, bid: &Bid) -> impl Future<Output = StoreResult<Grant>> + Send;
+    fn claim(
+        &self,
+        key: &LockKey,
+        bid: &Bid,
+    ) -> impl Future<Output = StoreResult<GrantAnswer>> + Send;
 
     /// GET: the lease in the key, with the store's clock.
     fn read(&self, key: &LockKey) -> impl Future<Output = StoreResult<Snapshot>> + Send;
@@ -293,7 +297,7 @@ pub trait Store: Send + Sync + 'static {
         key: &LockKey,
         seen: Fence,
         bid: &Bid,
-    ) -> impl Future<Output = StoreResult<Grant>> + Send;
+    ) -> impl Future<Output = StoreResult<GrantAnswer>> + Send;
 
     /// Ends `token`'s live lease on `key` in `space`: the exclusive lease or a shared one on a
     /// lock, a permit of a semaphore. "Not owner" when another lease on the key is live.
@@ -378,7 +382,7 @@ macro_rules! delegate {
 }
 
 impl Store for AnyStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
         delegate!(self, s => s.claim(key, bid))
     }
 
@@ -386,7 +390,7 @@ impl Store for AnyStore {
         delegate!(self, s => s.read(key))
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
         delegate!(self, s => s.take_over(key, seen, bid))
     }
 

@@ -10,14 +10,14 @@ use tokio::sync::mpsc;
 
 use self::clock::{Clock, SystemClock};
 use super::{
-    Bid, EXPIRY_SLACK_MS, Grant, Hold, Holder, Join, Lease, ListQuery, Listed, Mode, Notice, Page,
-    Permits, Pool, Released, Snapshot, Space, Store, StoreResult, WRITER_INTENT_MS,
+    Bid, EXPIRY_SLACK_MS, GrantAnswer, Hold, Holder, Join, Lease, ListQuery, Listed, Mode, Notice,
+    Page, Permits, Pool, Released, Snapshot, Space, Store, StoreResult, WRITER_INTENT_MS,
 };
 use crate::domain::{Fence, LockKey, Token, Ttl};
 
 /// A lease with when it was granted (for the hold time reported on release).
 #[derive(Debug, Clone)]
-struct Held {
+struct StoredLease {
     lease: Lease,
     granted_at_ms: u64,
 }
@@ -26,9 +26,9 @@ struct Held {
 #[derive(Debug, Default)]
 struct Slot {
     /// A lock's exclusive lease (live or expired).
-    lease: Option<Held>,
+    lease: Option<StoredLease>,
     /// A lock's shared leases, or a semaphore's permits (expired ones dropped as they are met).
-    holders: Vec<Held>,
+    holders: Vec<StoredLease>,
     /// The limit a semaphore's holders took their permits with.
     limit: Option<u32>,
     /// Waiting exclusive bids' intents: token and end (see [`Bid::waits`]).
@@ -50,12 +50,12 @@ impl Slot {
         }
     }
 
-    fn live_exclusive(&self, now_ms: u64) -> Option<&Held> {
+    fn live_exclusive(&self, now_ms: u64) -> Option<&StoredLease> {
         self.lease.as_ref().filter(|h| h.lease.is_live_at(now_ms))
     }
 
     /// Takes the next fence and makes the lease for `bid`, keeping the slot until it ends.
-    fn lease_for(&mut self, bid: &Bid, now_us: u64) -> Held {
+    fn lease_for(&mut self, bid: &Bid, now_us: u64) -> StoredLease {
         let now_ms = now_us / 1000;
         self.fence = next_fence((self.fence > 0).then_some(self.fence), now_us);
         let lease = Lease {
@@ -68,7 +68,7 @@ impl Slot {
             limit: None,
         };
         self.keep_until(lease.expires_at_ms);
-        Held {
+        StoredLease {
             lease,
             granted_at_ms: now_ms,
         }
@@ -86,7 +86,7 @@ impl Slot {
     /// Ends `token`'s live lease (exclusive or among the holders).
     fn release(&mut self, token: &Token, now_ms: u64) -> Holder<Released> {
         self.prune(now_ms);
-        let held_ms = |h: &Held| Released {
+        let held_ms = |h: &StoredLease| Released {
             held_ms: now_ms.saturating_sub(h.granted_at_ms),
         };
         if let Some(held) = self.live_exclusive(now_ms) {
@@ -203,7 +203,7 @@ impl MemoryStore {
 
     /// Grants `bid` the exclusive lease in `slot` unless shared leases are live; otherwise
     /// records its intent if it waits.
-    fn grant_exclusive(slot: &mut Slot, bid: &Bid, now_us: u64) -> Grant {
+    fn grant_exclusive(slot: &mut Slot, bid: &Bid, now_us: u64) -> GrantAnswer {
         let now_ms = now_us / 1000;
         slot.prune(now_ms);
         if !slot.holders.is_empty() {
@@ -213,13 +213,13 @@ impl MemoryStore {
                     .push((bid.token.clone(), now_ms + WRITER_INTENT_MS));
                 slot.keep_until(now_ms + WRITER_INTENT_MS);
             }
-            return Grant::Refused;
+            return GrantAnswer::Refused;
         }
         slot.intents.retain(|(t, _)| *t != bid.token);
         let held = slot.lease_for(bid, now_us);
         let lease = held.lease.clone();
         slot.lease = Some(held);
-        Grant::Granted(lease)
+        GrantAnswer::Granted(lease)
     }
 }
 
@@ -238,7 +238,7 @@ fn sorted(mut holders: Vec<Lease>) -> Vec<Lease> {
 }
 
 impl Store for MemoryStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
         let now_us = self.clock.now_us();
         Ok(self.with_slot(Space::Locks, key, |slot| {
             if let Some(current) = &slot.lease {
@@ -246,9 +246,9 @@ impl Store for MemoryStore {
                     && current.lease.request_id == bid.request_id
                     && current.lease.is_live_at(now_us / 1000);
                 return if repeated {
-                    Grant::Granted(current.lease.clone())
+                    GrantAnswer::Granted(current.lease.clone())
                 } else {
-                    Grant::Refused
+                    GrantAnswer::Refused
                 };
             }
             Self::grant_exclusive(slot, bid, now_us)
@@ -272,7 +272,7 @@ impl Store for MemoryStore {
         })
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
         Ok(self.with_slot(Space::Locks, key, |slot| {
@@ -283,7 +283,7 @@ impl Store for MemoryStore {
                 Some(current)
                     if current.lease.fence == seen && !current.lease.is_live_at(now_ms) => {}
                 // Someone else took it over or claimed it, or the holder renewed it.
-                Some(_) => return Grant::Refused,
+                Some(_) => return GrantAnswer::Refused,
             }
             Self::grant_exclusive(slot, bid, now_us)
         }))
@@ -503,7 +503,7 @@ mod tests {
         let clock = ManualClock::starting_at_ms(1_000_000);
         let store = MemoryStore::new(Arc::new(clock.clone()));
         let key = LockKey::parse("k").unwrap();
-        let Grant::Granted(first) = store.claim(&key, &bid(100)).await.unwrap() else {
+        let GrantAnswer::Granted(first) = store.claim(&key, &bid(100)).await.unwrap() else {
             panic!("a free key must be granted");
         };
         clock.advance_ms(100 + EXPIRY_SLACK_MS - 1);
@@ -512,7 +512,7 @@ mod tests {
         assert_eq!(store.sweep(), 1);
         assert!(store.slots().is_empty());
         // The counter went with the slot; the next fence is seeded from the clock, still above.
-        let Grant::Granted(second) = store.claim(&key, &bid(100)).await.unwrap() else {
+        let GrantAnswer::Granted(second) = store.claim(&key, &bid(100)).await.unwrap() else {
             panic!("a swept key must be free");
         };
         assert!(second.fence > first.fence);

@@ -245,7 +245,9 @@ enum State {
     },
 }
 
-pub(super) struct Connection {
+/// The store's connection to Redis: the verified [`Link`] in use (or why there is none), how
+/// one is made, and the master switches that replace it.
+pub(super) struct RedisConnection {
     pub connector: Connector,
     config: AsyncConnectionConfig,
     timeout: Duration,
@@ -259,7 +261,7 @@ pub(super) struct Connection {
     opened_at_switch: AtomicU64,
 }
 
-impl Connection {
+impl RedisConnection {
     pub(super) fn new(connector: Connector, timeout: Duration) -> Self {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(timeout))

@@ -127,7 +127,7 @@ pub(crate) enum NotGranted {
     /// Code 0 (CLAIM, TAKE_OVER): the key holds a lease, or another contender won it.
     Refused,
     /// Code 2: a store-wide hold is in force.
-    Held(Hold),
+    OnHold(Hold),
     /// Code 4 (JOIN): no room now; something may change in this many ms.
     Busy { retry_after_ms: u64 },
     /// Code 5 (JOIN): the live holders use this other limit.
@@ -158,7 +158,7 @@ impl FromRedisValue for Epoched<GrantReply> {
                 ttl_ms: fields.next()?,
                 now_ms: fields.next()?,
             })),
-            2 => not(NotGranted::Held(held(&mut fields)?)),
+            2 => not(NotGranted::OnHold(held(&mut fields)?)),
             3 => Epoched::OtherEpoch(fields.next()?),
             4 => not(NotGranted::Busy {
                 retry_after_ms: fields.next()?,

@@ -104,7 +104,7 @@ pub(crate) enum Refusal {
     /// Code 2: another token's live lease.
     NotOwner,
     /// Code 3: not this token's, but a store-wide hold is in force.
-    Held(Hold),
+    OnHold(Hold),
 }
 
 impl Refusal {
@@ -112,7 +112,7 @@ impl Refusal {
         Ok(match code {
             0 => Refusal::NotHeld,
             2 => Refusal::NotOwner,
-            3 => Refusal::Held(held(fields)?),
+            3 => Refusal::OnHold(held(fields)?),
             code => return Err(unknown(script, code)),
         })
     }
@@ -121,7 +121,7 @@ impl Refusal {
         match self {
             Refusal::NotHeld => Holder::NotHeld,
             Refusal::NotOwner => Holder::NotOwner,
-            Refusal::Held(hold) => Holder::Held(hold),
+            Refusal::OnHold(hold) => Holder::OnHold(hold),
         }
     }
 }
