@@ -3,7 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
-use super::{Call, Fields, Lua, ScriptCall, Scripts, held, unknown};
+use super::{Call, Fields, hold_in, unknown};
 use crate::domain::{Fence, Owner, Token, Ttl};
 use crate::store::redis::keys::{Place, RedisKeys};
 use crate::store::{EXPIRY_SLACK_MS, Hold, Holder};
@@ -38,18 +38,14 @@ pub(crate) struct Release<'a> {
     pub channel: &'a str,
 }
 
-impl ScriptCall for Release<'_> {
+script_call! {
+    Release<'_> => release,
     type Reply = ReleaseReply;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.release
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        self.on.write(call);
-        call.arg(self.token.as_str())
-            .arg(self.channel)
-            .arg(&self.on.keys.notice);
+    |this, call| {
+        this.on.write(call);
+        call.arg(this.token.as_str())
+            .arg(this.channel)
+            .arg(&this.on.keys.notice);
     }
 }
 
@@ -61,20 +57,16 @@ pub(crate) struct Renew<'a> {
     pub channel: &'a str,
 }
 
-impl ScriptCall for Renew<'_> {
+script_call! {
+    Renew<'_> => renew,
     type Reply = RenewReply;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.renew
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        self.on.write(call);
-        call.arg(self.token.as_str())
-            .arg(self.ttl.as_ms())
+    |this, call| {
+        this.on.write(call);
+        call.arg(this.token.as_str())
+            .arg(this.ttl.as_ms())
             .arg(EXPIRY_SLACK_MS)
-            .arg(self.channel)
-            .arg(&self.on.keys.notice);
+            .arg(this.channel)
+            .arg(&this.on.keys.notice);
     }
 }
 
@@ -84,16 +76,12 @@ pub(crate) struct Force<'a> {
     pub channel: &'a str,
 }
 
-impl ScriptCall for Force<'_> {
+script_call! {
+    Force<'_> => force,
     type Reply = ForceReply;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.force
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        self.on.write(call);
-        call.arg(self.channel).arg(&self.on.keys.notice);
+    |this, call| {
+        this.on.write(call);
+        call.arg(this.channel).arg(&this.on.keys.notice);
     }
 }
 
@@ -112,7 +100,7 @@ impl Refusal {
         Ok(match code {
             0 => Refusal::NotHeld,
             2 => Refusal::NotOwner,
-            3 => Refusal::OnHold(held(fields)?),
+            3 => Refusal::OnHold(hold_in(fields)?),
             code => return Err(unknown(script, code)),
         })
     }

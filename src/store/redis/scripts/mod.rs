@@ -33,6 +33,33 @@
 //! per slot, `<prefix>epoch{<tag>}`, so that a script's keys stay on one slot. See `epoch.rs` for
 //! what an epoch is.
 
+/// Implements [`ScriptCall`] for a call type: the script it runs (its field of [`Scripts`]),
+/// what it answers, and how it writes its keys and arguments (`this` is the call).
+macro_rules! script_call {
+    (
+        $call:ty => $script:ident,
+        $(#[$doc:meta])*
+        type Reply = $reply:ty;
+        |$this:ident, $out:ident| $write:block
+    ) => {
+        impl $crate::store::redis::scripts::ScriptCall for $call {
+            $(#[$doc])*
+            type Reply = $reply;
+
+            fn script(
+                scripts: &$crate::store::redis::scripts::Scripts,
+            ) -> &$crate::store::redis::scripts::Lua {
+                &scripts.$script
+            }
+
+            fn write(&self, $out: &mut $crate::store::redis::scripts::Call<'_>) {
+                let $this = self;
+                $write
+            }
+        }
+    };
+}
+
 mod epoch;
 mod grant;
 mod holder;
@@ -233,7 +260,7 @@ impl Fields {
 }
 
 /// A store-wide hold as the scripts report it: its end and Redis's clock (ms), and its reason.
-fn held(fields: &mut Fields) -> Result<Hold, ParsingError> {
+fn hold_in(fields: &mut Fields) -> Result<Hold, ParsingError> {
     let hold_until_ms: u64 = fields.next()?;
     let now_ms: u64 = fields.next()?;
     let reason: String = fields.next()?;
