@@ -1,17 +1,26 @@
 //! lockbroker: a distributed-lock broker. The classic Redis SETNX/GETSET timestamp lock recipe,
 //! with its known races closed, behind a small HTTP API, on Redis or on an embedded in-memory
 //! store.
+//!
+//! Its users outside this library are the `lockbroker` binary (`serve`, and the bench, which
+//! drives a [`store::RedisStore`] directly), the test suites and `test-support`: they reach the
+//! settings ([`config`]), the lease vocabulary ([`domain`]), the stores ([`store`]) and the few
+//! items re-exported here. Everything else is private, so the compiler keeps the layers apart.
 #![forbid(unsafe_code)]
 
-pub mod auth;
+mod auth;
 pub mod config;
 pub mod domain;
 pub mod http;
-pub mod lock;
-pub mod metrics;
-pub mod reload;
-pub mod server;
-pub mod startup;
+mod lock;
+mod metrics;
+mod reload;
+mod server;
+mod startup;
 pub mod store;
-pub mod telemetry;
-pub mod waiters;
+mod telemetry;
+mod waiters;
+
+pub use auth::sha256_hex;
+pub use startup::{Application, shutdown_signal};
+pub use telemetry::init as init_logging;

@@ -14,7 +14,7 @@ use cli::list::{self, ListArgs};
 #[cfg(unix)]
 use cli::run::{self, RunArgs};
 use lockbroker::config::{Config, ServeArgs};
-use lockbroker::startup::{Application, shutdown_signal};
+use lockbroker::{Application, shutdown_signal};
 
 /// jemalloc: a parked HTTP/1.1 waiter takes 14.8 KB with it against 23.1 KB with glibc's
 /// allocator (hyper's per-connection buffers stay untouched, so not resident, until used), and
@@ -98,7 +98,7 @@ async fn main() -> ExitCode {
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let config = Config::load(args)?;
-    lockbroker::telemetry::init(config.log.format, &config.log.level);
+    lockbroker::init_logging(config.log.format, &config.log.level);
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }

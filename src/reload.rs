@@ -19,12 +19,12 @@ const POLL_EVERY: Duration = Duration::from_millis(500);
 pub struct Reloadable<T>(RwLock<Arc<T>>);
 
 impl<T> Reloadable<T> {
-    pub fn new(value: T) -> Self {
+    pub(crate) fn new(value: T) -> Self {
         Self(RwLock::new(Arc::new(value)))
     }
 
     /// The value in force.
-    pub fn current(&self) -> Arc<T> {
+    pub(crate) fn current(&self) -> Arc<T> {
         self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
@@ -73,7 +73,7 @@ impl<T: Send + Sync> Source for Entry<T> {
 /// Reads every watched value again on `SIGHUP`, on [`Reloader::trigger`], and when one of its
 /// files changes.
 #[derive(Default)]
-pub struct Reloader {
+pub(crate) struct Reloader {
     sources: Vec<Box<dyn Source>>,
     trigger: Arc<Notify>,
 }
@@ -81,7 +81,7 @@ pub struct Reloader {
 impl Reloader {
     /// Watches `files`, which `load` reads into `target`'s new value. `summary` describes a
     /// value in a log line (never with a secret).
-    pub fn watch<T: Send + Sync + 'static>(
+    pub(crate) fn watch<T: Send + Sync + 'static>(
         &mut self,
         what: &str,
         files: Vec<PathBuf>,
@@ -98,18 +98,13 @@ impl Reloader {
         }));
     }
 
-    /// Whether anything is watched.
-    pub fn is_empty(&self) -> bool {
-        self.sources.is_empty()
-    }
-
     /// Asks for a reload of everything, as `SIGHUP` does.
-    pub fn trigger(&self) -> Arc<Notify> {
+    pub(crate) fn trigger(&self) -> Arc<Notify> {
         self.trigger.clone()
     }
 
     /// Runs until dropped (aborted): reloads on `SIGHUP`, on a trigger, and on a change.
-    pub async fn run(self) {
+    pub(crate) async fn run(self) {
         let mut seen: Vec<Vec<Option<[u8; 32]>>> = self
             .sources
             .iter()

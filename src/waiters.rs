@@ -54,7 +54,7 @@ struct Queues {
 }
 
 /// The broker's waiting acquires, by key.
-pub struct Waiters {
+pub(crate) struct Waiters {
     /// A std Mutex: nothing awaits while holding it, and each critical section is a hash lookup
     /// and a queue push or removal.
     queues: Mutex<Queues>,
@@ -63,7 +63,7 @@ pub struct Waiters {
 }
 
 impl Waiters {
-    pub fn new(limit: usize) -> Arc<Self> {
+    pub(crate) fn new(limit: usize) -> Arc<Self> {
         Arc::new(Self {
             queues: Mutex::default(),
             limit,
@@ -77,7 +77,7 @@ impl Waiters {
 
     /// Hands the store's notices to the waiters, until the service is gone. Dropping the receiver
     /// then closes the channel, which ends the store's background work too.
-    pub async fn hand_notices(waiters: Weak<Self>, mut notices: mpsc::Receiver<Notice>) {
+    pub(crate) async fn hand_notices(waiters: Weak<Self>, mut notices: mpsc::Receiver<Notice>) {
         loop {
             let notice = tokio::select! {
                 notice = notices.recv() => notice,
@@ -99,22 +99,18 @@ impl Waiters {
         }
     }
 
-    pub fn limit(&self) -> usize {
+    pub(crate) fn limit(&self) -> usize {
         self.limit
     }
 
     /// Waiting acquires now.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.queues().count
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Joins the end of the queue of `key` in `space`, asking for the key alone (`exclusive`) or
     /// for a place beside other holders; `None` when the broker already has `limit` waiters.
-    pub fn enqueue(
+    pub(crate) fn enqueue(
         self: &Arc<Self>,
         space: Space,
         key: &LockKey,
@@ -148,7 +144,7 @@ impl Waiters {
     }
 
     /// Whether an acquire that asks for `key` in `space` alone waits on this broker.
-    pub fn exclusive_waiting(&self, space: Space, key: &LockKey) -> bool {
+    pub(crate) fn exclusive_waiting(&self, space: Space, key: &LockKey) -> bool {
         self.queues()
             .by_key
             .get(&(space, key.clone()))
@@ -156,7 +152,7 @@ impl Waiters {
     }
 
     /// A release notice for `key` in `space`: wakes the head of its queue, if any.
-    pub fn wake(&self, space: Space, key: &LockKey) {
+    pub(crate) fn wake(&self, space: Space, key: &LockKey) {
         let place = (space, key.clone());
         if let Some(head) = self.queues().by_key.get(&place).and_then(|q| q.front()) {
             head.hint_ms.store(NO_HINT, Ordering::SeqCst);
@@ -165,7 +161,7 @@ impl Waiters {
     }
 
     /// Wakes every queue's head: notices may have been lost (the notice channel reconnected).
-    pub fn wake_all(&self) {
+    pub(crate) fn wake_all(&self) {
         for queue in self.queues().by_key.values() {
             if let Some(head) = queue.front() {
                 head.hint_ms.store(NO_HINT, Ordering::SeqCst);
@@ -176,7 +172,7 @@ impl Waiters {
 }
 
 /// A place in a key's queue; leaving (drop) hands the head's role to the next waiter.
-pub struct Ticket {
+pub(crate) struct Ticket {
     waiters: Arc<Waiters>,
     place: Place,
     me: Arc<Waiter>,
@@ -184,7 +180,7 @@ pub struct Ticket {
 
 impl Ticket {
     /// Whether this waiter is first in line for its key on this broker.
-    pub fn is_head(&self) -> bool {
+    pub(crate) fn is_head(&self) -> bool {
         self.waiters
             .queues()
             .by_key
@@ -195,7 +191,7 @@ impl Ticket {
 
     /// Whether an acquire that asks for the key alone came before this one and still waits: a
     /// shared acquire does not try then, so that it is not granted ahead of it.
-    pub fn exclusive_ahead(&self) -> bool {
+    pub(crate) fn exclusive_ahead(&self) -> bool {
         self.waiters
             .queues()
             .by_key
@@ -208,13 +204,13 @@ impl Ticket {
     }
 
     /// Completes when this waiter is woken: a notice while it is head, or its promotion to head.
-    pub async fn woken(&self) {
+    pub(crate) async fn woken(&self) {
         self.me.wake.notified().await;
     }
 
     /// After a wake: if it was a promotion behind a waiter that was granted the lock, how long
     /// that lease runs (the lock is held; no need to look).
-    pub fn take_hint(&self) -> Option<u64> {
+    pub(crate) fn take_hint(&self) -> Option<u64> {
         match self.me.hint_ms.swap(NO_HINT, Ordering::SeqCst) {
             NO_HINT => None,
             ms => Some(ms),
@@ -224,7 +220,7 @@ impl Ticket {
     /// Leaves the queue as the lock's new exclusive holder, telling the next in line how long the
     /// lease runs instead of having it look: one store round trip saved per handoff. (A shared
     /// holder or a permit's just leaves: the next in line may be granted too, so it looks.)
-    pub fn leave_as_holder(self, lease_ms: u64) {
+    pub(crate) fn leave_as_holder(self, lease_ms: u64) {
         {
             let queues = self.waiters.queues();
             if let Some(queue) = queues.by_key.get(&self.place)
@@ -293,7 +289,7 @@ mod tests {
             .expect("promotion wakes the new head");
         drop(b);
         drop(other);
-        assert!(waiters.is_empty());
+        assert_eq!(waiters.len(), 0);
         assert!(
             waiters.queues().by_key.is_empty(),
             "empty queues are dropped"
@@ -315,7 +311,7 @@ mod tests {
         // A waiter that is not head hands nothing on; a notice clears a hint not yet read.
         c.leave_as_holder(700);
         b.leave_as_holder(900);
-        assert!(waiters.is_empty());
+        assert_eq!(waiters.len(), 0);
         let d = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
         let e = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
         d.leave_as_holder(300);

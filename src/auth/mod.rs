@@ -21,7 +21,7 @@ use crate::domain::LockKey;
 /// What a token may be allowed, as written in the file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Permission {
+pub(crate) enum Permission {
     /// Acquire, renew, release, inspect and list keys under the token's prefixes.
     Lock,
     /// Inspect (and list) keys under the token's prefixes; with the prefix `""`, also read
@@ -33,7 +33,7 @@ pub enum Permission {
 
 /// What one request does, as the auth layer tells it from the route and the key.
 #[derive(Debug, Clone, Copy)]
-pub enum Action<'a> {
+pub(crate) enum Action<'a> {
     Acquire(&'a LockKey),
     Release(&'a LockKey),
     Renew(&'a LockKey),
@@ -75,7 +75,7 @@ const MAX_NAME_LEN: usize = 64;
 const MIN_TOKEN_LEN: usize = 16;
 
 /// One named token. `Debug` shows no digest.
-pub struct Client {
+pub(crate) struct Client {
     name: Arc<str>,
     digest: [u8; 32],
     prefixes: Vec<String>,
@@ -95,7 +95,7 @@ impl fmt::Debug for Client {
 
 impl Client {
     /// The token's name, for logs and metrics.
-    pub fn name(&self) -> &Arc<str> {
+    pub(crate) fn name(&self) -> &Arc<str> {
         &self.name
     }
 
@@ -104,7 +104,7 @@ impl Client {
     }
 
     /// Whether this token may do `action`.
-    pub fn allows(&self, action: Action<'_>) -> bool {
+    pub(crate) fn allows(&self, action: Action<'_>) -> bool {
         if self.admin {
             return true;
         }
@@ -122,17 +122,6 @@ impl Client {
     }
 }
 
-/// Why a request is refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Denied {
-    /// No `Authorization: Bearer` header, or a malformed one.
-    Missing,
-    /// A bearer token that no entry has.
-    Unknown,
-    /// A known token (named) that may not do this.
-    Forbidden(Arc<str>),
-}
-
 /// The tokens in force.
 #[derive(Debug, Default)]
 pub struct Policy {
@@ -142,11 +131,11 @@ pub struct Policy {
 /// A file that cannot be used, with the line that is wrong when there is one.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-pub struct PolicyError(String);
+pub(crate) struct PolicyError(String);
 
 impl Policy {
     /// Reads and parses the auth file.
-    pub fn load(path: &Path) -> Result<Self, PolicyError> {
+    pub(crate) fn load(path: &Path) -> Result<Self, PolicyError> {
         let text = std::fs::read_to_string(path).map_err(|e| {
             PolicyError(format!("cannot read the auth file {}: {e}", path.display()))
         })?;
@@ -155,7 +144,7 @@ impl Policy {
     }
 
     /// Parses the file's text. Errors name the line (and for TOML syntax, the column).
-    pub fn parse(text: &str) -> Result<Self, PolicyError> {
+    pub(crate) fn parse(text: &str) -> Result<Self, PolicyError> {
         let line_of = |offset: usize| text[..offset.min(text.len())].matches('\n').count() + 1;
         let file: File = toml::from_str(text).map_err(|e| {
             // toml's message starts with "TOML parse error at line N, column M" and quotes the
@@ -230,18 +219,13 @@ impl Policy {
     }
 
     /// How many tokens the policy knows.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.clients.len()
-    }
-
-    /// Whether the policy knows no token (every request is then refused).
-    pub fn is_empty(&self) -> bool {
-        self.clients.is_empty()
     }
 
     /// The entry whose token is `bearer`. Every entry is compared, in constant time, whatever
     /// matches.
-    pub fn authenticate(&self, bearer: &str) -> Option<&Client> {
+    pub(crate) fn authenticate(&self, bearer: &str) -> Option<&Client> {
         let presented = digest(bearer);
         let mut found = None;
         for client in &self.clients {
@@ -251,28 +235,10 @@ impl Policy {
         }
         found
     }
-
-    /// The decision for a request that sent `authorization` (the header's value, if any) to do
-    /// `action`: the token's name, or why not.
-    pub fn decide(
-        &self,
-        authorization: Option<&[u8]>,
-        action: Action<'_>,
-    ) -> Result<Arc<str>, Denied> {
-        let bearer = authorization
-            .and_then(bearer_token)
-            .ok_or(Denied::Missing)?;
-        let client = self.authenticate(bearer).ok_or(Denied::Unknown)?;
-        if client.allows(action) {
-            Ok(client.name.clone())
-        } else {
-            Err(Denied::Forbidden(client.name.clone()))
-        }
-    }
 }
 
 /// The token of an `Authorization: Bearer <token>` value (the scheme in any case).
-pub fn bearer_token(value: &[u8]) -> Option<&str> {
+pub(crate) fn bearer_token(value: &[u8]) -> Option<&str> {
     let value = std::str::from_utf8(value).ok()?;
     let (scheme, token) = value.trim().split_once(' ')?;
     let token = token.trim_start();

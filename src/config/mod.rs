@@ -2,7 +2,7 @@
 //! environment variable and a key of the config file), layered flags → environment → file →
 //! defaults, validated once at start, and handed to each component as its own settings type:
 //! [`ServingSettings`], [`StoreBackend`] (the store a Redis URL chooses, the URL parsed once and
-//! kept as a secret), the lock service's [`LockSettings`], the request [`Limits`] and
+//! kept as a secret), the lock service's `LockSettings`, the request [`Limits`] and
 //! [`LogSettings`]. Nothing else in the broker reads the environment.
 
 mod settings;

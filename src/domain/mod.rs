@@ -11,7 +11,7 @@ pub use lease::Lease;
 
 /// A duration in whole milliseconds, the unit of the API and of the store (saturating: no
 /// duration the broker handles comes near `u64::MAX` ms).
-pub fn millis(d: Duration) -> u64 {
+pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
@@ -136,7 +136,7 @@ impl fmt::Debug for Token {
 }
 
 /// A fencing token: for one key, every grant gets a fence greater than every fence before it.
-pub type Fence = u64;
+pub(crate) type Fence = u64;
 
 /// A lease length in milliseconds, at least 1 and at most the configured `max_ttl_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -167,10 +167,10 @@ impl Ttl {
 
 /// How long an acquire may wait while someone else holds the lock, 0 ..= `max_wait_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct WaitFor(u64);
+pub(crate) struct WaitFor(u64);
 
 impl WaitFor {
-    pub fn parse(ms: u64, max_ms: u64) -> Result<Self, InvalidValue> {
+    pub(crate) fn parse(ms: u64, max_ms: u64) -> Result<Self, InvalidValue> {
         if ms > max_ms {
             return Err(invalid(format!(
                 "wait_ms is {ms}; this broker allows at most {max_ms}."
@@ -179,15 +179,12 @@ impl WaitFor {
         Ok(Self(ms))
     }
 
-    pub const fn from_ms(ms: u64) -> Self {
+    #[cfg(test)]
+    pub(crate) const fn from_ms(ms: u64) -> Self {
         Self(ms)
     }
 
-    pub fn as_ms(self) -> u64 {
-        self.0
-    }
-
-    pub fn as_duration(self) -> Duration {
+    pub(crate) fn as_duration(self) -> Duration {
         Duration::from_millis(self.0)
     }
 }

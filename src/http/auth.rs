@@ -1,6 +1,6 @@
 //! The auth layer: in front of the lock routes (and, with `auth_metrics`, of `/metrics` and
-//! `/openapi.json`), it tells the [`Action`] from the matched route, the method and the key,
-//! asks the [`Policy`] in force, and answers `401 unauthorized` or `403 forbidden` before the
+//! `/openapi.json`), it tells the `Action` from the matched route, the method and the key,
+//! asks the `Policy` in force, and answers `401 unauthorized` or `403 forbidden` before the
 //! handler runs — so before any store work or waiting. Handlers know nothing of it.
 //!
 //! The token's name (never the token) goes into the request's span, so the access log shows who

@@ -180,7 +180,7 @@ impl From<LockError> for ApiError {
                     )
                 }
             }
-            LockError::Held(hold) => Self {
+            LockError::OnHold(hold) => Self {
                 retry_after_ms: Some(hold.retry_after_ms),
                 ..Self::new(
                     StatusCode::SERVICE_UNAVAILABLE,

@@ -24,8 +24,8 @@ use super::requests::{
     list_query, ttl_param,
 };
 use crate::domain::{LockKey, Owner};
-use crate::lock::{HoldersView, Kind};
-use crate::store::{Lease, Listed, Mode, Space, Store};
+use crate::lock::HoldersView;
+use crate::store::{Kind, Lease, Listed, Mode, Space, Store};
 
 /// The lock routes, without their state.
 pub(super) fn locks_router<S: Store>() -> Router<AppState<S>> {

@@ -20,7 +20,8 @@ use utoipa::{IntoParams, ToSchema};
 use super::Limits;
 use super::error::ApiError;
 use crate::domain::{LockKey, Owner, RequestId, Ttl, WaitFor};
-use crate::lock::{AcquireRequest, Kind};
+use crate::lock::AcquireRequest;
+use crate::store::Kind;
 use crate::store::{ListQuery, MAX_LIST_LIMIT, Space};
 
 /// A request's parameters, as parsed from the query string and a JSON body alike.

@@ -25,7 +25,7 @@ use super::requests::{
     list_query, ttl_param,
 };
 use crate::domain::LockKey;
-use crate::lock::Kind;
+use crate::store::Kind;
 use crate::store::{Lease, Listed, MAX_SEMAPHORE_LIMIT, Space, Store};
 
 /// The semaphore routes, without their state.

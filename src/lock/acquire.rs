@@ -9,11 +9,12 @@ use rand::RngExt;
 use tokio::time::Instant;
 
 use super::pending::PendingGrant;
-use super::{AcquireRequest, Kind, LockError, LockService};
+use super::{AcquireRequest, LockError, LockService};
 use crate::domain::{LockKey, Token, millis};
 use crate::metrics::{AcquireResult, StoreOp};
 use crate::store::{
-    Bid, Grant, Join, Lease, Pool, Space, Store, StoreError, StoreResult, WRITER_INTENT_MS,
+    Bid, GrantAnswer, Join, Kind, Lease, Pool, Space, Store, StoreError, StoreResult,
+    WRITER_INTENT_MS,
 };
 use crate::waiters::Ticket;
 
@@ -21,7 +22,7 @@ use crate::waiters::Ticket;
 enum Attempt {
     Granted(Lease),
     /// Someone holds a live lease that ends in this many ms (store clock).
-    Held {
+    Busy {
         retry_after_ms: u64,
         /// An exclusive bid refused because of shared holders: its intent lapses unless it
         /// looks again within [`WRITER_INTENT_MS`], so its nap is capped at half of that.
@@ -56,7 +57,11 @@ impl<S: Store> LockService<S> {
     ///
     /// Ends by `req.wait` plus the store timeout. Dropping the returned future (the client went
     /// away) stops the wait; a store call it interrupts is cleaned up (see `PendingGrant`).
-    pub async fn acquire(&self, key: &LockKey, req: AcquireRequest) -> Result<Lease, LockError> {
+    pub(crate) async fn acquire(
+        &self,
+        key: &LockKey,
+        req: AcquireRequest,
+    ) -> Result<Lease, LockError> {
         let kind = req.kind;
         let bid = Bid {
             token: Token::generate(),
@@ -117,7 +122,7 @@ impl<S: Store> LockService<S> {
         loop {
             let bid = retry_bid.as_ref().unwrap_or(bid);
             let attempt = match held_for_ms.take() {
-                Some(retry_after_ms) => Attempt::Held {
+                Some(retry_after_ms) => Attempt::Busy {
                     retry_after_ms,
                     behind_shared: false,
                 },
@@ -126,9 +131,9 @@ impl<S: Store> LockService<S> {
                 None => match Box::pin(self.attempt(kind, key, bid, ticket.as_ref())).await {
                     // A store-wide hold lasts a few seconds: a request that may still wait waits
                     // it out, as it would a holder.
-                    Err(LockError::Held(hold)) if Instant::now() < deadline => {
-                        trouble = Some(LockError::Held(hold));
-                        Attempt::Held {
+                    Err(LockError::OnHold(hold)) if Instant::now() < deadline => {
+                        trouble = Some(LockError::OnHold(hold));
+                        Attempt::Busy {
                             retry_after_ms: hold.retry_after_ms,
                             behind_shared: false,
                         }
@@ -175,7 +180,7 @@ impl<S: Store> LockService<S> {
                     continue;
                 }
                 Attempt::Again => (0, false),
-                Attempt::Held {
+                Attempt::Busy {
                     retry_after_ms,
                     behind_shared,
                 } => (retry_after_ms, behind_shared),
@@ -250,12 +255,12 @@ impl<S: Store> LockService<S> {
         let join = self.timed(StoreOp::join, self.store.join(key, pool, bid));
         match self.guarded(pool.space(), key, bid, join).await? {
             Join::Granted(lease) => Ok(Attempt::Granted(lease)),
-            Join::Busy { retry_after_ms } => Ok(Attempt::Held {
+            Join::Busy { retry_after_ms } => Ok(Attempt::Busy {
                 retry_after_ms,
                 behind_shared: false,
             }),
             Join::LimitMismatch { limit } => Err(LockError::LimitMismatch { limit }),
-            Join::Held(hold) => Err(LockError::Held(hold)),
+            Join::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
     }
 
@@ -269,7 +274,7 @@ impl<S: Store> LockService<S> {
             .chain(&snapshot.shared)
             .filter(|l| l.is_live_at(snapshot.now_ms))
             .map(|l| l.expires_at_ms - snapshot.now_ms);
-        Ok(Attempt::Held {
+        Ok(Attempt::Busy {
             // At least 1 ms: a free lock is about to go to the exclusive acquire ahead.
             retry_after_ms: ends.max().unwrap_or(0).max(1),
             behind_shared: false,
@@ -281,9 +286,9 @@ impl<S: Store> LockService<S> {
         // 1. SETNX: a free key is ours in one round trip.
         let claim = self.timed(StoreOp::claim, self.store.claim(key, bid));
         match self.guarded(Space::Locks, key, bid, claim).await? {
-            Grant::Granted(lease) => return Ok(Attempt::Granted(lease)),
-            Grant::Held(hold) => return Err(LockError::Held(hold)),
-            Grant::Refused => {}
+            GrantAnswer::Granted(lease) => return Ok(Attempt::Granted(lease)),
+            GrantAnswer::OnHold(hold) => return Err(LockError::OnHold(hold)),
+            GrantAnswer::Refused => {}
         }
         // 2. GET: who holds it, and until when on the store's clock.
         let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
@@ -295,7 +300,7 @@ impl<S: Store> LockService<S> {
             // Shared holders: the claim was refused for them (and recorded this bid's intent if
             // it waits). The key is free for an exclusive lease when the last of them ends.
             let last = snapshot.shared.iter().map(|l| l.expires_at_ms).max();
-            return Ok(Attempt::Held {
+            return Ok(Attempt::Busy {
                 retry_after_ms: last.map_or(0, |end| end.saturating_sub(snapshot.now_ms)),
                 behind_shared: true,
             });
@@ -306,7 +311,7 @@ impl<S: Store> LockService<S> {
             return Ok(Attempt::Again);
         };
         if current.is_live_at(snapshot.now_ms) {
-            return Ok(Attempt::Held {
+            return Ok(Attempt::Busy {
                 retry_after_ms: current.expires_at_ms - snapshot.now_ms,
                 behind_shared: false,
             });
@@ -317,13 +322,13 @@ impl<S: Store> LockService<S> {
             self.store.take_over(key, current.fence, bid),
         );
         match self.guarded(Space::Locks, key, bid, take_over).await? {
-            Grant::Granted(lease) => {
+            GrantAnswer::Granted(lease) => {
                 self.metrics.took_over();
                 Ok(Attempt::Granted(lease))
             }
             // Another contender won it (or its holder renewed it): look again.
-            Grant::Refused => Ok(Attempt::Again),
-            Grant::Held(hold) => Err(LockError::Held(hold)),
+            GrantAnswer::Refused => Ok(Attempt::Again),
+            GrantAnswer::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
     }
 

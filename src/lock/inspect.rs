@@ -8,7 +8,7 @@ use crate::store::{ListQuery, Mode, Page, Store};
 
 impl<S: Store> LockService<S> {
     /// The live leases on the lock `key`: the exclusive one, or the shared ones.
-    pub async fn inspect(&self, key: &LockKey) -> Result<HoldersView, LockError> {
+    pub(crate) async fn inspect(&self, key: &LockKey) -> Result<HoldersView, LockError> {
         let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
         let now_ms = snapshot.now_ms;
         let (mode, holders) = match snapshot.lease {
@@ -25,7 +25,7 @@ impl<S: Store> LockService<S> {
     }
 
     /// The live permits of the semaphore `key`, with the limit they were taken with.
-    pub async fn permits(&self, key: &LockKey) -> Result<HoldersView, LockError> {
+    pub(crate) async fn permits(&self, key: &LockKey) -> Result<HoldersView, LockError> {
         let permits = self.timed(StoreOp::read, self.store.permits(key)).await?;
         match permits.limit {
             Some(limit) if !permits.holders.is_empty() => Ok(HoldersView {
@@ -39,7 +39,7 @@ impl<S: Store> LockService<S> {
     }
 
     /// A page of the keys in `query.space` with live leases.
-    pub async fn list(&self, query: &ListQuery) -> Result<Page, LockError> {
+    pub(crate) async fn list(&self, query: &ListQuery) -> Result<Page, LockError> {
         Ok(self.timed(StoreOp::list, self.store.list(query)).await?)
     }
 }

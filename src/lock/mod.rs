@@ -24,11 +24,12 @@ use tokio::time::Instant;
 
 use crate::domain::{Owner, RequestId, Ttl, WaitFor};
 use crate::metrics::{Metrics, StoreOp};
-use crate::store::{Hold, Holder, Lease, Mode, NOTICE_BUFFER, Store, StoreError, StoreResult};
+use crate::store::{
+    Hold, Holder, Kind, Lease, Mode, NOTICE_BUFFER, Store, StoreError, StoreResult,
+};
 use crate::waiters::Waiters;
 
-pub use crate::store::Kind;
-pub use outage::Outage;
+pub(crate) use outage::Outage;
 
 /// Limits and defaults the service applies; validated by the configuration.
 #[derive(Debug, Clone)]
@@ -46,7 +47,7 @@ pub struct LockSettings {
 
 /// Why an operation did not do what was asked. The http layer maps each to a status.
 #[derive(Debug, thiserror::Error)]
-pub enum LockError {
+pub(crate) enum LockError {
     #[error("the lock is held by someone else")]
     Locked { retry_after_ms: u64 },
     /// The semaphore's live holders took their permits with another limit.
@@ -70,7 +71,7 @@ pub enum LockError {
     ShuttingDown,
     /// A store-wide hold is in force (the store is new or lost writes; see [`Hold`]).
     #[error("a store-wide hold is in force for {} ms", .0.retry_after_ms)]
-    Held(Hold),
+    OnHold(Hold),
 }
 
 impl From<StoreError> for LockError {
@@ -85,7 +86,7 @@ impl From<StoreError> for LockError {
 
 /// An acquire as the client asked for it.
 #[derive(Debug, Clone)]
-pub struct AcquireRequest {
+pub(crate) struct AcquireRequest {
     pub kind: Kind,
     pub ttl: Ttl,
     pub wait: WaitFor,
@@ -95,7 +96,7 @@ pub struct AcquireRequest {
 
 /// The live leases on a lock or a semaphore, with the store's clock when they were read.
 #[derive(Debug, Clone)]
-pub struct HoldersView {
+pub(crate) struct HoldersView {
     pub now_ms: u64,
     /// A lock's mode (`None` for a semaphore).
     pub mode: Option<Mode>,
@@ -103,13 +104,6 @@ pub struct HoldersView {
     pub limit: Option<u32>,
     /// By fence; never empty. One for an exclusive lock.
     pub holders: Vec<Lease>,
-}
-
-impl HoldersView {
-    /// Milliseconds until `lease` ends.
-    pub fn ttl_remaining_ms(&self, lease: &Lease) -> u64 {
-        lease.expires_at_ms.saturating_sub(self.now_ms)
-    }
 }
 
 /// The service one broker runs. Cheap to clone.
@@ -140,12 +134,17 @@ impl<S: Store> LockService<S> {
     /// [`LockError::ShuttingDown`].
     ///
     /// Starts the store's background work, its release notices going to this service's waiters.
-    pub fn new(store: Arc<S>, settings: LockSettings, shutdown: watch::Receiver<bool>) -> Self {
+    #[cfg(test)]
+    pub(crate) fn new(
+        store: Arc<S>,
+        settings: LockSettings,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
         Self::with_metrics(store, settings, shutdown, Arc::default())
     }
 
     /// As [`LockService::new`], counting into `metrics` (which the store may share).
-    pub fn with_metrics(
+    pub(crate) fn with_metrics(
         store: Arc<S>,
         settings: LockSettings,
         shutdown: watch::Receiver<bool>,
@@ -168,7 +167,8 @@ impl<S: Store> LockService<S> {
     }
 
     /// Requests waiting on this broker now.
-    pub fn waiting(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
         self.waiters.len()
     }
 }
@@ -181,10 +181,10 @@ impl<S: Store> LockService<S> {
 
     /// Whether a free key would be granted now: the store answers and no store-wide hold is in
     /// force.
-    pub async fn ready(&self) -> Result<(), LockError> {
+    pub(crate) async fn ready(&self) -> Result<(), LockError> {
         match self.timed(StoreOp::ping, self.store.ready()).await? {
             None => Ok(()),
-            Some(hold) => Err(LockError::Held(hold)),
+            Some(hold) => Err(LockError::OnHold(hold)),
         }
     }
 
@@ -209,7 +209,7 @@ impl<S: Store> LockService<S> {
     }
 
     /// The metrics, with the current number of waiters, in the OpenMetrics text format.
-    pub fn render_metrics(&self) -> String {
+    pub(crate) fn render_metrics(&self) -> String {
         self.metrics
             .render(self.waiters.len(), self.store.ledger_len())
     }
@@ -222,7 +222,7 @@ impl<T> Holder<T> {
             Holder::Done(v) => Ok(v),
             Holder::NotHeld => Err(LockError::NotHeld),
             Holder::NotOwner => Err(LockError::NotOwner),
-            Holder::Held(hold) => Err(LockError::Held(hold)),
+            Holder::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
     }
 }

@@ -11,7 +11,7 @@ use crate::store::{Holder, Lease, Space, Store, StoreResult};
 impl<S: Store> LockService<S> {
     /// Releases `token`'s live lease on `key` in `space`: the exclusive or a shared lease of a
     /// lock, or a semaphore's permit.
-    pub async fn release(
+    pub(crate) async fn release(
         &self,
         space: Space,
         key: &LockKey,
@@ -30,7 +30,7 @@ impl<S: Store> LockService<S> {
 
     /// Moves the end of `token`'s live lease on `key` in `space` to `ttl` from now. Same token,
     /// same fence.
-    pub async fn renew(
+    pub(crate) async fn renew(
         &self,
         space: Space,
         key: &LockKey,
@@ -46,7 +46,7 @@ impl<S: Store> LockService<S> {
 
     /// Ends every live lease on `key` in `space` without their tokens; the fences it ended.
     /// Refused unless force release is allowed on this broker (see [`LockSettings`](super::LockSettings)).
-    pub async fn force_release(
+    pub(crate) async fn force_release(
         &self,
         space: Space,
         key: &LockKey,
@@ -76,6 +76,6 @@ fn holder_result<T>(outcome: &StoreResult<Holder<T>>) -> HolderResult {
         Ok(Holder::Done(_)) => HolderResult::Done,
         Ok(Holder::NotHeld) => HolderResult::NotHeld,
         Ok(Holder::NotOwner) => HolderResult::NotOwner,
-        Ok(Holder::Held(_)) | Err(_) => HolderResult::Error,
+        Ok(Holder::OnHold(_)) | Err(_) => HolderResult::Error,
     }
 }

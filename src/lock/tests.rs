@@ -17,8 +17,8 @@ use super::*;
 use crate::domain::{LockKey, Token};
 use crate::store::memory::clock::ManualClock;
 use crate::store::{
-    Bid, Grant, Join, ListQuery, MemoryStore, Mode, Notice, Page, Permits, Pool, Snapshot, Space,
-    WRITER_INTENT_MS,
+    Bid, GrantAnswer, Join, ListQuery, MemoryStore, Mode, Notice, Page, Permits, Pool, Snapshot,
+    Space, WRITER_INTENT_MS,
 };
 
 type Hook = Box<dyn FnOnce(&MemoryStore) + Send>;
@@ -78,7 +78,7 @@ impl Scripted {
 }
 
 impl Store for Scripted {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
         self.calls.claim.fetch_add(1, Ordering::SeqCst);
         let claimed = self.inner.claim(key, bid).await;
         let fault = self.claim_fault.lock().unwrap().take();
@@ -98,7 +98,7 @@ impl Store for Scripted {
         self.inner.read(key).await
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
         self.calls.take_over.fetch_add(1, Ordering::SeqCst);
         let hook = self.before_take_over.lock().unwrap().take();
         if let Some(hook) = hook {
@@ -286,7 +286,7 @@ async fn a_lost_getset_race_writes_nothing_and_leaves_the_winners_lease_intact()
     let (key, seen, winner_bid) = (h.key.clone(), first.fence, winner.clone());
     h.store.before_next_take_over(move |store| {
         let won = block_on(store.take_over(&key, seen, &winner_bid)).unwrap();
-        assert!(matches!(won, Grant::Granted(_)));
+        assert!(matches!(won, GrantAnswer::Granted(_)));
     });
     let loser = h.locks.acquire(&h.key, request(100, 0)).await;
     match loser {
@@ -382,7 +382,7 @@ async fn renewing_keeps_token_and_fence_and_ends_the_lease_ttl_after_now() {
     assert_eq!(renewed.expires_at_ms, T0 + 600 + 2_000);
     h.clock.advance_ms(1_000);
     let view = h.locks.inspect(&h.key).await.unwrap();
-    assert_eq!(view.ttl_remaining_ms(&view.holders[0]), 1_000);
+    assert_eq!(view.holders[0].expires_at_ms - view.now_ms, 1_000);
 }
 
 #[tokio::test]
@@ -622,7 +622,7 @@ async fn an_owner_label_is_kept_with_the_lease() {
     h.locks.acquire(&h.key, req).await.unwrap();
     let view = h.locks.inspect(&h.key).await.unwrap();
     assert_eq!(view.holders[0].owner, Some(owner));
-    assert_eq!(view.ttl_remaining_ms(&view.holders[0]), 1_000);
+    assert_eq!(view.holders[0].expires_at_ms - view.now_ms, 1_000);
 }
 
 fn with_request_id(req: AcquireRequest, id: &str) -> AcquireRequest {

@@ -26,7 +26,7 @@ use tokio::time::Sleep;
 use crate::http::error::framework_rejection;
 
 /// A connection's byte stream, as hyper reads and writes it.
-pub struct Stream<I> {
+pub(crate) struct Stream<I> {
     inner: I,
     /// Bytes read before hyper took over (to tell the protocol), returned first.
     replay: Vec<u8>,
@@ -50,7 +50,7 @@ const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: usize = 256 * 1024;
 
 impl<I> Stream<I> {
-    pub fn new(inner: I, replay: Vec<u8>, rewrite: bool) -> Self {
+    pub(crate) fn new(inner: I, replay: Vec<u8>, rewrite: bool) -> Self {
         Self {
             inner,
             replay,
@@ -62,10 +62,6 @@ impl<I> Stream<I> {
             linger: None,
             lingered: 0,
         }
-    }
-
-    pub fn get_ref(&self) -> &I {
-        &self.inner
     }
 }
 

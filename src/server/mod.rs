@@ -15,8 +15,8 @@
 //!   finish (waiting ones are answered `503` by the lock service), and whatever is still open
 //!   after `DRAIN_LIMIT` is dropped.
 
-pub mod io;
-pub mod tls;
+pub(crate) mod io;
+pub(crate) mod tls;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -40,7 +40,7 @@ use tower::ServiceExt;
 use crate::reload::Reloadable;
 
 /// Largest request head (request line and header fields): over it, `431`.
-pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+pub(crate) const MAX_HEAD_BYTES: usize = 16 * 1024;
 
 /// How long shutdown waits for connections with requests under way. Waiting acquires are
 /// answered at once and a store call ends within `store_timeout_ms`, so only a client that
@@ -60,7 +60,7 @@ const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// How connections are served.
 #[derive(Clone)]
-pub struct ServeSettings {
+pub(crate) struct ServeSettings {
     pub header_timeout: Duration,
     pub max_connections: usize,
     /// HTTPS, with the configuration in force for new connections; plain HTTP when `None`.
@@ -69,7 +69,7 @@ pub struct ServeSettings {
 
 /// Serves `router` on `listener` until `stop` completes, then shuts down gracefully;
 /// `on_stop` runs first (the lock service answers its waiters).
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     router: axum::Router,
     settings: ServeSettings,

@@ -91,7 +91,7 @@ fn certificates(path: &Path, setting: &str) -> anyhow::Result<Vec<CertificateDer
 }
 
 /// What a log line says about a loaded configuration.
-pub fn summary(config: &ServerConfig) -> String {
+pub(crate) fn summary(config: &ServerConfig) -> String {
     let _ = config;
     "new connections use the new certificate".to_owned()
 }

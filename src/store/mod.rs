@@ -1,5 +1,5 @@
 //! The store: the few atomic primitives the lock algorithm is built from, implemented for
-//! Redis ([`RedisStore`]) and for memory ([`MemoryStore`], the embedded default).
+//! Redis ([`RedisStore`]) and for memory (`MemoryStore`, the embedded default).
 //!
 //! The primitives are the steps of the classic SETNX/GETSET timestamp recipe — SETNX to claim,
 //! GET to look, GETSET to take over an expired lease, a holder-checked DEL to release — each
@@ -8,7 +8,7 @@
 
 pub(crate) mod ledger;
 mod ledger_cost;
-pub mod memory;
+pub(crate) mod memory;
 pub mod redis;
 
 use std::future::Future;
@@ -16,7 +16,7 @@ use std::future::Future;
 use tokio::sync::mpsc;
 
 pub use ledger_cost::{LedgerCost, ledger_cost};
-pub use memory::MemoryStore;
+pub(crate) use memory::MemoryStore;
 pub use redis::RedisStore;
 
 pub use crate::domain::Lease;
@@ -30,7 +30,7 @@ pub struct Bid {
     pub owner: Option<Owner>,
     pub request_id: Option<RequestId>,
     /// Exclusive bids only: the bid will wait if refused. A claim refused because of shared
-    /// holders then records the bid's intent (for [`WRITER_INTENT_MS`]), and no new shared
+    /// holders then records the bid's intent (for `WRITER_INTENT_MS`), and no new shared
     /// lease is granted on the key while an intent is live, so a stream of shared acquires on
     /// any broker cannot starve a waiting exclusive one. A grant to the bid ends its intent.
     pub waits: bool,
@@ -39,7 +39,7 @@ pub struct Bid {
 /// How long a waiting exclusive bid's intent holds new shared acquires back. An exclusive
 /// acquire waiting behind shared holders looks again at least every half of this (see
 /// `LockService`), which renews its intent; an intent whose acquire went away ends by itself.
-pub const WRITER_INTENT_MS: u64 = 2_000;
+pub(crate) const WRITER_INTENT_MS: u64 = 2_000;
 
 /// The key spaces: a lock and a semaphore of the same name are unrelated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -63,7 +63,7 @@ pub enum Pool {
     /// A shared lease on a lock key: granted while no exclusive lease is live on the key and no
     /// exclusive acquire has a live intent (see [`Bid::waits`]).
     Shared,
-    /// One of `limit` permits of a semaphore (1 ..= [`MAX_SEMAPHORE_LIMIT`]).
+    /// One of `limit` permits of a semaphore (1 ..= `MAX_SEMAPHORE_LIMIT`).
     Semaphore { limit: u32 },
 }
 
@@ -122,13 +122,13 @@ pub enum Join {
     /// The semaphore's live holders took their permits with another limit.
     LimitMismatch { limit: u32 },
     /// A store-wide hold is in force.
-    Held(Hold),
+    OnHold(Hold),
 }
 
 /// The answer to a call that may grant (SETNX, the safe GETSET): one word for "not granted" in
 /// both, since the caller knows which it asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Grant {
+pub enum GrantAnswer {
     /// The bid now holds the key — or, for SETNX, the key holds the live lease that an earlier
     /// acquire with the bid's request id produced, and this is that lease again.
     Granted(Lease),
@@ -136,7 +136,7 @@ pub enum Grant {
     /// or claimed it first, or its holder renewed it. Nothing was written either way.
     Refused,
     /// A store-wide hold is in force: no key is granted until it ends (see [`Hold`]).
-    Held(Hold),
+    OnHold(Hold),
 }
 
 /// A store-wide hold: nothing is granted, store-wide, until it ends.
@@ -211,14 +211,14 @@ pub struct ListQuery {
     pub space: Space,
     /// Keys starting with this ('' for all).
     pub prefix: String,
-    /// At most this many entries (1 ..= [`MAX_LIST_LIMIT`]).
+    /// At most this many entries (1 ..= `MAX_LIST_LIMIT`).
     pub limit: usize,
     /// A `next_cursor` an earlier page gave, or `None` for the first page.
     pub cursor: Option<String>,
 }
 
 /// The most entries one listing page holds.
-pub const MAX_LIST_LIMIT: usize = 1_000;
+pub(crate) const MAX_LIST_LIMIT: usize = 1_000;
 
 /// A release done: how long the lease had been held, on the store's clock (renewals included).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -237,7 +237,7 @@ pub enum Holder<T> {
     NotOwner,
     /// The key holds no live lease, but a store-wide hold is in force: the lease may be about to
     /// be put back, so "not held" would be a guess.
-    Held(Hold),
+    OnHold(Hold),
 }
 
 /// What a store tells the lock service's waiters.
@@ -252,10 +252,10 @@ pub enum Notice {
 
 /// Room for notices not yet handed to waiters. A full channel drops a notice; waiters still wake
 /// at the holder's expiry and on their fallback poll, so a burst costs latency, never a grant.
-pub const NOTICE_BUFFER: usize = 4096;
+pub(crate) const NOTICE_BUFFER: usize = 4096;
 
 /// What a store call answers.
-pub type StoreResult<T> = Result<T, StoreError>;
+pub(crate) type StoreResult<T> = Result<T, StoreError>;
 
 /// Why the store did not answer. Never mistaken for "someone holds the lock".
 #[derive(Debug, Clone, thiserror::Error)]
@@ -273,7 +273,7 @@ pub enum StoreError {
 /// Slack added to a lease's logical expiry for the store's own expiry of the key (Redis
 /// PEXPIRE): a safety net so abandoned keys do not pile up, far enough past the logical expiry
 /// that the logical timestamp stays the truth even if the store's clock is stepped.
-pub const EXPIRY_SLACK_MS: u64 = 60_000;
+pub(crate) const EXPIRY_SLACK_MS: u64 = 60_000;
 
 /// The primitives the algorithm needs. Each call is one atomic step on the store.
 pub trait Store: Send + Sync + 'static {
@@ -281,7 +281,11 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// A key whose lease expired is *not* free here; the algorithm reads it and takes it over,
     /// so that exactly one contender wins it.
-    fn claim(&self, key: &LockKey, bid: &Bid) -> impl Future<Output = StoreResult<Grant>> + Send;
+    fn claim(
+        &self,
+        key: &LockKey,
+        bid: &Bid,
+    ) -> impl Future<Output = StoreResult<GrantAnswer>> + Send;
 
     /// GET: the lease in the key, with the store's clock.
     fn read(&self, key: &LockKey) -> impl Future<Output = StoreResult<Snapshot>> + Send;
@@ -293,7 +297,7 @@ pub trait Store: Send + Sync + 'static {
         key: &LockKey,
         seen: Fence,
         bid: &Bid,
-    ) -> impl Future<Output = StoreResult<Grant>> + Send;
+    ) -> impl Future<Output = StoreResult<GrantAnswer>> + Send;
 
     /// Ends `token`'s live lease on `key` in `space`: the exclusive lease or a shared one on a
     /// lock, a permit of a semaphore. "Not owner" when another lease on the key is live.
@@ -363,7 +367,7 @@ pub trait Store: Send + Sync + 'static {
 /// The store a running broker uses: chosen at start from the configuration.
 // One value per broker, behind an Arc: the size difference costs nothing, a Box an indirection.
 #[allow(clippy::large_enum_variant)]
-pub enum AnyStore {
+pub(crate) enum AnyStore {
     Memory(MemoryStore),
     Redis(RedisStore),
 }
@@ -378,7 +382,7 @@ macro_rules! delegate {
 }
 
 impl Store for AnyStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
         delegate!(self, s => s.claim(key, bid))
     }
 
@@ -386,7 +390,7 @@ impl Store for AnyStore {
         delegate!(self, s => s.read(key))
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
         delegate!(self, s => s.take_over(key, seen, bid))
     }
 

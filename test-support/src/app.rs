@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lockbroker::Application;
 use lockbroker::config::{Config, Settings};
-use lockbroker::startup::Application;
 use reqwest::{Client, Method, RequestBuilder, StatusCode};
 use serde_json::Value;
 use tokio::sync::{Notify, oneshot};

@@ -43,7 +43,7 @@ pub fn init_test_log() {
     static INIT: Once = Once::new();
     INIT.call_once(|| {
         if std::env::var_os("TEST_LOG").is_some() {
-            lockbroker::telemetry::init(LogFormat::Text, "info,lockbroker=debug");
+            lockbroker::init_logging(LogFormat::Text, "info,lockbroker=debug");
         }
     });
 }

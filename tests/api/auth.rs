@@ -47,7 +47,7 @@ token = "{WATCHER}"
 prefixes = [""]
 permissions = ["read"]
 "#,
-        lockbroker::auth::sha256_hex(READER)
+        lockbroker::sha256_hex(READER)
     )
 }
 

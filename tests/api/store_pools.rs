@@ -8,7 +8,7 @@ use std::time::Duration;
 use lockbroker::domain::{LockKey, RequestId, Token, Ttl};
 use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
 use lockbroker::store::{
-    Bid, Grant, Holder, Join, ListQuery, Mode, Notice, Pool, Space, Store, StoreError,
+    Bid, GrantAnswer, Holder, Join, ListQuery, Mode, Notice, Pool, Space, Store, StoreError,
 };
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
@@ -50,7 +50,7 @@ fn bid(ttl_ms: u64) -> Bid {
 async fn join(store: &RedisStore, k: &LockKey, pool: Pool, bid: &Bid) -> Join {
     for _ in 0..100 {
         match store.join(k, pool, bid).await.unwrap() {
-            Join::Held(hold) => {
+            Join::OnHold(hold) => {
                 tokio::time::sleep(Duration::from_millis(hold.retry_after_ms.min(100))).await
             }
             other => return other,
@@ -77,7 +77,10 @@ async fn shared_leases_exclude_exclusive_ones_and_a_waiting_exclusive_holds_new_
     assert_ne!(r1.token, r2.token);
 
     // An exclusive claim is refused while they are live; GET shows them.
-    assert_eq!(store.claim(&k, &bid(1_000)).await.unwrap(), Grant::Refused);
+    assert_eq!(
+        store.claim(&k, &bid(1_000)).await.unwrap(),
+        GrantAnswer::Refused
+    );
     let seen = store.read(&k).await.unwrap();
     assert!(seen.lease.is_none());
     assert_eq!(
@@ -90,7 +93,10 @@ async fn shared_leases_exclude_exclusive_ones_and_a_waiting_exclusive_holds_new_
         waits: true,
         ..bid(5_000)
     };
-    assert_eq!(store.claim(&k, &writer).await.unwrap(), Grant::Refused);
+    assert_eq!(
+        store.claim(&k, &writer).await.unwrap(),
+        GrantAnswer::Refused
+    );
     match store.join(&k, Pool::Shared, &bid(1_000)).await.unwrap() {
         Join::Busy { retry_after_ms } => assert!((1..=2_000).contains(&retry_after_ms)),
         other => panic!("a shared join must wait behind the writer's intent: {other:?}"),
@@ -117,7 +123,7 @@ async fn shared_leases_exclude_exclusive_ones_and_a_waiting_exclusive_holds_new_
     assert_eq!(renewed.fence, r2.fence);
     assert!(renewed.expires_at_ms > r2.expires_at_ms);
     store.release(Space::Locks, &k, &r2.token).await.unwrap();
-    let Grant::Granted(w) = store.claim(&k, &writer).await.unwrap() else {
+    let GrantAnswer::Granted(w) = store.claim(&k, &writer).await.unwrap() else {
         panic!("the writer wins once the shared leases are gone");
     };
     assert!(w.fence > r2.fence, "one fence counter for both modes");
@@ -175,7 +181,7 @@ async fn semaphores_grant_up_to_their_limit_refuse_another_limit_and_repeat_by_r
     // A lock of the same name is another space.
     assert!(matches!(
         store.claim(&k, &bid(1_000)).await.unwrap(),
-        Grant::Granted(_)
+        GrantAnswer::Granted(_)
     ));
     let permits = store.permits(&k).await.unwrap();
     assert_eq!(permits.limit, Some(2));
@@ -257,16 +263,16 @@ async fn listing_pages_through_held_locks_and_semaphores_by_prefix_without_losin
         } else {
             loop {
                 match store.claim(&k, &bid(10_000)).await.unwrap() {
-                    Grant::Granted(_) => break,
-                    Grant::Held(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-                    Grant::Refused => panic!("a free key"),
+                    GrantAnswer::Granted(_) => break,
+                    GrantAnswer::OnHold(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                    GrantAnswer::Refused => panic!("a free key"),
                 }
             }
         }
         expected.push(k);
     }
     // Released and never-held keys, other prefixes and semaphores are not listed as locks.
-    let Grant::Granted(g) = store
+    let GrantAnswer::Granted(g) = store
         .claim(&key("orders:gone"), &bid(10_000))
         .await
         .unwrap()
@@ -366,12 +372,12 @@ async fn shared_leases_and_permits_are_put_back_after_a_flush_with_their_tokens(
     let mut refused = false;
     for _ in 0..100 {
         match store.claim(&lock, &bid(1_000)).await.unwrap() {
-            Grant::Held(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            Grant::Refused => {
+            GrantAnswer::OnHold(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            GrantAnswer::Refused => {
                 refused = true;
                 break;
             }
-            Grant::Granted(_) => panic!("the shared lease was not put back"),
+            GrantAnswer::Granted(_) => panic!("the shared lease was not put back"),
         }
     }
     assert!(refused, "the store stayed held");

@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::http::drive;
 use super::{BenchArgs, Phase};
 use lockbroker::domain::{LockKey, Token, Ttl};
-use lockbroker::store::{Bid, Grant, Holder, RedisStore, Space, Store};
+use lockbroker::store::{Bid, GrantAnswer, Holder, RedisStore, Space, Store};
 
 pub(super) async fn uncontended_direct(
     store: Arc<RedisStore>,
@@ -36,7 +36,7 @@ pub(super) async fn uncontended_direct(
                         waits: false,
                     };
                     let ok = match store.claim(&key, &bid).await {
-                        Ok(Grant::Granted(_)) => {
+                        Ok(GrantAnswer::Granted(_)) => {
                             matches!(
                                 store.release(Space::Locks, &key, &bid.token).await,
                                 Ok(Holder::Done(_))

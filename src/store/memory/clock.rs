@@ -1,12 +1,14 @@
 //! Wall clocks for the embedded store. (The Redis store reads Redis's `TIME` instead, the one
 //! clock all brokers sharing it agree on.)
 
+#[cfg(test)]
 use std::sync::Arc;
+#[cfg(test)]
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// A source of Unix epoch time.
-pub trait Clock: Send + Sync + 'static {
+pub(crate) trait Clock: Send + Sync + 'static {
     fn now_us(&self) -> u64;
 
     fn now_ms(&self) -> u64 {
@@ -19,7 +21,7 @@ pub trait Clock: Send + Sync + 'static {
 /// forward) nor stretch them (a step back). Correct for the embedded store, which one broker
 /// uses.
 #[derive(Debug, Clone, Copy)]
-pub struct SystemClock {
+pub(crate) struct SystemClock {
     wall_at_start_us: u64,
     start: Instant,
 }
@@ -45,25 +47,28 @@ impl Clock for SystemClock {
 
 /// A clock that moves only when told to: lets tests put a lease past its expiry without
 /// sleeping.
+#[cfg(test)]
 #[derive(Debug, Clone)]
-pub struct ManualClock(Arc<AtomicU64>);
+pub(crate) struct ManualClock(Arc<AtomicU64>);
 
+#[cfg(test)]
 impl ManualClock {
     /// A clock standing at `start_ms`.
-    pub fn starting_at_ms(start_ms: u64) -> Self {
+    pub(crate) fn starting_at_ms(start_ms: u64) -> Self {
         Self(Arc::new(AtomicU64::new(start_ms * 1000)))
     }
 
-    pub fn advance_ms(&self, ms: u64) {
+    pub(crate) fn advance_ms(&self, ms: u64) {
         self.0.fetch_add(ms * 1000, Ordering::SeqCst);
     }
 
     /// Moves the clock backwards, as an NTP step on a host would.
-    pub fn rewind_ms(&self, ms: u64) {
+    pub(crate) fn rewind_ms(&self, ms: u64) {
         self.0.fetch_sub(ms * 1000, Ordering::SeqCst);
     }
 }
 
+#[cfg(test)]
 impl Clock for ManualClock {
     fn now_us(&self) -> u64 {
         self.0.load(Ordering::SeqCst)

@@ -1,7 +1,8 @@
 //! The embedded store: the same primitives as Redis, in one process. Correct for a single
 //! broker; brokers do not share it.
 
-pub mod clock;
+pub(crate) mod clock;
+mod slot;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -9,137 +10,16 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use tokio::sync::mpsc;
 
 use self::clock::{Clock, SystemClock};
+use self::slot::Slot;
 use super::{
-    Bid, EXPIRY_SLACK_MS, Grant, Hold, Holder, Join, Lease, ListQuery, Listed, Mode, Notice, Page,
-    Permits, Pool, Released, Snapshot, Space, Store, StoreResult, WRITER_INTENT_MS,
+    Bid, GrantAnswer, Hold, Holder, Join, Lease, ListQuery, Listed, Mode, Notice, Page, Permits,
+    Pool, Released, Snapshot, Space, Store, StoreResult, WRITER_INTENT_MS,
 };
 use crate::domain::{Fence, LockKey, Token, Ttl};
 
-/// A lease with when it was granted (for the hold time reported on release).
-#[derive(Debug, Clone)]
-struct Held {
-    lease: Lease,
-    granted_at_ms: u64,
-}
-
-/// One key's state in one space: its leases and its fence counter.
-#[derive(Debug, Default)]
-struct Slot {
-    /// A lock's exclusive lease (live or expired).
-    lease: Option<Held>,
-    /// A lock's shared leases, or a semaphore's permits (expired ones dropped as they are met).
-    holders: Vec<Held>,
-    /// The limit a semaphore's holders took their permits with.
-    limit: Option<u32>,
-    /// Waiting exclusive bids' intents: token and end (see [`Bid::waits`]).
-    intents: Vec<(Token, u64)>,
-    /// The last fence granted for this key.
-    fence: Fence,
-    /// When the slot may be dropped (the Redis store's key expiry): the fence counter goes with
-    /// it and is seeded again from the clock, which keeps fences rising (see `next_fence`).
-    drop_at_ms: u64,
-}
-
-impl Slot {
-    /// Drops the holders and intents that have ended by `now_ms`.
-    fn prune(&mut self, now_ms: u64) {
-        self.holders.retain(|h| h.lease.is_live_at(now_ms));
-        self.intents.retain(|(_, end)| *end > now_ms);
-        if self.holders.is_empty() {
-            self.limit = None;
-        }
-    }
-
-    fn live_exclusive(&self, now_ms: u64) -> Option<&Held> {
-        self.lease.as_ref().filter(|h| h.lease.is_live_at(now_ms))
-    }
-
-    /// Takes the next fence and makes the lease for `bid`, keeping the slot until it ends.
-    fn lease_for(&mut self, bid: &Bid, now_us: u64) -> Held {
-        let now_ms = now_us / 1000;
-        self.fence = next_fence((self.fence > 0).then_some(self.fence), now_us);
-        let lease = Lease {
-            token: bid.token.clone(),
-            fence: self.fence,
-            expires_at_ms: now_ms + bid.ttl.as_ms(),
-            ttl_ms: bid.ttl.as_ms(),
-            owner: bid.owner.clone(),
-            request_id: bid.request_id.clone(),
-            limit: None,
-        };
-        self.keep_until(lease.expires_at_ms);
-        Held {
-            lease,
-            granted_at_ms: now_ms,
-        }
-    }
-
-    fn keep_until(&mut self, expires_at_ms: u64) {
-        self.drop_at_ms = self.drop_at_ms.max(expires_at_ms + EXPIRY_SLACK_MS);
-    }
-
-    /// The ms until something may change for a refused bid: the earliest end among `ends`.
-    fn soonest(ends: impl Iterator<Item = u64>, now_ms: u64) -> u64 {
-        ends.min().map_or(0, |end| end.saturating_sub(now_ms))
-    }
-
-    /// Ends `token`'s live lease (exclusive or among the holders).
-    fn release(&mut self, token: &Token, now_ms: u64) -> Holder<Released> {
-        self.prune(now_ms);
-        let held_ms = |h: &Held| Released {
-            held_ms: now_ms.saturating_sub(h.granted_at_ms),
-        };
-        if let Some(held) = self.live_exclusive(now_ms) {
-            if held.lease.token != *token {
-                return Holder::NotOwner;
-            }
-            let done = held_ms(held);
-            self.lease = None;
-            return Holder::Done(done);
-        }
-        match self.holders.iter().position(|h| h.lease.token == *token) {
-            Some(i) => Holder::Done(held_ms(&self.holders.remove(i))),
-            None if self.holders.is_empty() => Holder::NotHeld,
-            None => Holder::NotOwner,
-        }
-    }
-
-    /// Moves the end of `token`'s live lease; the outcome, and whether it now ends sooner.
-    fn renew(&mut self, token: &Token, ttl: Ttl, now_ms: u64) -> (Holder<Lease>, bool) {
-        self.prune(now_ms);
-        let exclusive = self
-            .lease
-            .as_ref()
-            .is_some_and(|h| h.lease.is_live_at(now_ms));
-        let held = if exclusive {
-            self.lease.as_mut().filter(|h| h.lease.token == *token)
-        } else {
-            self.holders.iter_mut().find(|h| h.lease.token == *token)
-        };
-        let Some(held) = held else {
-            let anyone = exclusive || !self.holders.is_empty();
-            return (
-                if anyone {
-                    Holder::NotOwner
-                } else {
-                    Holder::NotHeld
-                },
-                false,
-            );
-        };
-        let lease = &mut held.lease;
-        let shortened = now_ms + ttl.as_ms() < lease.expires_at_ms;
-        lease.expires_at_ms = now_ms + ttl.as_ms();
-        lease.ttl_ms = ttl.as_ms();
-        let renewed = lease.clone();
-        self.keep_until(renewed.expires_at_ms);
-        (Holder::Done(renewed), shortened)
-    }
-}
-
 /// The in-memory store.
 #[derive(Clone)]
-pub struct MemoryStore {
+pub(crate) struct MemoryStore {
     /// A std Mutex, not a tokio one: nothing awaits while holding it, and every critical section
     /// is a few map operations.
     slots: Arc<Mutex<HashMap<(Space, LockKey), Slot>>>,
@@ -155,7 +35,7 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    pub fn new(clock: Arc<dyn Clock>) -> Self {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
         Self {
             slots: Arc::default(),
             clock,
@@ -177,7 +57,7 @@ impl MemoryStore {
     }
 
     /// Drops the slots whose keys Redis would have expired by now. Returns how many were dropped.
-    pub fn sweep(&self) -> usize {
+    pub(crate) fn sweep(&self) -> usize {
         let now = self.clock.now_ms();
         let mut slots = self.slots();
         let before = slots.len();
@@ -187,17 +67,9 @@ impl MemoryStore {
 
     /// Deletes the lock `key` outright, as Redis does when the key's own expiry passes or
     /// someone runs DEL on it: the leases and the fence counter all go.
-    pub fn evict(&self, key: &LockKey) {
+    #[cfg(test)]
+    pub(crate) fn evict(&self, key: &LockKey) {
         self.slots().remove(&(Space::Locks, key.clone()));
-    }
-
-    /// How many keys the store keeps (live, expired or only a fence counter).
-    pub fn len(&self) -> usize {
-        self.slots().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Tells the waiters that `key` may be free earlier than they were told. Called after the
@@ -211,7 +83,7 @@ impl MemoryStore {
 
     /// Grants `bid` the exclusive lease in `slot` unless shared leases are live; otherwise
     /// records its intent if it waits.
-    fn grant_exclusive(slot: &mut Slot, bid: &Bid, now_us: u64) -> Grant {
+    fn grant_exclusive(slot: &mut Slot, bid: &Bid, now_us: u64) -> GrantAnswer {
         let now_ms = now_us / 1000;
         slot.prune(now_ms);
         if !slot.holders.is_empty() {
@@ -221,23 +93,14 @@ impl MemoryStore {
                     .push((bid.token.clone(), now_ms + WRITER_INTENT_MS));
                 slot.keep_until(now_ms + WRITER_INTENT_MS);
             }
-            return Grant::Refused;
+            return GrantAnswer::Refused;
         }
         slot.intents.retain(|(t, _)| *t != bid.token);
         let held = slot.lease_for(bid, now_us);
         let lease = held.lease.clone();
         slot.lease = Some(held);
-        Grant::Granted(lease)
+        GrantAnswer::Granted(lease)
     }
-}
-
-/// The fence after `last`, never below the clock in microseconds: a key with no counter (new,
-/// or dropped after its leases ended) starts from the clock, which is above any fence the key
-/// had before as long as it never saw more than one grant per microsecond on average — the
-/// Redis store does the same, so fences keep rising across a broker restart (here) or a store
-/// that lost or rolled back its data (there).
-fn next_fence(last: Option<Fence>, now_us: u64) -> Fence {
-    last.map_or(1, |l| l + 1).max(now_us)
 }
 
 fn sorted(mut holders: Vec<Lease>) -> Vec<Lease> {
@@ -246,7 +109,7 @@ fn sorted(mut holders: Vec<Lease>) -> Vec<Lease> {
 }
 
 impl Store for MemoryStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
         let now_us = self.clock.now_us();
         Ok(self.with_slot(Space::Locks, key, |slot| {
             if let Some(current) = &slot.lease {
@@ -254,9 +117,9 @@ impl Store for MemoryStore {
                     && current.lease.request_id == bid.request_id
                     && current.lease.is_live_at(now_us / 1000);
                 return if repeated {
-                    Grant::Granted(current.lease.clone())
+                    GrantAnswer::Granted(current.lease.clone())
                 } else {
-                    Grant::Refused
+                    GrantAnswer::Refused
                 };
             }
             Self::grant_exclusive(slot, bid, now_us)
@@ -280,7 +143,7 @@ impl Store for MemoryStore {
         })
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
         Ok(self.with_slot(Space::Locks, key, |slot| {
@@ -291,7 +154,7 @@ impl Store for MemoryStore {
                 Some(current)
                     if current.lease.fence == seen && !current.lease.is_live_at(now_ms) => {}
                 // Someone else took it over or claimed it, or the holder renewed it.
-                Some(_) => return Grant::Refused,
+                Some(_) => return GrantAnswer::Refused,
             }
             Self::grant_exclusive(slot, bid, now_us)
         }))
@@ -492,37 +355,4 @@ impl Store for MemoryStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::clock::ManualClock;
-    use super::*;
-
-    fn bid(ttl: u64) -> Bid {
-        Bid {
-            token: Token::generate(),
-            ttl: Ttl::from_ms(ttl),
-            owner: None,
-            request_id: None,
-            waits: false,
-        }
-    }
-
-    #[tokio::test]
-    async fn sweep_drops_keys_only_after_the_expiry_slack() {
-        let clock = ManualClock::starting_at_ms(1_000_000);
-        let store = MemoryStore::new(Arc::new(clock.clone()));
-        let key = LockKey::parse("k").unwrap();
-        let Grant::Granted(first) = store.claim(&key, &bid(100)).await.unwrap() else {
-            panic!("a free key must be granted");
-        };
-        clock.advance_ms(100 + EXPIRY_SLACK_MS - 1);
-        assert_eq!(store.sweep(), 0);
-        clock.advance_ms(1);
-        assert_eq!(store.sweep(), 1);
-        assert!(store.is_empty());
-        // The counter went with the slot; the next fence is seeded from the clock, still above.
-        let Grant::Granted(second) = store.claim(&key, &bid(100)).await.unwrap() else {
-            panic!("a swept key must be free");
-        };
-        assert!(second.fence > first.fence);
-    }
-}
+mod tests;

@@ -43,7 +43,7 @@ pub(super) enum Connector {
 }
 
 impl Connector {
-    pub fn build(
+    pub(super) fn build(
         url: &ParsedUrl,
         tcp: TcpSettings,
         tls: Option<TlsCertificates>,
@@ -119,7 +119,7 @@ impl Connector {
 
     /// A client for one server that receives every release notice: the server itself, the
     /// current master, or any node of a cluster (a plain `PUBLISH` reaches every node).
-    pub async fn notice_client(&self, attempt: usize) -> RedisResult<redis::Client> {
+    pub(super) async fn notice_client(&self, attempt: usize) -> RedisResult<redis::Client> {
         match self {
             Self::Single(client) => Ok(client.clone()),
             Self::Sentinel(sentinels) => sentinels.master_client().await,
@@ -168,7 +168,7 @@ impl Conn {
     /// write this connection made there so far. `WAIT` counts the writes of the connection it
     /// runs on, so it must follow the write on the same connection: on a cluster, the node
     /// connection that the key's slot routes to.
-    pub async fn wait_for_replicas(
+    pub(super) async fn wait_for_replicas(
         &mut self,
         key: &str,
         replicas: u32,
@@ -192,7 +192,7 @@ impl Conn {
 impl Conn {
     /// One `SCAN` step on the master whose slots start at `first_slot` (on one server: the
     /// server): the next cursor and the keys matching `pattern`.
-    pub async fn scan_step(
+    pub(super) async fn scan_step(
         &mut self,
         first_slot: u16,
         cursor: u64,
@@ -245,7 +245,9 @@ enum State {
     },
 }
 
-pub(super) struct Connection {
+/// The store's connection to Redis: the verified [`Link`] in use (or why there is none), how
+/// one is made, and the master switches that replace it.
+pub(super) struct RedisConnection {
     pub connector: Connector,
     config: AsyncConnectionConfig,
     timeout: Duration,
@@ -259,8 +261,8 @@ pub(super) struct Connection {
     opened_at_switch: AtomicU64,
 }
 
-impl Connection {
-    pub fn new(connector: Connector, timeout: Duration) -> Self {
+impl RedisConnection {
+    pub(super) fn new(connector: Connector, timeout: Duration) -> Self {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout));
@@ -281,7 +283,7 @@ impl Connection {
 
     /// The verified connection; if there is none, waits for the one being made, calling
     /// `connect` first if nobody is making one. Not bounded here: callers bound it.
-    pub async fn get(&self, connect: impl Fn()) -> StoreResult<Link> {
+    pub(super) async fn get(&self, connect: impl Fn()) -> StoreResult<Link> {
         let mut rx = self.state.subscribe();
         loop {
             let start = match &*rx.borrow_and_update() {
@@ -310,12 +312,12 @@ impl Connection {
     }
 
     /// The bound on one store call, connecting included.
-    pub fn timeout(&self) -> Duration {
+    pub(super) fn timeout(&self) -> Duration {
         self.timeout
     }
 
     /// The verified connection if there is one now; never waits.
-    pub fn current(&self) -> Option<Link> {
+    pub(super) fn current(&self) -> Option<Link> {
         match &*self.state.borrow() {
             State::Up(link) => Some(link.clone()),
             _ => None,
@@ -323,7 +325,7 @@ impl Connection {
     }
 
     /// Opens a new connection. Not yet usable: [`Connection::up`] makes it so once verified.
-    pub async fn open(&self) -> Result<Conn, StoreError> {
+    pub(super) async fn open(&self) -> Result<Conn, StoreError> {
         self.opened_at_switch
             .store(*self.switches.borrow(), Ordering::Relaxed);
         let opening = async {
@@ -340,7 +342,7 @@ impl Connection {
 
     /// Makes a verified connection the one requests use, unless the sentinels named a new master
     /// since it was opened: then requests make another one at once.
-    pub fn up(&self, conn: Conn) {
+    pub(super) fn up(&self, conn: Conn) {
         if self.opened_at_switch.load(Ordering::Relaxed) != *self.switches.borrow() {
             self.state.send_replace(State::Down {
                 error: StoreError::Failed(SWITCHED.into()),
@@ -354,7 +356,7 @@ impl Connection {
     }
 
     /// A connection attempt failed.
-    pub fn down(&self, error: StoreError) {
+    pub(super) fn down(&self, error: StoreError) {
         self.state.send_replace(State::Down {
             error,
             at: Instant::now(),
@@ -364,7 +366,7 @@ impl Connection {
     /// Stops using connection `generation` (it broke, or a call on it timed out: a connection
     /// whose far end went silent would otherwise time out every call for minutes). The next
     /// request makes a new one at once.
-    pub fn drop_link(&self, generation: u64, error: &StoreError) {
+    pub(super) fn drop_link(&self, generation: u64, error: &StoreError) {
         let dropped = self.state.send_if_modified(|s| match s {
             State::Up(link) if link.generation == generation => {
                 *s = State::Down {
@@ -383,7 +385,7 @@ impl Connection {
     /// The sentinels name a new master: stops using the connection that is up (and any being
     /// made), so the next request reaches the new master through them and checks its epoch
     /// first; tells the notice subscriber to move too.
-    pub fn master_switched(&self) {
+    pub(super) fn master_switched(&self) {
         self.switches.send_modify(|n| *n += 1);
         self.state.send_if_modified(|s| match s {
             State::Up(_) => {
@@ -398,7 +400,7 @@ impl Connection {
     }
 
     /// Changes with every master switch (see [`Connection::master_switched`]).
-    pub fn switches(&self) -> watch::Receiver<u64> {
+    pub(super) fn switches(&self) -> watch::Receiver<u64> {
         self.switches.subscribe()
     }
 }

@@ -88,7 +88,7 @@ impl EpochState {
 }
 
 impl Epoch {
-    pub fn new(settle: Duration, loss_delay: Duration) -> Self {
+    pub(super) fn new(settle: Duration, loss_delay: Duration) -> Self {
         Self {
             state: Mutex::default(),
             catching_up: tokio::sync::Mutex::default(),
@@ -98,14 +98,14 @@ impl Epoch {
         }
     }
 
-    pub fn state(&self) -> MutexGuard<'_, EpochState> {
+    pub(super) fn state(&self) -> MutexGuard<'_, EpochState> {
         // Each write is one assignment: a poisoned lock is still consistent.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The epoch a grant on a key of `slot` (on a cluster) may be made in, or the hold while
     /// this broker is putting leases back.
-    pub fn for_grant(&self, slot: Option<u16>) -> Result<String, Hold> {
+    pub(super) fn for_grant(&self, slot: Option<u16>) -> Result<String, Hold> {
         let state = self.state();
         if state.putting_back_to.is_some() {
             return Err(Hold {
@@ -118,7 +118,7 @@ impl Epoch {
 
     /// Whether `epoch` is older than the newest epoch this broker has seen for `slot` (or the
     /// one it is putting leases back into, if any).
-    pub fn is_behind(&self, slot: Option<u16>, epoch: &str) -> bool {
+    pub(super) fn is_behind(&self, slot: Option<u16>, epoch: &str) -> bool {
         let state = self.state();
         if let Some(latest) = &state.putting_back_to {
             return latest != epoch;
@@ -129,7 +129,7 @@ impl Epoch {
     /// Cluster: a slot's marker is in `epoch`, not its master's. If `epoch` is the current
     /// epoch of a master this broker has caught up with, the slot moved from that master with
     /// its data (and its marker): grants on it go on in that epoch. `false` otherwise.
-    pub fn adopt(&self, slot: u16, epoch: &str) -> bool {
+    pub(super) fn adopt(&self, slot: u16, epoch: &str) -> bool {
         let mut state = self.state();
         if !state.known.values().any(|known| known == epoch) {
             return false;
@@ -142,7 +142,7 @@ impl Epoch {
         true
     }
 
-    pub fn putting_back(&self) -> bool {
+    pub(super) fn putting_back(&self) -> bool {
         self.state().putting_back_to.is_some()
     }
 }
@@ -152,7 +152,7 @@ impl Epoch {
 pub(super) struct PuttingBack<'a>(&'a Epoch);
 
 impl<'a> PuttingBack<'a> {
-    pub fn begin(epoch: &'a Epoch, into: &str) -> Self {
+    pub(super) fn begin(epoch: &'a Epoch, into: &str) -> Self {
         epoch.state().putting_back_to = Some(into.to_owned());
         Self(epoch)
     }
@@ -174,7 +174,7 @@ pub(super) struct PutBackReport {
 }
 
 impl PutBackReport {
-    pub fn add(&mut self, other: &PutBackReport) {
+    pub(super) fn add(&mut self, other: &PutBackReport) {
         self.written += other.written;
         self.already_there += other.already_there;
         self.double_claims += other.double_claims;
@@ -191,18 +191,18 @@ pub(super) struct Shard {
 }
 
 impl Shard {
-    pub fn whole() -> Self {
+    pub(super) fn whole() -> Self {
         Self {
             first: 0,
             ranges: Vec::new(),
         }
     }
 
-    pub fn holds(&self, slot: u16) -> bool {
+    pub(super) fn holds(&self, slot: u16) -> bool {
         self.ranges.is_empty() || self.ranges.iter().any(|(a, b)| (*a..=*b).contains(&slot))
     }
 
-    pub fn slots(&self) -> impl Iterator<Item = u16> + '_ {
+    pub(super) fn slots(&self) -> impl Iterator<Item = u16> + '_ {
         self.ranges.iter().flat_map(|(a, b)| *a..=*b)
     }
 }

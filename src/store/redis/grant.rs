@@ -126,7 +126,7 @@ impl RedisStore {
             tries += 1;
             let known = match self.epoch.for_grant(slot) {
                 Ok(known) => known,
-                Err(hold) => return Ok(Err(NotGranted::Held(hold))),
+                Err(hold) => return Ok(Err(NotGranted::OnHold(hold))),
             };
             let marker = match attempt(known.clone()).await? {
                 Epoched::Answered(GrantReply::Granted(granted)) => return Ok(Ok((granted, known))),
@@ -139,11 +139,11 @@ impl RedisStore {
                 (2, Some(slot), None) => self.clone().repair_task(slot).await?,
                 (1 | 2, ..) => {
                     if let Some(hold) = self.clone().catch_up_task().await? {
-                        return Ok(Err(NotGranted::Held(hold)));
+                        return Ok(Err(NotGranted::OnHold(hold)));
                     }
                 }
                 _ => {
-                    return Ok(Err(NotGranted::Held(Hold {
+                    return Ok(Err(NotGranted::OnHold(Hold {
                         reason: HoldReason::PuttingBack,
                         retry_after_ms: 1_000,
                     })));

@@ -23,7 +23,7 @@ mod replicas;
 mod scripts;
 mod sentinel;
 mod slots;
-pub mod url;
+pub(crate) mod url;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,7 +32,7 @@ use std::time::Duration;
 use redis::io::tcp::{TcpSettings, socket2};
 use redis::{ClientTlsConfig, TlsCertificates};
 
-use self::connection::{Connection, Connector};
+use self::connection::{Connector, RedisConnection};
 use self::epoch::Epoch;
 use self::keys::Layout;
 use self::replicas::Replicas;
@@ -129,7 +129,7 @@ pub struct RedisStore {
     /// broker listens: `notices.rs`).
     channel: Arc<str>,
     /// The one verified connection, and the store's time bound (`connection.rs`, `calls.rs`).
-    connection: Arc<Connection>,
+    connection: Arc<RedisConnection>,
     scripts: Arc<Scripts>,
     /// What this broker knows of the store's epoch, and how long a new one holds grants
     /// (`epoch.rs`, `check.rs`).
@@ -172,7 +172,7 @@ impl RedisStore {
                 cluster,
             }),
             channel: format!("{prefix}released").into(),
-            connection: Arc::new(Connection::new(connector, settings.timeout)),
+            connection: Arc::new(RedisConnection::new(connector, settings.timeout)),
             scripts: Arc::new(Scripts::new()),
             epoch: Arc::new(Epoch::new(settings.store_settle, settings.store_loss_delay)),
             ledger: Arc::default(),

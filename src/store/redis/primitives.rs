@@ -15,23 +15,23 @@ use super::scripts::{
 use super::{RedisStore, listing, notices, sentinel};
 use crate::domain::{Fence, Lease, LockKey, Token, Ttl};
 use crate::store::{
-    Bid, Grant, Hold, HoldReason, Holder, Join, Kind, ListQuery, Notice, Page, Permits, Pool,
+    Bid, GrantAnswer, Hold, HoldReason, Holder, Join, Kind, ListQuery, Notice, Page, Permits, Pool,
     Released, Snapshot, Space, Store, StoreError, StoreResult,
 };
 
 /// The answer of CLAIM or TAKE_OVER.
-fn exclusive(granted: Result<Lease, NotGranted>) -> Grant {
+fn exclusive(granted: Result<Lease, NotGranted>) -> GrantAnswer {
     match granted {
-        Ok(lease) => Grant::Granted(lease),
-        Err(NotGranted::Held(hold)) => Grant::Held(hold),
+        Ok(lease) => GrantAnswer::Granted(lease),
+        Err(NotGranted::OnHold(hold)) => GrantAnswer::OnHold(hold),
         Err(NotGranted::Refused | NotGranted::Busy { .. } | NotGranted::LimitMismatch { .. }) => {
-            Grant::Refused
+            GrantAnswer::Refused
         }
     }
 }
 
 impl Store for RedisStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<Grant> {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
         self.grant(GrantScript::Claim, key, bid)
             .await
             .map(exclusive)
@@ -42,7 +42,7 @@ impl Store for RedisStore {
         self.run(&Read { keys: &keys }).await
     }
 
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<Grant> {
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
         self.grant(GrantScript::TakeOver { seen }, key, bid)
             .await
             .map(exclusive)
@@ -64,7 +64,7 @@ impl Store for RedisStore {
             ReleaseReply::Released { held_ms } => Holder::Done(Released { held_ms }),
             ReleaseReply::Refused(refusal) => refusal.answer(),
         };
-        if !matches!(outcome, Holder::Held(_)) {
+        if !matches!(outcome, Holder::OnHold(_)) {
             self.ledger.forget_any(space, key, token);
         }
         Ok(outcome)
@@ -90,7 +90,7 @@ impl Store for RedisStore {
         let (kind, renewed) = match (space, reply) {
             (_, RenewReply::Refused(refusal)) => {
                 let outcome = refusal.answer();
-                if !matches!(outcome, Holder::Held(_)) {
+                if !matches!(outcome, Holder::OnHold(_)) {
                     self.ledger.forget_any(space, key, token);
                 }
                 return Ok(outcome);
@@ -150,7 +150,7 @@ impl Store for RedisStore {
     async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
         Ok(match self.grant(GrantScript::Join(pool), key, bid).await? {
             Ok(lease) => Join::Granted(lease),
-            Err(NotGranted::Held(hold)) => Join::Held(hold),
+            Err(NotGranted::OnHold(hold)) => Join::OnHold(hold),
             Err(NotGranted::Busy { retry_after_ms }) => Join::Busy { retry_after_ms },
             Err(NotGranted::LimitMismatch { limit }) => Join::LimitMismatch { limit },
             Err(NotGranted::Refused) => {

@@ -196,7 +196,7 @@ impl RedisStore {
             let mut pause = Duration::from_millis(50);
             loop {
                 match crate::store::Store::release(&store, space, &key, &token).await {
-                    Ok(Holder::Held(_)) | Err(_) if Instant::now() + pause < give_up => {
+                    Ok(Holder::OnHold(_)) | Err(_) if Instant::now() + pause < give_up => {
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(Duration::from_secs(1));
                     }

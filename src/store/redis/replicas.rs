@@ -146,7 +146,7 @@ pub(super) struct Told {
 }
 
 impl Replicas {
-    pub fn new(acks: u32, store_timeout: Duration) -> Self {
+    pub(super) fn new(acks: u32, store_timeout: Duration) -> Self {
         Self {
             acks,
             wait_ms: (millis(store_timeout) / 2).max(1),
@@ -160,7 +160,7 @@ impl Replicas {
     /// After a grant, before it is answered: `Ok` once enough replicas have it. Otherwise a
     /// lease this request created is released (one handed back again by request id was
     /// granted, and answered, before), and the error is the answer.
-    pub async fn confirm_grant(
+    pub(super) async fn confirm_grant(
         &self,
         store: &RedisStore,
         space: Space,
@@ -186,7 +186,7 @@ impl Replicas {
 
     /// Before a renewal: the lease as its holder knows it (exclusive, shared or a permit), if
     /// acknowledgements are asked for.
-    pub async fn before_renew(
+    pub(super) async fn before_renew(
         &self,
         store: &RedisStore,
         space: Space,
@@ -225,7 +225,7 @@ impl Replicas {
     /// After a renewal, before it is answered: `Ok` once enough replicas have it. Otherwise the
     /// lease's end before the renewal is put back (see the module's documentation) and the
     /// error is the answer.
-    pub async fn confirm_renew(
+    pub(super) async fn confirm_renew(
         &self,
         store: &RedisStore,
         space: Space,

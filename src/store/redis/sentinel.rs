@@ -73,7 +73,7 @@ struct Sentinel {
 }
 
 impl Sentinels {
-    pub fn new(
+    pub(super) fn new(
         url: &ParsedUrl,
         tcp: TcpSettings,
         certs: Option<TlsCertificates>,
@@ -111,7 +111,7 @@ impl Sentinels {
     /// The master that a majority of the URL's sentinels name now; an error while they
     /// disagree (during a failover) or too few of them answer. Answers as soon as a majority
     /// agrees: a sentinel that does not answer costs nothing then.
-    pub async fn master(&self) -> RedisResult<Addr> {
+    pub(super) async fn master(&self) -> RedisResult<Addr> {
         let needed = self.sentinels.len() / 2 + 1;
         let mut answers: FuturesUnordered<_> = self.sentinels.iter().map(|s| self.ask(s)).collect();
         let mut votes: HashMap<Addr, usize> = HashMap::new();
@@ -186,14 +186,17 @@ impl Sentinels {
     }
 
     /// A client for the master a majority of the sentinels name (for the notice subscriber).
-    pub async fn master_client(&self) -> RedisResult<redis::Client> {
+    pub(super) async fn master_client(&self) -> RedisResult<redis::Client> {
         self.client(self.master().await?)
     }
 
     /// A connection to the master a majority of the sentinels name, confirmed a master with
     /// `ROLE` on that connection: a replica promoted a moment ago may still be a replica, and an
     /// old master demoted a moment ago is one.
-    pub async fn open(&self, config: &AsyncConnectionConfig) -> RedisResult<MultiplexedConnection> {
+    pub(super) async fn open(
+        &self,
+        config: &AsyncConnectionConfig,
+    ) -> RedisResult<MultiplexedConnection> {
         let addr = self.master().await?;
         let mut conn = self
             .client(addr.clone())?
@@ -212,7 +215,7 @@ impl Sentinels {
     }
 
     /// The master the last connection opened reached.
-    pub fn connected(&self) -> Option<Addr> {
+    pub(super) fn connected(&self) -> Option<Addr> {
         self.connected
             .lock()
             .unwrap_or_else(|e| e.into_inner())

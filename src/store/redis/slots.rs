@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 /// Number of hash slots in a Redis Cluster.
-pub const SLOTS: u16 = 16384;
+pub(super) const SLOTS: u16 = 16384;
 
 /// The slot of `key`: CRC16 (XMODEM) of its hash tag (the part between the first `{` and the
 /// next `}`, if not empty) or of the whole key, modulo 16384 — Redis Cluster's rule.
@@ -24,7 +24,7 @@ pub fn slot_of(key: &[u8]) -> u16 {
 
 /// A hash tag for `slot`: `slot_of("{<tag>}") == slot`. The shortest found by counting up in
 /// hexadecimal, computed once (about 160,000 CRCs, a few milliseconds).
-pub fn tag_for(slot: u16) -> &'static str {
+pub(super) fn tag_for(slot: u16) -> &'static str {
     static TAGS: OnceLock<Vec<String>> = OnceLock::new();
     let tags = TAGS.get_or_init(|| {
         let mut tags = vec![String::new(); usize::from(SLOTS)];

@@ -232,7 +232,7 @@ impl std::fmt::Debug for RedisUrl {
 }
 
 /// The address of a Redis node, over TLS (with certificate and host name checks) or not.
-pub fn node_addr(host: String, port: u16, tls: bool) -> ConnectionAddr {
+pub(crate) fn node_addr(host: String, port: u16, tls: bool) -> ConnectionAddr {
     if tls {
         ConnectionAddr::TcpTls {
             host,

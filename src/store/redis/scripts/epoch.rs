@@ -3,7 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
-use super::{Call, Fields, Lua, ScriptCall, Scripts, unknown};
+use super::{Fields, unknown};
 use crate::domain::Fence;
 use crate::store::ledger::Entry;
 use crate::store::redis::keys::RedisKeys;
@@ -19,19 +19,15 @@ pub(crate) struct Check<'a> {
     pub channel: &'a str,
 }
 
-impl ScriptCall for Check<'_> {
+script_call! {
+    Check<'_> => check,
     type Reply = Checked;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.check
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        call.key(self.marker);
-        call.arg(self.known.unwrap_or(""))
-            .arg(self.settle_ms)
-            .arg(self.loss_delay_ms)
-            .arg(self.channel);
+    |this, call| {
+        call.key(this.marker);
+        call.arg(this.known.unwrap_or(""))
+            .arg(this.settle_ms)
+            .arg(this.loss_delay_ms)
+            .arg(this.channel);
     }
 }
 
@@ -47,7 +43,7 @@ pub(crate) struct Checked {
 
 impl Checked {
     /// The store-wide hold in force on the shard, if any.
-    pub fn hold(&self) -> Option<Hold> {
+    pub(crate) fn hold(&self) -> Option<Hold> {
         (self.now_ms < self.hold_until_ms).then(|| Hold {
             reason: if self.reason == "loss" {
                 HoldReason::Loss
@@ -80,17 +76,13 @@ pub(crate) struct Mark<'a> {
     pub checked: &'a Checked,
 }
 
-impl ScriptCall for Mark<'_> {
+script_call! {
+    Mark<'_> => mark,
     /// Always 1.
     type Reply = i64;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.mark
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        let checked = self.checked;
-        call.key(self.marker);
+    |this, call| {
+        let checked = this.checked;
+        call.key(this.marker);
         call.arg(&checked.id)
             .arg(&checked.run_id)
             .arg(checked.hold_until_ms)
@@ -108,20 +100,16 @@ pub(crate) struct Repair<'a> {
     pub announcement: &'a str,
 }
 
-impl ScriptCall for Repair<'_> {
+script_call! {
+    Repair<'_> => repair,
     /// Whether it wrote the marker (`false`: one was there).
     type Reply = bool;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.repair
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        call.key(self.marker);
-        call.arg(self.epoch)
-            .arg(self.hold_ms)
-            .arg(self.channel)
-            .arg(self.announcement);
+    |this, call| {
+        call.key(this.marker);
+        call.arg(this.epoch)
+            .arg(this.hold_ms)
+            .arg(this.channel)
+            .arg(this.announcement);
     }
 }
 
@@ -139,16 +127,12 @@ pub(crate) struct LeaseBack<'a> {
     pub remaining_ms: u64,
 }
 
-impl ScriptCall for PutBack<'_> {
+script_call! {
+    PutBack<'_> => put_back,
     type Reply = PutBackReply;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.put_back
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        call.key(self.marker);
-        for LeaseBack { keys, entry, .. } in &self.leases {
+    |this, call| {
+        call.key(this.marker);
+        for LeaseBack { keys, entry, .. } in &this.leases {
             match entry.kind {
                 Kind::Exclusive => call
                     .key(&keys.lock)
@@ -162,14 +146,14 @@ impl ScriptCall for PutBack<'_> {
                     .key(&keys.lock),
             };
         }
-        call.arg(self.epoch).arg(EXPIRY_SLACK_MS);
+        call.arg(this.epoch).arg(EXPIRY_SLACK_MS);
         // '' for none, else '=' and the value.
         let given = |v: Option<&str>| v.map_or(String::new(), |v| format!("={v}"));
         for LeaseBack {
             entry,
             remaining_ms,
             ..
-        } in &self.leases
+        } in &this.leases
         {
             match entry.kind {
                 Kind::Exclusive => call.arg("x"),

@@ -3,7 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
-use super::{Call, Fields, Lua, ScriptCall, Scripts, held, unknown};
+use super::{Fields, hold_in, unknown};
 use crate::domain::Fence;
 use crate::store::redis::keys::RedisKeys;
 use crate::store::{Bid, EXPIRY_SLACK_MS, Hold, Pool};
@@ -18,18 +18,14 @@ pub(crate) struct Claim<'a> {
     pub epoch: &'a str,
 }
 
-impl ScriptCall for Claim<'_> {
+script_call! {
+    Claim<'_> => claim,
     type Reply = Epoched<GrantReply>;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.claim
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        let (keys, bid) = (self.keys, self.bid);
+    |this, call| {
+        let (keys, bid) = (this.keys, this.bid);
         call.key(&keys.lock)
             .key(&keys.fence)
-            .key(self.marker)
+            .key(this.marker)
             .key(&keys.pool)
             .key(&keys.ends)
             .key(&keys.writers);
@@ -38,7 +34,7 @@ impl ScriptCall for Claim<'_> {
             .arg(if bid.owner.is_some() { "1" } else { "0" })
             .arg(bid.owner.as_ref().map_or("", |o| o.as_str()))
             .arg(EXPIRY_SLACK_MS)
-            .arg(self.epoch)
+            .arg(this.epoch)
             .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()))
             .arg(if bid.waits { "1" } else { "0" });
     }
@@ -50,16 +46,12 @@ pub(crate) struct TakeOver<'a> {
     pub seen: Fence,
 }
 
-impl ScriptCall for TakeOver<'_> {
+script_call! {
+    TakeOver<'_> => take_over,
     type Reply = Epoched<GrantReply>;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.take_over
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        self.claim.write(call);
-        call.arg(self.seen);
+    |this, call| {
+        this.claim.write(call);
+        call.arg(this.seen);
     }
 }
 
@@ -72,20 +64,16 @@ pub(crate) struct Join<'a> {
     pub epoch: &'a str,
 }
 
-impl ScriptCall for Join<'_> {
+script_call! {
+    Join<'_> => join,
     type Reply = Epoched<GrantReply>;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.join
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        let (keys, bid) = (self.keys, self.bid);
+    |this, call| {
+        let (keys, bid) = (this.keys, this.bid);
         call.key(&keys.pool)
             .key(&keys.ends)
             .key(&keys.fence)
-            .key(self.marker);
-        if self.pool == Pool::Shared {
+            .key(this.marker);
+        if this.pool == Pool::Shared {
             call.key(&keys.lock).key(&keys.writers);
         }
         call.arg(bid.token.as_str())
@@ -97,11 +85,11 @@ impl ScriptCall for Join<'_> {
                     .map_or(String::new(), |o| format!("={}", o.as_str())),
             )
             .arg(EXPIRY_SLACK_MS)
-            .arg(match self.pool {
+            .arg(match this.pool {
                 Pool::Shared => String::new(),
                 Pool::Semaphore { limit } => limit.to_string(),
             })
-            .arg(self.epoch)
+            .arg(this.epoch)
             .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()));
     }
 }
@@ -127,7 +115,7 @@ pub(crate) enum NotGranted {
     /// Code 0 (CLAIM, TAKE_OVER): the key holds a lease, or another contender won it.
     Refused,
     /// Code 2: a store-wide hold is in force.
-    Held(Hold),
+    OnHold(Hold),
     /// Code 4 (JOIN): no room now; something may change in this many ms.
     Busy { retry_after_ms: u64 },
     /// Code 5 (JOIN): the live holders use this other limit.
@@ -158,7 +146,7 @@ impl FromRedisValue for Epoched<GrantReply> {
                 ttl_ms: fields.next()?,
                 now_ms: fields.next()?,
             })),
-            2 => not(NotGranted::Held(held(&mut fields)?)),
+            2 => not(NotGranted::OnHold(hold_in(&mut fields)?)),
             3 => Epoched::OtherEpoch(fields.next()?),
             4 => not(NotGranted::Busy {
                 retry_after_ms: fields.next()?,

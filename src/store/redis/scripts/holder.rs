@@ -3,7 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
-use super::{Call, Fields, Lua, ScriptCall, Scripts, held, unknown};
+use super::{Call, Fields, hold_in, unknown};
 use crate::domain::{Fence, Owner, Token, Ttl};
 use crate::store::redis::keys::{Place, RedisKeys};
 use crate::store::{EXPIRY_SLACK_MS, Hold, Holder};
@@ -16,7 +16,7 @@ pub(crate) struct HolderKeys<'a> {
 }
 
 impl<'a> HolderKeys<'a> {
-    pub fn of(place: &'a Place<'_>) -> Self {
+    pub(crate) fn of(place: &'a Place<'_>) -> Self {
         Self {
             keys: &place.keys,
             marker: &place.marker,
@@ -38,18 +38,14 @@ pub(crate) struct Release<'a> {
     pub channel: &'a str,
 }
 
-impl ScriptCall for Release<'_> {
+script_call! {
+    Release<'_> => release,
     type Reply = ReleaseReply;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.release
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        self.on.write(call);
-        call.arg(self.token.as_str())
-            .arg(self.channel)
-            .arg(&self.on.keys.notice);
+    |this, call| {
+        this.on.write(call);
+        call.arg(this.token.as_str())
+            .arg(this.channel)
+            .arg(&this.on.keys.notice);
     }
 }
 
@@ -61,20 +57,16 @@ pub(crate) struct Renew<'a> {
     pub channel: &'a str,
 }
 
-impl ScriptCall for Renew<'_> {
+script_call! {
+    Renew<'_> => renew,
     type Reply = RenewReply;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.renew
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        self.on.write(call);
-        call.arg(self.token.as_str())
-            .arg(self.ttl.as_ms())
+    |this, call| {
+        this.on.write(call);
+        call.arg(this.token.as_str())
+            .arg(this.ttl.as_ms())
             .arg(EXPIRY_SLACK_MS)
-            .arg(self.channel)
-            .arg(&self.on.keys.notice);
+            .arg(this.channel)
+            .arg(&this.on.keys.notice);
     }
 }
 
@@ -84,16 +76,12 @@ pub(crate) struct Force<'a> {
     pub channel: &'a str,
 }
 
-impl ScriptCall for Force<'_> {
+script_call! {
+    Force<'_> => force,
     type Reply = ForceReply;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.force
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        self.on.write(call);
-        call.arg(self.channel).arg(&self.on.keys.notice);
+    |this, call| {
+        this.on.write(call);
+        call.arg(this.channel).arg(&this.on.keys.notice);
     }
 }
 
@@ -104,7 +92,7 @@ pub(crate) enum Refusal {
     /// Code 2: another token's live lease.
     NotOwner,
     /// Code 3: not this token's, but a store-wide hold is in force.
-    Held(Hold),
+    OnHold(Hold),
 }
 
 impl Refusal {
@@ -112,16 +100,16 @@ impl Refusal {
         Ok(match code {
             0 => Refusal::NotHeld,
             2 => Refusal::NotOwner,
-            3 => Refusal::Held(held(fields)?),
+            3 => Refusal::OnHold(hold_in(fields)?),
             code => return Err(unknown(script, code)),
         })
     }
 
-    pub fn answer<T>(self) -> Holder<T> {
+    pub(crate) fn answer<T>(self) -> Holder<T> {
         match self {
             Refusal::NotHeld => Holder::NotHeld,
             Refusal::NotOwner => Holder::NotOwner,
-            Refusal::Held(hold) => Holder::Held(hold),
+            Refusal::OnHold(hold) => Holder::OnHold(hold),
         }
     }
 }

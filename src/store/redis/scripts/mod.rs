@@ -33,6 +33,33 @@
 //! per slot, `<prefix>epoch{<tag>}`, so that a script's keys stay on one slot. See `epoch.rs` for
 //! what an epoch is.
 
+/// Implements [`ScriptCall`] for a call type: the script it runs (its field of [`Scripts`]),
+/// what it answers, and how it writes its keys and arguments (`this` is the call).
+macro_rules! script_call {
+    (
+        $call:ty => $script:ident,
+        $(#[$doc:meta])*
+        type Reply = $reply:ty;
+        |$this:ident, $out:ident| $write:block
+    ) => {
+        impl $crate::store::redis::scripts::ScriptCall for $call {
+            $(#[$doc])*
+            type Reply = $reply;
+
+            fn script(
+                scripts: &$crate::store::redis::scripts::Scripts,
+            ) -> &$crate::store::redis::scripts::Lua {
+                &scripts.$script
+            }
+
+            fn write(&self, $out: &mut $crate::store::redis::scripts::Call<'_>) {
+                let $this = self;
+                $write
+            }
+        }
+    };
+}
+
 mod epoch;
 mod grant;
 mod holder;
@@ -112,12 +139,12 @@ impl Call<'_> {
     }
 
     /// `EVALSHA`: the server runs the script if it has it cached.
-    pub fn by_sha(&self) -> Cmd {
+    pub(super) fn by_sha(&self) -> Cmd {
         self.command("EVALSHA", self.lua.sha.get_hash().as_bytes())
     }
 
     /// `EVAL` with the source, which also caches it on that server.
-    pub fn with_source(&self) -> Cmd {
+    pub(super) fn with_source(&self) -> Cmd {
         self.command("EVAL", self.lua.source.as_bytes())
     }
 
@@ -131,7 +158,7 @@ impl Call<'_> {
     }
 
     /// Decodes the script's reply, or says which script answered what the broker cannot read.
-    pub fn decode<T: FromRedisValue>(&self, reply: Value) -> StoreResult<T> {
+    pub(super) fn decode<T: FromRedisValue>(&self, reply: Value) -> StoreResult<T> {
         T::from_redis_value(reply).map_err(|e| {
             StoreError::Failed(format!(
                 "Redis answered the {} script with a malformed reply: {e}",
@@ -162,7 +189,7 @@ pub(crate) struct Scripts {
 }
 
 impl Scripts {
-    pub fn new() -> Self {
+    pub(super) fn new() -> Self {
         macro_rules! lua {
             ($name:literal: $($file:literal),+) => {
                 Lua::new($name, concat!($(include_str!($file)),+))
@@ -185,7 +212,7 @@ impl Scripts {
     }
 
     /// `call`'s script with its keys and arguments.
-    pub fn call<S: ScriptCall>(&self, call: &S) -> Call<'_> {
+    pub(super) fn call<S: ScriptCall>(&self, call: &S) -> Call<'_> {
         let mut built = Call {
             lua: S::script(self),
             keys: Vec::new(),
@@ -202,7 +229,7 @@ impl Scripts {
 pub(crate) struct Fields(std::vec::IntoIter<Value>);
 
 impl Fields {
-    pub fn of(reply: Value) -> Result<Self, ParsingError> {
+    pub(super) fn of(reply: Value) -> Result<Self, ParsingError> {
         match reply {
             Value::Array(items) => Ok(Self(items.into_iter())),
             other => Err(format!("expected an array, got {other:?}").into()),
@@ -210,7 +237,7 @@ impl Fields {
     }
 
     /// The next field, as a `T`.
-    pub fn next<T: FromRedisValue>(&mut self) -> Result<T, ParsingError> {
+    pub(super) fn next<T: FromRedisValue>(&mut self) -> Result<T, ParsingError> {
         let value = self
             .0
             .next()
@@ -218,12 +245,12 @@ impl Fields {
         T::from_redis_value(value)
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(super) fn is_empty(&self) -> bool {
         self.0.len() == 0
     }
 
     /// The end of the reply: nothing may be left.
-    pub fn finish(self) -> Result<(), ParsingError> {
+    pub(super) fn finish(self) -> Result<(), ParsingError> {
         if self.is_empty() {
             Ok(())
         } else {
@@ -233,7 +260,7 @@ impl Fields {
 }
 
 /// A store-wide hold as the scripts report it: its end and Redis's clock (ms), and its reason.
-fn held(fields: &mut Fields) -> Result<Hold, ParsingError> {
+fn hold_in(fields: &mut Fields) -> Result<Hold, ParsingError> {
     let hold_until_ms: u64 = fields.next()?;
     let now_ms: u64 = fields.next()?;
     let reason: String = fields.next()?;

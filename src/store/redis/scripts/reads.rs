@@ -3,7 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
-use super::{Call, Fields, Lua, ScriptCall, Scripts};
+use super::Fields;
 use crate::domain::{Lease, Owner, RequestId, Token};
 use crate::store::redis::keys::RedisKeys;
 use crate::store::{Permits, Snapshot};
@@ -13,17 +13,13 @@ pub(crate) struct Read<'a> {
     pub keys: &'a RedisKeys,
 }
 
-impl ScriptCall for Read<'_> {
+script_call! {
+    Read<'_> => read,
     type Reply = Snapshot;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.read
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        call.key(&self.keys.lock)
-            .key(&self.keys.pool)
-            .key(&self.keys.ends);
+    |this, call| {
+        call.key(&this.keys.lock)
+            .key(&this.keys.pool)
+            .key(&this.keys.ends);
     }
 }
 
@@ -32,15 +28,11 @@ pub(crate) struct ReadPermits<'a> {
     pub keys: &'a RedisKeys,
 }
 
-impl ScriptCall for ReadPermits<'_> {
+script_call! {
+    ReadPermits<'_> => permits,
     type Reply = Permits;
-
-    fn script(scripts: &Scripts) -> &Lua {
-        &scripts.permits
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        call.key(&self.keys.pool).key(&self.keys.ends);
+    |this, call| {
+        call.key(&this.keys.pool).key(&this.keys.ends);
     }
 }
 

@@ -68,7 +68,7 @@ fn a_grant_reply_decodes_by_its_code_and_nothing_may_be_missing_or_left_over() {
     ));
     assert!(matches!(
         Epoched::<GrantReply>::from_redis_value(reply(vec![int(2), int(900), int(400), text("loss")])),
-        Ok(Epoched::Answered(GrantReply::NotGranted(NotGranted::Held(hold))))
+        Ok(Epoched::Answered(GrantReply::NotGranted(NotGranted::OnHold(hold))))
             if hold.retry_after_ms == 500 && hold.reason == crate::store::HoldReason::Loss
     ));
     assert!(Epoched::<GrantReply>::from_redis_value(reply(vec![int(6)])).is_err());

@@ -7,135 +7,21 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::lock::Kind;
-use crate::store::Space;
+use crate::store::{Kind, Space};
 
-/// A store primitive, as a label value.
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
-#[allow(non_camel_case_types)] // label values are written as the variants are named
-pub enum StoreOp {
-    claim,
-    read,
-    take_over,
-    release,
-    renew,
-    ping,
-    join,
-    permits,
-    force_release,
-    list,
-}
+mod labels;
 
-impl StoreOp {
-    const ALL: [Self; 10] = [
-        Self::claim,
-        Self::read,
-        Self::take_over,
-        Self::release,
-        Self::renew,
-        Self::ping,
-        Self::join,
-        Self::permits,
-        Self::force_release,
-        Self::list,
-    ];
-}
-
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OpLabels {
-    op: StoreOp,
-}
-
-/// A decision of the auth layer: the token's name (bounded by the auth file; empty when no
-/// known token was sent) and the result. Never the token itself.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct AuthLabels {
-    token: String,
-    result: &'static str,
-}
-
-/// A kind of acquire, as a label value.
-fn kind_label(kind: Kind) -> &'static str {
-    match kind {
-        Kind::Exclusive => "exclusive",
-        Kind::Shared => "shared",
-        Kind::Semaphore { .. } => "semaphore",
-    }
-}
-
-/// A key space, as a label value.
-fn space_label(space: Space) -> &'static str {
-    match space {
-        Space::Locks => "locks",
-        Space::Semaphores => "semaphores",
-    }
-}
-
-/// An acquire's labels: what it asked for and how it ended.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindLabels {
-    kind: &'static str,
-    result: &'static str,
-}
-
-/// A holder-checked operation's labels: its key space and how it ended.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct SpaceLabels {
-    space: &'static str,
-    result: &'static str,
-}
-
-/// Counters by result and one more label (a kind or a space), each series created up front so
-/// that every one shows from the first scrape.
-struct ByResult<L> {
-    family: Family<L, Counter>,
-    /// The result label of each result (`AcquireResult` or `HolderResult`, as `usize`).
-    results: &'static [&'static str],
-}
-
-impl<L: EncodeLabelSet + Clone + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync + 'static>
-    ByResult<L>
-{
-    fn register(
-        registry: &mut Registry,
-        name: &str,
-        help: &str,
-        results: &'static [&'static str],
-        series: impl IntoIterator<Item = L>,
-    ) -> Self {
-        let family = Family::<L, Counter>::default();
-        registry.register(name, help, family.clone());
-        for labels in series {
-            let _ = family.get_or_create(&labels);
-        }
-        Self { family, results }
-    }
-}
-
-/// Every (space, result) pair of `results`.
-fn by_space(results: &'static [&'static str]) -> impl Iterator<Item = SpaceLabels> {
-    [Space::Locks, Space::Semaphores]
-        .into_iter()
-        .flat_map(move |space| {
-            results.iter().map(move |result| SpaceLabels {
-                space: space_label(space),
-                result,
-            })
-        })
-}
-
-const ACQUIRE_RESULTS: &[&str] = &["granted", "locked", "error", "limit_mismatch"];
-const RENEW_RESULTS: &[&str] = &["renewed", "not_held", "not_owner", "error"];
-const RELEASE_RESULTS: &[&str] = &["released", "not_held", "not_owner", "error"];
-/// Force release knows no owner: a `not_owner` from the store would be a bug, counted as error.
-const FORCE_RESULTS: &[&str] = &["released", "not_held", "error"];
+pub use self::labels::StoreOp;
+use self::labels::{
+    ACQUIRE_RESULTS, AuthLabels, ByResult, FORCE_RESULTS, KindLabels, OpLabels, RELEASE_RESULTS,
+    RENEW_RESULTS, SpaceLabels, by_space, kind_label, space_label,
+};
 
 fn seconds_histogram() -> Histogram {
     // 0.5 ms to about 65 s.
@@ -434,7 +320,7 @@ impl Metrics {
 
 /// The process's resident set size, from `/proc/self/statm` (pages × 4 KiB, the page size of
 /// every Linux platform the broker is built for); 0 where that file does not exist.
-pub fn resident_memory_bytes() -> u64 {
+pub(crate) fn resident_memory_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
         .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
@@ -442,56 +328,7 @@ pub fn resident_memory_bytes() -> u64 {
 }
 
 /// The content type of [`Metrics::render`]'s output.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_exposition_names_every_series_the_docs_promise() {
-        let m = Metrics::default();
-        m.acquired(
-            Kind::Exclusive,
-            AcquireResult::Granted,
-            Duration::from_millis(3),
-        );
-        m.acquired(
-            Kind::Semaphore { limit: 3 },
-            AcquireResult::LimitMismatch,
-            Duration::ZERO,
-        );
-        m.released(
-            Space::Locks,
-            HolderResult::Done,
-            Some(Duration::from_millis(40)),
-        );
-        m.force_released(Space::Semaphores, HolderResult::Done);
-        m.store_call(StoreOp::claim, Duration::from_micros(200), true);
-        let text = m.render(7, 3);
-        for line in [
-            "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"granted\"} 1",
-            "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"locked\"} 0",
-            "lockbroker_acquisitions_total{kind=\"shared\",result=\"granted\"} 0",
-            "lockbroker_acquisitions_total{kind=\"semaphore\",result=\"limit_mismatch\"} 1",
-            "lockbroker_releases_total{space=\"locks\",result=\"released\"} 1",
-            "lockbroker_releases_total{space=\"semaphores\",result=\"released\"} 0",
-            "lockbroker_renewals_total{space=\"locks\",result=\"not_owner\"} 0",
-            "lockbroker_force_releases_total{space=\"semaphores\",result=\"released\"} 1",
-            "lockbroker_force_releases_total{space=\"locks\",result=\"not_held\"} 0",
-            "lockbroker_takeovers_total 0",
-            "lockbroker_store_errors_total{op=\"claim\"} 1",
-            "lockbroker_hold_seconds_count 1",
-            "lockbroker_acquire_wait_seconds_count 1",
-            "lockbroker_store_call_seconds_count{op=\"claim\"} 1",
-            "lockbroker_waiters 7",
-            "lockbroker_ledger_leases 3",
-            "lockbroker_store_losses_total 0",
-            "lockbroker_leases_put_back_total 0",
-            "lockbroker_double_claims_total 0",
-            "lockbroker_store_hold_seconds_total 0.0",
-        ] {
-            assert!(text.contains(line), "missing {line:?} in\n{text}");
-        }
-    }
-}
+mod tests;

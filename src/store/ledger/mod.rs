@@ -14,13 +14,12 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::domain::{Fence, Lease, LockKey, Owner, RequestId, Token};
-pub use crate::store::Kind;
-use crate::store::Space;
+use crate::store::{Kind, Space};
 
 /// One live lease as the granting broker remembers it (as handed out by [`Ledger::live`] and
 /// [`Ledger::get`]; the ledger itself keeps a compact form).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Entry {
+pub(crate) struct Entry {
     pub kind: Kind,
     pub token: Token,
     pub fence: Fence,
@@ -36,7 +35,7 @@ pub struct Entry {
 
 impl Entry {
     /// What is left of the lease at `now`; zero once it has ended.
-    pub fn remaining(&self, now: Instant) -> Duration {
+    pub(crate) fn remaining(&self, now: Instant) -> Duration {
         self.ends.saturating_duration_since(now)
     }
 }
@@ -116,7 +115,7 @@ struct Pool {
 
 /// The broker's live leases, by key.
 #[derive(Debug)]
-pub struct Ledger {
+pub(crate) struct Ledger {
     /// A std Mutex: nothing awaits while holding it, and each critical section is one map
     /// operation (or one pass over the map, once a second, to drop ended leases).
     leases: Mutex<HashMap<Box<str>, Kept>>,
@@ -174,7 +173,7 @@ impl Ledger {
     /// Remembers `lease` of `kind` on `key`, ending at `ends` (the moment its grant or renewal
     /// was answered plus what the store said remained of it). A renewal keeps the request id the
     /// grant had (the store does not echo it).
-    pub fn record(&self, key: &LockKey, kind: Kind, lease: &Lease, ends: Instant) {
+    pub(crate) fn record(&self, key: &LockKey, kind: Kind, lease: &Lease, ends: Instant) {
         let ends_ms = self.ms_after_base(ends);
         let token = KeptToken::of(&lease.token);
         let kept = |request_id| Kept {
@@ -234,7 +233,7 @@ impl Ledger {
     }
 
     /// Forgets `token`'s pool lease on `key` in `space` (released, or found gone).
-    pub fn forget_pooled(&self, space: Space, key: &LockKey, token: &Token) {
+    pub(crate) fn forget_pooled(&self, space: Space, key: &LockKey, token: &Token) {
         let token = KeptToken::of(token);
         let mut pools = self.pools();
         let id = (space, Box::<str>::from(key.as_str()));
@@ -247,7 +246,7 @@ impl Ledger {
     }
 
     /// Forgets `token`'s lease on `key` in `space`, whatever its kind.
-    pub fn forget_any(&self, space: Space, key: &LockKey, token: &Token) {
+    pub(crate) fn forget_any(&self, space: Space, key: &LockKey, token: &Token) {
         if space == Space::Locks {
             self.forget(key, token);
         }
@@ -257,7 +256,7 @@ impl Ledger {
     /// A release notice from any broker: the lease on `key` in `space` with that fence is over
     /// — and, with `all`, every lease on the key up to that fence (a force release). An
     /// exclusive lease with a lower fence is over too: the released one came after it.
-    pub fn forget_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
+    pub(crate) fn forget_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
         if space == Space::Locks {
             self.forget_released(key, fence);
         }
@@ -278,7 +277,7 @@ impl Ledger {
     }
 
     /// Forgets `token`'s lease on `key` (released, or found gone). Another token's entry stays.
-    pub fn forget(&self, key: &LockKey, token: &Token) {
+    pub(crate) fn forget(&self, key: &LockKey, token: &Token) {
         let mut leases = self.leases();
         if leases
             .get(key.as_str())
@@ -290,7 +289,7 @@ impl Ledger {
 
     /// Forgets the lease on `key` if its fence is at most `fence`: a release notice from any
     /// broker says the lease with that fence is over, and so is any older one.
-    pub fn forget_released(&self, key: &str, fence: Fence) {
+    pub(crate) fn forget_released(&self, key: &str, fence: Fence) {
         let mut leases = self.leases();
         if leases.get(key).is_some_and(|e| e.fence <= fence) {
             leases.remove(key);
@@ -298,12 +297,12 @@ impl Ledger {
     }
 
     /// Whether `token`'s lease of `kind` on `key` is still remembered.
-    pub fn holds(&self, key: &LockKey, kind: Kind, token: &Token) -> bool {
+    pub(crate) fn holds(&self, key: &LockKey, kind: Kind, token: &Token) -> bool {
         self.get(key, kind, token).is_some()
     }
 
     /// The entry for `token`'s lease of `kind` on `key`, if any.
-    pub fn get(&self, key: &LockKey, kind: Kind, token: &Token) -> Option<Entry> {
+    pub(crate) fn get(&self, key: &LockKey, kind: Kind, token: &Token) -> Option<Entry> {
         let token = KeptToken::of(token);
         if kind == Kind::Exclusive {
             return self
@@ -319,7 +318,7 @@ impl Ledger {
     }
 
     /// Drops the leases that have ended by `now`; returns how many.
-    pub fn sweep(&self, now: Instant) -> usize {
+    pub(crate) fn sweep(&self, now: Instant) -> usize {
         let now_ms = self.ms_after_base(now);
         let mut dropped = {
             let mut leases = self.leases();
@@ -337,7 +336,7 @@ impl Ledger {
     }
 
     /// The leases still live at `now`, to put back.
-    pub fn live(&self, now: Instant) -> Vec<(LockKey, Entry)> {
+    pub(crate) fn live(&self, now: Instant) -> Vec<(LockKey, Entry)> {
         let now_ms = self.ms_after_base(now);
         let mut live: Vec<(LockKey, Entry)> = self
             .leases()
@@ -360,7 +359,7 @@ impl Ledger {
         live
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.leases().len()
             + self
                 .pools()
@@ -376,150 +375,4 @@ impl Ledger {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn lease(token: &Token, fence: Fence, ttl_ms: u64) -> Lease {
-        Lease {
-            token: token.clone(),
-            fence,
-            expires_at_ms: 0,
-            ttl_ms,
-            owner: None,
-            request_id: None,
-            limit: None,
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_lease_is_kept_until_it_ends_or_its_holder_lets_go() {
-        let ledger = Ledger::default();
-        let (a, b) = (LockKey::parse("a").unwrap(), LockKey::parse("b").unwrap());
-        let (ta, tb) = (Token::generate(), Token::generate());
-        let start = Instant::now();
-        ledger.record(
-            &a,
-            Kind::Exclusive,
-            &lease(&ta, 1, 1_000),
-            start + Duration::from_millis(1_000),
-        );
-        ledger.record(
-            &b,
-            Kind::Exclusive,
-            &lease(&tb, 2, 5_000),
-            start + Duration::from_millis(5_000),
-        );
-        // Someone else's token does not forget the entry.
-        ledger.forget(&a, &tb);
-        assert!(ledger.holds(&a, Kind::Exclusive, &ta));
-        let live = ledger.live(start + Duration::from_millis(999));
-        assert_eq!(live.len(), 2);
-        assert_eq!(ledger.sweep(start + Duration::from_millis(1_000)), 1);
-        assert!(!ledger.holds(&a, Kind::Exclusive, &ta));
-        assert_eq!(
-            ledger
-                .get(&b, Kind::Exclusive, &tb)
-                .unwrap()
-                .remaining(start + Duration::from_millis(1_000)),
-            Duration::from_millis(4_000)
-        );
-        ledger.forget(&b, &tb);
-        assert!(ledger.is_empty());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn tokens_come_back_as_they_went_in_generated_or_not() {
-        let ledger = Ledger::default();
-        let key = LockKey::parse("k").unwrap();
-        for token in [
-            Token::generate(),
-            Token::parse("a-token-from-another-version_0123").unwrap(),
-            // 48 characters, but not all lowercase hex.
-            Token::parse(&"A".repeat(48)).unwrap(),
-        ] {
-            ledger.record(
-                &key,
-                Kind::Exclusive,
-                &lease(&token, 1, 1_000),
-                Instant::now() + Duration::from_millis(1_000),
-            );
-            assert!(ledger.holds(&key, Kind::Exclusive, &token));
-            assert_eq!(
-                ledger.get(&key, Kind::Exclusive, &token).unwrap().token,
-                token
-            );
-            let (_, live) = ledger.live(Instant::now()).pop().unwrap();
-            assert_eq!(live.token, token);
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_renewal_moves_the_end_and_keeps_the_grants_request_id() {
-        let ledger = Ledger::default();
-        let key = LockKey::parse("k").unwrap();
-        let token = Token::generate();
-        let start = Instant::now();
-        let mut granted = lease(&token, 7, 1_000);
-        granted.request_id = Some(RequestId::parse("job-1").unwrap());
-        ledger.record(
-            &key,
-            Kind::Exclusive,
-            &granted,
-            start + Duration::from_millis(1_000),
-        );
-        // Renewed half a second in, for 3 s.
-        ledger.record(
-            &key,
-            Kind::Exclusive,
-            &lease(&token, 7, 3_000),
-            start + Duration::from_millis(3_500),
-        );
-        let entry = ledger.get(&key, Kind::Exclusive, &token).unwrap();
-        assert_eq!(entry.ends, start + Duration::from_millis(3_500));
-        assert_eq!(entry.request_id.unwrap().as_str(), "job-1");
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn pool_leases_are_kept_one_per_token_and_forgotten_by_fence_or_all_at_once() {
-        let ledger = Ledger::default();
-        let key = LockKey::parse("k").unwrap();
-        let ends = Instant::now() + Duration::from_millis(1_000);
-        let tokens: Vec<Token> = (0..3).map(|_| Token::generate()).collect();
-        for (i, token) in tokens.iter().enumerate() {
-            ledger.record(
-                &key,
-                Kind::Shared,
-                &lease(token, 10 + i as u64, 1_000),
-                ends,
-            );
-        }
-        ledger.record(
-            &key,
-            Kind::Semaphore { limit: 2 },
-            &lease(&tokens[0], 7, 1_000),
-            ends,
-        );
-        ledger.record(&key, Kind::Exclusive, &lease(&tokens[1], 5, 1_000), ends);
-        assert_eq!(ledger.len(), 5);
-        // A renewal replaces its own entry.
-        ledger.record(&key, Kind::Shared, &lease(&tokens[0], 10, 2_000), ends);
-        assert_eq!(ledger.len(), 5);
-        // A notice for shared fence 11 ends that lease and the older exclusive one, not fence 10.
-        ledger.forget_ended(Space::Locks, "k", 11, false);
-        assert!(!ledger.holds(&key, Kind::Shared, &tokens[1]));
-        assert!(!ledger.holds(&key, Kind::Exclusive, &tokens[1]));
-        assert!(ledger.holds(&key, Kind::Shared, &tokens[0]));
-        let permit = ledger
-            .get(&key, Kind::Semaphore { limit: 2 }, &tokens[0])
-            .unwrap();
-        assert_eq!(
-            (permit.fence, permit.kind),
-            (7, Kind::Semaphore { limit: 2 })
-        );
-        // A force release up to fence 12 ends every shared lease; the semaphore is another space.
-        ledger.forget_ended(Space::Locks, "k", 12, true);
-        assert_eq!(ledger.len(), 1);
-        ledger.forget_any(Space::Semaphores, &key, &tokens[0]);
-        assert!(ledger.is_empty());
-    }
-}
+mod tests;

@@ -1,0 +1,130 @@
+//! The metrics' labels: the store primitives, kinds and key spaces as label values, the label
+//! sets, and the counters by result that are created up front so every series shows from the
+//! first scrape.
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
+use crate::store::{Kind, Space};
+
+/// A store primitive, as a label value.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)] // label values are written as the variants are named
+pub enum StoreOp {
+    claim,
+    read,
+    take_over,
+    release,
+    renew,
+    ping,
+    join,
+    permits,
+    force_release,
+    list,
+}
+
+impl StoreOp {
+    pub(super) const ALL: [Self; 10] = [
+        Self::claim,
+        Self::read,
+        Self::take_over,
+        Self::release,
+        Self::renew,
+        Self::ping,
+        Self::join,
+        Self::permits,
+        Self::force_release,
+        Self::list,
+    ];
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct OpLabels {
+    pub(super) op: StoreOp,
+}
+
+/// A decision of the auth layer: the token's name (bounded by the auth file; empty when no
+/// known token was sent) and the result. Never the token itself.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct AuthLabels {
+    pub(super) token: String,
+    pub(super) result: &'static str,
+}
+
+/// A kind of acquire, as a label value.
+pub(super) fn kind_label(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Exclusive => "exclusive",
+        Kind::Shared => "shared",
+        Kind::Semaphore { .. } => "semaphore",
+    }
+}
+
+/// A key space, as a label value.
+pub(super) fn space_label(space: Space) -> &'static str {
+    match space {
+        Space::Locks => "locks",
+        Space::Semaphores => "semaphores",
+    }
+}
+
+/// An acquire's labels: what it asked for and how it ended.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct KindLabels {
+    pub(super) kind: &'static str,
+    pub(super) result: &'static str,
+}
+
+/// A holder-checked operation's labels: its key space and how it ended.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct SpaceLabels {
+    pub(super) space: &'static str,
+    pub(super) result: &'static str,
+}
+
+/// Counters by result and one more label (a kind or a space), each series created up front so
+/// that every one shows from the first scrape.
+pub(super) struct ByResult<L> {
+    pub(super) family: Family<L, Counter>,
+    /// The result label of each result (`AcquireResult` or `HolderResult`, as `usize`).
+    pub(super) results: &'static [&'static str],
+}
+
+impl<L: EncodeLabelSet + Clone + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync + 'static>
+    ByResult<L>
+{
+    pub(super) fn register(
+        registry: &mut Registry,
+        name: &str,
+        help: &str,
+        results: &'static [&'static str],
+        series: impl IntoIterator<Item = L>,
+    ) -> Self {
+        let family = Family::<L, Counter>::default();
+        registry.register(name, help, family.clone());
+        for labels in series {
+            let _ = family.get_or_create(&labels);
+        }
+        Self { family, results }
+    }
+}
+
+/// Every (space, result) pair of `results`.
+pub(super) fn by_space(results: &'static [&'static str]) -> impl Iterator<Item = SpaceLabels> {
+    [Space::Locks, Space::Semaphores]
+        .into_iter()
+        .flat_map(move |space| {
+            results.iter().map(move |result| SpaceLabels {
+                space: space_label(space),
+                result,
+            })
+        })
+}
+
+pub(super) const ACQUIRE_RESULTS: &[&str] = &["granted", "locked", "error", "limit_mismatch"];
+pub(super) const RENEW_RESULTS: &[&str] = &["renewed", "not_held", "not_owner", "error"];
+pub(super) const RELEASE_RESULTS: &[&str] = &["released", "not_held", "not_owner", "error"];
+/// Force release knows no owner: a `not_owner` from the store would be a bug, counted as error.
+pub(super) const FORCE_RESULTS: &[&str] = &["released", "not_held", "error"];
