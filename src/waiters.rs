@@ -94,6 +94,10 @@ impl Waiters {
             };
             match notice {
                 Notice::Released(space, key) => waiters.wake(space, &key),
+                Notice::Requeue(space, key) | Notice::Look(space, key, _) => {
+                    waiters.wake(space, &key)
+                }
+                Notice::Offered(space, key, _) => waiters.wake(space, &key),
                 Notice::Missed => waiters.wake_all(),
             }
         }

@@ -68,7 +68,7 @@ impl<S: Store> LockService<S> {
             ttl: req.ttl,
             owner: req.owner,
             request_id: req.request_id,
-            waits: !req.wait.as_duration().is_zero(),
+            wait_ms: crate::domain::millis(req.wait.as_duration()),
         };
         let wait = req.wait.as_duration();
         let bound = wait + self.settings.store_timeout;
@@ -255,7 +255,7 @@ impl<S: Store> LockService<S> {
         let join = self.timed(StoreOp::join, self.store.join(key, pool, bid));
         match self.guarded(pool.space(), key, bid, join).await? {
             Join::Granted(lease) => Ok(Attempt::Granted(lease)),
-            Join::Busy { retry_after_ms } => Ok(Attempt::Busy {
+            Join::Busy { retry_after_ms } | Join::Queued { retry_after_ms } => Ok(Attempt::Busy {
                 retry_after_ms,
                 behind_shared: false,
             }),
@@ -288,7 +288,7 @@ impl<S: Store> LockService<S> {
         match self.guarded(Space::Locks, key, bid, claim).await? {
             GrantAnswer::Granted(lease) => return Ok(Attempt::Granted(lease)),
             GrantAnswer::OnHold(hold) => return Err(LockError::OnHold(hold)),
-            GrantAnswer::Refused => {}
+            GrantAnswer::Refused | GrantAnswer::Queued { .. } => {}
         }
         // 2. GET: who holds it, and until when on the store's clock.
         let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
@@ -327,7 +327,7 @@ impl<S: Store> LockService<S> {
                 Ok(Attempt::Granted(lease))
             }
             // Another contender won it (or its holder renewed it): look again.
-            GrantAnswer::Refused => Ok(Attempt::Again),
+            GrantAnswer::Refused | GrantAnswer::Queued { .. } => Ok(Attempt::Again),
             GrantAnswer::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
     }

@@ -135,6 +135,10 @@ impl Store for Scripted {
         self.inner.permits(key).await
     }
 
+    async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
+        self.inner.leave(space, key, token).await
+    }
+
     async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
         self.inner.force_release(space, key).await
     }
@@ -210,7 +214,7 @@ fn bid(ttl_ms: u64) -> Bid {
         ttl: Ttl::from_ms(ttl_ms),
         owner: None,
         request_id: None,
-        waits: false,
+        wait_ms: 0,
     }
 }
 

@@ -29,16 +29,26 @@ pub struct Bid {
     pub ttl: Ttl,
     pub owner: Option<Owner>,
     pub request_id: Option<RequestId>,
-    /// Exclusive bids only: the bid will wait if refused. A claim refused because of shared
-    /// holders then records the bid's intent (for `WRITER_INTENT_MS`), and no new shared
-    /// lease is granted on the key while an intent is live, so a stream of shared acquires on
-    /// any broker cannot starve a waiting exclusive one. A grant to the bid ends its intent.
-    pub waits: bool,
+    /// How long the bid may wait, in ms; 0: it does not wait.
+    ///
+    /// A bid that waits and cannot be granted now joins the key's queue in the same store call
+    /// ([`GrantAnswer::Queued`], [`Join::Queued`]): one FIFO queue per key and space, shared by
+    /// every broker on the store, with the bid's deadline on the store's clock (now + `wait_ms`).
+    /// When the key frees, the store call that frees it offers it to the queue's head (see
+    /// [`Notice::Offered`]); the bid takes the offer by asking again with the same token. A
+    /// queued exclusive bid holds later shared ones back: nobody is granted ahead of the queue.
+    pub wait_ms: u64,
 }
 
-/// How long a waiting exclusive bid's intent holds new shared acquires back. An exclusive
-/// acquire waiting behind shared holders looks again at least every half of this (see
-/// `LockService`), which renews its intent; an intent whose acquire went away ends by itself.
+impl Bid {
+    /// Whether the bid waits (joins the key's queue when it cannot be granted now).
+    pub fn waits(&self) -> bool {
+        self.wait_ms > 0
+    }
+}
+
+/// Transitional, until the queue lands: how long a waiting exclusive bid's intent holds new
+/// shared acquires back.
 pub(crate) const WRITER_INTENT_MS: u64 = 2_000;
 
 /// The key spaces: a lock and a semaphore of the same name are unrelated.
@@ -60,8 +70,8 @@ pub enum Mode {
 /// A set of holders a bid may join: the shared holders of a lock, or a semaphore's permits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pool {
-    /// A shared lease on a lock key: granted while no exclusive lease is live on the key and no
-    /// exclusive acquire has a live intent (see [`Bid::waits`]).
+    /// A shared lease on a lock key: granted while no exclusive lease is live (or offered) on the
+    /// key and no exclusive bid waits in the key's queue ahead of it.
     Shared,
     /// One of `limit` permits of a semaphore (1 ..= `MAX_SEMAPHORE_LIMIT`).
     Semaphore { limit: u32 },
@@ -115,10 +125,12 @@ pub enum Join {
     /// The bid holds a shared lease or a permit now — or, with a request id, the live lease an
     /// earlier acquire with that id produced, again.
     Granted(Lease),
-    /// Not now: an exclusive lease is live or an exclusive acquire's intent is (shared), or
-    /// every permit is taken (semaphore). Something may change in this many ms at the latest
-    /// (the exclusive lease's end, the intent's end, the first permit's end).
+    /// Not now, and the bid does not wait: an exclusive lease is live, or bids wait in the
+    /// queue (shared), or every permit is taken (semaphore). Something may change in this many
+    /// ms at the latest (the exclusive lease's end, the first permit's end).
     Busy { retry_after_ms: u64 },
+    /// The bid waits in the key's queue (see [`GrantAnswer::Queued`]).
+    Queued { retry_after_ms: u64 },
     /// The semaphore's live holders took their permits with another limit.
     LimitMismatch { limit: u32 },
     /// A store-wide hold is in force.
@@ -137,6 +149,12 @@ pub enum GrantAnswer {
     Refused,
     /// A store-wide hold is in force: no key is granted until it ends (see [`Hold`]).
     OnHold(Hold),
+    /// The bid waits (see [`Bid::wait_ms`]) and is in the key's queue now: it joined it, or it
+    /// was there already and kept its place. The key will be offered to it when its turn comes
+    /// ([`Notice::Offered`]). `retry_after_ms`: when the lease (or offer) now in the key ends at
+    /// the latest, on the store's clock — when a broker with bids queued on the key asks again
+    /// if no notice came (an offer to a broker that died must pass on).
+    Queued { retry_after_ms: u64 },
 }
 
 /// A store-wide hold: nothing is granted, store-wide, until it ends.
@@ -243,15 +261,29 @@ pub enum Holder<T> {
 /// What a store tells the lock service's waiters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Notice {
-    /// The key's lease (or one of its shared leases or permits) was released, or now ends
-    /// sooner: its waiters should look again.
+    /// The key was offered to this broker's queued bid with this token: the bid takes it by
+    /// asking again (claim or join, with the same bid) before the offer lapses, which is within
+    /// the store's offer window (about the store timeout). A broker with no waiter of that
+    /// token (it left) calls [`Store::leave`] so that the key passes on at once.
+    Offered(Space, LockKey, Token),
+    /// This broker has a bid in the key's queue that may come next, behind an offer to another
+    /// broker: if nothing else wakes it, its first waiter on the key asks again in this many
+    /// ms, when that offer lapses if it was not taken (its broker may have died), so that the
+    /// key passes on.
+    Look(Space, LockKey, u64),
+    /// This broker's queued bids on the key were dropped from the queue (an offer to one of
+    /// them lapsed): each of its waiters on the key asks again, joining the queue anew.
+    Requeue(Space, LockKey),
+    /// Transitional, until the queue lands: the key's lease was released; waiters look again.
     Released(Space, LockKey),
-    /// Notices may have been missed (the notice connection was down): every waiter should look.
+    /// Notices may have been missed (the notice connection was down), or the store lost its
+    /// queues (a loss): every waiter asks again, which puts it back in its key's queue.
     Missed,
 }
 
 /// Room for notices not yet handed to waiters. A full channel drops a notice; waiters still wake
-/// at the holder's expiry and on their fallback poll, so a burst costs latency, never a grant.
+/// at the holder's expiry and on their fallback poll, and an offer not taken lapses and passes
+/// on, so a burst costs latency, never a grant.
 pub(crate) const NOTICE_BUFFER: usize = 4096;
 
 /// What a store call answers.
@@ -277,10 +309,16 @@ pub(crate) const EXPIRY_SLACK_MS: u64 = 60_000;
 
 /// The primitives the algorithm needs. Each call is one atomic step on the store.
 pub trait Store: Send + Sync + 'static {
-    /// SETNX: grants the bid if the key holds nothing, taking the next fence in the same step.
+    /// SETNX: grants the bid if the key holds nothing and nobody waits in its queue, taking the
+    /// next fence in the same step.
     ///
-    /// A key whose lease expired is *not* free here; the algorithm reads it and takes it over,
-    /// so that exactly one contender wins it.
+    /// A bid that does not wait: a key whose lease expired is *not* free here; the algorithm
+    /// reads it and takes it over, so that exactly one contender wins it. A bid that waits
+    /// ([`Bid::waits`]) never gets `Refused`: in the same step it takes an offer made to its
+    /// token (the key is then its for its whole TTL from now), is granted a key that holds
+    /// nothing live with nobody ahead of it in the queue (an expired lease or a lapsed offer is
+    /// ended then, and the queue's head is offered the key first if it is not this bid), or
+    /// joins the queue (keeping its place if it is in it) and answers `Queued`.
     fn claim(
         &self,
         key: &LockKey,
@@ -291,7 +329,9 @@ pub trait Store: Send + Sync + 'static {
     fn read(&self, key: &LockKey) -> impl Future<Output = StoreResult<Snapshot>> + Send;
 
     /// GETSET made safe: grants the bid if the key still holds the lease with fence `seen` and
-    /// it has expired, or if the key has vanished; otherwise writes nothing.
+    /// it has expired, or if the key has vanished; otherwise writes nothing. With bids waiting in
+    /// the key's queue, the key goes to the queue's head instead (offered in this step) and the
+    /// bid is refused: a bid that does not wait never goes ahead of the queue.
     fn take_over(
         &self,
         key: &LockKey,
@@ -300,7 +340,8 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<GrantAnswer>> + Send;
 
     /// Ends `token`'s live lease on `key` in `space`: the exclusive lease or a shared one on a
-    /// lock, a permit of a semaphore. "Not owner" when another lease on the key is live.
+    /// lock, a permit of a semaphore. "Not owner" when another lease on the key is live. What
+    /// the release frees is offered to the queue's head in the same step.
     fn release(
         &self,
         space: Space,
@@ -317,8 +358,11 @@ pub trait Store: Send + Sync + 'static {
         ttl: Ttl,
     ) -> impl Future<Output = StoreResult<Holder<Lease>>> + Send;
 
-    /// Grants the bid a shared lease on a lock, or a semaphore permit, if the pool has room:
-    /// one atomic step, expired holders dropped on the way, the fence taken in the same step.
+    /// Grants the bid a shared lease on a lock, or a semaphore permit, if the pool has room and
+    /// nobody waits ahead of it in the queue: one atomic step, expired holders dropped on the way,
+    /// the fence taken in the same step. A bid that waits takes an offer made to its token, or
+    /// joins the queue, as [`Store::claim`] says; consecutive shared bids at the queue's head are
+    /// offered the key together, and permits go to the head's bids while there is room.
     fn join(
         &self,
         key: &LockKey,
@@ -329,8 +373,20 @@ pub trait Store: Send + Sync + 'static {
     /// A semaphore's live holders.
     fn permits(&self, key: &LockKey) -> impl Future<Output = StoreResult<Permits>> + Send;
 
+    /// The queued bid with `token` stops waiting (its wait ran out, its client went away, or
+    /// the broker shuts down): its queue entry goes, and an offer made to it and not taken yet
+    /// ends, the key passing on to the next in line in the same step. A lease the token holds
+    /// (a taken offer, a grant) is left alone: that is [`Store::release`]'s job.
+    fn leave(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> impl Future<Output = StoreResult<()>> + Send;
+
     /// Ends every live lease on `key` in `space`, without their tokens. `Done` with the ended
-    /// leases' fences (never empty), `NotHeld` when there was none.
+    /// leases' fences (never empty), `NotHeld` when there was none. The key is offered to the
+    /// queue's head in the same step (a lease offered and not taken yet is ended too).
     fn force_release(
         &self,
         space: Space,
@@ -419,6 +475,10 @@ impl Store for AnyStore {
 
     async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
         delegate!(self, s => s.permits(key))
+    }
+
+    async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
+        delegate!(self, s => s.leave(space, key, token))
     }
 
     async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {

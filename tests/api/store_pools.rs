@@ -42,7 +42,7 @@ fn bid(ttl_ms: u64) -> Bid {
         ttl: Ttl::from_ms(ttl_ms),
         owner: None,
         request_id: None,
-        waits: false,
+        wait_ms: 0,
     }
 }
 
@@ -90,7 +90,7 @@ async fn shared_leases_exclude_exclusive_ones_and_a_waiting_exclusive_holds_new_
 
     // A claim that will wait records its intent: no new shared lease meanwhile.
     let writer = Bid {
-        waits: true,
+        wait_ms: 10_000,
         ..bid(5_000)
     };
     assert_eq!(
@@ -265,7 +265,7 @@ async fn listing_pages_through_held_locks_and_semaphores_by_prefix_without_losin
                 match store.claim(&k, &bid(10_000)).await.unwrap() {
                     GrantAnswer::Granted(_) => break,
                     GrantAnswer::OnHold(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-                    GrantAnswer::Refused => panic!("a free key"),
+                    other => panic!("a free key: {other:?}"),
                 }
             }
         }
@@ -377,7 +377,7 @@ async fn shared_leases_and_permits_are_put_back_after_a_flush_with_their_tokens(
                 refused = true;
                 break;
             }
-            GrantAnswer::Granted(_) => panic!("the shared lease was not put back"),
+            other => panic!("the shared lease was not put back: {other:?}"),
         }
     }
     assert!(refused, "the store stayed held");

@@ -33,7 +33,7 @@ pub(super) async fn uncontended_direct(
                         ttl: Ttl::from_ms(10_000),
                         owner: None,
                         request_id: None,
-                        waits: false,
+                        wait_ms: 0,
                     };
                     let ok = match store.claim(&key, &bid).await {
                         Ok(GrantAnswer::Granted(_)) => {

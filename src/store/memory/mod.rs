@@ -87,7 +87,7 @@ impl MemoryStore {
         let now_ms = now_us / 1000;
         slot.prune(now_ms);
         if !slot.holders.is_empty() {
-            if bid.waits {
+            if bid.waits() {
                 slot.intents.retain(|(t, _)| *t != bid.token);
                 slot.intents
                     .push((bid.token.clone(), now_ms + WRITER_INTENT_MS));
@@ -247,6 +247,11 @@ impl Store for MemoryStore {
             slot.holders.push(held);
             Join::Granted(lease)
         }))
+    }
+
+    async fn leave(&self, _space: Space, _key: &LockKey, _token: &Token) -> StoreResult<()> {
+        // Transitional, until the queue lands: nothing is queued in the store yet.
+        Ok(())
     }
 
     async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {

@@ -10,7 +10,7 @@ fn bid(ttl: u64) -> Bid {
         ttl: Ttl::from_ms(ttl),
         owner: None,
         request_id: None,
-        waits: false,
+        wait_ms: 0,
     }
 }
 

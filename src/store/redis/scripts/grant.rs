@@ -36,7 +36,7 @@ script_call! {
             .arg(EXPIRY_SLACK_MS)
             .arg(this.epoch)
             .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()))
-            .arg(if bid.waits { "1" } else { "0" });
+            .arg(if bid.waits() { "1" } else { "0" });
     }
 }
 
