@@ -1,47 +1,41 @@
-//! Waiting without polling: one broker's queues of acquires waiting for a key, woken by release
-//! notices instead of by a timer.
+//! Waiting without polling: one broker's acquires that wait in their keys' queues in the store.
 //!
-//! Each key with waiters has a FIFO queue, per key space (a lock and a semaphore of one name are
-//! unrelated). A notice for the key wakes only the queue's head, so a release costs this broker
-//! one attempt, not one per waiter, and waiters are served in arrival order: a shared acquire
-//! does not try while an exclusive one that came before it waits ([`Ticket::exclusive_ahead`]). Only the head keeps a timer (the holder's expiry, and a slow fallback poll in case a
-//! notice is lost); the others sleep until they are promoted or their wait runs out. A waiter
-//! that leaves — granted, timed out, or its client gone — wakes the next in line.
+//! The queue that orders waiters is in the store, one per key and space, shared by every broker
+//! (see [`Bid::wait_ms`](crate::store::Bid)): the store call that frees a key offers it to the
+//! queue's head and tells that bid's broker ([`Notice::Offered`]). This module is the broker's
+//! side of it: it parks each waiting acquire until its offer comes, finds it by token when it
+//! does, and tells the store about an offer whose waiter has gone so the key passes on at once.
+//!
+//! Per key, the waiters of this broker are kept in arrival order; only the first of them keeps a
+//! timer (the blocking lease's end, an offer to another broker that may lapse, a slow fallback
+//! poll in case a notice is lost), so a key costs this broker at most one store call per timer,
+//! not one per waiter. The others sleep until their offer, a `Requeue`, or their deadline.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use tokio::sync::{Notify, mpsc};
+use tokio::time::Instant;
 
-use crate::domain::LockKey;
+use crate::domain::{LockKey, Token};
+use crate::metrics::{Metrics, PassedOn};
 use crate::store::{Notice, Space};
 
 /// One waiting acquire.
 struct Waiter {
     /// `notify_one` keeps a permit when the waiter is not parked at that instant, so a notice
-    /// that lands between two of its store calls is not lost.
+    /// that lands during one of its store calls is not lost.
     wake: Notify,
-    /// Set when this waiter is promoted because the head before it was granted the lock: how
-    /// long that new lease runs, so it need not look at the lock to learn it. `NO_HINT` if none;
-    /// a release notice clears it (the lock may be free now).
-    hint_ms: AtomicU64,
-    /// Whether it asks for the key alone (an exclusive lock), rather than for a place beside
-    /// other holders (a shared lease, a permit).
-    exclusive: bool,
-}
-
-const NO_HINT: u64 = u64::MAX;
-
-impl Waiter {
-    fn new(exclusive: bool) -> Self {
-        Self {
-            wake: Notify::new(),
-            hint_ms: AtomicU64::new(NO_HINT),
-            exclusive,
-        }
-    }
+    /// The token its bid waits in the store's queue with (a new one after a failed store call).
+    token: Mutex<Token>,
+    /// Set by a notice that calls for a store call: the key was offered to this waiter, or it
+    /// must join the store's queue again (its entry was dropped, or notices were missed).
+    ask: AtomicBool,
+    /// Set by a `Look` notice: the first waiter asks the store again at this instant if nothing
+    /// else came, when an offer to another broker may lapse.
+    look_at: Mutex<Option<Instant>>,
 }
 
 /// A key in its space: what a queue is for.
@@ -53,10 +47,14 @@ struct Queues {
     count: usize,
 }
 
+/// What the broker does with an offer that found no waiter (it left): end it, so the key passes
+/// on (the lock service calls [`Store::leave`](crate::store::Store::leave)).
+pub(crate) type OnGone = Box<dyn Fn(Space, LockKey, Token) + Send + Sync>;
+
 /// The broker's waiting acquires, by key.
 pub(crate) struct Waiters {
     /// A std Mutex: nothing awaits while holding it, and each critical section is a hash lookup
-    /// and a queue push or removal.
+    /// and a queue push, scan or removal.
     queues: Mutex<Queues>,
     /// Most waiters at once; bounds the memory waiting can take.
     limit: usize,
@@ -76,8 +74,14 @@ impl Waiters {
     }
 
     /// Hands the store's notices to the waiters, until the service is gone. Dropping the receiver
-    /// then closes the channel, which ends the store's background work too.
-    pub(crate) async fn hand_notices(waiters: Weak<Self>, mut notices: mpsc::Receiver<Notice>) {
+    /// then closes the channel, which ends the store's background work too. An offer whose
+    /// waiter is not here goes to `on_gone`.
+    pub(crate) async fn hand_notices(
+        waiters: Weak<Self>,
+        mut notices: mpsc::Receiver<Notice>,
+        on_gone: OnGone,
+        metrics: Arc<Metrics>,
+    ) {
         loop {
             let notice = tokio::select! {
                 notice = notices.recv() => notice,
@@ -93,12 +97,21 @@ impl Waiters {
                 return;
             };
             match notice {
-                Notice::Released(space, key) => waiters.wake(space, &key),
-                Notice::Requeue(space, key) | Notice::Look(space, key, _) => {
-                    waiters.wake(space, &key)
+                Notice::Offered(space, key, token) => {
+                    if !waiters.offered(space, &key, &token) {
+                        on_gone(space, key, token);
+                    }
                 }
-                Notice::Offered(space, key, _) => waiters.wake(space, &key),
-                Notice::Missed => waiters.wake_all(),
+                Notice::Look(space, key, ms) => {
+                    waiters.look(space, &key, Duration::from_millis(ms));
+                }
+                Notice::Requeue(space, key) => {
+                    metrics.offer_passed_on(PassedOn::Lapsed);
+                    waiters.ask_all(Some(&(space, key)));
+                }
+                Notice::Missed => waiters.ask_all(None),
+                // Transitional: a store that still announces releases wakes the key's waiters.
+                Notice::Released(space, key) => waiters.ask_all(Some(&(space, key))),
             }
         }
     }
@@ -112,34 +125,41 @@ impl Waiters {
         self.queues().count
     }
 
-    /// Joins the end of the queue of `key` in `space`, asking for the key alone (`exclusive`) or
-    /// for a place beside other holders; `None` when the broker already has `limit` waiters.
+    /// Waiting acquires now, in `space`.
+    pub(crate) fn len_in(&self, space: Space) -> usize {
+        self.queues()
+            .by_key
+            .iter()
+            .filter(|((s, _), _)| *s == space)
+            .map(|(_, q)| q.len())
+            .sum()
+    }
+
+    /// Joins the end of this broker's queue of `key` in `space`, waiting in the store's queue
+    /// with `token`; `None` when the broker already has `limit` waiters.
     pub(crate) fn enqueue(
         self: &Arc<Self>,
         space: Space,
         key: &LockKey,
-        exclusive: bool,
+        token: &Token,
     ) -> Option<Ticket> {
-        let me = Arc::new(Waiter::new(exclusive));
+        let me = Arc::new(Waiter {
+            wake: Notify::new(),
+            token: Mutex::new(token.clone()),
+            ask: AtomicBool::new(false),
+            look_at: Mutex::new(None),
+        });
         let place = (space, key.clone());
         let mut queues = self.queues();
         if queues.count >= self.limit {
             return None;
         }
         queues.count += 1;
-        let queue = queues.by_key.entry(place.clone()).or_default();
-        // Writers first: an exclusive acquire goes ahead of the shared ones waiting, behind the
-        // exclusive ones. The store holds new shared leases back for a waiting exclusive
-        // acquire anyway (its intent), so a shared acquire ahead of it here would only wait
-        // for it while blocking it.
-        match queue
-            .iter()
-            .position(|w| !w.exclusive)
-            .filter(|_| exclusive)
-        {
-            Some(first_shared) => queue.insert(first_shared, me.clone()),
-            None => queue.push_back(me.clone()),
-        }
+        queues
+            .by_key
+            .entry(place.clone())
+            .or_default()
+            .push_back(me.clone());
         Some(Ticket {
             waiters: self.clone(),
             place,
@@ -147,35 +167,66 @@ impl Waiters {
         })
     }
 
-    /// Whether an acquire that asks for `key` in `space` alone waits on this broker.
-    pub(crate) fn exclusive_waiting(&self, space: Space, key: &LockKey) -> bool {
-        self.queues()
-            .by_key
-            .get(&(space, key.clone()))
-            .is_some_and(|q| q.iter().any(|w| w.exclusive))
+    /// An offer to the waiter with `token`: wakes it to take the offer. False if no waiter here
+    /// has that token (it left).
+    fn offered(&self, space: Space, key: &LockKey, token: &Token) -> bool {
+        let queues = self.queues();
+        let Some(queue) = queues.by_key.get(&(space, key.clone())) else {
+            return false;
+        };
+        let Some(waiter) = queue.iter().find(|w| *lock(&w.token) == *token) else {
+            return false;
+        };
+        waiter.ask.store(true, Ordering::SeqCst);
+        waiter.wake.notify_one();
+        true
     }
 
-    /// A release notice for `key` in `space`: wakes the head of its queue, if any.
-    pub(crate) fn wake(&self, space: Space, key: &LockKey) {
-        let place = (space, key.clone());
-        if let Some(head) = self.queues().by_key.get(&place).and_then(|q| q.front()) {
-            head.hint_ms.store(NO_HINT, Ordering::SeqCst);
+    /// A `Look` notice: the key's first waiter here asks the store again after `after`.
+    fn look(&self, space: Space, key: &LockKey, after: Duration) {
+        if let Some(head) = self
+            .queues()
+            .by_key
+            .get(&(space, key.clone()))
+            .and_then(|q| q.front())
+        {
+            let at = Instant::now() + after;
+            let mut look_at = lock(&head.look_at);
+            *look_at = Some(look_at.map_or(at, |earlier| earlier.min(at)));
+            drop(look_at);
             head.wake.notify_one();
         }
     }
 
-    /// Wakes every queue's head: notices may have been lost (the notice channel reconnected).
-    pub(crate) fn wake_all(&self) {
-        for queue in self.queues().by_key.values() {
-            if let Some(head) = queue.front() {
-                head.hint_ms.store(NO_HINT, Ordering::SeqCst);
-                head.wake.notify_one();
-            }
+    /// Every waiter of `place` (or of every key) asks the store again: their queue entries were
+    /// dropped, or notices may have been missed.
+    fn ask_all(&self, place: Option<&Place>) {
+        let queues = self.queues();
+        let chosen: Box<dyn Iterator<Item = &VecDeque<Arc<Waiter>>>> = match place {
+            Some(place) => Box::new(queues.by_key.get(place).into_iter()),
+            None => Box::new(queues.by_key.values()),
+        };
+        for waiter in chosen.flatten() {
+            waiter.ask.store(true, Ordering::SeqCst);
+            waiter.wake.notify_one();
         }
     }
 }
 
-/// A place in a key's queue; leaving (drop) hands the head's role to the next waiter.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Why a parked waiter woke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wake {
+    /// Ask the store again: an offer came, or the waiter must join the queue anew.
+    Ask,
+    /// Nothing for the store: it became the first waiter here, or a `Look` moved its timer.
+    Recheck,
+}
+
+/// A place in a key's queue on this broker; leaving (drop) hands the timer to the next waiter.
 pub(crate) struct Ticket {
     waiters: Arc<Waiters>,
     place: Place,
@@ -183,8 +234,8 @@ pub(crate) struct Ticket {
 }
 
 impl Ticket {
-    /// Whether this waiter is first in line for its key on this broker.
-    pub(crate) fn is_head(&self) -> bool {
+    /// Whether this waiter is the first of this broker's waiters on its key (it keeps the timer).
+    pub(crate) fn is_first(&self) -> bool {
         self.waiters
             .queues()
             .by_key
@@ -193,48 +244,28 @@ impl Ticket {
             .is_some_and(|head| Arc::ptr_eq(head, &self.me))
     }
 
-    /// Whether an acquire that asks for the key alone came before this one and still waits: a
-    /// shared acquire does not try then, so that it is not granted ahead of it.
-    pub(crate) fn exclusive_ahead(&self) -> bool {
-        self.waiters
-            .queues()
-            .by_key
-            .get(&self.place)
-            .is_some_and(|q| {
-                q.iter()
-                    .take_while(|w| !Arc::ptr_eq(w, &self.me))
-                    .any(|w| w.exclusive)
-            })
+    /// The bid waits with a new token from now on (a store call failed; see the lock service).
+    pub(crate) fn set_token(&self, token: &Token) {
+        *lock(&self.me.token) = token.clone();
     }
 
-    /// Completes when this waiter is woken: a notice while it is head, or its promotion to head.
-    pub(crate) async fn woken(&self) {
+    /// Completes when this waiter is woken, saying why.
+    pub(crate) async fn woken(&self) -> Wake {
         self.me.wake.notified().await;
-    }
-
-    /// After a wake: if it was a promotion behind a waiter that was granted the lock, how long
-    /// that lease runs (the lock is held; no need to look).
-    pub(crate) fn take_hint(&self) -> Option<u64> {
-        match self.me.hint_ms.swap(NO_HINT, Ordering::SeqCst) {
-            NO_HINT => None,
-            ms => Some(ms),
+        if self.me.ask.swap(false, Ordering::SeqCst) {
+            Wake::Ask
+        } else {
+            Wake::Recheck
         }
     }
 
-    /// Leaves the queue as the lock's new exclusive holder, telling the next in line how long the
-    /// lease runs instead of having it look: one store round trip saved per handoff. (A shared
-    /// holder or a permit's just leaves: the next in line may be granted too, so it looks.)
-    pub(crate) fn leave_as_holder(self, lease_ms: u64) {
-        {
-            let queues = self.waiters.queues();
-            if let Some(queue) = queues.by_key.get(&self.place)
-                && queue.front().is_some_and(|h| Arc::ptr_eq(h, &self.me))
-                && let Some(next) = queue.get(1)
-            {
-                next.hint_ms.store(lease_ms, Ordering::SeqCst);
-            }
+    /// When a `Look` notice asked this waiter to ask the store again (clears it once passed).
+    pub(crate) fn look_at(&self) -> Option<Instant> {
+        let mut look_at = lock(&self.me.look_at);
+        if look_at.is_some_and(|at| at <= Instant::now()) {
+            return look_at.take();
         }
-        drop(self);
+        *look_at
     }
 }
 
@@ -245,14 +276,20 @@ impl Drop for Ticket {
         let Some(queue) = queues.by_key.get_mut(&self.place) else {
             return;
         };
-        let was_head = queue.front().is_some_and(|h| Arc::ptr_eq(h, &self.me));
+        let was_first = queue.front().is_some_and(|h| Arc::ptr_eq(h, &self.me));
         queue.retain(|w| !Arc::ptr_eq(w, &self.me));
         match queue.front() {
             None => {
                 queues.by_key.remove(&self.place);
             }
-            // The new head takes over the timer and looks at the lock at once.
-            Some(next) if was_head => next.wake.notify_one(),
+            // The next waiter takes over the timer (and a look asked of this one).
+            Some(next) if was_first => {
+                if let Some(at) = *lock(&self.me.look_at) {
+                    let mut look_at = lock(&next.look_at);
+                    *look_at = Some(look_at.map_or(at, |earlier| earlier.min(at)));
+                }
+                next.wake.notify_one();
+            }
             Some(_) => {}
         }
     }
@@ -266,116 +303,96 @@ mod tests {
         LockKey::parse(k).unwrap()
     }
 
-    #[tokio::test]
-    async fn notices_wake_the_head_only_and_leaving_promotes_the_next_in_arrival_order() {
-        let waiters = Waiters::new(10);
-        let a = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        let b = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        let other = waiters.enqueue(Space::Locks, &key("other"), true).unwrap();
-        assert!(a.is_head() && !b.is_head() && other.is_head());
-        assert_eq!(waiters.len(), 3);
+    const SOON: Duration = Duration::from_millis(50);
 
-        waiters.wake(Space::Locks, &key("k"));
-        // a holds a permit now; b does not.
-        tokio::time::timeout(std::time::Duration::from_millis(10), a.woken())
-            .await
-            .expect("the head is woken");
+    #[tokio::test]
+    async fn an_offer_wakes_the_waiter_with_its_token_only_and_asks_it_to_take_it() {
+        let waiters = Waiters::new(10);
+        let (ta, tb) = (Token::generate(), Token::generate());
+        let a = waiters.enqueue(Space::Locks, &key("k"), &ta).unwrap();
+        let b = waiters.enqueue(Space::Locks, &key("k"), &tb).unwrap();
+        assert!(a.is_first() && !b.is_first());
+        assert!(waiters.offered(Space::Locks, &key("k"), &tb));
+        let woke = tokio::time::timeout(SOON, b.woken()).await;
+        assert_eq!(woke.ok(), Some(Wake::Ask));
         assert!(
-            tokio::time::timeout(std::time::Duration::from_millis(10), b.woken())
-                .await
-                .is_err(),
-            "the second in line sleeps on"
+            tokio::time::timeout(SOON, a.woken()).await.is_err(),
+            "the other waiter sleeps on"
         );
-        drop(a);
-        assert!(b.is_head());
-        tokio::time::timeout(std::time::Duration::from_millis(10), b.woken())
-            .await
-            .expect("promotion wakes the new head");
-        drop(b);
-        drop(other);
-        assert_eq!(waiters.len(), 0);
-        assert!(
-            waiters.queues().by_key.is_empty(),
-            "empty queues are dropped"
-        );
+        // A token nobody here waits with, or the same token in the other space: gone.
+        assert!(!waiters.offered(Space::Locks, &key("k"), &Token::generate()));
+        assert!(!waiters.offered(Space::Semaphores, &key("k"), &tb));
+        // A waiter that retried with a new token is found by the new one only.
+        let tc = Token::generate();
+        b.set_token(&tc);
+        assert!(!waiters.offered(Space::Locks, &key("k"), &tb));
+        assert!(waiters.offered(Space::Locks, &key("k"), &tc));
     }
 
     #[tokio::test]
-    async fn a_head_granted_the_lock_tells_the_next_how_long_it_holds_and_a_notice_clears_that() {
+    async fn leaving_hands_the_timer_to_the_next_waiter_without_asking_the_store() {
         let waiters = Waiters::new(10);
-        let a = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        let b = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        let c = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        a.leave_as_holder(500);
-        tokio::time::timeout(std::time::Duration::from_millis(10), b.woken())
-            .await
-            .expect("promotion wakes the new head");
-        assert_eq!(b.take_hint(), Some(500));
-        assert_eq!(b.take_hint(), None, "a hint is read once");
-        // A waiter that is not head hands nothing on; a notice clears a hint not yet read.
-        c.leave_as_holder(700);
-        b.leave_as_holder(900);
-        assert_eq!(waiters.len(), 0);
-        let d = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        let e = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        d.leave_as_holder(300);
-        waiters.wake(Space::Locks, &key("k"));
+        let a = waiters
+            .enqueue(Space::Locks, &key("k"), &Token::generate())
+            .unwrap();
+        let b = waiters
+            .enqueue(Space::Locks, &key("k"), &Token::generate())
+            .unwrap();
+        waiters.look(Space::Locks, &key("k"), Duration::from_secs(5));
         assert_eq!(
-            e.take_hint(),
-            None,
-            "the lock may be free after a release notice"
+            tokio::time::timeout(SOON, a.woken()).await.ok(),
+            Some(Wake::Recheck)
         );
+        assert!(a.look_at().is_some());
+        assert!(b.look_at().is_none(), "a look goes to the first waiter");
+        drop(a);
+        assert!(b.is_first());
+        assert_eq!(
+            tokio::time::timeout(SOON, b.woken()).await.ok(),
+            Some(Wake::Recheck),
+            "promotion wakes the next waiter, which needs no store call"
+        );
+        assert!(b.look_at().is_some(), "the look passes on with the timer");
+        drop(b);
+        assert_eq!(waiters.len(), 0);
+        assert!(waiters.queues().by_key.is_empty(), "empty queues go");
+    }
+
+    #[tokio::test]
+    async fn requeue_asks_every_waiter_of_its_key_and_missed_asks_every_waiter() {
+        let waiters = Waiters::new(10);
+        let t = || Token::generate();
+        let a = waiters.enqueue(Space::Locks, &key("k"), &t()).unwrap();
+        let b = waiters.enqueue(Space::Locks, &key("k"), &t()).unwrap();
+        let s = waiters.enqueue(Space::Semaphores, &key("k"), &t()).unwrap();
+        waiters.ask_all(Some(&(Space::Locks, key("k"))));
+        for w in [&a, &b] {
+            assert_eq!(
+                tokio::time::timeout(SOON, w.woken()).await.ok(),
+                Some(Wake::Ask)
+            );
+        }
+        assert!(tokio::time::timeout(SOON, s.woken()).await.is_err());
+        assert_eq!(waiters.len_in(Space::Locks), 2);
+        assert_eq!(waiters.len_in(Space::Semaphores), 1);
+        waiters.ask_all(None);
+        for w in [&a, &b, &s] {
+            assert_eq!(
+                tokio::time::timeout(SOON, w.woken()).await.ok(),
+                Some(Wake::Ask),
+                "every waiter is asked"
+            );
+        }
     }
 
     #[test]
     fn the_limit_bounds_waiters_across_keys_and_frees_on_leave() {
         let waiters = Waiters::new(2);
-        let a = waiters.enqueue(Space::Locks, &key("a"), true).unwrap();
-        let _b = waiters.enqueue(Space::Locks, &key("b"), true).unwrap();
-        assert!(waiters.enqueue(Space::Locks, &key("c"), true).is_none());
+        let t = || Token::generate();
+        let a = waiters.enqueue(Space::Locks, &key("a"), &t()).unwrap();
+        let _b = waiters.enqueue(Space::Locks, &key("b"), &t()).unwrap();
+        assert!(waiters.enqueue(Space::Locks, &key("c"), &t()).is_none());
         drop(a);
-        assert!(waiters.enqueue(Space::Locks, &key("c"), true).is_some());
-    }
-
-    #[tokio::test]
-    async fn a_semaphore_and_a_lock_of_one_name_queue_apart_and_each_notice_wakes_its_own() {
-        let waiters = Waiters::new(10);
-        let lock = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        let permit = waiters
-            .enqueue(Space::Semaphores, &key("k"), false)
-            .unwrap();
-        assert!(lock.is_head() && permit.is_head());
-        waiters.wake(Space::Semaphores, &key("k"));
-        tokio::time::timeout(std::time::Duration::from_millis(10), permit.woken())
-            .await
-            .expect("the semaphore's head is woken");
-        assert!(
-            tokio::time::timeout(std::time::Duration::from_millis(10), lock.woken())
-                .await
-                .is_err(),
-            "the lock's waiter sleeps on"
-        );
-    }
-
-    #[test]
-    fn exclusive_waiters_go_ahead_of_shared_ones_and_stay_in_arrival_order_among_themselves() {
-        let waiters = Waiters::new(10);
-        let first_shared = waiters.enqueue(Space::Locks, &key("k"), false).unwrap();
-        assert!(first_shared.is_head());
-        let writer = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        let later_shared = waiters.enqueue(Space::Locks, &key("k"), false).unwrap();
-        let second_writer = waiters.enqueue(Space::Locks, &key("k"), true).unwrap();
-        // The writers went ahead of both shared waiters, the first writer first.
-        assert!(writer.is_head());
-        assert!(first_shared.exclusive_ahead() && later_shared.exclusive_ahead());
-        assert!(waiters.exclusive_waiting(Space::Locks, &key("k")));
-        assert!(!waiters.exclusive_waiting(Space::Semaphores, &key("k")));
-        drop(writer);
-        assert!(second_writer.is_head());
-        drop(second_writer);
-        // Then the shared waiters, in their own order.
-        assert!(first_shared.is_head());
-        assert!(!later_shared.exclusive_ahead());
-        assert!(!waiters.exclusive_waiting(Space::Locks, &key("k")));
+        assert!(waiters.enqueue(Space::Locks, &key("c"), &t()).is_some());
     }
 }

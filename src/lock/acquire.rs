@@ -1,32 +1,36 @@
 //! Acquiring: one pass of the lock recipe (claim, look, take over an expired lease) or one try
-//! to join a pool, repeated until granted or the wait ends — napping until a release notice,
-//! the holder's expiry or a fallback poll — with each granting store call guarded so that a
-//! grant whose answer is lost does not block its key.
+//! to join a pool, and for a request that may wait, a place in the key's queue in the store:
+//! the store call that finds the key busy puts the bid in the queue, and the store call that
+//! frees the key offers it to the queue's head, whose broker is told and takes it with one more
+//! call. Each granting store call is guarded so that a grant whose answer is lost does not block
+//! its key, and a bid that leaves the queue without a grant takes its entry out.
 
 use std::time::Duration;
 
 use rand::RngExt;
 use tokio::time::Instant;
 
-use super::pending::PendingGrant;
+use super::pending::{PendingGrant, Spot};
 use super::{AcquireRequest, LockError, LockService};
 use crate::domain::{LockKey, Token, millis};
 use crate::metrics::{AcquireResult, StoreOp};
 use crate::store::{
     Bid, GrantAnswer, Join, Kind, Lease, Pool, Space, Store, StoreError, StoreResult,
-    WRITER_INTENT_MS,
 };
-use crate::waiters::Ticket;
+use crate::waiters::{Ticket, Wake};
 
 /// The outcome of one pass of the lock recipe, or of one try to join a pool.
 enum Attempt {
     Granted(Lease),
-    /// Someone holds a live lease that ends in this many ms (store clock).
+    /// The bid waits in the key's queue; the lease (or offer) blocking it ends in this many ms
+    /// at the latest (store clock).
+    Queued {
+        retry_after_ms: u64,
+    },
+    /// Not granted, and the bid is not queued (it does not wait): someone holds a live lease
+    /// that ends in this many ms (store clock), or bids wait in the queue.
     Busy {
         retry_after_ms: u64,
-        /// An exclusive bid refused because of shared holders: its intent lapses unless it
-        /// looks again within [`WRITER_INTENT_MS`], so its nap is capped at half of that.
-        behind_shared: bool,
     },
     /// The state moved under us (GET returned nil, or a takeover was lost): try again at once.
     Again,
@@ -36,19 +40,16 @@ enum Attempt {
 /// so a key that churns very fast costs a bounded burst of store calls, not a spin.
 const MAX_IMMEDIATE_RETRIES: u32 = 8;
 
-/// The shortest nap of a waiting acquire between two looks at the lock without a notice.
+/// The shortest nap of a waiting acquire between two store calls without a notice.
 pub(super) const POLL_MIN: Duration = Duration::from_millis(5);
 
 /// How soon a waiting acquire looks again after the store failed to answer.
 const STORE_RETRY: Duration = Duration::from_millis(200);
 
-/// The longest nap of an exclusive acquire waiting behind shared holders: half its intent's life,
-/// so that the intent it renews on each look never lapses while it waits.
-const INTENT_REFRESH: Duration = Duration::from_millis(WRITER_INTENT_MS / 2);
-
-/// The head waiter's fallback poll, in case a release notice is lost: 1 s, doubling while it
+/// The first waiter's fallback poll on a key, in case a notice is lost: 1 s, doubling while it
 /// waits, up to 30 s — so a long wait costs a handful of store calls, not one per interval.
-/// Notices are the normal path; after a notice channel reconnects, every head is woken anyway.
+/// Offers are the normal path; an offer whose notice is lost lapses and passes on, and after a
+/// notice channel reconnects every waiter asks again anyway.
 const FALLBACK_POLL_MIN: Duration = Duration::from_secs(1);
 const FALLBACK_POLL_MAX: Duration = Duration::from_secs(30);
 
@@ -56,25 +57,26 @@ impl<S: Store> LockService<S> {
     /// Acquires `key`, waiting up to `req.wait` while someone else holds it.
     ///
     /// Ends by `req.wait` plus the store timeout. Dropping the returned future (the client went
-    /// away) stops the wait; a store call it interrupts is cleaned up (see `PendingGrant`).
+    /// away) stops the wait; a store call it interrupts is cleaned up (see `PendingGrant`), and
+    /// so is its place in the key's queue (see `Spot`).
     pub(crate) async fn acquire(
         &self,
         key: &LockKey,
         req: AcquireRequest,
     ) -> Result<Lease, LockError> {
         let kind = req.kind;
+        let wait = req.wait.as_duration();
         let bid = Bid {
             token: Token::generate(),
             ttl: req.ttl,
             owner: req.owner,
             request_id: req.request_id,
-            wait_ms: crate::domain::millis(req.wait.as_duration()),
+            wait_ms: millis(wait),
         };
-        let wait = req.wait.as_duration();
         let bound = wait + self.settings.store_timeout;
         let arrived = Instant::now();
         let result =
-            match tokio::time::timeout(bound, self.acquire_until(kind, key, &bid, arrived + wait))
+            match tokio::time::timeout(bound, self.acquire_until(kind, key, bid, arrived + wait))
                 .await
             {
                 Ok(result) => result,
@@ -96,59 +98,74 @@ impl<S: Store> LockService<S> {
         &self,
         kind: Kind,
         key: &LockKey,
-        bid: &Bid,
+        mut bid: Bid,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
         let space = kind.space();
-        let exclusive = kind == Kind::Exclusive;
-        // Join the queue before the first look, so that a release landing between that look and
-        // the wait still wakes us. A full queue is only an error if we do have to wait.
-        let mut ticket = if Instant::now() < deadline {
-            self.waiters.enqueue(space, key, exclusive)
+        // This broker's record of the waiter, where the store's offer finds it by token. Without
+        // one (the broker has `max_waiters` waiting) the bid may still be granted at once, but
+        // it does not join the store's queue: a full broker is only an error if we must wait.
+        let ticket = if bid.waits() {
+            self.waiters.enqueue(space, key, &bid.token)
         } else {
             None
         };
+        // The bid's entry in the store's queue, taken out if the acquire ends without a grant.
+        let mut spot: Option<Spot<S>> = None;
         let mut fallback = FALLBACK_POLL_MIN;
         let mut immediate = 0;
         let mut shutdown = self.shutdown.clone();
-        // Handed over by the waiter ahead of us when it was granted: the lock is held for this
-        // long, so the next look can wait.
-        let mut held_for_ms: Option<u64> = None;
+        // When the lease (or offer) blocking the bid ends, as the store last said.
+        let mut until: Option<Instant> = None;
+        let mut retry_after_ms = 0;
         // Why the last look could not tell who holds the key (a store-wide hold, a store that
         // did not answer), if it could not.
         let mut trouble: Option<LockError> = None;
-        // The bid with a fresh token, once a store call failed.
-        let mut retry_bid: Option<Bid> = None;
+        // Whether the next turn of the loop asks the store (or only parks again).
+        let mut ask = true;
+        // Whether the store has put the bid in the key's queue (a grant then is a handoff).
+        let mut queued = false;
         loop {
-            let bid = retry_bid.as_ref().unwrap_or(bid);
-            let attempt = match held_for_ms.take() {
-                Some(retry_after_ms) => Attempt::Busy {
-                    retry_after_ms,
-                    behind_shared: false,
-                },
+            if ask {
+                let now = Instant::now();
+                // The store keeps the bid in the queue until about our deadline.
+                bid.wait_ms = match &ticket {
+                    Some(_) => millis(deadline.saturating_duration_since(now)),
+                    None => 0,
+                };
+                if bid.waits() && !spot.as_ref().is_some_and(|s| s.is_for(&bid.token)) {
+                    // Armed before the call: a call that fails may have queued the bid.
+                    spot = Some(Spot {
+                        store: Some(self.store.clone()),
+                        space,
+                        key: key.clone(),
+                        token: bid.token.clone(),
+                    });
+                }
                 // Boxed: the store call's future lives on the heap only while the call runs,
                 // instead of its whole size being reserved in every parked waiter's future.
-                None => match Box::pin(self.attempt(kind, key, bid, ticket.as_ref())).await {
+                let attempt = match Box::pin(self.attempt(kind, key, &bid)).await {
                     // A store-wide hold lasts a few seconds: a request that may still wait waits
                     // it out, as it would a holder.
-                    Err(LockError::OnHold(hold)) if Instant::now() < deadline => {
+                    Err(LockError::OnHold(hold)) if now < deadline => {
                         trouble = Some(LockError::OnHold(hold));
                         Attempt::Busy {
                             retry_after_ms: hold.retry_after_ms,
-                            behind_shared: false,
                         }
                     }
                     // So does a store that failed to answer (a restart, a failover): the
                     // request looks again shortly, with a new token — the failed call may have
-                    // granted the old one, and its cleanup releases by that token.
+                    // granted the old one, and its cleanup releases by that token (and takes
+                    // it out of the queue: its spot is dropped with it).
                     Err(LockError::StoreUnavailable(e))
                         if Instant::now() + STORE_RETRY < deadline =>
                     {
                         trouble = Some(LockError::StoreUnavailable(e));
-                        retry_bid = Some(Bid {
-                            token: Token::generate(),
-                            ..bid.clone()
-                        });
+                        bid.token = Token::generate();
+                        spot = None;
+                        if let Some(ticket) = &ticket {
+                            ticket.set_token(&bid.token);
+                        }
                         tokio::select! {
                             () = tokio::time::sleep(jittered(STORE_RETRY)) => {}
                             _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
@@ -159,93 +176,85 @@ impl<S: Store> LockService<S> {
                         trouble = None;
                         attempt?
                     }
-                },
-            };
-            let (retry_after_ms, behind_shared) = match attempt {
-                Attempt::Granted(lease) => {
-                    // A new exclusive lease runs its whole TTL; one handed back again by request
-                    // id may have less left, so the next in line looks for itself then. After a
-                    // shared lease or a permit the next in line may be granted too: dropping the
-                    // ticket wakes it to look.
-                    if let Some(ticket) = ticket.take()
-                        && exclusive
-                        && lease.token == bid.token
-                    {
-                        ticket.leave_as_holder(lease.ttl_ms);
+                };
+                let ends_in = match attempt {
+                    Attempt::Granted(lease) => {
+                        if let Some(mut spot) = spot.take() {
+                            // Nothing of the bid waits any more.
+                            spot.store = None;
+                        }
+                        if queued {
+                            self.metrics.handed_off(space);
+                        }
+                        return Ok(lease);
                     }
-                    return Ok(lease);
-                }
-                Attempt::Again if immediate < MAX_IMMEDIATE_RETRIES => {
-                    immediate += 1;
-                    continue;
-                }
-                Attempt::Again => (0, false),
-                Attempt::Busy {
-                    retry_after_ms,
-                    behind_shared,
-                } => (retry_after_ms, behind_shared),
-            };
-            immediate = 0;
+                    Attempt::Again if immediate < MAX_IMMEDIATE_RETRIES => {
+                        immediate += 1;
+                        continue;
+                    }
+                    Attempt::Again => 0,
+                    Attempt::Queued { retry_after_ms } => {
+                        queued = true;
+                        retry_after_ms
+                    }
+                    Attempt::Busy { retry_after_ms } => retry_after_ms,
+                };
+                immediate = 0;
+                retry_after_ms = ends_in;
+                // A lease ends *after* its last millisecond.
+                until = Some(Instant::now() + Duration::from_millis(ends_in.saturating_add(1)));
+            }
             let now = Instant::now();
             if now >= deadline {
                 // The wait ran out: say why the last look did not grant.
                 return Err(trouble.unwrap_or(LockError::Locked { retry_after_ms }));
             }
             let Some(waiting) = &ticket else {
-                // The queue was full when we came; if there is room now, join and look again
-                // (a release may have come before we joined).
-                ticket = Some(self.waiters.enqueue(space, key, exclusive).ok_or(
-                    LockError::TooManyWaiters {
-                        limit: self.waiters.limit(),
-                    },
-                )?);
-                continue;
+                // The broker had no room for another waiter: if there is room now, the bid may
+                // wait; otherwise it cannot.
+                return Err(LockError::TooManyWaiters {
+                    limit: self.waiters.limit(),
+                });
             };
-            // The head wakes at the holder's expiry (+1 ms: a lease ends *after* its last
-            // millisecond) or at the fallback poll, whichever is first, never sooner than
-            // POLL_MIN; the others sleep until a notice, their promotion or their deadline. An
-            // exclusive head behind shared holders looks again within half the intent's life, so
-            // that its intent keeps holding new shared leases back.
-            let wake_at = if waiting.is_head() {
-                let mut nap = Duration::from_millis(retry_after_ms.saturating_add(1))
-                    .min(jittered(fallback))
-                    .max(POLL_MIN);
-                if behind_shared {
-                    nap = nap.min(INTENT_REFRESH);
-                }
-                fallback = (fallback * 2).min(FALLBACK_POLL_MAX);
-                (now + nap).min(deadline)
-            } else {
-                deadline
-            };
-            tokio::select! {
-                () = waiting.woken() => held_for_ms = waiting.take_hint(),
-                () = tokio::time::sleep_until(wake_at) => {}
+            let wake_at = self.wake_at(waiting, until, &mut fallback, deadline);
+            ask = tokio::select! {
+                wake = waiting.woken() => wake == Wake::Ask,
+                () = tokio::time::sleep_until(wake_at) => true,
                 _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
-            }
+            };
         }
     }
 
-    /// One try of the acquire: a pass of the lock recipe, or a try to join a pool.
-    async fn attempt(
+    /// When a parked waiter asks the store again by itself. The first of this broker's waiters
+    /// on the key does at the blocking lease's end (+1 ms), at a `Look` notice's time, or at the
+    /// fallback poll, whichever is first, never sooner than `POLL_MIN`; the others sleep until
+    /// their offer, a requeue, their promotion or their deadline.
+    fn wake_at(
         &self,
-        kind: Kind,
-        key: &LockKey,
-        bid: &Bid,
-        ticket: Option<&Ticket>,
-    ) -> Result<Attempt, LockError> {
+        waiting: &Ticket,
+        until: Option<Instant>,
+        fallback: &mut Duration,
+        deadline: Instant,
+    ) -> Instant {
+        if !waiting.is_first() {
+            return deadline;
+        }
+        let now = Instant::now();
+        let mut at = now + jittered(*fallback);
+        *fallback = (*fallback * 2).min(FALLBACK_POLL_MAX);
+        if let Some(until) = until {
+            at = at.min(until);
+        }
+        if let Some(look) = waiting.look_at() {
+            at = at.min(look);
+        }
+        at.max(now + POLL_MIN).min(deadline)
+    }
+
+    /// One try of the acquire: a pass of the lock recipe, or a try to join a pool.
+    async fn attempt(&self, kind: Kind, key: &LockKey, bid: &Bid) -> Result<Attempt, LockError> {
         match kind.pool() {
             None => self.claim_or_take_over(key, bid).await,
-            // Fairness on this broker: a shared acquire does not try while an exclusive acquire
-            // that came before it waits here; it only looks, to know how long the lock is busy.
-            Some(Pool::Shared)
-                if ticket.map_or_else(
-                    || self.waiters.exclusive_waiting(Space::Locks, key),
-                    Ticket::exclusive_ahead,
-                ) =>
-            {
-                self.look_behind_exclusive(key).await
-            }
             Some(pool) => self.join(key, pool, bid).await,
         }
     }
@@ -255,30 +264,11 @@ impl<S: Store> LockService<S> {
         let join = self.timed(StoreOp::join, self.store.join(key, pool, bid));
         match self.guarded(pool.space(), key, bid, join).await? {
             Join::Granted(lease) => Ok(Attempt::Granted(lease)),
-            Join::Busy { retry_after_ms } | Join::Queued { retry_after_ms } => Ok(Attempt::Busy {
-                retry_after_ms,
-                behind_shared: false,
-            }),
+            Join::Busy { retry_after_ms } => Ok(Attempt::Busy { retry_after_ms }),
+            Join::Queued { retry_after_ms } => Ok(Attempt::Queued { retry_after_ms }),
             Join::LimitMismatch { limit } => Err(LockError::LimitMismatch { limit }),
             Join::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
-    }
-
-    /// How long a lock stays busy for a shared acquire queued behind an exclusive one: until the
-    /// exclusive lease ends, or the shared leases the exclusive acquire waits for do.
-    async fn look_behind_exclusive(&self, key: &LockKey) -> Result<Attempt, LockError> {
-        let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
-        let ends = snapshot
-            .lease
-            .iter()
-            .chain(&snapshot.shared)
-            .filter(|l| l.is_live_at(snapshot.now_ms))
-            .map(|l| l.expires_at_ms - snapshot.now_ms);
-        Ok(Attempt::Busy {
-            // At least 1 ms: a free lock is about to go to the exclusive acquire ahead.
-            retry_after_ms: ends.max().unwrap_or(0).max(1),
-            behind_shared: false,
-        })
     }
 
     /// One pass of the lock recipe.
@@ -288,7 +278,11 @@ impl<S: Store> LockService<S> {
         match self.guarded(Space::Locks, key, bid, claim).await? {
             GrantAnswer::Granted(lease) => return Ok(Attempt::Granted(lease)),
             GrantAnswer::OnHold(hold) => return Err(LockError::OnHold(hold)),
-            GrantAnswer::Refused | GrantAnswer::Queued { .. } => {}
+            // A bid that waits is in the key's queue now: the key will be offered to it.
+            GrantAnswer::Queued { retry_after_ms } => {
+                return Ok(Attempt::Queued { retry_after_ms });
+            }
+            GrantAnswer::Refused => {}
         }
         // 2. GET: who holds it, and until when on the store's clock.
         let snapshot = self.timed(StoreOp::read, self.store.read(key)).await?;
@@ -297,12 +291,11 @@ impl<S: Store> LockService<S> {
             .as_ref()
             .is_some_and(|l| l.is_live_at(snapshot.now_ms));
         if !exclusive_live && !snapshot.shared.is_empty() {
-            // Shared holders: the claim was refused for them (and recorded this bid's intent if
-            // it waits). The key is free for an exclusive lease when the last of them ends.
+            // Shared holders: the claim was refused for them. The key is free for an exclusive
+            // lease when the last of them ends.
             let last = snapshot.shared.iter().map(|l| l.expires_at_ms).max();
             return Ok(Attempt::Busy {
                 retry_after_ms: last.map_or(0, |end| end.saturating_sub(snapshot.now_ms)),
-                behind_shared: true,
             });
         }
         let Some(current) = snapshot.lease else {
@@ -313,7 +306,6 @@ impl<S: Store> LockService<S> {
         if current.is_live_at(snapshot.now_ms) {
             return Ok(Attempt::Busy {
                 retry_after_ms: current.expires_at_ms - snapshot.now_ms,
-                behind_shared: false,
             });
         }
         // 3. Expired: take it over, so that exactly one contender wins it.
@@ -326,8 +318,10 @@ impl<S: Store> LockService<S> {
                 self.metrics.took_over();
                 Ok(Attempt::Granted(lease))
             }
-            // Another contender won it (or its holder renewed it): look again.
-            GrantAnswer::Refused | GrantAnswer::Queued { .. } => Ok(Attempt::Again),
+            // Another contender won it (or its holder renewed it, or bids wait in the queue,
+            // which the key went to): look again.
+            GrantAnswer::Refused => Ok(Attempt::Again),
+            GrantAnswer::Queued { retry_after_ms } => Ok(Attempt::Queued { retry_after_ms }),
             GrantAnswer::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
     }

@@ -23,11 +23,11 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::domain::{Owner, RequestId, Ttl, WaitFor};
-use crate::metrics::{Metrics, StoreOp};
+use crate::metrics::{Metrics, PassedOn, StoreOp};
 use crate::store::{
-    Hold, Holder, Kind, Lease, Mode, NOTICE_BUFFER, Store, StoreError, StoreResult,
+    Hold, Holder, Kind, Lease, Mode, NOTICE_BUFFER, Space, Store, StoreError, StoreResult,
 };
-use crate::waiters::Waiters;
+use crate::waiters::{OnGone, Waiters};
 
 pub(crate) use outage::Outage;
 
@@ -153,7 +153,24 @@ impl<S: Store> LockService<S> {
         let waiters = Waiters::new(settings.max_waiters);
         let (notices, received) = mpsc::channel(NOTICE_BUFFER);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(Waiters::hand_notices(Arc::downgrade(&waiters), received));
+            // An offer whose waiter has left (its wait ran out, its client went away) ends now,
+            // so the key passes on to the next in line instead of when the offer lapses.
+            let (gone_store, gone_metrics) = (store.clone(), metrics.clone());
+            let on_gone: OnGone = Box::new(move |space, key, token| {
+                gone_metrics.offer_passed_on(PassedOn::Gone);
+                let store = gone_store.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = store.leave(space, &key, &token).await {
+                        tracing::debug!(%key, error = %e, "could not end an offer to a waiter that left; it lapses");
+                    }
+                });
+            });
+            runtime.spawn(Waiters::hand_notices(
+                Arc::downgrade(&waiters),
+                received,
+                on_gone,
+                metrics.clone(),
+            ));
         }
         store.start(notices);
         Self {
@@ -210,8 +227,11 @@ impl<S: Store> LockService<S> {
 
     /// The metrics, with the current number of waiters, in the OpenMetrics text format.
     pub(crate) fn render_metrics(&self) -> String {
-        self.metrics
-            .render(self.waiters.len(), self.store.ledger_len())
+        self.metrics.render(
+            self.waiters.len(),
+            [Space::Locks, Space::Semaphores].map(|space| self.waiters.len_in(space)),
+            self.store.ledger_len(),
+        )
     }
 }
 

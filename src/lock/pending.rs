@@ -1,4 +1,5 @@
-//! The cleanup of a grant whose answer never reached the client (see [`PendingGrant`]).
+//! The cleanup of a grant whose answer never reached the client (see [`PendingGrant`]), and of a
+//! waiting bid's entry in its key's queue when the acquire ends without a grant (see [`Spot`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,6 +61,52 @@ impl<S: Store> Drop for PendingGrant<S> {
                     }
                 }
             }
+        });
+    }
+}
+
+/// A waiting bid's entry in its key's queue in the store.
+///
+/// While armed, dropping it — the acquire ends without a grant (its wait ran out, its client
+/// went away, the broker stops) or goes on with a new token after a failed store call — takes
+/// the entry out of the queue with [`Store::leave`], which also ends an offer made to it and not
+/// taken, so the key passes on at once rather than when the offer lapses. Best effort: if the
+/// store does not answer, the entry ends at its deadline and an offer to it lapses.
+pub(super) struct Spot<S: Store> {
+    /// `None` once disarmed (the bid was granted: nothing of it waits any more).
+    pub store: Option<Arc<S>>,
+    pub space: Space,
+    pub key: LockKey,
+    pub token: Token,
+}
+
+impl<S: Store> Spot<S> {
+    /// Whether this is the spot of the bid with `token`.
+    pub fn is_for(&self, token: &Token) -> bool {
+        self.token == *token
+    }
+}
+
+impl<S: Store> Drop for Spot<S> {
+    fn drop(&mut self) {
+        let Some(store) = self.store.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (space, key, token) = (self.space, self.key.clone(), self.token.clone());
+        runtime.spawn(async move {
+            for pause in [Duration::from_millis(100), Duration::from_millis(500)] {
+                match store.leave(space, &key, &token).await {
+                    Ok(()) => return,
+                    Err(e) => {
+                        tracing::debug!(%key, error = %e, "leaving the queue failed; retrying");
+                        tokio::time::sleep(pause).await;
+                    }
+                }
+            }
+            tracing::debug!(%key, "could not leave the queue; the entry ends at its deadline");
         });
     }
 }

@@ -84,6 +84,18 @@ pub(super) struct SpaceLabels {
     pub(super) result: &'static str,
 }
 
+/// A key space alone, as a label set (the queue's gauges and counters).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct QueueLabels {
+    pub(super) space: &'static str,
+}
+
+/// Why an offer to one of this broker's waiters passed on to the next in line.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct PassedOnLabels {
+    pub(super) reason: &'static str,
+}
+
 /// Counters by result and one more label (a kind or a space), each series created up front so
 /// that every one shows from the first scrape.
 pub(super) struct ByResult<L> {

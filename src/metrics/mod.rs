@@ -19,8 +19,8 @@ mod labels;
 
 pub use self::labels::StoreOp;
 use self::labels::{
-    ACQUIRE_RESULTS, AuthLabels, ByResult, FORCE_RESULTS, KindLabels, OpLabels, RELEASE_RESULTS,
-    RENEW_RESULTS, SpaceLabels, by_space, kind_label, space_label,
+    ACQUIRE_RESULTS, AuthLabels, ByResult, FORCE_RESULTS, KindLabels, OpLabels, PassedOnLabels,
+    QueueLabels, RELEASE_RESULTS, RENEW_RESULTS, SpaceLabels, by_space, kind_label, space_label,
 };
 
 fn seconds_histogram() -> Histogram {
@@ -41,6 +41,9 @@ pub struct Metrics {
     store_errors: Family<OpLabels, Counter>,
     store_latency: Family<OpLabels, Histogram, fn() -> Histogram>,
     waiters: Gauge,
+    queued: Family<QueueLabels, Gauge>,
+    handoffs: Family<QueueLabels, Counter>,
+    passed_on: Family<PassedOnLabels, Counter>,
     resident_memory: Gauge,
     ledger: Gauge,
     store_losses: Counter,
@@ -58,6 +61,25 @@ pub enum AcquireResult {
     Error,
     /// A semaphore acquire whose limit differs from the holders'.
     LimitMismatch,
+}
+
+/// Why an offer to one of this broker's waiters passed on to the next in line.
+#[derive(Debug, Clone, Copy)]
+pub enum PassedOn {
+    /// The waiter had left (its wait ran out, its client went away): the offer was ended at once.
+    Gone,
+    /// The offer was not taken within the store's offer window, and the store dropped this
+    /// broker's entries from the key's queue (its waiters joined again).
+    Lapsed,
+}
+
+impl PassedOn {
+    fn label(self) -> &'static str {
+        match self {
+            PassedOn::Gone => "gone",
+            PassedOn::Lapsed => "lapsed",
+        }
+    }
 }
 
 /// A release's or renewal's outcome.
@@ -156,6 +178,38 @@ impl Default for Metrics {
             "Acquires waiting on this broker now",
             waiters.clone(),
         );
+        let queued = Family::<QueueLabels, Gauge>::default();
+        let handoffs = Family::<QueueLabels, Counter>::default();
+        for space in [Space::Locks, Space::Semaphores] {
+            let labels = QueueLabels {
+                space: space_label(space),
+            };
+            let _ = queued.get_or_create(&labels);
+            let _ = handoffs.get_or_create(&labels);
+        }
+        registry.register(
+            "lockbroker_queued",
+            "This broker's acquires waiting in their keys' queues in the store now, by key space",
+            queued.clone(),
+        );
+        registry.register(
+            "lockbroker_handoffs",
+            "Grants to this broker's waiters that came through the key's queue (an offer taken, \
+             or a turn at the head), by key space",
+            handoffs.clone(),
+        );
+        let passed_on = Family::<PassedOnLabels, Counter>::default();
+        for reason in [PassedOn::Gone, PassedOn::Lapsed] {
+            let _ = passed_on.get_or_create(&PassedOnLabels {
+                reason: reason.label(),
+            });
+        }
+        registry.register(
+            "lockbroker_offers_passed_on",
+            "Offers to this broker's waiters that passed on to the next in line: gone (the \
+             waiter had left) or lapsed (not taken in time; the waiters joined again)",
+            passed_on.clone(),
+        );
         let ledger = Gauge::default();
         registry.register(
             "lockbroker_ledger_leases",
@@ -214,6 +268,9 @@ impl Default for Metrics {
             store_errors,
             store_latency,
             waiters,
+            queued,
+            handoffs,
+            passed_on,
             ledger,
             store_losses,
             leases_put_back,
@@ -270,6 +327,24 @@ impl Metrics {
             .inc();
     }
 
+    /// A grant to a waiter that came through the key's queue.
+    pub fn handed_off(&self, space: Space) {
+        self.handoffs
+            .get_or_create(&QueueLabels {
+                space: space_label(space),
+            })
+            .inc();
+    }
+
+    /// An offer to one of this broker's waiters that passed on.
+    pub fn offer_passed_on(&self, why: PassedOn) {
+        self.passed_on
+            .get_or_create(&PassedOnLabels {
+                reason: why.label(),
+            })
+            .inc();
+    }
+
     pub fn took_over(&self) {
         self.takeovers.inc();
     }
@@ -306,9 +381,17 @@ impl Metrics {
         self.leases_put_back.inc_by(n as u64);
     }
 
-    /// The OpenMetrics text exposition, with the current number of waiters.
-    pub fn render(&self, waiters: usize, ledger: usize) -> String {
+    /// The OpenMetrics text exposition, with the current number of waiters (in all, and queued
+    /// in the store by key space: locks, semaphores).
+    pub fn render(&self, waiters: usize, queued: [usize; 2], ledger: usize) -> String {
         self.waiters.set(i64::try_from(waiters).unwrap_or(i64::MAX));
+        for (space, n) in [Space::Locks, Space::Semaphores].into_iter().zip(queued) {
+            self.queued
+                .get_or_create(&QueueLabels {
+                    space: space_label(space),
+                })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
         self.ledger.set(i64::try_from(ledger).unwrap_or(i64::MAX));
         self.resident_memory
             .set(i64::try_from(resident_memory_bytes()).unwrap_or(i64::MAX));

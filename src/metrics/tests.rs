@@ -22,7 +22,9 @@ fn the_exposition_names_every_series_the_docs_promise() {
     );
     m.force_released(Space::Semaphores, HolderResult::Done);
     m.store_call(StoreOp::claim, Duration::from_micros(200), true);
-    let text = m.render(7, 3);
+    m.handed_off(Space::Semaphores);
+    m.offer_passed_on(PassedOn::Gone);
+    let text = m.render(7, [5, 2], 3);
     for line in [
         "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"granted\"} 1",
         "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"locked\"} 0",
@@ -39,6 +41,12 @@ fn the_exposition_names_every_series_the_docs_promise() {
         "lockbroker_acquire_wait_seconds_count 1",
         "lockbroker_store_call_seconds_count{op=\"claim\"} 1",
         "lockbroker_waiters 7",
+        "lockbroker_queued{space=\"locks\"} 5",
+        "lockbroker_queued{space=\"semaphores\"} 2",
+        "lockbroker_handoffs_total{space=\"semaphores\"} 1",
+        "lockbroker_handoffs_total{space=\"locks\"} 0",
+        "lockbroker_offers_passed_on_total{reason=\"gone\"} 1",
+        "lockbroker_offers_passed_on_total{reason=\"lapsed\"} 0",
         "lockbroker_ledger_leases 3",
         "lockbroker_store_losses_total 0",
         "lockbroker_leases_put_back_total 0",

@@ -16,6 +16,7 @@ mod demo;
 mod faults;
 mod kinds;
 mod proxy;
+mod queue;
 mod skew;
 mod soak;
 mod store_loss;
