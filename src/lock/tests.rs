@@ -545,11 +545,84 @@ async fn a_dropped_waiter_leaves_the_queue_and_no_lease_behind() {
     waiter.abort();
     assert!(waiter.await.unwrap_err().is_cancelled());
     assert_eq!(h.locks.waiting(), 0);
+    // Its entry in the store's queue goes with it (a spawned leave).
+    settle().await;
     h.locks
         .release(Space::Locks, &h.key, &first.token)
         .await
         .unwrap();
     assert_eq!(token_in_store(&h), None);
+    // Nobody waits: a request that may not wait is granted the free key.
+    h.locks.acquire(&h.key, request(1_000, 0)).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_offer_to_a_waiter_that_is_not_here_any_more_is_ended_and_passes_on_at_once() {
+    let h = harness();
+    let holder = h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    // A bid in the store's queue that no waiter on this broker has (its waiter left just as the
+    // offer was made).
+    let stray = Bid {
+        wait_ms: 30_000,
+        ..bid(1_000)
+    };
+    assert!(matches!(
+        h.store.inner.claim(&h.key, &stray).await.unwrap(),
+        GrantAnswer::Queued { .. }
+    ));
+    let next = spawn_waiting(&h, request(1_000, 30_000)).await;
+    h.locks
+        .release(Space::Locks, &h.key, &holder.token)
+        .await
+        .unwrap();
+    // The stray bid is offered the key first. The store's clock stands still here, so the offer
+    // never lapses: only the broker ending it lets the waiter behind it in.
+    let lease = tokio::time::timeout(Duration::from_secs(5), next)
+        .await
+        .expect("the waiter behind the stray bid is granted")
+        .unwrap()
+        .unwrap();
+    assert!(lease.fence > holder.fence);
+    assert!(
+        h.locks
+            .render_metrics()
+            .contains("lockbroker_offers_passed_on_total{reason=\"gone\"} 1")
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_contended_acquisition_costs_two_claims_and_waiters_promoted_here_ask_the_store_nothing()
+{
+    let h = harness();
+    let holder = h.locks.acquire(&h.key, request(60_000, 0)).await.unwrap();
+    let mut waiting = Vec::new();
+    for _ in 0..4 {
+        waiting.push(spawn_waiting(&h, request(60_000, 30_000)).await);
+    }
+    let claims = Scripted::count(&h.store.calls.claim);
+    assert_eq!(
+        claims, 5,
+        "one claim each: the holder's, and each waiter's that queued it"
+    );
+    let mut token = holder.token;
+    for waiter in waiting {
+        h.locks.release(Space::Locks, &h.key, &token).await.unwrap();
+        let lease = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("granted in turn")
+            .unwrap()
+            .unwrap();
+        token = lease.token;
+    }
+    // Per waiter, one more claim: the one that took the offer. The others, promoted to first
+    // waiter here as each one before them left, asked nothing.
+    assert_eq!(Scripted::count(&h.store.calls.claim), claims + 4);
+    assert_eq!(Scripted::count(&h.store.calls.read), 0);
+    assert!(
+        h.locks
+            .render_metrics()
+            .contains("lockbroker_handoffs_total{space=\"locks\"} 4")
+    );
 }
 
 /// Lets spawned cleanup tasks run to completion.
