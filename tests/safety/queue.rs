@@ -86,12 +86,35 @@ async fn join(
     handle
 }
 
-async fn granted(handle: JoinHandle<Answer>, what: &str) -> Grant {
+async fn answered(handle: JoinHandle<Answer>, what: &str) -> Answer {
     tokio::time::timeout(Duration::from_secs(5), handle)
         .await
         .unwrap_or_else(|_| panic!("{what} was not granted within 5 s"))
         .expect("the request task")
+}
+
+async fn granted(handle: JoinHandle<Answer>, what: &str) -> Grant {
+    answered(handle, what)
+        .await
         .expect_grant(StatusCode::CREATED)
+}
+
+/// A semaphore's grant: its token and fence (the body adds `limit` to a lock's).
+struct Permit {
+    token: String,
+    fence: u64,
+}
+
+fn permit_of(answer: &Answer) -> Permit {
+    let body = answer.expect_status(StatusCode::CREATED).json();
+    Permit {
+        token: body["token"].as_str().expect("a token").to_owned(),
+        fence: body["fence"].as_u64().expect("a fence"),
+    }
+}
+
+async fn granted_permit(handle: JoinHandle<Answer>, what: &str) -> Permit {
+    permit_of(&answered(handle, what).await)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -190,11 +213,7 @@ async fn semaphore_waiters_across_brokers_get_permits_in_the_order_they_joined()
     let apps = brokers(&redis, 3).await;
     let permit = |app: &TestApp| {
         let request = http_client().post(app.url("/semaphores/pool?limit=2&ttl_ms=30000"));
-        async move {
-            Answer::read(request.send().await.expect("an answer"))
-                .await
-                .expect_grant(StatusCode::CREATED)
-        }
+        async move { permit_of(&Answer::read(request.send().await.expect("an answer")).await) }
     };
     let p1 = permit(&apps[0]).await;
     let p2 = permit(&apps[1]).await;
@@ -213,12 +232,12 @@ async fn semaphore_waiters_across_brokers_get_permits_in_the_order_they_joined()
         }
     };
     release(&apps[0], &p1.token).await;
-    let g1 = granted(w1, "the first permit waiter").await;
+    let g1 = granted_permit(w1, "the first permit waiter").await;
     assert!(!w2.is_finished() && !w3.is_finished(), "one permit freed");
     release(&apps[1], &p2.token).await;
-    let g2 = granted(w2, "the second permit waiter").await;
+    let g2 = granted_permit(w2, "the second permit waiter").await;
     release(&apps[2], &g1.token).await;
-    let g3 = granted(w3, "the third permit waiter").await;
+    let g3 = granted_permit(w3, "the third permit waiter").await;
     assert!(g1.fence < g2.fence && g2.fence < g3.fence);
 }
 
