@@ -353,8 +353,11 @@ async fn clients_that_give_up_mid_wait_never_hold_the_key_up_across_three_broker
                 while !stop.load(Ordering::Relaxed) {
                     n += 1;
                     let patience = Duration::from_millis(20 + (n * 37 + q as u64 * 11) % 180);
+                    // A short TTL: a quitter that gives up at the very moment its grant is sent
+                    // never reads it, and that lease is held, by nobody, until its TTL (the
+                    // contract allows it: it was granted at that instant).
                     let request = client
-                        .post(format!("{url}/locks/quitters?wait_ms=30000&ttl_ms=5000"))
+                        .post(format!("{url}/locks/quitters?wait_ms=30000&ttl_ms=400"))
                         .timeout(patience)
                         .send();
                     match request.await {
