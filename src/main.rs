@@ -84,6 +84,7 @@ async fn main() -> ExitCode {
                 }
                 ExitCode::SUCCESS
             }
+            None if !args.urls.is_empty() => report(bench::run_fleet(args).await.map(drop)),
             None => report(bench::run(args).await.map(drop)),
         },
         Command::Acquire(args) => commands::acquire(args).await,

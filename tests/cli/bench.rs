@@ -127,3 +127,90 @@ async fn bench_sends_the_bearer_token_on_every_phase_to_a_broker_with_an_auth_fi
         refused.stderr
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_bench_spreads_the_clients_over_every_broker_and_counts_each_acquisition_once() {
+    let redis = RedisServer::start().await;
+    let brokers = [
+        spawn_app(Some(redis.url())).await,
+        spawn_app(Some(redis.url())).await,
+    ];
+    let urls = format!("{},{}", brokers[0].url(""), brokers[1].url(""));
+    let out = lockbroker(
+        "http://127.0.0.1:9",
+        &[
+            "bench",
+            "--urls",
+            &urls,
+            "--redis-url",
+            &redis.url(),
+            "--contenders",
+            "4",
+            "--duration",
+            "500ms",
+            "--json",
+        ],
+    )
+    .await;
+    out.expect_code(0);
+    let summary: Value = serde_json::from_str(&out.stdout).expect("one JSON document");
+    assert_eq!(summary["brokers"], 2, "{summary}");
+    assert_eq!(summary["clients"], 4, "{summary}");
+    assert_eq!(summary["errors"], 0, "{summary}");
+    let per_client: Vec<u64> = summary["per_client"]
+        .as_array()
+        .expect("per_client")
+        .iter()
+        .map(|n| n.as_u64().expect("a count"))
+        .collect();
+    assert_eq!(per_client.len(), 4, "{summary}");
+    let acquisitions = summary["acquisitions"].as_u64().expect("acquisitions");
+    assert_eq!(per_client.iter().sum::<u64>(), acquisitions, "{summary}");
+    assert_eq!(summary["wait"]["samples"], acquisitions, "{summary}");
+    assert_eq!(
+        summary["spread"]["most"],
+        *per_client.iter().max().unwrap(),
+        "{summary}"
+    );
+    // Every acquisition was released: one handoff between each two consecutive grants.
+    assert_eq!(
+        summary["handoff"]["samples"].as_u64().expect("handoffs"),
+        acquisitions - 1,
+        "{summary}"
+    );
+    // Each grant costs Redis at least its claim and its release.
+    let calls = summary["script_calls_per_acquisition"]
+        .as_f64()
+        .expect("script calls");
+    assert!(calls >= 2.0, "{summary}");
+    // Client i talks to broker i % 2: the brokers' own grant counters differ by exactly what
+    // their clients acquired (each broker also granted the bench's readiness probes, the same
+    // number on each).
+    let mut granted = Vec::new();
+    for broker in &brokers {
+        let metrics = reqwest::get(broker.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let line = "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"granted\"} ";
+        let n: i64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(line))
+            .unwrap_or_else(|| panic!("no granted counter in {metrics}"))
+            .trim()
+            .parse()
+            .unwrap();
+        granted.push(n);
+    }
+    let share = |b: usize| -> i64 {
+        per_client
+            .iter()
+            .skip(b)
+            .step_by(2)
+            .map(|&n| n as i64)
+            .sum()
+    };
+    assert_eq!(granted[0] - granted[1], share(0) - share(1), "{summary}");
+}

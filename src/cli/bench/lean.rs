@@ -50,7 +50,7 @@ impl LeanClient {
         })
     }
 
-    async fn send(
+    pub(super) async fn send(
         &mut self,
         method: Method,
         path: &str,

@@ -9,12 +9,15 @@
 //! (d) with `--redis-url` on one server, the textbook Redis lock cycle with nothing of
 //! the broker's (`SET NX PX`, then a Lua compare-and-delete): the raw baseline.
 //!
+//! `--urls` runs instead one hot key through several brokers on one store (`fleet.rs`).
+//!
 //! `--mode` picks the lease the HTTP phases take: an exclusive lease (the default), a shared
 //! lease on the lock, or one permit of a semaphore of `--limit` permits. Phase (c) exists for
 //! exclusive leases only (phase (d) is the same in every mode), and handoff is measured only
 //! where one holder follows another (an exclusive lease).
 
 mod direct;
+mod fleet;
 mod http;
 mod lean;
 mod raw;
@@ -28,6 +31,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
+
+pub use self::fleet::run as run_fleet;
 
 use self::direct::uncontended_direct;
 use self::http::{check_mode, hot_key_http, uncontended_http, wait_until_granting};
@@ -60,6 +65,18 @@ pub struct BenchArgs {
     /// Contenders on the hot key.
     #[arg(long, default_value_t = 16)]
     pub contenders: usize,
+    /// Instead of the usual phases, run one hot key through a fleet of brokers on one store:
+    /// `--contenders` clients loop acquire (waiting up to --wait-ms), hold --hold, release, client
+    /// i through the i % N-th of these URLs (comma-separated, or the flag repeated); --url is not
+    /// used.
+    #[arg(long, value_delimiter = ',', value_name = "URL,...")]
+    pub urls: Vec<String>,
+    /// With --urls: how long each client holds the lease before releasing it.
+    #[arg(long, default_value = "1ms", value_parser = humantime::parse_duration)]
+    pub hold: Duration,
+    /// With --urls: the wait_ms of each acquire.
+    #[arg(long, default_value_t = 20_000)]
+    pub wait_ms: u64,
     /// How long each phase runs (`10s`, `1500ms`, `1m`).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub duration: Duration,

@@ -103,13 +103,14 @@ async fn totals(nodes: &[MultiplexedConnection]) -> anyhow::Result<Totals> {
     Ok(totals)
 }
 
-/// EVALSHA + EVAL calls Redis has served (scripts' inner commands are counted apart by Redis).
+/// Script calls Redis has served: EVALSHA, EVAL and (should the broker's scripts become
+/// functions) FCALL; scripts' inner commands are counted apart by Redis.
 pub async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<u64> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
         .await?;
-    Ok(["evalsha", "eval"]
+    Ok(["evalsha", "eval", "fcall", "fcall_ro"]
         .iter()
         .map(|name| command_calls(&info, name))
         .sum())
