@@ -15,10 +15,10 @@ use utoipa::ToSchema;
 use super::AppState;
 use super::error::ApiError;
 use super::openapi::{
-    Forbidden, ForceRefused, KeyParam, Locked, NotGranted, NotHeld, NotOwner, RequestRefused,
-    StoreUnavailable, TokenHeader, Unauthorized,
+    Forbidden, ForceRefused, Locked, NotGranted, NotHeld, NotOwner, RequestRefused,
+    StoreUnavailable, Unauthorized,
 };
-use super::params::{KeyPath, Params, token};
+use super::params::{KeyPath, Params, TokenHeader, token};
 use super::requests::{
     AcquireBody, ListQueryParams, ModeName, NoParams, ReleaseQuery, RenewBody, acquire_request,
     list_query, ttl_param,
@@ -151,7 +151,7 @@ pub(super) fn aggregate(holders: &[Lease]) -> Option<(u64, u64)> {
     post,
     path = "/locks/{key}",
     tag = "locks",
-    params(KeyParam, AcquireBody),
+    params(KeyPath, AcquireBody),
     request_body(
         content = ref("#/components/schemas/AcquireBody"),
         content_type = "application/json",
@@ -198,7 +198,7 @@ pub(super) async fn acquire<S: Store>(
     delete,
     path = "/locks/{key}",
     tag = "locks",
-    params(KeyParam, TokenHeader, ReleaseQuery),
+    params(KeyPath, TokenHeader, ReleaseQuery),
     responses(
         (status = 204, description = "Released (with `force=true`: every lease on the key ended)."),
         RequestRefused,
@@ -253,7 +253,7 @@ pub(super) async fn release_in<S: Store>(
     post,
     path = "/locks/{key}/renew",
     tag = "locks",
-    params(KeyParam, TokenHeader, RenewBody),
+    params(KeyPath, TokenHeader, RenewBody),
     request_body(
         content = ref("#/components/schemas/RenewBody"),
         content_type = "application/json",
@@ -291,7 +291,7 @@ pub(super) async fn renew<S: Store>(
     get,
     path = "/locks/{key}",
     tag = "locks",
-    params(KeyParam),
+    params(KeyPath),
     responses(
         (status = 200, description = "Held: the live lease.", body = InspectBody),
         RequestRefused,

@@ -120,7 +120,9 @@ fn answer_logger(
         let latency_ms = latency.as_millis();
         match response.extensions().get::<Expected>() {
             Some(expected) => {
-                if expected.store_unavailable {
+                // Counted into the outage in progress; outside one there is nothing to count
+                // into (the count starts again with the next).
+                if expected.store_unavailable && outage.is_down() {
                     outage.refused();
                 }
                 tracing::debug!(%status, latency_ms, "answered");

@@ -16,10 +16,10 @@ use super::AppState;
 use super::error::ApiError;
 use super::locks::{HolderBody, aggregate, holder_bodies, release_in};
 use super::openapi::{
-    Forbidden, ForceRefused, KeyParam, NotGranted, NotHeld, NotOwner, PermitRefused,
-    RequestRefused, StoreUnavailable, TokenHeader, Unauthorized,
+    Forbidden, ForceRefused, NotGranted, NotHeld, NotOwner, PermitRefused, RequestRefused,
+    StoreUnavailable, Unauthorized,
 };
-use super::params::{KeyPath, Params, token};
+use super::params::{KeyPath, Params, TokenHeader, token};
 use super::requests::{
     ListQueryParams, NoParams, ReleaseQuery, RenewBody, SemaphoreAcquireBody, acquire_request,
     list_query, ttl_param,
@@ -117,7 +117,7 @@ struct ListBody<'a> {
     path = "/semaphores/{key}",
     operation_id = "acquire_permit",
     tag = "semaphores",
-    params(KeyParam, SemaphoreAcquireBody),
+    params(KeyPath, SemaphoreAcquireBody),
     request_body(
         content = ref("#/components/schemas/SemaphoreAcquireBody"),
         content_type = "application/json",
@@ -184,7 +184,7 @@ fn permit_body<'a>(key: &'a LockKey, lease: &'a Lease, limit: u32) -> PermitBody
     path = "/semaphores/{key}",
     operation_id = "release_permit",
     tag = "semaphores",
-    params(KeyParam, TokenHeader, ReleaseQuery),
+    params(KeyPath, TokenHeader, ReleaseQuery),
     responses(
         (status = 204, description = "Released (with `force=true`: every permit ended)."),
         RequestRefused,
@@ -213,7 +213,7 @@ pub(super) async fn release<S: Store>(
     path = "/semaphores/{key}/renew",
     operation_id = "renew_permit",
     tag = "semaphores",
-    params(KeyParam, TokenHeader, RenewBody),
+    params(KeyPath, TokenHeader, RenewBody),
     request_body(
         content = ref("#/components/schemas/RenewBody"),
         content_type = "application/json",
@@ -254,7 +254,7 @@ pub(super) async fn renew<S: Store>(
     path = "/semaphores/{key}",
     operation_id = "inspect_semaphore",
     tag = "semaphores",
-    params(KeyParam),
+    params(KeyPath),
     responses(
         (status = 200, description = "Held: the live permits.", body = InspectBody),
         RequestRefused,

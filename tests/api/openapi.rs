@@ -1,13 +1,13 @@
 //! The OpenAPI document, `GET /openapi.json`, against the broker that serves it: it is OpenAPI 3
 //! with every reference resolving; it documents exactly the routes the router serves
-//! (`lockbroker::http::ROUTES`, probed over HTTP with every method and with paths that are not
+//! (`lockbroker::ROUTES`, probed over HTTP with every method and with paths that are not
 //! routes); and for every operation, the documented statuses are exactly the ones real requests
 //! get, each answer's body matching the schema documented for it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use lockbroker::http::ROUTES;
+use lockbroker::ROUTES;
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
 use lockbroker_test_support::http::{Answer, lock_path};
 use lockbroker_test_support::redis_server::RedisServer;
