@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 
 use lockbroker_test_support::app::{Backend, TestApp, spawn_app_with};
+use lockbroker_test_support::http::assert_fields;
 use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::temp::temp_file;
 use reqwest::{Method, StatusCode};
@@ -93,18 +94,16 @@ async fn held_locks_are_listed_by_prefix_with_their_mode_and_never_a_token(b: &B
     assert_eq!(shared["mode"], "shared");
     assert_eq!(shared["fence"], r2.fence);
     assert_eq!(shared["expires_at_ms"], r2.expires_at_ms);
-    let mut fields: Vec<&str> = a.as_object().unwrap().keys().map(String::as_str).collect();
-    fields.sort_unstable();
-    assert_eq!(
-        fields,
-        [
+    assert_fields(
+        a,
+        &[
             "expires_at_ms",
             "fence",
             "key",
             "mode",
             "owner",
-            "ttl_remaining_ms"
-        ]
+            "ttl_remaining_ms",
+        ],
     );
     // No prefix: every held lock.
     let everything = keys(&list_all(app, "locks", "", 100).await);
@@ -147,23 +146,16 @@ async fn held_semaphores_are_listed_with_their_limit_and_number_of_holders(b: &B
     assert_eq!(entry["holders"], 2);
     assert_eq!(entry["fence"], *fences.iter().max().unwrap());
     assert!(entry["ttl_remaining_ms"].as_u64().unwrap() > 10_000);
-    let mut fields: Vec<&str> = entry
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
-    fields.sort_unstable();
-    assert_eq!(
-        fields,
-        [
+    assert_fields(
+        entry,
+        &[
             "expires_at_ms",
             "fence",
             "holders",
             "key",
             "limit",
-            "ttl_remaining_ms"
-        ]
+            "ttl_remaining_ms",
+        ],
     );
 }
 
