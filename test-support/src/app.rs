@@ -149,19 +149,6 @@ impl TestApp {
         spawn(self.request(Method::POST, &semaphore_path(key, query)))
     }
 
-    /// `DELETE /semaphores/{key}` with the token in the `Lock-Token` header: gives a permit
-    /// back.
-    pub async fn give_back(&self, key: &str, token: &str) -> Answer {
-        self.with_token(Method::DELETE, &semaphore_path(key, ""), token)
-            .await
-    }
-
-    /// `POST /semaphores/{key}/renew?{query}` with the token in the `Lock-Token` header.
-    pub async fn renew_permit(&self, key: &str, token: &str, query: &str) -> Answer {
-        let path = semaphore_path(&format!("{key}/renew"), query);
-        self.with_token(Method::POST, &path, token).await
-    }
-
     /// `method path` with `token` in the `Lock-Token` header.
     pub async fn with_token(&self, method: Method, path: &str, token: &str) -> Answer {
         self.send(self.request(method, path).header("Lock-Token", token))
@@ -275,7 +262,7 @@ fn spawn(request: RequestBuilder) -> JoinHandle<Answer> {
 }
 
 /// `/semaphores/{key}`, with `?{query}` unless it is empty.
-fn semaphore_path(key: &str, query: &str) -> String {
+pub fn semaphore_path(key: &str, query: &str) -> String {
     if query.is_empty() {
         format!("/semaphores/{key}")
     } else {

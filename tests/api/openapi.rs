@@ -759,10 +759,12 @@ async fn shared_and_semaphore_scenarios(app: &TestApp, cov: &mut Coverage) {
     cov.record("POST", SEMAPHORE_RENEW, &answer);
     answer.expect_status(StatusCode::OK);
     assert_eq!(answer.json()["limit"], 1, "{}", answer.text);
-    let answer = app.renew_permit("oa-sem", "not-the-token", "").await;
+    let answer = app.with_token(Method::POST, &renew, "not-the-token").await;
     cov.record("POST", SEMAPHORE_RENEW, &answer);
     answer.expect_error(StatusCode::CONFLICT, "not_owner");
-    let answer = app.renew_permit("oa-free", &token, "").await;
+    let answer = app
+        .with_token(Method::POST, "/semaphores/oa-free/renew", &token)
+        .await;
     cov.record("POST", SEMAPHORE_RENEW, &answer);
     answer.expect_error(StatusCode::NOT_FOUND, "not_held");
     refusals(app, cov, "POST", SEMAPHORE_RENEW, &renew).await;
@@ -783,7 +785,7 @@ async fn shared_and_semaphore_scenarios(app: &TestApp, cov: &mut Coverage) {
     );
     refusals(app, cov, "GET", SEMAPHORES, "/semaphores").await;
 
-    let answer = app.give_back("oa-sem", "not-the-token").await;
+    let answer = app.with_token(Method::DELETE, key, "not-the-token").await;
     cov.record("DELETE", SEMAPHORE, &answer);
     answer.expect_error(StatusCode::CONFLICT, "not_owner");
     // Force release is off on a broker without auth unless it runs with allow_force_release.
@@ -798,10 +800,10 @@ async fn shared_and_semaphore_scenarios(app: &TestApp, cov: &mut Coverage) {
     cov.record("DELETE", LOCK, &answer);
     answer.expect_error(StatusCode::FORBIDDEN, "forbidden");
     refusals(app, cov, "DELETE", SEMAPHORE, key).await;
-    let answer = app.give_back("oa-sem", &token).await;
+    let answer = app.with_token(Method::DELETE, key, &token).await;
     cov.record("DELETE", SEMAPHORE, &answer);
     answer.expect_status(StatusCode::NO_CONTENT);
-    let answer = app.give_back("oa-sem", &token).await;
+    let answer = app.with_token(Method::DELETE, key, &token).await;
     cov.record("DELETE", SEMAPHORE, &answer);
     answer.expect_error(StatusCode::NOT_FOUND, "not_held");
 }
@@ -844,6 +846,7 @@ async fn dead_store_scenarios(cov: &mut Coverage) {
     .await;
     let key = "oa-dead";
     let token = "a-token-the-store-never-sees";
+    let (sem, renew) = ("/semaphores/oa-dead", "/semaphores/oa-dead/renew");
     let answers = [
         ("POST", LOCK, app.acquire(key, "ttl_ms=1000").await),
         ("DELETE", LOCK, app.release(key, token).await),
@@ -851,13 +854,17 @@ async fn dead_store_scenarios(cov: &mut Coverage) {
         ("GET", LOCK, app.inspect(key).await),
         ("GET", LOCKS, app.get("/locks").await),
         ("POST", SEMAPHORE, app.take(key, "limit=2").await),
-        ("DELETE", SEMAPHORE, app.give_back(key, token).await),
+        (
+            "DELETE",
+            SEMAPHORE,
+            app.with_token(Method::DELETE, sem, token).await,
+        ),
         (
             "POST",
             SEMAPHORE_RENEW,
-            app.renew_permit(key, token, "").await,
+            app.with_token(Method::POST, renew, token).await,
         ),
-        ("GET", SEMAPHORE, app.get("/semaphores/oa-dead").await),
+        ("GET", SEMAPHORE, app.get(sem).await),
         ("GET", SEMAPHORES, app.get("/semaphores").await),
         ("GET", "/readyz", app.get("/readyz").await),
     ];

@@ -6,7 +6,8 @@
 use std::time::Instant;
 
 use lockbroker::store::MAX_SEMAPHORE_LIMIT;
-use lockbroker_test_support::app::{Backend, TestApp, spawn_app};
+use lockbroker_test_support::app::{Backend, TestApp, semaphore_path, spawn_app};
+use lockbroker_test_support::http::Answer;
 use lockbroker_test_support::http::assert_fields;
 use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::redis_server::RedisServer;
@@ -38,6 +39,12 @@ async fn permit(app: &TestApp, key: &str, query: &str) -> Value {
         &["expires_at_ms", "fence", "key", "limit", "token", "ttl_ms"],
     );
     body
+}
+
+/// `DELETE /semaphores/{key}` with `token`: gives a permit back.
+async fn give_back(app: &TestApp, key: &str, token: &str) -> Answer {
+    let path = semaphore_path(key, "");
+    app.with_token(Method::DELETE, &path, token).await
 }
 
 fn token(body: &Value) -> &str {
@@ -100,7 +107,7 @@ async fn another_limit_is_409_limit_mismatch_naming_the_holders_limit(b: &Backen
         .await
         .expect_error(StatusCode::CONFLICT, "limit_mismatch");
     assert_eq!(body["limit"], 3);
-    app.give_back("mismatch", token(&held))
+    give_back(app, "mismatch", token(&held))
         .await
         .expect_status(StatusCode::NO_CONTENT);
     // Nobody holds a permit now: another limit is fine.
@@ -116,9 +123,8 @@ async fn permits_renew_release_and_repeat_by_request_id_as_leases_do(b: &Backend
         (token(&first), &first["fence"])
     );
     let other = permit(app, "renewed", "limit=2").await;
-    let renewed = app
-        .renew_permit("renewed", token(&first), "ttl_ms=60000")
-        .await;
+    let path = semaphore_path("renewed/renew", "ttl_ms=60000");
+    let renewed = app.with_token(Method::POST, &path, token(&first)).await;
     renewed.expect_status(StatusCode::OK);
     // The acquire's body again: same token and fence, the new lease, the semaphore's limit.
     let renewed = renewed.json();
@@ -126,16 +132,16 @@ async fn permits_renew_release_and_repeat_by_request_id_as_leases_do(b: &Backend
     assert_eq!(renewed["fence"], first["fence"]);
     assert_eq!(renewed["ttl_ms"], 60_000);
     assert_eq!(renewed["limit"], 2);
-    app.give_back("renewed", token(&first))
+    give_back(app, "renewed", token(&first))
         .await
         .expect_status(StatusCode::NO_CONTENT);
-    app.give_back("renewed", token(&first))
+    give_back(app, "renewed", token(&first))
         .await
         .expect_error(StatusCode::CONFLICT, "not_owner");
-    app.give_back("renewed", token(&other))
+    give_back(app, "renewed", token(&other))
         .await
         .expect_status(StatusCode::NO_CONTENT);
-    app.give_back("renewed", token(&other))
+    give_back(app, "renewed", token(&other))
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
     app.get("/semaphores/renewed")
@@ -148,7 +154,7 @@ async fn a_waiting_request_gets_a_permit_when_one_is_released(b: &Backend) {
     let held = permit(app, "queue", "limit=1&ttl_ms=30000").await;
     let waiter = app.spawn_take("queue", "limit=1&wait_ms=10000");
     until_waiting(app, 1).await;
-    app.give_back("queue", token(&held))
+    give_back(app, "queue", token(&held))
         .await
         .expect_status(StatusCode::NO_CONTENT);
     let granted = answered_promptly(waiter, Instant::now()).await;
@@ -161,7 +167,7 @@ async fn a_semaphore_and_a_lock_of_one_name_are_unrelated(b: &Backend) {
     let lock = app.grant("twin", "").await;
     app.inspect("twin").await.expect_status(StatusCode::OK);
     // A lock's token does not release a permit, nor the other way round.
-    app.give_back("twin", &lock.token)
+    give_back(app, "twin", &lock.token)
         .await
         .expect_error(StatusCode::CONFLICT, "not_owner");
     app.release("twin", token(&sem))
@@ -220,7 +226,7 @@ async fn a_semaphores_limit_holds_across_brokers_and_a_release_on_one_wakes_a_wa
     }
     let waiter = b.spawn_take("shared-pool", "limit=2&wait_ms=10000");
     until_waiting(&b, 1).await;
-    a.give_back("shared-pool", token(&one))
+    give_back(&a, "shared-pool", token(&one))
         .await
         .expect_status(StatusCode::NO_CONTENT);
     answered_promptly(waiter, Instant::now()).await;
