@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 
 use lockbroker_test_support::app::{Backend, TestApp, spawn_app_with};
+use lockbroker_test_support::auth_entry;
 use lockbroker_test_support::http::assert_fields;
 use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::temp::temp_file;
@@ -184,23 +185,11 @@ async fn listing_parameters_are_validated(b: &Backend) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_auth_a_token_lists_only_under_prefixes_it_covers() {
     let file = temp_file("listing-auth", "toml");
-    std::fs::write(
-        &file,
-        r#"
-[[tokens]]
-name = "reader"
-token = "listing-reader-0123456789"
-prefixes = ["orders:"]
-permissions = ["read"]
-
-[[tokens]]
-name = "admin"
-token = "listing-admin-0123456789"
-prefixes = ["nothing:"]
-permissions = ["admin"]
-"#,
-    )
-    .unwrap();
+    let reader = r#"token = "listing-reader-0123456789""#;
+    let admin = r#"token = "listing-admin-0123456789""#;
+    let text = auth_entry("reader", reader, &["orders:"], &["read"])
+        + &auth_entry("admin", admin, &["nothing:"], &["admin"]);
+    std::fs::write(&file, text).unwrap();
     let path = file.clone();
     let app = spawn_app_with(None, move |c| c.auth_file = Some(path)).await;
     let list = |path: &str, bearer: &str| app.request(Method::GET, path).bearer_auth(bearer);
