@@ -5,6 +5,7 @@
 
 pub mod auth;
 pub mod error;
+mod leases;
 mod locks;
 pub mod openapi;
 mod ops;
@@ -90,7 +91,7 @@ pub fn router<S: Store>(state: AppState<S>) -> Router {
     let operations_guard = state.auth.clone().filter(|_| state.auth_metrics);
     Router::new()
         .merge(guard_lock_routes(
-            locks::locks_router().merge(semaphores::semaphores_router()),
+            locks::router().merge(semaphores::router()),
             state.auth.clone(),
         ))
         .merge(ops::ops_router(operations_guard))
