@@ -1,8 +1,9 @@
 //! The lock routes — acquire (exclusive or shared), release (by token or by force), renew and
 //! inspect a lease on `/locks/{key}`, list held locks on `/locks` — and the JSON bodies they
-//! answer with, some of which the semaphore routes (`super::semaphores`) share. Each handler
-//! turns the request into domain values, asks the [`LockService`](crate::lock::LockService) and
-//! shapes its answer; every refusal is an [`ApiError`].
+//! answer with, some of which the semaphore routes (`super::semaphores`) share. The handlers
+//! are written by `lease_routes!` (`super::leases`) from what differs here: the paths, the
+//! words, the acquire's parameters and the bodies ([`LockRoutes`]); every refusal is an
+//! [`ApiError`].
 
 use serde::Serialize;
 use utoipa::ToSchema;

@@ -29,7 +29,7 @@ pub use error::ApiError;
 use error::Expected;
 use params::BODY_LIMIT;
 
-/// Every route [`router`] serves, as (method, path in OpenAPI's syntax); a `GET` route also
+/// Every route `router` serves, as (method, path in OpenAPI's syntax); a `GET` route also
 /// answers `HEAD`. `GET /openapi.json` documents exactly these. `tests/api/openapi.rs` checks
 /// the document against this list, and the router too: every method on every listed path, and
 /// paths that are not routes (near misses of these, `/`, `/docs`, …), must answer as listed.

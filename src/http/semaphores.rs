@@ -2,7 +2,8 @@
 //! list held semaphores on `/semaphores` — and their JSON bodies. A semaphore of `limit` permits
 //! is a key whose leases are at most `limit` at once; each permit is a lease as a lock's is
 //! (token, fence, expiry). Semaphore keys are a space of their own: `/semaphores/a` and
-//! `/locks/a` are unrelated.
+//! `/locks/a` are unrelated. The handlers are written by `lease_routes!` (`super::leases`), as
+//! the lock routes' are, from what differs here ([`SemaphoreRoutes`]).
 
 use serde::Serialize;
 use utoipa::ToSchema;
