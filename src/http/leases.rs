@@ -186,7 +186,11 @@ macro_rules! lease_routes {
             path = $key_path,
             operation_id = $release_id,
             tag = $tag,
-            params(super::params::KeyPath, super::params::TokenHeader, super::requests::ReleaseQuery),
+            params(
+                super::params::KeyPath,
+                super::params::TokenHeader,
+                super::requests::ReleaseQuery
+            ),
             responses(
                 (status = 204, description = $released),
                 super::openapi::RequestRefused,
@@ -212,7 +216,11 @@ macro_rules! lease_routes {
             path = $renew_path,
             operation_id = $renew_id,
             tag = $tag,
-            params(super::params::KeyPath, super::params::TokenHeader, super::requests::RenewBody),
+            params(
+                super::params::KeyPath,
+                super::params::TokenHeader,
+                super::requests::RenewBody
+            ),
             request_body(
                 content = ref("#/components/schemas/RenewBody"),
                 content_type = "application/json",

@@ -17,11 +17,18 @@ use crate::domain::{LockKey, Owner};
 use crate::lock::{AcquireRequest, HoldersView};
 use crate::store::{Kind, Lease, Listed, Mode, Page, Space, Store};
 
-lease_routes! { LockRoutes "locks" ["/locks" "/locks/{key}" "/locks/{key}/renew"]
-        operations ["acquire" "release" "renew" "inspect" "list_locks"]
-        types [AcquireBody "#/components/schemas/AcquireBody" Locked GrantBody InspectBody LockListBody]
-        answers ["The parameters, instead of or besides the query string; may be empty." "Granted: the lease is held." "Released (with `force=true`: every lease on the key ended)."
-            "Renewed: the grant again, with the new expiry." "Held: the live lease." "A page of held locks."]
+lease_routes! {
+    LockRoutes "locks" ["/locks" "/locks/{key}" "/locks/{key}/renew"]
+    operations ["acquire" "release" "renew" "inspect" "list_locks"]
+    types [AcquireBody "#/components/schemas/AcquireBody" Locked GrantBody InspectBody LockListBody]
+    answers [
+        "The parameters, instead of or besides the query string; may be empty."
+        "Granted: the lease is held."
+        "Released (with `force=true`: every lease on the key ended)."
+        "Renewed: the grant again, with the new expiry."
+        "Held: the live lease."
+        "A page of held locks."
+    ]
     /// Acquire a lock
     ///
     /// Grants a lease on `key` if nobody holds it (or the holder's lease has expired), waiting up

@@ -100,7 +100,8 @@ parameters! {
         /// Makes a retried acquire safe: 1 to 64 characters from `A-Z a-z 0-9 _ -`. Repeating an
         /// acquire with the same key and `request_id` while the lease it produced is held answers
         /// `201` with that same grant (same token, same fence) instead of `409`.
-        request_id: String, "text", (min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$");
+        request_id: String, "text",
+            (min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$");
         /// `exclusive` (the default: one holder) or `shared` (any number of shared holders, never
         /// with an exclusive one).
         mode: ModeName, "mode", ();
@@ -119,7 +120,8 @@ parameters! {
         /// A free label for people, shown by `GET /semaphores/{key}`, as for locks.
         owner: String, "text", (max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$");
         /// Makes a retried acquire safe, as for locks.
-        request_id: String, "text", (min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$");
+        request_id: String, "text",
+            (min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$");
     }
 
     /// The parameters of a renewal: `ttl_ms` in the query string or a JSON object body, optional;
@@ -131,7 +133,8 @@ parameters! {
         /// The token the acquire returned, if not sent in the `Lock-Token` header (if both, they
         /// must be equal). One of the two is required. Never in the body.
         #[schema(ignore)]
-        token: String, "text", (min_length = 1, max_length = 128, pattern = r"^[A-Za-z0-9._~-]{1,128}$");
+        token: String, "text",
+            (min_length = 1, max_length = 128, pattern = r"^[A-Za-z0-9._~-]{1,128}$");
     }
 
     /// A listing's parameters, in the query string (or a JSON object body).

@@ -18,11 +18,23 @@ use crate::domain::LockKey;
 use crate::lock::{AcquireRequest, HoldersView};
 use crate::store::{Kind, Lease, Listed, MAX_SEMAPHORE_LIMIT, Page, Space, Store};
 
-lease_routes! { SemaphoreRoutes "semaphores" ["/semaphores" "/semaphores/{key}" "/semaphores/{key}/renew"]
-        operations ["acquire_permit" "release_permit" "renew_permit" "inspect_semaphore" "list_semaphores"]
-        types [SemaphoreAcquireBody "#/components/schemas/SemaphoreAcquireBody" PermitRefused PermitBody InspectBody ListBody]
-        answers ["The parameters, instead of or besides the query string." "Granted: the permit is held." "Released (with `force=true`: every permit ended)."
-            "Renewed: the grant again, with the new expiry." "Held: the live permits." "A page of held semaphores."]
+lease_routes! {
+    SemaphoreRoutes "semaphores" ["/semaphores" "/semaphores/{key}" "/semaphores/{key}/renew"]
+    operations [
+        "acquire_permit" "release_permit" "renew_permit" "inspect_semaphore" "list_semaphores"
+    ]
+    types [
+        SemaphoreAcquireBody "#/components/schemas/SemaphoreAcquireBody"
+        PermitRefused PermitBody InspectBody ListBody
+    ]
+    answers [
+        "The parameters, instead of or besides the query string."
+        "Granted: the permit is held."
+        "Released (with `force=true`: every permit ended)."
+        "Renewed: the grant again, with the new expiry."
+        "Held: the live permits."
+        "A page of held semaphores."
+    ]
     /// Take a permit
     ///
     /// Grants one of the semaphore's `limit` permits if one is free, waiting up to `wait_ms` while
