@@ -9,17 +9,8 @@
 # read the figures as what this machine does, not what a cluster of machines would.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-cargo build --release -q
-bin=target/release/lockbroker
-work=$(mktemp -d)
-pids=()
-ports=()
-cleanup() {
-    kill "${pids[@]}" 2>/dev/null || true
-    for p in "${ports[@]}"; do redis-cli -p "$p" shutdown nosave >/dev/null 2>&1 || true; done
-    rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 
 free_port() { # a port below 55536 whose cluster bus port (+10000) is free too
     python3 -c '
@@ -31,14 +22,6 @@ while True:
             b = socket.socket(); b.bind(("127.0.0.1", p + 10000)); b.close(); print(p); break
         except OSError: pass
     s.close()'
-}
-start_redis() { # $1: port, $2: dir, rest: extra args
-    local port=$1 dir=$2; shift 2
-    mkdir -p "$dir"
-    redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" \
-        --daemonize yes --logfile "$dir/redis.log" "$@" >/dev/null
-    ports+=("$port")
-    until redis-cli -p "$port" ping >/dev/null 2>&1; do sleep 0.01; done
 }
 broker() { # $1: redis url; prints the broker's base URL
     local port; port=$(free_port)

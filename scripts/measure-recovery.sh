@@ -8,16 +8,12 @@
 # Needs redis-server, redis-cli and curl. Everything runs on 127.0.0.1 and stops by itself.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-cargo build --release -q
-bin=target/release/lockbroker
-work=$(mktemp -d)
-pids=()
-cleanup() { kill "${pids[@]}" 2>/dev/null || true; redis-cli -p "$rport" shutdown nosave >/dev/null 2>&1 || true; rm -rf "$work"; }
-trap cleanup EXIT
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 rport=$(free_port)
-start_redis() { # $1: yes|no (append-only file)
+ports+=("$rport")
+start_store() { # $1: yes|no (append-only file)
     redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly "$1" --appendfsync always \
         --dir "$work" --daemonize yes --logfile "$work/redis.log" >/dev/null
     until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.01; done
@@ -26,7 +22,7 @@ now_ms() { date +%s%3N; }
 ready() { curl -s -o /dev/null -w '%{http_code}' "$1/readyz"; }
 
 measure() { # $1: label, $2: yes|no (AOF), $3: restart|flush
-    start_redis "$2"
+    start_store "$2"
     local urls=()
     for _ in 1 2; do
         local port; port=$(free_port)
@@ -40,7 +36,7 @@ measure() { # $1: label, $2: yes|no (AOF), $3: restart|flush
     local t0
     if [[ $3 == restart ]]; then
         redis-cli -p "$rport" shutdown nosave >/dev/null 2>&1 || true
-        start_redis "$2"
+        start_store "$2"
     else
         redis-cli -p "$rport" flushall >/dev/null
     fi

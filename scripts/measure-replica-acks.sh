@@ -13,29 +13,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 delay_ms=${1:-1}
 shift || true
-cargo build --release -q
-bin=target/release/lockbroker
-work=$(mktemp -d)
-pids=()
-ports=()
-cleanup() {
-    kill "${pids[@]}" 2>/dev/null || true
-    for p in "${ports[@]}"; do redis-cli -p "$p" shutdown nosave >/dev/null 2>&1 || true; done
-    rm -rf "$work"
-}
-trap cleanup EXIT
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
-start_redis() { # $1: port, $2: dir, rest: extra args
-    local port=$1 dir=$2; shift 2
-    mkdir -p "$dir"
-    redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" \
-        --daemonize yes --logfile "$dir/redis.log" "$@" >/dev/null
-    ports+=("$port")
-    until redis-cli -p "$port" ping >/dev/null 2>&1; do sleep 0.01; done
-}
 
 master=$(free_port)
 start_redis "$master" "$work/master" --repl-diskless-sync-delay 0

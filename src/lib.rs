@@ -11,7 +11,7 @@
 mod auth;
 pub mod config;
 pub mod domain;
-pub mod http;
+mod http;
 mod lock;
 mod metrics;
 mod reload;
@@ -22,5 +22,6 @@ mod telemetry;
 mod waiters;
 
 pub use auth::sha256_hex;
+pub use http::ROUTES;
 pub use startup::{Application, shutdown_signal};
 pub use telemetry::init as init_logging;

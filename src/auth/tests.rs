@@ -1,27 +1,35 @@
 use super::*;
 
-const FILE: &str = r#"
-[[tokens]]
-name = "orders-app"
-token = "orders-secret-0123456789"
-prefixes = ["orders:", "invoices:"]
-permissions = ["lock"]
-
-[[tokens]]
-name = "dashboard"
-token_sha256 = "HASH"
-prefixes = [""]
-permissions = ["read"]
-
-[[tokens]]
-name = "ops"
-token = "ops-secret-0123456789abcdef"
-prefixes = ["nothing:"]
-permissions = ["admin"]
-"#;
+/// One `[[tokens]]` entry; `secret` is its `token` or `token_sha256` line.
+fn entry(name: &str, secret: &str, prefixes: &[&str], permissions: &[&str]) -> String {
+    format!(
+        "[[tokens]]\nname = {name:?}\n{secret}\nprefixes = {prefixes:?}\npermissions = {permissions:?}\n\n"
+    )
+}
 
 fn policy() -> Policy {
-    Policy::parse(&FILE.replace("HASH", &sha256_hex("dashboard-secret-0123456789"))).unwrap()
+    let hash = sha256_hex("dashboard-secret-0123456789");
+    let file = [
+        entry(
+            "orders-app",
+            r#"token = "orders-secret-0123456789""#,
+            &["orders:", "invoices:"],
+            &["lock"],
+        ),
+        entry(
+            "dashboard",
+            &format!("token_sha256 = {hash:?}"),
+            &[""],
+            &["read"],
+        ),
+        entry(
+            "ops",
+            r#"token = "ops-secret-0123456789abcdef""#,
+            &["nothing:"],
+            &["admin"],
+        ),
+    ];
+    Policy::parse(&file.concat()).unwrap()
 }
 
 fn key(k: &str) -> LockKey {

@@ -16,7 +16,7 @@ use clap::Args;
 
 use self::settings::Values;
 pub use self::settings::{LogFormat, Settings};
-use crate::http::Limits;
+pub use crate::http::Limits;
 use crate::lock::LockSettings;
 use crate::server::tls::TlsFiles;
 use crate::store::redis::{ClientCertificate, RedisSettings, RedisTls, RedisUrl, Topology};

@@ -14,9 +14,10 @@ use crate::store::{Hold, HoldReason, StoreError};
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
-    code: &'static str,
+    code: ErrorCode,
     message: String,
-    /// For `locked`: when the current lease ends.
+    /// For `locked`: when the current lease ends; for a hold or a full wait queue, when to try
+    /// again (the `Retry-After` header only).
     retry_after_ms: Option<u64>,
     /// For `limit_mismatch`: the limit the semaphore's holders use.
     limit: Option<u32>,
@@ -24,29 +25,80 @@ pub struct ApiError {
     store_down: bool,
 }
 
-/// The body of every error response. Public so that the OpenAPI document's response types
-/// (`super::openapi`) can name it.
+/// The codes in the `error` field of an error body, with their statuses.
+///
+/// `invalid_request` 400, `not_found` 404 (no such path), `not_held` 404, `method_not_allowed`
+/// 405, `locked` 409 (acquire), `not_owner` 409 (release, renew), `payload_too_large` 413,
+/// `unsupported_media_type` 415, `limit_mismatch` 409 (a semaphore's holders use another
+/// limit), `too_many_waiters` 503 (with `Retry-After: 1`: this broker
+/// has `max_waiters` acquires waiting already; another broker may have room),
+/// `store_unavailable` 503, `shutting_down` 503, `unauthorized` 401, `forbidden` 403,
+/// `request_header_fields_too_large` 431, `internal` 500 (not expected).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    InvalidRequest,
+    NotFound,
+    NotHeld,
+    MethodNotAllowed,
+    Locked,
+    NotOwner,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    TooManyWaiters,
+    StoreUnavailable,
+    ShuttingDown,
+    Unauthorized,
+    Forbidden,
+    LimitMismatch,
+    RequestHeaderFieldsTooLarge,
+    Internal,
+}
+
+/// The body of every error response but `409 locked` (`LockedError`) and `409 limit_mismatch`
+/// (`PermitConflictError`).
 #[derive(Serialize, ToSchema)]
 #[schema(as = Error)]
 pub struct Body<'a> {
     /// What went wrong, for programs.
-    #[schema(value_type = super::openapi::ErrorCode)]
-    error: &'a str,
+    error: ErrorCode,
     /// One human sentence.
     message: &'a str,
-    /// Only with `locked`: milliseconds until the current lease ends.
+}
+
+/// The body of `409 locked`: the error body with the time until the current lease ends.
+#[derive(Serialize, ToSchema)]
+pub struct LockedError<'a> {
+    /// Always `locked`.
+    error: ErrorCode,
+    /// One human sentence.
+    message: &'a str,
+    /// Milliseconds until the current lease ends (the `Retry-After` header gives it in whole
+    /// seconds, rounded up, at least 1).
+    retry_after_ms: u64,
+}
+
+/// The body of a `409` to a semaphore acquire: `locked` with `retry_after_ms`, or
+/// `limit_mismatch` with `limit`.
+// The broker sends a `locked` as a `LockedError` (the same JSON) and a `limit_mismatch` as this.
+#[derive(Serialize, ToSchema)]
+pub struct PermitConflictError<'a> {
+    /// `locked` or `limit_mismatch`.
+    error: ErrorCode,
+    /// One human sentence.
+    message: &'a str,
+    /// With `locked`: milliseconds until the first permit ends.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = u64)]
+    #[schema(value_type = u64, required = false)]
     retry_after_ms: Option<u64>,
-    /// Only with `limit_mismatch`: the limit the semaphore's current holders took their permits
-    /// with.
+    /// With `limit_mismatch`: the limit the semaphore's current holders use.
     #[serde(skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = u32)]
+    #[schema(value_type = u32, required = false, minimum = 1)]
     limit: Option<u32>,
 }
 
 impl ApiError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
             status,
             code,
@@ -58,17 +110,21 @@ impl ApiError {
     }
 
     pub fn invalid(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+        Self::new(StatusCode::BAD_REQUEST, ErrorCode::InvalidRequest, message)
     }
 
     pub fn not_found() -> Self {
-        Self::new(StatusCode::NOT_FOUND, "not_found", "No such endpoint.")
+        Self::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotFound,
+            "No such endpoint.",
+        )
     }
 
     pub fn method_not_allowed() -> Self {
         Self::new(
             StatusCode::METHOD_NOT_ALLOWED,
-            "method_not_allowed",
+            ErrorCode::MethodNotAllowed,
             "This endpoint does not accept that method.",
         )
     }
@@ -76,7 +132,7 @@ impl ApiError {
     pub fn payload_too_large(limit: usize) -> Self {
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
+            ErrorCode::PayloadTooLarge,
             format!("The request body is larger than {limit} bytes."),
         )
     }
@@ -84,7 +140,7 @@ impl ApiError {
     pub fn unsupported_media_type() -> Self {
         Self::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            ErrorCode::UnsupportedMediaType,
             "The request body must be JSON, sent with Content-Type: application/json.",
         )
     }
@@ -92,16 +148,12 @@ impl ApiError {
     /// `401 unauthorized`: no bearer token, a malformed one, or one the auth file does not have.
     /// The `WWW-Authenticate` header is the caller's to add.
     pub fn unauthorized(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+        Self::new(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, message)
     }
 
     /// `403 forbidden`: a known token that may not do this here.
     pub fn forbidden(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::FORBIDDEN, "forbidden", message)
-    }
-
-    pub fn status(&self) -> StatusCode {
-        self.status
+        Self::new(StatusCode::FORBIDDEN, ErrorCode::Forbidden, message)
     }
 }
 
@@ -118,7 +170,7 @@ impl From<LockError> for ApiError {
                 retry_after_ms: Some(retry_after_ms),
                 ..Self::new(
                     StatusCode::CONFLICT,
-                    "locked",
+                    ErrorCode::Locked,
                     "The lock is held by someone else.",
                 )
             },
@@ -126,7 +178,7 @@ impl From<LockError> for ApiError {
                 limit: Some(limit),
                 ..Self::new(
                     StatusCode::CONFLICT,
-                    "limit_mismatch",
+                    ErrorCode::LimitMismatch,
                     format!(
                         "The semaphore's current holders use the limit {limit}; ask with that \
                          limit, or wait until their permits end."
@@ -143,12 +195,12 @@ impl From<LockError> for ApiError {
             ),
             LockError::NotHeld => Self::new(
                 StatusCode::NOT_FOUND,
-                "not_held",
+                ErrorCode::NotHeld,
                 "Nobody holds this lock (it was released, or its lease expired).",
             ),
             LockError::NotOwner => Self::new(
                 StatusCode::CONFLICT,
-                "not_owner",
+                ErrorCode::NotOwner,
                 "Someone else holds this lock now; your lease has ended.",
             ),
             LockError::TooManyWaiters { limit } => Self {
@@ -156,7 +208,7 @@ impl From<LockError> for ApiError {
                 retry_after_ms: Some(1000),
                 ..Self::new(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "too_many_waiters",
+                    ErrorCode::TooManyWaiters,
                     format!("{limit} requests already wait on this broker; try again later."),
                 )
             },
@@ -175,7 +227,7 @@ impl From<LockError> for ApiError {
                     store_down: true,
                     ..Self::new(
                         StatusCode::SERVICE_UNAVAILABLE,
-                        "store_unavailable",
+                        ErrorCode::StoreUnavailable,
                         message,
                     )
                 }
@@ -184,13 +236,13 @@ impl From<LockError> for ApiError {
                 retry_after_ms: Some(hold.retry_after_ms),
                 ..Self::new(
                     StatusCode::SERVICE_UNAVAILABLE,
-                    "store_unavailable",
+                    ErrorCode::StoreUnavailable,
                     hold_message(hold),
                 )
             },
             LockError::ShuttingDown => Self::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "shutting_down",
+                ErrorCode::ShuttingDown,
                 "The broker is shutting down; try another broker.",
             ),
         }
@@ -220,25 +272,26 @@ fn hold_message(hold: Hold) -> String {
 pub fn framework_rejection(status: u16) -> Vec<u8> {
     let (code, message) = match status {
         431 => (
-            "request_header_fields_too_large",
+            ErrorCode::RequestHeaderFieldsTooLarge,
             "The request head is over 16 KiB, or has more than 100 header fields.",
         ),
         413 => (
-            "payload_too_large",
+            ErrorCode::PayloadTooLarge,
             "The request body is larger than the limit.",
         ),
         400..=499 => (
-            "invalid_request",
+            ErrorCode::InvalidRequest,
             "The request is not valid HTTP: a malformed request line or header field, a control \
              character in the target, or an invalid Content-Length.",
         ),
-        _ => ("internal", "The server could not handle the request."),
+        _ => (
+            ErrorCode::Internal,
+            "The server could not handle the request.",
+        ),
     };
     serde_json::to_vec(&Body {
         error: code,
         message,
-        retry_after_ms: None,
-        limit: None,
     })
     .expect("a plain struct serializes")
 }
@@ -255,13 +308,28 @@ pub struct Expected {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = Json(Body {
-            error: self.code,
-            message: &self.message,
-            retry_after_ms: self.retry_after_ms.filter(|_| self.code == "locked"),
-            limit: self.limit,
-        });
-        let mut response = (self.status, body).into_response();
+        let message = self.message.as_str();
+        let mut response = match (self.code, self.retry_after_ms, self.limit) {
+            (ErrorCode::Locked, Some(retry_after_ms), _) => Json(LockedError {
+                error: self.code,
+                message,
+                retry_after_ms,
+            })
+            .into_response(),
+            (ErrorCode::LimitMismatch, _, Some(limit)) => Json(PermitConflictError {
+                error: self.code,
+                message,
+                retry_after_ms: None,
+                limit: Some(limit),
+            })
+            .into_response(),
+            _ => Json(Body {
+                error: self.code,
+                message,
+            })
+            .into_response(),
+        };
+        *response.status_mut() = self.status;
         response.extensions_mut().insert(Expected {
             store_unavailable: self.store_down,
         });

@@ -1,41 +1,104 @@
 //! The lock routes — acquire (exclusive or shared), release (by token or by force), renew and
 //! inspect a lease on `/locks/{key}`, list held locks on `/locks` — and the JSON bodies they
-//! answer with, some of which the semaphore routes (`super::semaphores`) share. Each handler
-//! turns the request into domain values, asks the [`LockService`](crate::lock::LockService) and
-//! shapes its answer; every refusal is an [`ApiError`].
+//! answer with, some of which the semaphore routes (`super::semaphores`) share. The handlers
+//! are written by `lease_routes!` (`super::leases`) from what differs here: the paths, the
+//! words, the acquire's parameters and the bodies ([`LockRoutes`]); every refusal is an
+//! [`ApiError`].
 
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::AppState;
+use super::Limits;
 use super::error::ApiError;
-use super::openapi::{
-    Forbidden, ForceRefused, KeyParam, Locked, NotGranted, NotHeld, NotOwner, RequestRefused,
-    StoreUnavailable, TokenHeader, Unauthorized,
-};
-use super::params::{KeyPath, Params, token};
-use super::requests::{
-    AcquireBody, ListQueryParams, ModeName, NoParams, ReleaseQuery, RenewBody, acquire_request,
-    list_query, ttl_param,
-};
+use super::leases::{LeaseSpace, lease_routes};
+use super::openapi::Locked;
+use super::requests::{AcquireBody, ModeName, acquire_request};
 use crate::domain::{LockKey, Owner};
-use crate::lock::HoldersView;
-use crate::store::{Kind, Lease, Listed, Mode, Space, Store};
+use crate::lock::{AcquireRequest, HoldersView};
+use crate::store::{Kind, Lease, Listed, Mode, Page, Space, Store};
 
-/// The lock routes, without their state.
-pub(super) fn locks_router<S: Store>() -> Router<AppState<S>> {
-    Router::new()
-        .route("/locks", get(list::<S>))
-        .route(
-            "/locks/{key}",
-            post(acquire::<S>).delete(release::<S>).get(inspect::<S>),
-        )
-        .route("/locks/{key}/renew", post(renew::<S>))
+lease_routes! {
+    LockRoutes "locks" ["/locks" "/locks/{key}" "/locks/{key}/renew"]
+    operations ["acquire" "release" "renew" "inspect" "list_locks"]
+    types [AcquireBody "#/components/schemas/AcquireBody" Locked GrantBody InspectBody LockListBody]
+    answers [
+        "The parameters, instead of or besides the query string; may be empty."
+        "Granted: the lease is held."
+        "Released (with `force=true`: every lease on the key ended)."
+        "Renewed: the grant again, with the new expiry."
+        "Held: the live lease."
+        "A page of held locks."
+    ]
+    /// Acquire a lock
+    ///
+    /// Grants a lease on `key` if nobody holds it (or the holder's lease has expired), waiting up
+    /// to `wait_ms` while someone else holds it. Answers `201` only when the lease is really held.
+    /// With `mode=shared`, a shared lease: granted beside other shared ones, never with an exclusive
+    /// one; an exclusive acquire that waits holds new shared ones back, so it is not starved.
+    ;
+    /// Release a lock
+    ///
+    /// Ends the lease that the token holds (the exclusive one, or one shared lease). The token
+    /// comes in the `Lock-Token` header or the `token` query parameter, never in a body. After a
+    /// `503`, the lease may still be held. With `force=true` and no token, ends every lease on the
+    /// key instead.
+    ;
+    /// Renew a lease
+    ///
+    /// Moves the end of the token's live lease to `ttl_ms` after the renewal. Same token, same
+    /// fence. The token comes as for release.
+    ;
+    /// Inspect a lock
+    ///
+    /// Who holds the lock, in which mode and until when; never a token. Takes no parameters. For
+    /// shared holders, `fence` is the highest of theirs, `expires_at_ms` the latest end, `owner`
+    /// null, and `holders` lists each.
+    ;
+    /// List held locks
+    ///
+    /// The locks with live leases whose keys start with `prefix`, a page at a time, in key order;
+    /// never a token. Follow `next_cursor` until it is null. A page may hold fewer than `limit`
+    /// entries and still have a next one. With auth, needs `read` or `lock` on a prefix of `prefix`
+    /// (so a token limited to `orders:` lists with `prefix=orders:` or longer).
+    ;
+}
+
+/// The lock routes' space: exclusive and shared leases on `/locks/{key}`.
+pub(super) struct LockRoutes;
+
+impl LeaseSpace for LockRoutes {
+    const SPACE: Space = Space::Locks;
+    type Acquire = AcquireBody;
+    type Grant<'a> = GrantBody<'a>;
+    type Inspect<'a> = InspectBody<'a>;
+    type List<'a> = LockListBody<'a>;
+
+    fn acquire_request(v: AcquireBody, limits: &Limits) -> Result<AcquireRequest, ApiError> {
+        let kind = match v.mode {
+            None | Some(ModeName::Exclusive) => Kind::Exclusive,
+            Some(ModeName::Shared) => Kind::Shared,
+        };
+        acquire_request(kind, v.ttl_ms, v.wait_ms, v.owner, v.request_id, limits)
+    }
+
+    fn grant<'a>(key: &'a LockKey, lease: &'a Lease, _: Option<u32>) -> GrantBody<'a> {
+        GrantBody::new(key, lease)
+    }
+
+    fn inspect<'a>(key: &'a LockKey, view: &'a HoldersView) -> InspectBody<'a> {
+        inspect_body(key, view)
+    }
+
+    fn list(page: &Page) -> LockListBody<'_> {
+        LockListBody {
+            locks: page
+                .entries
+                .iter()
+                .filter_map(|entry| listed_lock(page.now_ms, entry))
+                .collect(),
+            next_cursor: page.next_cursor.as_deref(),
+        }
+    }
 }
 
 /// The body of a grant (acquire, renew). The token is shown here and nowhere else.
@@ -74,7 +137,7 @@ impl<'a> GrantBody<'a> {
 /// Who holds a lock and until when. Never a token.
 #[derive(Serialize, ToSchema)]
 #[schema(as = Lease)]
-struct InspectBody<'a> {
+pub(super) struct InspectBody<'a> {
     /// The lock's key, as decoded.
     key: &'a str,
     /// `exclusive` (one holder) or `shared` (one or more holders, listed in `holders`).
@@ -141,176 +204,6 @@ pub(super) fn aggregate(holders: &[Lease]) -> Option<(u64, u64)> {
     Some((fence, end))
 }
 
-/// Acquire a lock
-///
-/// Grants a lease on `key` if nobody holds it (or the holder's lease has expired), waiting up
-/// to `wait_ms` while someone else holds it. Answers `201` only when the lease is really held.
-/// With `mode=shared`, a shared lease: granted beside other shared ones, never with an exclusive
-/// one; an exclusive acquire that waits holds new shared ones back, so it is not starved.
-#[utoipa::path(
-    post,
-    path = "/locks/{key}",
-    tag = "locks",
-    params(KeyParam, AcquireBody),
-    request_body(
-        content = ref("#/components/schemas/AcquireBody"),
-        content_type = "application/json",
-        description = "The parameters, instead of or besides the query string; may be empty."
-    ),
-    responses(
-        (status = 201, description = "Granted: the lease is held.", body = GrantBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        Locked,
-        NotGranted,
-    ),
-    security((), ("bearer" = []))
-)]
-pub(super) async fn acquire<S: Store>(
-    State(state): State<AppState<S>>,
-    KeyPath(key): KeyPath,
-    Params { values, .. }: Params<AcquireBody>,
-) -> Result<Response, ApiError> {
-    let kind = match values.mode {
-        None | Some(ModeName::Exclusive) => Kind::Exclusive,
-        Some(ModeName::Shared) => Kind::Shared,
-    };
-    let request = acquire_request(
-        kind,
-        values.ttl_ms,
-        values.wait_ms,
-        values.owner,
-        values.request_id,
-        &state.limits,
-    )?;
-    let lease = state.locks.acquire(&key, request).await?;
-    Ok((StatusCode::CREATED, Json(GrantBody::new(&key, &lease))).into_response())
-}
-
-/// Release a lock
-///
-/// Ends the lease that the token holds (the exclusive one, or one shared lease). The token
-/// comes in the `Lock-Token` header or the `token` query parameter, never in a body. After a
-/// `503`, the lease may still be held. With `force=true` and no token, ends every lease on the
-/// key instead.
-#[utoipa::path(
-    delete,
-    path = "/locks/{key}",
-    tag = "locks",
-    params(KeyParam, TokenHeader, ReleaseQuery),
-    responses(
-        (status = 204, description = "Released (with `force=true`: every lease on the key ended)."),
-        RequestRefused,
-        Unauthorized,
-        ForceRefused,
-        NotHeld,
-        NotOwner,
-        StoreUnavailable,
-    ),
-    security((), ("bearer" = []))
-)]
-pub(super) async fn release<S: Store>(
-    State(state): State<AppState<S>>,
-    KeyPath(key): KeyPath,
-    params: Params<ReleaseQuery>,
-) -> Result<StatusCode, ApiError> {
-    release_in(&state, Space::Locks, &key, params).await
-}
-
-/// A release by token, or by force, in `space`.
-pub(super) async fn release_in<S: Store>(
-    state: &AppState<S>,
-    space: Space,
-    key: &LockKey,
-    params: Params<ReleaseQuery>,
-) -> Result<StatusCode, ApiError> {
-    let Params {
-        values,
-        token_header,
-    } = params;
-    if values.force.is_some() {
-        // A force release takes no token, so one given with it is refused as a mistake.
-        if token_header.is_some() || values.token.is_some() {
-            return Err(ApiError::invalid(
-                "A force release takes no token: it ends every lease on the key; leave out \
-                 either the token or force=true.",
-            ));
-        }
-        state.locks.force_release(space, key).await?;
-    } else {
-        let token = token(token_header, values.token)?;
-        state.locks.release(space, key, &token).await?;
-    }
-    Ok(StatusCode::NO_CONTENT)
-}
-
-/// Renew a lease
-///
-/// Moves the end of the token's live lease to `ttl_ms` after the renewal. Same token, same
-/// fence. The token comes as for release.
-#[utoipa::path(
-    post,
-    path = "/locks/{key}/renew",
-    tag = "locks",
-    params(KeyParam, TokenHeader, RenewBody),
-    request_body(
-        content = ref("#/components/schemas/RenewBody"),
-        content_type = "application/json",
-        description = "`ttl_ms`, instead of or besides the query string; may be empty. Never \
-            the token."
-    ),
-    responses(
-        (status = 200, description = "Renewed: the grant again, with the new expiry.", body = GrantBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        NotHeld,
-        NotOwner,
-        StoreUnavailable,
-    ),
-    security((), ("bearer" = []))
-)]
-pub(super) async fn renew<S: Store>(
-    State(state): State<AppState<S>>,
-    KeyPath(key): KeyPath,
-    params: Params<RenewBody>,
-) -> Result<Response, ApiError> {
-    let token = token(params.token_header, params.values.token)?;
-    let ttl = ttl_param(params.values.ttl_ms, &state.limits)?;
-    let lease = state.locks.renew(Space::Locks, &key, &token, ttl).await?;
-    Ok(Json(GrantBody::new(&key, &lease)).into_response())
-}
-
-/// Inspect a lock
-///
-/// Who holds the lock, in which mode and until when; never a token. Takes no parameters. For
-/// shared holders, `fence` is the highest of theirs, `expires_at_ms` the latest end, `owner`
-/// null, and `holders` lists each.
-#[utoipa::path(
-    get,
-    path = "/locks/{key}",
-    tag = "locks",
-    params(KeyParam),
-    responses(
-        (status = 200, description = "Held: the live lease.", body = InspectBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        NotHeld,
-        StoreUnavailable,
-    ),
-    security((), ("bearer" = []))
-)]
-pub(super) async fn inspect<S: Store>(
-    State(state): State<AppState<S>>,
-    KeyPath(key): KeyPath,
-    _: Params<NoParams>,
-) -> Result<Response, ApiError> {
-    let view = state.locks.inspect(&key).await?;
-    Ok(Json(inspect_body(&key, &view)).into_response())
-}
-
 fn inspect_body<'a>(key: &'a LockKey, view: &'a HoldersView) -> InspectBody<'a> {
     let (fence, expires_at_ms) = aggregate(&view.holders).unwrap_or_default();
     let shared = view.mode == Some(Mode::Shared);
@@ -352,51 +245,12 @@ struct ListedLockBody<'a> {
 /// A page of held locks.
 #[derive(Serialize, ToSchema)]
 #[schema(as = LockList)]
-struct LockListBody<'a> {
+pub(super) struct LockListBody<'a> {
     /// The held locks whose keys start with the prefix, in key order.
     locks: Vec<ListedLockBody<'a>>,
     /// Give it as `cursor` for the next page; null on the last page.
     #[schema(required = true)]
     next_cursor: Option<&'a str>,
-}
-
-/// List held locks
-///
-/// The locks with live leases whose keys start with `prefix`, a page at a time, in key order;
-/// never a token. Follow `next_cursor` until it is null. A page may hold fewer than `limit`
-/// entries and still have a next one. With auth, needs `read` or `lock` on a prefix of `prefix`
-/// (so a token limited to `orders:` lists with `prefix=orders:` or longer).
-#[utoipa::path(
-    get,
-    path = "/locks",
-    operation_id = "list_locks",
-    tag = "locks",
-    params(ListQueryParams),
-    responses(
-        (status = 200, description = "A page of held locks.", body = LockListBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        StoreUnavailable,
-    ),
-    security((), ("bearer" = []))
-)]
-pub(super) async fn list<S: Store>(
-    State(state): State<AppState<S>>,
-    params: Params<ListQueryParams>,
-) -> Result<Response, ApiError> {
-    let query = list_query(Space::Locks, params.values)?;
-    let page = state.locks.list(&query).await?;
-    let locks = page
-        .entries
-        .iter()
-        .filter_map(|entry| listed_lock(page.now_ms, entry))
-        .collect();
-    Ok(Json(LockListBody {
-        locks,
-        next_cursor: page.next_cursor.as_deref(),
-    })
-    .into_response())
 }
 
 fn listed_lock(now_ms: u64, entry: &Listed) -> Option<ListedLockBody<'_>> {

@@ -5,6 +5,7 @@
 
 pub mod auth;
 pub mod error;
+mod leases;
 mod locks;
 pub mod openapi;
 mod ops;
@@ -28,7 +29,7 @@ pub use error::ApiError;
 use error::Expected;
 use params::BODY_LIMIT;
 
-/// Every route [`router`] serves, as (method, path in OpenAPI's syntax); a `GET` route also
+/// Every route `router` serves, as (method, path in OpenAPI's syntax); a `GET` route also
 /// answers `HEAD`. `GET /openapi.json` documents exactly these. `tests/api/openapi.rs` checks
 /// the document against this list, and the router too: every method on every listed path, and
 /// paths that are not routes (near misses of these, `/`, `/docs`, …), must answer as listed.
@@ -90,7 +91,7 @@ pub fn router<S: Store>(state: AppState<S>) -> Router {
     let operations_guard = state.auth.clone().filter(|_| state.auth_metrics);
     Router::new()
         .merge(guard_lock_routes(
-            locks::locks_router().merge(semaphores::semaphores_router()),
+            locks::router().merge(semaphores::router()),
             state.auth.clone(),
         ))
         .merge(ops::ops_router(operations_guard))
@@ -120,7 +121,9 @@ fn answer_logger(
         let latency_ms = latency.as_millis();
         match response.extensions().get::<Expected>() {
             Some(expected) => {
-                if expected.store_unavailable {
+                // Counted into the outage in progress; outside one there is nothing to count
+                // into (the count starts again with the next).
+                if expected.store_unavailable && outage.is_down() {
                     outage.refused();
                 }
                 tracing::debug!(%status, latency_ms, "answered");

@@ -7,6 +7,7 @@ use axum::extract::{FromRequest, FromRequestParts, Path, Request};
 use axum::http::request::Parts;
 use axum::http::{StatusCode, header};
 use serde_json::{Map, Value};
+use utoipa::IntoParams;
 
 use super::error::ApiError;
 use super::requests::{LOCK_TOKEN_HEADER, Parameters};
@@ -15,8 +16,20 @@ use crate::domain::{LockKey, Token};
 /// Request bodies are small JSON objects; anything larger is refused.
 pub const BODY_LIMIT: usize = 16 * 1024;
 
-/// The `{key}` path segment, percent-decoded and validated.
-pub struct KeyPath(pub LockKey);
+/// The `{key}` path segment, percent-decoded and validated: the lock's name.
+#[derive(IntoParams)]
+#[into_params(names("key"), parameter_in = Path)]
+pub struct KeyPath(
+    /// 1 to 200 characters from `A-Z a-z 0-9 . _ - :`, compared after percent-decoding
+    /// (`%41` is `A`; an escape that decodes to any other character, such as `%2F`, is `400`).
+    #[param(
+        value_type = String,
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[A-Za-z0-9._:-]{1,200}$"
+    )]
+    pub LockKey,
+);
 
 impl<S: Send + Sync> FromRequestParts<S> for KeyPath {
     type Rejection = ApiError;
@@ -38,7 +51,23 @@ pub struct Params<T> {
     /// The parameters.
     pub values: T,
     /// The `Lock-Token` header, if sent.
-    pub token_header: Option<String>,
+    pub token_header: Option<TokenHeader>,
+}
+
+/// The lease token, in a header (preferred: query strings end up in access logs).
+#[derive(IntoParams)]
+#[into_params(parameter_in = Header)]
+pub struct TokenHeader {
+    /// The token the acquire returned. Required here or in the `token` query parameter (if
+    /// both, they must be equal); never in the body.
+    #[param(
+        rename = "Lock-Token",
+        required = false,
+        min_length = 1,
+        max_length = 128,
+        pattern = r"^[A-Za-z0-9._~-]{1,128}$"
+    )]
+    pub lock_token: String,
 }
 
 impl<S: Send + Sync, T: Parameters> FromRequest<S> for Params<T> {
@@ -48,11 +77,12 @@ impl<S: Send + Sync, T: Parameters> FromRequest<S> for Params<T> {
         let query = req.uri().query().unwrap_or("").to_owned();
         let token_header = match req.headers().get(LOCK_TOKEN_HEADER) {
             None => None,
-            Some(v) => Some(
-                v.to_str()
+            Some(v) => Some(TokenHeader {
+                lock_token: v
+                    .to_str()
                     .map_err(|_| ApiError::invalid("The Lock-Token header is not a valid token."))?
                     .to_owned(),
-            ),
+            }),
         };
         let is_json = req
             .headers()
@@ -242,8 +272,8 @@ fn is_json_content_type(v: &str) -> bool {
 }
 
 /// The lease token: the `Lock-Token` header or the `token` query parameter (equal if both).
-pub fn token(header: Option<String>, query: Option<String>) -> Result<Token, ApiError> {
-    let raw = match (header, query) {
+pub fn token(header: Option<TokenHeader>, query: Option<String>) -> Result<Token, ApiError> {
+    let raw = match (header.map(|h| h.lock_token), query) {
         (Some(a), Some(b)) if a != b => {
             return Err(ApiError::invalid(
                 "token is given twice with different values.",
@@ -369,7 +399,12 @@ mod tests {
 
     #[test]
     fn the_token_is_the_header_or_the_query_parameter_equal_if_both() {
-        let t = |h: Option<&str>, q: Option<&str>| token(h.map(Into::into), q.map(Into::into));
+        let t = |h: Option<&str>, q: Option<&str>| {
+            let header = h.map(|h| TokenHeader {
+                lock_token: h.into(),
+            });
+            token(header, q.map(Into::into))
+        };
         assert_eq!(t(Some("abc"), None).unwrap().as_str(), "abc");
         assert_eq!(t(None, Some("abc")).unwrap().as_str(), "abc");
         assert_eq!(t(Some("abc"), Some("abc")).unwrap().as_str(), "abc");

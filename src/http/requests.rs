@@ -58,155 +58,107 @@ pub enum ModeName {
     Shared,
 }
 
-/// The parameters of an acquire. Each may come in the query string or in a JSON object body
-/// (integers as JSON numbers); all are optional.
-#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct AcquireBody {
-    /// Lease length in ms, 1 to the broker's `max_ttl_ms` (default 3600000). Default: the
-    /// broker's `default_ttl_ms` (30000).
-    #[serde(
-        default,
-        deserialize_with = "int",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = u64, required = false, minimum = 1)]
-    #[param(value_type = u64, required = false, minimum = 1)]
-    pub ttl_ms: Option<u64>,
-    /// How long to wait, in ms, while someone else holds the lock: 0 to the broker's
-    /// `max_wait_ms` (default 60000). Default: the broker's `default_wait_ms` (0). The request
-    /// ends by `wait_ms` plus the store timeout; a client that disconnects stops the wait.
-    #[serde(
-        default,
-        deserialize_with = "int",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = u64, required = false, minimum = 0)]
-    #[param(value_type = u64, required = false, minimum = 0)]
-    pub wait_ms: Option<u64>,
-    /// A free label for people, shown by `GET /locks/{key}`: at most 128 characters, no
-    /// control characters.
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = String, required = false, max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$")]
-    #[param(value_type = String, required = false, max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$")]
-    pub owner: Option<String>,
-    /// Makes a retried acquire safe: 1 to 64 characters from `A-Z a-z 0-9 _ -`. Repeating an
-    /// acquire with the same key and `request_id` while the lease it produced is held answers
-    /// `201` with that same grant (same token, same fence) instead of `409`.
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = String, required = false, min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
-    #[param(value_type = String, required = false, min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
-    pub request_id: Option<String>,
-    /// `exclusive` (the default: one holder) or `shared` (any number of shared holders, never
-    /// with an exclusive one).
-    #[serde(
-        default,
-        deserialize_with = "mode",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = ModeName, required = false)]
-    #[param(value_type = ModeName, required = false)]
-    pub mode: Option<ModeName>,
+/// Declares request parameter types: each field optional, read by the named deserializer
+/// (`int`, `text`, `mode`), left out when serialized if absent (see `Params`), and documented
+/// with the same bounds in a body's schema and as a query parameter.
+macro_rules! parameters {
+    ($(
+        $(#[$attr:meta])*
+        pub struct $name:ident {$(
+            $(#[$field_attr:meta])*
+            $field:ident: $type:ty, $read:literal, ($($bounds:tt)*);
+        )+}
+    )+) => {$(
+        $(#[$attr])*
+        #[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
+        #[into_params(parameter_in = Query)]
+        #[serde(deny_unknown_fields)]
+        pub struct $name {$(
+            $(#[$field_attr])*
+            #[serde(default, deserialize_with = $read, skip_serializing_if = "Option::is_none")]
+            #[schema(value_type = $type, required = false, $($bounds)*)]
+            #[param(value_type = $type, required = false, $($bounds)*)]
+            pub $field: Option<$type>,
+        )+}
+    )+};
+}
+
+parameters! {
+    /// The parameters of an acquire. Each may come in the query string or in a JSON object body
+    /// (integers as JSON numbers); all are optional.
+    pub struct AcquireBody {
+        /// Lease length in ms, 1 to the broker's `max_ttl_ms` (default 3600000). Default: the
+        /// broker's `default_ttl_ms` (30000).
+        ttl_ms: u64, "int", (minimum = 1);
+        /// How long to wait, in ms, while someone else holds the lock: 0 to the broker's
+        /// `max_wait_ms` (default 60000). Default: the broker's `default_wait_ms` (0). The request
+        /// ends by `wait_ms` plus the store timeout; a client that disconnects stops the wait.
+        wait_ms: u64, "int", (minimum = 0);
+        /// A free label for people, shown by `GET /locks/{key}`: at most 128 characters, no
+        /// control characters.
+        owner: String, "text", (max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$");
+        /// Makes a retried acquire safe: 1 to 64 characters from `A-Z a-z 0-9 _ -`. Repeating an
+        /// acquire with the same key and `request_id` while the lease it produced is held answers
+        /// `201` with that same grant (same token, same fence) instead of `409`.
+        request_id: String, "text",
+            (min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$");
+        /// `exclusive` (the default: one holder) or `shared` (any number of shared holders, never
+        /// with an exclusive one).
+        mode: ModeName, "mode", ();
+    }
+
+    /// The parameters of a semaphore acquire: `limit` is required; the others are as for a lock's
+    /// acquire. Each may come in the query string or in a JSON object body.
+    pub struct SemaphoreAcquireBody {
+        /// How many permits the semaphore has. Required, in the query string or the body. Every
+        /// holder uses the same; another limit while permits are held is `409 limit_mismatch`.
+        limit: u64, "int", (minimum = 1);
+        /// Lease length in ms, as for locks.
+        ttl_ms: u64, "int", (minimum = 1);
+        /// How long to wait, in ms, while every permit is taken, as for locks.
+        wait_ms: u64, "int", (minimum = 0);
+        /// A free label for people, shown by `GET /semaphores/{key}`, as for locks.
+        owner: String, "text", (max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$");
+        /// Makes a retried acquire safe, as for locks.
+        request_id: String, "text",
+            (min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$");
+    }
+
+    /// The parameters of a renewal: `ttl_ms` in the query string or a JSON object body, optional;
+    /// the token in the query string (or the `Lock-Token` header), never in the body.
+    pub struct RenewBody {
+        /// The new lease length in ms, counted from the renewal: 1 to the broker's `max_ttl_ms`
+        /// (default 3600000). Default: the broker's `default_ttl_ms` (30000).
+        ttl_ms: u64, "int", (minimum = 1);
+        /// The token the acquire returned, if not sent in the `Lock-Token` header (if both, they
+        /// must be equal). One of the two is required. Never in the body.
+        #[schema(ignore)]
+        token: String, "text",
+            (min_length = 1, max_length = 128, pattern = r"^[A-Za-z0-9._~-]{1,128}$");
+    }
+
+    /// A listing's parameters, in the query string (or a JSON object body).
+    pub struct ListQueryParams {
+        /// Only keys that start with this: 0 to 200 characters from `A-Z a-z 0-9 . _ - :`.
+        /// Default: every key.
+        prefix: String, "text", (max_length = 200, pattern = r"^[A-Za-z0-9._:-]{0,200}$");
+        /// Most entries on the page. Default: 100.
+        limit: u64, "int", (minimum = 1);
+        /// The `next_cursor` of the page before; leave it out for the first page. A cursor the
+        /// broker did not give is `400`.
+        cursor: String, "text", (min_length = 1);
+    }
 }
 
 impl Parameters for AcquireBody {}
 
-/// The parameters of a semaphore acquire: `limit` is required; the others are as for a lock's
-/// acquire. Each may come in the query string or in a JSON object body.
-#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct SemaphoreAcquireBody {
-    /// How many permits the semaphore has. Required, in the query string or the body. Every
-    /// holder uses the same; another limit while permits are held is `409 limit_mismatch`.
-    #[serde(
-        default,
-        deserialize_with = "int",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = u64, required = false, minimum = 1)]
-    #[param(value_type = u64, required = false, minimum = 1)]
-    pub limit: Option<u64>,
-    /// Lease length in ms, as for locks.
-    #[serde(
-        default,
-        deserialize_with = "int",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = u64, required = false, minimum = 1)]
-    #[param(value_type = u64, required = false, minimum = 1)]
-    pub ttl_ms: Option<u64>,
-    /// How long to wait, in ms, while every permit is taken, as for locks.
-    #[serde(
-        default,
-        deserialize_with = "int",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = u64, required = false, minimum = 0)]
-    #[param(value_type = u64, required = false, minimum = 0)]
-    pub wait_ms: Option<u64>,
-    /// A free label for people, shown by `GET /semaphores/{key}`, as for locks.
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = String, required = false, max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$")]
-    #[param(value_type = String, required = false, max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$")]
-    pub owner: Option<String>,
-    /// Makes a retried acquire safe, as for locks.
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = String, required = false, min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
-    #[param(value_type = String, required = false, min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
-    pub request_id: Option<String>,
-}
-
 impl Parameters for SemaphoreAcquireBody {}
-
-/// The parameters of a renewal: `ttl_ms` in the query string or a JSON object body, optional;
-/// the token in the query string (or the `Lock-Token` header), never in the body.
-#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct RenewBody {
-    /// The new lease length in ms, counted from the renewal: 1 to the broker's `max_ttl_ms`
-    /// (default 3600000). Default: the broker's `default_ttl_ms` (30000).
-    #[serde(
-        default,
-        deserialize_with = "int",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = u64, required = false, minimum = 1)]
-    #[param(value_type = u64, required = false, minimum = 1)]
-    pub ttl_ms: Option<u64>,
-    /// The token the acquire returned, if not sent in the `Lock-Token` header (if both, they
-    /// must be equal). One of the two is required. Never in the body.
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(ignore)]
-    #[param(value_type = String, required = false, min_length = 1, max_length = 128, pattern = r"^[A-Za-z0-9._~-]{1,128}$")]
-    pub token: Option<String>,
-}
 
 impl Parameters for RenewBody {
     const QUERY_ONLY: &'static [(&'static str, &'static str)] = &[TOKEN_NOT_IN_BODY];
 }
+
+impl Parameters for ListQueryParams {}
 
 /// The parameters of a release, in the query string only: the token (or the `Lock-Token`
 /// header), or `force=true` without one.
@@ -239,41 +191,6 @@ impl Parameters for ReleaseQuery {
     const QUERY_ONLY: &'static [(&'static str, &'static str)] =
         &[TOKEN_NOT_IN_BODY, FORCE_NOT_IN_BODY];
 }
-
-/// A listing's parameters, in the query string (or a JSON object body).
-#[derive(Debug, Default, Serialize, Deserialize, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct ListQueryParams {
-    /// Only keys that start with this: 0 to 200 characters from `A-Z a-z 0-9 . _ - :`.
-    /// Default: every key.
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[param(value_type = String, required = false, max_length = 200, pattern = r"^[A-Za-z0-9._:-]{0,200}$")]
-    pub prefix: Option<String>,
-    /// Most entries on the page. Default: 100.
-    #[serde(
-        default,
-        deserialize_with = "int",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[param(value_type = u64, required = false, minimum = 1)]
-    pub limit: Option<u64>,
-    /// The `next_cursor` of the page before; leave it out for the first page. A cursor the
-    /// broker did not give is `400`.
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[param(value_type = String, required = false, min_length = 1)]
-    pub cursor: Option<String>,
-}
-
-impl Parameters for ListQueryParams {}
 
 /// The parameters of an operation that takes none (inspect): any is refused.
 #[derive(Debug, Default, Serialize, Deserialize)]

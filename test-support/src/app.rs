@@ -116,14 +116,7 @@ impl TestApp {
     /// Starts `POST /locks/{key}?{query}` as a task of its own, for a request that waits.
     /// Aborting the task drops the request: the client goes away and its connection closes.
     pub fn spawn_acquire(&self, key: &str, query: &str) -> JoinHandle<Answer> {
-        let request = self.request(Method::POST, &lock_path(key, query));
-        tokio::spawn(async move {
-            let response = request
-                .send()
-                .await
-                .expect("the request must reach the broker");
-            Answer::read(response).await
-        })
+        spawn(self.request(Method::POST, &lock_path(key, query)))
     }
 
     /// Acquires and asserts `201`.
@@ -135,20 +128,31 @@ impl TestApp {
 
     /// `DELETE /locks/{key}` with the token in the `Lock-Token` header.
     pub async fn release(&self, key: &str, token: &str) -> Answer {
-        self.send(
-            self.request(Method::DELETE, &lock_path(key, ""))
-                .header("Lock-Token", token),
-        )
-        .await
+        self.with_token(Method::DELETE, &lock_path(key, ""), token)
+            .await
     }
 
     /// `POST /locks/{key}/renew?{query}` with the token in the `Lock-Token` header.
     pub async fn renew(&self, key: &str, token: &str, query: &str) -> Answer {
-        self.send(
-            self.request(Method::POST, &lock_path(&format!("{key}/renew"), query))
-                .header("Lock-Token", token),
-        )
-        .await
+        let path = lock_path(&format!("{key}/renew"), query);
+        self.with_token(Method::POST, &path, token).await
+    }
+
+    /// `POST /semaphores/{key}?{query}`: takes a permit.
+    pub async fn take(&self, key: &str, query: &str) -> Answer {
+        self.send(self.request(Method::POST, &semaphore_path(key, query)))
+            .await
+    }
+
+    /// Starts `POST /semaphores/{key}?{query}` as a task of its own, as [`Self::spawn_acquire`].
+    pub fn spawn_take(&self, key: &str, query: &str) -> JoinHandle<Answer> {
+        spawn(self.request(Method::POST, &semaphore_path(key, query)))
+    }
+
+    /// `method path` with `token` in the `Lock-Token` header.
+    pub async fn with_token(&self, method: Method, path: &str, token: &str) -> Answer {
+        self.send(self.request(method, path).header("Lock-Token", token))
+            .await
     }
 
     /// `GET /locks/{key}`.
@@ -243,4 +247,25 @@ macro_rules! on_both_stores {
             )+
         }
     };
+}
+
+/// Sends `request` as a task of its own, for a request that waits. Aborting the task drops the
+/// request: the client goes away and its connection closes.
+fn spawn(request: RequestBuilder) -> JoinHandle<Answer> {
+    tokio::spawn(async move {
+        let response = request
+            .send()
+            .await
+            .expect("the request must reach the broker");
+        Answer::read(response).await
+    })
+}
+
+/// `/semaphores/{key}`, with `?{query}` unless it is empty.
+pub fn semaphore_path(key: &str, query: &str) -> String {
+    if query.is_empty() {
+        format!("/semaphores/{key}")
+    } else {
+        format!("/semaphores/{key}?{query}")
+    }
 }

@@ -126,6 +126,21 @@ pub fn lock_path(key: &str, query: &str) -> String {
     }
 }
 
+/// Asserts that the JSON object `value` has exactly the fields `expected`, in any order: what
+/// the broker sends, and nothing more.
+pub fn assert_fields(value: &Value, expected: &[&str]) {
+    let mut fields: Vec<&str> = value
+        .as_object()
+        .unwrap_or_else(|| panic!("not a JSON object: {value}"))
+        .keys()
+        .map(String::as_str)
+        .collect();
+    fields.sort_unstable();
+    let mut expected = expected.to_vec();
+    expected.sort_unstable();
+    assert_eq!(fields, expected, "{value}");
+}
+
 /// A series' value on the broker at `address` (its `/metrics`), 0 if it is not there yet.
 pub async fn metric(address: &str, series: &str) -> f64 {
     let text = http_client()

@@ -65,6 +65,14 @@ pub fn now_ms() -> u64 {
     u64::try_from(since.as_millis()).expect("milliseconds fit in u64")
 }
 
+/// One `[[tokens]]` entry of an auth file: `secret` is its `token = "…"` or `token_sha256 =
+/// "…"` line (arrays and names as TOML writes them, which is how `Debug` writes plain ones).
+pub fn auth_entry(name: &str, secret: &str, prefixes: &[&str], permissions: &[&str]) -> String {
+    format!(
+        "[[tokens]]\nname = {name:?}\n{secret}\nprefixes = {prefixes:?}\npermissions = {permissions:?}\n\n"
+    )
+}
+
 /// Sends `signal` (such as `-TERM`) to a process with the system's `kill`.
 pub fn send_signal(pid: u32, signal: &str) {
     let status = Command::new("kill")

@@ -111,6 +111,22 @@ impl RedisServer {
             .expect("a connection to the test Redis")
     }
 
+    /// How many times this server has run `command` (lower case, as `INFO commandstats` names
+    /// it: `evalsha`, `wait`): a count of round trips, not a timing.
+    pub async fn command_calls(&self, command: &str) -> u64 {
+        let mut conn = self.connection().await;
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut conn)
+            .await
+            .expect("INFO commandstats");
+        let prefix = format!("cmdstat_{command}:");
+        info.lines()
+            .find_map(|line| line.strip_prefix(prefix.as_str()))
+            .and_then(|rest| rest.split(',').find_map(|f| f.strip_prefix("calls=")))
+            .map_or(0, |n| n.trim().parse().expect("calls= is a count"))
+    }
+
     /// `FLUSHALL`: every key gone, the server process the same (as an operator's mistake, or a
     /// script that cleans the wrong database, would leave it).
     pub async fn flushall(&self) {

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::auth_entry;
 use lockbroker_test_support::http::{Answer, lock_path};
 use lockbroker_test_support::temp::temp_file;
 use rand::RngExt;
@@ -21,34 +22,28 @@ const WATCHER: &str = "watcher-secret-0123456789";
 /// Four tokens: `lock` and `read` on `orders:`, `admin` on a prefix no test key has (admin
 /// ignores prefixes), and `read` on every key (which may read `/metrics`).
 fn auth_file_text() -> String {
-    format!(
-        r#"
-[[tokens]]
-name = "locker"
-token = "{LOCKER}"
-prefixes = ["orders:", "invoices:"]
-permissions = ["lock"]
-
-[[tokens]]
-name = "reader"
-token_sha256 = "{}"
-prefixes = ["orders:"]
-permissions = ["read"]
-
-[[tokens]]
-name = "admin"
-token = "{ADMIN}"
-prefixes = ["nothing:"]
-permissions = ["admin"]
-
-[[tokens]]
-name = "watcher"
-token = "{WATCHER}"
-prefixes = [""]
-permissions = ["read"]
-"#,
-        lockbroker::sha256_hex(READER)
-    )
+    [
+        auth_entry(
+            "locker",
+            &format!("token = {LOCKER:?}"),
+            &["orders:", "invoices:"],
+            &["lock"],
+        ),
+        auth_entry(
+            "reader",
+            &format!("token_sha256 = {:?}", lockbroker::sha256_hex(READER)),
+            &["orders:"],
+            &["read"],
+        ),
+        auth_entry(
+            "admin",
+            &format!("token = {ADMIN:?}"),
+            &["nothing:"],
+            &["admin"],
+        ),
+        auth_entry("watcher", &format!("token = {WATCHER:?}"), &[""], &["read"]),
+    ]
+    .concat()
 }
 
 /// An auth file, removed when dropped.

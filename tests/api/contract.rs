@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::Backend;
-use lockbroker_test_support::http::Grant;
+use lockbroker_test_support::http::{Grant, assert_fields};
 use lockbroker_test_support::{now_ms, on_both_stores};
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{Method, StatusCode};
@@ -834,23 +834,16 @@ async fn inspecting_shows_the_lease_but_never_its_token(b: &Backend) {
             answer.text
         );
         let shown = answer.json();
-        let mut fields: Vec<&str> = shown
-            .as_object()
-            .expect("an object")
-            .keys()
-            .map(String::as_str)
-            .collect();
-        fields.sort_unstable();
-        assert_eq!(
-            fields,
-            [
+        assert_fields(
+            &shown,
+            &[
                 "expires_at_ms",
                 "fence",
                 "key",
                 "mode",
                 "owner",
-                "ttl_remaining_ms"
-            ]
+                "ttl_remaining_ms",
+            ],
         );
         assert_eq!(shown["key"], key);
         assert_eq!(shown["mode"], "exclusive");

@@ -6,7 +6,7 @@ use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
-use crate::waiting::{PROMPTLY, SETTLE, answer_within};
+use crate::waiting::{granted_promptly, parked, released};
 
 async fn three_brokers(redis: &RedisServer) -> [TestApp; 3] {
     [
@@ -206,21 +206,8 @@ async fn a_release_on_one_broker_wakes_a_waiter_on_another_at_once() {
     let [one, two, three] = three_brokers(&redis).await;
     redis.wait_until_listening(3).await;
     let holder = one.grant("relay", "ttl_ms=30000").await;
-    let waiter = two.spawn_acquire("relay", "wait_ms=10000");
-    tokio::time::sleep(SETTLE).await;
-    assert!(!waiter.is_finished(), "the waiter must be waiting");
-    three
-        .release("relay", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    let grant = answer_within(waiter, Duration::from_secs(3))
-        .await
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        released.elapsed() < PROMPTLY,
-        "the waiter on another broker was granted {:?} after the release",
-        released.elapsed()
-    );
+    let waiter = parked(&two, "relay").await;
+    let since = released(&three, "relay", &holder.token).await;
+    let grant = granted_promptly(waiter, since).await;
     assert!(grant.fence > holder.fence);
 }

@@ -6,6 +6,7 @@
 use std::collections::BTreeSet;
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::auth_entry;
 use lockbroker_test_support::http::{Answer, lock_path};
 use lockbroker_test_support::temp::temp_file;
 use reqwest::{Method, StatusCode};
@@ -125,15 +126,8 @@ fn dashboard() -> Value {
 /// show: a grant and a release (store calls, wait and hold times), and one request each that
 /// the auth layer allows, forbids and refuses as unauthorized. `/metrics` stays open.
 async fn exercised_broker_metrics() -> (Metrics, AuthFile) {
-    let file = AuthFile::new(&format!(
-        r#"
-[[tokens]]
-name = "locker"
-token = "{LOCKER}"
-prefixes = ["dash:"]
-permissions = ["lock"]
-"#
-    ));
+    let secret = format!("token = {LOCKER:?}");
+    let file = AuthFile::new(&auth_entry("locker", &secret, &["dash:"], &["lock"]));
     let path = file.0.clone();
     let app = spawn_app_with(None, move |c| c.auth_file = Some(path)).await;
 

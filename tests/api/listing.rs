@@ -5,6 +5,8 @@
 use std::collections::BTreeSet;
 
 use lockbroker_test_support::app::{Backend, TestApp, spawn_app_with};
+use lockbroker_test_support::auth_entry;
+use lockbroker_test_support::http::assert_fields;
 use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::temp::temp_file;
 use reqwest::{Method, StatusCode};
@@ -93,18 +95,16 @@ async fn held_locks_are_listed_by_prefix_with_their_mode_and_never_a_token(b: &B
     assert_eq!(shared["mode"], "shared");
     assert_eq!(shared["fence"], r2.fence);
     assert_eq!(shared["expires_at_ms"], r2.expires_at_ms);
-    let mut fields: Vec<&str> = a.as_object().unwrap().keys().map(String::as_str).collect();
-    fields.sort_unstable();
-    assert_eq!(
-        fields,
-        [
+    assert_fields(
+        a,
+        &[
             "expires_at_ms",
             "fence",
             "key",
             "mode",
             "owner",
-            "ttl_remaining_ms"
-        ]
+            "ttl_remaining_ms",
+        ],
     );
     // No prefix: every held lock.
     let everything = keys(&list_all(app, "locks", "", 100).await);
@@ -147,23 +147,16 @@ async fn held_semaphores_are_listed_with_their_limit_and_number_of_holders(b: &B
     assert_eq!(entry["holders"], 2);
     assert_eq!(entry["fence"], *fences.iter().max().unwrap());
     assert!(entry["ttl_remaining_ms"].as_u64().unwrap() > 10_000);
-    let mut fields: Vec<&str> = entry
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
-    fields.sort_unstable();
-    assert_eq!(
-        fields,
-        [
+    assert_fields(
+        entry,
+        &[
             "expires_at_ms",
             "fence",
             "holders",
             "key",
             "limit",
-            "ttl_remaining_ms"
-        ]
+            "ttl_remaining_ms",
+        ],
     );
 }
 
@@ -192,23 +185,11 @@ async fn listing_parameters_are_validated(b: &Backend) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_auth_a_token_lists_only_under_prefixes_it_covers() {
     let file = temp_file("listing-auth", "toml");
-    std::fs::write(
-        &file,
-        r#"
-[[tokens]]
-name = "reader"
-token = "listing-reader-0123456789"
-prefixes = ["orders:"]
-permissions = ["read"]
-
-[[tokens]]
-name = "admin"
-token = "listing-admin-0123456789"
-prefixes = ["nothing:"]
-permissions = ["admin"]
-"#,
-    )
-    .unwrap();
+    let reader = r#"token = "listing-reader-0123456789""#;
+    let admin = r#"token = "listing-admin-0123456789""#;
+    let text = auth_entry("reader", reader, &["orders:"], &["read"])
+        + &auth_entry("admin", admin, &["nothing:"], &["admin"]);
+    std::fs::write(&file, text).unwrap();
     let path = file.clone();
     let app = spawn_app_with(None, move |c| c.auth_file = Some(path)).await;
     let list = |path: &str, bearer: &str| app.request(Method::GET, path).bearer_auth(bearer);

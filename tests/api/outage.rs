@@ -10,7 +10,7 @@ use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
 use crate::cross_broker::wait_until_ready;
-use crate::waiting::{PROMPTLY, SETTLE, answer_within};
+use crate::waiting::{granted_promptly, parked, released};
 
 /// A small store timeout keeps these tests fast.
 const STORE_TIMEOUT_MS: u64 = 500;
@@ -187,21 +187,9 @@ async fn release_notices_reach_waiters_on_other_brokers_again_after_redis_restar
     // Both must listen again by themselves.
     redis.wait_until_listening(2).await;
     let holder = one.grant("after-restart", "ttl_ms=30000").await;
-    let waiter = two.spawn_acquire("after-restart", "wait_ms=10000");
-    tokio::time::sleep(SETTLE).await;
-    assert!(!waiter.is_finished(), "the waiter must be waiting");
-    one.release("after-restart", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    answer_within(waiter, Duration::from_secs(3))
-        .await
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        released.elapsed() < PROMPTLY,
-        "the waiter was granted {:?} after the release",
-        released.elapsed()
-    );
+    let waiter = parked(&two, "after-restart").await;
+    let since = released(&one, "after-restart", &holder.token).await;
+    granted_promptly(waiter, since).await;
 }
 
 #[tokio::test]

@@ -1,6 +1,7 @@
 //! The real binary: start-up, configuration errors, layering of flags, environment and file, and
 //! graceful shutdown on SIGTERM.
 
+use std::path::Path;
 use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
@@ -104,44 +105,56 @@ async fn a_setting_that_gives_up_a_guarantee_is_warned_about_in_the_log() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listen_flag_beats_the_environment_which_beats_the_config_file() {
     let file = temp_file("config", "toml");
-    let unused = |port: u16| format!("127.0.0.1:{}", if port == 1 { 2 } else { port - 1 });
-
     // The file alone.
-    let written = file.clone();
-    let mut broker =
-        BrokerProcess::start(BrokerCommand::configured(BINARY, move |command, port| {
-            std::fs::write(&written, format!("listen = \"127.0.0.1:{port}\"\n")).unwrap();
-            command.arg("--config").arg(&written);
-        }))
-        .await;
-    assert!(broker.terminate(Duration::from_secs(5)).await.success());
-
+    listens_where_told(&file, listen, |command, file, _| {
+        command.arg("--config").arg(file);
+    })
+    .await;
     // The environment over the file.
-    let written = file.clone();
-    let mut broker =
-        BrokerProcess::start(BrokerCommand::configured(BINARY, move |command, port| {
-            std::fs::write(&written, format!("listen = \"{}\"\n", unused(port))).unwrap();
-            command
-                .env("LOCKBROKER_CONFIG", &written)
-                .env("LOCKBROKER_LISTEN", format!("127.0.0.1:{port}"));
-        }))
-        .await;
-    assert!(broker.terminate(Duration::from_secs(5)).await.success());
-
+    listens_where_told(&file, unused, |command, file, port| {
+        command
+            .env("LOCKBROKER_CONFIG", file)
+            .env("LOCKBROKER_LISTEN", listen(port));
+    })
+    .await;
     // The flag over both.
-    let written = file.clone();
+    listens_where_told(&file, unused, |command, file, port| {
+        command
+            .arg("--config")
+            .arg(file)
+            .env("LOCKBROKER_LISTEN", unused(port))
+            .args(["--listen", &listen(port)]);
+    })
+    .await;
+    let _ = std::fs::remove_file(&file);
+}
+
+/// The address the broker is started on.
+fn listen(port: u16) -> String {
+    format!("127.0.0.1:{port}")
+}
+
+/// Another address than the broker's: a setting that must lose.
+fn unused(port: u16) -> String {
+    format!("127.0.0.1:{}", if port == 1 { 2 } else { port - 1 })
+}
+
+/// Starts the broker with the config `file` saying `listen = file_listen(port)` and
+/// `configure`d on top: it must answer on its port (where the winning setting says) and stop
+/// cleanly.
+async fn listens_where_told(
+    file: &Path,
+    file_listen: fn(u16) -> String,
+    configure: fn(&mut Command, &Path, u16),
+) {
+    let written = file.to_owned();
     let mut broker =
         BrokerProcess::start(BrokerCommand::configured(BINARY, move |command, port| {
-            std::fs::write(&written, format!("listen = \"{}\"\n", unused(port))).unwrap();
-            command
-                .arg("--config")
-                .arg(&written)
-                .env("LOCKBROKER_LISTEN", unused(port))
-                .args(["--listen", &format!("127.0.0.1:{port}")]);
+            std::fs::write(&written, format!("listen = \"{}\"\n", file_listen(port))).unwrap();
+            configure(command, &written, port);
         }))
         .await;
     assert!(broker.terminate(Duration::from_secs(5)).await.success());
-    let _ = std::fs::remove_file(&file);
 }
 
 /// Runs the command to its end, for at most 10 s, and returns its status and output.

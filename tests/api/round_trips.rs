@@ -11,16 +11,7 @@ use reqwest::StatusCode;
 /// script runs inside are counted apart by Redis, under their own names, and the broker's
 /// background epoch check, once a second, runs as plain EVAL).
 async fn script_calls(redis: &RedisServer) -> u64 {
-    let mut conn = redis.connection().await;
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await
-        .expect("INFO commandstats");
-    info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:"))
-        .and_then(|rest| rest.split(',').find_map(|f| f.strip_prefix("calls=")))
-        .map_or(0, |n| n.trim().parse().expect("calls= is a count"))
+    redis.command_calls("evalsha").await
 }
 
 /// A broker on a fresh Redis, its scripts already loaded (the first call of each script costs a

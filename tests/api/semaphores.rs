@@ -3,19 +3,19 @@
 //! waiting for a permit. Written once, run on the embedded store and on Redis; the limit across
 //! brokers runs on two brokers sharing one Redis.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use lockbroker::store::MAX_SEMAPHORE_LIMIT;
-use lockbroker_test_support::app::{Backend, TestApp, spawn_app};
+use lockbroker_test_support::app::{Backend, TestApp, semaphore_path, spawn_app};
 use lockbroker_test_support::http::Answer;
+use lockbroker_test_support::http::assert_fields;
 use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
-use tokio::task::JoinHandle;
 
 use crate::shared::until_waiting;
-use crate::waiting::{PROMPTLY, answer_within};
+use crate::waiting::answered_promptly;
 
 on_both_stores!(
     a_semaphore_grants_up_to_limit_permits_then_answers_locked,
@@ -27,56 +27,28 @@ on_both_stores!(
     force_release_ends_every_permit_where_it_is_allowed,
 );
 
-/// `POST /semaphores/{key}?{query}`.
-async fn take(app: &TestApp, key: &str, query: &str) -> Answer {
-    app.send(app.request(Method::POST, &format!("/semaphores/{key}?{query}")))
-        .await
-}
-
 /// Takes a permit and checks the `201` body: a grant plus `limit`, nothing else.
 async fn permit(app: &TestApp, key: &str, query: &str) -> Value {
-    let body = take(app, key, query)
+    let body = app
+        .take(key, query)
         .await
         .expect_status(StatusCode::CREATED)
         .json();
-    let mut fields: Vec<&str> = body
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
-    fields.sort_unstable();
-    assert_eq!(
-        fields,
-        ["expires_at_ms", "fence", "key", "limit", "token", "ttl_ms"],
-        "{body}"
+    assert_fields(
+        &body,
+        &["expires_at_ms", "fence", "key", "limit", "token", "ttl_ms"],
     );
     body
 }
 
+/// `DELETE /semaphores/{key}` with `token`: gives a permit back.
+async fn give_back(app: &TestApp, key: &str, token: &str) -> Answer {
+    let path = semaphore_path(key, "");
+    app.with_token(Method::DELETE, &path, token).await
+}
+
 fn token(body: &Value) -> &str {
     body["token"].as_str().expect("a token")
-}
-
-async fn give_back(app: &TestApp, key: &str, token: &str) -> Answer {
-    app.send(
-        app.request(Method::DELETE, &format!("/semaphores/{key}"))
-            .header("Lock-Token", token),
-    )
-    .await
-}
-
-fn spawn_take(app: &TestApp, key: &str, query: &str) -> JoinHandle<Answer> {
-    let request = app.request(Method::POST, &format!("/semaphores/{key}?{query}"));
-    tokio::spawn(async move {
-        Answer::read(
-            request
-                .send()
-                .await
-                .expect("the request reaches the broker"),
-        )
-        .await
-    })
 }
 
 async fn a_semaphore_grants_up_to_limit_permits_then_answers_locked(b: &Backend) {
@@ -86,7 +58,7 @@ async fn a_semaphore_grants_up_to_limit_permits_then_answers_locked(b: &Backend)
     assert_eq!(one["limit"], 2);
     assert_ne!(token(&one), token(&two));
     assert!(two["fence"].as_u64() > one["fence"].as_u64());
-    let full = take(app, "pool", "limit=2").await;
+    let full = app.take("pool", "limit=2").await;
     let body = full.expect_error(StatusCode::CONFLICT, "locked");
     assert!(
         body["retry_after_ms"]
@@ -113,7 +85,7 @@ async fn limit_is_required_and_from_1_to_the_most_permits(b: &Backend) {
     let app = &b.app;
     let over = format!("limit={}", MAX_SEMAPHORE_LIMIT + 1);
     for bad in ["", "limit=0", &over, "limit=-1", "limit=two"] {
-        take(app, "bounds", bad)
+        app.take("bounds", bad)
             .await
             .expect_error(StatusCode::BAD_REQUEST, "invalid_request");
     }
@@ -130,7 +102,8 @@ async fn limit_is_required_and_from_1_to_the_most_permits(b: &Backend) {
 async fn another_limit_is_409_limit_mismatch_naming_the_holders_limit(b: &Backend) {
     let app = &b.app;
     let held = permit(app, "mismatch", "limit=3").await;
-    let body = take(app, "mismatch", "limit=5&wait_ms=200")
+    let body = app
+        .take("mismatch", "limit=5&wait_ms=200")
         .await
         .expect_error(StatusCode::CONFLICT, "limit_mismatch");
     assert_eq!(body["limit"], 3);
@@ -150,12 +123,8 @@ async fn permits_renew_release_and_repeat_by_request_id_as_leases_do(b: &Backend
         (token(&first), &first["fence"])
     );
     let other = permit(app, "renewed", "limit=2").await;
-    let renewed = app
-        .send(
-            app.request(Method::POST, "/semaphores/renewed/renew?ttl_ms=60000")
-                .header("Lock-Token", token(&first)),
-        )
-        .await;
+    let path = semaphore_path("renewed/renew", "ttl_ms=60000");
+    let renewed = app.with_token(Method::POST, &path, token(&first)).await;
     renewed.expect_status(StatusCode::OK);
     // The acquire's body again: same token and fence, the new lease, the semaphore's limit.
     let renewed = renewed.json();
@@ -183,15 +152,12 @@ async fn permits_renew_release_and_repeat_by_request_id_as_leases_do(b: &Backend
 async fn a_waiting_request_gets_a_permit_when_one_is_released(b: &Backend) {
     let app = &b.app;
     let held = permit(app, "queue", "limit=1&ttl_ms=30000").await;
-    let waiter = spawn_take(app, "queue", "limit=1&wait_ms=10000");
+    let waiter = app.spawn_take("queue", "limit=1&wait_ms=10000");
     until_waiting(app, 1).await;
     give_back(app, "queue", token(&held))
         .await
         .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    let granted = answer_within(waiter, Duration::from_secs(3)).await;
-    granted.expect_status(StatusCode::CREATED);
-    assert!(released.elapsed() < PROMPTLY, "{:?}", released.elapsed());
+    let granted = answered_promptly(waiter, Instant::now()).await;
     assert!(granted.json()["fence"].as_u64() > held["fence"].as_u64());
 }
 
@@ -249,24 +215,21 @@ async fn a_semaphores_limit_holds_across_brokers_and_a_release_on_one_wakes_a_wa
     let one = permit(&a, "shared-pool", "limit=2&ttl_ms=30000").await;
     permit(&b, "shared-pool", "limit=2&ttl_ms=30000").await;
     for app in [&a, &b] {
-        take(app, "shared-pool", "limit=2")
+        app.take("shared-pool", "limit=2")
             .await
             .expect_error(StatusCode::CONFLICT, "locked");
-        let body = take(app, "shared-pool", "limit=4")
+        let body = app
+            .take("shared-pool", "limit=4")
             .await
             .expect_error(StatusCode::CONFLICT, "limit_mismatch");
         assert_eq!(body["limit"], 2);
     }
-    let waiter = spawn_take(&b, "shared-pool", "limit=2&wait_ms=10000");
+    let waiter = b.spawn_take("shared-pool", "limit=2&wait_ms=10000");
     until_waiting(&b, 1).await;
     give_back(&a, "shared-pool", token(&one))
         .await
         .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    answer_within(waiter, Duration::from_secs(3))
-        .await
-        .expect_status(StatusCode::CREATED);
-    assert!(released.elapsed() < PROMPTLY, "{:?}", released.elapsed());
+    answered_promptly(waiter, Instant::now()).await;
     let shown = a.get("/semaphores/shared-pool").await.json();
     assert_eq!(shown["holders"].as_array().map(Vec::len), Some(2));
 }

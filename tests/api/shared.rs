@@ -11,7 +11,7 @@ use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
 
-use crate::waiting::{PROMPTLY, answer_within};
+use crate::waiting::{answer_within, granted_promptly, released};
 
 on_both_stores!(
     shared_leases_are_held_together_each_with_its_own_token_fence_and_lease,
@@ -132,18 +132,8 @@ async fn a_waiting_exclusive_acquire_is_not_starved_by_new_shared_ones(b: &Backe
     }
     let late_reader = app.spawn_acquire("busy", "mode=shared&wait_ms=10000");
     until_waiting(app, 2).await;
-    app.release("busy", &reader.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    let granted = answer_within(writer, Duration::from_secs(3))
-        .await
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        released.elapsed() < PROMPTLY,
-        "granted {:?} after the last shared lease ended",
-        released.elapsed()
-    );
+    let since = released(app, "busy", &reader.token).await;
+    let granted = granted_promptly(writer, since).await;
     assert!(
         !late_reader.is_finished(),
         "the later reader waits for the writer"
@@ -164,20 +154,10 @@ async fn waiting_shared_requests_are_all_granted_when_the_exclusive_holder_relea
         .map(|_| app.spawn_acquire("fan-out", "mode=shared&wait_ms=10000"))
         .collect();
     until_waiting(app, 3).await;
-    app.release("fan-out", &writer.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
+    let since = released(app, "fan-out", &writer.token).await;
     for reader in readers {
-        answer_within(reader, Duration::from_secs(3))
-            .await
-            .expect_grant(StatusCode::CREATED);
+        granted_promptly(reader, since).await;
     }
-    assert!(
-        released.elapsed() < PROMPTLY,
-        "the readers took {:?} to be granted",
-        released.elapsed()
-    );
     let shown = app.inspect("fan-out").await.json();
     assert_eq!(shown["holders"].as_array().map(Vec::len), Some(3));
 }
@@ -252,18 +232,8 @@ async fn a_shared_lease_on_one_broker_blocks_an_exclusive_acquire_on_another_unt
     a.acquire("across", "mode=shared")
         .await
         .expect_error(StatusCode::CONFLICT, "locked");
-    a.release("across", &reader.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    let granted = answer_within(writer, Duration::from_secs(3))
-        .await
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        released.elapsed() < PROMPTLY,
-        "the writer on the other broker was granted {:?} after the release",
-        released.elapsed()
-    );
+    let since = released(&a, "across", &reader.token).await;
+    let granted = granted_promptly(writer, since).await;
     assert!(granted.fence > reader.fence);
     a.acquire("across", "mode=shared")
         .await

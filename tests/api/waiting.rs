@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{Backend, TestApp};
-use lockbroker_test_support::http::{Answer, metric};
+use lockbroker_test_support::http::{Answer, Grant, metric};
 use lockbroker_test_support::on_both_stores;
 use reqwest::StatusCode;
 use tokio::task::JoinHandle;
@@ -35,46 +35,61 @@ pub async fn answer_within(waiter: JoinHandle<Answer>, limit: Duration) -> Answe
         .expect("the waiter task")
 }
 
+/// Starts an acquire of `key` on `app` that waits up to 10 s, and gives it [`SETTLE`] to reach
+/// the broker and find the lock held: it must still be waiting then.
+pub async fn parked(app: &TestApp, key: &str) -> JoinHandle<Answer> {
+    let waiter = app.spawn_acquire(key, "wait_ms=10000");
+    tokio::time::sleep(SETTLE).await;
+    assert!(!waiter.is_finished(), "the waiter must be waiting");
+    waiter
+}
+
+/// Releases the lock lease `token` holds on `key` (`204`), and says when.
+pub async fn released(app: &TestApp, key: &str, token: &str) -> Instant {
+    app.release(key, token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    Instant::now()
+}
+
+/// Awaits `waiter`'s `201`, which must come within [`PROMPTLY`] of `since`: when what it
+/// waited for ended (a release, a shortened lease).
+pub async fn answered_promptly(waiter: JoinHandle<Answer>, since: Instant) -> Answer {
+    let answer = answer_within(waiter, Duration::from_secs(3)).await;
+    answer.expect_status(StatusCode::CREATED);
+    assert!(
+        since.elapsed() < PROMPTLY,
+        "granted {:?} after what it waited for ended",
+        since.elapsed()
+    );
+    answer
+}
+
+/// [`answered_promptly`], as the lock grant it must be.
+pub async fn granted_promptly(waiter: JoinHandle<Answer>, since: Instant) -> Grant {
+    answered_promptly(waiter, since)
+        .await
+        .expect_grant(StatusCode::CREATED)
+}
+
 async fn a_release_wakes_a_waiting_acquire_at_once(b: &Backend) {
     let app = &b.app;
     let holder = app.grant("wake", "ttl_ms=30000").await;
-    let waiter = app.spawn_acquire("wake", "wait_ms=10000");
-    tokio::time::sleep(SETTLE).await;
-    assert!(!waiter.is_finished(), "the waiter must be waiting");
-    app.release("wake", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    let grant = answer_within(waiter, Duration::from_secs(3))
-        .await
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        released.elapsed() < PROMPTLY,
-        "granted {:?} after the release",
-        released.elapsed()
-    );
+    let waiter = parked(app, "wake").await;
+    let since = released(app, "wake", &holder.token).await;
+    let grant = granted_promptly(waiter, since).await;
     assert!(grant.fence > holder.fence);
 }
 
 async fn a_renewal_that_shortens_the_lease_wakes_a_waiting_acquire(b: &Backend) {
     let app = &b.app;
     let holder = app.grant("shorten", "ttl_ms=30000").await;
-    let waiter = app.spawn_acquire("shorten", "wait_ms=10000");
-    tokio::time::sleep(SETTLE).await;
-    assert!(!waiter.is_finished(), "the waiter must be waiting");
+    let waiter = parked(app, "shorten").await;
     // The waiter was told the lease ends in 30 s; now it ends in 1 ms.
     app.renew("shorten", &holder.token, "ttl_ms=1")
         .await
         .expect_grant(StatusCode::OK);
-    let renewed = Instant::now();
-    let grant = answer_within(waiter, Duration::from_secs(3))
-        .await
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        renewed.elapsed() < PROMPTLY,
-        "granted {:?} after the lease was cut short",
-        renewed.elapsed()
-    );
+    let grant = granted_promptly(waiter, Instant::now()).await;
     assert!(grant.fence > holder.fence);
 }
 
@@ -156,9 +171,7 @@ async fn an_abandoned_waiter_stops_waiting_and_leaves_no_lease_behind(b: &Backen
     // One waiting place: whether the abandoned waiter still holds it shows over HTTP.
     let app = b.another_app(|c| c.max_waiters = Some(1)).await;
     let holder = app.grant("left", "ttl_ms=30000").await;
-    let waiter = app.spawn_acquire("left", "wait_ms=10000");
-    tokio::time::sleep(SETTLE).await;
-    assert!(!waiter.is_finished(), "the waiter must be waiting");
+    let waiter = parked(&app, "left").await;
     app.acquire("left", "wait_ms=100")
         .await
         .expect_error(StatusCode::SERVICE_UNAVAILABLE, "too_many_waiters");
@@ -198,18 +211,8 @@ async fn an_abandoned_waiter_hands_its_place_to_the_next_in_line(b: &Backend) {
     assert!(first.await.is_err_and(|e| e.is_cancelled()));
     wait_until_a_waiting_place_frees(&app, "line").await;
     // ...and the second is next: a release reaches it at once.
-    app.release("line", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    let grant = answer_within(second, Duration::from_secs(3))
-        .await
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        released.elapsed() < PROMPTLY,
-        "the next in line was granted {:?} after the release",
-        released.elapsed()
-    );
+    let since = released(&app, "line", &holder.token).await;
+    let grant = granted_promptly(second, since).await;
     let shown = app
         .inspect("line")
         .await
@@ -221,9 +224,7 @@ async fn an_abandoned_waiter_hands_its_place_to_the_next_in_line(b: &Backend) {
 async fn a_waiter_past_max_waiters_is_refused_at_once_with_503_too_many_waiters(b: &Backend) {
     let app = b.another_app(|c| c.max_waiters = Some(1)).await;
     let holder = app.grant("crowded", "ttl_ms=30000").await;
-    let first = app.spawn_acquire("crowded", "wait_ms=10000");
-    tokio::time::sleep(SETTLE).await;
-    assert!(!first.is_finished(), "the first waiter must be waiting");
+    let first = parked(&app, "crowded").await;
 
     let started = Instant::now();
     app.acquire("crowded", "wait_ms=5000")

@@ -306,12 +306,7 @@ async fn every_command_handles_shared_leases_and_permits(backend: &Backend) {
         tokens.push(permit.json()["token"].as_str().unwrap().to_owned());
     }
     let full = lockbroker(url, &["acquire", "--semaphore", "pool", "--limit", "2"]).await;
-    full.expect_code(3);
-    assert!(
-        full.stderr.contains("semaphore pool") && full.stderr.contains("every permit is taken"),
-        "{}",
-        full.stderr
-    );
+    full.expect_failure(3, &["semaphore pool", "every permit is taken"]);
     let status = lockbroker(url, &["status", "--semaphore", "pool", "--json"]).await;
     status.expect_code(0);
     assert_eq!(status.json()["limit"], 2);

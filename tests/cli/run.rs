@@ -221,12 +221,7 @@ async fn a_lease_released_under_the_command_stops_it_within_one_renewal_interval
     let stopped_after = lost_at.elapsed();
 
     let outcome = finish(run).await;
-    outcome.expect_code(5);
-    assert!(
-        outcome.stderr.contains("lost the lease on lost"),
-        "{}",
-        outcome.stderr
-    );
+    outcome.expect_failure(5, &["lost the lease on lost"]);
     assert!(
         stopped_after < RENEW_EVERY + SLACK,
         "SIGTERM came {stopped_after:?} after the lease was lost"
@@ -400,12 +395,7 @@ async fn an_acquire_whose_answer_was_lost_is_asked_again_and_gets_the_same_grant
         &run_args("retried", &["--ttl", "5s"], script),
     ))
     .await;
-    outcome.expect_code(0);
-    assert!(
-        outcome.stderr.contains("trying once more"),
-        "{}",
-        outcome.stderr
-    );
+    outcome.expect_failure(0, &["trying once more"]);
 
     let swallowed = tokio::time::timeout(MARKER_LIMIT, &mut proxy.swallowed)
         .await

@@ -2,6 +2,7 @@
 //! `LOCKBROKER_AUTH_TOKEN`), HTTPS with `--cacert`, and a client certificate for mTLS.
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::auth_entry;
 use lockbroker_test_support::certs::TestCa;
 use lockbroker_test_support::temp::temp_file;
 
@@ -14,13 +15,8 @@ const TOKEN: &str = "cli-secret-0123456789abcdef";
 async fn secured_broker(ca: &TestCa) -> TestApp {
     let server = ca.server("server");
     let auth = temp_file("auth", "toml");
-    std::fs::write(
-        &auth,
-        format!(
-            "[[tokens]]\nname = \"cli\"\ntoken = \"{TOKEN}\"\nprefixes = [\"jobs:\"]\npermissions = [\"lock\"]\n"
-        ),
-    )
-    .unwrap();
+    let secret = format!("token = {TOKEN:?}");
+    std::fs::write(&auth, auth_entry("cli", &secret, &["jobs:"], &["lock"])).unwrap();
     let client_ca = ca.cert.clone();
     spawn_app_with(None, move |c| {
         c.auth_file = Some(auth);
@@ -73,44 +69,25 @@ async fn every_command_speaks_https_with_a_client_certificate_and_sends_the_bear
         .expect_code(0);
 
     // `run`, with the bearer token from the environment.
-    let mut command = lockbroker_command(
-        &app.address,
-        &[
-            "run",
-            "jobs:run",
-            "--cacert",
-            &cacert,
-            "--client-cert",
-            &cert,
-            "--client-key",
-            &key,
-            "--",
-            "true",
-        ],
-    );
+    let args: Vec<&str> = ["run", "jobs:run"]
+        .into_iter()
+        .chain(tls.iter().copied())
+        .chain(["--", "true"])
+        .collect();
+    let mut command = lockbroker_command(&app.address, &args);
     command.env("LOCKBROKER_AUTH_TOKEN", TOKEN);
     finish(command.spawn().unwrap()).await.expect_code(0);
 
     // Outside the token's prefixes: 403, an error (exit 1) that says so.
     let refused = run(with(&["acquire", "orders:1"])).await;
-    refused.expect_code(1);
-    assert!(
-        refused.stderr.contains("403") && refused.stderr.contains("forbidden"),
-        "{}",
-        refused.stderr
-    );
+    refused.expect_failure(1, &["403", "forbidden"]);
     // No token: 401.
     let args: Vec<&str> = ["status", "jobs:nightly"]
         .into_iter()
         .chain(tls.iter().copied())
         .collect();
     let anonymous = lockbroker(&app.address, &args).await;
-    anonymous.expect_code(1);
-    assert!(
-        anonymous.stderr.contains("unauthorized"),
-        "{}",
-        anonymous.stderr
-    );
+    anonymous.expect_failure(1, &["unauthorized"]);
     // No client certificate, or no CA to trust the broker by: no connection at all.
     let no_cert = lockbroker(
         &app.address,
@@ -124,12 +101,7 @@ async fn every_command_speaks_https_with_a_client_certificate_and_sends_the_bear
         ],
     )
     .await;
-    no_cert.expect_code(1);
-    assert!(
-        no_cert.stderr.contains("cannot reach"),
-        "{}",
-        no_cert.stderr
-    );
+    no_cert.expect_failure(1, &["cannot reach"]);
     let no_ca = lockbroker(
         &app.address,
         &["status", "jobs:nightly", "--auth-token", TOKEN],

@@ -69,6 +69,19 @@ impl Outcome {
         self
     }
 
+    /// Asserts the exit code of a failure and that its message (stderr) says each of `says`.
+    pub fn expect_failure(&self, code: i32, says: &[&str]) -> &Self {
+        self.expect_code(code);
+        for words in says {
+            assert!(
+                self.stderr.contains(words),
+                "no {words:?} in: {}",
+                self.stderr
+            );
+        }
+        self
+    }
+
     /// Stdout as the one JSON object `--json` prints.
     pub fn json(&self) -> Value {
         serde_json::from_str(self.stdout.trim())

@@ -13,10 +13,7 @@ const LONG: Duration = Duration::from_secs(30);
 pub async fn grants_wait_and_answers_locked(store: Store) {
     let setup = Setup::start(store).await;
     let client = &setup.client;
-    let first = client
-        .acquire("orders:1", LONG, Duration::ZERO)
-        .await
-        .expect("a free key is granted");
+    let first = setup.hold("orders:1", LONG).await;
     assert!(first.is_held());
     assert_eq!(first.key(), "orders:1");
     let token = first.token().as_str().to_owned();
@@ -25,17 +22,7 @@ pub async fn grants_wait_and_answers_locked(store: Store) {
         !format!("{first:?}").contains(&token),
         "no Debug output shows the token"
     );
-    let status = client.status("orders:1").await.unwrap();
-    assert_eq!(status.fence, first.fence());
-
-    assert!(
-        client
-            .try_acquire("orders:1", LONG)
-            .await
-            .unwrap()
-            .is_none(),
-        "try-acquire of a held key is not granted"
-    );
+    setup.assert_held("orders:1", &first).await;
     match client
         .acquire("orders:1", LONG, Duration::from_millis(300))
         .await
@@ -118,37 +105,20 @@ pub async fn shared_leases_and_permits_hold_together_up_to_the_limit(store: Stor
 pub async fn the_guard_holds_a_lease_for_three_times_its_ttl(store: Store) {
     let setup = Setup::start(store).await;
     let ttl = Duration::from_millis(900);
-    let lease = setup
-        .client
-        .acquire("long-job", ttl, Duration::ZERO)
-        .await
-        .unwrap();
+    let lease = setup.hold("long-job", ttl).await;
     // Holding for a span of time is what is tested: the lease would have ended three times
     // over without its renewals.
     tokio::time::sleep(ttl * 3 + ttl / 2).await;
     assert!(lease.is_held(), "{:?}", lease.state());
-    let status = setup.client.status("long-job").await.expect("still held");
-    assert_eq!(status.fence, lease.fence());
+    setup.assert_held("long-job", &lease).await;
     assert!(setup.metric(RENEWED).await >= 3.0);
-    assert!(
-        setup
-            .client
-            .try_acquire("long-job", ttl)
-            .await
-            .unwrap()
-            .is_none()
-    );
     lease.release().await.unwrap();
 }
 
 pub async fn a_force_release_is_signalled_as_a_loss_within_the_ttl(store: Store) {
     let setup = Setup::start(store).await;
     let ttl = Duration::from_secs(2);
-    let lease = setup
-        .client
-        .acquire("taken-away", ttl, Duration::ZERO)
-        .await
-        .unwrap();
+    let lease = setup.hold("taken-away", ttl).await;
     let mut state = lease.subscribe();
     setup
         .client
@@ -172,15 +142,8 @@ pub async fn a_force_release_is_signalled_as_a_loss_within_the_ttl(store: Store)
 pub async fn a_stopped_broker_is_signalled_as_a_loss_within_the_ttl(store: Store) {
     let mut setup = Setup::start(store).await;
     let ttl = Duration::from_secs(2);
-    let lease = setup
-        .client
-        .acquire("orphaned", ttl, Duration::ZERO)
-        .await
-        .unwrap();
-    eventually("a renewal got through", || async {
-        setup.metric(RENEWED).await >= 1.0
-    })
-    .await;
+    let lease = setup.hold("orphaned", ttl).await;
+    setup.renewed_once().await;
     setup.broker.kill();
     let loss = timeout(ttl, lease.lost())
         .await
@@ -195,21 +158,10 @@ pub async fn a_stopped_broker_is_signalled_as_a_loss_within_the_ttl(store: Store
 pub async fn no_renewal_is_sent_after_release_or_drop(store: Store) {
     let setup = Setup::start(store).await;
     let ttl = Duration::from_millis(300);
-    let lease = setup
-        .client
-        .acquire("brief", ttl, Duration::ZERO)
-        .await
-        .unwrap();
-    eventually("a renewal got through", || async {
-        setup.metric(RENEWED).await >= 1.0
-    })
-    .await;
+    let lease = setup.hold("brief", ttl).await;
+    setup.renewed_once().await;
     lease.release().await.unwrap();
-    let dropped = setup
-        .client
-        .acquire("dropped", ttl, Duration::ZERO)
-        .await
-        .unwrap();
+    let dropped = setup.hold("dropped", ttl).await;
     drop(dropped);
     eventually("the dropped lease is released", || async {
         matches!(
@@ -241,15 +193,8 @@ pub async fn a_lease_is_lost_before_another_broker_can_grant_it() {
     let mut setup = Setup::start(Store::Redis).await;
     let (_other, other_client) = setup.another_broker().await;
     let ttl = Duration::from_secs(2);
-    let lease = setup
-        .client
-        .acquire("handed-over", ttl, Duration::ZERO)
-        .await
-        .unwrap();
-    eventually("a renewal got through", || async {
-        setup.metric(RENEWED).await >= 1.0
-    })
-    .await;
+    let lease = setup.hold("handed-over", ttl).await;
+    setup.renewed_once().await;
     setup.broker.kill();
     let (loss, next) = tokio::join!(
         async {
@@ -292,15 +237,6 @@ pub async fn an_acquire_answered_503_is_retried_and_grants_once() {
         .await
         .expect("granted once the broker grants");
     assert_eq!(setup.metric(granted).await, 1.0, "one grant, not two");
-    let status = setup.client.status("through-503").await.unwrap();
-    assert_eq!(status.fence, lease.fence());
-    assert!(
-        setup
-            .client
-            .try_acquire("through-503", LONG)
-            .await
-            .unwrap()
-            .is_none()
-    );
+    setup.assert_held("through-503", &lease).await;
     lease.release().await.unwrap();
 }

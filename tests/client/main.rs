@@ -9,7 +9,7 @@ mod guard;
 use std::process::Command;
 use std::time::Duration;
 
-use lockbroker_client::Client;
+use lockbroker_client::{Client, Lease};
 use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, listen_on, wait_until_ready};
 use lockbroker_test_support::http::metric;
 use lockbroker_test_support::redis_server::RedisServer;
@@ -82,6 +82,37 @@ impl Setup {
     /// A series of the broker's `/metrics`.
     async fn metric(&self, series: &str) -> f64 {
         metric(&self.broker.address(), series).await
+    }
+
+    /// An exclusive lease on `key` for `ttl`, taken without waiting (the key must be free).
+    async fn hold(&self, key: &str, ttl: Duration) -> Lease {
+        self.client
+            .acquire(key, ttl, Duration::ZERO)
+            .await
+            .unwrap_or_else(|e| panic!("{key} is free, yet: {e}"))
+    }
+
+    /// Waits until the broker has confirmed a renewal.
+    async fn renewed_once(&self) {
+        eventually("a renewal got through", || async {
+            self.metric(RENEWED).await >= 1.0
+        })
+        .await;
+    }
+
+    /// Checks that `lease` holds `key`: the broker shows its fence, and nobody else is granted
+    /// the key.
+    async fn assert_held(&self, key: &str, lease: &Lease) {
+        let status = self.client.status(key).await.expect("held");
+        assert_eq!(status.fence, lease.fence());
+        assert!(
+            self.client
+                .try_acquire(key, Duration::from_secs(30))
+                .await
+                .unwrap()
+                .is_none(),
+            "another acquire of a held key is not granted"
+        );
     }
 }
 

@@ -10,7 +10,6 @@ use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::cluster::RedisCluster;
 
-use crate::faults::until_sections;
 use crate::torture::{self, Brokers, Plan};
 
 const STORE_TIMEOUT_MS: u64 = 1000;
@@ -61,7 +60,7 @@ async fn mutual_exclusion_holds_while_a_cluster_master_fails_over_to_a_replica_t
         ..Plan::new("hot", 12, 10_000)
     };
     let run = torture::start(&brokers, &plan);
-    until_sections(&run, 30).await;
+    run.until_sections(30).await;
 
     // Writes the replica will miss: freeze it, cut it off, let the clients go on.
     cluster.signal(replica, "-STOP");

@@ -18,14 +18,6 @@ use crate::torture::{self, Brokers, Plan};
 /// The store timeout of the brokers in these tests: small, so faults are felt fast.
 const STORE_TIMEOUT_MS: u64 = 300;
 
-/// Slack on top of the contract's bound for an answer (`wait_ms` + store timeout): scheduling
-/// on a loaded two-core machine, the HTTP round trip.
-const SLACK: Duration = Duration::from_millis(1500);
-
-fn answer_bound(wait_ms: u64) -> Duration {
-    Duration::from_millis(wait_ms + STORE_TIMEOUT_MS) + SLACK
-}
-
 async fn post(url: &str) -> Answer {
     Answer::read(
         http_client()
@@ -35,19 +27,6 @@ async fn post(url: &str) -> Answer {
             .expect("the broker answers"),
     )
     .await
-}
-
-/// Polls until `run` has completed `n` critical sections, for at most 10 s.
-pub(crate) async fn until_sections(run: &torture::Run, n: usize) {
-    let started = Instant::now();
-    while run.sections_so_far() < n {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "only {} critical sections after 10 s",
-            run.sections_so_far()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 async fn in_process_brokers(redis_url: &str, n: usize, max_ttl_ms: u64) -> Vec<TestApp> {
@@ -86,12 +65,10 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
     let brokers = Brokers::new(vec![doomed.address(), two.address(), three.address()]);
     let plan = Plan {
         ttl_ms: 3000,
-        wait_ms: 1000,
         hold_ms: 0..=5,
         limit: Duration::from_secs(6),
-        answer_bound: answer_bound(1000),
         brokers_may_die: true,
-        ..Plan::new("hot", 12, 10_000)
+        ..Plan::new("hot", 12, 10_000).waiting(1000, STORE_TIMEOUT_MS)
     };
     let run = torture::start(&brokers, &plan);
 
@@ -116,7 +93,7 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
         ));
         tokio::spawn(async move { Answer::read(request.send().await.expect("two answers")).await })
     };
-    until_sections(&run, 20).await;
+    run.until_sections(20).await;
     assert!(
         waiting_on_doomed.iter().all(|w| !w.is_finished()) && !successor.is_finished(),
         "the waiters must be waiting when the broker dies"
@@ -271,14 +248,11 @@ async fn redis_stopped_under_load_gives_503_while_it_is_gone_never_a_grant_and_s
     let brokers = Brokers::new(apps.iter().map(|a| a.address.clone()).collect());
     let plan = Plan {
         ttl_ms: MAX_TTL_MS,
-        wait_ms: 500,
-        hold_ms: 0..=3,
         limit: Duration::from_secs(7),
-        answer_bound: answer_bound(500),
-        ..Plan::new("hot", 12, 10_000)
+        ..Plan::new("hot", 12, 10_000).waiting(500, STORE_TIMEOUT_MS)
     };
     let run = torture::start(&brokers, &plan);
-    until_sections(&run, 20).await;
+    run.until_sections(20).await;
 
     let stopped = Instant::now();
     redis.stop();
@@ -340,14 +314,11 @@ async fn a_slow_or_cut_off_redis_gives_bounded_503s_no_grant_nobody_knows_of_and
     let brokers = Brokers::new(apps.iter().map(|a| a.address.clone()).collect());
     let plan = Plan {
         ttl_ms: TTL_MS,
-        wait_ms: 1000,
-        hold_ms: 0..=3,
         limit: Duration::from_secs(9),
-        answer_bound: answer_bound(1000),
-        ..Plan::new("hot", 12, 10_000)
+        ..Plan::new("hot", 12, 10_000).waiting(1000, STORE_TIMEOUT_MS)
     };
     let run = torture::start(&brokers, &plan);
-    until_sections(&run, 20).await;
+    run.until_sections(20).await;
     let faults = [
         (Mode::Delay(Duration::from_millis(30)), 700),
         // Slower than the store timeout: requests give up while Redis still runs what they sent.
@@ -430,14 +401,11 @@ async fn redis_restarted_empty_mid_lease_under_skewed_brokers_puts_the_lease_bac
     let brokers = Brokers::new(vec![ahead.address(), behind.address(), plain.address()]);
     let plan = Plan {
         ttl_ms: 2000,
-        wait_ms: 1000,
-        hold_ms: 0..=3,
         limit: Duration::from_secs(8),
-        answer_bound: answer_bound(1000),
-        ..Plan::new("hot", 12, 10_000)
+        ..Plan::new("hot", 12, 10_000).waiting(1000, STORE_TIMEOUT_MS)
     };
     let run = torture::start(&brokers, &plan);
-    until_sections(&run, 20).await;
+    run.until_sections(20).await;
 
     // A client takes the key for the longest lease and works for most of it; half a second in,
     // Redis restarts empty and forgets that lease, and the broker that granted it puts it back.

@@ -85,12 +85,10 @@ async fn a_soak_of_random_faults_never_breaks_mutual_exclusion() {
     let urls: Vec<String> = brokers.iter().map(BrokerProcess::address).collect();
     let plan = Plan {
         ttl_ms: MAX_TTL_MS,
-        wait_ms: 500,
         hold_ms: 0..=5,
         limit: Duration::from_secs(seconds),
-        answer_bound: Duration::from_millis(500 + STORE_TIMEOUT_MS + 1500),
         brokers_may_die: true,
-        ..Plan::new("hot", clients, usize::MAX)
+        ..Plan::new("hot", clients, usize::MAX).waiting(500, STORE_TIMEOUT_MS)
     };
     let run = torture::start(&Brokers::new(urls.clone()), &plan);
     let end = run.started() + plan.limit;

@@ -63,6 +63,16 @@ pub struct Plan {
     pub brokers_may_die: bool,
 }
 
+/// Slack on top of the contract's bound for an answer (`wait_ms` + the store timeout):
+/// scheduling on a loaded two-core machine, the HTTP round trip.
+const SLACK: Duration = Duration::from_millis(1500);
+
+/// The bound every acquire of a run must be answered within: the contract's, `wait_ms` plus the
+/// store timeout, with [`SLACK`].
+pub fn answer_bound(wait_ms: u64, store_timeout_ms: u64) -> Duration {
+    Duration::from_millis(wait_ms + store_timeout_ms) + SLACK
+}
+
 impl Plan {
     pub fn new(key: &str, clients: usize, rounds: usize) -> Self {
         Self {
@@ -75,6 +85,16 @@ impl Plan {
             limit: Duration::from_secs(60),
             answer_bound: Duration::from_secs(5),
             brokers_may_die: false,
+        }
+    }
+
+    /// This plan with acquires that wait up to `wait_ms` on brokers whose store timeout is
+    /// `store_timeout_ms`, each answered within [`answer_bound`] of the two.
+    pub fn waiting(self, wait_ms: u64, store_timeout_ms: u64) -> Self {
+        Self {
+            wait_ms,
+            answer_bound: answer_bound(wait_ms, store_timeout_ms),
+            ..self
         }
     }
 }
@@ -204,6 +224,19 @@ impl Run {
     /// Critical sections completed so far.
     pub fn sections_so_far(&self) -> usize {
         self.shared.sections.lock().unwrap().len()
+    }
+
+    /// Polls until the run has completed `n` critical sections, for at most 10 s.
+    pub async fn until_sections(&self, n: usize) {
+        let started = Instant::now();
+        while self.sections_so_far() < n {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "only {} critical sections after 10 s",
+                self.sections_so_far()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// One more client, outside the plan: acquires the key on `broker` with `ttl_ms` (waiting up

@@ -207,7 +207,7 @@ async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_
     // Many grants at once on one broker: the ones whose writes land while a WAIT is in flight
     // share the next one, and still each is on the replica when its answer arrives.
     const CONCURRENT: usize = 48;
-    let waits_before = wait_calls(&master).await;
+    let waits_before = master.command_calls("wait").await;
     let mut grants = tokio::task::JoinSet::new();
     for i in 0..CONCURRENT {
         let (app, replica_conn) = (brokers[i % 2].clone(), replica.connection().await);
@@ -230,29 +230,20 @@ async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_
             "{key} was answered before the replica had it"
         );
     }
-    let waits = wait_calls(&master).await - waits_before;
+    let waits = master.command_calls("wait").await - waits_before;
     eprintln!("{CONCURRENT} concurrent grants were acknowledged by {waits} WAITs");
 
     // The torture check (no overlap, no lost update, rising fences, only allowed answers) across
     // a replica that stops acknowledging for longer than a WAIT waits (half the store timeout):
     // grants meanwhile answer 503 and are released, grants before and after are acknowledged.
     let addresses: Vec<String> = brokers.iter().map(|b| b.address.clone()).collect();
-    let wait_ms = 1000;
     let plan = Plan {
         ttl_ms: 2000,
-        wait_ms,
-        hold_ms: 0..=3,
         limit: Duration::from_secs(30),
-        // The contract's bound (wait_ms + the store timeout), plus scheduling slack.
-        answer_bound: Duration::from_millis(wait_ms + STORE_TIMEOUT_MS + 1500),
-        ..Plan::new("hot", 8, 100)
+        ..Plan::new("hot", 8, 100).waiting(1000, STORE_TIMEOUT_MS)
     };
     let run = torture::start(&Brokers::new(addresses), &plan);
-    let started = Instant::now();
-    while run.sections_so_far() < 20 {
-        assert!(started.elapsed() < Duration::from_secs(10), "no traffic");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    run.until_sections(20).await;
     let before = run.sections_so_far();
     replica.pause();
     tokio::time::sleep(Duration::from_millis(STORE_TIMEOUT_MS * 2)).await;
@@ -271,18 +262,4 @@ async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_
         summary.sections - resumed
     );
     eprintln!("{summary}");
-}
-
-/// How many `WAIT`s `redis` has run.
-async fn wait_calls(redis: &RedisServer) -> u64 {
-    let mut conn = redis.connection().await;
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await
-        .expect("INFO commandstats");
-    info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_wait:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |calls| calls.parse().expect("a count"))
 }

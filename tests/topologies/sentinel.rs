@@ -368,6 +368,25 @@ async fn a_lease_lost_in_a_failover_is_put_back_for_its_holder_and_grants_resume
     assert!(after.fence > kept.fence, "fences rise across the failover");
 }
 
+/// Three broker processes on `topology` with `spec`, ready and listening for notices on the
+/// master, and their addresses.
+async fn three_brokers(
+    topology: &SentinelTopology,
+    spec: BrokerSpec,
+) -> ([BrokerProcess; 3], Vec<String>) {
+    let processes = [
+        BrokerProcess::start(spec.clone()).await,
+        BrokerProcess::start(spec.clone()).await,
+        BrokerProcess::start(spec).await,
+    ];
+    for broker in &processes {
+        wait_until_ready(&broker.address(), Duration::from_secs(10)).await;
+    }
+    wait_until_listening_on_master(topology, 3).await;
+    let addresses = processes.iter().map(BrokerProcess::address).collect();
+    (processes, addresses)
+}
+
 async fn the_torture_check_holds_across_a_failover_that_loses_writes(
     topology: &mut SentinelTopology,
 ) {
@@ -379,33 +398,15 @@ async fn the_torture_check_holds_across_a_failover_that_loses_writes(
         store_settle_ms: SETTLE_MS,
         ..BrokerSpec::on(crate::LOCKBROKER, topology.url())
     };
-    let processes = [
-        BrokerProcess::start(spec.clone()).await,
-        BrokerProcess::start(spec.clone()).await,
-        BrokerProcess::start(spec).await,
-    ];
-    for broker in &processes {
-        wait_until_ready(&broker.address(), Duration::from_secs(10)).await;
-    }
-    wait_until_listening_on_master(topology, 3).await;
-    let addresses: Vec<String> = processes.iter().map(BrokerProcess::address).collect();
+    let (_processes, addresses) = three_brokers(topology, spec).await;
     let brokers = Brokers::new(addresses.clone());
-    let wait_ms = 1000;
     let plan = Plan {
         ttl_ms: 2000,
-        wait_ms,
-        hold_ms: 0..=3,
         limit: Duration::from_secs(16),
-        // The contract's bound, plus scheduling slack on a loaded two-core machine.
-        answer_bound: Duration::from_millis(wait_ms + STORE_TIMEOUT_MS + 1500),
-        ..Plan::new("hot", 12, 10_000)
+        ..Plan::new("hot", 12, 10_000).waiting(1000, STORE_TIMEOUT_MS)
     };
     let run = torture::start(&brokers, &plan);
-    let started = Instant::now();
-    while run.sections_so_far() < 20 {
-        assert!(started.elapsed() < Duration::from_secs(10), "no traffic");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    run.until_sections(20).await;
 
     // An extra client takes the hot key while the replicas are cut off (so the new master will
     // not have its lease) and works through the failover, until well after grants resume: had
@@ -480,35 +481,17 @@ async fn a_master_that_stops_answering_without_refusing_is_left_for_the_promoted
         replica_acks: Some(1),
         ..BrokerSpec::on(crate::LOCKBROKER, topology.url())
     };
-    let processes = [
-        BrokerProcess::start(spec.clone()).await,
-        BrokerProcess::start(spec.clone()).await,
-        BrokerProcess::start(spec).await,
-    ];
-    for broker in &processes {
-        wait_until_ready(&broker.address(), Duration::from_secs(10)).await;
-    }
-    wait_until_listening_on_master(topology, 3).await;
-    let addresses: Vec<String> = processes.iter().map(BrokerProcess::address).collect();
+    let (_processes, addresses) = three_brokers(topology, spec).await;
     let brokers = Brokers::new(addresses.clone());
-    let wait_ms = 1000;
+    // A wait on the frozen master that its bound does not end fails the run.
     let plan = Plan {
         ttl_ms: 3000,
-        wait_ms,
-        hold_ms: 0..=3,
         // Stopped below once enough sections ran after the extra client's.
         limit: Duration::from_secs(90),
-        // The contract's bound (wait_ms + the store timeout), plus scheduling slack on a loaded
-        // two-core machine: a wait on the frozen master that its bound does not end fails this.
-        answer_bound: Duration::from_millis(wait_ms + TIMEOUT_MS + 1500),
-        ..Plan::new("frozen", 12, 100_000)
+        ..Plan::new("frozen", 12, 100_000).waiting(1000, TIMEOUT_MS)
     };
     let run = torture::start(&brokers, &plan);
-    let started = Instant::now();
-    while run.sections_so_far() < 20 {
-        assert!(started.elapsed() < Duration::from_secs(10), "no traffic");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    run.until_sections(20).await;
 
     // An extra client holds the hot key across the freeze, the failover and the thaw: a client
     // of the run granted the key meanwhile would overlap it.
@@ -534,15 +517,7 @@ async fn a_master_that_stops_answering_without_refusing_is_left_for_the_promoted
         .await
         .expect("the extra client gets the hot key");
     let (paused, promoted, resumed) = timeline.expect("the failover happened");
-    let so_far = run.sections_so_far();
-    let more = Instant::now();
-    while run.sections_so_far() < so_far + 20 {
-        assert!(
-            more.elapsed() < Duration::from_secs(10),
-            "no traffic after the extra client's section"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    run.until_sections(run.sections_so_far() + 20).await;
     run.stop();
     let report = run.finish().await;
     // No overlap, no lost update, fences rising, every answer one the contract allows within

@@ -1,22 +1,26 @@
 //! The OpenAPI document of the API, served at `GET /openapi.json`.
 //!
 //! It is generated (utoipa) from the `#[utoipa::path]` annotations on the handlers in
-//! `super::locks`, `super::semaphores` and `super::ops`, the `ToSchema` derives on the bodies they send, and the
-//! types below, which exist only to describe the API: what a request may carry (the handlers
-//! read parameters through [`super::params::Params`], which takes them from the query string
-//! and a JSON body alike), and the error responses, each written once here and listed by every
-//! operation that answers it. A handler documents its success response itself.
-//! `tests/api/openapi.rs` checks that the document lists exactly [`super::ROUTES`] and, for
-//! every operation, exactly the statuses that real requests get.
+//! `super::locks`, `super::semaphores` and `super::ops`, and from the types the broker really
+//! reads and sends: the request parameters (`super::requests`, `super::params`), the success
+//! bodies (`ToSchema` derives beside their handlers) and the error bodies (`super::error`). The
+//! error responses below are each written once and listed by every operation that answers
+//! them; a handler documents its success response itself. `tests/api/openapi.rs` checks that
+//! the document lists exactly [`super::ROUTES`] and, for every operation, exactly the statuses
+//! that real requests get.
 
-use utoipa::openapi::OpenApi as Document;
-use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::{IntoParams, IntoResponses, Modify, OpenApi, ToSchema};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 
 use serde_json::Value;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{
+    Content, HeaderBuilder, OpenApi as Document, Ref, RefOr, Response, ResponseBuilder, Schema,
+};
+use utoipa::{IntoResponses, Modify, OpenApi, PartialSchema, ToSchema};
 
 use super::Limits;
-use super::error::Body as ErrorBody;
+use super::error::{Body as ErrorBody, ErrorCode, LockedError, PermitConflictError};
 use super::requests::{AcquireBody, RenewBody, SemaphoreAcquireBody};
 use crate::store::{MAX_LIST_LIMIT, MAX_SEMAPHORE_LIMIT};
 
@@ -197,205 +201,160 @@ fn bounds(doc: &mut Value, limits: &Limits) {
     }
 }
 
-/// The codes in the `error` field of an error body, with their statuses.
-///
-/// `invalid_request` 400, `not_found` 404 (no such path), `not_held` 404, `method_not_allowed`
-/// 405, `locked` 409 (acquire), `not_owner` 409 (release, renew), `payload_too_large` 413,
-/// `unsupported_media_type` 415, `limit_mismatch` 409 (a semaphore's holders use another
-/// limit), `too_many_waiters` 503 (with `Retry-After: 1`: this broker
-/// has `max_waiters` acquires waiting already; another broker may have room),
-/// `store_unavailable` 503, `shutting_down` 503, `unauthorized` 401, `forbidden` 403,
-/// `request_header_fields_too_large` 431, `internal` 500 (not expected).
-#[derive(ToSchema)]
-#[schema(rename_all = "snake_case")]
-pub enum ErrorCode {
-    InvalidRequest,
-    NotFound,
-    NotHeld,
-    MethodNotAllowed,
-    Locked,
-    NotOwner,
-    PayloadTooLarge,
-    UnsupportedMediaType,
-    TooManyWaiters,
-    StoreUnavailable,
-    ShuttingDown,
-    Unauthorized,
-    Forbidden,
-    LimitMismatch,
-    RequestHeaderFieldsTooLarge,
-    Internal,
+/// Declares error responses: for each, a unit type whose [`IntoResponses`] gives every status it
+/// stands for with its description (the doc comment before it, as utoipa reads one), its body's
+/// schema by reference, and its headers. Written out rather than derived: utoipa's derive takes
+/// the body's schema from a field of that type, which nothing would ever fill or read.
+macro_rules! error_responses {
+    ($(
+        $(#[doc = $type_doc:literal])*
+        pub struct $name:ident {$(
+            $(#[doc = $doc:literal])*
+            $status:literal => $body:ty $(, $header:literal: $header_type:ty = $header_doc:literal)?;
+        )+}
+    )*) => {$(
+        $(#[doc = $type_doc])*
+        $($(#[doc = $doc])*)+
+        pub struct $name;
+
+        impl IntoResponses for $name {
+            fn responses() -> BTreeMap<String, RefOr<Response>> {
+                BTreeMap::from([$((
+                    $status.to_string(),
+                    error_response(
+                        &[$($doc),*],
+                        <$body as ToSchema>::name(),
+                        [$(($header, <$header_type as PartialSchema>::schema(), $header_doc))?],
+                    ),
+                )),+])
+            }
+        }
+    )*};
 }
 
-/// The body of `409 locked`: the error body with the time until the current lease ends.
-#[derive(ToSchema)]
-pub struct LockedError {
-    /// Always `locked`.
-    pub error: ErrorCode,
-    /// One human sentence.
-    pub message: String,
-    /// Milliseconds until the current lease ends (the `Retry-After` header gives it in whole
-    /// seconds, rounded up, at least 1).
-    pub retry_after_ms: u64,
+/// One error response: `doc` (a doc comment's lines) as its description, a JSON body of the
+/// schema named `body`, and `headers` as (name, schema, description).
+fn error_response<const N: usize>(
+    doc: &[&str],
+    body: Cow<'static, str>,
+    headers: [(&str, RefOr<Schema>, &str); N],
+) -> RefOr<Response> {
+    let response = ResponseBuilder::new()
+        .description(description(doc))
+        .content(
+            "application/json",
+            Content::new(Some(Ref::from_schema_name(body))),
+        );
+    headers
+        .into_iter()
+        .fold(response, |response, (name, schema, text)| {
+            response.header(
+                name,
+                HeaderBuilder::new()
+                    .schema(Some(schema))
+                    .description(Some(text))
+                    .build(),
+            )
+        })
+        .build()
+        .into()
 }
 
-/// The body of a `409` to a semaphore acquire: `locked` with `retry_after_ms`, or
-/// `limit_mismatch` with `limit`.
-#[derive(ToSchema)]
-pub struct PermitConflictError {
-    /// `locked` or `limit_mismatch`.
-    pub error: ErrorCode,
-    /// One human sentence.
-    pub message: String,
-    /// With `locked`: milliseconds until the first permit ends.
-    #[schema(required = false)]
-    pub retry_after_ms: u64,
-    /// With `limit_mismatch`: the limit the semaphore's current holders use.
-    #[schema(required = false, minimum = 1)]
-    pub limit: u32,
+/// A doc comment's lines as utoipa makes a description of them: each without trailing white
+/// space and without the indentation all the non-empty ones share, joined by new lines.
+fn description(lines: &[&str]) -> String {
+    let indent = lines
+        .iter()
+        .filter(|l| !l.trim_end().is_empty())
+        .map(|l| l.len() - l.trim_start().len())
+        .min()
+        .unwrap_or(0);
+    lines
+        .iter()
+        .map(|l| l.trim_end().get(indent..).unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
-/// The lock's name, a path segment.
-#[derive(IntoParams)]
-#[into_params(parameter_in = Path)]
-pub struct KeyParam {
-    /// 1 to 200 characters from `A-Z a-z 0-9 . _ - :`, compared after percent-decoding
-    /// (`%41` is `A`; an escape that decodes to any other character, such as `%2F`, is `400`).
-    #[param(
-        min_length = 1,
-        max_length = 200,
-        pattern = r"^[A-Za-z0-9._:-]{1,200}$"
-    )]
-    pub key: String,
+error_responses! {
+    /// What an operation that reads a key and parameters refuses before it does anything: the
+    /// rejections of [`super::params::KeyPath`] and [`super::params::Params`]. Every lock route
+    /// answers these.
+    pub struct RequestRefused {
+        /// `invalid_request`: a bad key; an unknown parameter, or one that is not valid or out of
+        /// its bounds, or given twice with different values; malformed JSON; where the operation
+        /// takes a token, none, a malformed one, or one in the body.
+        400 => ErrorBody;
+        /// `payload_too_large`: the body is over 16 KiB.
+        413 => ErrorBody;
+        /// `unsupported_media_type`: a non-empty body that is not `application/json`.
+        415 => ErrorBody;
+    }
+
+    pub struct Unauthorized {
+        /// `unauthorized` (only when the broker runs with an auth file): no `Authorization: Bearer`
+        /// header, a malformed one, or a token the auth file does not have.
+        401 => ErrorBody, "WWW-Authenticate": String = "`Bearer realm=\"lockbroker\"`, with \
+            `error=\"invalid_token\"` for an unknown token.";
+    }
+
+    pub struct Forbidden {
+        /// `forbidden` (only when the broker runs with an auth file): the token is known, but its
+        /// prefixes do not cover the key or it lacks the permission.
+        403 => ErrorBody;
+    }
+
+    pub struct ForceRefused {
+        /// `forbidden`: with an auth file, the token is known but its prefixes do not cover the key or
+        /// it lacks the permission (`force=true` needs `admin`); without one, `force=true` on a broker
+        /// that does not run with `allow_force_release`.
+        403 => ErrorBody;
+    }
+
+    pub struct PermitRefused {
+        /// `locked`: every permit is still taken when `wait_ms` ran out (with `retry_after_ms` and
+        /// `Retry-After`: when the first permit ends); or `limit_mismatch`: the semaphore's current
+        /// holders took their permits with another `limit` (given in the body).
+        409 => PermitConflictError, "Retry-After": u64 = "With `locked`: seconds until the first \
+            permit ends, rounded up, at least 1.";
+    }
+
+    pub struct NotHeld {
+        /// `not_held`: nobody holds the lock (it is free, it was released, or the lease expired).
+        404 => ErrorBody;
+    }
+
+    pub struct NotOwner {
+        /// `not_owner`: someone else's live lease holds the key (yours expired and was taken over, or
+        /// the token is wrong).
+        409 => ErrorBody;
+    }
+
+    pub struct Locked {
+        /// `locked`: still held by someone else when `wait_ms` ran out.
+        409 => LockedError, "Retry-After": u64 = "Seconds until the current lease ends, rounded \
+            up, at least 1.";
+    }
+
+    pub struct StoreUnavailable {
+        /// `store_unavailable`: the store could not be reached or did not answer in time; or, with
+        /// `Retry-After`, a store-wide hold is in force (a store that is new or was emptied settles, or
+        /// the brokers put their live leases back after a detected loss) and the message says which.
+        503 => ErrorBody, "Retry-After": u64 = "While a store-wide hold is in force: seconds until \
+            it ends, rounded up, at least 1.";
+    }
+
+    pub struct NotGranted {
+        /// Not granted. `store_unavailable`: the store could not be reached or did not answer in time
+        /// (`store_timeout_ms`), or, with `Retry-After`, a store-wide hold is in force (a new or emptied
+        /// store settling, or the brokers putting their live leases back after a detected loss; a
+        /// waiting acquire waits a hold out within its `wait_ms`); `too_many_waiters`, with `Retry-After: 1`: `max_waiters` acquires already wait on
+        /// this broker; `shutting_down`: the broker stopped while the request waited. Try again, or
+        /// another broker.
+        503 => ErrorBody, "Retry-After": u64 = "With `too_many_waiters` and during a store-wide \
+            hold: seconds to wait before trying again.";
+    }
 }
-
-/// The lease token, in a header (preferred: query strings end up in access logs).
-#[derive(IntoParams)]
-#[into_params(parameter_in = Header)]
-pub struct TokenHeader {
-    /// The token the acquire returned. Required here or in the `token` query parameter (if
-    /// both, they must be equal); never in the body.
-    #[param(
-        rename = "Lock-Token",
-        required = false,
-        min_length = 1,
-        max_length = 128,
-        pattern = r"^[A-Za-z0-9._~-]{1,128}$"
-    )]
-    pub lock_token: String,
-}
-
-// The error responses. Each one's doc comment is its description in the document.
-
-/// What an operation that reads a key and parameters refuses before it does anything: the
-/// rejections of [`super::params::KeyPath`] and [`super::params::Params`]. Every lock route
-/// answers these.
-#[derive(IntoResponses)]
-pub enum RequestRefused {
-    /// `invalid_request`: a bad key; an unknown parameter, or one that is not valid or out of
-    /// its bounds, or given twice with different values; malformed JSON; where the operation
-    /// takes a token, none, a malformed one, or one in the body.
-    #[response(status = 400)]
-    InvalidRequest(ErrorBody<'static>),
-    /// `payload_too_large`: the body is over 16 KiB.
-    #[response(status = 413)]
-    PayloadTooLarge(ErrorBody<'static>),
-    /// `unsupported_media_type`: a non-empty body that is not `application/json`.
-    #[response(status = 415)]
-    UnsupportedMediaType(ErrorBody<'static>),
-}
-
-/// `unauthorized` (only when the broker runs with an auth file): no `Authorization: Bearer`
-/// header, a malformed one, or a token the auth file does not have.
-#[derive(IntoResponses)]
-#[response(
-    status = 401,
-    headers((
-        "WWW-Authenticate" = String,
-        description = "`Bearer realm=\"lockbroker\"`, with `error=\"invalid_token\"` for an \
-            unknown token."
-    ))
-)]
-pub struct Unauthorized(pub ErrorBody<'static>);
-
-/// `forbidden` (only when the broker runs with an auth file): the token is known, but its
-/// prefixes do not cover the key or it lacks the permission.
-#[derive(IntoResponses)]
-#[response(status = 403)]
-pub struct Forbidden(pub ErrorBody<'static>);
-
-/// `forbidden`: with an auth file, the token is known but its prefixes do not cover the key or
-/// it lacks the permission (`force=true` needs `admin`); without one, `force=true` on a broker
-/// that does not run with `allow_force_release`.
-#[derive(IntoResponses)]
-#[response(status = 403)]
-pub struct ForceRefused(pub ErrorBody<'static>);
-
-/// `locked`: every permit is still taken when `wait_ms` ran out (with `retry_after_ms` and
-/// `Retry-After`: when the first permit ends); or `limit_mismatch`: the semaphore's current
-/// holders took their permits with another `limit` (given in the body).
-#[derive(IntoResponses)]
-#[response(
-    status = 409,
-    headers((
-        "Retry-After" = u64,
-        description = "With `locked`: seconds until the first permit ends, rounded up, at least 1."
-    ))
-)]
-pub struct PermitRefused(pub PermitConflictError);
-
-/// `not_held`: nobody holds the lock (it is free, it was released, or the lease expired).
-#[derive(IntoResponses)]
-#[response(status = 404)]
-pub struct NotHeld(pub ErrorBody<'static>);
-
-/// `not_owner`: someone else's live lease holds the key (yours expired and was taken over, or
-/// the token is wrong).
-#[derive(IntoResponses)]
-#[response(status = 409)]
-pub struct NotOwner(pub ErrorBody<'static>);
-
-/// `locked`: still held by someone else when `wait_ms` ran out.
-#[derive(IntoResponses)]
-#[response(
-    status = 409,
-    headers((
-        "Retry-After" = u64,
-        description = "Seconds until the current lease ends, rounded up, at least 1."
-    ))
-)]
-pub struct Locked(pub LockedError);
-
-/// `store_unavailable`: the store could not be reached or did not answer in time; or, with
-/// `Retry-After`, a store-wide hold is in force (a store that is new or was emptied settles, or
-/// the brokers put their live leases back after a detected loss) and the message says which.
-#[derive(IntoResponses)]
-#[response(
-    status = 503,
-    headers((
-        "Retry-After" = u64,
-        description = "While a store-wide hold is in force: seconds until it ends, rounded up, \
-            at least 1."
-    ))
-)]
-pub struct StoreUnavailable(pub ErrorBody<'static>);
-
-/// Not granted. `store_unavailable`: the store could not be reached or did not answer in time
-/// (`store_timeout_ms`), or, with `Retry-After`, a store-wide hold is in force (a new or emptied
-/// store settling, or the brokers putting their live leases back after a detected loss; a
-/// waiting acquire waits a hold out within its `wait_ms`); `too_many_waiters`, with `Retry-After: 1`: `max_waiters` acquires already wait on
-/// this broker; `shutting_down`: the broker stopped while the request waited. Try again, or
-/// another broker.
-#[derive(IntoResponses)]
-#[response(
-    status = 503,
-    headers((
-        "Retry-After" = u64,
-        description = "With `too_many_waiters` and during a store-wide hold: seconds to wait \
-            before trying again."
-    ))
-)]
-pub struct NotGranted(pub ErrorBody<'static>);
 
 #[cfg(test)]
 mod tests;
