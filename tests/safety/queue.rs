@@ -20,7 +20,6 @@ use reqwest::StatusCode;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::faults::until_sections;
 use crate::torture::{self, Brokers, Plan};
 
 /// The brokers' store timeout here, and so their offer window: an offer not taken within it
@@ -339,7 +338,7 @@ async fn clients_that_give_up_mid_wait_never_hold_the_key_up_across_three_broker
         ..Plan::new("quitters", 9, 10_000)
     };
     let run = torture::start(&brokers, &plan);
-    until_sections(&run, 10).await;
+    run.until_sections(10).await;
     // Meanwhile, waiters that give up after 20–200 ms (their connection closes mid-wait) join
     // the same queue on every broker, many of them ahead of the torture's clients.
     let stop = Arc::new(AtomicBool::new(false));
