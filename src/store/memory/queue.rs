@@ -212,3 +212,5 @@ impl Slot {
     }
 }
 
+#[cfg(test)]
+mod tests;
