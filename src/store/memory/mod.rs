@@ -1,5 +1,13 @@
-//! The embedded store: the same primitives as Redis, in one process. Correct for a single
-//! broker; brokers do not share it.
+//! The embedded store: the same primitives as Redis, in one process, with the same queue per
+//! key (`queue.rs`): waiting bids queue in arrival order, and what a step frees is offered to
+//! the queue's head, whose broker — the one broker, this process — gets [`Notice::Offered`]
+//! and takes it by asking again. Correct for a single broker; brokers do not share it.
+//!
+//! With one broker there are no broker ids: an offer that lapses (its waiter vanished between
+//! the notice and the take, without leaving) ends and the key passes on to the next in line,
+//! whose waiters are this broker's and alive, so they keep their places ([`Notice::Requeue`]
+//! is never sent), and no [`Notice::Look`] follows an offer (nobody is queued on another
+//! broker). A renewal that shortens a lease sends `Look` when bids are queued on the key.
 
 pub(crate) mod clock;
 mod queue;
@@ -25,7 +33,7 @@ pub(crate) struct MemoryStore {
     /// is a few map operations.
     slots: Arc<Mutex<HashMap<(Space, LockKey), Slot>>>,
     clock: Arc<dyn Clock>,
-    /// Where release notices go: the one broker's lock service.
+    /// Where the queue's notices go: the one broker's lock service.
     notices: Arc<OnceLock<mpsc::Sender<Notice>>>,
 }
 
@@ -118,7 +126,10 @@ impl MemoryStore {
         }
         slot.drop_dead_heads(now_ms);
         let queued = !slot.queue.is_empty();
-        slot.hand_on(now_us, None, &mut tell.offered);
+        // A waiting bid that runs the recipe's takeover may be the queue's head itself.
+        if let Some(lease) = slot.hand_on(now_us, Some(bid), &mut tell.offered) {
+            return Ok(lease);
+        }
         if queued || !free(slot) {
             return Err(slot.retry_after(kind, now_ms));
         }
@@ -236,11 +247,13 @@ impl Store for MemoryStore {
         token: &Token,
         ttl: Ttl,
     ) -> StoreResult<Holder<Lease>> {
-        let now_ms = self.clock.now_ms();
+        let now_us = self.clock.now_us();
+        let now_ms = now_us / 1000;
         Ok(self.step(space, key, |slot, tell| {
             slot.prune(now_ms);
             let (outcome, shortened) = slot.renew(token, ttl, now_ms);
-            slot.drop_dead_heads(now_ms);
+            // A renewal frees nothing, but the prune may have ended a lapsed offer.
+            slot.hand_on(now_us, None, &mut tell.offered);
             if shortened && !slot.queue.is_empty() {
                 // The queue's waiters were told the old end: they ask again at the new one.
                 tell.look_ms = Some(ttl.as_ms());

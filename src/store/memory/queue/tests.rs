@@ -186,3 +186,22 @@ async fn a_request_id_answers_with_a_taken_lease_never_with_an_offer() {
     let taken = granted(f.claim(&first).await);
     assert_eq!(granted(f.claim(&repeat()).await), taken);
 }
+
+#[tokio::test]
+async fn a_takeover_by_the_queues_head_itself_is_granted_directly() {
+    let mut f = Fixture::new();
+    let holder = f.hold(100).await;
+    let (head, next) = (waiting(1_000, 60_000), waiting(1_000, 60_000));
+    queued(f.claim(&head).await);
+    queued(f.claim(&next).await);
+    f.clock.advance_ms(100);
+    let answer = f
+        .store
+        .take_over(&f.key, holder.fence, &head)
+        .await
+        .unwrap();
+    assert!(granted(answer).fence > holder.fence);
+    assert!(f.notices().is_empty());
+    // The next one still waits behind it.
+    queued(f.claim(&next).await);
+}
