@@ -205,3 +205,125 @@ async fn a_takeover_by_the_queues_head_itself_is_granted_directly() {
     // The next one still waits behind it.
     queued(f.claim(&next).await);
 }
+
+/// Where a worker of the concurrency test is: the holders' count (-1: an exclusive holder), the
+/// highest fence that entered and the last exclusive one.
+#[derive(Default)]
+struct Held {
+    holders: i64,
+    max_fence: u64,
+    last_exclusive: u64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_waiters_of_every_kind_never_overlap_and_fences_rise() {
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use tokio::sync::mpsc;
+
+    use crate::domain::{LockKey, Token};
+    use crate::store::memory::MemoryStore;
+    use crate::store::{GrantAnswer, Notice};
+
+    const WORKERS: usize = 8;
+    const ROUNDS: usize = 12;
+    let store = MemoryStore::default();
+    let key = LockKey::parse("hot").unwrap();
+    let (tx, mut notices) = mpsc::channel(1024);
+    store.start(tx);
+    // Offers go to the worker whose bid has the token, as the lock service routes them.
+    let routes: Arc<Mutex<HashMap<Token, mpsc::UnboundedSender<()>>>> = Arc::default();
+    let offers = Arc::new(AtomicUsize::new(0));
+    let router = {
+        let (routes, offers) = (routes.clone(), offers.clone());
+        tokio::spawn(async move {
+            while let Some(notice) = notices.recv().await {
+                if let Notice::Offered(_, _, token) = notice {
+                    offers.fetch_add(1, Ordering::SeqCst);
+                    if let Some(worker) = routes.lock().unwrap().get(&token) {
+                        let _ = worker.send(());
+                    }
+                }
+            }
+        })
+    };
+    let held = Arc::new(Mutex::new(Held::default()));
+    let workers = (0..WORKERS).map(|w| {
+        let (store, key, routes, held) = (store.clone(), key.clone(), routes.clone(), held.clone());
+        tokio::spawn(async move {
+            let shared = w % 3 == 0;
+            for round in 0..ROUNDS {
+                let bid = waiting(10_000, 30_000);
+                let (tx, mut offered) = mpsc::unbounded_channel();
+                routes.lock().unwrap().insert(bid.token.clone(), tx);
+                let lease = loop {
+                    let (lease, retry_after_ms) = if shared {
+                        match store.join(&key, Pool::Shared, &bid).await.unwrap() {
+                            Join::Granted(lease) => (Some(lease), 0),
+                            Join::Queued { retry_after_ms } => (None, retry_after_ms),
+                            other => panic!("a waiting bid got {other:?}"),
+                        }
+                    } else {
+                        match store.claim(&key, &bid).await.unwrap() {
+                            GrantAnswer::Granted(lease) => (Some(lease), 0),
+                            GrantAnswer::Queued { retry_after_ms } => (None, retry_after_ms),
+                            other => panic!("a waiting bid got {other:?}"),
+                        }
+                    };
+                    if let Some(lease) = lease {
+                        break Some(lease);
+                    }
+                    // Every fourth wait is abandoned (its client went away): it leaves.
+                    if (w + round) % 4 == 3 {
+                        store.leave(Space::Locks, &key, &bid.token).await.unwrap();
+                        break None;
+                    }
+                    let wait = std::time::Duration::from_millis(retry_after_ms);
+                    let _ = tokio::time::timeout(wait, offered.recv()).await;
+                };
+                routes.lock().unwrap().remove(&bid.token);
+                let Some(lease) = lease else { continue };
+                {
+                    let mut h = held.lock().unwrap();
+                    if shared {
+                        assert!(h.holders >= 0, "a shared lease beside an exclusive one");
+                        assert!(lease.fence > h.last_exclusive);
+                        h.holders += 1;
+                    } else {
+                        assert_eq!(h.holders, 0, "an exclusive lease beside another holder");
+                        assert!(lease.fence > h.max_fence, "fences fell");
+                        h.holders = -1;
+                        h.last_exclusive = lease.fence;
+                    }
+                    h.max_fence = h.max_fence.max(lease.fence);
+                }
+                tokio::task::yield_now().await;
+                {
+                    let mut h = held.lock().unwrap();
+                    h.holders = if shared { h.holders - 1 } else { 0 };
+                }
+                let released = store
+                    .release(Space::Locks, &key, &lease.token)
+                    .await
+                    .unwrap();
+                assert!(matches!(released, Holder::Done(_)));
+            }
+        })
+    });
+    for worker in workers.collect::<Vec<_>>() {
+        worker.await.unwrap();
+    }
+    router.abort();
+    // The waits were contended: the key was handed on by offers.
+    assert!(offers.load(Ordering::SeqCst) > 0);
+    // Nothing left behind: no lease, no offer, nobody queued.
+    let snapshot = store.read(&key).await.unwrap();
+    assert!(
+        snapshot
+            .lease
+            .is_none_or(|l| !l.is_live_at(snapshot.now_ms))
+    );
+    assert!(snapshot.shared.is_empty());
+    assert!(store.slots().values().all(|slot| slot.queue.is_empty()));
+}
