@@ -104,6 +104,16 @@ impl MemoryStore {
         }
     }
 
+    /// `lease`, which answers `bid`: its own, or the one an earlier acquire with its request
+    /// id produced — then the bid, answered, leaves the queue if it was in it, so that nothing
+    /// is offered to a token nobody waits on.
+    fn answered(slot: &mut Slot, bid: &Bid, lease: Lease, now_us: u64, tell: &mut Tell) -> Lease {
+        if lease.token != bid.token && slot.leave(&bid.token) {
+            slot.hand_on(now_us, None, &mut tell.offered);
+        }
+        lease
+    }
+
     /// A claim or a join, once the slot is pruned: a waiting bid is granted if it is the
     /// queue's head (or the queue is empty) and the key is free for it, else it joins the
     /// queue (or keeps its place) and is answered `Err(retry_after_ms)`. A bid that does not
@@ -166,7 +176,7 @@ impl Store for MemoryStore {
         Ok(self.step(Space::Locks, key, |slot, tell| {
             slot.prune(now_ms);
             if let Some(lease) = slot.held_for(Kind::Exclusive, bid, now_ms) {
-                return GrantAnswer::Granted(lease);
+                return GrantAnswer::Granted(Self::answered(slot, bid, lease, now_us, tell));
             }
             // SETNX: a key holding an expired lease is not free for a bid that does not wait
             // (the recipe takes it over, so that one contender wins it).
@@ -275,7 +285,7 @@ impl Store for MemoryStore {
                 return Join::LimitMismatch { limit: used };
             }
             if let Some(lease) = slot.held_for(kind, bid, now_ms) {
-                return Join::Granted(lease);
+                return Join::Granted(Self::answered(slot, bid, lease, now_us, tell));
             }
             let free = |s: &Slot| s.free_for(kind, now_ms);
             match Self::grant_or_queue(slot, kind, bid, now_us, free, tell) {
