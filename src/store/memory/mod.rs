@@ -117,8 +117,8 @@ impl MemoryStore {
     /// A claim or a join, once the slot is pruned: a waiting bid is granted if it is the
     /// queue's head (or the queue is empty) and the key is free for it, else it joins the
     /// queue (or keeps its place) and is answered `Err(retry_after_ms)`. A bid that does not
-    /// wait never goes ahead of the queue: with bids queued, what is free is handed on to them
-    /// and it is refused (`Err`); otherwise it is granted if `free`.
+    /// wait never goes ahead of the queue: what is free is handed on to the queued bids first,
+    /// and while some still wait it is refused (`Err`); otherwise it is granted if `free`.
     fn grant_or_queue(
         slot: &mut Slot,
         kind: Kind,
@@ -134,13 +134,7 @@ impl MemoryStore {
                 .hand_on(now_us, Some(bid), &mut tell.offered)
                 .ok_or_else(|| slot.retry_after(kind, now_ms));
         }
-        slot.drop_dead_heads(now_ms);
-        let queued = !slot.queue.is_empty();
-        // A waiting bid that runs the recipe's takeover may be the queue's head itself.
-        if let Some(lease) = slot.hand_on(now_us, Some(bid), &mut tell.offered) {
-            return Ok(lease);
-        }
-        if queued || !free(slot) {
+        if !slot.queue_cleared(now_us, &mut tell.offered) || !free(slot) {
             return Err(slot.retry_after(kind, now_ms));
         }
         Ok(slot.grant(kind, bid, now_us, false))
@@ -212,25 +206,21 @@ impl Store for MemoryStore {
         Ok(self.step(Space::Locks, key, |slot, tell| {
             // A lapsed offer ends here: for the recipe, the key vanished.
             slot.prune(now_ms);
-            match &slot.lease {
+            // Nobody goes ahead of the queue: with bids queued, the key goes to them.
+            if !slot.queue_cleared(now_us, &mut tell.offered) {
+                return GrantAnswer::Refused;
+            }
+            let free = match &slot.lease {
                 // The key vanished since it was read (the recipe's "GETSET returned nil"): it is
                 // free.
-                None => {}
-                Some(current) if current.lease.fence == seen && !current.is_live_at(now_ms) => {}
-                // Someone else took it over or claimed it, or the holder renewed it.
-                Some(_) => return GrantAnswer::Refused,
-            }
-            // Whatever its wait, the takeover goes behind the queue: with bids queued, the key
-            // goes to the queue's head and the bid is refused.
-            let bid = Bid {
-                wait_ms: 0,
-                ..bid.clone()
+                None => true,
+                Some(current) => current.lease.fence == seen && !current.is_live_at(now_ms),
             };
-            let free = |s: &Slot| s.free_for(Kind::Exclusive, now_ms);
-            match Self::grant_or_queue(slot, Kind::Exclusive, &bid, now_us, free, tell) {
-                Ok(lease) => GrantAnswer::Granted(lease),
-                Err(_) => GrantAnswer::Refused,
+            // Otherwise someone else took it over or claimed it, or the holder renewed it.
+            if !free || !slot.free_for(Kind::Exclusive, now_ms) {
+                return GrantAnswer::Refused;
             }
+            GrantAnswer::Granted(slot.grant(Kind::Exclusive, bid, now_us, false))
         }))
     }
 

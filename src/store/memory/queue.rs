@@ -172,6 +172,15 @@ impl Slot {
         granted
     }
 
+    /// For a bid that does not wait: hands what is free on to the queued bids, and says
+    /// whether none is left waiting (only then may the bid be granted).
+    pub(super) fn queue_cleared(&mut self, now_us: u64, offered: &mut Vec<Token>) -> bool {
+        if !self.queue.is_empty() {
+            self.hand_on(now_us, None, offered);
+        }
+        self.queue.is_empty()
+    }
+
     /// `token` stops waiting: its queue entry goes, and an offer made to it and not taken
     /// ends. A lease it took is left alone. Whether anything changed.
     pub(super) fn leave(&mut self, token: &Token) -> bool {

@@ -192,22 +192,21 @@ async fn a_request_id_answers_with_a_taken_lease_never_with_an_offer() {
 }
 
 #[tokio::test]
-async fn a_takeover_by_the_queues_head_itself_is_granted_directly() {
+async fn a_shared_bid_that_does_not_wait_comes_after_the_shared_heads_it_hands_the_key_to() {
     let mut f = Fixture::new();
-    let holder = f.hold(100).await;
-    let (head, next) = (waiting(1_000, 60_000), waiting(1_000, 60_000));
-    queued(f.claim(&head).await);
-    queued(f.claim(&next).await);
+    f.hold(100).await;
+    let (s1, s2) = (waiting(1_000, 60_000), waiting(1_000, 60_000));
+    waits(f.join(Pool::Shared, &s1).await);
+    waits(f.join(Pool::Shared, &s2).await);
     f.clock.advance_ms(100);
-    let answer = f
-        .store
-        .take_over(&f.key, holder.fence, &head)
-        .await
-        .unwrap();
-    assert!(granted(answer).fence > holder.fence);
-    assert!(f.notices().is_empty());
-    // The next one still waits behind it.
-    queued(f.claim(&next).await);
+    // The queued shared bids are offered the key first; with nobody left waiting, the bid that
+    // does not wait joins them.
+    let lease = joined(f.join(Pool::Shared, &bid(1_000)).await);
+    assert!(f.offered(Space::Locks) == vec![s1.token.clone(), s2.token.clone()]);
+    // By fence: the two offers, then its lease.
+    let shared = f.store.read(&f.key).await.unwrap().shared;
+    assert_eq!(shared.len(), 3);
+    assert_eq!(shared.last(), Some(&lease));
 }
 
 /// Where a worker of the concurrency test is: the holders' count (-1: an exclusive holder), the
