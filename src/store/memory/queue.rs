@@ -76,7 +76,11 @@ impl Slot {
         match kind {
             Kind::Exclusive => self.live_exclusive(now_ms).is_none() && self.holders.is_empty(),
             Kind::Shared => self.live_exclusive(now_ms).is_none(),
-            Kind::Semaphore { limit } => self.holders.len() < limit as usize,
+            // The limit agrees with the holders' (checked when a bid joins); as the scripts do,
+            // a permit never goes beside holders of another limit.
+            Kind::Semaphore { limit } => {
+                self.holders.len() < limit as usize && self.limit.is_none_or(|l| l == limit)
+            }
         }
     }
 

@@ -100,7 +100,9 @@ impl Slot {
     }
 
     pub(super) fn keep_until(&mut self, expires_at_ms: u64) {
-        self.drop_at_ms = self.drop_at_ms.max(expires_at_ms + EXPIRY_SLACK_MS);
+        self.drop_at_ms = self
+            .drop_at_ms
+            .max(expires_at_ms.saturating_add(EXPIRY_SLACK_MS));
     }
 
     /// Ends `token`'s live lease (exclusive or among the holders). An offer its token has not
