@@ -4,8 +4,10 @@
 //! request ids (answered by a taken lease, never by an offer).
 
 use crate::domain::RequestId;
+use crate::store::memory::clock::Clock;
+use crate::store::memory::queue::OFFER_WINDOW_MS;
 use crate::store::memory::tests::{Fixture, bid, granted, queued, waiting};
-use crate::store::{Bid, Holder, Join, Lease, Pool, Space, Store};
+use crate::store::{Bid, GrantAnswer, Holder, Join, Lease, Pool, Space, Store};
 
 #[track_caller]
 fn joined(answer: Join) -> Lease {
@@ -209,6 +211,37 @@ async fn a_shared_bid_that_does_not_wait_comes_after_the_shared_heads_it_hands_t
     assert_eq!(shared.last(), Some(&lease));
 }
 
+#[tokio::test]
+async fn a_lapsed_offer_with_nobody_left_queued_ends_and_frees_the_key() {
+    let mut f = Fixture::new();
+    let holder = f.hold(60_000).await;
+    let gone = waiting(1_000, 60_000);
+    queued(f.claim(&gone).await);
+    f.release(Space::Locks, &holder.token).await;
+    assert_eq!(f.offered(Space::Locks).len(), 1);
+    let offer = f.lease_in_key().await.unwrap();
+    f.clock.advance_ms(OFFER_WINDOW_MS - 1);
+    assert!(matches!(f.claim(&bid(1_000)).await, GrantAnswer::Refused));
+    f.clock.advance_ms(1);
+    // GET shows the lapsed offer as an expired lease; a takeover of its fence wins the key.
+    let seen = f.lease_in_key().await.unwrap();
+    assert_eq!(
+        (seen.fence, seen.expires_at_ms),
+        (offer.fence, f.clock.now_ms())
+    );
+    let answer = f.store.take_over(&f.key, seen.fence, &bid(1_000)).await;
+    let taken = granted(answer.unwrap());
+    assert!(taken.fence > offer.fence);
+    // A SETNX that comes first ends the lapsed offer itself (its token was never given out),
+    // and wins the key in that step.
+    queued(f.claim(&gone).await);
+    f.release(Space::Locks, &taken.token).await;
+    assert_eq!(f.offered(Space::Locks).len(), 1);
+    f.clock.advance_ms(OFFER_WINDOW_MS);
+    assert!(granted(f.claim(&bid(1_000)).await).fence > taken.fence);
+    assert!(f.notices().is_empty());
+}
+
 /// Where a worker of the concurrency test is: the holders' count (-1: an exclusive holder), the
 /// highest fence that entered and the last exclusive one.
 #[derive(Default)]
@@ -226,8 +259,8 @@ async fn concurrent_waiters_of_every_kind_never_overlap_and_fences_rise() {
     use tokio::sync::mpsc;
 
     use crate::domain::{LockKey, Token};
+    use crate::store::Notice;
     use crate::store::memory::MemoryStore;
-    use crate::store::{GrantAnswer, Notice};
 
     const WORKERS: usize = 8;
     const ROUNDS: usize = 12;
