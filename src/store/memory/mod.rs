@@ -1,7 +1,16 @@
-//! The embedded store: the same primitives as Redis, in one process. Correct for a single
-//! broker; brokers do not share it.
+//! The embedded store: the same primitives as Redis, in one process, with the same queue per
+//! key (`queue.rs`): waiting bids queue in arrival order, and what a step frees is offered to
+//! the queue's head, whose broker — the one broker, this process — gets [`Notice::Offered`]
+//! and takes it by asking again. Correct for a single broker; brokers do not share it.
+//!
+//! With one broker there are no broker ids: an offer that lapses (its waiter vanished between
+//! the notice and the take, without leaving) ends and the key passes on to the next in line,
+//! whose waiters are this broker's and alive, so they keep their places ([`Notice::Requeue`]
+//! is never sent), and no [`Notice::Look`] follows an offer (nobody is queued on another
+//! broker). A renewal that shortens a lease sends `Look` when bids are queued on the key.
 
 pub(crate) mod clock;
+mod queue;
 mod slot;
 
 use std::collections::HashMap;
@@ -12,8 +21,8 @@ use tokio::sync::mpsc;
 use self::clock::{Clock, SystemClock};
 use self::slot::Slot;
 use super::{
-    Bid, GrantAnswer, Hold, Holder, Join, Lease, ListQuery, Listed, Mode, Notice, Page, Permits,
-    Pool, Released, Snapshot, Space, Store, StoreResult, WRITER_INTENT_MS,
+    Bid, GrantAnswer, Hold, Holder, Join, Kind, Lease, ListQuery, Listed, Mode, Notice, Page,
+    Permits, Pool, Released, Snapshot, Space, Store, StoreResult,
 };
 use crate::domain::{Fence, LockKey, Token, Ttl};
 
@@ -24,7 +33,7 @@ pub(crate) struct MemoryStore {
     /// is a few map operations.
     slots: Arc<Mutex<HashMap<(Space, LockKey), Slot>>>,
     clock: Arc<dyn Clock>,
-    /// Where release notices go: the one broker's lock service.
+    /// Where the queue's notices go: the one broker's lock service.
     notices: Arc<OnceLock<mpsc::Sender<Notice>>>,
 }
 
@@ -72,35 +81,74 @@ impl MemoryStore {
         self.slots().remove(&(Space::Locks, key.clone()));
     }
 
-    /// Tells the waiters that `key` may be free earlier than they were told. Called after the
-    /// slots' lock is released.
-    fn notify(&self, space: Space, key: &LockKey) {
-        if let Some(notices) = self.notices.get() {
-            // A full channel drops the notice; waiters also wake on their own timers.
-            let _ = notices.try_send(Notice::Released(space, key.clone()));
+    /// Runs one atomic step on the slot of `key` in `space`, then tells the broker's waiters
+    /// what it did (after the slots' lock is released).
+    fn step<T>(&self, space: Space, key: &LockKey, f: impl FnOnce(&mut Slot, &mut Tell) -> T) -> T {
+        let mut tell = Tell::default();
+        let answer = self.with_slot(space, key, |slot| f(slot, &mut tell));
+        self.send(space, key, tell);
+        answer
+    }
+
+    fn send(&self, space: Space, key: &LockKey, tell: Tell) {
+        let Some(notices) = self.notices.get() else {
+            return;
+        };
+        // A full channel drops a notice: an offer not taken lapses and passes on, and waiters
+        // also ask again on their own timers.
+        for token in tell.offered {
+            let _ = notices.try_send(Notice::Offered(space, key.clone(), token));
+        }
+        if let Some(ms) = tell.look_ms {
+            let _ = notices.try_send(Notice::Look(space, key.clone(), ms));
         }
     }
 
-    /// Grants `bid` the exclusive lease in `slot` unless shared leases are live; otherwise
-    /// records its intent if it waits.
-    fn grant_exclusive(slot: &mut Slot, bid: &Bid, now_us: u64) -> GrantAnswer {
-        let now_ms = now_us / 1000;
-        slot.prune(now_ms);
-        if !slot.holders.is_empty() {
-            if bid.waits() {
-                slot.intents.retain(|(t, _)| *t != bid.token);
-                slot.intents
-                    .push((bid.token.clone(), now_ms + WRITER_INTENT_MS));
-                slot.keep_until(now_ms + WRITER_INTENT_MS);
-            }
-            return GrantAnswer::Refused;
+    /// `lease`, which answers `bid`: its own, or the one an earlier acquire with its request
+    /// id produced — then the bid, answered, leaves the queue if it was in it, so that nothing
+    /// is offered to a token nobody waits on.
+    fn answered(slot: &mut Slot, bid: &Bid, lease: Lease, now_us: u64, tell: &mut Tell) -> Lease {
+        if lease.token != bid.token && slot.leave(&bid.token) {
+            slot.hand_on(now_us, None, &mut tell.offered);
         }
-        slot.intents.retain(|(t, _)| *t != bid.token);
-        let held = slot.lease_for(bid, now_us);
-        let lease = held.lease.clone();
-        slot.lease = Some(held);
-        GrantAnswer::Granted(lease)
+        lease
     }
+
+    /// A claim or a join, once the slot is pruned: a waiting bid is granted if it is the
+    /// queue's head (or the queue is empty) and the key is free for it, else it joins the
+    /// queue (or keeps its place) and is answered `Err(retry_after_ms)`. A bid that does not
+    /// wait never goes ahead of the queue: what is free is handed on to the queued bids first,
+    /// and while some still wait it is refused (`Err`); otherwise it is granted if `free`.
+    fn grant_or_queue(
+        slot: &mut Slot,
+        kind: Kind,
+        bid: &Bid,
+        now_us: u64,
+        free: impl FnOnce(&Slot) -> bool,
+        tell: &mut Tell,
+    ) -> Result<Lease, u64> {
+        let now_ms = now_us / 1000;
+        if bid.waits() {
+            slot.enqueue(kind, bid, now_ms);
+            return slot
+                .hand_on(now_us, Some(bid), &mut tell.offered)
+                .ok_or_else(|| slot.retry_after(kind, now_ms));
+        }
+        if !slot.queue_cleared(now_us, &mut tell.offered) || !free(slot) {
+            return Err(slot.retry_after(kind, now_ms));
+        }
+        Ok(slot.grant(kind, bid, now_us, false))
+    }
+}
+
+/// What a step tells the broker's waiters.
+#[derive(Default)]
+struct Tell {
+    /// The tokens of the queued bids offered a lease ([`Notice::Offered`]).
+    offered: Vec<Token>,
+    /// A lease now ends sooner than the queue's waiters were told: in this many ms
+    /// ([`Notice::Look`]).
+    look_ms: Option<u64>,
 }
 
 fn sorted(mut holders: Vec<Lease>) -> Vec<Lease> {
@@ -108,21 +156,30 @@ fn sorted(mut holders: Vec<Lease>) -> Vec<Lease> {
     holders
 }
 
+fn kind_of(pool: Pool) -> Kind {
+    match pool {
+        Pool::Shared => Kind::Shared,
+        Pool::Semaphore { limit } => Kind::Semaphore { limit },
+    }
+}
+
 impl Store for MemoryStore {
     async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
         let now_us = self.clock.now_us();
-        Ok(self.with_slot(Space::Locks, key, |slot| {
-            if let Some(current) = &slot.lease {
-                let repeated = bid.request_id.is_some()
-                    && current.lease.request_id == bid.request_id
-                    && current.lease.is_live_at(now_us / 1000);
-                return if repeated {
-                    GrantAnswer::Granted(current.lease.clone())
-                } else {
-                    GrantAnswer::Refused
-                };
+        let now_ms = now_us / 1000;
+        Ok(self.step(Space::Locks, key, |slot, tell| {
+            slot.prune(now_ms);
+            if let Some(lease) = slot.held_for(Kind::Exclusive, bid, now_ms) {
+                return GrantAnswer::Granted(Self::answered(slot, bid, lease, now_us, tell));
             }
-            Self::grant_exclusive(slot, bid, now_us)
+            // SETNX: a key holding an expired lease is not free for a bid that does not wait
+            // (the recipe takes it over, so that one contender wins it).
+            let free = |s: &Slot| s.lease.is_none() && s.free_for(Kind::Exclusive, now_ms);
+            match Self::grant_or_queue(slot, Kind::Exclusive, bid, now_us, free, tell) {
+                Ok(lease) => GrantAnswer::Granted(lease),
+                Err(retry_after_ms) if bid.waits() => GrantAnswer::Queued { retry_after_ms },
+                Err(_) => GrantAnswer::Refused,
+            }
         }))
     }
 
@@ -146,17 +203,24 @@ impl Store for MemoryStore {
     async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
-        Ok(self.with_slot(Space::Locks, key, |slot| {
-            match &slot.lease {
+        Ok(self.step(Space::Locks, key, |slot, tell| {
+            // A lapsed offer ends here: for the recipe, the key vanished.
+            slot.prune(now_ms);
+            // Nobody goes ahead of the queue: with bids queued, the key goes to them.
+            if !slot.queue_cleared(now_us, &mut tell.offered) {
+                return GrantAnswer::Refused;
+            }
+            let free = match &slot.lease {
                 // The key vanished since it was read (the recipe's "GETSET returned nil"): it is
                 // free.
-                None => {}
-                Some(current)
-                    if current.lease.fence == seen && !current.lease.is_live_at(now_ms) => {}
-                // Someone else took it over or claimed it, or the holder renewed it.
-                Some(_) => return GrantAnswer::Refused,
+                None => true,
+                Some(current) => current.lease.fence == seen && !current.is_live_at(now_ms),
+            };
+            // Otherwise someone else took it over or claimed it, or the holder renewed it.
+            if !free || !slot.free_for(Kind::Exclusive, now_ms) {
+                return GrantAnswer::Refused;
             }
-            Self::grant_exclusive(slot, bid, now_us)
+            GrantAnswer::Granted(slot.grant(Kind::Exclusive, bid, now_us, false))
         }))
     }
 
@@ -166,12 +230,14 @@ impl Store for MemoryStore {
         key: &LockKey,
         token: &Token,
     ) -> StoreResult<Holder<Released>> {
-        let now_ms = self.clock.now_ms();
-        let outcome = self.with_slot(space, key, |slot| slot.release(token, now_ms));
-        if matches!(outcome, Holder::Done(_)) {
-            self.notify(space, key);
-        }
-        Ok(outcome)
+        let now_us = self.clock.now_us();
+        let now_ms = now_us / 1000;
+        Ok(self.step(space, key, |slot, tell| {
+            slot.prune(now_ms);
+            let outcome = slot.release(token, now_ms);
+            slot.hand_on(now_us, None, &mut tell.offered);
+            outcome
+        }))
     }
 
     async fn renew(
@@ -181,76 +247,59 @@ impl Store for MemoryStore {
         token: &Token,
         ttl: Ttl,
     ) -> StoreResult<Holder<Lease>> {
-        let now_ms = self.clock.now_ms();
-        let (outcome, shortened) =
-            self.with_slot(space, key, |slot| slot.renew(token, ttl, now_ms));
-        if shortened {
-            self.notify(space, key);
-        }
-        Ok(outcome)
+        let now_us = self.clock.now_us();
+        let now_ms = now_us / 1000;
+        Ok(self.step(space, key, |slot, tell| {
+            slot.prune(now_ms);
+            let (outcome, shortened) = slot.renew(token, ttl, now_ms);
+            // A renewal frees nothing, but the prune may have ended a lapsed offer.
+            slot.hand_on(now_us, None, &mut tell.offered);
+            if shortened && !slot.queue.is_empty() {
+                // The queue's waiters were told the old end: they ask again at the new one.
+                tell.look_ms = Some(ttl.as_ms());
+            }
+            outcome
+        }))
     }
 
     async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
-        Ok(self.with_slot(pool.space(), key, |slot| {
+        let kind = kind_of(pool);
+        Ok(self.step(pool.space(), key, |slot, tell| {
             slot.prune(now_ms);
             if let Pool::Semaphore { limit } = pool
-                && let Some(used) = slot.limit
+                && let Some(used) = slot.limit_in_use()
                 && used != limit
             {
                 return Join::LimitMismatch { limit: used };
             }
-            if let Some(id) = &bid.request_id
-                && let Some(again) = slot
-                    .holders
-                    .iter()
-                    .find(|h| h.lease.request_id.as_ref() == Some(id))
-            {
-                return Join::Granted(again.lease.clone());
+            if let Some(lease) = slot.held_for(kind, bid, now_ms) {
+                return Join::Granted(Self::answered(slot, bid, lease, now_us, tell));
             }
-            match pool {
-                Pool::Shared => {
-                    if let Some(held) = slot.live_exclusive(now_ms) {
-                        return Join::Busy {
-                            retry_after_ms: held.lease.expires_at_ms - now_ms,
-                        };
-                    }
-                    if !slot.intents.is_empty() {
-                        return Join::Busy {
-                            retry_after_ms: Slot::soonest(
-                                slot.intents.iter().map(|(_, end)| *end),
-                                now_ms,
-                            ),
-                        };
-                    }
-                    // An expired exclusive lease is no obstacle: shared holders replace it.
-                    slot.lease = None;
-                }
-                Pool::Semaphore { limit } => {
-                    if slot.holders.len() >= limit as usize {
-                        return Join::Busy {
-                            retry_after_ms: Slot::soonest(
-                                slot.holders.iter().map(|h| h.lease.expires_at_ms),
-                                now_ms,
-                            ),
-                        };
-                    }
-                    slot.limit = Some(limit);
-                }
+            let free = |s: &Slot| s.free_for(kind, now_ms);
+            match Self::grant_or_queue(slot, kind, bid, now_us, free, tell) {
+                Ok(lease) => Join::Granted(lease),
+                Err(retry_after_ms) if bid.waits() => Join::Queued { retry_after_ms },
+                Err(retry_after_ms) => Join::Busy { retry_after_ms },
             }
-            let mut held = slot.lease_for(bid, now_us);
-            if let Pool::Semaphore { limit } = pool {
-                held.lease.limit = Some(limit);
-            }
-            let lease = held.lease.clone();
-            slot.holders.push(held);
-            Join::Granted(lease)
         }))
     }
 
-    async fn leave(&self, _space: Space, _key: &LockKey, _token: &Token) -> StoreResult<()> {
-        // Transitional, until the queue lands: nothing is queued in the store yet.
+    async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
+        let now_us = self.clock.now_us();
+        let mut tell = Tell::default();
+        {
+            let mut slots = self.slots();
+            // Cheap when nothing matches: no slot is made for a key that has none.
+            if let Some(slot) = slots.get_mut(&(space, key.clone()))
+                && slot.leave(token)
+            {
+                slot.prune(now_us / 1000);
+                slot.hand_on(now_us, None, &mut tell.offered);
+            }
+        }
+        self.send(space, key, tell);
         Ok(())
     }
 
@@ -272,20 +321,18 @@ impl Store for MemoryStore {
     }
 
     async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
-        let now_ms = self.clock.now_ms();
-        let ended = self.with_slot(space, key, |slot| {
+        let now_us = self.clock.now_us();
+        let now_ms = now_us / 1000;
+        let ended = self.step(space, key, |slot, tell| {
             slot.prune(now_ms);
-            let mut ended: Vec<Fence> = slot.holders.drain(..).map(|h| h.lease.fence).collect();
-            if let Some(held) = slot.lease.take_if(|h| h.lease.is_live_at(now_ms)) {
-                ended.push(held.lease.fence);
-            }
-            slot.limit = None;
+            // Offers too: they are live holders for everyone but the queue's own bids.
+            let ended = slot.end_all(now_ms);
+            slot.hand_on(now_us, None, &mut tell.offered);
             ended
         });
         if ended.is_empty() {
             return Ok(Holder::NotHeld);
         }
-        self.notify(space, key);
         Ok(Holder::Done(ended))
     }
 

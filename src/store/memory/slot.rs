@@ -1,7 +1,11 @@
-//! One key's state in the memory store: its exclusive lease, its shared leases or permits, the
-//! waiting exclusive bids' intents and its fence counter, with what a grant, a release and a
-//! renewal do to them.
+//! One key's state in the memory store: its exclusive lease, its shared leases or permits (each
+//! either taken or offered to a queued bid), its queue of waiting bids and its fence counter,
+//! with what a release and a renewal do to them. What the queue does — joining, offering,
+//! taking, leaving — is in `queue.rs`.
 
+use std::collections::{BTreeMap, HashMap};
+
+use super::queue::Entry;
 use crate::domain::{Fence, Token, Ttl};
 use crate::store::{Bid, EXPIRY_SLACK_MS, Holder, Lease, Released};
 
@@ -10,19 +14,40 @@ use crate::store::{Bid, EXPIRY_SLACK_MS, Holder, Lease, Released};
 pub(super) struct StoredLease {
     pub(super) lease: Lease,
     pub(super) granted_at_ms: u64,
+    /// Offered to a queued bid and not taken yet: `lease.expires_at_ms` is the offer's end and
+    /// `lease.ttl_ms` the bid's TTL. Live for everyone else (nobody is granted over it), but not
+    /// a lease its token holds: only taking it (the bid asking again) or leaving ends the mark.
+    pub(super) offered: bool,
 }
 
-/// One key's state in one space: its leases and its fence counter.
+impl StoredLease {
+    pub(super) fn is_live_at(&self, now_ms: u64) -> bool {
+        self.lease.is_live_at(now_ms)
+    }
+
+    /// A live lease `token` holds: taken, not merely offered to it.
+    fn held_by(&self, token: &Token, now_ms: u64) -> bool {
+        !self.offered && self.lease.token == *token && self.is_live_at(now_ms)
+    }
+}
+
+/// One key's state in one space: its leases, its queue and its fence counter.
 #[derive(Debug, Default)]
 pub(super) struct Slot {
-    /// A lock's exclusive lease (live or expired).
+    /// A lock's exclusive lease (live or expired; an offer that lapsed is dropped as it is met).
     pub(super) lease: Option<StoredLease>,
-    /// A lock's shared leases, or a semaphore's permits (expired ones dropped as they are met).
+    /// A lock's shared leases, or a semaphore's permits (expired ones and lapsed offers dropped
+    /// as they are met).
     pub(super) holders: Vec<StoredLease>,
     /// The limit a semaphore's holders took their permits with.
     pub(super) limit: Option<u32>,
-    /// Waiting exclusive bids' intents: token and end (see [`Bid::waits`]).
-    pub(super) intents: Vec<(Token, u64)>,
+    /// The waiting bids by arrival: a sequence number, never reused in the slot's life, orders
+    /// them (a BTreeMap, not a VecDeque: leaving from the middle costs log n, not n).
+    pub(super) queue: BTreeMap<u64, Entry>,
+    /// Where each queued token is in `queue`.
+    pub(super) queued: HashMap<Token, u64>,
+    /// The sequence number the next bid to join gets.
+    pub(super) next_seq: u64,
     /// The last fence granted for this key.
     pub(super) fence: Fence,
     /// When the slot may be dropped (the Redis store's key expiry): the fence counter goes with
@@ -31,27 +56,36 @@ pub(super) struct Slot {
 }
 
 impl Slot {
-    /// Drops the holders and intents that have ended by `now_ms`.
+    /// Drops the holders that have ended by `now_ms` and the offers that lapsed (offered, not
+    /// taken within the window: the key passes on, by the hand-on that follows). An expired
+    /// exclusive lease that was taken stays, for the takeover recipe to find.
     pub(super) fn prune(&mut self, now_ms: u64) {
-        self.holders.retain(|h| h.lease.is_live_at(now_ms));
-        self.intents.retain(|(_, end)| *end > now_ms);
+        self.holders.retain(|h| h.is_live_at(now_ms));
         if self.holders.is_empty() {
             self.limit = None;
         }
+        self.lease.take_if(|h| h.offered && !h.is_live_at(now_ms));
     }
 
+    /// The live exclusive lease, taken or offered.
     pub(super) fn live_exclusive(&self, now_ms: u64) -> Option<&StoredLease> {
-        self.lease.as_ref().filter(|h| h.lease.is_live_at(now_ms))
+        self.lease.as_ref().filter(|h| h.is_live_at(now_ms))
     }
 
-    /// Takes the next fence and makes the lease for `bid`, keeping the slot until it ends.
-    pub(super) fn lease_for(&mut self, bid: &Bid, now_us: u64) -> StoredLease {
+    /// Takes the next fence and makes the lease for `bid`, keeping the slot until it ends. An
+    /// offer ends after the offer window, with the bid's TTL kept for the take.
+    pub(super) fn lease_for(
+        &mut self,
+        bid: &Bid,
+        now_us: u64,
+        offer_ms: Option<u64>,
+    ) -> StoredLease {
         let now_ms = now_us / 1000;
         self.fence = next_fence((self.fence > 0).then_some(self.fence), now_us);
         let lease = Lease {
             token: bid.token.clone(),
             fence: self.fence,
-            expires_at_ms: now_ms + bid.ttl.as_ms(),
+            expires_at_ms: now_ms + offer_ms.unwrap_or(bid.ttl.as_ms()),
             ttl_ms: bid.ttl.as_ms(),
             owner: bid.owner.clone(),
             request_id: bid.request_id.clone(),
@@ -61,33 +95,31 @@ impl Slot {
         StoredLease {
             lease,
             granted_at_ms: now_ms,
+            offered: offer_ms.is_some(),
         }
     }
 
     pub(super) fn keep_until(&mut self, expires_at_ms: u64) {
-        self.drop_at_ms = self.drop_at_ms.max(expires_at_ms + EXPIRY_SLACK_MS);
+        self.drop_at_ms = self
+            .drop_at_ms
+            .max(expires_at_ms.saturating_add(EXPIRY_SLACK_MS));
     }
 
-    /// The ms until something may change for a refused bid: the earliest end among `ends`.
-    pub(super) fn soonest(ends: impl Iterator<Item = u64>, now_ms: u64) -> u64 {
-        ends.min().map_or(0, |end| end.saturating_sub(now_ms))
-    }
-
-    /// Ends `token`'s live lease (exclusive or among the holders).
+    /// Ends `token`'s live lease (exclusive or among the holders). An offer its token has not
+    /// taken is not its lease: "not owner", as for anyone else's (only `leave` ends it).
     pub(super) fn release(&mut self, token: &Token, now_ms: u64) -> Holder<Released> {
-        self.prune(now_ms);
         let held_ms = |h: &StoredLease| Released {
             held_ms: now_ms.saturating_sub(h.granted_at_ms),
         };
         if let Some(held) = self.live_exclusive(now_ms) {
-            if held.lease.token != *token {
+            if !held.held_by(token, now_ms) {
                 return Holder::NotOwner;
             }
             let done = held_ms(held);
             self.lease = None;
             return Holder::Done(done);
         }
-        match self.holders.iter().position(|h| h.lease.token == *token) {
+        match self.holders.iter().position(|h| h.held_by(token, now_ms)) {
             Some(i) => Holder::Done(held_ms(&self.holders.remove(i))),
             None if self.holders.is_empty() => Holder::NotHeld,
             None => Holder::NotOwner,
@@ -96,15 +128,11 @@ impl Slot {
 
     /// Moves the end of `token`'s live lease; the outcome, and whether it now ends sooner.
     pub(super) fn renew(&mut self, token: &Token, ttl: Ttl, now_ms: u64) -> (Holder<Lease>, bool) {
-        self.prune(now_ms);
-        let exclusive = self
-            .lease
-            .as_ref()
-            .is_some_and(|h| h.lease.is_live_at(now_ms));
+        let exclusive = self.live_exclusive(now_ms).is_some();
         let held = if exclusive {
-            self.lease.as_mut().filter(|h| h.lease.token == *token)
+            self.lease.as_mut().filter(|h| h.held_by(token, now_ms))
         } else {
-            self.holders.iter_mut().find(|h| h.lease.token == *token)
+            self.holders.iter_mut().find(|h| h.held_by(token, now_ms))
         };
         let Some(held) = held else {
             let anyone = exclusive || !self.holders.is_empty();
@@ -124,6 +152,16 @@ impl Slot {
         let renewed = lease.clone();
         self.keep_until(renewed.expires_at_ms);
         (Holder::Done(renewed), shortened)
+    }
+
+    /// Ends every live lease, offers included; their fences.
+    pub(super) fn end_all(&mut self, now_ms: u64) -> Vec<Fence> {
+        let mut ended: Vec<Fence> = self.holders.drain(..).map(|h| h.lease.fence).collect();
+        if let Some(held) = self.lease.take_if(|h| h.is_live_at(now_ms)) {
+            ended.push(held.lease.fence);
+        }
+        self.limit = None;
+        ended
     }
 }
 
