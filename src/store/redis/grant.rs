@@ -152,9 +152,11 @@ impl RedisStore {
         }
     }
 
-    /// Records a lease granted or renewed here in the ledger. If it was written in an epoch
-    /// older than the newest one this broker has seen, its answer raced a loss and the put-back
-    /// may have missed it: it is put back on its own.
+    /// Records a lease granted or renewed here in the ledger — unless an end of it reached the
+    /// ledger first (a release or force release that Redis ran after this call; see the
+    /// ledger's docs). If it was written in an epoch older than the newest one this broker has
+    /// seen, its answer raced a loss and the put-back may have missed it: it is put back on its
+    /// own.
     pub(super) fn remember(
         &self,
         key: &LockKey,
@@ -164,8 +166,7 @@ impl RedisStore {
         ends: Instant,
         epoch: &str,
     ) {
-        self.ledger.record(key, kind, lease, ends);
-        if self.epoch.is_behind(slot, epoch) {
+        if self.ledger.record(key, kind, lease, ends) && self.epoch.is_behind(slot, epoch) {
             self.put_back_late(key.clone(), kind, lease.token.clone());
         }
     }

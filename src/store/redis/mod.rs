@@ -175,7 +175,11 @@ impl RedisStore {
             connection: Arc::new(RedisConnection::new(connector, settings.timeout)),
             scripts: Arc::new(Scripts::new()),
             epoch: Arc::new(Epoch::new(settings.store_settle, settings.store_loss_delay)),
-            ledger: Arc::default(),
+            // An end's mark outlasts the answer of a renewal Redis ran before it: that call's
+            // time bound, and as much again for its replicas.
+            ledger: Arc::new(Ledger::with_linger(
+                settings.timeout * 2 + Duration::from_secs(1),
+            )),
             replicas: Arc::new(Replicas::new(settings.replica_acks, settings.timeout)),
             metrics,
         })
