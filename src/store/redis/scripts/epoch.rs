@@ -6,6 +6,7 @@ use redis::{FromRedisValue, ParsingError, Value};
 use super::{Fields, unknown};
 use crate::domain::Fence;
 use crate::store::ledger::Entry;
+use crate::store::redis::grant::STORE_LAYOUT;
 use crate::store::redis::keys::RedisKeys;
 use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Kind};
 
@@ -39,6 +40,8 @@ pub(crate) struct Checked {
     pub now_ms: u64,
     pub reason: String,
     pub run_id: String,
+    /// The newest store layout a broker on the shard runs (see `STORE_LAYOUT`).
+    pub layout: u32,
 }
 
 impl Checked {
@@ -64,6 +67,7 @@ impl FromRedisValue for Checked {
             now_ms: fields.next()?,
             reason: fields.next()?,
             run_id: fields.next()?,
+            layout: fields.next()?,
         };
         fields.finish()?;
         Ok(checked)
@@ -86,7 +90,8 @@ script_call! {
         call.arg(&checked.id)
             .arg(&checked.run_id)
             .arg(checked.hold_until_ms)
-            .arg(&checked.reason);
+            .arg(&checked.reason)
+            .arg(checked.layout);
     }
 }
 
@@ -109,7 +114,8 @@ script_call! {
         call.arg(this.epoch)
             .arg(this.hold_ms)
             .arg(this.channel)
-            .arg(this.announcement);
+            .arg(this.announcement)
+            .arg(STORE_LAYOUT);
     }
 }
 

@@ -70,9 +70,11 @@ use redis::{Cmd, FromRedisValue, ParsingError, Script, ToRedisArgs, Value};
 pub(crate) use self::epoch::{
     Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
 };
-pub(crate) use self::grant::{Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver};
+pub(crate) use self::grant::{
+    Caller, Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver,
+};
 pub(crate) use self::holder::{
-    Force, ForceReply, HolderKeys, Release, ReleaseReply, Renew, RenewReply, Renewed,
+    Force, ForceReply, HolderKeys, Leave, Release, ReleaseReply, Renew, RenewReply, Renewed,
 };
 pub(crate) use self::reads::{Read, ReadPermits};
 use crate::store::{Hold, HoldReason, StoreError, StoreResult};
@@ -178,6 +180,7 @@ pub(crate) struct Scripts {
     release: Lua,
     renew: Lua,
     force: Lua,
+    leave: Lua,
     /// The epoch check, run with plain EVAL: this background check, once a second, then shows
     /// apart from the lock operations in Redis's command statistics.
     check: Lua,
@@ -196,14 +199,15 @@ impl Scripts {
             };
         }
         Self {
-            claim: lua!("claim": "lib/prelude.lua", "lib/grant.lua", "claim.lua"),
-            take_over: lua!("take_over": "lib/prelude.lua", "lib/grant.lua", "take_over.lua"),
-            join: lua!("join": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "join.lua"),
+            claim: lua!("claim": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "claim.lua"),
+            take_over: lua!("take_over": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "take_over.lua"),
+            join: lua!("join": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "join.lua"),
             read: lua!("read": "lib/prelude.lua", "lib/pools.lua", "read.lua"),
             permits: lua!("permits": "lib/prelude.lua", "lib/pools.lua", "permits.lua"),
-            release: lua!("release": "lib/prelude.lua", "lib/pools.lua", "lib/holder.lua", "release.lua"),
-            renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/holder.lua", "renew.lua"),
-            force: lua!("force": "lib/prelude.lua", "lib/pools.lua", "force.lua"),
+            release: lua!("release": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
+            renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "renew.lua"),
+            force: lua!("force": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "force.lua"),
+            leave: lua!("leave": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "leave.lua"),
             check: lua!("check": "lib/prelude.lua", "check.lua"),
             mark: lua!("mark": "mark.lua"),
             repair: lua!("repair": "repair.lua"),
