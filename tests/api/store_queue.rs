@@ -529,3 +529,55 @@ async fn a_store_loss_tells_every_waiter_to_ask_again() {
     redis.flushall().await;
     told(&mut a_told, &Notice::Missed).await;
 }
+
+/// Waits (at most 3 s) until `store` remembers no lease; false if it still does then.
+async fn ledger_empties(store: &RedisStore) -> bool {
+    let started = std::time::Instant::now();
+    while store.ledger_len() > 0 {
+        if started.elapsed() > Duration::from_secs(3) {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn force_releases_racing_renewals_leave_nothing_in_the_ledger_to_put_back() {
+    let redis = RedisServer::start().await;
+    let (a, _a_told) = broker(&redis, Duration::from_secs(2));
+    let (b, _b_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("raced");
+    granted(claim(&a, &k, &bid(1_000, 0)).await);
+    a.force_release(Space::Locks, &k).await.unwrap();
+    assert!(ledger_empties(&a).await);
+    // Each round: A holds a long lease; A renews it while a force release (on B, or on A
+    // itself) ends it. Whichever Redis runs first, A's ledger must end up without the lease:
+    // a renewal answered after the end's notice must not bring it back.
+    for round in 0..60 {
+        let lease = granted(a.claim(&k, &bid(60_000, 0)).await.unwrap());
+        let forcer = if round % 2 == 0 { b.clone() } else { a.clone() };
+        // Two tasks, so that either answer may be handled first.
+        let renewal = {
+            let (a, k, token) = (a.clone(), k.clone(), lease.token.clone());
+            tokio::spawn(async move {
+                a.renew(Space::Locks, &k, &token, Ttl::from_ms(60_000))
+                    .await
+            })
+        };
+        let force = {
+            let k = k.clone();
+            tokio::spawn(async move { forcer.force_release(Space::Locks, &k).await })
+        };
+        let (renewed, forced) = (renewal.await.unwrap(), force.await.unwrap());
+        assert!(matches!(
+            renewed.unwrap(),
+            Holder::Done(_) | Holder::NotHeld
+        ));
+        assert_eq!(forced.unwrap(), Holder::Done(vec![lease.fence]));
+        assert!(
+            ledger_empties(&a).await,
+            "round {round}: the force-released lease stayed in the ledger"
+        );
+    }
+}

@@ -181,6 +181,8 @@ end
 -- A waiting bid's turn: it joins the queue (or keeps its place), the key is handed on, and the
 -- bid is granted if its turn came; else {7, ms until what blocks it ends}.
 local function wait_turn(c, bid)
+  -- Settled first: a lapsed offer's broker requeues before this bid joins, not after.
+  settle(c)
   enqueue(c, bid)
   local granted = hand_on(c, c.token)
   if granted then return granted end
