@@ -464,6 +464,11 @@ async fn a_marker_of_a_newer_layout_stops_grants_with_a_clear_error() {
         a.join(&k, Pool::Shared, &bid(1_000, 0)).await,
         Err(StoreError::Failed(_))
     ));
+    // The broker says it is not ready (its epoch check reads the marker), and the check does
+    // not lower the layout.
+    assert!(matches!(a.ready().await, Err(StoreError::Failed(words)) if words.contains("(3)")));
+    let layout: u32 = c.hget("q:epoch", "layout").await.unwrap();
+    assert_eq!(layout, 3);
 }
 
 #[tokio::test]

@@ -13,7 +13,6 @@ use tokio::time::Instant;
 use super::RedisStore;
 use super::connection::Conn;
 use super::epoch::{MARK_CONCURRENCY, PutBackReport, PuttingBack, SLOT_NOTICE, Shard, masters};
-use super::grant::STORE_LAYOUT;
 use super::scripts::{Check, Checked, Mark, Repair};
 use super::slots::SLOTS;
 use crate::domain::millis;
@@ -125,10 +124,11 @@ impl RedisStore {
         for _ in 0..4 {
             let known = self.epoch.state().known.get(&shard.first).cloned();
             let checked = self.run_check(conn, &marker, known.as_deref()).await?;
-            if checked.layout > STORE_LAYOUT {
-                // Every grant is refused (and logged) by the granting scripts.
-                tracing::debug!(layout = checked.layout, "a newer store layout runs here");
-            }
+            // A newer layout than this broker's: every grant is refused (and logged) by the
+            // granting scripts, and the broker says it is not ready.
+            self.epoch
+                .layout
+                .store(checked.layout, std::sync::atomic::Ordering::Relaxed);
             if known.as_deref() == Some(checked.id.as_str()) {
                 return Ok(checked);
             }

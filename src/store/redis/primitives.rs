@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::grant::{GrantScript, newer_layout};
+use super::grant::{GrantScript, STORE_LAYOUT, newer_layout};
 use super::keys::Place;
 use super::replicas::Written;
 use super::scripts::{
@@ -238,7 +238,12 @@ impl Store for RedisStore {
                 retry_after_ms: 1_000,
             }));
         }
-        self.clone().catch_up_task().await
+        let hold = self.clone().catch_up_task().await?;
+        let layout = self.epoch.layout.load(std::sync::atomic::Ordering::Relaxed);
+        if layout > STORE_LAYOUT {
+            return Err(newer_layout(layout));
+        }
+        Ok(hold)
     }
 
     fn ledger_len(&self) -> usize {

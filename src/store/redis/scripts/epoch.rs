@@ -123,6 +123,8 @@ script_call! {
 pub(crate) struct PutBack<'a> {
     pub marker: &'a str,
     pub epoch: &'a str,
+    /// This broker's id: the leases put back record it (`by`).
+    pub broker: &'a str,
     pub leases: Vec<LeaseBack<'a>>,
 }
 
@@ -152,7 +154,7 @@ script_call! {
                     .key(&keys.lock),
             };
         }
-        call.arg(this.epoch).arg(EXPIRY_SLACK_MS);
+        call.arg(this.epoch).arg(EXPIRY_SLACK_MS).arg(this.broker);
         // '' for none, else '=' and the value.
         let given = |v: Option<&str>| v.map_or(String::new(), |v| format!("={v}"));
         for LeaseBack {
