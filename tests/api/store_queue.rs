@@ -586,3 +586,86 @@ async fn force_releases_racing_renewals_leave_nothing_in_the_ledger_to_put_back(
         );
     }
 }
+
+/// A claim as a broker of store layout 1 (before the queue) runs it: its script verbatim.
+async fn layout1_claim(
+    c: &mut redis::aio::MultiplexedConnection,
+    k: &str,
+    token: &Token,
+    waits: bool,
+) -> Vec<redis::Value> {
+    let epoch: String = c.hget("q:epoch", "id").await.unwrap();
+    redis::cmd("EVAL")
+        .arg(include_str!("layout1/claim.lua"))
+        .arg(6)
+        .arg(format!("q:{{{k}}}:lock"))
+        .arg(format!("q:{{{k}}}:fence"))
+        .arg("q:epoch")
+        .arg(format!("q:{{{k}}}:shared"))
+        .arg(format!("q:{{{k}}}:shared:ends"))
+        .arg(format!("q:{{{k}}}:writers"))
+        .arg(token.as_str())
+        .arg(10_000)
+        .arg("0")
+        .arg("")
+        .arg(60_000)
+        .arg(epoch)
+        .arg("")
+        .arg(if waits { "1" } else { "0" })
+        .query_async(c)
+        .await
+        .unwrap()
+}
+
+fn code(reply: &[redis::Value]) -> i64 {
+    match reply.first() {
+        Some(redis::Value::Int(code)) => *code,
+        other => panic!("a reply code, not {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn brokers_of_layouts_1_and_2_on_one_store_never_both_grant_a_key() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let mut c = conn(&redis).await;
+    let k = key("mixed");
+    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    let waiter = bid(10_000, 10_000);
+    queued(claim(&a, &k, &waiter).await);
+    // Held by layout 2: layout 1 is refused, waiting or not.
+    assert_eq!(
+        code(&layout1_claim(&mut c, "mixed", &Token::generate(), true).await),
+        0
+    );
+    // Offered to the queue's head, not yet taken: the offer is a lease to layout 1 too.
+    a.release(Space::Locks, &k, &holder.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &waiter.token)).await;
+    assert_eq!(
+        code(&layout1_claim(&mut c, "mixed", &Token::generate(), false).await),
+        0
+    );
+    let taken = granted(claim(&a, &k, &waiter).await);
+    assert_eq!(
+        code(&layout1_claim(&mut c, "mixed", &Token::generate(), false).await),
+        0
+    );
+    a.release(Space::Locks, &k, &taken.token).await.unwrap();
+    // Free and nobody queued: layout 1 grants, with a higher fence; layout 2 then queues
+    // behind its lease, or is refused, and never grants over it.
+    let old = Token::generate();
+    let reply = layout1_claim(&mut c, "mixed", &old, false).await;
+    assert_eq!(code(&reply), 1);
+    let old_fence: u64 = redis::from_redis_value(reply[1].clone()).unwrap();
+    assert!(old_fence > taken.fence);
+    assert_eq!(claim(&a, &k, &bid(1_000, 0)).await, GrantAnswer::Refused);
+    let next = bid(10_000, 10_000);
+    queued(claim(&a, &k, &next).await);
+    // Layout 2 releases the layout 1 lease (by its token) and hands the key on.
+    assert!(matches!(
+        a.release(Space::Locks, &k, &old).await.unwrap(),
+        Holder::Done(_)
+    ));
+    told(&mut a_told, &offered(&k, &next.token)).await;
+    assert!(granted(claim(&a, &k, &next).await).fence > old_fence);
+}
