@@ -19,7 +19,7 @@
 --       counter, shared pool and its ends; for a pool lease (shared or permit) the pool, its
 --       ends, fence counter and the exclusive lock (for a permit: the pool again).
 -- Each lease put back records this broker among the ones that remember it (`by`, see
--- lib/queue.lua's `ended`), so that its end is told to this broker.
+-- lib/queue.lua's `ended`, and `by_with` in lib/pools.lua), so that its end is told to this broker.
 --
 -- ARGV: the epoch, slack_ms, this broker's id, then seven for each lease: kind (`x` exclusive, `s` shared, or the
 --       semaphore's limit), token, fence, remaining_ms, ttl_ms, owner and request id (each ''
@@ -37,17 +37,6 @@ if tonumber(m[2] or '0') < now_ms + PUT_BACK_HOLD_MS then
 end
 local slack = tonumber(ARGV[2])
 local broker = ARGV[3]
--- `by` with this broker added (as lib/holder.lua's `by_with`; '' is a lease of an older broker).
-local function with_me(by)
-  if by == nil then return broker end
-  if by == '' or by == '*' then return by end
-  for b in string.gmatch(by, '[^,]+') do
-    if b == broker then return by end
-  end
-  local _, n = string.gsub(by, ',', '')
-  if n >= 3 then return '*' end
-  return by .. ',' .. broker
-end
 local out = {}
 for i = 0, (#KEYS - 1) / 4 - 1 do
   local k1, k2, k3, k4 = KEYS[2 + 4 * i], KEYS[3 + 4 * i], KEYS[4 + 4 * i], KEYS[5 + 4 * i]
@@ -71,7 +60,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
       if cur[1] == token then
         code, write = 0, false
         local by = redis.call('HGET', lock, 'by')
-        if by and with_me(by) ~= by then redis.call('HSET', lock, 'by', with_me(by)) end
+        if by and by_with(by, broker) ~= by then redis.call('HSET', lock, 'by', by_with(by, broker)) end
         if now_ms + remaining > tonumber(cur[3]) then
           redis.call('HSET', lock, 'expires_at', int(now_ms + remaining))
           redis.call('PEXPIRE', lock, remaining + slack)
@@ -107,7 +96,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
       if e > now_ms then
         code, write = 0, false
         local by = redis.call('HGET', pool, '@' .. token)
-        if by and with_me(by) ~= by then redis.call('HSET', pool, '@' .. token, with_me(by)) end
+        if by and by_with(by, broker) ~= by then redis.call('HSET', pool, '@' .. token, by_with(by, broker)) end
         if now_ms + remaining > e then
           redis.call('HSET', pool, token, int(f) .. '|' .. int(now_ms + remaining) .. '|' .. int(t) .. '|' .. int(g) .. '|' .. r .. '|' .. o)
           redis.call('ZADD', ends, int(now_ms + remaining), token)

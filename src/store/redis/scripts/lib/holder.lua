@@ -26,15 +26,3 @@ local function holder(now_ms)
   if (not exclusive) and live_count(ENDS, now_ms) == 0 then return 0 end
   return 2
 end
--- The brokers that answer a lease's holder, with the caller added (at most four ids; beyond,
--- `*`: its end is told on the shared channel). A lease an older broker wrote has none, and keeps
--- none: that broker reads the shared channel.
-local function by_with(by, broker)
-  if (not by) or by == '' or by == '*' then return by end
-  for b in string.gmatch(by, '[^,]+') do
-    if b == broker then return by end
-  end
-  local _, n = string.gsub(by, ',', '')
-  if n >= 3 then return '*' end
-  return by .. ',' .. broker
-end

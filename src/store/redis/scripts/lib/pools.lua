@@ -1,4 +1,5 @@
--- Helpers of the scripts on pools (shared leases, semaphore permits). A pool is a hash (token ->
+-- Helpers of the scripts on pools (shared leases, semaphore permits), and `by_with`, which the
+-- scripts that record the brokers answering a lease share. A pool is a hash (token ->
 -- `fence|expires_at|ttl|granted_at|request_id|owner`, `?<request_id>` -> token, `!<token>` while
 -- the token's lease is an offer not taken, `@<token>` -> the brokers that answer its holder) and
 -- a sorted set of ends (token -> expires_at); see `scripts/mod.rs`.
@@ -47,4 +48,16 @@ local function holders(pool, ends, now_ms)
     end
   end
   return out
+end
+-- The brokers that answer a lease's holder, with the caller added (at most four ids; beyond,
+-- `*`: its end is told on the shared channel). A lease an older broker wrote has none, and keeps
+-- none: that broker reads the shared channel.
+local function by_with(by, broker)
+  if (not by) or by == '' or by == '*' then return by end
+  for b in string.gmatch(by, '[^,]+') do
+    if b == broker then return by end
+  end
+  local _, n = string.gsub(by, ',', '')
+  if n >= 3 then return '*' end
+  return by .. ',' .. broker
 end
