@@ -18,5 +18,6 @@ mod semaphores;
 mod shared;
 mod store_loss;
 mod store_pools;
+mod store_queue;
 mod tls;
 mod waiting;

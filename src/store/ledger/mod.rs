@@ -3,7 +3,14 @@
 //! replica that missed the last writes).
 //!
 //! An entry is added on a grant or renew and dropped on release, on an answer that the lease is
-//! gone, or once its end has passed. The ledger is bounded by the broker's live leases; an entry
+//! gone, or once its end has passed.
+//!
+//! An end (a release, a force release, seen here or told by another broker) can reach the ledger
+//! before the answer of a renewal (or a grant) of the same lease that Redis ran *before* it: the
+//! end comes on another connection, or from a call whose answer needed no wait for replicas. So
+//! each end leaves a mark for [`Ledger::linger`]: a later [`Ledger::record`] of a lease that
+//! mark ended does not bring it back (it would stay until its end, and a store loss meanwhile
+//! would put a lease back that nobody holds). The ledger is bounded by the broker's live leases; an entry
 //! is a key, a token, a fence, a few numbers and the owner label (see `bench ledger` for the
 //! measured bytes per lease).
 
@@ -121,21 +128,89 @@ pub(crate) struct Ledger {
     leases: Mutex<HashMap<Box<str>, Kept>>,
     /// Shared leases and permits, by space and key; a few per key, usually.
     pools: Mutex<HashMap<(Space, Box<str>), Pool>>,
+    /// The ends seen lately, by space and key (see the module's docs).
+    ended: Mutex<EndMarks>,
+    /// How long an end's mark is kept: longer than a renewal's answer can take to be recorded
+    /// after Redis ran it (the store's time bound for the call, and as much for the replicas).
+    linger: Duration,
     /// What `Kept::ends_ms` counts from.
     base: Instant,
 }
 
-impl Default for Ledger {
-    fn default() -> Self {
-        Self {
-            leases: Mutex::default(),
-            pools: Mutex::default(),
-            base: Instant::now(),
+/// The ends seen lately, by space and key.
+type EndMarks = HashMap<(Space, Box<str>), Vec<Ended>>;
+
+/// The mark of an end: the lease with `fence` on a key is over — and, with `all`, every lease on
+/// the key up to it; on a lock, an exclusive lease up to it either way.
+#[derive(Debug, Clone, Copy)]
+struct Ended {
+    fence: Fence,
+    all: bool,
+    /// Until when the mark is kept, as `Kept::ends_ms`.
+    until_ms: u64,
+}
+
+impl Ended {
+    /// Whether a lease of `kind` with `fence` is one this mark ended.
+    fn covers(&self, kind: Kind, fence: Fence) -> bool {
+        if kind == Kind::Exclusive || self.all {
+            fence <= self.fence
+        } else {
+            fence == self.fence
         }
     }
 }
 
+/// [`Ledger::linger`] when nothing else is said.
+const DEFAULT_LINGER: Duration = Duration::from_secs(10);
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Self::with_linger(DEFAULT_LINGER)
+    }
+}
+
 impl Ledger {
+    /// A ledger whose end marks are kept for `linger`.
+    pub(crate) fn with_linger(linger: Duration) -> Self {
+        Self {
+            leases: Mutex::default(),
+            pools: Mutex::default(),
+            ended: Mutex::default(),
+            linger,
+            base: Instant::now(),
+        }
+    }
+
+    fn ended(&self) -> MutexGuard<'_, EndMarks> {
+        self.ended.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Leaves the mark of an end (see the module's docs).
+    fn mark_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
+        let until_ms = self.ms_after_base(Instant::now() + self.linger);
+        self.ended()
+            .entry((space, key.into()))
+            .or_default()
+            .push(Ended {
+                fence,
+                all,
+                until_ms,
+            });
+    }
+
+    /// Whether an end seen lately ended the lease of `kind` on `key` with `fence`.
+    fn was_ended(&self, key: &LockKey, kind: Kind, fence: Fence) -> bool {
+        let now_ms = self.ms_after_base(Instant::now());
+        self.ended()
+            .get(&(kind.space(), key.as_str().into()))
+            .is_some_and(|marks| {
+                marks
+                    .iter()
+                    .any(|m| m.until_ms > now_ms && m.covers(kind, fence))
+            })
+    }
+
     fn leases(&self) -> MutexGuard<'_, HashMap<Box<str>, Kept>> {
         // Each write is one map operation, so a poisoned map is still consistent.
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
@@ -172,8 +247,12 @@ impl Ledger {
 
     /// Remembers `lease` of `kind` on `key`, ending at `ends` (the moment its grant or renewal
     /// was answered plus what the store said remained of it). A renewal keeps the request id the
-    /// grant had (the store does not echo it).
-    pub(crate) fn record(&self, key: &LockKey, kind: Kind, lease: &Lease, ends: Instant) {
+    /// grant had (the store does not echo it). Returns `false`, remembering nothing, when an end
+    /// seen lately already ended that lease (the renewal's answer came after the end's).
+    pub(crate) fn record(&self, key: &LockKey, kind: Kind, lease: &Lease, ends: Instant) -> bool {
+        if self.was_ended(key, kind, lease.fence) {
+            return false;
+        }
         let ends_ms = self.ms_after_base(ends);
         let token = KeptToken::of(&lease.token);
         let kept = |request_id| Kept {
@@ -211,7 +290,7 @@ impl Ledger {
                     .members
                     .push(kept(lease.request_id.as_ref().map(|id| id.as_str().into()))),
             }
-            return;
+            return true;
         }
         let mut leases = self.leases();
         let request_id = match (leases.get(key.as_str()), &lease.request_id) {
@@ -230,6 +309,7 @@ impl Ledger {
                 request_id,
             },
         );
+        true
     }
 
     /// Forgets `token`'s pool lease on `key` in `space` (released, or found gone).
@@ -256,7 +336,9 @@ impl Ledger {
     /// A release notice from any broker: the lease on `key` in `space` with that fence is over
     /// — and, with `all`, every lease on the key up to that fence (a force release). An
     /// exclusive lease with a lower fence is over too: the released one came after it.
+    /// The end leaves its mark (see the module's docs).
     pub(crate) fn forget_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
+        self.mark_ended(space, key, fence, all);
         if space == Space::Locks {
             self.forget_released(key, fence);
         }
@@ -317,9 +399,14 @@ impl Ledger {
             .map(|kept| self.expand(key.as_str(), kind, kept).1)
     }
 
-    /// Drops the leases that have ended by `now`; returns how many.
+    /// Drops the leases that have ended by `now`, and the end marks kept long enough; returns
+    /// how many leases.
     pub(crate) fn sweep(&self, now: Instant) -> usize {
         let now_ms = self.ms_after_base(now);
+        self.ended().retain(|_, marks| {
+            marks.retain(|m| m.until_ms > now_ms);
+            !marks.is_empty()
+        });
         let mut dropped = {
             let mut leases = self.leases();
             let before = leases.len();

@@ -145,3 +145,38 @@ async fn pool_leases_are_kept_one_per_token_and_forgotten_by_fence_or_all_at_onc
     ledger.forget_any(Space::Semaphores, &key, &tokens[0]);
     assert!(ledger.is_empty());
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_end_seen_before_a_renewals_answer_keeps_the_renewal_out_until_its_mark_goes() {
+    let ledger = Ledger::with_linger(Duration::from_secs(5));
+    let key = LockKey::parse("k").unwrap();
+    let (renewed, later) = (Token::generate(), Token::generate());
+    let ends = Instant::now() + Duration::from_secs(30);
+    // A force release ended fence 7 (and all before it); the renewal of fence 7, which Redis
+    // ran before it, is answered after: it must not come back.
+    ledger.forget_ended(Space::Locks, "k", 7, true);
+    assert!(!ledger.record(&key, Kind::Exclusive, &lease(&renewed, 7, 30_000), ends));
+    assert!(!ledger.record(&key, Kind::Shared, &lease(&renewed, 6, 30_000), ends));
+    assert!(ledger.is_empty());
+    // A lease granted after the end has a higher fence and is kept.
+    assert!(ledger.record(&key, Kind::Exclusive, &lease(&later, 8, 30_000), ends));
+    assert!(ledger.holds(&key, Kind::Exclusive, &later));
+    // A release of one pool lease (not all) marks that fence alone.
+    ledger.forget_ended(Space::Semaphores, "k", 20, false);
+    assert!(!ledger.record(
+        &key,
+        Kind::Semaphore { limit: 2 },
+        &lease(&renewed, 20, 30_000),
+        ends
+    ));
+    assert!(ledger.record(
+        &key,
+        Kind::Semaphore { limit: 2 },
+        &lease(&renewed, 19, 30_000),
+        ends
+    ));
+    // Once the mark has lingered, it is swept and stops nothing.
+    tokio::time::advance(Duration::from_secs(5)).await;
+    ledger.sweep(Instant::now());
+    assert!(ledger.record(&key, Kind::Shared, &lease(&renewed, 6, 30_000), ends));
+}

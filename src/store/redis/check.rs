@@ -16,7 +16,7 @@ use super::epoch::{MARK_CONCURRENCY, PutBackReport, PuttingBack, SLOT_NOTICE, Sh
 use super::scripts::{Check, Checked, Mark, Repair};
 use super::slots::SLOTS;
 use crate::domain::millis;
-use crate::store::{Hold, HoldReason, StoreError, StoreResult};
+use crate::store::{Hold, HoldReason, Notice, StoreError, StoreResult};
 
 impl RedisStore {
     /// Checks the epoch on the current connection (making and verifying one if needed) and
@@ -124,6 +124,11 @@ impl RedisStore {
         for _ in 0..4 {
             let known = self.epoch.state().known.get(&shard.first).cloned();
             let checked = self.run_check(conn, &marker, known.as_deref()).await?;
+            // A newer layout than this broker's: every grant is refused (and logged) by the
+            // granting scripts, and the broker says it is not ready.
+            self.epoch
+                .layout
+                .store(checked.layout, std::sync::atomic::Ordering::Relaxed);
             if known.as_deref() == Some(checked.id.as_str()) {
                 return Ok(checked);
             }
@@ -276,5 +281,9 @@ impl RedisStore {
         );
         self.metrics
             .store_loss(report.written, report.double_claims, hold_ms);
+        // The queues went with the loss: every waiter asks again, which queues it anew.
+        if let Some(notices) = self.notices.get() {
+            let _ = notices.try_send(Notice::Missed);
+        }
     }
 }

@@ -62,6 +62,9 @@ pub(super) struct Epoch {
     /// Paranoid option: after a detected loss, hold every grant until this long after the new
     /// epoch began.
     pub loss_delay: Duration,
+    /// The store layout the last epoch check found on a marker (see `STORE_LAYOUT`): a newer one
+    /// than this broker's makes it not ready.
+    pub layout: std::sync::atomic::AtomicU32,
 }
 
 #[derive(Default)]
@@ -95,6 +98,7 @@ impl Epoch {
             wake: Notify::new(),
             settle,
             loss_delay,
+            layout: std::sync::atomic::AtomicU32::new(0),
         }
     }
 

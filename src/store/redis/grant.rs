@@ -13,6 +13,10 @@ use super::scripts::{Claim, Epoched, GrantReply, Granted, Join, NotGranted, Take
 use crate::domain::{Fence, Lease, LockKey, Token};
 use crate::store::{Bid, Hold, HoldReason, Kind, Pool, StoreError, StoreResult};
 
+/// The version of what this broker keeps in Redis: 2 added the queue per key (`LAYOUT` in
+/// `lib/prelude.lua`; see `scripts/mod.rs` and docs/failover.md, "Rolling upgrades").
+pub(crate) const STORE_LAYOUT: u32 = 2;
+
 /// Which granting script a bid runs.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum GrantScript {
@@ -89,25 +93,18 @@ impl RedisStore {
         epoch: &str,
     ) -> StoreResult<(Epoched<GrantReply>, u64)> {
         let (keys, marker) = (&place.keys, &*place.marker);
+        let caller = self.broker.caller();
         let claim = Claim {
             keys,
             marker,
             bid,
             epoch,
+            caller: &caller,
         };
         match script {
             GrantScript::Claim => self.run_tracked(&claim).await,
             GrantScript::TakeOver { seen } => self.run_tracked(&TakeOver { claim, seen }).await,
-            GrantScript::Join(pool) => {
-                self.run_tracked(&Join {
-                    keys,
-                    marker,
-                    pool,
-                    bid,
-                    epoch,
-                })
-                .await
-            }
+            GrantScript::Join(pool) => self.run_tracked(&Join { claim, pool }).await,
         }
     }
 
@@ -130,6 +127,9 @@ impl RedisStore {
             };
             let marker = match attempt(known.clone()).await? {
                 Epoched::Answered(GrantReply::Granted(granted)) => return Ok(Ok((granted, known))),
+                Epoched::Answered(GrantReply::NotGranted(NotGranted::NewerLayout { layout })) => {
+                    return Err(newer_layout(layout));
+                }
                 Epoched::Answered(GrantReply::NotGranted(not)) => return Ok(Err(not)),
                 Epoched::OtherEpoch(marker) => marker,
             };
@@ -152,9 +152,11 @@ impl RedisStore {
         }
     }
 
-    /// Records a lease granted or renewed here in the ledger. If it was written in an epoch
-    /// older than the newest one this broker has seen, its answer raced a loss and the put-back
-    /// may have missed it: it is put back on its own.
+    /// Records a lease granted or renewed here in the ledger — unless an end of it reached the
+    /// ledger first (a release or force release that Redis ran after this call; see the
+    /// ledger's docs). If it was written in an epoch older than the newest one this broker has
+    /// seen, its answer raced a loss and the put-back may have missed it: it is put back on its
+    /// own.
     pub(super) fn remember(
         &self,
         key: &LockKey,
@@ -164,11 +166,36 @@ impl RedisStore {
         ends: Instant,
         epoch: &str,
     ) {
-        self.ledger.record(key, kind, lease, ends);
-        if self.epoch.is_behind(slot, epoch) {
+        if self.ledger.record(key, kind, lease, ends) && self.epoch.is_behind(slot, epoch) {
             self.put_back_late(key.clone(), kind, lease.token.clone());
         }
     }
+}
+
+/// The broker's answer when the store's marker records a newer layout than its own: it does not
+/// know what brokers of that layout keep in Redis, and grants nothing beside them. Logged at
+/// most once a minute (every grant meets it).
+pub(super) fn newer_layout(layout: u32) -> StoreError {
+    static LAST_LOGGED: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = LAST_LOGGED.load(Ordering::Relaxed);
+    if now >= last + 60
+        && LAST_LOGGED
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        tracing::error!(
+            store_layout = layout,
+            own_layout = STORE_LAYOUT,
+            "a broker with a newer store layout runs on this store: this broker grants nothing \
+             until it is upgraded"
+        );
+    }
+    StoreError::Failed(format!(
+        "a broker with a newer store layout ({layout}) runs on this store; upgrade this broker"
+    ))
 }
 
 /// The lease `granted` is, for `bid`.

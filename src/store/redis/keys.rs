@@ -12,6 +12,12 @@ use crate::store::Space;
 /// A semaphore's release notices carry its key after this (a lock key never has it).
 pub(super) const SEMAPHORE_NOTICE: &str = "#";
 
+/// A lock key's space in the notices on a broker's own channel.
+pub(super) const LOCK_SPACE: &str = "L";
+
+/// A semaphore's space in those notices.
+pub(super) const SEMAPHORE_SPACE: &str = "S";
+
 /// Where every Redis key of the broker is.
 pub(super) struct Layout {
     /// Prepended to every Redis key the broker writes.
@@ -29,10 +35,16 @@ pub(super) struct RedisKeys {
     pub fence: String,
     pub pool: String,
     pub ends: String,
-    /// The waiting exclusive acquires' intents.
-    pub writers: String,
-    /// What release notices carry for the key.
+    /// The key's queue: token → sequence, in arrival order.
+    pub queue: String,
+    /// The queued bids: token → `broker|deadline_ms|kind|ttl|request_id|owner`, and `#seq`.
+    pub bids: String,
+    /// What release notices on the shared channel carry for the key (as older brokers read them).
     pub notice: String,
+    /// The client key, as the notices on a broker's own channel carry it.
+    pub key: String,
+    /// The space's letter in those notices.
+    pub space: &'static str,
 }
 
 /// What a script on one key needs to know of where it runs: the key's Redis keys, its slot on
@@ -62,8 +74,11 @@ impl RedisStore {
                 fence: format!("{base}:fence"),
                 pool: format!("{base}:shared"),
                 ends: format!("{base}:shared:ends"),
-                writers: format!("{base}:writers"),
+                queue: format!("{base}:queue"),
+                bids: format!("{base}:bids"),
                 notice: key.as_str().into(),
+                key: key.as_str().into(),
+                space: LOCK_SPACE,
             },
             Space::Semaphores => RedisKeys {
                 // A semaphore has no exclusive lease: the scripts find none in its pool.
@@ -71,8 +86,11 @@ impl RedisStore {
                 fence: format!("{base}:sem:fence"),
                 pool: format!("{base}:sem"),
                 ends: format!("{base}:sem:ends"),
-                writers: format!("{base}:sem:writers"),
+                queue: format!("{base}:sem:queue"),
+                bids: format!("{base}:sem:bids"),
                 notice: format!("{SEMAPHORE_NOTICE}{key}"),
+                key: key.as_str().into(),
+                space: SEMAPHORE_SPACE,
             },
         }
     }

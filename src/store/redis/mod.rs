@@ -120,14 +120,60 @@ pub fn install_tls_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
+/// This broker as the scripts know it.
+pub(super) struct Broker {
+    /// A random id (12 hex digits), new at every start: what its queued bids and the leases it
+    /// answers for record.
+    pub id: String,
+    /// `<prefix>b:`: every broker's own channel is this and its id.
+    pub channels: String,
+    /// `<prefix>b:<id>`.
+    pub channel: String,
+    /// How long an offer to a queued bid stays open: the store timeout (the broker must see
+    /// the notice and take the offer in one call).
+    pub window_ms: u64,
+}
+
+impl Broker {
+    fn new(prefix: &str, timeout: Duration) -> Self {
+        let id: String = (0..12)
+            .map(|_| char::from(b"0123456789abcdef"[rand::random_range(0..16usize)]))
+            .collect();
+        let channels = format!("{prefix}b:");
+        Self {
+            channel: format!("{channels}{id}"),
+            id,
+            channels,
+            window_ms: u64::try_from(timeout.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1),
+        }
+    }
+
+    /// The caller, as the queue's scripts take it.
+    pub(super) fn caller(&self) -> scripts::Caller<'_> {
+        scripts::Caller {
+            id: &self.id,
+            channels: &self.channels,
+            window_ms: self.window_ms,
+        }
+    }
+}
+
 /// The Redis store. Cloning is cheap: everything is shared. One field a concern.
 #[derive(Clone)]
 pub struct RedisStore {
     /// Where the broker's keys are in Redis (`keys.rs`).
     layout: Arc<Layout>,
-    /// `<prefix>released`: where releases publish the client key (the scripts publish, every
-    /// broker listens: `notices.rs`).
+    /// `<prefix>released`: the shared channel, which every broker reads: epoch announcements,
+    /// and the ends of leases written by older brokers (`notices.rs`).
     channel: Arc<str>,
+    /// This broker on the store: its id and its own channel, where the scripts tell it of
+    /// offers to its queued bids and of ends of leases it remembers (`notices.rs`).
+    broker: Arc<Broker>,
+    /// Where the store's notices go, once started: a store loss tells every waiter to ask again
+    /// (the queues went with it).
+    notices: Arc<std::sync::OnceLock<tokio::sync::mpsc::Sender<super::Notice>>>,
     /// The one verified connection, and the store's time bound (`connection.rs`, `calls.rs`).
     connection: Arc<RedisConnection>,
     scripts: Arc<Scripts>,
@@ -172,10 +218,16 @@ impl RedisStore {
                 cluster,
             }),
             channel: format!("{prefix}released").into(),
+            broker: Arc::new(Broker::new(prefix, settings.timeout)),
+            notices: Arc::default(),
             connection: Arc::new(RedisConnection::new(connector, settings.timeout)),
             scripts: Arc::new(Scripts::new()),
             epoch: Arc::new(Epoch::new(settings.store_settle, settings.store_loss_delay)),
-            ledger: Arc::default(),
+            // An end's mark outlasts the answer of a renewal Redis ran before it: that call's
+            // time bound, and as much again for its replicas.
+            ledger: Arc::new(Ledger::with_linger(
+                settings.timeout * 2 + Duration::from_secs(1),
+            )),
             replicas: Arc::new(Replicas::new(settings.replica_acks, settings.timeout)),
             metrics,
         })

@@ -1,9 +1,17 @@
-//! Release notices and the epoch watch: the broker's background work on Redis.
+//! Notices and the epoch watch: the broker's background work on Redis.
 //!
-//! A release publishes the key and the lease's fence on `<prefix>released`; one subscriber
-//! connection per broker hands each notice to the lock service's waiters, so waiters on every
-//! broker wake at once instead of polling, and drops the lease from its ledger if it granted it. A broker that starts a new epoch publishes `!epoch` there (never a key:
-//! keys have no `!`), so the others catch up at once instead of at their next check.
+//! One subscriber connection per broker reads two channels. Its own, `<prefix>b:<id>`, where the
+//! scripts tell it (and no other broker) what concerns it, space-separated with the key last:
+//! `o <space> <token> <key>` the key was offered to its queued bid with that token
+//! ([`Notice::Offered`]); `l <space> <ms> <key>` look again in that many ms ([`Notice::Look`]);
+//! `r <space> <key>` its bids on the key left the queue ([`Notice::Requeue`]); `d <space> <fence>
+//! <key>` a lease it remembers ended, and `D ...` every lease on the key up to that fence did
+//! (dropped from its ledger). The space is `L` (locks) or `S` (semaphores). And the shared
+//! `<prefix>released`, which every broker reads: a broker that starts a new epoch publishes
+//! `!epoch` there (never a key: keys have no `!`), so the others catch up at once instead of at
+//! their next check; and the end of a lease written by an older broker is published there as
+//! older brokers read it, `[#]key[ fence[ *]]` (dropped from the ledger, and the key's waiters
+//! look again: an older broker's release does not hand the key on).
 
 use std::time::Duration;
 
@@ -17,8 +25,8 @@ use tokio::time::Instant;
 use super::RedisStore;
 use super::connection::Connector;
 use super::epoch::{CHECK_EVERY, SLOT_NOTICE};
-use super::keys::SEMAPHORE_NOTICE;
-use crate::domain::{Fence, LockKey, millis};
+use super::keys::{LOCK_SPACE, SEMAPHORE_NOTICE, SEMAPHORE_SPACE};
+use crate::domain::{Fence, LockKey, Token, millis};
 use crate::store::{Notice, Space, StoreError, StoreResult};
 
 /// The payload of an epoch announcement.
@@ -69,6 +77,7 @@ const RETRY_MIN: Duration = Duration::from_millis(100);
 /// is checked (Redis may be back after a restart).
 pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
     let (channel, timeout) = (&store.channel, store.connection.timeout());
+    let own = store.broker.channel.as_str();
     let mut backoff = Duration::from_millis(100);
     let mut attempt = 0;
     // A master switch the sentinels announced (`sentinel.rs`) moves the subscriber at once.
@@ -76,7 +85,14 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
     loop {
         attempt += 1;
         switches.borrow_and_update();
-        match subscribe(&store.connection.connector, attempt, channel, timeout).await {
+        match subscribe(
+            &store.connection.connector,
+            attempt,
+            &[channel, own],
+            timeout,
+        )
+        .await
+        {
             Ok((mut sink, mut stream)) => {
                 tracing::debug!(%channel, "listening for release notices");
                 backoff = Duration::from_millis(100);
@@ -91,7 +107,19 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                         message = stream.next() => {
                             let Some(message) = message else { break };
                             let payload = message.get_payload_bytes();
-                            if payload == EPOCH_NOTICE.as_bytes() {
+                            if message.get_channel_name() == own {
+                                let Some(told) = parse_own(payload) else { continue };
+                                let notice = match told {
+                                    Told::Notice(notice) => notice,
+                                    Told::Ended { space, key, fence, all } => {
+                                        store.ledger.forget_ended(space, key.as_str(), fence, all);
+                                        continue;
+                                    }
+                                };
+                                if !deliver(&notices, notice) {
+                                    return;
+                                }
+                            } else if payload == EPOCH_NOTICE.as_bytes() {
                                 store.epoch.wake.notify_one();
                             } else if let Some(slot) = payload
                                 .strip_prefix(SLOT_NOTICE.as_bytes())
@@ -107,7 +135,7 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                                 if let Some(fence) = notice.fence {
                                     store.ledger.forget_ended(notice.space, notice.key.as_str(), fence, notice.all);
                                 }
-                                if !deliver(&notices, Notice::Released(notice.space, notice.key)) {
+                                if !deliver(&notices, Notice::Look(notice.space, notice.key, 0)) {
                                     return;
                                 }
                             }
@@ -177,6 +205,51 @@ fn parse_notice(payload: &[u8]) -> Option<Published> {
     })
 }
 
+/// What a broker's own channel told it.
+#[derive(Debug, PartialEq, Eq)]
+enum Told {
+    /// For the waiters.
+    Notice(Notice),
+    /// For the ledger: the lease on the key with that fence ended (with `all`: every lease up
+    /// to it).
+    Ended {
+        space: Space,
+        key: LockKey,
+        fence: Fence,
+        all: bool,
+    },
+}
+
+/// A notice on the broker's own channel (see the module's docs); `None` if it is not one.
+fn parse_own(payload: &[u8]) -> Option<Told> {
+    let text = std::str::from_utf8(payload).ok()?;
+    let (kind, rest) = text.split_once(' ')?;
+    let (space, rest) = rest.split_once(' ')?;
+    let space = match space {
+        LOCK_SPACE => Space::Locks,
+        SEMAPHORE_SPACE => Space::Semaphores,
+        _ => return None,
+    };
+    Some(match kind {
+        "r" => Told::Notice(Notice::Requeue(space, LockKey::parse(rest).ok()?)),
+        _ => {
+            let (word, key) = rest.split_once(' ')?;
+            let key = LockKey::parse(key).ok()?;
+            match kind {
+                "o" => Told::Notice(Notice::Offered(space, key, Token::parse(word).ok()?)),
+                "l" => Told::Notice(Notice::Look(space, key, word.parse().ok()?)),
+                "d" | "D" => Told::Ended {
+                    space,
+                    key,
+                    fence: word.parse().ok()?,
+                    all: kind == "D",
+                },
+                _ => return None,
+            }
+        }
+    })
+}
+
 /// Hands a notice on; `false` once nobody listens any more. A full channel drops the notice:
 /// waiters also wake at the holder's expiry and on their fallback poll.
 fn deliver(notices: &mpsc::Sender<Notice>, notice: Notice) -> bool {
@@ -186,7 +259,7 @@ fn deliver(notices: &mpsc::Sender<Notice>, notice: Notice) -> bool {
 async fn subscribe(
     connector: &Connector,
     attempt: usize,
-    channel: &str,
+    channels: &[&str],
     timeout: Duration,
 ) -> StoreResult<(PubSubSink, PubSubStream)> {
     let connect = async {
@@ -195,12 +268,62 @@ async fn subscribe(
             .await?
             .get_async_pubsub()
             .await?;
-        pubsub.subscribe(channel).await?;
+        pubsub.subscribe(channels).await?;
         Ok::<_, RedisError>(pubsub.split())
     };
     match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(split)) => Ok(split),
         Ok(Err(e)) => Err(StoreError::Failed(e.to_string())),
         Err(_) => Err(StoreError::Timeout(millis(timeout))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_brokers_own_notices_parse_with_the_key_last_and_nothing_else_does() {
+        let key = LockKey::parse("orders:42").unwrap();
+        let token = Token::parse("abc123").unwrap();
+        assert_eq!(
+            parse_own(b"o L abc123 orders:42"),
+            Some(Told::Notice(Notice::Offered(
+                Space::Locks,
+                key.clone(),
+                token
+            )))
+        );
+        assert_eq!(
+            parse_own(b"l S 2000 orders:42"),
+            Some(Told::Notice(Notice::Look(
+                Space::Semaphores,
+                key.clone(),
+                2000
+            )))
+        );
+        assert_eq!(
+            parse_own(b"r L orders:42"),
+            Some(Told::Notice(Notice::Requeue(Space::Locks, key.clone())))
+        );
+        assert_eq!(
+            parse_own(b"D S 17 orders:42"),
+            Some(Told::Ended {
+                space: Space::Semaphores,
+                key: key.clone(),
+                fence: 17,
+                all: true
+            })
+        );
+        for bad in [
+            &b"o X abc orders:42"[..],
+            b"l L soon orders:42",
+            b"d L 5",
+            b"q L 5 orders:42",
+            b"o L abc bad key",
+            b"",
+        ] {
+            assert_eq!(parse_own(bad), None, "{bad:?}");
+        }
     }
 }

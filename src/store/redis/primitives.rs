@@ -6,11 +6,12 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::grant::GrantScript;
+use super::grant::{GrantScript, STORE_LAYOUT, newer_layout};
+use super::keys::Place;
 use super::replicas::Written;
 use super::scripts::{
-    Force, ForceReply, HolderKeys, NotGranted, Read, ReadPermits, Release, ReleaseReply, Renew,
-    RenewReply, Renewed,
+    Caller, Force, ForceReply, HolderKeys, Leave, NotGranted, Read, ReadPermits, Release,
+    ReleaseReply, Renew, RenewReply, Renewed,
 };
 use super::{RedisStore, listing, notices, sentinel};
 use crate::domain::{Fence, Lease, LockKey, Token, Ttl};
@@ -20,21 +21,48 @@ use crate::store::{
 };
 
 /// The answer of CLAIM or TAKE_OVER.
-fn exclusive(granted: Result<Lease, NotGranted>) -> GrantAnswer {
-    match granted {
+fn exclusive(granted: Result<Lease, NotGranted>) -> StoreResult<GrantAnswer> {
+    Ok(match granted {
         Ok(lease) => GrantAnswer::Granted(lease),
         Err(NotGranted::OnHold(hold)) => GrantAnswer::OnHold(hold),
-        Err(NotGranted::Refused | NotGranted::Busy { .. } | NotGranted::LimitMismatch { .. }) => {
-            GrantAnswer::Refused
+        Err(NotGranted::Refused) => GrantAnswer::Refused,
+        Err(NotGranted::Queued { retry_after_ms }) => GrantAnswer::Queued { retry_after_ms },
+        Err(NotGranted::NewerLayout { layout }) => return Err(newer_layout(layout)),
+        Err(NotGranted::Busy { .. } | NotGranted::LimitMismatch { .. }) => {
+            return Err(StoreError::Failed(
+                "Redis answered an exclusive claim as a pool's join".into(),
+            ));
+        }
+    })
+}
+
+impl RedisStore {
+    /// The epoch this broker knows for `slot`, as the holder scripts take it: '' while it puts
+    /// leases back (the key is then not handed on).
+    fn epoch_for(&self, slot: Option<u16>) -> String {
+        self.epoch.for_grant(slot).unwrap_or_default()
+    }
+
+    /// What a holder script on `place` takes.
+    fn holder_keys<'a>(
+        &'a self,
+        place: &'a Place<'_>,
+        caller: &'a Caller<'a>,
+        epoch: &'a str,
+    ) -> HolderKeys<'a> {
+        HolderKeys {
+            keys: &place.keys,
+            marker: &place.marker,
+            epoch,
+            caller,
+            channel: &self.channel,
         }
     }
 }
 
 impl Store for RedisStore {
     async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
-        self.grant(GrantScript::Claim, key, bid)
-            .await
-            .map(exclusive)
+        exclusive(self.grant(GrantScript::Claim, key, bid).await?)
     }
 
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
@@ -43,9 +71,7 @@ impl Store for RedisStore {
     }
 
     async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
-        self.grant(GrantScript::TakeOver { seen }, key, bid)
-            .await
-            .map(exclusive)
+        exclusive(self.grant(GrantScript::TakeOver { seen }, key, bid).await?)
     }
 
     async fn release(
@@ -55,13 +81,17 @@ impl Store for RedisStore {
         token: &Token,
     ) -> StoreResult<Holder<Released>> {
         let place = self.place(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(place.slot));
         let release = Release {
-            on: HolderKeys::of(&place),
+            on: self.holder_keys(&place, &caller, &epoch),
             token,
-            channel: &self.channel,
         };
         let outcome = match self.run(&release).await? {
-            ReleaseReply::Released { held_ms } => Holder::Done(Released { held_ms }),
+            ReleaseReply::Released { held_ms, fence } => {
+                // The end's mark keeps a renewal answered after it out of the ledger.
+                self.ledger.forget_ended(space, key.as_str(), fence, false);
+                Holder::Done(Released { held_ms })
+            }
             ReleaseReply::Refused(refusal) => refusal.answer(),
         };
         if !matches!(outcome, Holder::OnHold(_)) {
@@ -79,11 +109,11 @@ impl Store for RedisStore {
     ) -> StoreResult<Holder<Lease>> {
         let told = self.replicas.before_renew(self, space, key, token).await?;
         let place = self.place(space, key);
+        let (caller, known) = (self.broker.caller(), self.epoch_for(place.slot));
         let renew = Renew {
-            on: HolderKeys::of(&place),
+            on: self.holder_keys(&place, &caller, &known),
             token,
             ttl,
-            channel: &self.channel,
         };
         let (reply, generation) = self.run_tracked(&renew).await?;
         let answered = Instant::now();
@@ -152,16 +182,23 @@ impl Store for RedisStore {
             Ok(lease) => Join::Granted(lease),
             Err(NotGranted::OnHold(hold)) => Join::OnHold(hold),
             Err(NotGranted::Busy { retry_after_ms }) => Join::Busy { retry_after_ms },
+            Err(NotGranted::Queued { retry_after_ms }) => Join::Queued { retry_after_ms },
             Err(NotGranted::LimitMismatch { limit }) => Join::LimitMismatch { limit },
+            Err(NotGranted::NewerLayout { layout }) => return Err(newer_layout(layout)),
             Err(NotGranted::Refused) => {
                 return Err(StoreError::Failed("unexpected join reply".into()));
             }
         })
     }
 
-    async fn leave(&self, _space: Space, _key: &LockKey, _token: &Token) -> StoreResult<()> {
-        // Transitional, until the queue lands: nothing is queued in the store yet.
-        Ok(())
+    async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
+        let place = self.place(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(place.slot));
+        let leave = Leave {
+            on: self.holder_keys(&place, &caller, &epoch),
+            token,
+        };
+        self.run(&leave).await.map(|_| ())
     }
 
     async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
@@ -171,9 +208,9 @@ impl Store for RedisStore {
 
     async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
         let place = self.place(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(place.slot));
         let force = Force {
-            on: HolderKeys::of(&place),
-            channel: &self.channel,
+            on: self.holder_keys(&place, &caller, &epoch),
         };
         let fences = match self.run(&force).await? {
             ForceReply::Ended(fences) => fences,
@@ -201,7 +238,12 @@ impl Store for RedisStore {
                 retry_after_ms: 1_000,
             }));
         }
-        self.clone().catch_up_task().await
+        let hold = self.clone().catch_up_task().await?;
+        let layout = self.epoch.layout.load(std::sync::atomic::Ordering::Relaxed);
+        if layout > STORE_LAYOUT {
+            return Err(newer_layout(layout));
+        }
+        Ok(hold)
     }
 
     fn ledger_len(&self) -> usize {
@@ -209,6 +251,7 @@ impl Store for RedisStore {
     }
 
     fn start(&self, notices: mpsc::Sender<Notice>) {
+        let _ = self.notices.set(notices.clone());
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!("no runtime for the store's background work; waiters will poll");
             return;

@@ -93,6 +93,7 @@ impl RedisStore {
         let put_back = PutBack {
             marker,
             epoch,
+            broker: &self.broker.id,
             leases: batch
                 .iter()
                 .map(|(key, entry)| LeaseBack {

@@ -12,16 +12,21 @@
 -- the current one has seen a loss: the reason becomes `loss`, and the optional paranoid
 -- store_loss_delay_ms stretches the hold to that long after the epoch began.
 --
+-- The marker's `layout` is raised to this broker's LAYOUT (never lowered): it records the newest
+-- layout a broker on the store runs, and a broker of an older one that knows the field refuses
+-- to grant beside it.
+--
 -- Joined after lib/prelude.lua. Its call: `Check` in scripts/epoch.rs.
 -- KEYS: epoch marker.
 -- ARGV: the epoch this broker knows ('' if none), store_settle_ms, store_loss_delay_ms, notice
 --       channel.
--- Replies {id, hold_until, now, reason, run_id}.
+-- Replies {id, hold_until, now, reason, run_id, layout}.
 local now = now_us()
 local now_ms = math.floor(now / 1000)
 local server = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
-local m = redis.call('HMGET', KEYS[1], 'id', 'run_id', 'hold_until', 'reason')
+local m = redis.call('HMGET', KEYS[1], 'id', 'run_id', 'hold_until', 'reason', 'layout')
 local id, run, hold, reason = m[1], m[2], tonumber(m[3] or '0'), m[4] or ''
+local layout = tonumber(m[5] or '0') or 0
 if (not id) or run ~= server then
   if id or ARGV[1] ~= '' then reason = 'loss' else reason = 'settle' end
   id = int(now)
@@ -29,9 +34,13 @@ if (not id) or run ~= server then
   redis.call('HSET', KEYS[1], 'id', id, 'run_id', server, 'hold_until', int(hold), 'reason', reason)
   redis.call('PUBLISH', ARGV[4], '!epoch')
 end
+if layout < LAYOUT then
+  layout = LAYOUT
+  redis.call('HSET', KEYS[1], 'layout', LAYOUT)
+end
 if ARGV[1] ~= '' and ARGV[1] ~= id then
   hold = math.max(hold, math.floor(tonumber(id) / 1000) + tonumber(ARGV[3]))
   reason = 'loss'
   redis.call('HSET', KEYS[1], 'hold_until', int(hold), 'reason', reason)
 end
-return {id, hold, now_ms, reason, server}
+return {id, hold, now_ms, reason, server, layout}

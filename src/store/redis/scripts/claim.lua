@@ -1,22 +1,56 @@
--- CLAIM: SETNX. Checking for the key and writing it are one step, so two claims cannot both see
--- it free. A key that holds the live lease an earlier acquire with the same request id produced
--- answers that lease again (a client repeating an acquire whose answer it lost).
+-- CLAIM: SETNX, and a waiting exclusive bid's turn in the key's queue.
 --
--- Joined after lib/prelude.lua and lib/grant.lua. Its call: `Claim` in scripts/grant.rs.
--- KEYS: lock, fence counter, epoch marker, shared pool, its ends, intents.
--- ARGV: token, ttl_ms, has_owner ('1'/'0'), owner, slack_ms, the epoch this broker knows,
---       request_id ('' for none), waits ('1'/'0').
--- Replies: {1, fence, expires_at, token, ttl, now} granted; {0} refused; {2, hold_until, now,
--- reason} a store-wide hold is in force; {3, epoch} the store is in another epoch than the
--- broker knows: it must catch up (put its leases back) before it may grant.
+-- In one step: a bid that holds an offer takes it (the lease is its own for its whole TTL from
+-- now, with the fence the offer took); a bid that holds the live lease already, or whose request
+-- id made the live lease (an offer not taken never counts), gets that lease again. Otherwise a
+-- bid that does not wait is today's SETNX — checking for the key and writing it are one step, so
+-- two claims cannot both see it free — except that a key with bids queued is refused (and what is
+-- free is handed to the queue's head in this step). A bid that waits is granted a free key that
+-- nobody queues for; else it joins the queue (or keeps its place), the key is handed on, and if
+-- its turn came it is granted now, else it answers queued.
+--
+-- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua and lib/queue.lua. Its call:
+-- `Claim` in scripts/grant.rs.
+-- KEYS: as lib/queue.lua's. ARGV: as `grant_context`'s (kind `x`).
+-- Replies: {1, fence, expires_at, token, ttl, now} granted; {0} refused; {7, retry_after_ms}
+-- queued; {2, hold_until, now, reason} a store-wide hold is in force; {3, epoch} the store is in
+-- another epoch than the broker knows: it must catch up (put its leases back) before it may
+-- grant; {6, layout} a broker of a newer layout runs on the store.
 local now = now_us()
-local held = checked(now, KEYS[3])
+local held = checked(now, MARKER, ARGV[5])
 if held then return held end
-local cur = redis.call('HMGET', KEYS[1], 'token', 'fence', 'expires_at', 'ttl', 'request_id')
-if cur[1] then
-  if ARGV[7] ~= '' and cur[5] == ARGV[7] and tonumber(cur[3]) > math.floor(now / 1000) then
-    return {1, cur[2], cur[3], cur[1], cur[4], math.floor(now / 1000)}
+local c, bid = grant_context(now)
+local cur = redis.call('HMGET', LOCK, 'token', 'fence', 'expires_at', 'ttl', 'request_id', 'offered')
+local live = cur[1] and tonumber(cur[3]) > c.now_ms
+if live and cur[1] == c.token then
+  if cur[6] == '1' then
+    local expires = c.now_ms + bid.ttl
+    redis.call('HSET', LOCK, 'expires_at', int(expires), 'ttl', int(bid.ttl), 'granted_at', int(c.now_ms), 'by', c.broker)
+    redis.call('HDEL', LOCK, 'offered')
+    redis.call('PEXPIRE', LOCK, bid.ttl + c.slack)
+    keep(FENCE, bid.ttl + c.slack)
+    return {1, cur[2], expires, c.token, bid.ttl, c.now_ms}
   end
-  return {0}
+  return {1, cur[2], cur[3], cur[1], cur[4], c.now_ms}
 end
-return grant(now)
+if live and bid.rid ~= '' and cur[5] == bid.rid and cur[6] ~= '1' then
+  return {1, cur[2], cur[3], cur[1], cur[4], c.now_ms}
+end
+if bid.wait == 0 then
+  if redis.call('ZCARD', QUEUE) > 0 then
+    hand_on(c, nil)
+    if redis.call('ZCARD', QUEUE) > 0 then return {0} end
+    cur[1] = redis.call('HGET', LOCK, 'token')
+  end
+  if cur[1] or busy_for(c, 'x') then return {0} end
+  local fence, expires = write_lease(c, c.token, c.broker, 'x', bid.ttl, bid.rid, bid.owner, false)
+  return {1, fence, expires, c.token, bid.ttl, c.now_ms}
+end
+if redis.call('ZCARD', QUEUE) == 0 then
+  settle(c)
+  if not busy_for(c, 'x') then
+    local fence, expires = write_lease(c, c.token, c.broker, 'x', bid.ttl, bid.rid, bid.owner, false)
+    return {1, fence, expires, c.token, bid.ttl, c.now_ms}
+  end
+end
+return wait_turn(c, bid)

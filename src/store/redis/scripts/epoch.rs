@@ -6,6 +6,7 @@ use redis::{FromRedisValue, ParsingError, Value};
 use super::{Fields, unknown};
 use crate::domain::Fence;
 use crate::store::ledger::Entry;
+use crate::store::redis::grant::STORE_LAYOUT;
 use crate::store::redis::keys::RedisKeys;
 use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Kind};
 
@@ -39,6 +40,8 @@ pub(crate) struct Checked {
     pub now_ms: u64,
     pub reason: String,
     pub run_id: String,
+    /// The newest store layout a broker on the shard runs (see `STORE_LAYOUT`).
+    pub layout: u32,
 }
 
 impl Checked {
@@ -64,6 +67,7 @@ impl FromRedisValue for Checked {
             now_ms: fields.next()?,
             reason: fields.next()?,
             run_id: fields.next()?,
+            layout: fields.next()?,
         };
         fields.finish()?;
         Ok(checked)
@@ -86,7 +90,8 @@ script_call! {
         call.arg(&checked.id)
             .arg(&checked.run_id)
             .arg(checked.hold_until_ms)
-            .arg(&checked.reason);
+            .arg(&checked.reason)
+            .arg(checked.layout);
     }
 }
 
@@ -109,7 +114,8 @@ script_call! {
         call.arg(this.epoch)
             .arg(this.hold_ms)
             .arg(this.channel)
-            .arg(this.announcement);
+            .arg(this.announcement)
+            .arg(STORE_LAYOUT);
     }
 }
 
@@ -117,6 +123,8 @@ script_call! {
 pub(crate) struct PutBack<'a> {
     pub marker: &'a str,
     pub epoch: &'a str,
+    /// This broker's id: the leases put back record it (`by`).
+    pub broker: &'a str,
     pub leases: Vec<LeaseBack<'a>>,
 }
 
@@ -146,7 +154,7 @@ script_call! {
                     .key(&keys.lock),
             };
         }
-        call.arg(this.epoch).arg(EXPIRY_SLACK_MS);
+        call.arg(this.epoch).arg(EXPIRY_SLACK_MS).arg(this.broker);
         // '' for none, else '=' and the value.
         let given = |v: Option<&str>| v.map_or(String::new(), |v| format!("={v}"));
         for LeaseBack {

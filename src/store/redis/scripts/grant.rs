@@ -1,14 +1,34 @@
 //! The granting scripts' calls — CLAIM (`claim.lua`), TAKE_OVER (`take_over.lua`) and JOIN
-//! (`join.lua`) — and their one reply.
+//! (`join.lua`) — and their one reply, and what every script on the key's queue takes.
 
 use redis::{FromRedisValue, ParsingError, Value};
 
-use super::{Fields, hold_in, unknown};
+use super::{Call, Fields, hold_in, unknown};
 use crate::domain::Fence;
 use crate::store::redis::keys::RedisKeys;
 use crate::store::{Bid, EXPIRY_SLACK_MS, Hold, Pool};
 
-/// CLAIM's call: SETNX for `bid` on the key of `keys`, in `epoch`.
+/// Who calls, as the queue's scripts need it: the broker's id (what queued bids and leases
+/// record), the prefix of every broker's own channel, and the offer window.
+pub(crate) struct Caller<'a> {
+    pub id: &'a str,
+    pub channels: &'a str,
+    pub window_ms: u64,
+}
+
+/// The keys every queue script takes, in `lib/queue.lua`'s order.
+pub(crate) fn write_queue_keys(call: &mut Call<'_>, keys: &RedisKeys, marker: &str) {
+    call.key(&keys.lock)
+        .key(&keys.fence)
+        .key(marker)
+        .key(&keys.pool)
+        .key(&keys.ends)
+        .key(&keys.queue)
+        .key(&keys.bids);
+}
+
+/// CLAIM's call: SETNX for `bid` on the key of `keys`, in `epoch` — or the bid's turn in the
+/// key's queue if it waits.
 pub(crate) struct Claim<'a> {
     pub keys: &'a RedisKeys,
     /// The key's epoch marker.
@@ -16,27 +36,40 @@ pub(crate) struct Claim<'a> {
     pub bid: &'a Bid,
     /// The epoch this broker knows.
     pub epoch: &'a str,
+    pub caller: &'a Caller<'a>,
+}
+
+impl Claim<'_> {
+    /// The arguments of `grant_context` (`lib/queue.lua`), for a bid of `kind`.
+    fn write_bid(&self, call: &mut Call<'_>, kind: &str) {
+        let (keys, bid, caller) = (self.keys, self.bid, self.caller);
+        write_queue_keys(call, keys, self.marker);
+        call.arg(bid.token.as_str())
+            .arg(bid.ttl.as_ms())
+            // An owner label as the scripts take it: '' for none, else '=' and the label.
+            .arg(
+                bid.owner
+                    .as_ref()
+                    .map_or(String::new(), |o| format!("={}", o.as_str())),
+            )
+            .arg(EXPIRY_SLACK_MS)
+            .arg(self.epoch)
+            .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()))
+            .arg(bid.wait_ms)
+            .arg(kind)
+            .arg(caller.id)
+            .arg(caller.channels)
+            .arg(caller.window_ms)
+            .arg(&keys.key)
+            .arg(keys.space);
+    }
 }
 
 script_call! {
     Claim<'_> => claim,
     type Reply = Epoched<GrantReply>;
     |this, call| {
-        let (keys, bid) = (this.keys, this.bid);
-        call.key(&keys.lock)
-            .key(&keys.fence)
-            .key(this.marker)
-            .key(&keys.pool)
-            .key(&keys.ends)
-            .key(&keys.writers);
-        call.arg(bid.token.as_str())
-            .arg(bid.ttl.as_ms())
-            .arg(if bid.owner.is_some() { "1" } else { "0" })
-            .arg(bid.owner.as_ref().map_or("", |o| o.as_str()))
-            .arg(EXPIRY_SLACK_MS)
-            .arg(this.epoch)
-            .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()))
-            .arg(if bid.waits() { "1" } else { "0" });
+        this.write_bid(call, "x");
     }
 }
 
@@ -55,42 +88,21 @@ script_call! {
     }
 }
 
-/// JOIN's call: a shared lease or a permit for `bid` in `pool`.
+/// JOIN's call: a shared lease or a permit for the claim's bid in `pool`.
 pub(crate) struct Join<'a> {
-    pub keys: &'a RedisKeys,
-    pub marker: &'a str,
+    pub claim: Claim<'a>,
     pub pool: Pool,
-    pub bid: &'a Bid,
-    pub epoch: &'a str,
 }
 
 script_call! {
     Join<'_> => join,
     type Reply = Epoched<GrantReply>;
     |this, call| {
-        let (keys, bid) = (this.keys, this.bid);
-        call.key(&keys.pool)
-            .key(&keys.ends)
-            .key(&keys.fence)
-            .key(this.marker);
-        if this.pool == Pool::Shared {
-            call.key(&keys.lock).key(&keys.writers);
-        }
-        call.arg(bid.token.as_str())
-            .arg(bid.ttl.as_ms())
-            // An owner label as the pool scripts take it: '' for none, else '=' and the label.
-            .arg(
-                bid.owner
-                    .as_ref()
-                    .map_or(String::new(), |o| format!("={}", o.as_str())),
-            )
-            .arg(EXPIRY_SLACK_MS)
-            .arg(match this.pool {
-                Pool::Shared => String::new(),
-                Pool::Semaphore { limit } => limit.to_string(),
-            })
-            .arg(this.epoch)
-            .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()));
+        let kind = match this.pool {
+            Pool::Shared => "s".to_owned(),
+            Pool::Semaphore { limit } => limit.to_string(),
+        };
+        this.claim.write_bid(call, &kind);
     }
 }
 
@@ -118,8 +130,12 @@ pub(crate) enum NotGranted {
     OnHold(Hold),
     /// Code 4 (JOIN): no room now; something may change in this many ms.
     Busy { retry_after_ms: u64 },
-    /// Code 5 (JOIN): the live holders use this other limit.
+    /// Code 5 (JOIN): the live holders (or the queued bids) use this other limit.
     LimitMismatch { limit: u32 },
+    /// Code 7: the bid waits in the key's queue; what blocks it ends in this many ms.
+    Queued { retry_after_ms: u64 },
+    /// Code 6: a broker of this newer store layout runs on the store.
+    NewerLayout { layout: u32 },
 }
 
 /// A grant as the script wrote it.
@@ -153,6 +169,12 @@ impl FromRedisValue for Epoched<GrantReply> {
             }),
             5 => not(NotGranted::LimitMismatch {
                 limit: fields.next()?,
+            }),
+            6 => not(NotGranted::NewerLayout {
+                layout: fields.next()?,
+            }),
+            7 => not(NotGranted::Queued {
+                retry_after_ms: fields.next()?,
             }),
             code => return Err(unknown("granting", code)),
         };

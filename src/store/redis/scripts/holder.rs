@@ -1,51 +1,54 @@
-//! The calls of the scripts that act on held leases — RELEASE (`release.lua`), RENEW
-//! (`renew.lua`) and FORCE (`force.lua`) — and their replies.
+//! The calls of the scripts that act on held leases and queued bids — RELEASE (`release.lua`),
+//! RENEW (`renew.lua`), FORCE (`force.lua`) and LEAVE (`leave.lua`) — and their replies.
 
 use redis::{FromRedisValue, ParsingError, Value};
 
+use super::grant::{Caller, write_queue_keys};
 use super::{Call, Fields, hold_in, unknown};
 use crate::domain::{Fence, Owner, Token, Ttl};
-use crate::store::redis::keys::{Place, RedisKeys};
+use crate::store::redis::keys::RedisKeys;
 use crate::store::{EXPIRY_SLACK_MS, Hold, Holder};
 
-/// The keys every holder script takes (`lib/holder.lua`): the exclusive lock (for a semaphore:
-/// its pool again), the epoch marker, the pool and its ends.
+/// What every holder script takes (`holder_context` in `lib/queue.lua`): the key's queue keys,
+/// and as arguments the token, the epoch this broker knows (the key is handed on only in it),
+/// the caller, the client key, its space, the slack and the shared channel.
 pub(crate) struct HolderKeys<'a> {
     pub keys: &'a RedisKeys,
     pub marker: &'a str,
+    /// The epoch this broker knows for the key ('' while it knows none, or a hold is in force:
+    /// nothing is handed on then).
+    pub epoch: &'a str,
+    pub caller: &'a Caller<'a>,
+    /// The shared channel: ends of leases written by older brokers are told there.
+    pub channel: &'a str,
 }
 
 impl<'a> HolderKeys<'a> {
-    pub(crate) fn of(place: &'a Place<'_>) -> Self {
-        Self {
-            keys: &place.keys,
-            marker: &place.marker,
-        }
-    }
-
-    fn write(&self, call: &mut Call<'_>) {
-        call.key(&self.keys.lock)
-            .key(self.marker)
-            .key(&self.keys.pool)
-            .key(&self.keys.ends);
+    fn write(&self, call: &mut Call<'_>, token: &str) {
+        write_queue_keys(call, self.keys, self.marker);
+        call.arg(token)
+            .arg(self.epoch)
+            .arg(self.caller.id)
+            .arg(self.caller.channels)
+            .arg(self.caller.window_ms)
+            .arg(&self.keys.key)
+            .arg(self.keys.space)
+            .arg(EXPIRY_SLACK_MS)
+            .arg(self.channel);
     }
 }
 
-/// RELEASE's call: ends `token`'s lease and publishes the release notice on `channel`.
+/// RELEASE's call: ends `token`'s lease and hands the key on.
 pub(crate) struct Release<'a> {
     pub on: HolderKeys<'a>,
     pub token: &'a Token,
-    pub channel: &'a str,
 }
 
 script_call! {
     Release<'_> => release,
     type Reply = ReleaseReply;
     |this, call| {
-        this.on.write(call);
-        call.arg(this.token.as_str())
-            .arg(this.channel)
-            .arg(&this.on.keys.notice);
+        this.on.write(call, this.token.as_str());
     }
 }
 
@@ -54,34 +57,42 @@ pub(crate) struct Renew<'a> {
     pub on: HolderKeys<'a>,
     pub token: &'a Token,
     pub ttl: Ttl,
-    pub channel: &'a str,
 }
 
 script_call! {
     Renew<'_> => renew,
     type Reply = RenewReply;
     |this, call| {
-        this.on.write(call);
-        call.arg(this.token.as_str())
-            .arg(this.ttl.as_ms())
-            .arg(EXPIRY_SLACK_MS)
-            .arg(this.channel)
-            .arg(&this.on.keys.notice);
+        this.on.write(call, this.token.as_str());
+        call.arg(this.ttl.as_ms());
     }
 }
 
-/// FORCE's call: ends every live lease on the key.
+/// FORCE's call: ends every live lease on the key and hands it on.
 pub(crate) struct Force<'a> {
     pub on: HolderKeys<'a>,
-    pub channel: &'a str,
 }
 
 script_call! {
     Force<'_> => force,
     type Reply = ForceReply;
     |this, call| {
-        this.on.write(call);
-        call.arg(this.channel).arg(&this.on.keys.notice);
+        this.on.write(call, "");
+    }
+}
+
+/// LEAVE's call: `token`'s queued bid stops waiting (an offer to it ends).
+pub(crate) struct Leave<'a> {
+    pub on: HolderKeys<'a>,
+    pub token: &'a Token,
+}
+
+script_call! {
+    Leave<'_> => leave,
+    /// Whether an offer to the token ended.
+    type Reply = bool;
+    |this, call| {
+        this.on.write(call, this.token.as_str());
     }
 }
 
@@ -116,9 +127,10 @@ impl Refusal {
 
 /// RELEASE's reply.
 pub(crate) enum ReleaseReply {
-    /// Code 1: released after this long held, on Redis's clock.
+    /// Code 1: released after this long held, on Redis's clock; the lease's fence.
     Released {
         held_ms: u64,
+        fence: Fence,
     },
     Refused(Refusal),
 }
@@ -129,6 +141,7 @@ impl FromRedisValue for ReleaseReply {
         let reply = match fields.next()? {
             1 => ReleaseReply::Released {
                 held_ms: fields.next()?,
+                fence: fields.next()?,
             },
             code => ReleaseReply::Refused(Refusal::decode(code, &mut fields, "release")?),
         };

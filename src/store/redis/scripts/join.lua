@@ -1,59 +1,63 @@
--- JOIN: a shared lease or a semaphore permit joins a pool if it has room.
+-- JOIN: a shared lease or a semaphore permit joins a pool if it has room and nobody queues ahead
+-- of it, and a waiting bid's turn in the key's queue (as CLAIM's, for shared bids and permits).
 --
--- Joined after lib/prelude.lua, lib/pools.lua and lib/grant.lua. Its call: `Join` in
--- scripts/grant.rs.
--- KEYS: pool, its ends, fence counter, epoch marker [, for a shared lease: the exclusive lease,
---       the intents].
--- ARGV: token, ttl_ms, owner ('' or '=' and the label), slack_ms, limit ('' for a shared lease),
---       the epoch this broker knows, request_id ('' for none).
--- Replies as CLAIM's ({1, ...}, {2, ...}, {3, ...}; never {0}), or {4, retry_after_ms} (no room:
--- an exclusive lease or intent is live, or every permit is taken) or {5, limit} (the live
--- holders use that other limit).
+-- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua and lib/queue.lua. Its call:
+-- `Join` in scripts/grant.rs.
+-- KEYS: as lib/queue.lua's. ARGV: as `grant_context`'s (kind `s`, or the semaphore's limit).
+-- Replies as CLAIM's ({1, ...}, {2, ...}, {3, ...}, {6, ...}, {7, ...}; never {0}), or
+-- {4, retry_after_ms} (the bid does not wait and there is no room: an exclusive lease or offer
+-- is live, bids are queued, or every permit is taken) or {5, limit} (the live holders, or the
+-- queued bids, use that other limit).
 local now = now_us()
-local held = checked(now, KEYS[4])
+local held = checked(now, MARKER, ARGV[5])
 if held then return held end
-local now_ms = math.floor(now / 1000)
-prune(KEYS[1], KEYS[2], now_ms)
-local live = live_count(KEYS[2], now_ms)
-if ARGV[5] ~= '' and live > 0 then
-  local used = tonumber(redis.call('HGET', KEYS[1], '#limit') or ARGV[5])
-  if used ~= tonumber(ARGV[5]) then return {5, used} end
+local c, bid = grant_context(now)
+settle(c)
+if bid.kind ~= 's' then
+  local used = redis.call('HGET', POOL, '#limit')
+  if used and tonumber(used) ~= tonumber(bid.kind) and live_count(ENDS, c.now_ms) > 0 then
+    return {5, tonumber(used)}
+  end
+  local first = redis.call('ZRANGE', QUEUE, 0, 0)[1]
+  local rec = first and redis.call('HGET', BIDS, first)
+  local kind = rec and select(3, bid_of(rec))
+  if kind and tonumber(kind) ~= tonumber(bid.kind) then return {5, tonumber(kind)} end
 end
-if ARGV[7] ~= '' then
-  local again = redis.call('HGET', KEYS[1], '?' .. ARGV[7])
-  local rec = again and redis.call('HGET', KEYS[1], again)
+local mine = redis.call('HGET', POOL, c.token)
+if mine then
+  local f, e, t, _, r, o = record(mine)
+  if e > c.now_ms then
+    if redis.call('HEXISTS', POOL, '!' .. c.token) == 0 then return {1, f, e, c.token, t, c.now_ms} end
+    local expires = c.now_ms + bid.ttl
+    redis.call('HSET', POOL, c.token, int(f) .. '|' .. int(expires) .. '|' .. int(bid.ttl) .. '|' .. int(c.now_ms) .. '|' .. r .. '|' .. o, '@' .. c.token, c.broker)
+    redis.call('HDEL', POOL, '!' .. c.token)
+    redis.call('ZADD', ENDS, int(expires), c.token)
+    keep(POOL, bid.ttl + c.slack)
+    keep(ENDS, bid.ttl + c.slack)
+    keep(FENCE, bid.ttl + c.slack)
+    return {1, f, expires, c.token, bid.ttl, c.now_ms}
+  end
+end
+if bid.rid ~= '' then
+  local again = redis.call('HGET', POOL, '?' .. bid.rid)
+  local rec = again and redis.call('HEXISTS', POOL, '!' .. again) == 0 and redis.call('HGET', POOL, again)
   if rec then
     local f, e, t = record(rec)
-    if e > now_ms then return {1, f, e, again, t, now_ms} end
+    if e > c.now_ms then return {1, f, e, again, t, c.now_ms} end
   end
 end
-if ARGV[5] == '' then
-  local x = redis.call('HGET', KEYS[5], 'expires_at')
-  if x then
-    if tonumber(x) > now_ms then return {4, tonumber(x) - now_ms} end
-    redis.call('DEL', KEYS[5])
+if bid.wait == 0 then
+  if redis.call('ZCARD', QUEUE) > 0 then
+    hand_on(c, nil)
+    if redis.call('ZCARD', QUEUE) > 0 then return {4, busy_for(c, 'x') or c.window} end
   end
-  redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', int(now_ms))
-  local w = redis.call('ZRANGE', KEYS[6], 0, 0, 'WITHSCORES')
-  if w[1] then return {4, tonumber(w[2]) - now_ms} end
-else
-  local limit = tonumber(ARGV[5])
-  if live > 0 then
-    if live >= limit then
-      local first = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. int(now_ms), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-      return {4, tonumber(first[2]) - now_ms}
-    end
-  end
-  redis.call('HSET', KEYS[1], '#limit', ARGV[5])
+  local busy = busy_for(c, bid.kind)
+  if busy then return {4, busy} end
+  local fence, expires = write_lease(c, c.token, c.broker, bid.kind, bid.ttl, bid.rid, bid.owner, false)
+  return {1, fence, expires, c.token, bid.ttl, c.now_ms}
 end
-local fence = fence_for(KEYS[3], now)
-local ttl = tonumber(ARGV[2])
-local expires = now_ms + ttl
-redis.call('HSET', KEYS[1], ARGV[1], int(fence) .. '|' .. int(expires) .. '|' .. int(ttl) .. '|' .. int(now_ms) .. '|' .. ARGV[7] .. '|' .. ARGV[3])
-if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], '?' .. ARGV[7], ARGV[1]) end
-redis.call('ZADD', KEYS[2], expires, ARGV[1])
-local kept = ttl + tonumber(ARGV[4])
-keep(KEYS[1], kept)
-keep(KEYS[2], kept)
-keep(KEYS[3], kept)
-return {1, fence, expires, ARGV[1], ttl, now_ms}
+if redis.call('ZCARD', QUEUE) == 0 and not busy_for(c, bid.kind) then
+  local fence, expires = write_lease(c, c.token, c.broker, bid.kind, bid.ttl, bid.rid, bid.owner, false)
+  return {1, fence, expires, c.token, bid.ttl, c.now_ms}
+end
+return wait_turn(c, bid)

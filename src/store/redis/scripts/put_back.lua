@@ -18,7 +18,10 @@
 -- KEYS: epoch marker, then for each lease four keys: for an exclusive lease its lock, fence
 --       counter, shared pool and its ends; for a pool lease (shared or permit) the pool, its
 --       ends, fence counter and the exclusive lock (for a permit: the pool again).
--- ARGV: the epoch, slack_ms, then seven for each lease: kind (`x` exclusive, `s` shared, or the
+-- Each lease put back records this broker among the ones that remember it (`by`, see
+-- lib/queue.lua's `ended`, and `by_with` in lib/pools.lua), so that its end is told to this broker.
+--
+-- ARGV: the epoch, slack_ms, this broker's id, then seven for each lease: kind (`x` exclusive, `s` shared, or the
 --       semaphore's limit), token, fence, remaining_ms, ttl_ms, owner and request id (each ''
 --       for none, else '=' and the value).
 -- Replies {-1} if the store is no longer in that epoch (a loss during the put-back: start over),
@@ -33,10 +36,11 @@ if tonumber(m[2] or '0') < now_ms + PUT_BACK_HOLD_MS then
   redis.call('HSET', KEYS[1], 'hold_until', int(now_ms + PUT_BACK_HOLD_MS))
 end
 local slack = tonumber(ARGV[2])
+local broker = ARGV[3]
 local out = {}
 for i = 0, (#KEYS - 1) / 4 - 1 do
   local k1, k2, k3, k4 = KEYS[2 + 4 * i], KEYS[3 + 4 * i], KEYS[4 + 4 * i], KEYS[5 + 4 * i]
-  local a = 3 + 7 * i
+  local a = 4 + 7 * i
   local kind, token, fence, remaining = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local ttl, owner, rid = ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]
   local counter = (kind == 'x' and k2) or k3
@@ -55,6 +59,8 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
     if cur[1] and tonumber(cur[3]) > now_ms then
       if cur[1] == token then
         code, write = 0, false
+        local by = redis.call('HGET', lock, 'by')
+        if by and by_with(by, broker) ~= by then redis.call('HSET', lock, 'by', by_with(by, broker)) end
         if now_ms + remaining > tonumber(cur[3]) then
           redis.call('HSET', lock, 'expires_at', int(now_ms + remaining))
           redis.call('PEXPIRE', lock, remaining + slack)
@@ -77,7 +83,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
     end
     if write then
       redis.call('DEL', lock)
-      redis.call('HSET', lock, 'token', token, 'fence', int(fence), 'expires_at', int(now_ms + remaining), 'ttl', ttl, 'granted_at', int(now_ms))
+      redis.call('HSET', lock, 'token', token, 'fence', int(fence), 'expires_at', int(now_ms + remaining), 'ttl', ttl, 'granted_at', int(now_ms), 'by', broker)
       if owner ~= '' then redis.call('HSET', lock, 'owner', string.sub(owner, 2)) end
       if rid ~= '' then redis.call('HSET', lock, 'request_id', string.sub(rid, 2)) end
       redis.call('PEXPIRE', lock, remaining + slack)
@@ -89,6 +95,8 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
       local f, e, t, g, r, o = record(rec)
       if e > now_ms then
         code, write = 0, false
+        local by = redis.call('HGET', pool, '@' .. token)
+        if by and by_with(by, broker) ~= by then redis.call('HSET', pool, '@' .. token, by_with(by, broker)) end
         if now_ms + remaining > e then
           redis.call('HSET', pool, token, int(f) .. '|' .. int(now_ms + remaining) .. '|' .. int(t) .. '|' .. int(g) .. '|' .. r .. '|' .. o)
           redis.call('ZADD', ends, int(now_ms + remaining), token)
@@ -109,7 +117,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
     end
     if write then
       local r = (rid ~= '' and string.sub(rid, 2)) or ''
-      redis.call('HSET', pool, token, int(fence) .. '|' .. int(now_ms + remaining) .. '|' .. ttl .. '|' .. int(now_ms) .. '|' .. r .. '|' .. owner)
+      redis.call('HSET', pool, token, int(fence) .. '|' .. int(now_ms + remaining) .. '|' .. ttl .. '|' .. int(now_ms) .. '|' .. r .. '|' .. owner, '@' .. token, broker)
       if r ~= '' then redis.call('HSET', pool, '?' .. r, token) end
       redis.call('ZADD', ends, int(now_ms + remaining), token)
     end

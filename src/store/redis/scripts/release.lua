@@ -1,24 +1,26 @@
--- RELEASE: ends the token's live lease. Publishes the notice key and the released lease's fence
--- on the channel, so every broker's waiters for it wake at once instead of polling, and the
--- broker that granted it (which may not be this one) drops it from its ledger.
+-- RELEASE: ends the token's live lease, and hands the key on to the queue's head in the same
+-- step. The brokers that remember the lease in their ledgers, other than this one, are told
+-- (see `ended`).
 --
--- Joined after lib/prelude.lua, lib/pools.lua and lib/holder.lua. Its call: `Release` in
--- scripts/holder.rs.
--- KEYS: as lib/holder.lua's.
--- ARGV: token, notice channel, notice key (the client key; `#` and the key for a semaphore).
--- Replies {1, held_ms}; {0} not held, {2} not the token's; or {3, hold_until, now, reason}.
-local now = math.floor(now_us() / 1000)
-local h, hold, reason = holder(now)
-if h == 3 then return {3, hold, now, reason} end
+-- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua, lib/queue.lua and lib/holder.lua.
+-- Its call: `Release` in scripts/holder.rs.
+-- KEYS: as lib/queue.lua's. ARGV: as `holder_context`'s.
+-- Replies {1, held_ms, fence}; {0} not held, {2} not the token's; or {3, hold_until, now, reason}.
+local now = now_us()
+local c = holder_context(now)
+local h, hold, reason = holder(c.now_ms)
+if h == 3 then return {3, hold, c.now_ms, reason} end
 if h == 4 then
   local f, _, _, g = record(reason)
-  leave_pool(reason)
-  redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' ' .. int(f))
-  return {1, math.max(0, now - g)}
+  local by = redis.call('HGET', POOL, '@' .. c.token)
+  drop_holder(POOL, ENDS, c.token)
+  ended(c, by, f, false)
+  hand_on(c, nil)
+  return {1, math.max(0, c.now_ms - g), f}
 end
 if h ~= 1 then return {h} end
-local v = redis.call('HMGET', KEYS[1], 'granted_at', 'fence')
-local granted = tonumber(v[1] or now)
-redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], ARGV[3] .. ' ' .. v[2])
-return {1, math.max(0, now - granted)}
+local v = redis.call('HMGET', LOCK, 'granted_at', 'fence', 'by')
+redis.call('DEL', LOCK)
+ended(c, v[3], tonumber(v[2]), false)
+hand_on(c, nil)
+return {1, math.max(0, c.now_ms - tonumber(v[1] or c.now_ms)), tonumber(v[2])}

@@ -1,30 +1,45 @@
--- RENEW: moves the end of the token's live lease to ttl_ms from now. A renew that makes the
--- lease end sooner publishes a notice too: waiters timed for the old expiry would oversleep.
+-- RENEW: moves the end of the token's live lease to ttl_ms from now; this broker is added to
+-- the ones that answer its holder. A renew that makes the lease end sooner tells the broker of
+-- the queue's first bid to look when it now ends: it timed its wait for the old end.
 --
--- Joined after lib/prelude.lua, lib/pools.lua and lib/holder.lua. Its call: `Renew` in
--- scripts/holder.rs.
--- KEYS: as lib/holder.lua's.
--- ARGV: token, ttl_ms, slack_ms, notice channel, notice key.
+-- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua, lib/queue.lua and lib/holder.lua.
+-- Its call: `Renew` in scripts/holder.rs.
+-- KEYS: as lib/queue.lua's. ARGV: as `holder_context`'s, then ttl_ms.
 -- Replies {1, fence, expires_at, owner, epoch} for the exclusive lease, {4, fence, expires_at,
 -- owner, epoch, limit} for a pool lease (the semaphore's limit, or '' for a shared lease); {0}
 -- not held, {2} not the token's; or {3, hold_until, now, reason}. The epoch lets the broker tell
 -- a renewal that raced a loss (see `RedisStore::remember`).
-local now = math.floor(now_us() / 1000)
-local h, expires, reason = holder(now)
-if h == 3 then return {3, expires, now, reason} end
-local ttl = tonumber(ARGV[2])
+local now = now_us()
+local c = holder_context(now)
+local now_ms = c.now_ms
+local h, expires, reason = holder(now_ms)
+if h == 3 then return {3, expires, now_ms, reason} end
+local ttl = tonumber(ARGV[10])
+local function sooner()
+  if now_ms + ttl >= expires then return end
+  local first = redis.call('ZRANGE', QUEUE, 0, 0)[1]
+  local rec = first and redis.call('HGET', BIDS, first)
+  local b = rec and string.match(rec, '^([^|]*)|')
+  if b then tell(c, b, 'l ' .. c.space .. ' ' .. int(ttl) .. ' ' .. c.key) end
+end
 if h == 4 then
   local f, _, _, g, r, o = record(reason)
-  redis.call('HSET', KEYS[3], ARGV[1], int(f) .. '|' .. int(now + ttl) .. '|' .. int(ttl) .. '|' .. int(g) .. '|' .. r .. '|' .. o)
-  redis.call('ZADD', KEYS[4], int(now + ttl), ARGV[1])
-  if now + ttl < expires then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
-  keep(KEYS[3], ttl + tonumber(ARGV[3]))
-  keep(KEYS[4], ttl + tonumber(ARGV[3]))
-  return {4, f, now + ttl, (o ~= '' and string.sub(o, 2)) or false, redis.call('HGET', KEYS[2], 'id') or '', redis.call('HGET', KEYS[3], '#limit') or ''}
+  redis.call('HSET', POOL, c.token, int(f) .. '|' .. int(now_ms + ttl) .. '|' .. int(ttl) .. '|' .. int(g) .. '|' .. r .. '|' .. o)
+  local by = redis.call('HGET', POOL, '@' .. c.token)
+  local now_by = by_with(by, c.broker)
+  if now_by ~= by then redis.call('HSET', POOL, '@' .. c.token, now_by) end
+  redis.call('ZADD', ENDS, int(now_ms + ttl), c.token)
+  sooner()
+  keep(POOL, ttl + c.slack)
+  keep(ENDS, ttl + c.slack)
+  return {4, f, now_ms + ttl, (o ~= '' and string.sub(o, 2)) or false, redis.call('HGET', MARKER, 'id') or '', redis.call('HGET', POOL, '#limit') or ''}
 end
 if h ~= 1 then return {h} end
-redis.call('HSET', KEYS[1], 'expires_at', int(now + ttl), 'ttl', int(ttl))
-if now + ttl < expires then redis.call('PUBLISH', ARGV[4], ARGV[5]) end
-redis.call('PEXPIRE', KEYS[1], ttl + tonumber(ARGV[3]))
-local v = redis.call('HMGET', KEYS[1], 'fence', 'owner')
-return {1, v[1], now + ttl, v[2] or false, redis.call('HGET', KEYS[2], 'id') or ''}
+redis.call('HSET', LOCK, 'expires_at', int(now_ms + ttl), 'ttl', int(ttl))
+local by = redis.call('HGET', LOCK, 'by')
+local now_by = by_with(by, c.broker)
+if now_by ~= by then redis.call('HSET', LOCK, 'by', now_by) end
+sooner()
+redis.call('PEXPIRE', LOCK, ttl + c.slack)
+local v = redis.call('HMGET', LOCK, 'fence', 'owner')
+return {1, v[1], now_ms + ttl, v[2] or false, redis.call('HGET', MARKER, 'id') or ''}

@@ -1,18 +1,30 @@
 -- TAKE_OVER: GETSET, made safe. The classic recipe GETSETs blindly and compares the old value
 -- afterwards, so a loser has already overwritten the winner's value (the winner's token with it).
 -- Here the comparison comes first, in the same step: only a contender that still sees the expired
--- lease it read (ARGV[9] is its fence) writes. A key that vanished in between (the recipe's
--- "GETSET returned nil") is free, and the contender wins it.
+-- lease it read (its fence) writes. A key that vanished in between (the recipe's "GETSET
+-- returned nil") is free, and the contender wins it. With bids queued, the key goes to the
+-- queue's head instead (handed on in this step) and the contender is refused: a bid that does
+-- not wait never goes ahead of the queue. A lapsed offer taken over is ended as the hand-on ends
+-- one (its broker requeues).
 --
--- Joined after lib/prelude.lua and lib/grant.lua. Its call: `TakeOver` in scripts/grant.rs.
--- KEYS and ARGV[1..8] as CLAIM's; ARGV[9]: the fence of the expired lease seen.
--- Replies as CLAIM's.
+-- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua and lib/queue.lua. Its call:
+-- `TakeOver` in scripts/grant.rs.
+-- KEYS and ARGV[1..13] as CLAIM's; ARGV[14]: the fence of the expired lease seen.
+-- Replies as CLAIM's (never {7}).
 local now = now_us()
-local held = checked(now, KEYS[3])
+local held = checked(now, MARKER, ARGV[5])
 if held then return held end
-local cur = redis.call('HMGET', KEYS[1], 'fence', 'expires_at')
-if cur[1] then
-  if cur[1] ~= ARGV[9] then return {0} end
-  if tonumber(cur[2]) > math.floor(now / 1000) then return {0} end
+local c, bid = grant_context(now)
+if redis.call('ZCARD', QUEUE) > 0 then
+  hand_on(c, nil)
+  if redis.call('ZCARD', QUEUE) > 0 then return {0} end
 end
-return grant(now)
+local cur = redis.call('HMGET', LOCK, 'fence', 'expires_at', 'offered', 'by')
+if cur[1] then
+  if cur[1] ~= ARGV[14] then return {0} end
+  if tonumber(cur[2]) > c.now_ms then return {0} end
+  if cur[3] == '1' then requeue(c, cur[4]) end
+end
+if live_count(ENDS, c.now_ms) > 0 then return {0} end
+local fence, expires = write_lease(c, c.token, c.broker, 'x', bid.ttl, bid.rid, bid.owner, false)
+return {1, fence, expires, c.token, bid.ttl, c.now_ms}

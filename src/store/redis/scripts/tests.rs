@@ -5,7 +5,7 @@ use redis::{FromRedisValue, Value};
 
 use super::holder::Refusal;
 use super::*;
-use crate::store::WRITER_INTENT_MS;
+use crate::store::redis::grant::STORE_LAYOUT;
 
 fn int(n: i64) -> Value {
     Value::Int(n)
@@ -20,9 +20,36 @@ fn reply(fields: Vec<Value>) -> Value {
 }
 
 #[test]
-fn the_scripts_use_the_brokers_own_writer_intent() {
-    let declared = format!("local WRITER_INTENT_MS = {WRITER_INTENT_MS}\n");
-    assert!(include_str!("lib/grant.lua").contains(&declared));
+fn the_scripts_use_the_brokers_own_store_layout() {
+    let declared = format!("local LAYOUT = {STORE_LAYOUT}\n");
+    assert!(include_str!("lib/prelude.lua").contains(&declared));
+}
+
+#[test]
+fn queued_and_newer_layout_replies_decode_by_their_code() {
+    assert!(matches!(
+        Epoched::<GrantReply>::from_redis_value(reply(vec![int(7), int(250)])),
+        Ok(Epoched::Answered(GrantReply::NotGranted(
+            NotGranted::Queued {
+                retry_after_ms: 250
+            }
+        )))
+    ));
+    assert!(matches!(
+        Epoched::<GrantReply>::from_redis_value(reply(vec![int(6), int(3)])),
+        Ok(Epoched::Answered(GrantReply::NotGranted(
+            NotGranted::NewerLayout { layout: 3 }
+        )))
+    ));
+    assert!(Epoched::<GrantReply>::from_redis_value(reply(vec![int(7)])).is_err());
+    assert!(matches!(
+        ReleaseReply::from_redis_value(reply(vec![int(1), int(40), int(9)])),
+        Ok(ReleaseReply::Released {
+            held_ms: 40,
+            fence: 9
+        })
+    ));
+    assert!(ReleaseReply::from_redis_value(reply(vec![int(1), int(40)])).is_err());
 }
 
 #[test]
@@ -71,7 +98,7 @@ fn a_grant_reply_decodes_by_its_code_and_nothing_may_be_missing_or_left_over() {
         Ok(Epoched::Answered(GrantReply::NotGranted(NotGranted::OnHold(hold))))
             if hold.retry_after_ms == 500 && hold.reason == crate::store::HoldReason::Loss
     ));
-    assert!(Epoched::<GrantReply>::from_redis_value(reply(vec![int(6)])).is_err());
+    assert!(Epoched::<GrantReply>::from_redis_value(reply(vec![int(8)])).is_err());
 }
 
 #[test]

@@ -1,7 +1,8 @@
--- Helpers of the scripts on pools (shared leases, semaphore permits), kept out of the exclusive
--- path's scripts: each script defines its functions again on every call. A pool is a hash
--- (token -> `fence|expires_at|ttl|granted_at|request_id|owner`, and `?<request_id>` -> token)
--- and a sorted set of ends (token -> expires_at); see `scripts/mod.rs`.
+-- Helpers of the scripts on pools (shared leases, semaphore permits), and `by_with`, which the
+-- scripts that record the brokers answering a lease share. A pool is a hash (token ->
+-- `fence|expires_at|ttl|granted_at|request_id|owner`, `?<request_id>` -> token, `!<token>` while
+-- the token's lease is an offer not taken, `@<token>` -> the brokers that answer its holder) and
+-- a sorted set of ends (token -> expires_at); see `scripts/mod.rs`.
 local function record(rec)
   local f, e, t, g, r, o = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
   return tonumber(f), tonumber(e), tonumber(t), tonumber(g), r, o
@@ -20,18 +21,15 @@ local function drop_rid(pool, rid, token)
     redis.call('HDEL', pool, '?' .. rid)
   end
 end
--- Drops up to 100 ended holders of a pool (hash, ends) per call.
-local function prune(pool, ends, now_ms)
-  local gone = redis.call('ZRANGEBYSCORE', ends, '-inf', int(now_ms), 'LIMIT', 0, 100)
-  for _, token in ipairs(gone) do
-    local rec = redis.call('HGET', pool, token)
-    if rec then
-      local _, _, _, _, rid = record(rec)
-      drop_rid(pool, rid, token)
-      redis.call('HDEL', pool, token)
-    end
-    redis.call('ZREM', ends, token)
+-- Drops one holder of a pool, with its marks.
+local function drop_holder(pool, ends, token)
+  local rec = redis.call('HGET', pool, token)
+  if rec then
+    local _, _, _, _, rid = record(rec)
+    drop_rid(pool, rid, token)
   end
+  redis.call('HDEL', pool, token, '!' .. token, '@' .. token)
+  redis.call('ZREM', ends, token)
 end
 -- The live holders of a pool: {token, fence, expires, ttl, owner-or-false, request-id-or-false}...
 local function holders(pool, ends, now_ms)
@@ -50,4 +48,16 @@ local function holders(pool, ends, now_ms)
     end
   end
   return out
+end
+-- The brokers that answer a lease's holder, with the caller added (at most four ids; beyond,
+-- `*`: its end is told on the shared channel). A lease an older broker wrote has none, and keeps
+-- none: that broker reads the shared channel.
+local function by_with(by, broker)
+  if (not by) or by == '' or by == '*' then return by end
+  for b in string.gmatch(by, '[^,]+') do
+    if b == broker then return by end
+  end
+  local _, n = string.gsub(by, ',', '')
+  if n >= 3 then return '*' end
+  return by .. ',' .. broker
 end

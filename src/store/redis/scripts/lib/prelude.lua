@@ -6,13 +6,18 @@
 --
 -- Numbers are formatted with `%.0f` before they are written, because Lua hands `redis.call`
 -- numbers as `%.14g`, which would round a 16-digit fence.
+--
+-- LAYOUT: the version of what this broker keeps in Redis (the broker's `STORE_LAYOUT`; a unit
+-- test checks that the two agree). The epoch marker's `layout` field records the newest layout a
+-- broker on the store runs; a granting script refuses to grant on a marker of a newer layout.
 if redis.replicate_commands then redis.replicate_commands() end
+local LAYOUT = 2
 local function now_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 local function int(n) return string.format('%.0f', n) end
 local function epoch(marker)
-  local m = redis.call('HMGET', marker, 'id', 'hold_until', 'reason')
-  return m[1], tonumber(m[2] or '0'), m[3] or ''
+  local m = redis.call('HMGET', marker, 'id', 'hold_until', 'reason', 'layout')
+  return m[1], tonumber(m[2] or '0'), m[3] or '', tonumber(m[4] or '0') or 0
 end

@@ -1,0 +1,671 @@
+//! The Redis store's queue per key, driven through the store interface on a real Redis: two
+//! `RedisStore`s on one server play two brokers, and each one's notices are read from the channel
+//! its `start` was given. The service's use of the queue is tested elsewhere; these check the
+//! scripts' answers and notices step by step.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockbroker::domain::{Lease, LockKey, RequestId, Token, Ttl};
+use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
+use lockbroker::store::{Bid, GrantAnswer, Holder, Join, Notice, Pool, Space, Store, StoreError};
+use lockbroker_test_support::redis_server::RedisServer;
+use redis::AsyncCommands;
+use tokio::sync::mpsc;
+
+/// A broker's store on `redis`, started, with its notices; its offers stay open `window`.
+fn broker(redis: &RedisServer, window: Duration) -> (RedisStore, mpsc::Receiver<Notice>) {
+    let store = RedisStore::connect(
+        &RedisSettings {
+            url: RedisUrl::parse(&redis.url()).unwrap(),
+            key_prefix: "q:".into(),
+            timeout: window,
+            store_loss_delay: Duration::ZERO,
+            store_settle: Duration::from_millis(300),
+            tls: RedisTls::default(),
+            replica_acks: 0,
+        },
+        Arc::default(),
+    )
+    .unwrap();
+    let (tx, rx) = mpsc::channel(1024);
+    store.start(tx);
+    (store, rx)
+}
+
+fn key(k: &str) -> LockKey {
+    LockKey::parse(k).unwrap()
+}
+
+fn bid(ttl_ms: u64, wait_ms: u64) -> Bid {
+    Bid {
+        token: Token::generate(),
+        ttl: Ttl::from_ms(ttl_ms),
+        owner: None,
+        request_id: None,
+        wait_ms,
+    }
+}
+
+/// CLAIM, riding out the settle hold of a new store.
+async fn claim(store: &RedisStore, k: &LockKey, bid: &Bid) -> GrantAnswer {
+    for _ in 0..100 {
+        match store.claim(k, bid).await.unwrap() {
+            GrantAnswer::OnHold(hold) => {
+                tokio::time::sleep(Duration::from_millis(hold.retry_after_ms.min(100))).await
+            }
+            other => return other,
+        }
+    }
+    panic!("the store stayed held");
+}
+
+/// JOIN, riding out the settle hold of a new store.
+async fn join(store: &RedisStore, k: &LockKey, pool: Pool, bid: &Bid) -> Join {
+    for _ in 0..100 {
+        match store.join(k, pool, bid).await.unwrap() {
+            Join::OnHold(hold) => {
+                tokio::time::sleep(Duration::from_millis(hold.retry_after_ms.min(100))).await
+            }
+            other => return other,
+        }
+    }
+    panic!("the store stayed held");
+}
+
+fn granted(answer: GrantAnswer) -> Lease {
+    match answer {
+        GrantAnswer::Granted(lease) => lease,
+        other => panic!("expected a grant, got {other:?}"),
+    }
+}
+
+fn joined(answer: Join) -> Lease {
+    match answer {
+        Join::Granted(lease) => lease,
+        other => panic!("expected a grant, got {other:?}"),
+    }
+}
+
+fn queued(answer: GrantAnswer) -> u64 {
+    match answer {
+        GrantAnswer::Queued { retry_after_ms } => retry_after_ms,
+        other => panic!("expected the bid queued, got {other:?}"),
+    }
+}
+
+fn join_queued(answer: Join) -> u64 {
+    match answer {
+        Join::Queued { retry_after_ms } => retry_after_ms,
+        other => panic!("expected the bid queued, got {other:?}"),
+    }
+}
+
+/// Waits (bounded) for the notice `want` on a broker's channel, skipping any other.
+async fn told(notices: &mut mpsc::Receiver<Notice>, want: &Notice) {
+    let found = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(notice) = notices.recv().await {
+            if &notice == want {
+                return;
+            }
+        }
+        panic!("the notices ended");
+    })
+    .await;
+    assert!(found.is_ok(), "no {want:?} within 5 s");
+}
+
+/// The notices a broker was told so far (up to the first 50 ms without one).
+async fn drain(notices: &mut mpsc::Receiver<Notice>) -> Vec<Notice> {
+    let mut out = Vec::new();
+    while let Ok(Some(n)) = tokio::time::timeout(Duration::from_millis(50), notices.recv()).await {
+        out.push(n);
+    }
+    out
+}
+
+fn offered(k: &LockKey, token: &Token) -> Notice {
+    Notice::Offered(Space::Locks, k.clone(), token.clone())
+}
+
+async fn conn(redis: &RedisServer) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn waiters_on_two_brokers_are_served_in_arrival_order_with_rising_fences() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let (b, mut b_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("orders");
+    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    // Arrival order: a1 (on A), b1 (on B), a2 (on A).
+    let (a1, b1, a2) = (
+        bid(10_000, 10_000),
+        bid(10_000, 10_000),
+        bid(10_000, 10_000),
+    );
+    let retry = queued(claim(&a, &k, &a1).await);
+    assert!(
+        (1..=10_000).contains(&retry),
+        "the holder's lease ends in {retry} ms"
+    );
+    queued(claim(&b, &k, &b1).await);
+    queued(claim(&a, &k, &a2).await);
+    // Asking again keeps a bid's place; a bid that does not wait is refused behind the queue.
+    queued(claim(&b, &k, &b1).await);
+    assert_eq!(claim(&b, &k, &bid(1_000, 0)).await, GrantAnswer::Refused);
+
+    // The release offers the key to the head, on its broker's channel; the next broker in
+    // line is told to look when the offer's window ends.
+    assert!(matches!(
+        a.release(Space::Locks, &k, &holder.token).await.unwrap(),
+        Holder::Done(_)
+    ));
+    told(&mut a_told, &offered(&k, &a1.token)).await;
+    told(&mut b_told, &Notice::Look(Space::Locks, k.clone(), 2_000)).await;
+    // GET shows the offer as held; the offer's token cannot release or renew it yet.
+    let seen = a.read(&k).await.unwrap();
+    assert_eq!(seen.lease.as_ref().map(|l| &l.token), Some(&a1.token));
+    assert_eq!(
+        a.release(Space::Locks, &k, &a1.token).await.unwrap(),
+        Holder::NotOwner
+    );
+    let first = granted(claim(&a, &k, &a1).await);
+    assert!(first.fence > holder.fence);
+    assert_eq!(first.token, a1.token);
+    assert!(
+        first.expires_at_ms >= seen.now_ms + 9_000,
+        "its TTL runs from the take"
+    );
+    // Taken: the same bid asking again gets the same lease.
+    assert_eq!(granted(claim(&a, &k, &a1).await).fence, first.fence);
+
+    a.release(Space::Locks, &k, &a1.token).await.unwrap();
+    told(&mut b_told, &offered(&k, &b1.token)).await;
+    let second = granted(claim(&b, &k, &b1).await);
+    assert!(second.fence > first.fence);
+    // B's release hands on to A's waiter.
+    b.release(Space::Locks, &k, &b1.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &a2.token)).await;
+    let third = granted(claim(&a, &k, &a2).await);
+    assert!(third.fence > second.fence);
+    a.release(Space::Locks, &k, &a2.token).await.unwrap();
+    // The queue is empty: a bid that does not wait is granted at once.
+    granted(claim(&b, &k, &bid(1_000, 0)).await);
+}
+
+#[tokio::test]
+async fn the_head_is_granted_directly_when_the_lease_before_it_expired() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("expiring");
+    let short = granted(claim(&a, &k, &bid(200, 0)).await);
+    let head = bid(5_000, 10_000);
+    let retry = queued(claim(&a, &k, &head).await);
+    assert!((1..=200).contains(&retry));
+    // Nobody releases: the head asks again when the lease ends, as its answer said.
+    tokio::time::sleep(Duration::from_millis(retry + 20)).await;
+    let lease = granted(claim(&a, &k, &head).await);
+    assert!(lease.fence > short.fence);
+    assert!(
+        !drain(&mut a_told).await.contains(&offered(&k, &head.token)),
+        "granted in the call, without an offer"
+    );
+}
+
+#[tokio::test]
+async fn an_offer_not_taken_lapses_and_the_key_passes_on_and_its_broker_requeues() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_millis(300));
+    let (b, mut b_told) = broker(&redis, Duration::from_millis(300));
+    let k = key("dead-broker");
+    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    // B's two bids first (B will "die"), then A's.
+    let (b1, b2, a1) = (bid(5_000, 20_000), bid(5_000, 20_000), bid(5_000, 20_000));
+    queued(claim(&b, &k, &b1).await);
+    queued(claim(&b, &k, &b2).await);
+    queued(claim(&a, &k, &a1).await);
+    a.release(Space::Locks, &k, &holder.token).await.unwrap();
+    told(&mut b_told, &offered(&k, &b1.token)).await;
+    // A is told to look when B's offer lapses (A's bid is the first of another broker).
+    told(&mut a_told, &Notice::Look(Space::Locks, k.clone(), 300)).await;
+    // B never takes it. When the window has passed, A's bid asks again: the lapsed offer ends,
+    // B's other bid leaves the queue with it (B is told to requeue), and A's bid is the head.
+    tokio::time::sleep(Duration::from_millis(320)).await;
+    let lease = granted(claim(&a, &k, &a1).await);
+    assert_eq!(lease.token, a1.token);
+    told(&mut b_told, &Notice::Requeue(Space::Locks, k.clone())).await;
+    // B's bid, alive after all, joins anew at the tail; its old offer is gone.
+    queued(claim(&b, &k, &b1).await);
+    a.release(Space::Locks, &k, &a1.token).await.unwrap();
+    told(&mut b_told, &offered(&k, &b1.token)).await;
+    assert!(granted(claim(&b, &k, &b1).await).fence > lease.fence);
+}
+
+#[tokio::test]
+async fn leaving_ends_an_offer_and_the_key_passes_on_at_once() {
+    let redis = RedisServer::start().await;
+    let (a, _a_told) = broker(&redis, Duration::from_secs(2));
+    let (b, mut b_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("leaving");
+    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    let (gone, next, quitter) = (bid(5_000, 10_000), bid(5_000, 10_000), bid(5_000, 10_000));
+    queued(claim(&b, &k, &gone).await);
+    queued(claim(&b, &k, &quitter).await);
+    queued(claim(&b, &k, &next).await);
+    // A queued bid leaves: nothing else changes (and leaving twice is harmless).
+    b.leave(Space::Locks, &k, &quitter.token).await.unwrap();
+    b.leave(Space::Locks, &k, &quitter.token).await.unwrap();
+    a.release(Space::Locks, &k, &holder.token).await.unwrap();
+    told(&mut b_told, &offered(&k, &gone.token)).await;
+    // Its waiter went away: the broker leaves, and the offer passes on in the same step.
+    b.leave(Space::Locks, &k, &gone.token).await.unwrap();
+    told(&mut b_told, &offered(&k, &next.token)).await;
+    let lease = granted(claim(&b, &k, &next).await);
+    assert!(lease.fence > holder.fence);
+    // A taken lease is left alone by a leave.
+    b.leave(Space::Locks, &k, &next.token).await.unwrap();
+    assert_eq!(
+        b.read(&k).await.unwrap().lease.map(|l| l.fence),
+        Some(lease.fence)
+    );
+    // The leaver, had it asked again, would join anew, behind nobody now but the holder.
+    queued(claim(&b, &k, &quitter).await);
+}
+
+#[tokio::test]
+async fn consecutive_shared_heads_are_offered_together_and_an_exclusive_one_holds_later_ones_back()
+{
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let (b, mut b_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("report");
+    let writer = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    let (s1, s2, x, s3) = (
+        bid(5_000, 10_000),
+        bid(5_000, 10_000),
+        bid(5_000, 10_000),
+        bid(5_000, 10_000),
+    );
+    join_queued(join(&a, &k, Pool::Shared, &s1).await);
+    join_queued(join(&b, &k, Pool::Shared, &s2).await);
+    queued(claim(&a, &k, &x).await);
+    join_queued(join(&b, &k, Pool::Shared, &s3).await);
+    // A shared bid that does not wait goes ahead of nobody.
+    assert!(matches!(
+        b.join(&k, Pool::Shared, &bid(1_000, 0)).await.unwrap(),
+        Join::Busy { .. }
+    ));
+    a.release(Space::Locks, &k, &writer.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &s1.token)).await;
+    told(&mut b_told, &offered(&k, &s2.token)).await;
+    let r1 = joined(join(&a, &k, Pool::Shared, &s1).await);
+    let r2 = joined(join(&b, &k, Pool::Shared, &s2).await);
+    assert!(r1.fence > writer.fence && r2.fence > r1.fence);
+    // The queued exclusive bid holds s3 back although only shared leases are live.
+    join_queued(join(&b, &k, Pool::Shared, &s3).await);
+    a.release(Space::Locks, &k, &r1.token).await.unwrap();
+    queued(claim(&a, &k, &x).await);
+    b.release(Space::Locks, &k, &r2.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &x.token)).await;
+    let w = granted(claim(&a, &k, &x).await);
+    assert!(w.fence > r2.fence);
+    a.release(Space::Locks, &k, &x.token).await.unwrap();
+    told(&mut b_told, &offered(&k, &s3.token)).await;
+    assert!(joined(join(&b, &k, Pool::Shared, &s3).await).fence > w.fence);
+}
+
+#[tokio::test]
+async fn semaphore_permits_go_to_the_queue_heads_while_there_is_room() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("workers");
+    let two = Pool::Semaphore { limit: 2 };
+    let p1 = joined(join(&a, &k, two, &bid(10_000, 0)).await);
+    let p2 = joined(join(&a, &k, two, &bid(10_000, 0)).await);
+    let (q1, q2, q3) = (bid(5_000, 10_000), bid(5_000, 10_000), bid(5_000, 10_000));
+    join_queued(join(&a, &k, two, &q1).await);
+    join_queued(join(&a, &k, two, &q2).await);
+    // A queued bid with another limit is refused, as a holder's would be.
+    assert_eq!(
+        join(&a, &k, Pool::Semaphore { limit: 3 }, &bid(1_000, 10_000)).await,
+        Join::LimitMismatch { limit: 2 }
+    );
+    join_queued(join(&a, &k, two, &q3).await);
+    let permit = |t: &Token| Notice::Offered(Space::Semaphores, k.clone(), t.clone());
+    a.release(Space::Semaphores, &k, &p1.token).await.unwrap();
+    told(&mut a_told, &permit(&q1.token)).await;
+    // One place freed, one offer: q2 still waits.
+    join_queued(join(&a, &k, two, &q2).await);
+    assert_eq!(
+        a.permits(&k).await.unwrap().holders.len(),
+        2,
+        "the offer counts"
+    );
+    a.release(Space::Semaphores, &k, &p2.token).await.unwrap();
+    told(&mut a_told, &permit(&q2.token)).await;
+    let g1 = joined(join(&a, &k, two, &q1).await);
+    let g2 = joined(join(&a, &k, two, &q2).await);
+    assert!(g2.fence > g1.fence && g1.fence > p2.fence);
+    join_queued(join(&a, &k, two, &q3).await);
+}
+
+#[tokio::test]
+async fn an_offer_answers_no_request_id_repeat_until_it_is_taken_and_dead_bids_are_skipped() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("jobs");
+    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    let impatient = bid(5_000, 150);
+    let with_id = Bid {
+        request_id: Some(RequestId::parse("job-1").unwrap()),
+        ..bid(5_000, 10_000)
+    };
+    queued(claim(&a, &k, &impatient).await);
+    queued(claim(&a, &k, &with_id).await);
+    // The first bid's wait runs out in the queue; the release skips it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a.release(Space::Locks, &k, &holder.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &with_id.token)).await;
+    // A repeat of the acquire (a new token, the same request id) does not get the offer.
+    let repeat = Bid {
+        token: Token::generate(),
+        ..with_id.clone()
+    };
+    queued(claim(&a, &k, &repeat).await);
+    let lease = granted(claim(&a, &k, &with_id).await);
+    let again = granted(
+        claim(
+            &a,
+            &k,
+            &Bid {
+                wait_ms: 0,
+                ..repeat
+            },
+        )
+        .await,
+    );
+    assert_eq!((again.token, again.fence), (lease.token, lease.fence));
+}
+
+#[tokio::test]
+async fn an_uncontended_cycle_costs_one_script_each_way_and_a_contended_acquisition_three() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let (b, mut b_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("counted");
+    granted(claim(&a, &k, &bid(1_000, 0)).await);
+    let mut redis_conn = conn(&redis).await;
+    let evalsha = async |c: &mut redis::aio::MultiplexedConnection| -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(c)
+            .await
+            .unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+            .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+    };
+    let k2 = key("uncontended");
+    let before = evalsha(&mut redis_conn).await;
+    for _ in 0..10 {
+        let lease = granted(a.claim(&k2, &bid(1_000, 5_000)).await.unwrap());
+        a.release(Space::Locks, &k2, &lease.token).await.unwrap();
+    }
+    assert_eq!(evalsha(&mut redis_conn).await - before, 20);
+    println!("uncontended: 2 EVALSHA per acquire + release");
+
+    // Contended: the holder on A, a waiter on B; per acquisition: the claim that queues, the
+    // claim that takes the offer, and the release that hands on.
+    let mut holder = granted(a.claim(&k2, &bid(10_000, 0)).await.unwrap());
+    let mut on = &a;
+    let before = evalsha(&mut redis_conn).await;
+    for i in 0..10 {
+        let (next, told_rx) = if i % 2 == 0 {
+            (&b, &mut b_told)
+        } else {
+            (&a, &mut a_told)
+        };
+        let waiter = bid(10_000, 10_000);
+        queued(next.claim(&k2, &waiter).await.unwrap());
+        on.release(Space::Locks, &k2, &holder.token).await.unwrap();
+        told(told_rx, &offered(&k2, &waiter.token)).await;
+        holder = granted(next.claim(&k2, &waiter).await.unwrap());
+        on = next;
+    }
+    let per = (evalsha(&mut redis_conn).await - before) as f64 / 10.0;
+    println!("contended: {per} EVALSHA per acquisition");
+    assert_eq!(per, 3.0);
+}
+
+#[tokio::test]
+async fn a_marker_of_a_newer_layout_stops_grants_with_a_clear_error() {
+    let redis = RedisServer::start().await;
+    let (a, _told) = broker(&redis, Duration::from_secs(2));
+    let k = key("upgraded");
+    granted(claim(&a, &k, &bid(1_000, 0)).await);
+    let mut c = conn(&redis).await;
+    let layout: u32 = c.hget("q:epoch", "layout").await.unwrap();
+    assert_eq!(layout, 2, "the marker records this broker's layout");
+    let () = c.hset("q:epoch", "layout", 3).await.unwrap();
+    match a.claim(&key("other"), &bid(1_000, 0)).await {
+        Err(StoreError::Failed(words)) => {
+            assert!(words.contains("newer store layout (3)"), "{words}");
+            assert!(words.contains("upgrade this broker"), "{words}");
+        }
+        other => panic!("a newer layout must stop grants: {other:?}"),
+    }
+    assert!(matches!(
+        a.join(&k, Pool::Shared, &bid(1_000, 0)).await,
+        Err(StoreError::Failed(_))
+    ));
+    // The broker says it is not ready (its epoch check reads the marker), and the check does
+    // not lower the layout.
+    assert!(matches!(a.ready().await, Err(StoreError::Failed(words)) if words.contains("(3)")));
+    let layout: u32 = c.hget("q:epoch", "layout").await.unwrap();
+    assert_eq!(layout, 3);
+}
+
+#[tokio::test]
+async fn a_lease_an_older_broker_wrote_is_released_with_the_notice_older_brokers_read() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("legacy");
+    // Settle first; then write the lease as a broker of layout 1 leaves it (no `by`).
+    let warm = granted(claim(&a, &k, &bid(1_000, 0)).await);
+    a.release(Space::Locks, &k, &warm.token).await.unwrap();
+    let mut c = conn(&redis).await;
+    let now_ms: u64 = {
+        let (s, us): (u64, u64) = redis::cmd("TIME").query_async(&mut c).await.unwrap();
+        s * 1000 + us / 1000
+    };
+    let old = Token::generate();
+    let fence = warm.fence + 1;
+    let () = redis::cmd("HSET")
+        .arg("q:{legacy}:lock")
+        .arg(&[
+            ("token", old.as_str().to_owned()),
+            ("fence", fence.to_string()),
+            ("expires_at", (now_ms + 10_000).to_string()),
+            ("ttl", "10000".to_owned()),
+            ("granted_at", now_ms.to_string()),
+        ])
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let waiter = bid(5_000, 10_000);
+    queued(claim(&a, &k, &waiter).await);
+    let mut pubsub = redis::Client::open(redis.url())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    pubsub.subscribe("q:released").await.unwrap();
+    let mut messages = pubsub.on_message();
+    assert!(matches!(
+        a.release(Space::Locks, &k, &old).await.unwrap(),
+        Holder::Done(_)
+    ));
+    use futures_util::StreamExt;
+    let message = tokio::time::timeout(Duration::from_secs(5), messages.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        message.get_payload::<String>().unwrap(),
+        format!("legacy {fence}")
+    );
+    told(&mut a_told, &offered(&k, &waiter.token)).await;
+}
+
+#[tokio::test]
+async fn a_store_loss_tells_every_waiter_to_ask_again() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("lost");
+    granted(claim(&a, &k, &bid(20_000, 0)).await);
+    queued(claim(&a, &k, &bid(5_000, 20_000)).await);
+    drain(&mut a_told).await;
+    redis.flushall().await;
+    told(&mut a_told, &Notice::Missed).await;
+}
+
+/// Waits (at most 3 s) until `store` remembers no lease; false if it still does then.
+async fn ledger_empties(store: &RedisStore) -> bool {
+    let started = std::time::Instant::now();
+    while store.ledger_len() > 0 {
+        if started.elapsed() > Duration::from_secs(3) {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn force_releases_racing_renewals_leave_nothing_in_the_ledger_to_put_back() {
+    let redis = RedisServer::start().await;
+    let (a, _a_told) = broker(&redis, Duration::from_secs(2));
+    let (b, _b_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("raced");
+    granted(claim(&a, &k, &bid(1_000, 0)).await);
+    a.force_release(Space::Locks, &k).await.unwrap();
+    assert!(ledger_empties(&a).await);
+    // Each round: A holds a long lease; A renews it while a force release (on B, or on A
+    // itself) ends it. Whichever Redis runs first, A's ledger must end up without the lease:
+    // a renewal answered after the end's notice must not bring it back.
+    for round in 0..60 {
+        let lease = granted(a.claim(&k, &bid(60_000, 0)).await.unwrap());
+        let forcer = if round % 2 == 0 { b.clone() } else { a.clone() };
+        // Two tasks, so that either answer may be handled first.
+        let renewal = {
+            let (a, k, token) = (a.clone(), k.clone(), lease.token.clone());
+            tokio::spawn(async move {
+                a.renew(Space::Locks, &k, &token, Ttl::from_ms(60_000))
+                    .await
+            })
+        };
+        let force = {
+            let k = k.clone();
+            tokio::spawn(async move { forcer.force_release(Space::Locks, &k).await })
+        };
+        let (renewed, forced) = (renewal.await.unwrap(), force.await.unwrap());
+        assert!(matches!(
+            renewed.unwrap(),
+            Holder::Done(_) | Holder::NotHeld
+        ));
+        assert_eq!(forced.unwrap(), Holder::Done(vec![lease.fence]));
+        assert!(
+            ledger_empties(&a).await,
+            "round {round}: the force-released lease stayed in the ledger"
+        );
+    }
+}
+
+/// A claim as a broker of store layout 1 (before the queue) runs it: its script verbatim.
+async fn layout1_claim(
+    c: &mut redis::aio::MultiplexedConnection,
+    k: &str,
+    token: &Token,
+    waits: bool,
+) -> Vec<redis::Value> {
+    let epoch: String = c.hget("q:epoch", "id").await.unwrap();
+    redis::cmd("EVAL")
+        .arg(include_str!("layout1/claim.lua"))
+        .arg(6)
+        .arg(format!("q:{{{k}}}:lock"))
+        .arg(format!("q:{{{k}}}:fence"))
+        .arg("q:epoch")
+        .arg(format!("q:{{{k}}}:shared"))
+        .arg(format!("q:{{{k}}}:shared:ends"))
+        .arg(format!("q:{{{k}}}:writers"))
+        .arg(token.as_str())
+        .arg(10_000)
+        .arg("0")
+        .arg("")
+        .arg(60_000)
+        .arg(epoch)
+        .arg("")
+        .arg(if waits { "1" } else { "0" })
+        .query_async(c)
+        .await
+        .unwrap()
+}
+
+fn code(reply: &[redis::Value]) -> i64 {
+    match reply.first() {
+        Some(redis::Value::Int(code)) => *code,
+        other => panic!("a reply code, not {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn brokers_of_layouts_1_and_2_on_one_store_never_both_grant_a_key() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let mut c = conn(&redis).await;
+    let k = key("mixed");
+    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    let waiter = bid(10_000, 10_000);
+    queued(claim(&a, &k, &waiter).await);
+    // Held by layout 2: layout 1 is refused, waiting or not.
+    assert_eq!(
+        code(&layout1_claim(&mut c, "mixed", &Token::generate(), true).await),
+        0
+    );
+    // Offered to the queue's head, not yet taken: the offer is a lease to layout 1 too.
+    a.release(Space::Locks, &k, &holder.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &waiter.token)).await;
+    assert_eq!(
+        code(&layout1_claim(&mut c, "mixed", &Token::generate(), false).await),
+        0
+    );
+    let taken = granted(claim(&a, &k, &waiter).await);
+    assert_eq!(
+        code(&layout1_claim(&mut c, "mixed", &Token::generate(), false).await),
+        0
+    );
+    a.release(Space::Locks, &k, &taken.token).await.unwrap();
+    // Free and nobody queued: layout 1 grants, with a higher fence; layout 2 then queues
+    // behind its lease, or is refused, and never grants over it.
+    let old = Token::generate();
+    let reply = layout1_claim(&mut c, "mixed", &old, false).await;
+    assert_eq!(code(&reply), 1);
+    let old_fence: u64 = redis::from_redis_value(reply[1].clone()).unwrap();
+    assert!(old_fence > taken.fence);
+    assert_eq!(claim(&a, &k, &bid(1_000, 0)).await, GrantAnswer::Refused);
+    let next = bid(10_000, 10_000);
+    queued(claim(&a, &k, &next).await);
+    // Layout 2 releases the layout 1 lease (by its token) and hands the key on.
+    assert!(matches!(
+        a.release(Space::Locks, &k, &old).await.unwrap(),
+        Holder::Done(_)
+    ));
+    told(&mut a_told, &offered(&k, &next.token)).await;
+    assert!(granted(claim(&a, &k, &next).await).fence > old_fence);
+}
