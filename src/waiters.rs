@@ -110,8 +110,6 @@ impl Waiters {
                     waiters.ask_all(Some(&(space, key)));
                 }
                 Notice::Missed => waiters.ask_all(None),
-                // Transitional: a store that still announces releases wakes the key's waiters.
-                Notice::Released(space, key) => waiters.ask_all(Some(&(space, key))),
             }
         }
     }

@@ -47,12 +47,6 @@ impl Bid {
     }
 }
 
-/// Transitional, until the queue lands: how long a waiting exclusive bid's intent holds new
-/// shared acquires back. Only the Redis scripts' test still reads it (the embedded store queues
-/// instead); it goes with the Redis store's intents.
-#[cfg(test)]
-pub(crate) const WRITER_INTENT_MS: u64 = 2_000;
-
 /// The key spaces: a lock and a semaphore of the same name are unrelated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Space {
@@ -276,8 +270,6 @@ pub enum Notice {
     /// This broker's queued bids on the key were dropped from the queue (an offer to one of
     /// them lapsed): each of its waiters on the key asks again, joining the queue anew.
     Requeue(Space, LockKey),
-    /// Transitional, until the queue lands: the key's lease was released; waiters look again.
-    Released(Space, LockKey),
     /// Notices may have been missed (the notice connection was down), or the store lost its
     /// queues (a loss): every waiter asks again, which puts it back in its key's queue.
     Missed,

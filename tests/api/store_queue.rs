@@ -669,3 +669,25 @@ async fn brokers_of_layouts_1_and_2_on_one_store_never_both_grant_a_key() {
     told(&mut a_told, &offered(&k, &next.token)).await;
     assert!(granted(claim(&a, &k, &next).await).fence > old_fence);
 }
+
+#[tokio::test]
+async fn an_exclusive_head_that_leaves_lets_the_shared_bids_behind_it_in_at_once() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_notices) = broker(&redis, Duration::from_secs(2));
+    let k = key("leaving-writer");
+    // A shared holder; an exclusive bid queues behind it, and a shared bid behind that.
+    joined(join(&a, &k, Pool::Shared, &bid(60_000, 0)).await);
+    let writer = bid(10_000, 30_000);
+    queued(claim(&a, &k, &writer).await);
+    let reader = bid(10_000, 30_000);
+    join_queued(join(&a, &k, Pool::Shared, &reader).await);
+    // The writer's client goes away: the reader is offered a shared lease beside the holder in
+    // that step, not when the holder's lease ends a minute later.
+    a.leave(Space::Locks, &k, &writer.token).await.unwrap();
+    told(
+        &mut a_notices,
+        &Notice::Offered(Space::Locks, k.clone(), reader.token.clone()),
+    )
+    .await;
+    joined(join(&a, &k, Pool::Shared, &reader).await);
+}

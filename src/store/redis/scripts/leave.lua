@@ -1,13 +1,15 @@
 -- LEAVE: a queued bid stops waiting. Its queue entry goes; an offer made to it and not taken
 -- ends, and the key is handed on to the next in line in the same step. A lease its token holds
--- (a taken offer, a grant) is left alone.
+-- (a taken offer, a grant) is left alone. A queued bid that leaves is handed on after too: an
+-- exclusive bid at the head may have been all that held the shared bids behind it back.
 --
 -- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua and lib/queue.lua. Its call:
 -- `Leave` in scripts/holder.rs.
 -- KEYS: as lib/queue.lua's. ARGV: as `holder_context`'s.
 -- Replies 1 if an offer ended, else 0.
 local now = now_us()
-if redis.call('ZREM', QUEUE, ARGV[1]) == 1 then redis.call('HDEL', BIDS, ARGV[1]) end
+local queued = redis.call('ZREM', QUEUE, ARGV[1]) == 1
+if queued then redis.call('HDEL', BIDS, ARGV[1]) end
 local offer = false
 if EXCL then
   local v = redis.call('HMGET', LOCK, 'token', 'offered')
@@ -20,6 +22,6 @@ if (not offer) and redis.call('HEXISTS', POOL, '!' .. ARGV[1]) == 1 then
   drop_holder(POOL, ENDS, ARGV[1])
   offer = true
 end
-if not offer then return 0 end
-hand_on(holder_context(now), nil)
-return 1
+if offer or queued then hand_on(holder_context(now), nil) end
+if offer then return 1 end
+return 0
