@@ -1,11 +1,9 @@
 //! Extractors that turn a request into domain values, with every rejection in the API's error
 //! format: the lock key from the path, and parameters from the query string and a JSON body.
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::header;
 use axum::http::request::Parts;
-use axum::http::{StatusCode, header};
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
@@ -44,7 +42,7 @@ pub struct Params<T> {
 impl<S: Send + Sync, T: Parameters> FromRequest<S> for Params<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
         let query = req.uri().query().unwrap_or("").to_owned();
         let token_header = match req.headers().get(LOCK_TOKEN_HEADER) {
             None => None,
@@ -59,10 +57,12 @@ impl<S: Send + Sync, T: Parameters> FromRequest<S> for Params<T> {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(is_json_content_type);
-        let bytes = Bytes::from_request(req, state)
+        // Read up to the limit here rather than through axum's `DefaultBodyLimit` layer, which
+        // would store the limit in every request's extensions.
+        let bytes = axum::body::to_bytes(req.into_body(), BODY_LIMIT)
             .await
-            .map_err(|e: BytesRejection| {
-                if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            .map_err(|e| {
+                if e.into_inner().is::<http_body_util::LengthLimitError>() {
                     ApiError::payload_too_large(BODY_LIMIT)
                 } else {
                     ApiError::invalid("The request body could not be read.")
