@@ -5,7 +5,7 @@
 //! shapes its answer; every refusal is an [`ApiError`].
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -70,6 +70,26 @@ impl<'a> GrantBody<'a> {
         }
     }
 }
+
+/// A grant's answer: `body` as JSON, written straight into a buffer of the size a grant takes
+/// (axum's `Json` starts smaller, so a grant grows its buffer once, and writes through a
+/// `BytesMut` writer piece by piece).
+pub(super) fn grant_response(status: StatusCode, body: &GrantBody<'_>) -> Response {
+    let mut json = Vec::with_capacity(GRANT_CAPACITY);
+    serde_json::to_writer(&mut json, body).expect("a grant serializes to JSON");
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        json,
+    )
+        .into_response()
+}
+
+/// Room for a grant's JSON with a long key and token (both at most a few hundred bytes).
+const GRANT_CAPACITY: usize = 256;
 
 /// Who holds a lock and until when. Never a token.
 #[derive(Serialize, ToSchema)]
@@ -185,7 +205,10 @@ pub(super) async fn acquire<S: Store>(
         &state.limits,
     )?;
     let lease = state.locks.acquire(&key, request).await?;
-    Ok((StatusCode::CREATED, Json(GrantBody::new(&key, &lease))).into_response())
+    Ok(grant_response(
+        StatusCode::CREATED,
+        &GrantBody::new(&key, &lease),
+    ))
 }
 
 /// Release a lock
@@ -279,7 +302,10 @@ pub(super) async fn renew<S: Store>(
     let token = token(params.token_header, params.values.token)?;
     let ttl = ttl_param(params.values.ttl_ms, &state.limits)?;
     let lease = state.locks.renew(Space::Locks, &key, &token, ttl).await?;
-    Ok(Json(GrantBody::new(&key, &lease)).into_response())
+    Ok(grant_response(
+        StatusCode::OK,
+        &GrantBody::new(&key, &lease),
+    ))
 }
 
 /// Inspect a lock
