@@ -67,6 +67,10 @@ enum Command {
 async fn main() -> ExitCode {
     match Cli::parse().command {
         Command::Serve(args) => report(serve(*args).await),
+        Command::Bench(BenchArgs {
+            tool: Some(bench::BenchTool::FloorProxy(args)),
+            ..
+        }) => report(bench::floor_proxy::serve(args).await),
         Command::Bench(args) => match args.ledger {
             Some(leases) => {
                 let cost = lockbroker::store::ledger_cost(leases);

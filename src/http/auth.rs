@@ -231,17 +231,3 @@ fn forbidden_message(client: &Client, action: Action<'_>) -> String {
         }
     }
 }
-
-/// A body announced larger than the limit is refused at once, before it is read: waiting for
-/// a `Content-Length` of a terabyte would hold the request open for ever.
-pub(super) async fn refuse_oversized_body(request: Request, next: Next) -> Response {
-    let announced = request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    if announced.is_some_and(|len| len > BODY_LIMIT as u64) {
-        return ApiError::payload_too_large(BODY_LIMIT).into_response();
-    }
-    next.run(request).await
-}

@@ -4,7 +4,7 @@
 //! handlers from that space's paths, operation ids, types and words.
 
 use axum::Json;
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
@@ -57,7 +57,10 @@ pub(super) async fn acquire<L: LeaseSpace, S: Store>(
         Kind::Exclusive | Kind::Shared => None,
     };
     let lease = state.locks.acquire(key, request).await?;
-    Ok((StatusCode::CREATED, Json(L::grant(key, &lease, limit))).into_response())
+    Ok(grant_response(
+        StatusCode::CREATED,
+        &L::grant(key, &lease, limit),
+    ))
 }
 
 /// A release by token, or by force: `204`.
@@ -95,8 +98,31 @@ pub(super) async fn renew<L: LeaseSpace, S: Store>(
     let token = token(params.token_header, params.values.token)?;
     let ttl = ttl_param(params.values.ttl_ms, &state.limits)?;
     let lease = state.locks.renew(L::SPACE, key, &token, ttl).await?;
-    Ok(Json(L::grant(key, &lease, lease.limit)).into_response())
+    Ok(grant_response(
+        StatusCode::OK,
+        &L::grant(key, &lease, lease.limit),
+    ))
 }
+
+/// A grant's answer: `body` as JSON, written straight into a buffer of the size a grant takes
+/// (axum's `Json` starts smaller, so a grant grows its buffer once, and writes through a
+/// `BytesMut` writer piece by piece).
+fn grant_response(status: StatusCode, body: &impl Serialize) -> Response {
+    let mut json = Vec::with_capacity(GRANT_CAPACITY);
+    serde_json::to_writer(&mut json, body).expect("a grant serializes to JSON");
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        json,
+    )
+        .into_response()
+}
+
+/// Room for a grant's JSON with a long key and token (both at most a few hundred bytes).
+const GRANT_CAPACITY: usize = 256;
 
 /// An inspect: `200` with the live leases.
 pub(super) async fn inspect<L: LeaseSpace, S: Store>(

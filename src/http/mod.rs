@@ -5,6 +5,7 @@
 
 pub mod auth;
 pub mod error;
+mod gate;
 mod leases;
 mod locks;
 pub mod openapi;
@@ -13,21 +14,13 @@ pub mod params;
 mod requests;
 mod semaphores;
 
-use std::sync::Arc;
-use std::time::Duration;
-
 use axum::Router;
-use axum::extract::DefaultBodyLimit;
 use axum::middleware;
-use axum::response::Response;
-use tower_http::trace::TraceLayer;
 
-use crate::lock::{LockService, Outage};
+use crate::lock::LockService;
 use crate::store::Store;
 pub use auth::Auth;
 pub use error::ApiError;
-use error::Expected;
-use params::BODY_LIMIT;
 
 /// Every route `router` serves, as (method, path in OpenAPI's syntax); a `GET` route also
 /// answers `HEAD`. `GET /openapi.json` documents exactly these. `tests/api/openapi.rs` checks
@@ -97,43 +90,9 @@ pub fn router<S: Store>(state: AppState<S>) -> Router {
         .merge(ops::ops_router(operations_guard))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
-        .layer(middleware::from_fn(auth::refuse_oversized_body))
-        .layer(
-            TraceLayer::new_for_http()
-                .make_span_with(request_span)
-                .on_response(answer_logger(state.locks.outage().clone()))
-                // A 5xx is logged by `answer_logger`, which knows an expected 503 from a bug.
-                .on_failure(()),
-        )
+        // Refuses oversized bodies, keeps each request in its span and logs each answer.
+        .layer(gate::Gate::new(state.locks.outage().clone()))
         .with_state(state)
-}
-
-/// Logs each answer: at DEBUG as tower-http does by default; a 5xx that is not one of the API's
-/// answers (a bug) at ERROR. The API's own 503s (the store out or holding, a full wait queue, a
-/// shutdown) are expected: those of an outage are counted into it, which is logged once when it
-/// begins and once when it ends (see [`crate::lock::Outage`]), so a Redis restart pages nobody.
-fn answer_logger(
-    outage: Arc<Outage>,
-) -> impl Fn(&Response, Duration, &tracing::Span) + Clone + Send + Sync + 'static {
-    move |response: &Response, latency: Duration, _span: &tracing::Span| {
-        let status = response.status();
-        let latency_ms = latency.as_millis();
-        match response.extensions().get::<Expected>() {
-            Some(expected) => {
-                // Counted into the outage in progress; outside one there is nothing to count
-                // into (the count starts again with the next).
-                if expected.store_unavailable && outage.is_down() {
-                    outage.refused();
-                }
-                tracing::debug!(%status, latency_ms, "answered");
-            }
-            None if status.is_server_error() => {
-                tracing::error!(%status, latency_ms, "answered with a server error");
-            }
-            None => tracing::debug!(%status, latency_ms, "answered"),
-        }
-    }
 }
 
 /// The lock routes' own layer: auth, as `routes.route_layer(…)`, so that it guards the lock
@@ -151,15 +110,4 @@ fn guard_lock_routes<S: Store>(
         }
         None => routes,
     }
-}
-
-/// The span of one request: method and path, never the query string, which may carry a token;
-/// with auth, the name of the token that sent it (recorded by the auth layer), never the token.
-fn request_span(request: &axum::http::Request<axum::body::Body>) -> tracing::Span {
-    tracing::debug_span!(
-        "request",
-        method = %request.method(),
-        path = %request.uri().path(),
-        token = tracing::field::Empty,
-    )
 }

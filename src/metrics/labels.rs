@@ -102,6 +102,9 @@ pub(super) struct ByResult<L> {
     pub(super) family: Family<L, Counter>,
     /// The result label of each result (`AcquireResult` or `HolderResult`, as `usize`).
     pub(super) results: &'static [&'static str],
+    /// The series created up front, by their labels: a count goes straight to its counter
+    /// instead of hashing its labels into the family's map under its lock.
+    handles: Vec<(L, Counter)>,
 }
 
 impl<L: EncodeLabelSet + Clone + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync + 'static>
@@ -116,10 +119,31 @@ impl<L: EncodeLabelSet + Clone + Eq + std::hash::Hash + std::fmt::Debug + Send +
     ) -> Self {
         let family = Family::<L, Counter>::default();
         registry.register(name, help, family.clone());
-        for labels in series {
-            let _ = family.get_or_create(&labels);
+        let handles = series
+            .into_iter()
+            .map(|labels| {
+                let counter = family.get_or_create(&labels).clone();
+                (labels, counter)
+            })
+            .collect();
+        Self {
+            family,
+            results,
+            handles,
         }
-        Self { family, results }
+    }
+
+    /// Counts one for `labels`: on its counter made up front (a few series, compared by
+    /// their `&'static str` labels), or through the family for any other.
+    pub(super) fn inc(&self, labels: &L) {
+        match self.handles.iter().find(|(l, _)| l == labels) {
+            Some((_, counter)) => {
+                counter.inc();
+            }
+            None => {
+                self.family.get_or_create(labels).inc();
+            }
+        }
     }
 }
 

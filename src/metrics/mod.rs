@@ -3,6 +3,7 @@
 //! wait and hold times, renewals, releases and force releases by key space (locks, semaphores)
 //! and result, takeovers of expired leases, store errors and latency, current waiters.
 
+use std::sync::OnceLock;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
@@ -38,8 +39,11 @@ pub struct Metrics {
     releases: ByResult<SpaceLabels>,
     force_releases: ByResult<SpaceLabels>,
     takeovers: Counter,
-    store_errors: Family<OpLabels, Counter>,
+    /// Each primitive's error counter, made up front (by `StoreOp as usize`).
+    store_errors_by_op: [Counter; StoreOp::ALL.len()],
     store_latency: Family<OpLabels, Histogram, fn() -> Histogram>,
+    /// Each primitive's latency histogram once it has been called (by `StoreOp as usize`).
+    store_latency_by_op: [OnceLock<Histogram>; StoreOp::ALL.len()],
     waiters: Gauge,
     queued: Family<QueueLabels, Gauge>,
     handoffs: Family<QueueLabels, Counter>,
@@ -156,9 +160,8 @@ impl Default for Metrics {
         );
         let store_errors = Family::<OpLabels, Counter>::default();
         // Every series from the start, so the first error is an increase Prometheus sees.
-        for op in StoreOp::ALL {
-            let _ = store_errors.get_or_create(&OpLabels { op });
-        }
+        let store_errors_by_op =
+            StoreOp::ALL.map(|op| store_errors.get_or_create(&OpLabels { op }).clone());
         registry.register(
             "lockbroker_store_errors",
             "Store calls that failed or timed out, by primitive",
@@ -265,8 +268,9 @@ impl Default for Metrics {
             releases,
             force_releases,
             takeovers,
-            store_errors,
+            store_errors_by_op,
             store_latency,
+            store_latency_by_op: Default::default(),
             waiters,
             queued,
             handoffs,
@@ -284,13 +288,10 @@ impl Default for Metrics {
 impl Metrics {
     pub fn acquired(&self, kind: Kind, result: AcquireResult, waited: Duration) {
         let acquisitions = &self.acquisitions;
-        acquisitions
-            .family
-            .get_or_create(&KindLabels {
-                kind: kind_label(kind),
-                result: acquisitions.results[result as usize],
-            })
-            .inc();
+        acquisitions.inc(&KindLabels {
+            kind: kind_label(kind),
+            result: acquisitions.results[result as usize],
+        });
         if let AcquireResult::Granted = result {
             self.acquire_wait.observe(waited.as_secs_f64());
         }
@@ -318,13 +319,10 @@ impl Metrics {
     }
 
     fn count(counters: &ByResult<SpaceLabels>, space: Space, result: usize) {
-        counters
-            .family
-            .get_or_create(&SpaceLabels {
-                space: space_label(space),
-                result: counters.results[result],
-            })
-            .inc();
+        counters.inc(&SpaceLabels {
+            space: space_label(space),
+            result: counters.results[result],
+        });
     }
 
     /// A grant to a waiter that came through the key's queue.
@@ -350,12 +348,13 @@ impl Metrics {
     }
 
     pub fn store_call(&self, op: StoreOp, took: Duration, failed: bool) {
-        let labels = OpLabels { op };
-        self.store_latency
-            .get_or_create(&labels)
-            .observe(took.as_secs_f64());
+        // A primitive's histogram is in the family from its first call on (so /metrics shows
+        // the primitives this broker used), and kept at hand after that.
+        let latency = self.store_latency_by_op[op as usize]
+            .get_or_init(|| self.store_latency.get_or_create(&OpLabels { op }).clone());
+        latency.observe(took.as_secs_f64());
         if failed {
-            self.store_errors.get_or_create(&labels).inc();
+            self.store_errors_by_op[op as usize].inc();
         }
     }
 

@@ -56,3 +56,11 @@ fn the_exposition_names_every_series_the_docs_promise() {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
 }
+
+#[test]
+fn store_ops_are_listed_in_their_declaration_order() {
+    // `store_call` finds a primitive's series at `op as usize` in arrays built from `ALL`.
+    for (i, op) in StoreOp::ALL.iter().enumerate() {
+        assert_eq!(*op as usize, i, "{op:?}");
+    }
+}

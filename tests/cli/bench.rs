@@ -1,7 +1,8 @@
 //! `lockbroker bench` end to end, briefly, against a broker on a real Redis: every phase runs
 //! and completes cycles without an error, the raw Redis phase makes its two round trips per
-//! cycle, the summary carries both ratios, and the lean HTTP client sends the bearer token to a
-//! broker with an auth file. No figure is asserted: figures belong to the machine.
+//! cycle, the summary carries both ratios, the lean HTTP client sends the bearer token to a
+//! broker with an auth file, and `--floor --breakdown` runs the broker beside the minimal proxy
+//! and reads their Redis calls. No figure is asserted: figures belong to the machine.
 
 use lockbroker_test_support::app::{spawn_app, spawn_app_with};
 use lockbroker_test_support::auth_entry;
@@ -205,4 +206,98 @@ async fn fleet_bench_spreads_the_clients_over_every_broker_and_counts_each_acqui
             .sum()
     };
     assert_eq!(granted[0] - granted[1], share(0) - share(1), "{summary}");
+}
+
+/// The commands of one step of a `--breakdown`, by name, with their calls per lock.
+fn step_calls(step: &Value) -> Vec<(String, f64)> {
+    step["commands"]
+        .as_array()
+        .expect("commands")
+        .iter()
+        .map(|c| {
+            (
+                c["command"].as_str().expect("a name").to_owned(),
+                c["calls"].as_f64().expect("calls"),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn floor_runs_the_broker_and_the_minimal_proxy_and_breaks_down_their_redis_calls() {
+    let redis = RedisServer::start().await;
+    // The broker runs in this test's process: the bench finds it by its port.
+    let app = spawn_app(Some(redis.url())).await;
+    let summary = bench(
+        &app.url(""),
+        &redis.url(),
+        &[
+            "--floor",
+            "--rounds",
+            "2",
+            "--breakdown",
+            "--breakdown-locks",
+            "30",
+            "--leftover-duration",
+            "300ms",
+        ],
+    )
+    .await;
+
+    let floor = &summary["floor"];
+    let rounds = floor["rounds"].as_array().expect("rounds");
+    assert_eq!(rounds.len(), 2, "{floor}");
+    for run in rounds.iter().flat_map(|r| [&r["broker"], &r["proxy"]]) {
+        assert!(
+            run["cycles_per_sec"].as_f64().expect("cycles/s") > 0.0,
+            "{run}"
+        );
+        assert_eq!(run["errors"], 0, "{run}");
+        for cost in ["server_cpu_us", "redis_cpu_us"] {
+            assert!(run[cost].as_f64().expect(cost) >= 0.0, "{run}");
+        }
+    }
+    let ratio = floor["cycles_ratio"].as_f64().expect("ratio");
+    let expected = floor["broker"]["cycles_per_sec"].as_f64().unwrap()
+        / floor["proxy"]["cycles_per_sec"].as_f64().unwrap();
+    assert!((ratio - expected).abs() < 1e-9, "{floor}");
+
+    // The proxy's cycle is the textbook one: SET, then one script that GETs and DELs.
+    let breakdown = summary["breakdown"].as_array().expect("breakdown");
+    let servers: Vec<_> = breakdown.iter().map(|b| b["server"].clone()).collect();
+    assert_eq!(servers, ["broker", "proxy"]);
+    let proxy = &breakdown[1];
+    let (acquire, release) = (&proxy["steps"][0], &proxy["steps"][1]);
+    assert_eq!(step_calls(acquire), [("set".to_owned(), 1.0)], "{proxy}");
+    let mut released = step_calls(release);
+    released.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(
+        released,
+        [
+            ("del".to_owned(), 1.0),
+            ("evalsha".to_owned(), 1.0),
+            ("get".to_owned(), 1.0)
+        ],
+        "{proxy}"
+    );
+    assert!(acquire["script_overhead_usec"].is_null(), "{proxy}");
+    // The broker: a script call per step (its background epoch check may add one to a step),
+    // and the commands the scripts call beside it.
+    for step in breakdown[0]["steps"].as_array().unwrap() {
+        let calls = step_calls(step);
+        assert_eq!(calls[0].0, "evalsha", "{step}");
+        assert!((1.0..1.5).contains(&calls[0].1), "{step}");
+        assert!(calls.len() > 1, "{step}");
+    }
+
+    // A released proxy lock leaves no key behind.
+    let leftover = summary["leftover"].as_array().expect("leftover");
+    assert_eq!(leftover.len(), 2, "{summary}");
+    let proxy = &leftover[1];
+    assert_eq!(proxy["server"], "proxy");
+    assert!(proxy["cycles"].as_u64().unwrap() > 0, "{proxy}");
+    assert!(
+        proxy["keys_after"].as_i64().unwrap() <= proxy["keys_before"].as_i64().unwrap(),
+        "{proxy}"
+    );
 }

@@ -78,14 +78,23 @@ impl LeanClient {
 
     /// Acquires at `path_and_query` and releases at `path`: one lock cycle.
     pub(super) async fn cycle(&mut self, path: &str, path_and_query: &str) -> anyhow::Result<()> {
+        let token = self.acquire(path_and_query).await?;
+        self.release(path, &token).await
+    }
+
+    /// Acquires at `path_and_query`; returns the lease's token.
+    pub(super) async fn acquire(&mut self, path_and_query: &str) -> anyhow::Result<String> {
         let (status, body) = self.send(Method::POST, path_and_query, None).await?;
         if status != StatusCode::CREATED {
             bail!("acquire answered {status}");
         }
         let granted: Granted = serde_json::from_slice(&body)?;
-        let (status, _) = self
-            .send(Method::DELETE, path, Some(&granted.token))
-            .await?;
+        Ok(granted.token)
+    }
+
+    /// Releases the lease `token` holds at `path`.
+    pub(super) async fn release(&mut self, path: &str, token: &str) -> anyhow::Result<()> {
+        let (status, _) = self.send(Method::DELETE, path, Some(token)).await?;
         if status != StatusCode::NO_CONTENT {
             bail!("release answered {status}");
         }

@@ -16,8 +16,11 @@
 //! exclusive leases only (phase (d) is the same in every mode), and handoff is measured only
 //! where one holder follows another (an exclusive lease).
 
+mod breakdown;
 mod direct;
 mod fleet;
+mod floor;
+pub mod floor_proxy;
 mod http;
 mod lean;
 mod raw;
@@ -46,7 +49,11 @@ use lockbroker::store::redis::{ParsedUrl, RedisSettings, RedisUrl, Topology};
 
 /// `lockbroker bench` flags.
 #[derive(Debug, Clone, Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
+    /// A tool the bench runs as a process of its own.
+    #[command(subcommand)]
+    pub tool: Option<BenchTool>,
     /// The broker to load.
     #[arg(long, env = "LOCKBROKER_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
@@ -105,6 +112,42 @@ pub struct BenchArgs {
     /// process, and how long its periodic sweep and a put-back snapshot take.
     #[arg(long, value_name = "LEASES")]
     pub ledger: Option<usize>,
+    /// Instead of the phases: start the floor, a minimal HTTP lock proxy on the same Redis
+    /// (`SET NX PX`, a compare-and-delete, nothing else), and run the uncontended cycle against
+    /// the broker and the proxy in turn for --rounds rounds, printing cycles/s and the CPU per
+    /// cycle of each server process and of Redis. Needs --redis-url (one server) and a broker
+    /// on this machine.
+    #[arg(long, requires = "redis_url")]
+    pub floor: bool,
+    /// With --floor: rounds of the broker and the proxy, each run --duration long.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
+    /// With --floor: the broker's process id, for its CPU time [default: the process listening
+    /// on --url's port].
+    #[arg(long, value_name = "PID")]
+    pub broker_pid: Option<u32>,
+    /// Instead of the phases (or after --floor): where Redis's time goes in an uncontended
+    /// lock cycle, per step (acquire, release) and per command, scripts and the commands they
+    /// call apart (INFO commandstats, INFO cpu); then what unique-key cycles leave in Redis's
+    /// memory (INFO memory, DBSIZE). For the broker and for the floor proxy. Needs --redis-url
+    /// (one server).
+    #[arg(long, requires = "redis_url")]
+    pub breakdown: bool,
+    /// With --breakdown: locks taken and released for the per-command figures.
+    #[arg(long, default_value_t = 20_000)]
+    pub breakdown_locks: u64,
+    /// With --breakdown: how long to run unique-key cycles for the memory they leave (0s:
+    /// skip).
+    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
+    pub leftover_duration: Duration,
+}
+
+/// The tools `lockbroker bench` runs as processes of their own.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum BenchTool {
+    /// The floor `--floor` measures the broker against: a minimal HTTP lock proxy on Redis.
+    #[command(hide = true)]
+    FloorProxy(floor_proxy::FloorProxyArgs),
 }
 
 /// The lease a bench cycle takes.
@@ -219,6 +262,15 @@ pub struct Summary {
     pub broker_over_raw: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub waiters: Option<WaitersPhase>,
+    /// `--floor`: the broker beside the minimal proxy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub floor: Option<floor::FloorSummary>,
+    /// `--breakdown`: Redis's time per step and command, broker then proxy.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub breakdown: Vec<breakdown::Breakdown>,
+    /// `--breakdown`: what unique-key cycles left in Redis, broker then proxy.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub leftover: Vec<breakdown::Leftover>,
 }
 
 /// The parked-waiters phase.
@@ -268,6 +320,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         check_mode(&http, &base, &args, &run_id).await?;
     }
     let progress = std::io::stderr().is_terminal() && !args.json;
+    if args.floor || args.breakdown {
+        return run_floor(&http, &base, &redis, &args, &run_id, progress).await;
+    }
 
     let mut phases = Vec::new();
     let cost = RedisCost::start(&redis).await?;
@@ -336,11 +391,101 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         broker_over_direct,
         broker_over_raw,
         waiters,
+        floor: None,
+        breakdown: Vec::new(),
+        leftover: Vec::new(),
     };
     if args.json {
         crate::cli::out!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         print_table(&summary);
+    }
+    Ok(summary)
+}
+
+/// `--floor` and `--breakdown`: the broker and the minimal proxy side by side.
+async fn run_floor(
+    http: &reqwest::Client,
+    base: &str,
+    redis: &[redis::aio::MultiplexedConnection],
+    args: &BenchArgs,
+    run_id: &str,
+    progress: bool,
+) -> anyhow::Result<Summary> {
+    let url = args
+        .redis_url
+        .as_deref()
+        .expect("--floor requires --redis-url");
+    if ParsedUrl::parse(url)?.topology != Topology::Single {
+        bail!(
+            "--floor needs one Redis server: the proxy neither routes keys nor follows sentinels"
+        );
+    }
+    if args.mode != BenchMode::Exclusive {
+        bail!("--floor measures exclusive locks: the proxy has no shared leases or semaphores");
+    }
+    let proxy = floor::ProxyProcess::start(url).await?;
+    let mut summary = Summary {
+        mode: None,
+        limit: None,
+        phases: Vec::new(),
+        broker_over_direct: None,
+        broker_over_raw: None,
+        waiters: None,
+        floor: None,
+        breakdown: Vec::new(),
+        leftover: Vec::new(),
+    };
+    if args.floor {
+        let broker_pid = match args.broker_pid {
+            Some(pid) => pid,
+            None => {
+                let port = reqwest::Url::parse(base)?
+                    .port_or_known_default()
+                    .context("--url has no port")?;
+                floor::pid_listening_on(port)?
+            }
+        };
+        let floor = floor::compare(
+            http, base, broker_pid, &proxy, redis, args, run_id, progress,
+        )
+        .await?;
+        if !args.json {
+            floor::print(&floor);
+        }
+        summary.floor = Some(floor);
+    }
+    if args.breakdown {
+        let node = &redis[0];
+        for (server, url) in [("broker", base), ("proxy", proxy.base.as_str())] {
+            let b = breakdown::per_command(server, url, node, args, run_id, args.breakdown_locks)
+                .await?;
+            if !args.json {
+                breakdown::print_breakdown(&b);
+            }
+            summary.breakdown.push(b);
+        }
+        if !args.leftover_duration.is_zero() {
+            for (server, url) in [("broker", base), ("proxy", proxy.base.as_str())] {
+                let l = breakdown::leftover(
+                    server,
+                    url,
+                    node,
+                    args,
+                    args.leftover_duration,
+                    run_id,
+                    progress,
+                )
+                .await?;
+                if !args.json {
+                    breakdown::print_leftover(&l);
+                }
+                summary.leftover.push(l);
+            }
+        }
+    }
+    if args.json {
+        crate::cli::out!("{}", serde_json::to_string_pretty(&summary)?);
     }
     Ok(summary)
 }
