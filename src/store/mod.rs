@@ -6,6 +6,7 @@
 //! made atomic where the recipe's version races, and each reading the time from the store's own clock, so that every broker sharing a
 //! store measures leases on one clock whatever its host's clock says.
 
+mod any;
 pub(crate) mod ledger;
 mod ledger_cost;
 pub(crate) mod memory;
@@ -15,6 +16,7 @@ use std::future::Future;
 
 use tokio::sync::mpsc;
 
+pub(crate) use any::AnyStore;
 pub use ledger_cost::{LedgerCost, ledger_cost};
 pub(crate) use memory::MemoryStore;
 pub use redis::RedisStore;
@@ -411,100 +413,5 @@ pub trait Store: Send + Sync + 'static {
     /// that cannot lose them).
     fn ledger_len(&self) -> usize {
         0
-    }
-}
-
-/// The store a running broker uses: chosen at start from the configuration.
-// One value per broker, behind an Arc: the size difference costs nothing, a Box an indirection.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum AnyStore {
-    Memory(MemoryStore),
-    Redis(RedisStore),
-}
-
-macro_rules! delegate {
-    ($self:ident, $s:ident => $call:expr) => {
-        match $self {
-            AnyStore::Memory($s) => $call.await,
-            AnyStore::Redis($s) => $call.await,
-        }
-    };
-}
-
-impl Store for AnyStore {
-    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
-        delegate!(self, s => s.claim(key, bid))
-    }
-
-    async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
-        delegate!(self, s => s.read(key))
-    }
-
-    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
-        delegate!(self, s => s.take_over(key, seen, bid))
-    }
-
-    async fn release(
-        &self,
-        space: Space,
-        key: &LockKey,
-        token: &Token,
-    ) -> StoreResult<Holder<Released>> {
-        delegate!(self, s => s.release(space, key, token))
-    }
-
-    async fn renew(
-        &self,
-        space: Space,
-        key: &LockKey,
-        token: &Token,
-        ttl: Ttl,
-    ) -> StoreResult<Holder<Lease>> {
-        delegate!(self, s => s.renew(space, key, token, ttl))
-    }
-
-    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
-        delegate!(self, s => s.join(key, pool, bid))
-    }
-
-    async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
-        delegate!(self, s => s.permits(key))
-    }
-
-    async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
-        delegate!(self, s => s.leave(space, key, token))
-    }
-
-    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
-        delegate!(self, s => s.force_release(space, key))
-    }
-
-    async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
-        delegate!(self, s => s.list(query))
-    }
-
-    fn cursor_pattern(&self) -> Option<&'static str> {
-        match self {
-            AnyStore::Memory(s) => s.cursor_pattern(),
-            AnyStore::Redis(s) => s.cursor_pattern(),
-        }
-    }
-
-    async fn ready(&self) -> StoreResult<Option<Hold>> {
-        delegate!(self, s => s.ready())
-    }
-
-    fn start(&self, notices: mpsc::Sender<Notice>) {
-        match self {
-            AnyStore::Memory(s) => s.start(notices),
-            AnyStore::Redis(s) => s.start(notices),
-        }
-    }
-
-    fn ledger_len(&self) -> usize {
-        match self {
-            AnyStore::Memory(s) => s.ledger_len(),
-            AnyStore::Redis(s) => s.ledger_len(),
-        }
     }
 }

@@ -16,9 +16,10 @@ use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use super::BenchArgs;
 use super::http::uncontended_http;
 use super::redis_stats::RedisCost;
+use super::{BenchArgs, BenchMode, Summary, breakdown};
+use lockbroker::store::redis::{ParsedUrl, Topology};
 use redis::aio::MultiplexedConnection;
 
 /// The proxy, running as a child of the bench; killed when dropped.
@@ -320,6 +321,93 @@ pub(super) fn print(summary: &FloorSummary) {
         "µs: CPU time (user+system) per cycle of the server process (/proc/<pid>/stat), of Redis \
          (INFO cpu) and of this load generator"
     );
+}
+
+/// `--floor` and `--breakdown`: the broker and the minimal proxy side by side.
+pub(super) async fn run_floor(
+    http: &reqwest::Client,
+    base: &str,
+    redis: &[redis::aio::MultiplexedConnection],
+    args: &BenchArgs,
+    run_id: &str,
+    progress: bool,
+) -> anyhow::Result<Summary> {
+    let url = args
+        .redis_url
+        .as_deref()
+        .expect("--floor requires --redis-url");
+    if ParsedUrl::parse(url)?.topology != Topology::Single {
+        bail!(
+            "--floor needs one Redis server: the proxy neither routes keys nor follows sentinels"
+        );
+    }
+    if args.mode != BenchMode::Exclusive {
+        bail!("--floor measures exclusive locks: the proxy has no shared leases or semaphores");
+    }
+    let proxy = ProxyProcess::start(url).await?;
+    let mut summary = Summary {
+        mode: None,
+        limit: None,
+        phases: Vec::new(),
+        broker_over_direct: None,
+        broker_over_raw: None,
+        waiters: None,
+        floor: None,
+        breakdown: Vec::new(),
+        leftover: Vec::new(),
+    };
+    if args.floor {
+        let broker_pid = match args.broker_pid {
+            Some(pid) => pid,
+            None => {
+                let port = reqwest::Url::parse(base)?
+                    .port_or_known_default()
+                    .context("--url has no port")?;
+                pid_listening_on(port)?
+            }
+        };
+        let floor = compare(
+            http, base, broker_pid, &proxy, redis, args, run_id, progress,
+        )
+        .await?;
+        if !args.json {
+            print(&floor);
+        }
+        summary.floor = Some(floor);
+    }
+    if args.breakdown {
+        let node = &redis[0];
+        for (server, url) in [("broker", base), ("proxy", proxy.base.as_str())] {
+            let b = breakdown::per_command(server, url, node, args, run_id, args.breakdown_locks)
+                .await?;
+            if !args.json {
+                breakdown::print_breakdown(&b);
+            }
+            summary.breakdown.push(b);
+        }
+        if !args.leftover_duration.is_zero() {
+            for (server, url) in [("broker", base), ("proxy", proxy.base.as_str())] {
+                let l = breakdown::leftover(
+                    server,
+                    url,
+                    node,
+                    args,
+                    args.leftover_duration,
+                    run_id,
+                    progress,
+                )
+                .await?;
+                if !args.json {
+                    breakdown::print_leftover(&l);
+                }
+                summary.leftover.push(l);
+            }
+        }
+    }
+    if args.json {
+        crate::cli::out!("{}", serde_json::to_string_pretty(&summary)?);
+    }
+    Ok(summary)
 }
 
 #[cfg(test)]

@@ -25,6 +25,7 @@ mod http;
 mod lean;
 mod raw;
 mod redis_stats;
+mod table;
 mod waiters;
 
 use std::io::IsTerminal;
@@ -38,9 +39,11 @@ use serde::Serialize;
 pub use self::fleet::run as run_fleet;
 
 use self::direct::uncontended_direct;
+use self::floor::run_floor;
 use self::http::{check_mode, hot_key_http, uncontended_http, wait_until_granting};
 use self::raw::uncontended_raw;
 use self::redis_stats::{RedisCost, data_nodes};
+use self::table::print_table;
 use self::waiters::park_waiters;
 use crate::cli::parse_limit;
 use lockbroker::domain::Token;
@@ -401,163 +404,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         print_table(&summary);
     }
     Ok(summary)
-}
-
-/// `--floor` and `--breakdown`: the broker and the minimal proxy side by side.
-async fn run_floor(
-    http: &reqwest::Client,
-    base: &str,
-    redis: &[redis::aio::MultiplexedConnection],
-    args: &BenchArgs,
-    run_id: &str,
-    progress: bool,
-) -> anyhow::Result<Summary> {
-    let url = args
-        .redis_url
-        .as_deref()
-        .expect("--floor requires --redis-url");
-    if ParsedUrl::parse(url)?.topology != Topology::Single {
-        bail!(
-            "--floor needs one Redis server: the proxy neither routes keys nor follows sentinels"
-        );
-    }
-    if args.mode != BenchMode::Exclusive {
-        bail!("--floor measures exclusive locks: the proxy has no shared leases or semaphores");
-    }
-    let proxy = floor::ProxyProcess::start(url).await?;
-    let mut summary = Summary {
-        mode: None,
-        limit: None,
-        phases: Vec::new(),
-        broker_over_direct: None,
-        broker_over_raw: None,
-        waiters: None,
-        floor: None,
-        breakdown: Vec::new(),
-        leftover: Vec::new(),
-    };
-    if args.floor {
-        let broker_pid = match args.broker_pid {
-            Some(pid) => pid,
-            None => {
-                let port = reqwest::Url::parse(base)?
-                    .port_or_known_default()
-                    .context("--url has no port")?;
-                floor::pid_listening_on(port)?
-            }
-        };
-        let floor = floor::compare(
-            http, base, broker_pid, &proxy, redis, args, run_id, progress,
-        )
-        .await?;
-        if !args.json {
-            floor::print(&floor);
-        }
-        summary.floor = Some(floor);
-    }
-    if args.breakdown {
-        let node = &redis[0];
-        for (server, url) in [("broker", base), ("proxy", proxy.base.as_str())] {
-            let b = breakdown::per_command(server, url, node, args, run_id, args.breakdown_locks)
-                .await?;
-            if !args.json {
-                breakdown::print_breakdown(&b);
-            }
-            summary.breakdown.push(b);
-        }
-        if !args.leftover_duration.is_zero() {
-            for (server, url) in [("broker", base), ("proxy", proxy.base.as_str())] {
-                let l = breakdown::leftover(
-                    server,
-                    url,
-                    node,
-                    args,
-                    args.leftover_duration,
-                    run_id,
-                    progress,
-                )
-                .await?;
-                if !args.json {
-                    breakdown::print_leftover(&l);
-                }
-                summary.leftover.push(l);
-            }
-        }
-    }
-    if args.json {
-        crate::cli::out!("{}", serde_json::to_string_pretty(&summary)?);
-    }
-    Ok(summary)
-}
-
-fn print_table(summary: &Summary) {
-    match (summary.mode, summary.limit) {
-        (Some(BenchMode::Semaphore), Some(limit)) => {
-            crate::cli::out!("mode: semaphore, {limit} permits on each key");
-        }
-        (Some(BenchMode::Shared), _) => crate::cli::out!("mode: shared leases"),
-        _ => {}
-    }
-    crate::cli::out!(
-        "{:<28} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8} {:>6}",
-        "phase",
-        "clients",
-        "cycles/s",
-        "p50 ms",
-        "p99 ms",
-        "p99.9 ms",
-        "max ms",
-        "handoff50",
-        "handoff99",
-        "calls",
-        "redis µs",
-        "errors"
-    );
-    for p in &summary.phases {
-        let handoff = |f: fn(&Latency) -> f64| {
-            p.handoff
-                .as_ref()
-                .map_or("-".into(), |h| format!("{:.2}", f(h)))
-        };
-        crate::cli::out!(
-            "{:<28} {:>7} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9} {:>9} {:>7} {:>8} {:>6}",
-            p.name,
-            p.clients,
-            p.cycles_per_sec,
-            p.cycle.p50_ms,
-            p.cycle.p99_ms,
-            p.cycle.p999_ms,
-            p.cycle.max_ms,
-            handoff(|h| h.p50_ms),
-            handoff(|h| h.p99_ms),
-            p.redis_calls_per_cycle
-                .map_or("-".into(), |c| format!("{c:.2}")),
-            p.redis_cpu_us_per_cycle
-                .map_or("-".into(), |c| format!("{c:.1}")),
-            p.errors,
-        );
-    }
-    if let Some(ratio) = summary.broker_over_direct {
-        crate::cli::out!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
-    }
-    if let Some(ratio) = summary.broker_over_raw {
-        crate::cli::out!("broker / raw Redis lock cycle (uncontended cycles/s): {ratio:.3}");
-    }
-    crate::cli::out!(
-        "calls: Redis round trips per acquire+release cycle (script calls; raw Redis: its SET \
-         and its script call); redis µs: Redis CPU time (user+system, every data node) per cycle"
-    );
-    if let Some(w) = &summary.waiters {
-        crate::cli::out!(
-            "parked waiters: {} ({} failed); broker RSS {:.1} MiB -> {:.1} MiB, {:.0} bytes per waiter; drained {:.0} ms after their clients left",
-            w.waiters,
-            w.errors,
-            w.rss_before_mib,
-            w.rss_with_waiters_mib,
-            w.bytes_per_waiter,
-            w.drained_ms
-        );
-    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,74 @@
+//! The bench's summary as a table on the terminal (`--json` prints it as JSON instead).
+
+use super::{BenchMode, Latency, Summary};
+
+/// Prints `summary`: one row per phase, then the ratios to the direct and raw Redis cycles.
+pub(super) fn print_table(summary: &Summary) {
+    match (summary.mode, summary.limit) {
+        (Some(BenchMode::Semaphore), Some(limit)) => {
+            crate::cli::out!("mode: semaphore, {limit} permits on each key");
+        }
+        (Some(BenchMode::Shared), _) => crate::cli::out!("mode: shared leases"),
+        _ => {}
+    }
+    crate::cli::out!(
+        "{:<28} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8} {:>6}",
+        "phase",
+        "clients",
+        "cycles/s",
+        "p50 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "max ms",
+        "handoff50",
+        "handoff99",
+        "calls",
+        "redis µs",
+        "errors"
+    );
+    for p in &summary.phases {
+        let handoff = |f: fn(&Latency) -> f64| {
+            p.handoff
+                .as_ref()
+                .map_or("-".into(), |h| format!("{:.2}", f(h)))
+        };
+        crate::cli::out!(
+            "{:<28} {:>7} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9} {:>9} {:>7} {:>8} {:>6}",
+            p.name,
+            p.clients,
+            p.cycles_per_sec,
+            p.cycle.p50_ms,
+            p.cycle.p99_ms,
+            p.cycle.p999_ms,
+            p.cycle.max_ms,
+            handoff(|h| h.p50_ms),
+            handoff(|h| h.p99_ms),
+            p.redis_calls_per_cycle
+                .map_or("-".into(), |c| format!("{c:.2}")),
+            p.redis_cpu_us_per_cycle
+                .map_or("-".into(), |c| format!("{c:.1}")),
+            p.errors,
+        );
+    }
+    if let Some(ratio) = summary.broker_over_direct {
+        crate::cli::out!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
+    }
+    if let Some(ratio) = summary.broker_over_raw {
+        crate::cli::out!("broker / raw Redis lock cycle (uncontended cycles/s): {ratio:.3}");
+    }
+    crate::cli::out!(
+        "calls: Redis round trips per acquire+release cycle (script calls; raw Redis: its SET \
+         and its script call); redis µs: Redis CPU time (user+system, every data node) per cycle"
+    );
+    if let Some(w) = &summary.waiters {
+        crate::cli::out!(
+            "parked waiters: {} ({} failed); broker RSS {:.1} MiB -> {:.1} MiB, {:.0} bytes per waiter; drained {:.0} ms after their clients left",
+            w.waiters,
+            w.errors,
+            w.rss_before_mib,
+            w.rss_with_waiters_mib,
+            w.bytes_per_waiter,
+            w.drained_ms
+        );
+    }
+}

@@ -1,0 +1,105 @@
+//! The store a running broker uses, whichever the configuration chose: each primitive delegated
+//! to the embedded store or to Redis.
+
+use tokio::sync::mpsc;
+
+use super::{
+    Bid, Fence, GrantAnswer, Hold, Holder, Join, ListQuery, LockKey, MemoryStore, Notice, Page,
+    Permits, Pool, RedisStore, Released, Snapshot, Space, Store, StoreResult, Token, Ttl,
+};
+use crate::domain::Lease;
+
+/// The store a running broker uses: chosen at start from the configuration.
+// One value per broker, behind an Arc: the size difference costs nothing, a Box an indirection.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum AnyStore {
+    Memory(MemoryStore),
+    Redis(RedisStore),
+}
+
+macro_rules! delegate {
+    ($self:ident, $s:ident => $call:expr) => {
+        match $self {
+            AnyStore::Memory($s) => $call.await,
+            AnyStore::Redis($s) => $call.await,
+        }
+    };
+}
+
+impl Store for AnyStore {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
+        delegate!(self, s => s.claim(key, bid))
+    }
+
+    async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
+        delegate!(self, s => s.read(key))
+    }
+
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
+        delegate!(self, s => s.take_over(key, seen, bid))
+    }
+
+    async fn release(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> StoreResult<Holder<Released>> {
+        delegate!(self, s => s.release(space, key, token))
+    }
+
+    async fn renew(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> StoreResult<Holder<Lease>> {
+        delegate!(self, s => s.renew(space, key, token, ttl))
+    }
+
+    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
+        delegate!(self, s => s.join(key, pool, bid))
+    }
+
+    async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
+        delegate!(self, s => s.permits(key))
+    }
+
+    async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
+        delegate!(self, s => s.leave(space, key, token))
+    }
+
+    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+        delegate!(self, s => s.force_release(space, key))
+    }
+
+    async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
+        delegate!(self, s => s.list(query))
+    }
+
+    fn cursor_pattern(&self) -> Option<&'static str> {
+        match self {
+            AnyStore::Memory(s) => s.cursor_pattern(),
+            AnyStore::Redis(s) => s.cursor_pattern(),
+        }
+    }
+
+    async fn ready(&self) -> StoreResult<Option<Hold>> {
+        delegate!(self, s => s.ready())
+    }
+
+    fn start(&self, notices: mpsc::Sender<Notice>) {
+        match self {
+            AnyStore::Memory(s) => s.start(notices),
+            AnyStore::Redis(s) => s.start(notices),
+        }
+    }
+
+    fn ledger_len(&self) -> usize {
+        match self {
+            AnyStore::Memory(s) => s.ledger_len(),
+            AnyStore::Redis(s) => s.ledger_len(),
+        }
+    }
+}
