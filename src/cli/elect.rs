@@ -26,7 +26,9 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 use tokio::time::Instant;
 
-use super::run::{Signals, default_owner, exit_code_of, release, send, spawn, terminate};
+use super::run::{
+    Signals, bound_again, default_owner, exit_code_of, release, send, spawn, terminate,
+};
 use super::{
     BrokerArgs, exit, exit_code, format_ms, parse_duration, parse_key, parse_owner, parse_ttl,
 };
@@ -148,7 +150,14 @@ async fn campaign(
             answer = client.grant(claim, &params).await;
         }
         match answer {
-            Ok(grant) => return Ok((grant, sent_at)),
+            // A grant that waited is renewed at once, so that the renewer judges its end right.
+            Ok(grant) => match bound_again(client, claim, grant, sent_at).await {
+                Ok(bounded) => return Ok(bounded),
+                Err(e) => say(format_args!(
+                    "cannot renew the lease on {} just granted ({e}); standing again",
+                    claim.resource()
+                )),
+            },
             Err(Error::Locked { .. }) if deadline.is_none_or(|d| Instant::now() < d) => {}
             // A broker with a lower max_wait_ms: ask with a shorter wait.
             Err(Error::Api {

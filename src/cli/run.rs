@@ -114,6 +114,15 @@ pub async fn run(args: RunArgs) -> ExitCode {
             return ExitCode::from(128 + signal as u8);
         }
     };
+    let (grant, sent_at) = match bound_again(&client, &claim, grant, sent_at).await {
+        Ok(bounded) => bounded,
+        Err(e) => {
+            say(format_args!(
+                "cannot renew the lease on {resource} just granted ({e}); the command did not run"
+            ));
+            return ExitCode::from(exit_code(&e));
+        }
+    };
     // From here the lease renews itself every third of its TTL, and says when it is lost.
     let mut options = LeaseOptions::new(Duration::from_millis(grant.ttl_ms.max(1)));
     let renewing = resource.clone();
@@ -190,6 +199,29 @@ pub(super) async fn acquire(
         }
         other => other,
     }
+}
+
+/// For a grant that waited, renews it at once. The renewer judges a lease to end when the
+/// request that produced it was sent plus its TTL (the earliest it can end), but a waiting
+/// acquire may have been granted long after it was sent: judged by that, the lease would seem to
+/// end early, or to have ended already. A renewal sent now bounds it again: the lease then ends
+/// no sooner than now plus its TTL. A grant answered within a tenth of its TTL keeps its bound.
+/// A renewal that fails leaves the lease to end by itself (a transport error), or finds it gone.
+pub(super) async fn bound_again(
+    client: &Client,
+    claim: &Claim,
+    grant: Grant,
+    sent_at: Instant,
+) -> Result<(Grant, Instant), Error> {
+    let ttl = Duration::from_millis(grant.ttl_ms.max(1));
+    if sent_at.elapsed() < ttl / 10 {
+        return Ok((grant, sent_at));
+    }
+    let renew_sent = Instant::now();
+    let renewed = client
+        .renew(&claim.resource(), &grant.token, Some(ttl))
+        .await?;
+    Ok((renewed, renew_sent))
 }
 
 /// Releases after the command exited. A failure is reported, not fatal: the command's status

@@ -188,6 +188,14 @@ async fn three_candidates(apps: [&TestApp; 3]) {
         "the successor started {failover:?} after the kill"
     );
 
+    // The last leader waited longer than its TTL before it led: its lease is judged from its
+    // grant, not from when it started waiting, so it keeps leading.
+    tokio::time::sleep(TTL * 2).await;
+    let after = records(&log);
+    assert!(
+        !after.iter().any(|r| !r.started && r.name == third.name),
+        "the leader that waited lost its lead: {after:?}"
+    );
     let (_, last) = candidates.remove(0);
     send_signal(last.id().unwrap(), "-TERM");
     finish(last).await;
@@ -248,4 +256,39 @@ async fn status_watch_prints_each_change_as_a_json_line() {
         (&false.into(), &Value::Null)
     );
     status.start_kill().unwrap();
+}
+
+/// `run` (and `elect`, which shares the code) with a wait longer than the TTL: the grant comes
+/// after more than a TTL of waiting, and the lease is still held and renewed while the command
+/// runs, not judged lost at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_that_waited_longer_than_its_ttl_keeps_its_lease() {
+    let app = spawn_app(None).await;
+    // Held for 1.5 s, longer than run's TTL; nobody releases it.
+    app.grant("slow", "ttl_ms=1500").await;
+    let outcome = finish(
+        lockbroker_command(
+            &app.address,
+            &[
+                "run",
+                "slow",
+                "--ttl",
+                "1s",
+                "--wait",
+                "10s",
+                "--",
+                "sh",
+                "-c",
+                "sleep 1.5",
+            ],
+        )
+        .spawn()
+        .expect("cannot start run"),
+    )
+    .await;
+    assert_eq!(outcome.code, Some(0), "{outcome:?}");
+    assert!(
+        outcome.elapsed >= Duration::from_millis(2_900),
+        "it waited, then ran"
+    );
 }
