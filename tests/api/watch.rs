@@ -57,16 +57,16 @@ fn remote(app: &TestApp) -> Remote {
 async fn watch(app: &Remote, path: &str, fence: u64, wait_ms: u64) -> (StatusCode, Value) {
     try_watch(app, path, fence, wait_ms)
         .await
-        .expect("the broker answers")
+        .unwrap_or_else(|e| panic!("the watch of {path} got no answer: {e}"))
 }
 
-/// One watch; `None` when the broker does not answer (it stopped: the test is over).
+/// One watch; an error when the broker does not answer (it stopped: the test is over).
 async fn try_watch(
     app: &Remote,
     path: &str,
     fence: u64,
     wait_ms: u64,
-) -> Option<(StatusCode, Value)> {
+) -> Result<(StatusCode, Value), reqwest::Error> {
     let answer = app
         .client
         .get(format!(
@@ -74,15 +74,14 @@ async fn try_watch(
             app.address
         ))
         .send()
-        .await
-        .ok()?;
+        .await?;
     let status = answer.status();
-    let body: Value = answer.json().await.ok()?;
+    let body: Value = answer.json().await?;
     assert!(
         body.get("token").is_none(),
         "a watch never shows a token: {body}"
     );
-    Some((status, body))
+    Ok((status, body))
 }
 
 /// Follows `path` on `app` as a client would: watch from "free", and again from each fence
@@ -94,7 +93,7 @@ fn follow(app: &TestApp, path: &str) -> mpsc::UnboundedReceiver<Seen> {
     tokio::spawn(async move {
         let mut fence = 0;
         loop {
-            let Some((status, body)) = try_watch(&app, &path, fence, 10_000).await else {
+            let Ok((status, body)) = try_watch(&app, &path, fence, 10_000).await else {
                 return;
             };
             let at = Instant::now();
@@ -123,21 +122,23 @@ fn follow(app: &TestApp, path: &str) -> mpsc::UnboundedReceiver<Seen> {
     rx
 }
 
-/// The next change the follower saw, within `limit`.
-async fn next(seen: &mut mpsc::UnboundedReceiver<Seen>, limit: Duration) -> Seen {
+/// The next change the follower saw, within `limit`; `what` names it.
+async fn next(seen: &mut mpsc::UnboundedReceiver<Seen>, limit: Duration, what: &str) -> Seen {
     tokio::time::timeout(limit, seen.recv())
         .await
-        .unwrap_or_else(|_| panic!("no change seen within {limit:?}"))
+        .unwrap_or_else(|_| panic!("{what}: no change seen within {limit:?}"))
         .expect("the follower runs")
 }
 
-/// Waits until `n` watches are parked on `app` (its `lockbroker_watchers` gauge).
+/// Waits until `n` watches are parked on `app` (its `lockbroker_watchers` gauge), for at most
+/// a minute (a thousand connections to open on a loaded machine).
 async fn until_parked(app: &TestApp, n: usize) {
     let started = Instant::now();
     while metric(&app.address, "lockbroker_watchers").await < n as f64 {
         assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "{n} watches were not parked within 20 s"
+            started.elapsed() < Duration::from_secs(60),
+            "{n} watches were not parked within 60 s ({} were)",
+            metric(&app.address, "lockbroker_watchers").await
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -159,7 +160,7 @@ async fn grant_release_expiry_force_release(
     // A grant.
     let grant = changes.grant(key, "owner=first&ttl_ms=30000").await;
     let done = Instant::now();
-    let change = next(&mut seen, limit).await;
+    let change = next(&mut seen, limit, "the grant").await;
     assert_eq!(
         (change.fence, change.owner.as_deref()),
         (Some(grant.fence), Some("first"))
@@ -173,16 +174,20 @@ async fn grant_release_expiry_force_release(
         .await
         .expect_status(StatusCode::NO_CONTENT);
     let done = Instant::now();
-    let change = next(&mut seen, limit).await;
+    let change = next(&mut seen, limit, "the release").await;
     assert_eq!(change.fence, None, "the release: free");
     let took = change.at.saturating_duration_since(done);
     assert!(took < latency, "the release was seen {took:?} after it");
 
-    // An expiry: nobody says anything; the watch answers at the lease's end.
-    let short = changes.grant(key, "owner=short&ttl_ms=400").await;
-    let change = next(&mut seen, limit).await;
+    // An expiry: nobody says anything; the watch answers at the lease's end. The lease lasts
+    // longer than a change takes to be seen, or the grant could pass unseen.
+    let ttl_ms = latency.as_millis() + 300;
+    let short = changes
+        .grant(key, &format!("owner=short&ttl_ms={ttl_ms}"))
+        .await;
+    let change = next(&mut seen, limit, "the short grant").await;
     assert_eq!(change.fence, Some(short.fence));
-    let change = next(&mut seen, limit).await;
+    let change = next(&mut seen, limit, "the expiry").await;
     assert_eq!(change.fence, None, "the expiry: free");
     assert!(
         change.wall_ms >= short.expires_at_ms,
@@ -196,14 +201,14 @@ async fn grant_release_expiry_force_release(
 
     // A force release.
     let forced = changes.grant(key, "owner=forced&ttl_ms=30000").await;
-    let change = next(&mut seen, limit).await;
+    let change = next(&mut seen, limit, "the grant to force").await;
     assert_eq!(change.fence, Some(forced.fence));
     changes
         .send(changes.request(Method::DELETE, &format!("{path}?force=true")))
         .await
         .expect_status(StatusCode::NO_CONTENT);
     let done = Instant::now();
-    let change = next(&mut seen, limit).await;
+    let change = next(&mut seen, limit, "the force release").await;
     assert_eq!(change.fence, None, "the force release: free");
     let took = change.at.saturating_duration_since(done);
     assert!(
@@ -324,10 +329,20 @@ async fn a_semaphore_watch_sees_permits_taken_and_given_back(backend: &Backend) 
     until_parked(app, 1).await;
     let a = take("a").await.expect_status(StatusCode::CREATED).json();
     let (a_fence, a_token) = (a["fence"].as_u64(), a["token"].as_str().unwrap().to_owned());
-    assert_eq!(next(&mut seen, Duration::from_secs(5)).await.fence, a_fence);
+    assert_eq!(
+        next(&mut seen, Duration::from_secs(5), "a permit change")
+            .await
+            .fence,
+        a_fence
+    );
     let b = take("b").await.expect_status(StatusCode::CREATED).json();
     let (b_fence, b_token) = (b["fence"].as_u64(), b["token"].as_str().unwrap().to_owned());
-    assert_eq!(next(&mut seen, Duration::from_secs(5)).await.fence, b_fence);
+    assert_eq!(
+        next(&mut seen, Duration::from_secs(5), "a permit change")
+            .await
+            .fence,
+        b_fence
+    );
     // Giving back the newest permit: the highest fence is the first's again.
     app.send(
         app.request(Method::DELETE, "/semaphores/pool")
@@ -335,14 +350,24 @@ async fn a_semaphore_watch_sees_permits_taken_and_given_back(backend: &Backend) 
     )
     .await
     .expect_status(StatusCode::NO_CONTENT);
-    assert_eq!(next(&mut seen, Duration::from_secs(5)).await.fence, a_fence);
+    assert_eq!(
+        next(&mut seen, Duration::from_secs(5), "a permit change")
+            .await
+            .fence,
+        a_fence
+    );
     app.send(
         app.request(Method::DELETE, "/semaphores/pool")
             .header("Lock-Token", &a_token),
     )
     .await
     .expect_status(StatusCode::NO_CONTENT);
-    assert_eq!(next(&mut seen, Duration::from_secs(5)).await.fence, None);
+    assert_eq!(
+        next(&mut seen, Duration::from_secs(5), "a permit change")
+            .await
+            .fence,
+        None
+    );
 }
 
 async fn watches_count_against_max_waiters_and_bad_watches_are_refused(backend: &Backend) {
