@@ -451,8 +451,11 @@ async fn thousand_parked_watches(redis: Option<&RedisServer>) {
     const QUIET: Duration = Duration::from_secs(3);
     let app = spawn_app(redis.map(RedisServer::url)).await;
     let mut fences = Vec::new();
+    let mut tokens = Vec::new();
     for k in 0..KEYS {
-        fences.push(app.grant(&format!("quiet-{k}"), "ttl_ms=60000").await.fence);
+        let grant = app.grant(&format!("quiet-{k}"), "ttl_ms=60000").await;
+        fences.push(grant.fence);
+        tokens.push(grant.token);
     }
     let watches: Vec<_> = (0..WATCHES)
         .map(|i| {
@@ -512,8 +515,33 @@ async fn thousand_parked_watches(redis: Option<&RedisServer>) {
         metric(&app.address, "lockbroker_watchers").await,
         WATCHES as f64
     );
-    for watch in watches {
-        watch.abort();
+
+    // A change: the key's 100 watches all answer it, and the broker read the key once for them
+    // (on Redis, fallback reads of the other keys may come in between).
+    let before = broker_reads(&app).await;
+    app.release("quiet-0", &tokens[0])
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    for (i, watch) in watches.into_iter().enumerate() {
+        if i % KEYS == 0 {
+            let (status, body) = watch.await.expect("the watch task");
+            assert_eq!(
+                (status, &body["changed"]),
+                (StatusCode::NOT_FOUND, &true.into())
+            );
+        } else {
+            watch.abort();
+        }
+    }
+    let reads = broker_reads(&app).await - before;
+    match redis {
+        None => assert_eq!(
+            reads,
+            1.0,
+            "one read for the key's {} watches",
+            WATCHES / KEYS
+        ),
+        Some(_) => assert!(reads <= 1.0 + KEYS as f64 * 2.0, "{reads} reads"),
     }
 }
 
