@@ -3,11 +3,13 @@
 //!
 //! Per watched key this broker keeps one [`Watched`]: the last reading of the key (its holders,
 //! or free), published to every watch of the key, and a count of wake-up requests. One keeper
-//! per key (the lock service runs it, see `crate::lock`) reads the key when asked, and at the
-//! earliest end of its holders' leases (an expiry changes the holders without anyone saying so):
+//! per key (the lock service runs it, see `crate::lock`) reads the key when asked, at the
+//! earliest end of its holders' leases (an expiry changes the holders without anyone saying so),
+//! and once a second on a store that does not announce other brokers' changes:
 //! so a change costs one store read per key per broker, however many watches wait on it, and a
 //! key that does not change costs nothing. Wake-up requests come from this broker's own changes
-//! (the lock service calls [`Watchers::changed`] after a grant, a release or a force release),
+//! (the lock service calls [`Watchers::changed`] after a grant, a release, a force release, an
+//! offer ended for a waiter that left, and a renewal, which may move the earliest lease end),
 //! from the store's [`Notice::Changed`](crate::store::Notice) for other brokers' changes, from a
 //! watch that arrives (it needs a reading made after it came), and from a store loss or missed
 //! notices ([`Watchers::all_changed`]).
