@@ -10,6 +10,7 @@ rules tie parameters in different places together, and OpenAPI has no way to say
 3. A release sends either the token or `force=true`, never both (a force release takes no
    token; one given with it is refused as a mistake).
 4. A semaphore acquire needs `limit`, in the query string or the body.
+5. An inspect takes `wait_ms` only with `watch` (it is how long the watch waits).
 
 Each request generated to be valid is made to keep these rules, and nothing else is changed, so that
 schemathesis checks everything the document says and nothing it cannot say.
@@ -25,6 +26,11 @@ TOKEN_OPERATIONS = {
     ("DELETE", "/semaphores/{key}"),
     ("POST", "/locks/{key}/renew"),
     ("POST", "/semaphores/{key}/renew"),
+}
+
+WATCH_OPERATIONS = {
+    ("GET", "/locks/{key}"),
+    ("GET", "/semaphores/{key}"),
 }
 
 
@@ -45,6 +51,14 @@ def map_case(context, case):
             query = query if query is not None else {}
             query["limit"] = 1
             case.query = query
+    if (case.method.upper(), case.path) in WATCH_OPERATIONS:
+        body = case.body if isinstance(case.body, dict) else {}
+        if "watch" not in (query or {}) and "watch" not in body:
+            # Rule 5: without watch, no wait_ms.
+            if query:
+                query.pop("wait_ms", None)
+            if isinstance(case.body, dict):
+                case.body.pop("wait_ms", None)
     if (case.method.upper(), case.path) in TOKEN_OPERATIONS:
         headers = case.headers if isinstance(case.headers, dict) else {}
         query = query if query is not None else {}

@@ -20,6 +20,7 @@ mod startup;
 pub mod store;
 mod telemetry;
 mod waiters;
+mod watchers;
 
 pub use auth::sha256_hex;
 pub use http::ROUTES;

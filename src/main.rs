@@ -10,6 +10,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use cli::bench::{self, BenchArgs};
 use cli::commands::{self, AcquireArgs, ReleaseArgs, RenewArgs, StatusArgs};
+#[cfg(unix)]
+use cli::elect::{self, ElectArgs};
 use cli::list::{self, ListArgs};
 #[cfg(unix)]
 use cli::run::{self, RunArgs};
@@ -26,7 +28,7 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[derive(Parser)]
 #[command(name = "lockbroker", version, about)]
 #[command(
-    after_help = "The client commands (acquire, release, renew, status, list, run) talk to \
+    after_help = "The client commands (acquire, release, renew, status, list, run, elect) talk to \
                         the broker at --url (LOCKBROKER_URL, default http://127.0.0.1:8080). \
                         Each takes a lock's KEY or --semaphore NAME. Exit codes: 0 done, \
                         1 error, 2 usage, 3 locked by someone else (or every permit taken), \
@@ -61,6 +63,10 @@ enum Command {
     /// acquire, renew while it runs, release when it exits, and stop it if the lease is lost.
     #[cfg(unix)]
     Run(RunArgs),
+    /// Leader election: run a command while this node holds the lock as its leader, wait as a
+    /// candidate otherwise, and hand over on SIGTERM.
+    #[cfg(unix)]
+    Elect(ElectArgs),
 }
 
 #[tokio::main]
@@ -98,6 +104,8 @@ async fn main() -> ExitCode {
         Command::List(args) => list::list(args).await,
         #[cfg(unix)]
         Command::Run(args) => run::run(args).await,
+        #[cfg(unix)]
+        Command::Elect(args) => elect::elect(args).await,
     }
 }
 

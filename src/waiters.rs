@@ -12,7 +12,7 @@
 //! not one per waiter. The others sleep until their offer, a `Requeue`, or their deadline.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -58,6 +58,8 @@ pub(crate) struct Waiters {
     queues: Mutex<Queues>,
     /// Most waiters at once; bounds the memory waiting can take.
     limit: usize,
+    /// Watches parked on this broker (`crate::watchers`), which count against `limit` too.
+    watching: Arc<AtomicUsize>,
 }
 
 impl Waiters {
@@ -65,6 +67,7 @@ impl Waiters {
         Arc::new(Self {
             queues: Mutex::default(),
             limit,
+            watching: Arc::default(),
         })
     }
 
@@ -110,12 +113,19 @@ impl Waiters {
                     waiters.ask_all(Some(&(space, key)));
                 }
                 Notice::Missed => waiters.ask_all(None),
+                // For watchers (`crate::watchers`); the lock service hands those over itself.
+                Notice::Changed(..) => {}
             }
         }
     }
 
     pub(crate) fn limit(&self) -> usize {
         self.limit
+    }
+
+    /// The count of parked watches, which share `limit` with the waiters.
+    pub(crate) fn watching(&self) -> Arc<AtomicUsize> {
+        self.watching.clone()
     }
 
     /// Waiting acquires now.
@@ -149,7 +159,7 @@ impl Waiters {
         });
         let place = (space, key.clone());
         let mut queues = self.queues();
-        if queues.count >= self.limit {
+        if queues.count + self.watching.load(Ordering::SeqCst) >= self.limit {
             return None;
         }
         queues.count += 1;

@@ -22,6 +22,9 @@ pub(crate) use out;
 mod args;
 pub mod bench;
 pub mod commands;
+#[cfg(unix)]
+pub mod elect;
+pub mod follow;
 pub mod list;
 #[cfg(unix)]
 pub mod run;
@@ -36,8 +39,8 @@ use lockbroker_client::{Client, Error};
 use serde::Serialize;
 
 pub use self::args::{
-    ClaimArgs, TargetArgs, format_ms, parse_duration, parse_limit, parse_owner, parse_prefix,
-    parse_request_id, parse_token, parse_ttl,
+    ClaimArgs, TargetArgs, format_ms, parse_duration, parse_key, parse_limit, parse_owner,
+    parse_prefix, parse_request_id, parse_token, parse_ttl,
 };
 
 /// The exit codes of the client commands. `--help` of each command lists them (see

@@ -114,6 +114,15 @@ pub async fn run(args: RunArgs) -> ExitCode {
             return ExitCode::from(128 + signal as u8);
         }
     };
+    let (grant, sent_at) = match bound_again(&client, &claim, grant, sent_at).await {
+        Ok(bounded) => bounded,
+        Err(e) => {
+            say(format_args!(
+                "cannot renew the lease on {resource} just granted ({e}); the command did not run"
+            ));
+            return ExitCode::from(exit_code(&e));
+        }
+    };
     // From here the lease renews itself every third of its TTL, and says when it is lost.
     let mut options = LeaseOptions::new(Duration::from_millis(grant.ttl_ms.max(1)));
     let renewing = resource.clone();
@@ -175,7 +184,11 @@ pub async fn run(args: RunArgs) -> ExitCode {
 
 /// Acquires, and on a transport error (the answer may have been lost after the broker granted)
 /// asks once more with the same request id, which returns that same grant if there was one.
-async fn acquire(client: &Client, claim: &Claim, params: &AcquireParams) -> Result<Grant, Error> {
+pub(super) async fn acquire(
+    client: &Client,
+    claim: &Claim,
+    params: &AcquireParams,
+) -> Result<Grant, Error> {
     match client.grant(claim, params).await {
         Err(e @ Error::Transport { .. }) => {
             say(format_args!(
@@ -188,10 +201,33 @@ async fn acquire(client: &Client, claim: &Claim, params: &AcquireParams) -> Resu
     }
 }
 
+/// For a grant that waited, renews it at once. The renewer judges a lease to end when the
+/// request that produced it was sent plus its TTL (the earliest it can end), but a waiting
+/// acquire may have been granted long after it was sent: judged by that, the lease would seem to
+/// end early, or to have ended already. A renewal sent now bounds it again: the lease then ends
+/// no sooner than now plus its TTL. A grant answered within a tenth of its TTL keeps its bound.
+/// A renewal that fails leaves the lease to end by itself (a transport error), or finds it gone.
+pub(super) async fn bound_again(
+    client: &Client,
+    claim: &Claim,
+    grant: Grant,
+    sent_at: Instant,
+) -> Result<(Grant, Instant), Error> {
+    let ttl = Duration::from_millis(grant.ttl_ms.max(1));
+    if sent_at.elapsed() < ttl / 10 {
+        return Ok((grant, sent_at));
+    }
+    let renew_sent = Instant::now();
+    let renewed = client
+        .renew(&claim.resource(), &grant.token, Some(ttl))
+        .await?;
+    Ok((renewed, renew_sent))
+}
+
 /// Releases after the command exited. A failure is reported, not fatal: the command's status
 /// is what `run` exits with, and an unreleased lease ends by itself. Waits at most one TTL, by
 /// which time the lease has ended anyway.
-async fn release(lease: &Lease) {
+pub(super) async fn release(lease: &Lease) {
     let resource = lease.resource();
     match tokio::time::timeout(lease.ttl().min(REQUEST_TIMEOUT), lease.release()).await {
         Ok(Ok(Released::Now | Released::Before)) => {}
@@ -211,7 +247,12 @@ async fn release(lease: &Lease) {
 /// Starts the command in a process group of its own, with the lease in its environment:
 /// `LOCKBROKER_KEY` is the lock's key or the semaphore's name, and `LOCKBROKER_MODE` says which
 /// (`exclusive`, `shared` or `semaphore`).
-fn spawn(command: &[OsString], lease: &Lease, client: &Client, mode: &str) -> io::Result<Child> {
+pub(super) fn spawn(
+    command: &[OsString],
+    lease: &Lease,
+    client: &Client,
+    mode: &str,
+) -> io::Result<Child> {
     let (program, args) = command.split_first().expect("clap requires a command");
     Command::new(program)
         .args(args)
@@ -226,7 +267,7 @@ fn spawn(command: &[OsString], lease: &Lease, client: &Client, mode: &str) -> io
 
 /// SIGTERM to the command's group; SIGKILL if it is still there after `grace`. Signals that
 /// arrive meanwhile are still forwarded.
-async fn terminate(
+pub(super) async fn terminate(
     child: &mut Child,
     group: Pid,
     grace: Duration,
@@ -252,7 +293,7 @@ async fn terminate(
 }
 
 /// Sends `signal` to the command's process group. A group that is gone already is fine.
-fn send(group: Pid, signal: Signal) {
+pub(super) fn send(group: Pid, signal: Signal) {
     match killpg(group, signal) {
         Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
         Err(e) => say(format_args!("cannot send {signal} to the command: {e}")),
@@ -261,7 +302,7 @@ fn send(group: Pid, signal: Signal) {
 
 /// The exit code that reports the command's end: its own status, or 128 + the signal that
 /// killed it, as shells do.
-fn exit_code_of(status: io::Result<ExitStatus>) -> ExitCode {
+pub(super) fn exit_code_of(status: io::Result<ExitStatus>) -> ExitCode {
     match status {
         Ok(status) => match (status.code(), status.signal()) {
             (Some(code), _) => ExitCode::from(u8::try_from(code).unwrap_or(exit::ERROR)),
@@ -278,7 +319,7 @@ fn exit_code_of(status: io::Result<ExitStatus>) -> ExitCode {
 }
 
 /// `HOSTNAME pid PID`: which node's run holds the lock, for `status`.
-fn default_owner() -> String {
+pub(super) fn default_owner() -> String {
     let host = nix::unistd::gethostname()
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_else(|_| "unknown-host".to_owned());
@@ -294,7 +335,7 @@ fn default_owner() -> String {
 }
 
 /// The signals `run` passes on to its command.
-struct Signals {
+pub(super) struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
     hup: tokio::signal::unix::Signal,
@@ -304,7 +345,7 @@ struct Signals {
 }
 
 impl Signals {
-    fn listen() -> io::Result<Self> {
+    pub(super) fn listen() -> io::Result<Self> {
         Ok(Self {
             term: listen_for(SignalKind::terminate())?,
             int: listen_for(SignalKind::interrupt())?,
@@ -316,7 +357,7 @@ impl Signals {
     }
 
     /// The next signal received.
-    async fn recv(&mut self) -> Signal {
+    pub(super) async fn recv(&mut self) -> Signal {
         tokio::select! {
             Some(()) = self.term.recv() => Signal::SIGTERM,
             Some(()) = self.int.recv() => Signal::SIGINT,

@@ -112,7 +112,7 @@ settings! {
     /// Bound on one store call, connecting included [default: 2000].
     #[arg(long, env = "LOCKBROKER_STORE_TIMEOUT_MS", value_name = "MS")]
     store_timeout_ms: u64 = 2_000;
-    /// Most acquires that may wait on this broker at once [default: 10000].
+    /// Most acquires and watches that may wait on this broker at once [default: 10000].
     #[arg(long, env = "LOCKBROKER_MAX_WAITERS", value_name = "N")]
     max_waiters: usize = 10_000;
     /// Paranoid option: after a detected store loss, hold every grant until this long after it,

@@ -7,11 +7,13 @@ use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::params::{Params, token};
 use super::requests::{
-    ListQueryParams, Parameters, ReleaseQuery, RenewBody, list_query, ttl_param,
+    ListQueryParams, Parameters, ReleaseQuery, RenewBody, WatchQuery, list_query, ttl_param,
+    watch_request,
 };
 use super::{AppState, Limits};
 use crate::domain::LockKey;
@@ -38,8 +40,12 @@ pub(super) trait LeaseSpace {
     /// The body of the grant of `lease` on `key`; `limit`: the semaphore's, where known.
     fn grant<'a>(key: &'a LockKey, lease: &'a Lease, limit: Option<u32>) -> Self::Grant<'a>;
 
-    /// The body of an inspect of `key`.
-    fn inspect<'a>(key: &'a LockKey, view: &'a HoldersView) -> Self::Inspect<'a>;
+    /// The body of an inspect of `key`; `changed`: a watch's answer (see [`inspect`]).
+    fn inspect<'a>(
+        key: &'a LockKey,
+        view: &'a HoldersView,
+        changed: Option<bool>,
+    ) -> Self::Inspect<'a>;
 
     /// The body of a listing's page.
     fn list(page: &Page) -> Self::List<'_>;
@@ -124,16 +130,61 @@ fn grant_response(status: StatusCode, body: &impl Serialize) -> Response {
 /// Room for a grant's JSON with a long key and token (both at most a few hundred bytes).
 const GRANT_CAPACITY: usize = 256;
 
-/// An inspect: `200` with the live leases.
+/// An inspect: `200` with the live leases. With `watch`, it answers when they differ from the
+/// fence the caller saw or change within `wait_ms`, with `changed`; a free key is then
+/// `404 not_held` with `"fence": null` (see [`LockService::watch`](crate::lock::LockService)).
 pub(super) async fn inspect<L: LeaseSpace, S: Store>(
     state: &AppState<S>,
     key: &LockKey,
+    values: WatchQuery,
 ) -> Result<Response, ApiError> {
-    let view = match L::SPACE {
-        Space::Locks => state.locks.inspect(key).await?,
-        Space::Semaphores => state.locks.permits(key).await?,
+    let Some(watch) = watch_request(values, &state.limits)? else {
+        let view = match L::SPACE {
+            Space::Locks => state.locks.inspect(key).await?,
+            Space::Semaphores => state.locks.permits(key).await?,
+        };
+        return Ok(Json(L::inspect(key, &view, None)).into_response());
     };
-    Ok(Json(L::inspect(key, &view)).into_response())
+    let answer = state
+        .locks
+        .watch(L::SPACE, key, watch.seen, watch.wait)
+        .await?;
+    Ok(match &answer.view {
+        Some(view) => Json(L::inspect(key, view, Some(answer.changed))).into_response(),
+        None => watch_not_held(answer.changed),
+    })
+}
+
+/// The body of `404 not_held`; with `watch`, it adds `"fence": null` and `changed`.
+#[derive(Serialize, ToSchema)]
+#[schema(as = NotHeldError)]
+pub struct NotHeldBody {
+    /// Always `not_held`.
+    #[schema(value_type = super::error::ErrorCode)]
+    error: &'static str,
+    /// One human sentence.
+    message: &'static str,
+    /// Only with `watch`: always null (nobody holds the key; a watch gives 0 for that).
+    #[schema(value_type = Option<u64>, required = false)]
+    fence: Option<u64>,
+    /// Only with `watch`: whether this differs from what the watch saw (false: its wait ran out
+    /// with the key still free).
+    #[schema(required = false)]
+    changed: bool,
+}
+
+/// The `404 not_held` a watch answers for a free key.
+fn watch_not_held(changed: bool) -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        Json(NotHeldBody {
+            error: "not_held",
+            message: "Nobody holds this key (it is free, it was released, or its lease expired).",
+            fence: None,
+            changed,
+        }),
+    )
+        .into_response()
 }
 
 /// A listing: `200` with a page.
@@ -278,23 +329,23 @@ macro_rules! lease_routes {
             path = $key_path,
             operation_id = $inspect_id,
             tag = $tag,
-            params(super::params::KeyPath),
+            params(super::params::KeyPath, super::requests::WatchQuery),
             responses(
                 (status = 200, description = $held, body = $inspect),
                 super::openapi::RequestRefused,
                 super::openapi::Unauthorized,
                 super::openapi::Forbidden,
-                super::openapi::NotHeld,
-                super::openapi::StoreUnavailable,
+                super::openapi::InspectNotHeld,
+                super::openapi::InspectUnavailable,
             ),
             security((), ("bearer" = []))
         )]
         pub(super) async fn inspect<S: Store>(
             axum::extract::State(state): axum::extract::State<super::AppState<S>>,
             super::params::KeyPath(key): super::params::KeyPath,
-            _: super::params::Params<super::requests::NoParams>,
+            params: super::params::Params<super::requests::WatchQuery>,
         ) -> Result<axum::response::Response, super::error::ApiError> {
-            super::leases::inspect::<$space, S>(&state, &key).await
+            super::leases::inspect::<$space, S>(&state, &key, params.values).await
         }
 
         $(#[doc = $list_doc])*

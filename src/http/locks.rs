@@ -48,11 +48,15 @@ lease_routes! {
     /// Moves the end of the token's live lease to `ttl_ms` after the renewal. Same token, same
     /// fence. The token comes as for release.
     ;
-    /// Inspect a lock
+    /// Inspect or watch a lock
     ///
-    /// Who holds the lock, in which mode and until when; never a token. Takes no parameters. For
-    /// shared holders, `fence` is the highest of theirs, `expires_at_ms` the latest end, `owner`
-    /// null, and `holders` lists each.
+    /// Who holds the lock, in which mode and until when; never a token. For shared holders,
+    /// `fence` is the highest of theirs, `expires_at_ms` the latest end, `owner` null, and
+    /// `holders` lists each. With `watch=F` (the fence last seen, 0 for free) it answers at once if
+    /// the holders differ from that, otherwise when they change within `wait_ms` (a grant, a
+    /// release, an expiry, a takeover, a force release; not a renewal), with `changed`; when the
+    /// wait runs out, the unchanged view with `changed: false`. A free key is `404 not_held` with
+    /// `fence: null`. A watch waits like an acquire (it counts against `max_waiters`).
     ;
     /// List held locks
     ///
@@ -85,8 +89,12 @@ impl LeaseSpace for LockRoutes {
         GrantBody::new(key, lease)
     }
 
-    fn inspect<'a>(key: &'a LockKey, view: &'a HoldersView) -> InspectBody<'a> {
-        inspect_body(key, view)
+    fn inspect<'a>(
+        key: &'a LockKey,
+        view: &'a HoldersView,
+        changed: Option<bool>,
+    ) -> InspectBody<'a> {
+        inspect_body(key, view, changed)
     }
 
     fn list(page: &Page) -> LockListBody<'_> {
@@ -158,6 +166,11 @@ pub(super) struct InspectBody<'a> {
     /// Only for `shared`: every shared holder, by fence.
     #[serde(skip_serializing_if = "Option::is_none")]
     holders: Option<Vec<HolderBody<'a>>>,
+    /// Only with `watch`: whether the holders differ from what the watch saw (false: its wait
+    /// ran out with no change).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = bool, required = false)]
+    changed: Option<bool>,
 }
 
 fn mode_name(mode: Mode) -> &'static str {
@@ -204,7 +217,11 @@ pub(super) fn aggregate(holders: &[Lease]) -> Option<(u64, u64)> {
     Some((fence, end))
 }
 
-fn inspect_body<'a>(key: &'a LockKey, view: &'a HoldersView) -> InspectBody<'a> {
+fn inspect_body<'a>(
+    key: &'a LockKey,
+    view: &'a HoldersView,
+    changed: Option<bool>,
+) -> InspectBody<'a> {
     let (fence, expires_at_ms) = aggregate(&view.holders).unwrap_or_default();
     let shared = view.mode == Some(Mode::Shared);
     InspectBody {
@@ -218,6 +235,7 @@ fn inspect_body<'a>(key: &'a LockKey, view: &'a HoldersView) -> InspectBody<'a> 
             _ => None,
         },
         holders: shared.then(|| holder_bodies(view.now_ms, &view.holders)),
+        changed,
     }
 }
 

@@ -192,12 +192,66 @@ impl Parameters for ReleaseQuery {
         &[TOKEN_NOT_IN_BODY, FORCE_NOT_IN_BODY];
 }
 
-/// The parameters of an operation that takes none (inspect): any is refused.
-#[derive(Debug, Default, Serialize, Deserialize)]
+/// The parameters of an inspect (`GET /locks/{key}`, `GET /semaphores/{key}`): none for a look
+/// now; `watch` (and `wait_ms`) to wait for a change. In the query string (or a JSON object
+/// body).
+#[derive(Debug, Default, Serialize, Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-pub struct NoParams {}
+pub struct WatchQuery {
+    /// Watch the key: the fence you last saw (the highest, for several holders), or 0 for
+    /// "free". Answers at once if the key's holders differ from that, otherwise waits up to
+    /// `wait_ms` for a change (a grant, a release, an expiry, a takeover, a force release) and
+    /// answers the new view, or the unchanged one with `changed: false` when the wait runs out.
+    #[serde(
+        default,
+        deserialize_with = "int",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[param(value_type = u64, required = false, minimum = 0)]
+    pub watch: Option<u64>,
+    /// Only with `watch`: how long to wait for a change, in ms: 0 to the broker's
+    /// `max_wait_ms` (default 60000). Default: the broker's `default_wait_ms` (0).
+    #[serde(
+        default,
+        deserialize_with = "int",
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[param(value_type = u64, required = false, minimum = 0)]
+    pub wait_ms: Option<u64>,
+}
 
-impl Parameters for NoParams {}
+impl Parameters for WatchQuery {}
+
+/// A watch as an inspect asks for it: the fence the caller saw and how long to wait.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WatchRequest {
+    pub seen: u64,
+    pub wait: std::time::Duration,
+}
+
+/// The watch an inspect asks for, if any; `wait_ms` without `watch` is refused (it would wait
+/// for nothing).
+pub(super) fn watch_request(
+    params: WatchQuery,
+    limits: &Limits,
+) -> Result<Option<WatchRequest>, ApiError> {
+    match (params.watch, params.wait_ms) {
+        (None, None) => Ok(None),
+        (None, Some(_)) => Err(ApiError::invalid(
+            "wait_ms goes with watch (the fence you last saw, or 0): give watch too, or leave \
+             out wait_ms.",
+        )),
+        (Some(seen), wait_ms) => Ok(Some(WatchRequest {
+            seen,
+            wait: WaitFor::parse(
+                wait_ms.unwrap_or(limits.default_wait_ms),
+                limits.max_wait_ms,
+            )?
+            .as_duration(),
+        })),
+    }
+}
 
 // From parameters to domain values, with the bounds of the configuration and the store.
 

@@ -51,9 +51,12 @@ lease_routes! {
     /// Moves the end of the token's live permit to `ttl_ms` after the renewal. Same token, same
     /// fence. The token comes as for release.
     ;
-    /// Inspect a semaphore
+    /// Inspect or watch a semaphore
     ///
-    /// Its limit and its live permits; never a token. Takes no parameters.
+    /// Its limit and its live permits; never a token. With `watch=F` (the highest permit fence
+    /// last seen, 0 for free) it answers at once if the permits differ from that, otherwise when
+    /// they change within `wait_ms` (a permit taken, given back, expired or force-released; not a
+    /// renewal), adding `fence` (the highest) and `changed`; as for locks.
     ;
     /// List held semaphores
     ///
@@ -105,11 +108,17 @@ impl LeaseSpace for SemaphoreRoutes {
         }
     }
 
-    fn inspect<'a>(key: &'a LockKey, view: &'a HoldersView) -> InspectBody<'a> {
+    fn inspect<'a>(
+        key: &'a LockKey,
+        view: &'a HoldersView,
+        changed: Option<bool>,
+    ) -> InspectBody<'a> {
         InspectBody {
             key: key.as_str(),
             limit: view.limit.unwrap_or_default(),
             holders: holder_bodies(view.now_ms, &view.holders),
+            fence: changed.and_then(|_| view.holders.iter().map(|l| l.fence).max()),
+            changed,
         }
     }
 
@@ -159,6 +168,15 @@ pub(super) struct InspectBody<'a> {
     limit: u32,
     /// Each live permit, by fence.
     holders: Vec<HolderBody<'a>>,
+    /// Only with `watch`: the highest fence of the live permits (what a next watch gives).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = u64, required = false, minimum = 1)]
+    fence: Option<u64>,
+    /// Only with `watch`: whether the permits differ from what the watch saw (false: its wait
+    /// ran out with no change).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = bool, required = false)]
+    changed: Option<bool>,
 }
 
 /// One held semaphore in a listing. Never a token.

@@ -91,6 +91,9 @@ impl<S: Store> LockService<S> {
             Err(_) => AcquireResult::Error,
         };
         self.metrics.acquired(kind, outcome, arrived.elapsed());
+        if result.is_ok() {
+            self.watchers.changed(kind.space(), key);
+        }
         result
     }
 

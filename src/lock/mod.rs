@@ -15,6 +15,7 @@ mod inspect;
 mod outage;
 mod pending;
 mod release;
+mod watching;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,9 +26,10 @@ use tokio::time::Instant;
 use crate::domain::{Owner, RequestId, Ttl, WaitFor};
 use crate::metrics::{Metrics, PassedOn, StoreOp};
 use crate::store::{
-    Hold, Holder, Kind, Lease, Mode, NOTICE_BUFFER, Space, Store, StoreError, StoreResult,
+    Hold, Holder, Kind, Lease, Mode, NOTICE_BUFFER, Notice, Space, Store, StoreError, StoreResult,
 };
 use crate::waiters::{OnGone, Waiters};
+use crate::watchers::Watchers;
 
 pub(crate) use outage::Outage;
 
@@ -111,6 +113,7 @@ pub struct LockService<S> {
     store: Arc<S>,
     settings: LockSettings,
     waiters: Arc<Waiters>,
+    watchers: Arc<Watchers>,
     shutdown: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
     outage: Arc<Outage>,
@@ -122,6 +125,7 @@ impl<S> Clone for LockService<S> {
             store: self.store.clone(),
             settings: self.settings.clone(),
             waiters: self.waiters.clone(),
+            watchers: self.watchers.clone(),
             shutdown: self.shutdown.clone(),
             metrics: self.metrics.clone(),
             outage: self.outage.clone(),
@@ -151,17 +155,31 @@ impl<S: Store> LockService<S> {
         metrics: Arc<Metrics>,
     ) -> Self {
         let waiters = Waiters::new(settings.max_waiters);
-        let (notices, received) = mpsc::channel(NOTICE_BUFFER);
+        let watchers = Watchers::new(waiters.watching());
+        let (notices, from_store) = mpsc::channel(NOTICE_BUFFER);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            // The watchers take the notices that concern them on the way to the waiters.
+            let (to_waiters, received) = mpsc::channel(NOTICE_BUFFER);
+            runtime.spawn(tee_notices(
+                from_store,
+                to_waiters,
+                Arc::downgrade(&watchers),
+            ));
             // An offer whose waiter has left (its wait ran out, its client went away) ends now,
             // so the key passes on to the next in line instead of when the offer lapses.
             let (gone_store, gone_metrics) = (store.clone(), metrics.clone());
+            let gone_watchers = watchers.clone();
             let on_gone: OnGone = Box::new(move |space, key, token| {
                 gone_metrics.offer_passed_on(PassedOn::Gone);
+                let watchers = gone_watchers.clone();
                 let store = gone_store.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = store.leave(space, &key, &token).await {
-                        tracing::debug!(%key, error = %e, "could not end an offer to a waiter that left; it lapses");
+                    match store.leave(space, &key, &token).await {
+                        // The offer ended: the key passed on, or is free.
+                        Ok(()) => watchers.changed(space, &key),
+                        Err(e) => {
+                            tracing::debug!(%key, error = %e, "could not end an offer to a waiter that left; it lapses");
+                        }
                     }
                 });
             });
@@ -177,6 +195,7 @@ impl<S: Store> LockService<S> {
             store,
             settings,
             waiters,
+            watchers,
             shutdown,
             metrics,
             outage: Arc::default(),
@@ -227,11 +246,42 @@ impl<S: Store> LockService<S> {
 
     /// The metrics, with the current number of waiters, in the OpenMetrics text format.
     pub(crate) fn render_metrics(&self) -> String {
+        self.metrics.set_watchers(self.watchers.len());
         self.metrics.render(
             self.waiters.len(),
             [Space::Locks, Space::Semaphores].map(|space| self.waiters.len_in(space)),
             self.store.ledger_len(),
         )
+    }
+}
+
+/// Hands the store's notices on: a change to the watchers of its key, missed notices (or a store
+/// loss) to every watcher and every waiter, the rest to the waiters. Ends when the waiters'
+/// side closes (the service is gone), which closes the store's side too.
+async fn tee_notices(
+    mut from_store: mpsc::Receiver<Notice>,
+    to_waiters: mpsc::Sender<Notice>,
+    watchers: std::sync::Weak<Watchers>,
+) {
+    loop {
+        let notice = tokio::select! {
+            notice = from_store.recv() => notice,
+            () = to_waiters.closed() => return,
+        };
+        let Some(notice) = notice else { return };
+        if let Some(watchers) = watchers.upgrade() {
+            match &notice {
+                Notice::Changed(space, key) => {
+                    watchers.changed(*space, key);
+                    continue;
+                }
+                Notice::Missed => watchers.all_changed(),
+                _ => {}
+            }
+        }
+        if to_waiters.send(notice).await.is_err() {
+            return;
+        }
     }
 }
 

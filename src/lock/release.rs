@@ -25,6 +25,9 @@ impl<S: Store> LockService<S> {
             _ => None,
         };
         self.metrics.released(space, holder_result(&outcome), held);
+        if held.is_some() {
+            self.watchers.changed(space, key);
+        }
         outcome?.into_result().map(drop)
     }
 
@@ -41,6 +44,11 @@ impl<S: Store> LockService<S> {
             .timed(StoreOp::renew, self.store.renew(space, key, token, ttl))
             .await;
         self.metrics.renewed(space, holder_result(&outcome));
+        if matches!(outcome, Ok(Holder::Done(_))) {
+            // Not a change of holders, but the lease may now end sooner than the watchers'
+            // keeper expects: it reads once and times the expiry again.
+            self.watchers.changed(space, key);
+        }
         outcome?.into_result()
     }
 
@@ -59,6 +67,7 @@ impl<S: Store> LockService<S> {
             .await;
         self.metrics.force_released(space, holder_result(&outcome));
         let fences = outcome?.into_result()?;
+        self.watchers.changed(space, key);
         tracing::warn!(
             %key,
             ?space,

@@ -45,6 +45,7 @@ pub struct Metrics {
     /// Each primitive's latency histogram once it has been called (by `StoreOp as usize`).
     store_latency_by_op: [OnceLock<Histogram>; StoreOp::ALL.len()],
     waiters: Gauge,
+    watchers: Gauge,
     queued: Family<QueueLabels, Gauge>,
     handoffs: Family<QueueLabels, Counter>,
     passed_on: Family<PassedOnLabels, Counter>,
@@ -181,6 +182,12 @@ impl Default for Metrics {
             "Acquires waiting on this broker now",
             waiters.clone(),
         );
+        let watchers = Gauge::default();
+        registry.register(
+            "lockbroker_watchers",
+            "Watches (GET with watch) parked on this broker now, waiting for a key to change",
+            watchers.clone(),
+        );
         let queued = Family::<QueueLabels, Gauge>::default();
         let handoffs = Family::<QueueLabels, Counter>::default();
         for space in [Space::Locks, Space::Semaphores] {
@@ -272,6 +279,7 @@ impl Default for Metrics {
             store_latency,
             store_latency_by_op: Default::default(),
             waiters,
+            watchers,
             queued,
             handoffs,
             passed_on,
@@ -382,6 +390,12 @@ impl Metrics {
 
     /// The OpenMetrics text exposition, with the current number of waiters (in all, and queued
     /// in the store by key space: locks, semaphores).
+    /// Sets the number of parked watches, shown by the next [`Metrics::render`].
+    pub fn set_watchers(&self, watchers: usize) {
+        self.watchers
+            .set(i64::try_from(watchers).unwrap_or(i64::MAX));
+    }
+
     pub fn render(&self, waiters: usize, queued: [usize; 2], ledger: usize) -> String {
         self.waiters.set(i64::try_from(waiters).unwrap_or(i64::MAX));
         for (space, n) in [Space::Locks, Space::Semaphores].into_iter().zip(queued) {

@@ -96,6 +96,14 @@ impl Store for AnyStore {
         }
     }
 
+    fn sees_every_change(&self) -> bool {
+        match self {
+            // One broker per embedded store: every change is made through it.
+            AnyStore::Memory(_) => true,
+            AnyStore::Redis(s) => s.sees_every_change(),
+        }
+    }
+
     fn ledger_len(&self) -> usize {
         match self {
             AnyStore::Memory(s) => s.ledger_len(),

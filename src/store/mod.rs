@@ -272,6 +272,10 @@ pub enum Notice {
     /// This broker's queued bids on the key were dropped from the queue (an offer to one of
     /// them lapsed): each of its waiters on the key asks again, joining the queue anew.
     Requeue(Space, LockKey),
+    /// The holders of the key changed through another broker (a grant, a release, a takeover, a
+    /// force release): this broker's watchers of the key read it again (one read per key, for
+    /// all of them). Changes made through this broker wake its watchers without a notice.
+    Changed(Space, LockKey),
     /// Notices may have been missed (the notice connection was down), or the store lost its
     /// queues (a loss): every waiter asks again, which puts it back in its key's queue.
     Missed,
@@ -408,6 +412,14 @@ pub trait Store: Send + Sync + 'static {
     /// brokers sharing the store, goes to `notices`. Delivery is best effort: waiters also wake
     /// at the holder's expiry and on a slow fallback poll.
     fn start(&self, notices: mpsc::Sender<Notice>);
+
+    /// Whether every change to a key's holders reaches this broker: made through it, or announced
+    /// by [`Notice::Changed`] (expiries aside, which a watcher times itself). When not (several
+    /// brokers share a store that does not announce changes), watchers also read their key again
+    /// on a slow fallback timer.
+    fn sees_every_change(&self) -> bool {
+        false
+    }
 
     /// How many live leases this broker remembers to put back after a store loss (0 for a store
     /// that cannot lose them).

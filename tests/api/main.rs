@@ -21,3 +21,4 @@ mod store_pools;
 mod store_queue;
 mod tls;
 mod waiting;
+mod watch;

@@ -659,6 +659,17 @@ async fn lock_scenarios(app: &TestApp, cov: &mut Coverage) {
     let answer = app.inspect(free).await;
     cov.record("GET", LOCK, &answer);
     answer.expect_error(StatusCode::NOT_FOUND, "not_held");
+    // Watches: a change at once (the fence seen differs), and no change within the wait.
+    let answer = app.get(&lock_path(key, "watch=0&wait_ms=10")).await;
+    cov.record("GET", LOCK, &answer);
+    assert_eq!(answer.expect_status(StatusCode::OK).json()["changed"], true);
+    let answer = app.get(&lock_path(free, "watch=0&wait_ms=10")).await;
+    cov.record("GET", LOCK, &answer);
+    let body = answer.expect_status(StatusCode::NOT_FOUND).json();
+    assert_eq!(
+        (&body["fence"], &body["changed"]),
+        (&Value::Null, &false.into())
+    );
     let answer = app.inspect("a%2Fb").await;
     cov.record("GET", LOCK, &answer);
     answer.expect_error(StatusCode::BAD_REQUEST, "invalid_request");
@@ -775,6 +786,9 @@ async fn shared_and_semaphore_scenarios(app: &TestApp, cov: &mut Coverage) {
     let answer = app.get("/semaphores/oa-free").await;
     cov.record("GET", SEMAPHORE, &answer);
     answer.expect_error(StatusCode::NOT_FOUND, "not_held");
+    let answer = app.get(&format!("{key}?watch=0&wait_ms=10")).await;
+    cov.record("GET", SEMAPHORE, &answer);
+    assert_eq!(answer.expect_status(StatusCode::OK).json()["changed"], true);
     refusals(app, cov, "GET", SEMAPHORE, key).await;
 
     let answer = app.get("/semaphores?prefix=oa-").await;

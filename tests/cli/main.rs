@@ -6,6 +6,7 @@
 mod bench;
 mod commands;
 mod docs;
+mod elect;
 mod kinds;
 mod run;
 mod secure;

@@ -102,9 +102,14 @@ pub struct StatusArgs {
     pub broker: BrokerArgs,
     #[command(flatten)]
     pub target: TargetArgs,
-    /// Print the state (or the error) as one JSON object on stdout.
+    /// Print the state (or the error) as one JSON object on stdout; with --watch, one per
+    /// line, each with `held` and `seen_at_ms`.
     #[arg(long)]
     pub json: bool,
+    /// Keep watching: print the state now, then every change (holder, fence, owner) as it
+    /// happens, one line each, until interrupted.
+    #[arg(long)]
+    pub watch: bool,
 }
 
 /// `lockbroker acquire`: prints the token and the fence.
@@ -204,6 +209,9 @@ pub async fn renew(args: RenewArgs) -> ExitCode {
 /// `lockbroker status`: who holds the lock (or the semaphore's permits) and until when; exit 4
 /// when nobody does.
 pub async fn status(args: StatusArgs) -> ExitCode {
+    if args.watch {
+        return super::follow::follow(&args).await;
+    }
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,

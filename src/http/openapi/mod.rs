@@ -21,6 +21,7 @@ use utoipa::{IntoResponses, Modify, OpenApi, PartialSchema, ToSchema};
 
 use super::Limits;
 use super::error::{Body as ErrorBody, ErrorCode, LockedError, PermitConflictError};
+use super::leases::NotHeldBody;
 use super::requests::{AcquireBody, RenewBody, SemaphoreAcquireBody};
 use crate::store::{MAX_LIST_LIMIT, MAX_SEMAPHORE_LIMIT};
 
@@ -90,7 +91,8 @@ unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key
         PermitConflictError,
         AcquireBody,
         SemaphoreAcquireBody,
-        RenewBody
+        RenewBody,
+        NotHeldBody
     )),
     modifiers(&BearerScheme),
     tags(
@@ -324,6 +326,12 @@ error_responses! {
         404 => ErrorBody;
     }
 
+    pub struct InspectNotHeld {
+        /// `not_held`: nobody holds the key (it is free, it was released, or the lease expired).
+        /// With `watch`, the body adds `"fence": null` and `changed`.
+        404 => NotHeldBody;
+    }
+
     pub struct NotOwner {
         /// `not_owner`: someone else's live lease holds the key (yours expired and was taken over, or
         /// the token is wrong).
@@ -342,6 +350,15 @@ error_responses! {
         /// the brokers put their live leases back after a detected loss) and the message says which.
         503 => ErrorBody, "Retry-After": u64 = "While a store-wide hold is in force: seconds until \
             it ends, rounded up, at least 1.";
+    }
+
+    pub struct InspectUnavailable {
+        /// `store_unavailable`: the store could not be reached or did not answer in time, or, with
+        /// `Retry-After`, a store-wide hold is in force. With `watch` also `too_many_waiters` (with
+        /// `Retry-After: 1`: `max_waiters` acquires and watches already wait on this broker) and
+        /// `shutting_down` (the broker stopped while the watch waited).
+        503 => ErrorBody, "Retry-After": u64 = "With `too_many_waiters` and during a store-wide \
+            hold: seconds to wait before trying again.";
     }
 
     pub struct NotGranted {

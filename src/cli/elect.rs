@@ -1,0 +1,311 @@
+//! `lockbroker elect KEY --owner NAME -- COMMAND [ARGS...]`: leader election on a lock. The
+//! lock's holder is the leader; this node runs COMMAND while it leads and otherwise waits as a
+//! candidate.
+//!
+//! A candidate acquires the lock with `--owner` and a long wait, asking again each time a wait
+//! runs out, so that it is in the key's queue in the store whenever the lock is held: when the
+//! leader releases, the lock is handed to the first candidate at once. While it leads, it runs
+//! the command as `lockbroker run` does (its own process group, the lease in its environment,
+//! renewed every third of the TTL, the whole group stopped — SIGTERM, then SIGKILL after
+//! `--grace` — when the lease is lost), and when the lease is lost it becomes a candidate
+//! again. SIGTERM or SIGINT while it leads stops the command the same way and then releases the
+//! lock, so a successor starts within a handoff rather than a TTL; other signals go to the
+//! command. The exit status is the command's (it ended by itself or was stopped), or 128+S for
+//! a signal S received while waiting as a candidate.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+use lockbroker_client::{
+    AcquireParams, Claim, Client, Error, Grant, Lease, LeaseOptions, Trouble, new_request_id,
+};
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use tokio::time::Instant;
+
+use super::run::{
+    Signals, bound_again, default_owner, exit_code_of, release, send, spawn, terminate,
+};
+use super::{
+    BrokerArgs, exit, exit_code, format_ms, parse_duration, parse_key, parse_owner, parse_ttl,
+};
+
+/// How long one candidate request waits for the lock before it asks again (at most; a
+/// broker whose `max_wait_ms` is lower refuses it, and the candidate then asks with that).
+const CAMPAIGN_WAIT: Duration = Duration::from_secs(30);
+
+/// How soon a candidate asks again after the broker could not be reached or answered 5xx.
+const RETRY: Duration = Duration::from_secs(1);
+
+/// `lockbroker elect` flags.
+#[derive(Debug, Clone, Args)]
+#[command(after_help = ELECT_EXIT_CODES_HELP)]
+pub struct ElectArgs {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// The election's lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
+    #[arg(value_parser = parse_key)]
+    pub key: String,
+    /// This candidate's name, shown as the lock's owner while it leads (`status` and
+    /// `status --watch` show who leads) [default: HOSTNAME pid PID].
+    #[arg(long, value_parser = parse_owner)]
+    pub owner: Option<String>,
+    /// Lease length, renewed every third of it while leading [default: the broker's, 30s
+    /// unless configured]. A leader that dies is succeeded within it.
+    #[arg(long, value_parser = parse_ttl, value_name = "DURATION")]
+    pub ttl: Option<Duration>,
+    /// How long to wait as a candidate before giving up (exit 3) [default: forever].
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub wait: Option<Duration>,
+    /// When the command must stop: how long it has between SIGTERM and SIGKILL.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
+    pub grace: Duration,
+    /// The command and its arguments, after `--`, run while this node leads.
+    #[arg(last = true, required = true, num_args = 1.., value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+pub const ELECT_EXIT_CODES_HELP: &str = "\
+Exit codes:
+  N      the command ran and exited with status N (0 included), by itself or stopped by
+         a SIGTERM or SIGINT sent to elect (then the leadership is released)
+  128+S  the command died of signal S (143 for SIGTERM); or elect got signal S while
+         waiting as a candidate (the command did not run)
+  1      error: request refused (400, 403), unexpected answer
+  2      usage error
+  3      --wait ran out before this node led; the command did not run
+  126    the command could not be started
+  127    the command was not found
+A leader whose lease is lost stops its command (SIGTERM, SIGKILL after --grace) and waits
+as a candidate again.";
+
+/// `lockbroker elect`.
+pub async fn elect(args: ElectArgs) -> ExitCode {
+    let client = match args.broker.client() {
+        Ok(client) => client,
+        Err(code) => return code,
+    };
+    let mut signals = match Signals::listen() {
+        Ok(signals) => signals,
+        Err(e) => {
+            say(format_args!("cannot listen for signals: {e}"));
+            return ExitCode::from(exit::ERROR);
+        }
+    };
+    let claim = Claim::Exclusive(args.key.clone());
+    let owner = args.owner.clone().unwrap_or_else(default_owner);
+    let deadline = args.wait.map(|wait| Instant::now() + wait);
+    loop {
+        let grant = tokio::select! {
+            grant = campaign(&client, &claim, &owner, args.ttl, deadline) => match grant {
+                Ok(grant) => grant,
+                Err(e @ Error::Locked { .. }) => {
+                    say(format_args!("--wait ran out while another node led {}: {e}; the command did not run", args.key));
+                    return ExitCode::from(exit::LOCKED);
+                }
+                Err(e) => {
+                    say(format_args!("cannot stand for {}: {e}", args.key));
+                    return ExitCode::from(exit_code(&e));
+                }
+            },
+            signal = signals.recv() => {
+                say(format_args!("got {signal} while waiting to lead {}; the command did not run", args.key));
+                return ExitCode::from(128 + signal as u8);
+            }
+        };
+        match lead(&args, &client, &claim, grant, &mut signals).await {
+            Led::Ended(code) => return code,
+            Led::Lost => {}
+        }
+    }
+}
+
+/// Waits as a candidate until this node leads: acquires with a long wait, again and again,
+/// until granted or `deadline`. A broker that cannot be reached, or answers 5xx, is asked again.
+async fn campaign(
+    client: &Client,
+    claim: &Claim,
+    owner: &str,
+    ttl: Option<Duration>,
+    deadline: Option<Instant>,
+) -> Result<(Grant, Instant), Error> {
+    let mut wait = CAMPAIGN_WAIT;
+    let mut said_trouble = false;
+    loop {
+        let now = Instant::now();
+        let this_wait = deadline.map_or(wait, |d| wait.min(d.saturating_duration_since(now)));
+        let params = AcquireParams {
+            ttl,
+            wait: Some(this_wait),
+            owner: Some(owner.to_owned()),
+            // The same id for a retry after a lost answer: the broker answers that same grant.
+            request_id: Some(new_request_id()),
+        };
+        let sent_at = Instant::now();
+        let mut answer = client.grant(claim, &params).await;
+        if matches!(answer, Err(Error::Transport { .. })) {
+            answer = client.grant(claim, &params).await;
+        }
+        match answer {
+            // A grant that waited is renewed at once, so that the renewer judges its end right.
+            Ok(grant) => match bound_again(client, claim, grant, sent_at).await {
+                Ok(bounded) => return Ok(bounded),
+                Err(e) => say(format_args!(
+                    "cannot renew the lease on {} just granted ({e}); standing again",
+                    claim.resource()
+                )),
+            },
+            Err(Error::Locked { .. }) if deadline.is_none_or(|d| Instant::now() < d) => {}
+            // A broker with a lower max_wait_ms: ask with a shorter wait.
+            Err(Error::Api {
+                status,
+                ref message,
+                ..
+            }) if status.as_u16() == 400 && message.contains("wait_ms") && wait > RETRY => {
+                wait /= 2;
+            }
+            Err(e) if e.is_transient() => {
+                if !said_trouble {
+                    say(format_args!(
+                        "cannot stand for {} ({e}); trying again every {}",
+                        claim.resource(),
+                        humantime::format_duration(RETRY)
+                    ));
+                    said_trouble = true;
+                }
+                if deadline.is_some_and(|d| Instant::now() + RETRY >= d) {
+                    return Err(e);
+                }
+                tokio::time::sleep(RETRY).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// How a term as leader ended.
+enum Led {
+    /// Elect is done: exit with this.
+    Ended(ExitCode),
+    /// The lease was lost and the command stopped: stand again.
+    Lost,
+}
+
+/// Leads: runs the command while the lease holds, as `run` does.
+async fn lead(
+    args: &ElectArgs,
+    client: &Client,
+    claim: &Claim,
+    (grant, sent_at): (Grant, Instant),
+    signals: &mut Signals,
+) -> Led {
+    let resource = claim.resource();
+    say(format_args!(
+        "leading {resource} (fence {}); starting the command",
+        grant.fence
+    ));
+    let mut options = LeaseOptions::new(Duration::from_millis(grant.ttl_ms.max(1)));
+    let renewing = resource.clone();
+    options.on_trouble = Some(std::sync::Arc::new(
+        move |trouble: &Trouble| match trouble {
+            Trouble::Failing { error, ends_in } => say(format_args!(
+                "cannot renew the lease on {renewing} ({error}); retrying until it ends in {}",
+                format_ms(u64::try_from(ends_in.as_millis()).unwrap_or(0))
+            )),
+            Trouble::Recovered => say(format_args!("renewed the lease on {renewing} again")),
+        },
+    ));
+    let lease = Lease::hold(client.clone(), claim, &grant, sent_at, options);
+    let mut child = match spawn(&args.command, &lease, client, claim.mode()) {
+        Ok(child) => child,
+        Err(e) => {
+            say(format_args!(
+                "cannot run {:?}: {e}",
+                args.command[0].to_string_lossy()
+            ));
+            release(&lease).await;
+            return Led::Ended(ExitCode::from(
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    exit::NOT_FOUND
+                } else {
+                    exit::CANNOT_EXECUTE
+                },
+            ));
+        }
+    };
+    let group = Pid::from_raw(
+        child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .expect("a child not yet waited for has a pid"),
+    );
+    let lost = loop {
+        tokio::select! {
+            biased;
+            status = child.wait() => {
+                say(format_args!("the command ended; handing {resource} over"));
+                release(&lease).await;
+                return Led::Ended(exit_code_of(status));
+            }
+            signal = signals.recv() => {
+                if matches!(signal, Signal::SIGTERM | Signal::SIGINT) {
+                    // Stop first, then hand over: never two leaders' commands at once.
+                    say(format_args!("got {signal}: stopping the command, then handing {resource} over"));
+                    let status = terminate(&mut child, group, args.grace, signals).await;
+                    release(&lease).await;
+                    return Led::Ended(exit_code_of(status));
+                }
+                send(group, signal);
+            }
+            lost = lease.lost() => break lost,
+        }
+    };
+    say(format_args!(
+        "lost the lead on {resource}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
+        humantime::format_duration(args.grace)
+    ));
+    match terminate(&mut child, group, args.grace, signals).await {
+        Ok(status) => say(format_args!(
+            "the command stopped ({status}); standing again"
+        )),
+        Err(e) => say(format_args!("cannot wait for the command: {e}")),
+    }
+    Led::Lost
+}
+
+/// One line on stderr, marked as elect's own among the command's output.
+fn say(message: fmt::Arguments<'_>) {
+    eprintln!("lockbroker elect: {message}");
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        elect: ElectArgs,
+    }
+
+    #[test]
+    fn elect_is_a_consistent_clap_definition_that_needs_a_key_and_a_command() {
+        Cli::command().debug_assert();
+        let parsed = Cli::try_parse_from([
+            "elect", "k", "--owner", "a", "--ttl", "2s", "--", "sh", "-c", "x",
+        ])
+        .unwrap()
+        .elect;
+        assert_eq!(parsed.key, "k");
+        assert_eq!(parsed.owner.as_deref(), Some("a"));
+        assert_eq!(parsed.ttl, Some(Duration::from_secs(2)));
+        assert_eq!(parsed.command, ["sh", "-c", "x"]);
+        assert!(Cli::try_parse_from(["elect", "k", "--owner", "a"]).is_err());
+        assert!(Cli::try_parse_from(["elect", "--", "true"]).is_err());
+    }
+}

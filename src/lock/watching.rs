@@ -1,0 +1,195 @@
+//! Watching a key: answer a watch when the key's holders differ from what its caller saw, or
+//! when they change within its wait. The watches themselves are parked in
+//! [`crate::watchers`]; this file runs each watched key's keeper, the one task per key and
+//! broker that reads the store for all of the key's watches.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{HoldersView, LockError, LockService};
+use crate::domain::{LockKey, millis};
+use crate::store::{Space, Store, StoreError};
+use crate::watchers::{Reading, Watched, identity, shown_fence};
+
+/// How soon a keeper reads again after the store did not answer.
+const STORE_RETRY: Duration = Duration::from_millis(500);
+
+/// How often a keeper reads its key anyway when the store does not announce other brokers'
+/// changes (see [`Store::sees_every_change`]): the most a change made elsewhere can take to
+/// reach this broker's watches.
+pub(crate) const FALLBACK_READ: Duration = Duration::from_secs(1);
+
+/// What a watch answers: the key's holders now (`None`: free), and whether they differ from
+/// what the caller saw.
+#[derive(Debug)]
+pub(crate) struct Watch {
+    pub view: Option<HoldersView>,
+    pub changed: bool,
+}
+
+impl<S: Store> LockService<S> {
+    /// Answers at once if the key's holders differ from `seen` (the highest fence the caller
+    /// saw; 0: free), otherwise when they change within `wait`, or with the unchanged view when
+    /// `wait` runs out. Counts against `max_waiters` while it waits.
+    pub(crate) async fn watch(
+        &self,
+        space: Space,
+        key: &LockKey,
+        seen: u64,
+        wait: Duration,
+    ) -> Result<Watch, LockError> {
+        let limit = self.settings.max_waiters;
+        let place = (space, key.clone());
+        let busy = self.waiters.len() + self.watchers.len();
+        let (ticket, fresh) = self
+            .watchers
+            .enter(&place, busy, limit)
+            .ok_or(LockError::TooManyWaiters { limit })?;
+        let watched = ticket.watched().clone();
+        if fresh {
+            tokio::spawn(self.clone().keep(watched.clone(), space, key.clone()));
+        }
+        let mut readings = watched.subscribe();
+        let asked = watched.ask();
+        let deadline = Instant::now() + wait;
+        let mut shutdown = self.shutdown.clone();
+        // A reading made after this watch came (the keeper may finish an earlier one first).
+        let bound = self.settings.store_timeout * 2;
+        let first = tokio::select! {
+            first = tokio::time::timeout(bound, reading_from(&mut readings, asked)) => first,
+            _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
+        };
+        let Ok(Some(first)) = first else {
+            return Err(StoreError::Timeout(millis(self.settings.store_timeout)).into());
+        };
+        let base = match &*first.view {
+            Err(e) => return Err(again(e)),
+            Ok(view) if shown_fence(view) != seen => return Ok(answer(&first, true)),
+            Ok(view) => identity(view),
+        };
+        let mut latest = first;
+        while Instant::now() < deadline {
+            tokio::select! {
+                moved = readings.changed() => {
+                    if moved.is_err() {
+                        break;
+                    }
+                    let reading = readings.borrow_and_update().clone();
+                    if matches!(&*reading.view, Ok(view) if identity(view) != base) {
+                        return Ok(answer(&reading, true));
+                    }
+                    latest = reading;
+                }
+                () = tokio::time::sleep_until(deadline) => break,
+                _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
+            }
+        }
+        drop(ticket);
+        match &*latest.view {
+            Err(e) => Err(again(e)),
+            Ok(_) => Ok(answer(&latest, false)),
+        }
+    }
+
+    /// The keeper of a watched key: reads it when asked and when the earliest of its leases
+    /// ends, publishing each reading to the key's watches, until the last watch leaves.
+    async fn keep(self, watched: Arc<Watched>, space: Space, key: LockKey) {
+        let mut done = 0;
+        let mut timer: Option<Instant> = None;
+        loop {
+            if watched.is_closed() {
+                return;
+            }
+            let wanted = watched.wanted();
+            if wanted > done || timer.is_some_and(|at| at <= Instant::now()) {
+                let view = self.read_view(space, &key).await;
+                done = wanted;
+                timer = self.next_read(&view);
+                watched.publish(Reading {
+                    generation: wanted,
+                    at: Instant::now(),
+                    view: Arc::new(view),
+                });
+                continue;
+            }
+            match timer {
+                Some(at) => tokio::select! {
+                    () = watched.woken() => {}
+                    () = tokio::time::sleep_until(at) => {}
+                },
+                None => watched.woken().await,
+            }
+        }
+    }
+
+    /// The key's live holders, `None` when free.
+    async fn read_view(
+        &self,
+        space: Space,
+        key: &LockKey,
+    ) -> Result<Option<HoldersView>, LockError> {
+        let view = match space {
+            Space::Locks => self.inspect(key).await,
+            Space::Semaphores => self.permits(key).await,
+        };
+        match view {
+            Ok(view) => Ok(Some(view)),
+            Err(LockError::NotHeld) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// When the keeper reads by itself: just after the first of the leases ends (an expiry
+    /// changes the holders and nobody announces it), soon after a failed read, and on the
+    /// fallback timer when other brokers' changes are not announced.
+    fn next_read(&self, view: &Result<Option<HoldersView>, LockError>) -> Option<Instant> {
+        let now = Instant::now();
+        let mut at = match view {
+            Ok(Some(view)) => view
+                .holders
+                .iter()
+                .map(|l| l.expires_at_ms)
+                .min()
+                // A lease ends *after* its last millisecond.
+                .map(|end| now + Duration::from_millis(end.saturating_sub(view.now_ms) + 1)),
+            Ok(None) => None,
+            Err(_) => Some(now + STORE_RETRY),
+        };
+        if !self.store.sees_every_change() {
+            let fallback = now + FALLBACK_READ;
+            at = Some(at.map_or(fallback, |at| at.min(fallback)));
+        }
+        at
+    }
+}
+
+/// The first reading of generation `asked` or later; `None` if the keeper is gone.
+async fn reading_from(readings: &mut watch::Receiver<Reading>, asked: u64) -> Option<Reading> {
+    let reading = readings.wait_for(|r| r.generation >= asked).await.ok()?;
+    Some(reading.clone())
+}
+
+/// A reading as a watch answers it: the store's clock moved on by the time since the read.
+fn answer(reading: &Reading, changed: bool) -> Watch {
+    let view = match &*reading.view {
+        Ok(view) => view.clone().map(|mut view| {
+            view.now_ms += millis(reading.at.elapsed());
+            view
+        }),
+        Err(_) => None,
+    };
+    Watch { view, changed }
+}
+
+/// A reading's error again, for each watch that answers with it.
+fn again(e: &LockError) -> LockError {
+    match e {
+        LockError::OnHold(hold) => LockError::OnHold(*hold),
+        LockError::StoreUnavailable(e) => LockError::StoreUnavailable(e.clone()),
+        LockError::ShuttingDown => LockError::ShuttingDown,
+        other => LockError::StoreUnavailable(StoreError::Failed(other.to_string())),
+    }
+}

@@ -1,0 +1,286 @@
+//! Watching without polling: one broker's watches (`GET /locks/{key}?watch=F`), parked until
+//! their key's holders change.
+//!
+//! Per watched key this broker keeps one [`Watched`]: the last reading of the key (its holders,
+//! or free), published to every watch of the key, and a count of wake-up requests. One keeper
+//! per key (the lock service runs it, see `crate::lock`) reads the key when asked, at the
+//! earliest end of its holders' leases (an expiry changes the holders without anyone saying so),
+//! and once a second on a store that does not announce other brokers' changes:
+//! so a change costs one store read per key per broker, however many watches wait on it, and a
+//! key that does not change costs nothing. Wake-up requests come from this broker's own changes
+//! (the lock service calls [`Watchers::changed`] after a grant, a release, a force release, an
+//! offer ended for a waiter that left, and a renewal, which may move the earliest lease end),
+//! from the store's [`Notice::Changed`](crate::store::Notice) for other brokers' changes, from a
+//! watch that arrives (it needs a reading made after it came), and from a store loss or missed
+//! notices ([`Watchers::all_changed`]).
+//!
+//! Watches count against `max_waiters` together with the waiting acquires.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::{Notify, watch};
+use tokio::time::Instant;
+
+use crate::domain::LockKey;
+use crate::lock::{HoldersView, LockError};
+use crate::store::Space;
+
+/// A key in its space: what a watch is on.
+pub(crate) type Place = (Space, LockKey);
+
+/// One reading of a watched key, shared by every watch of it.
+#[derive(Clone)]
+pub(crate) struct Reading {
+    /// The wake-up requests made before the read started: a reading answers every request up to
+    /// this one. 0: no reading yet.
+    pub generation: u64,
+    /// When the read answered (this host's clock): the view's `now_ms` plus the time since is
+    /// the store's clock now.
+    pub at: Instant,
+    /// The holders (`None`: free), or why the store did not say.
+    pub view: Arc<Result<Option<HoldersView>, LockError>>,
+}
+
+/// What a watch sees of its key's holders: their fences, in order (empty: free). A change of
+/// holders changes it; a renewal does not (it moves an expiry only).
+pub(crate) fn identity(view: &Option<HoldersView>) -> Vec<u64> {
+    let mut fences: Vec<u64> = view
+        .iter()
+        .flat_map(|v| v.holders.iter().map(|l| l.fence))
+        .collect();
+    fences.sort_unstable();
+    fences
+}
+
+/// The fence a watch compares with the one its caller last saw: the highest of the holders'
+/// (the one `GET` shows), 0 when free.
+pub(crate) fn shown_fence(view: &Option<HoldersView>) -> u64 {
+    identity(view).last().copied().unwrap_or(0)
+}
+
+/// A watched key on this broker.
+pub(crate) struct Watched {
+    /// Wake-up requests so far; the keeper reads again while this is past its last reading's.
+    wanted: AtomicU64,
+    /// Wakes the keeper; `notify_one` keeps a permit when the keeper is busy reading, so a
+    /// request made meanwhile is not lost.
+    wake: Notify,
+    /// Set when the key's last watch leaves: the keeper stops.
+    closed: AtomicBool,
+    readings: watch::Sender<Reading>,
+}
+
+impl Watched {
+    fn new() -> Self {
+        let (readings, _) = watch::channel(Reading {
+            generation: 0,
+            at: Instant::now(),
+            view: Arc::new(Ok(None)),
+        });
+        Self {
+            wanted: AtomicU64::new(0),
+            wake: Notify::new(),
+            closed: AtomicBool::new(false),
+            readings,
+        }
+    }
+
+    /// Asks the keeper for a reading made from now on; the generation that reading will carry
+    /// (at least).
+    pub(crate) fn ask(&self) -> u64 {
+        let generation = self.wanted.fetch_add(1, Ordering::SeqCst) + 1;
+        self.wake.notify_one();
+        generation
+    }
+
+    /// The wake-up requests so far.
+    pub(crate) fn wanted(&self) -> u64 {
+        self.wanted.load(Ordering::SeqCst)
+    }
+
+    /// Completes when the keeper is asked for something (or the key's last watch left).
+    pub(crate) async fn woken(&self) {
+        self.wake.notified().await;
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Hands a reading to every watch of the key.
+    pub(crate) fn publish(&self, reading: Reading) {
+        self.readings.send_replace(reading);
+    }
+
+    pub(crate) fn subscribe(&self) -> watch::Receiver<Reading> {
+        self.readings.subscribe()
+    }
+}
+
+/// One key's entry: its watches here, and what they share.
+struct Entry {
+    watches: usize,
+    watched: Arc<Watched>,
+}
+
+/// The broker's watches, by key.
+pub(crate) struct Watchers {
+    /// A std Mutex: nothing awaits while holding it; each critical section is a hash lookup.
+    keys: Mutex<HashMap<Place, Entry>>,
+    /// Watches parked now; shared with the waiters, whose limit they count against.
+    count: Arc<AtomicUsize>,
+}
+
+impl Watchers {
+    /// `count` is the waiters' count of watches (see `crate::waiters::Waiters::watching`).
+    pub(crate) fn new(count: Arc<AtomicUsize>) -> Arc<Self> {
+        Arc::new(Self {
+            keys: Mutex::default(),
+            count,
+        })
+    }
+
+    fn keys(&self) -> MutexGuard<'_, HashMap<Place, Entry>> {
+        // Every mutation completes before a panic could happen, so a poisoned lock is consistent.
+        self.keys.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Watches parked now.
+    pub(crate) fn len(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    /// Keys watched now.
+    #[cfg(test)]
+    pub(crate) fn keys_watched(&self) -> usize {
+        self.keys().len()
+    }
+
+    /// Parks a watch on `place`, unless `busy` (the waiters and watches parked already) reaches
+    /// `limit`. The flag is true when the key was not watched here before: the caller starts its
+    /// keeper.
+    pub(crate) fn enter(
+        self: &Arc<Self>,
+        place: &Place,
+        busy: usize,
+        limit: usize,
+    ) -> Option<(WatchTicket, bool)> {
+        let mut keys = self.keys();
+        if busy >= limit {
+            return None;
+        }
+        self.count.fetch_add(1, Ordering::SeqCst);
+        let mut fresh = false;
+        let entry = keys.entry(place.clone()).or_insert_with(|| {
+            fresh = true;
+            Entry {
+                watches: 0,
+                watched: Arc::new(Watched::new()),
+            }
+        });
+        entry.watches += 1;
+        let ticket = WatchTicket {
+            watchers: self.clone(),
+            place: place.clone(),
+            watched: entry.watched.clone(),
+        };
+        Some((ticket, fresh))
+    }
+
+    /// The holders of `place` may have changed: its keeper (if it is watched here) reads it again.
+    pub(crate) fn changed(&self, space: Space, key: &LockKey) {
+        if let Some(entry) = self.keys().get(&(space, key.clone())) {
+            entry.watched.ask();
+        }
+    }
+
+    /// Any key may have changed (a store loss, a put-back, missed notices): every keeper reads
+    /// its key again.
+    pub(crate) fn all_changed(&self) {
+        for entry in self.keys().values() {
+            entry.watched.ask();
+        }
+    }
+}
+
+/// A parked watch; leaving (drop) stops the key's keeper when it was the last.
+pub(crate) struct WatchTicket {
+    watchers: Arc<Watchers>,
+    place: Place,
+    watched: Arc<Watched>,
+}
+
+impl WatchTicket {
+    pub(crate) fn watched(&self) -> &Arc<Watched> {
+        &self.watched
+    }
+}
+
+impl Drop for WatchTicket {
+    fn drop(&mut self) {
+        let mut keys = self.watchers.keys();
+        self.watchers.count.fetch_sub(1, Ordering::SeqCst);
+        let Some(entry) = keys.get_mut(&self.place) else {
+            return;
+        };
+        entry.watches -= 1;
+        if entry.watches == 0 {
+            // Under the lock: a watch that comes now finds no entry and starts a new keeper.
+            keys.remove(&self.place);
+            self.watched.closed.store(true, Ordering::SeqCst);
+            self.watched.wake.notify_one();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn place(k: &str) -> Place {
+        (Space::Locks, LockKey::parse(k).unwrap())
+    }
+
+    #[test]
+    fn watches_of_one_key_share_its_entry_and_the_last_to_leave_closes_it() {
+        let watchers = Watchers::new(Arc::default());
+        let (a, fresh_a) = watchers.enter(&place("k"), 0, 10).unwrap();
+        let (b, fresh_b) = watchers.enter(&place("k"), 1, 10).unwrap();
+        assert!(fresh_a && !fresh_b, "only the first watch starts a keeper");
+        assert!(Arc::ptr_eq(a.watched(), b.watched()));
+        assert_eq!(watchers.len(), 2);
+        let watched = a.watched().clone();
+        drop(a);
+        assert!(!watched.is_closed());
+        drop(b);
+        assert!(watched.is_closed(), "the keeper stops with the last watch");
+        assert_eq!((watchers.len(), watchers.keys_watched()), (0, 0));
+        let (_c, fresh_c) = watchers.enter(&place("k"), 0, 10).unwrap();
+        assert!(fresh_c, "a watch after that starts a new keeper");
+    }
+
+    #[test]
+    fn a_change_asks_only_its_keys_keeper_and_all_changed_asks_every_keeper() {
+        let watchers = Watchers::new(Arc::default());
+        let (a, _) = watchers.enter(&place("a"), 0, 10).unwrap();
+        let (b, _) = watchers.enter(&place("b"), 1, 10).unwrap();
+        watchers.changed(Space::Locks, &LockKey::parse("a").unwrap());
+        watchers.changed(Space::Semaphores, &LockKey::parse("b").unwrap());
+        assert_eq!((a.watched().wanted(), b.watched().wanted()), (1, 0));
+        watchers.all_changed();
+        assert_eq!((a.watched().wanted(), b.watched().wanted()), (2, 1));
+    }
+
+    #[test]
+    fn the_limit_counts_what_the_caller_says_is_parked_and_frees_on_leave() {
+        let count = Arc::new(AtomicUsize::new(0));
+        let watchers = Watchers::new(count.clone());
+        assert!(watchers.enter(&place("k"), 2, 2).is_none());
+        let (t, _) = watchers.enter(&place("k"), 1, 2).unwrap();
+        assert_eq!(count.load(Ordering::SeqCst), 1, "the shared count sees it");
+        drop(t);
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+    }
+}

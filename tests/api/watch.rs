@@ -1,0 +1,557 @@
+//! Watching a key (`GET /locks/{key}?watch=F&wait_ms=W`, and for semaphores): answered when the
+//! holders differ from the fence seen or change within the wait — a grant, a release, an expiry,
+//! a force release, each seen once and in order — on the embedded store and on Redis, on the
+//! broker that made the change and on another one; a parked watch costs the store nothing while
+//! nothing changes.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lockbroker_test_support::app::{Backend, TestApp, spawn_app, spawn_app_with};
+use lockbroker_test_support::http::metric;
+use lockbroker_test_support::on_both_stores;
+use lockbroker_test_support::redis_server::RedisServer;
+use reqwest::{Method, StatusCode};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+/// How soon a watch on the broker that saw a change answers it.
+const LATENCY: Duration = Duration::from_millis(100);
+
+/// How soon a watch on another broker sharing Redis answers a change made there: the brokers'
+/// fallback read (1 s) — grants made through another broker are not announced to watchers yet —
+/// plus `LATENCY`.
+const CROSS_BROKER_LATENCY: Duration = Duration::from_millis(1_100);
+
+/// One change a watcher saw: the fence (`None`: free), the owner, and when (this host's wall
+/// clock, ms, and a monotonic instant).
+#[derive(Debug)]
+struct Seen {
+    fence: Option<u64>,
+    owner: Option<String>,
+    wall_ms: u64,
+    at: Instant,
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A broker's address and a client for it, for tasks of their own.
+#[derive(Clone)]
+struct Remote {
+    address: String,
+    client: reqwest::Client,
+}
+
+fn remote(app: &TestApp) -> Remote {
+    Remote {
+        address: app.address.clone(),
+        client: app.client.clone(),
+    }
+}
+
+/// One watch; the answer's status and body.
+async fn watch(app: &Remote, path: &str, fence: u64, wait_ms: u64) -> (StatusCode, Value) {
+    try_watch(app, path, fence, wait_ms)
+        .await
+        .unwrap_or_else(|e| panic!("the watch of {path} got no answer: {e}"))
+}
+
+/// One watch; an error when the broker does not answer (it stopped: the test is over).
+async fn try_watch(
+    app: &Remote,
+    path: &str,
+    fence: u64,
+    wait_ms: u64,
+) -> Result<(StatusCode, Value), reqwest::Error> {
+    let answer = app
+        .client
+        .get(format!(
+            "{}{path}?watch={fence}&wait_ms={wait_ms}",
+            app.address
+        ))
+        .send()
+        .await?;
+    let status = answer.status();
+    let body: Value = answer.json().await?;
+    assert!(
+        body.get("token").is_none(),
+        "a watch never shows a token: {body}"
+    );
+    Ok((status, body))
+}
+
+/// Follows `path` on `app` as a client would: watch from "free", and again from each fence
+/// seen, sending every change (`changed: true`) it is answered.
+fn follow(app: &TestApp, path: &str) -> mpsc::UnboundedReceiver<Seen> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let app = remote(app);
+    let path = path.to_owned();
+    tokio::spawn(async move {
+        let mut fence = 0;
+        loop {
+            let Ok((status, body)) = try_watch(&app, &path, fence, 10_000).await else {
+                return;
+            };
+            let at = Instant::now();
+            let seen = match status {
+                StatusCode::OK => body["fence"].as_u64(),
+                StatusCode::NOT_FOUND => {
+                    assert_eq!(body["fence"], Value::Null, "{body}");
+                    None
+                }
+                other => panic!("the watch answered {other}: {body}"),
+            };
+            if body["changed"] == Value::Bool(true) {
+                let sent = tx.send(Seen {
+                    fence: seen,
+                    owner: body["owner"].as_str().map(str::to_owned),
+                    wall_ms: wall_ms(),
+                    at,
+                });
+                if sent.is_err() {
+                    return;
+                }
+            }
+            fence = seen.unwrap_or(0);
+        }
+    });
+    rx
+}
+
+/// The next change the follower saw, within `limit`; `what` names it.
+async fn next(seen: &mut mpsc::UnboundedReceiver<Seen>, limit: Duration, what: &str) -> Seen {
+    tokio::time::timeout(limit, seen.recv())
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no change seen within {limit:?}"))
+        .expect("the follower runs")
+}
+
+/// Waits until `n` watches are parked on `app` (its `lockbroker_watchers` gauge), for at most
+/// a minute (a thousand connections to open on a loaded machine).
+async fn until_parked(app: &TestApp, n: usize) {
+    let started = Instant::now();
+    while metric(&app.address, "lockbroker_watchers").await < n as f64 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{n} watches were not parked within 60 s ({} were)",
+            metric(&app.address, "lockbroker_watchers").await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A grant, a release, an expiry and a force release made on `changes`, as a follower on
+/// `watcher` sees them: each once, in order, within `latency` of the change.
+async fn grant_release_expiry_force_release(
+    changes: &TestApp,
+    watcher: &TestApp,
+    latency: Duration,
+) {
+    let key = "watched";
+    let path = format!("/locks/{key}");
+    let mut seen = follow(watcher, &path);
+    until_parked(watcher, 1).await;
+    let limit = latency + Duration::from_secs(5);
+
+    // A grant.
+    let grant = changes.grant(key, "owner=first&ttl_ms=30000").await;
+    let done = Instant::now();
+    let change = next(&mut seen, limit, "the grant").await;
+    assert_eq!(
+        (change.fence, change.owner.as_deref()),
+        (Some(grant.fence), Some("first"))
+    );
+    let took = change.at.saturating_duration_since(done);
+    assert!(took < latency, "the grant was seen {took:?} after it");
+
+    // A release.
+    changes
+        .release(key, &grant.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let done = Instant::now();
+    let change = next(&mut seen, limit, "the release").await;
+    assert_eq!(change.fence, None, "the release: free");
+    let took = change.at.saturating_duration_since(done);
+    assert!(took < latency, "the release was seen {took:?} after it");
+
+    // An expiry: nobody says anything; the watch answers at the lease's end. The lease lasts
+    // longer than a change takes to be seen, or the grant could pass unseen.
+    let ttl_ms = latency.as_millis() + 300;
+    let short = changes
+        .grant(key, &format!("owner=short&ttl_ms={ttl_ms}"))
+        .await;
+    let change = next(&mut seen, limit, "the short grant").await;
+    assert_eq!(change.fence, Some(short.fence));
+    let change = next(&mut seen, limit, "the expiry").await;
+    assert_eq!(change.fence, None, "the expiry: free");
+    assert!(
+        change.wall_ms >= short.expires_at_ms,
+        "free only once the lease ended"
+    );
+    let took = Duration::from_millis(change.wall_ms - short.expires_at_ms);
+    assert!(
+        took < latency,
+        "the expiry was seen {took:?} after the lease's end"
+    );
+
+    // A force release.
+    let forced = changes.grant(key, "owner=forced&ttl_ms=30000").await;
+    let change = next(&mut seen, limit, "the grant to force").await;
+    assert_eq!(change.fence, Some(forced.fence));
+    changes
+        .send(changes.request(Method::DELETE, &format!("{path}?force=true")))
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let done = Instant::now();
+    let change = next(&mut seen, limit, "the force release").await;
+    assert_eq!(change.fence, None, "the force release: free");
+    let took = change.at.saturating_duration_since(done);
+    assert!(
+        took < latency,
+        "the force release was seen {took:?} after it"
+    );
+
+    // Each once: nothing else was seen.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(seen.try_recv().is_err(), "a change was seen twice");
+}
+
+fn allow_force(settings: &mut lockbroker::config::Settings) {
+    settings.allow_force_release = Some(true);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_embedded_store_a_watcher_sees_a_grant_a_release_an_expiry_and_a_force_release_once_in_order()
+ {
+    let app = spawn_app_with(None, allow_force).await;
+    grant_release_expiry_force_release(&app, &app, LATENCY).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_a_watcher_sees_a_grant_a_release_an_expiry_and_a_force_release_once_in_order() {
+    let redis = RedisServer::start().await;
+    let app = spawn_app_with(Some(redis.url()), allow_force).await;
+    grant_release_expiry_force_release(&app, &app, LATENCY).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_redis_a_watcher_on_another_broker_sees_each_change_once_in_order() {
+    let redis = RedisServer::start().await;
+    let changes = spawn_app_with(Some(redis.url()), allow_force).await;
+    let watcher = spawn_app(Some(redis.url())).await;
+    grant_release_expiry_force_release(&changes, &watcher, CROSS_BROKER_LATENCY).await;
+}
+
+on_both_stores!(
+    a_watch_with_an_unchanged_fence_times_out_with_changed_false_and_a_renewal_is_no_change,
+    a_watch_answers_at_once_when_the_holders_differ_from_the_fence_seen,
+    a_semaphore_watch_sees_permits_taken_and_given_back,
+    watches_count_against_max_waiters_and_bad_watches_are_refused,
+);
+
+async fn a_watch_with_an_unchanged_fence_times_out_with_changed_false_and_a_renewal_is_no_change(
+    backend: &Backend,
+) {
+    let app = &backend.app;
+    // Free, and still free.
+    let started = Instant::now();
+    let (status, body) = watch(&remote(app), "/locks/calm", 0, 300).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    assert_eq!(
+        (&body["error"], &body["fence"], &body["changed"]),
+        (&"not_held".into(), &Value::Null, &false.into())
+    );
+    assert!(started.elapsed() >= Duration::from_millis(300));
+
+    // Held, renewed meanwhile: still no change, and the answer shows the new expiry.
+    let grant = app.grant("calm", "owner=me&ttl_ms=5000").await;
+    let watching = {
+        let app = remote(app);
+        tokio::spawn(async move { watch(&app, "/locks/calm", grant.fence, 600).await })
+    };
+    until_parked(app, 1).await;
+    let renewed = app
+        .renew("calm", &grant.token, "ttl_ms=20000")
+        .await
+        .expect_grant(StatusCode::OK);
+    let (status, body) = watching.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["changed"], false);
+    assert_eq!(body["fence"], grant.fence);
+    assert_eq!(body["owner"], "me");
+    assert_eq!(body["expires_at_ms"], renewed.expires_at_ms);
+    // Without a wait, the answer is at once.
+    let (status, body) = watch(&remote(app), "/locks/calm", grant.fence, 0).await;
+    assert_eq!((status, &body["changed"]), (StatusCode::OK, &false.into()));
+}
+
+async fn a_watch_answers_at_once_when_the_holders_differ_from_the_fence_seen(backend: &Backend) {
+    let app = &backend.app;
+    let first = app.grant("moved", "ttl_ms=1").await;
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let second = app.grant("moved", "owner=now").await;
+    for seen in [0, first.fence] {
+        let started = Instant::now();
+        let (status, body) = watch(&remote(app), "/locks/moved", seen, 10_000).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(body["changed"], true);
+        assert_eq!(body["fence"], second.fence);
+        assert_eq!(body["owner"], "now");
+        assert!(started.elapsed() < Duration::from_secs(5), "at once");
+    }
+    app.release("moved", &second.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let (status, body) = watch(&remote(app), "/locks/moved", second.fence, 10_000).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        (&body["fence"], &body["changed"]),
+        (&Value::Null, &true.into())
+    );
+}
+
+async fn a_semaphore_watch_sees_permits_taken_and_given_back(backend: &Backend) {
+    let app = &backend.app;
+    let take = |owner: &'static str| {
+        app.send(app.request(
+            Method::POST,
+            &format!("/semaphores/pool?limit=2&owner={owner}"),
+        ))
+    };
+    let (status, _) = watch(&remote(app), "/semaphores/pool", 0, 0).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let mut seen = follow(app, "/semaphores/pool");
+    until_parked(app, 1).await;
+    let a = take("a").await.expect_status(StatusCode::CREATED).json();
+    let (a_fence, a_token) = (a["fence"].as_u64(), a["token"].as_str().unwrap().to_owned());
+    assert_eq!(
+        next(&mut seen, Duration::from_secs(5), "a permit change")
+            .await
+            .fence,
+        a_fence
+    );
+    let b = take("b").await.expect_status(StatusCode::CREATED).json();
+    let (b_fence, b_token) = (b["fence"].as_u64(), b["token"].as_str().unwrap().to_owned());
+    assert_eq!(
+        next(&mut seen, Duration::from_secs(5), "a permit change")
+            .await
+            .fence,
+        b_fence
+    );
+    // Giving back the newest permit: the highest fence is the first's again.
+    app.send(
+        app.request(Method::DELETE, "/semaphores/pool")
+            .header("Lock-Token", &b_token),
+    )
+    .await
+    .expect_status(StatusCode::NO_CONTENT);
+    assert_eq!(
+        next(&mut seen, Duration::from_secs(5), "a permit change")
+            .await
+            .fence,
+        a_fence
+    );
+    app.send(
+        app.request(Method::DELETE, "/semaphores/pool")
+            .header("Lock-Token", &a_token),
+    )
+    .await
+    .expect_status(StatusCode::NO_CONTENT);
+    assert_eq!(
+        next(&mut seen, Duration::from_secs(5), "a permit change")
+            .await
+            .fence,
+        None
+    );
+}
+
+async fn watches_count_against_max_waiters_and_bad_watches_are_refused(backend: &Backend) {
+    let app = backend
+        .another_app(|settings| settings.max_waiters = Some(2))
+        .await;
+    // Refused before anything waits.
+    for (query, _why) in [
+        ("wait_ms=100", "wait_ms without watch"),
+        ("watch=-1", "a negative fence"),
+        ("watch=x", "a fence that is not a number"),
+        ("watch=0&wait_ms=60001", "a wait over max_wait_ms"),
+        ("watch=0&wait_ms=1&nope=1", "an unknown parameter"),
+    ] {
+        app.get(&format!("/locks/k?{query}"))
+            .await
+            .expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+    }
+    let parked: Vec<_> = (0..2)
+        .map(|_| {
+            let app = remote(&app);
+            tokio::spawn(async move { watch(&app, "/locks/k", 0, 3_000).await })
+        })
+        .collect();
+    until_parked(&app, 2).await;
+    app.get("/locks/k?watch=0&wait_ms=1000")
+        .await
+        .expect_error(StatusCode::SERVICE_UNAVAILABLE, "too_many_waiters");
+    // A waiting acquire counts against the same limit.
+    let holder = app.grant("busy", "").await;
+    app.acquire("busy", "wait_ms=1000")
+        .await
+        .expect_error(StatusCode::SERVICE_UNAVAILABLE, "too_many_waiters");
+    for watch in parked {
+        let (status, body) = watch.await.unwrap();
+        assert_eq!(
+            (status, &body["changed"]),
+            (StatusCode::NOT_FOUND, &false.into())
+        );
+    }
+    assert_eq!(metric(&app.address, "lockbroker_watchers").await, 0.0);
+    app.release("busy", &holder.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+}
+
+/// The store calls Redis has served, all commands together.
+/// The calls Redis has served, by command (INFO itself left out).
+async fn redis_calls_by_command(redis: &RedisServer) -> std::collections::BTreeMap<String, u64> {
+    let mut conn = redis.connection().await;
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(&mut conn)
+        .await
+        .expect("INFO commandstats");
+    info.lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = stats.split(',').find_map(|f| f.strip_prefix("calls="))?;
+            (name != "info").then(|| (name.to_owned(), calls.trim().parse().expect("a count")))
+        })
+        .collect()
+}
+
+/// Store reads the broker made (its own count).
+async fn broker_reads(app: &TestApp) -> f64 {
+    metric(
+        &app.address,
+        "lockbroker_store_call_seconds_count{op=\"read\"}",
+    )
+    .await
+}
+
+/// 1,000 watches on 10 keys, parked while nothing changes: the store is asked nothing per
+/// watch. On the embedded store the broker reads nothing at all; on Redis (where other brokers'
+/// grants are not announced) each key is read once per fallback period, whatever its number of
+/// watches.
+async fn thousand_parked_watches(redis: Option<&RedisServer>) {
+    const WATCHES: usize = 1_000;
+    const KEYS: usize = 10;
+    const QUIET: Duration = Duration::from_secs(3);
+    let app = spawn_app(redis.map(RedisServer::url)).await;
+    let mut fences = Vec::new();
+    let mut tokens = Vec::new();
+    for k in 0..KEYS {
+        let grant = app.grant(&format!("quiet-{k}"), "ttl_ms=60000").await;
+        fences.push(grant.fence);
+        tokens.push(grant.token);
+    }
+    let watches: Vec<_> = (0..WATCHES)
+        .map(|i| {
+            let app = remote(&app);
+            let k = i % KEYS;
+            let fence = fences[k];
+            tokio::spawn(
+                async move { watch(&app, &format!("/locks/quiet-{k}"), fence, 30_000).await },
+            )
+        })
+        .collect();
+    until_parked(&app, WATCHES).await;
+    let reads_before = broker_reads(&app).await;
+    let calls_before = match redis {
+        Some(redis) => redis_calls_by_command(redis).await,
+        None => Default::default(),
+    };
+    tokio::time::sleep(QUIET).await;
+    let reads = broker_reads(&app).await - reads_before;
+    match redis {
+        Some(redis) => {
+            let after = redis_calls_by_command(redis).await;
+            let by_command: Vec<_> = after
+                .iter()
+                .map(|(name, n)| (name, n - calls_before.get(name).copied().unwrap_or(0)))
+                .filter(|(_, n)| *n > 0)
+                .collect();
+            println!("Redis calls by command: {by_command:?}");
+            let calls: u64 = by_command.iter().map(|(_, n)| n).sum();
+            let bound = (KEYS as u64) * (QUIET.as_secs() + 1);
+            println!(
+                "{WATCHES} watches on {KEYS} keys over {QUIET:?}: {reads} broker reads, {calls} \
+                 Redis calls"
+            );
+            assert!(
+                reads <= bound as f64,
+                "{reads} reads: one per key per second at most"
+            );
+            // A read is one EVALSHA (Redis also counts the commands the script runs, under
+            // their own names); the broker's background epoch check is an EVAL a second.
+            let evalsha = by_command
+                .iter()
+                .find(|(name, _)| name.as_str() == "evalsha")
+                .map_or(0, |(_, n)| *n);
+            assert!(
+                evalsha <= bound,
+                "{evalsha} EVALSHA: one per key per second at most"
+            );
+            assert!(
+                calls <= 4 * bound,
+                "{calls} Redis commands: a few per key per second, none per watch"
+            );
+        }
+        None => assert_eq!(reads, 0.0, "a quiet key costs the embedded store nothing"),
+    }
+    assert_eq!(
+        metric(&app.address, "lockbroker_watchers").await,
+        WATCHES as f64
+    );
+
+    // A change: the key's 100 watches all answer it, and the broker read the key once for them
+    // (on Redis, fallback reads of the other keys may come in between).
+    let before = broker_reads(&app).await;
+    app.release("quiet-0", &tokens[0])
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    for (i, watch) in watches.into_iter().enumerate() {
+        if i % KEYS == 0 {
+            let (status, body) = watch.await.expect("the watch task");
+            assert_eq!(
+                (status, &body["changed"]),
+                (StatusCode::NOT_FOUND, &true.into())
+            );
+        } else {
+            watch.abort();
+        }
+    }
+    let reads = broker_reads(&app).await - before;
+    match redis {
+        None => assert_eq!(
+            reads,
+            1.0,
+            "one read for the key's {} watches",
+            WATCHES / KEYS
+        ),
+        Some(_) => assert!(reads <= 1.0 + KEYS as f64 * 2.0, "{reads} reads"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_parked_watches_cost_the_embedded_store_nothing() {
+    thousand_parked_watches(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_parked_watches_cost_redis_nothing_per_watch() {
+    let redis = RedisServer::start().await;
+    thousand_parked_watches(Some(&redis)).await;
+}
