@@ -11,16 +11,20 @@ use tokio::time::Instant;
 
 use super::{HoldersView, LockError, LockService};
 use crate::domain::{LockKey, millis};
-use crate::store::{Space, Store, StoreError};
+use crate::store::{Space, Store, StoreError, WATCH_MARK};
 use crate::watchers::{Reading, Watched, identity, shown_fence};
 
 /// How soon a keeper reads again after the store did not answer.
 const STORE_RETRY: Duration = Duration::from_millis(500);
 
 /// How often a keeper reads its key anyway when the store does not announce other brokers'
-/// changes (see [`Store::sees_every_change`]): the most a change made elsewhere can take to
-/// reach this broker's watches.
+/// changes (see [`Store::sees_every_change`]), or could not mark the key watched: the most a
+/// change made elsewhere can take to reach this broker's watches then.
 pub(crate) const FALLBACK_READ: Duration = Duration::from_secs(1);
+
+/// How long before its mark ends a keeper marks its key watched again (see
+/// [`Store::mark_watched`]): one store call per key and broker per half mark, none per watch.
+const MARK_AGAIN_BEFORE: Duration = Duration::from_secs(WATCH_MARK.as_secs() / 2);
 
 /// What a watch answers: the key's holders now (`None`: free), and whether they differ from
 /// what the caller saw.
@@ -99,15 +103,25 @@ impl<S: Store> LockService<S> {
     async fn keep(self, watched: Arc<Watched>, space: Space, key: LockKey) {
         let mut done = 0;
         let mut timer: Option<Instant> = None;
+        // Until when the store announces the key's changes made through other brokers.
+        let mut announced_until: Option<Instant> = None;
         loop {
             if watched.is_closed() {
                 return;
             }
             let wanted = watched.wanted();
             if wanted > done || timer.is_some_and(|at| at <= Instant::now()) {
+                let now = Instant::now();
+                // Marked before the read: a change after the read is announced.
+                if announced_until.is_none_or(|until| until <= now + MARK_AGAIN_BEFORE) {
+                    announced_until = match self.store.mark_watched(space, &key).await {
+                        Ok(true) => Some(now + WATCH_MARK),
+                        Ok(false) | Err(_) => None,
+                    };
+                }
                 let view = self.read_view(space, &key).await;
                 done = wanted;
-                timer = self.next_read(&view);
+                timer = self.next_read(&view, announced_until);
                 watched.publish(Reading {
                     generation: wanted,
                     at: Instant::now(),
@@ -143,11 +157,16 @@ impl<S: Store> LockService<S> {
     }
 
     /// When the keeper reads by itself: just after the first of the leases ends (an expiry
-    /// changes the holders and nobody announces it), soon after a failed read, and on the
-    /// fallback timer when other brokers' changes are not announced.
-    fn next_read(&self, view: &Result<Option<HoldersView>, LockError>) -> Option<Instant> {
+    /// changes the holders and nobody announces it), soon after a failed read, on the fallback
+    /// timer when other brokers' changes are not announced, and in time to mark the key again
+    /// while they are.
+    fn next_read(
+        &self,
+        view: &Result<Option<HoldersView>, LockError>,
+        announced_until: Option<Instant>,
+    ) -> Option<Instant> {
         let now = Instant::now();
-        let mut at = match view {
+        let at = match view {
             Ok(Some(view)) => view
                 .holders
                 .iter()
@@ -158,11 +177,13 @@ impl<S: Store> LockService<S> {
             Ok(None) => None,
             Err(_) => Some(now + STORE_RETRY),
         };
-        if !self.store.sees_every_change() {
-            let fallback = now + FALLBACK_READ;
-            at = Some(at.map_or(fallback, |at| at.min(fallback)));
-        }
-        at
+        let next = match announced_until {
+            Some(until) if !self.store.sees_every_change() => until - MARK_AGAIN_BEFORE,
+            Some(_) => return at,
+            None if self.store.sees_every_change() => return at,
+            None => now + FALLBACK_READ,
+        };
+        Some(at.map_or(next, |at| at.min(next)))
     }
 }
 

@@ -104,6 +104,10 @@ impl Store for AnyStore {
         }
     }
 
+    async fn mark_watched(&self, space: Space, key: &LockKey) -> StoreResult<bool> {
+        delegate!(self, s => s.mark_watched(space, key))
+    }
+
     fn ledger_len(&self) -> usize {
         match self {
             AnyStore::Memory(s) => s.ledger_len(),

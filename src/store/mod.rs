@@ -281,6 +281,10 @@ pub enum Notice {
     Missed,
 }
 
+/// How long a [`Store::mark_watched`] mark lasts; a broker with watches on the key renews it
+/// well before it ends.
+pub(crate) const WATCH_MARK: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Room for notices not yet handed to waiters. A full channel drops a notice; waiters still wake
 /// at the holder's expiry and on their fallback poll, and an offer not taken lapses and passes
 /// on, so a burst costs latency, never a grant.
@@ -419,6 +423,19 @@ pub trait Store: Send + Sync + 'static {
     /// on a slow fallback timer.
     fn sees_every_change(&self) -> bool {
         false
+    }
+
+    /// Marks `key` in `space` watched for [`WATCH_MARK`]: until then, the store announces every
+    /// change to its holders made through any broker ([`Notice::Changed`]). `true` if it does;
+    /// `false` for a store that never announces them (its watchers keep their fallback read).
+    /// The mark is made before the read that follows it, so no change after that read goes
+    /// unannounced.
+    fn mark_watched(
+        &self,
+        _space: Space,
+        _key: &LockKey,
+    ) -> impl Future<Output = StoreResult<bool>> + Send {
+        std::future::ready(Ok(self.sees_every_change()))
     }
 
     /// How many live leases this broker remembers to put back after a store loss (0 for a store

@@ -39,6 +39,9 @@ pub(super) struct RedisKeys {
     pub queue: String,
     /// The queued bids: token → `broker|deadline_ms|kind|ttl|request_id|owner`, and `#seq`.
     pub bids: String,
+    /// Present while a broker has watches on the key: the scripts then announce its changes on
+    /// `<prefix>b:changes` (see `lib/queue.lua`'s `changed`).
+    pub watched: String,
     /// What release notices on the shared channel carry for the key (as older brokers read them).
     pub notice: String,
     /// The client key, as the notices on a broker's own channel carry it.
@@ -76,6 +79,7 @@ impl RedisStore {
                 ends: format!("{base}:shared:ends"),
                 queue: format!("{base}:queue"),
                 bids: format!("{base}:bids"),
+                watched: format!("{base}:watched"),
                 notice: key.as_str().into(),
                 key: key.as_str().into(),
                 space: LOCK_SPACE,
@@ -88,6 +92,7 @@ impl RedisStore {
                 ends: format!("{base}:sem:ends"),
                 queue: format!("{base}:sem:queue"),
                 bids: format!("{base}:sem:bids"),
+                watched: format!("{base}:sem:watched"),
                 notice: format!("{SEMAPHORE_NOTICE}{key}"),
                 key: key.as_str().into(),
                 space: SEMAPHORE_SPACE,

@@ -129,6 +129,9 @@ pub(super) struct Broker {
     pub channels: String,
     /// `<prefix>b:<id>`.
     pub channel: String,
+    /// `<prefix>b:changes`, where the scripts announce changes to watched keys (ids are hex,
+    /// so no broker's own channel is this one).
+    pub changes: String,
     /// How long an offer to a queued bid stays open: the store timeout (the broker must see
     /// the notice and take the offer in one call).
     pub window_ms: u64,
@@ -142,6 +145,7 @@ impl Broker {
         let channels = format!("{prefix}b:");
         Self {
             channel: format!("{channels}{id}"),
+            changes: format!("{channels}changes"),
             id,
             channels,
             window_ms: u64::try_from(timeout.as_millis())

@@ -78,6 +78,7 @@ const RETRY_MIN: Duration = Duration::from_millis(100);
 pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
     let (channel, timeout) = (&store.channel, store.connection.timeout());
     let own = store.broker.channel.as_str();
+    let changes = store.broker.changes.as_str();
     let mut backoff = Duration::from_millis(100);
     let mut attempt = 0;
     // A master switch the sentinels announced (`sentinel.rs`) moves the subscriber at once.
@@ -88,7 +89,7 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
         match subscribe(
             &store.connection.connector,
             attempt,
-            &[channel, own],
+            &[channel, own, changes],
             timeout,
         )
         .await
@@ -107,7 +108,15 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                         message = stream.next() => {
                             let Some(message) = message else { break };
                             let payload = message.get_payload_bytes();
-                            if message.get_channel_name() == own {
+                            let from = message.get_channel_name();
+                            if from == changes {
+                                // Only a change notice counts here: the channel is everyone's.
+                                if let Some(Told::Notice(notice @ Notice::Changed(..))) = parse_own(payload)
+                                    && !deliver(&notices, notice)
+                                {
+                                    return;
+                                }
+                            } else if from == own {
                                 let Some(told) = parse_own(payload) else { continue };
                                 let notice = match told {
                                     Told::Notice(notice) => notice,
@@ -232,6 +241,7 @@ fn parse_own(payload: &[u8]) -> Option<Told> {
     };
     Some(match kind {
         "r" => Told::Notice(Notice::Requeue(space, LockKey::parse(rest).ok()?)),
+        "c" => Told::Notice(Notice::Changed(space, LockKey::parse(rest).ok()?)),
         _ => {
             let (word, key) = rest.split_once(' ')?;
             let key = LockKey::parse(key).ok()?;

@@ -14,10 +14,10 @@ use super::scripts::{
     ReleaseReply, Renew, RenewReply, Renewed,
 };
 use super::{RedisStore, listing, notices, sentinel};
-use crate::domain::{Fence, Lease, LockKey, Token, Ttl};
+use crate::domain::{Fence, Lease, LockKey, Token, Ttl, millis};
 use crate::store::{
     Bid, GrantAnswer, Hold, HoldReason, Holder, Join, Kind, ListQuery, Notice, Page, Permits, Pool,
-    Released, Snapshot, Space, Store, StoreError, StoreResult,
+    Released, Snapshot, Space, Store, StoreError, StoreResult, WATCH_MARK,
 };
 
 /// The answer of CLAIM or TAKE_OVER.
@@ -199,6 +199,22 @@ impl Store for RedisStore {
             token,
         };
         self.run(&leave).await.map(|_| ())
+    }
+
+    async fn mark_watched(&self, space: Space, key: &LockKey) -> StoreResult<bool> {
+        let watched = self.names(space, key).watched;
+        let mark_ms = millis(WATCH_MARK);
+        self.with_link(async |conn| {
+            redis::cmd("SET")
+                .arg(&watched)
+                .arg("1")
+                .arg("PX")
+                .arg(mark_ms)
+                .query_async::<()>(conn)
+                .await
+        })
+        .await?;
+        Ok(true)
     }
 
     async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {

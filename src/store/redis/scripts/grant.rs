@@ -24,7 +24,8 @@ pub(crate) fn write_queue_keys(call: &mut Call<'_>, keys: &RedisKeys, marker: &s
         .key(&keys.pool)
         .key(&keys.ends)
         .key(&keys.queue)
-        .key(&keys.bids);
+        .key(&keys.bids)
+        .key(&keys.watched);
 }
 
 /// CLAIM's call: SETNX for `bid` on the key of `keys`, in `epoch` — or the bid's turn in the

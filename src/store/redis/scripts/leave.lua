@@ -22,6 +22,10 @@ if (not offer) and redis.call('HEXISTS', POOL, '!' .. ARGV[1]) == 1 then
   drop_holder(POOL, ENDS, ARGV[1])
   offer = true
 end
-if offer or queued then hand_on(holder_context(now), nil) end
+if offer or queued then
+  local c = holder_context(now)
+  if offer then changed(c) end
+  hand_on(c, nil)
+end
 if offer then return 1 end
 return 0

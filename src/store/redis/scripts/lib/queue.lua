@@ -13,12 +13,25 @@
 -- clock (`now` µs, `now_ms`), whether the key may be handed on (`hand`: the epoch is the one the
 -- caller knows and no hold is in force — an offer is a grant), and the brokers told to requeue.
 local LOCK, FENCE, MARKER, POOL, ENDS, QUEUE, BIDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+-- Present while some broker has watches on the key (see `changed`).
+local WATCHED = KEYS[8]
 -- A lock key has an exclusive lease; a semaphore has none.
 local EXCL = LOCK ~= POOL
 -- The most queue entries one hand-on walks (dead ones dropped included).
 local WALK = 1000
 
 local function tell(c, broker, msg) redis.call('PUBLISH', c.chan .. broker, msg) end
+-- A change to the key's holders (a grant, an offer, a release, a force release, an ended offer or
+-- lease): announced once per script on `<prefix>b:changes`, which every broker reads, so that
+-- watches on the key on other brokers read it again — and only while a broker marks the key
+-- watched, so an unwatched key costs one EXISTS per change.
+local function changed(c)
+  if c.announced then return end
+  c.announced = true
+  if redis.call('EXISTS', WATCHED) == 1 then
+    redis.call('PUBLISH', c.chan .. 'changes', 'c ' .. c.space .. ' ' .. c.key)
+  end
+end
 -- A bid entry's fields (strings).
 local function bid_of(rec)
   return string.match(rec, '^([^|]*)|(%d+)|([^|]*)|(%d+)|([^|]*)|(.*)$')
@@ -47,6 +60,7 @@ local function settle(c)
     if v[1] and tonumber(v[1]) <= c.now_ms then
       if v[2] == '1' then requeue(c, v[3]) end
       redis.call('DEL', LOCK)
+      changed(c)
     end
   end
   local gone = redis.call('ZRANGEBYSCORE', ENDS, '-inf', int(c.now_ms), 'LIMIT', 0, 100)
@@ -55,6 +69,7 @@ local function settle(c)
       requeue(c, redis.call('HGET', POOL, '@' .. token))
     end
     drop_holder(POOL, ENDS, token)
+    changed(c)
   end
 end
 -- The end of the live exclusive lease or offer, or nil.
@@ -105,6 +120,7 @@ local function write_lease(c, token, by, kind, ttl, rid, owner, offer)
     keep(ENDS, kept)
   end
   keep(FENCE, kept)
+  changed(c)
   return fence, expires
 end
 -- After offers: the first queued bid of a broker not just offered to is told to look when the
@@ -193,6 +209,7 @@ end
 -- fence ended. A lease an older broker wrote (no `by`), or one too many brokers renewed (`*`),
 -- is told on the shared channel as older brokers read it.
 local function ended(c, by, fence, all)
+  changed(c)
   if by and by ~= '' and by ~= '*' then
     for b in string.gmatch(by, '[^,]+') do
       if b ~= c.broker then
