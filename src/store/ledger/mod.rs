@@ -23,6 +23,10 @@ use tokio::time::Instant;
 use crate::domain::{Fence, Lease, LockKey, Owner, RequestId, Token};
 use crate::store::{Kind, Space};
 
+mod kept_token;
+
+use self::kept_token::KeptToken;
+
 /// One live lease as the granting broker remembers it (as handed out by [`Ledger::live`] and
 /// [`Ledger::get`]; the ledger itself keeps a compact form).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -59,57 +63,6 @@ struct Kept {
     ttl_ms: u32,
     owner: Option<Box<str>>,
     request_id: Option<Box<str>>,
-}
-
-/// A token as kept: the broker's own tokens (48 lowercase hex digits) as their 24 bytes, inline;
-/// anything else (a token from another version, presented to renew) as it came.
-#[derive(Debug, PartialEq, Eq)]
-enum KeptToken {
-    Generated([u8; 24]),
-    Other(Box<str>),
-}
-
-impl KeptToken {
-    fn of(token: &Token) -> Self {
-        let hex = token.as_str().as_bytes();
-        let mut bytes = [0u8; 24];
-        let decoded = hex.len() == 48
-            && hex.chunks(2).zip(bytes.iter_mut()).all(|(pair, byte)| {
-                match (nibble(pair[0]), nibble(pair[1])) {
-                    (Some(high), Some(low)) => {
-                        *byte = high << 4 | low;
-                        true
-                    }
-                    _ => false,
-                }
-            });
-        if decoded {
-            Self::Generated(bytes)
-        } else {
-            Self::Other(token.as_str().into())
-        }
-    }
-
-    fn token(&self) -> Token {
-        let text = match self {
-            Self::Generated(bytes) => bytes
-                .iter()
-                .flat_map(|b| [b >> 4, b & 0xf])
-                .map(|n| char::from(b"0123456789abcdef"[usize::from(n)]))
-                .collect(),
-            Self::Other(text) => text.to_string(),
-        };
-        Token::parse(&text).expect("a token the ledger kept was valid when it came")
-    }
-}
-
-/// A lowercase hex digit's value (the broker's tokens use no capitals).
-fn nibble(c: u8) -> Option<u8> {
-    match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        _ => None,
-    }
 }
 
 /// The pool leases (shared leases, permits) this broker holds on one key.
