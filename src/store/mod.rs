@@ -283,7 +283,7 @@ pub enum Notice {
 
 /// How long a [`Store::mark_watched`] mark lasts; a broker with watches on the key renews it
 /// well before it ends.
-pub(crate) const WATCH_MARK: std::time::Duration = std::time::Duration::from_secs(60);
+pub const WATCH_MARK: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Room for notices not yet handed to waiters. A full channel drops a notice; waiters still wake
 /// at the holder's expiry and on their fallback poll, and an offer not taken lapses and passes
