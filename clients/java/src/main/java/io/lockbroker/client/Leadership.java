@@ -131,7 +131,11 @@ public final class Leadership implements AutoCloseable {
             won.onLost(ended::countDown);
             await(runCallbacks(elected));
             try {
-                ended.await();
+                // A release from outside (the LockBroker closed under it) is not a loss and
+                // counts nothing down: look at the lease now and then as well.
+                while (!ended.await(100, TimeUnit.MILLISECONDS) && won.isHeld()) {
+                    continue;
+                }
             } catch (InterruptedException e) {
                 // close() ends the term: it released the lease and counted down
             }
@@ -218,7 +222,11 @@ public final class Leadership implements AutoCloseable {
             leading = lease != null && !closed;
         }
         if (leading) {
-            callbacks.execute(callback);
+            try {
+                callbacks.execute(callback);
+            } catch (java.util.concurrent.RejectedExecutionException e) {
+                // closed meanwhile: the term is over
+            }
         }
     }
 

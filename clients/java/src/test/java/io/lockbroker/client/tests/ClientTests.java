@@ -86,6 +86,7 @@ public final class ClientTests {
         perStore.put("follow_yields_each_change_once_in_order", WatchTests::followYieldsEachChangeOnce);
         perStore.put("leadership_one_leader_then_handover_on_close", WatchTests::oneLeaderThenHandover);
         perStore.put("leadership_revoked_when_lease_lost_then_reelected", WatchTests::revokedWhenLeaseLost);
+        perStore.put("leadership_revoked_when_its_client_closes", WatchTests::revokedWhenClientCloses);
         Map<String, Body> redisOnly = new LinkedHashMap<>();
         redisOnly.put("store_down_503s_retried_without_double_grant", ClientTests::storeDown);
         Map<String, Body> own = new LinkedHashMap<>();

@@ -212,6 +212,22 @@ final class WatchTests {
         }
     }
 
+    /** Closing the client under a leader releases its lease: that ends the term, with onRevoked. */
+    static void revokedWhenClientCloses(ClientTests.Env env) throws Exception {
+        String key = env.key("client-closed");
+        CountDownLatch revoked = new CountDownLatch(1);
+        LockBroker broker = LockBroker.create(env.url());
+        Leadership leadership = new Leadership(broker, key, "node-c", Duration.ofSeconds(10));
+        leadership.onRevoked(revoked::countDown);
+        awaitFence(leadership);
+        broker.close();
+        check(revoked.await(10, TimeUnit.SECONDS), "not revoked within 10 s of closing its client");
+        check(!leadership.isLeader(), "no longer leads");
+        equal(404, ClientTests.get(env.url() + "/locks/" + key).statusCode(), "released at the broker");
+        leadership.close();
+        equal(0L, revoked.getCount(), "revoked once");
+    }
+
     private static long awaitFence(Leadership leadership) throws InterruptedException {
         long end = System.nanoTime() + TimeUnit.SECONDS.toNanos(10);
         while (leadership.fence().isEmpty()) {
