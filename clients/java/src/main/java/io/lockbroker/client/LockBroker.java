@@ -2,6 +2,7 @@ package io.lockbroker.client;
 
 import java.io.IOException;
 import java.net.URI;
+import java.net.URLEncoder;
 import java.net.http.HttpClient;
 import java.net.http.HttpRequest;
 import java.net.http.HttpResponse;
@@ -50,7 +51,7 @@ public final class LockBroker implements AutoCloseable {
     final double renewFraction;
     final Duration requestTimeout;
     final Duration releaseTimeout;
-    private final Duration maxWaitPerRequest;
+    final Duration maxWaitPerRequest;
     private final String owner;
     final HttpClient http;
     private final ExecutorService httpThreads;
@@ -411,6 +412,116 @@ public final class LockBroker implements AutoCloseable {
             background.execute(work);
         } catch (java.util.concurrent.RejectedExecutionException e) {
             // closed meanwhile: close() released what it could
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Watching
+
+    /**
+     * One watch of the lock {@code key}: answers at once when its holders differ from
+     * {@code seenFence} (0 for "free"), otherwise when they change within {@code wait}, or with
+     * the unchanged view ({@link KeyView#changed()} false) when the wait runs out. A {@code 503}
+     * or a failed connection is retried (after {@code Retry-After}, or a backoff) while the wait
+     * lasts; a watch changes nothing, so a retry is harmless.
+     *
+     * @throws BrokerUnavailableException when the broker could not be reached or kept answering 503
+     * @throws LockBrokerException for any other refusal (bad key, auth)
+     */
+    public KeyView watch(String key, long seenFence, Duration wait) {
+        return watch("/locks/", key, seenFence, wait);
+    }
+
+    /** {@link #watch(String, long, Duration)} for the semaphore {@code key} (its fence: the highest permit's). */
+    public KeyView watchSemaphore(String key, long seenFence, Duration wait) {
+        return watch("/semaphores/", key, seenFence, wait);
+    }
+
+    /**
+     * Follows the lock {@code key}: calls {@code onView} on a thread of its own with the key's
+     * view now, then with every change, in order, watching again with each answer's fence (two
+     * changes between two watches show as one), until the returned watcher is closed. An
+     * unreachable broker is retried for as long as it takes.
+     *
+     * @throws BrokerUnavailableException when the first watch found the broker unreachable
+     * @throws LockBrokerException when the first watch was refused (bad key, auth)
+     */
+    public KeyWatcher follow(String key, java.util.function.Consumer<KeyView> onView) {
+        return follow("/locks/", key, onView);
+    }
+
+    /** {@link #follow(String, java.util.function.Consumer)} for the semaphore {@code key}. */
+    public KeyWatcher followSemaphore(String key, java.util.function.Consumer<KeyView> onView) {
+        return follow("/semaphores/", key, onView);
+    }
+
+    private KeyWatcher follow(String space, String key, java.util.function.Consumer<KeyView> onView) {
+        if (onView == null) {
+            throw new IllegalArgumentException("onView is null");
+        }
+        // The first watch, on the caller's thread, so that a bad key or auth fails here.
+        KeyView first = watch(space, key, 0, Duration.ZERO);
+        return new KeyWatcher(this, space, key, first, onView);
+    }
+
+    KeyView watch(String space, String key, long seenFence, Duration wait) {
+        if (closed) {
+            throw new IllegalStateException("this LockBroker is closed");
+        }
+        if (key == null) {
+            throw new IllegalArgumentException("key is required");
+        }
+        if (seenFence < 0) {
+            throw new IllegalArgumentException("seenFence must be 0 (free) or a fence, not " + seenFence);
+        }
+        long waitMs = Math.min(millis(wait, "wait", 0), TimeUnit.DAYS.toMillis(365));
+        long deadline = System.nanoTime() + TimeUnit.MILLISECONDS.toNanos(waitMs);
+        String base = space + URLEncoder.encode(key, StandardCharsets.UTF_8).replace("+", "%20");
+        Backoff backoff = new Backoff();
+        boolean firstAttempt = true;
+        while (true) {
+            long askWait = Math.min(Math.max(0, TimeUnit.NANOSECONDS.toMillis(deadline - System.nanoTime())),
+                    maxWaitPerRequest.toMillis());
+            BrokerUnavailableException trouble;
+            Long retryAfter = null;
+            try {
+                HttpResponse<String> response = send("GET", base + "?watch=" + seenFence + "&wait_ms=" + askWait,
+                        null, null, Duration.ofMillis(askWait).plus(requestTimeout));
+                int status = response.statusCode();
+                Map<String, Object> answer = Json.parseObject(response.body());
+                String code = string(answer, "error");
+                if (status == 200 || status == 404 && "not_held".equals(code)) {
+                    KeyView view = KeyView.of(key, status == 200, answer);
+                    if (!view.changed() && askWait > 0 && System.nanoTime() - deadline < 0) {
+                        continue; // the wait was split over several requests
+                    }
+                    return view;
+                } else if (status == 503 || status == 429 || status >= 500) {
+                    trouble = new BrokerUnavailableException("the broker answered " + status
+                            + (code == null ? "" : " " + code) + describe(answer), status, code, null);
+                    retryAfter = retryAfterMs(response);
+                } else {
+                    throw refusal("watch '" + key + "'", status, answer);
+                }
+            } catch (IOException e) {
+                trouble = new BrokerUnavailableException("cannot reach the broker at " + url + ": " + e, 0, null, e);
+            } catch (InterruptedException e) {
+                Thread.currentThread().interrupt();
+                throw new LockBrokerException("interrupted while watching '" + key + "'", e);
+            }
+            // A kept-alive connection the broker had closed: try a fresh one at once.
+            boolean staleConnection = firstAttempt && trouble.status() == 0
+                    && !(trouble.getCause() instanceof java.net.http.HttpTimeoutException);
+            firstAttempt = false;
+            if (staleConnection) {
+                continue;
+            }
+            if (System.nanoTime() - deadline >= 0) {
+                throw trouble;
+            }
+            if (!backoff.sleep(retryAfter, deadline)) {
+                throw new LockBrokerException("interrupted while watching '" + key + "'", new InterruptedException());
+            }
         }
     }
 

@@ -82,6 +82,11 @@ public final class ClientTests {
         perStore.put("without_auto_renew_lost_at_its_end", ClientTests::noAutoRenew);
         perStore.put("interrupted_waiter_leaves_no_lease_behind", ClientTests::interruptedWaiter);
         perStore.put("bad_key_is_a_clear_error", ClientTests::badKey);
+        perStore.put("watch_sees_grant_release_and_times_out_unchanged", WatchTests::watchSeesGrantAndRelease);
+        perStore.put("follow_yields_each_change_once_in_order", WatchTests::followYieldsEachChangeOnce);
+        perStore.put("leadership_one_leader_then_handover_on_close", WatchTests::oneLeaderThenHandover);
+        perStore.put("leadership_revoked_when_lease_lost_then_reelected", WatchTests::revokedWhenLeaseLost);
+        perStore.put("leadership_revoked_when_its_client_closes", WatchTests::revokedWhenClientCloses);
         Map<String, Body> redisOnly = new LinkedHashMap<>();
         redisOnly.put("store_down_503s_retried_without_double_grant", ClientTests::storeDown);
         Map<String, Body> own = new LinkedHashMap<>();
