@@ -13,11 +13,17 @@ Standard library only; thread-safe.
 from ._broker import Broker, __version__
 from ._errors import BrokerError, LimitMismatch, Locked, Unavailable
 from ._lease import Lease
+from ._leadership import Leadership
+from ._watch import Follower, Holder, KeyView
 
 __all__ = [
     "Broker",
     "BrokerError",
+    "Follower",
+    "Holder",
+    "KeyView",
     "Lease",
+    "Leadership",
     "LimitMismatch",
     "Locked",
     "Unavailable",

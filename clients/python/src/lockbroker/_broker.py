@@ -26,6 +26,7 @@ from ._lease import (
     ttl_ms,
 )
 from ._transport import RETRYABLE, NoAnswer, Transport
+from ._watch import Follower, KeyView, watch_once
 
 __version__ = "0.1.0"
 
@@ -177,6 +178,30 @@ class Broker:
                                        auto_renew=auto_renew, renew_every=renew_every)
         except Locked:
             return None
+
+    # -- watching -------------------------------------------------------------------------------
+
+    def watch(self, key: str, seen_fence: int = 0, wait: float = 30.0) -> KeyView:
+        """One watch of the lock ``key``: answers at once when its holders differ from
+        ``seen_fence`` (the fence last seen, ``0`` for free), else at their next change (a
+        grant, release, expiry, takeover or force release; a renewal is not one), else when
+        ``wait`` seconds pass, with ``changed`` false. Returns a :class:`KeyView` (free:
+        ``fence`` is ``None``). ``503``s and lost answers are retried while the wait lasts;
+        raises :class:`Unavailable` after it."""
+        return watch_once(self._core, self._max_wait, "locks", key, seen_fence, wait)
+
+    def watch_permits(self, key: str, seen_fence: int = 0, wait: float = 30.0) -> KeyView:
+        """As :meth:`watch`, for the semaphore ``key``; ``seen_fence`` is the highest permit
+        fence seen, and the view's ``holders`` are the permits."""
+        return watch_once(self._core, self._max_wait, "semaphores", key, seen_fence, wait)
+
+    def follow(self, key: str, seen_fence: int = 0, *, part: float = 10.0,
+               semaphore: bool = False) -> Follower:
+        """Every change of the lock (or, with ``semaphore=True``, the semaphore) ``key`` from
+        ``seen_fence`` on: iterate the returned :class:`Follower`; ``close()`` it to stop
+        (within ``part`` seconds, the length of each watch)."""
+        return Follower(self._core, self._max_wait, "semaphores" if semaphore else "locks", key,
+                        seen_fence, part)
 
     # -- the client's life ----------------------------------------------------------------------
 
