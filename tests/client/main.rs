@@ -162,6 +162,7 @@ on_both_stores! {
     watch_grant_release_timeout => crate::watching::watch_sees_a_grant_and_a_release_and_times_out_unchanged;
     follow_each_change => crate::watching::a_follower_yields_each_change_once_in_order;
     leadership_handover => crate::watching::two_candidates_one_leader_and_a_handover_on_close;
+    leadership_loss => crate::watching::a_lost_lease_is_revoked_before_the_campaign_goes_on;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -171,9 +171,18 @@ fn candidate(
     name: &'static str,
     events: &mpsc::UnboundedSender<Event>,
 ) -> Leadership {
+    candidate_for(client, name, LONG, events)
+}
+
+fn candidate_for(
+    client: &Client,
+    name: &'static str,
+    ttl: Duration,
+    events: &mpsc::UnboundedSender<Event>,
+) -> Leadership {
     let elected = events.clone();
     let revoked = events.clone();
-    Leadership::builder(client, "leader", name, LONG)
+    Leadership::builder(client, "leader", name, ttl)
         .on_elected(move |fence| {
             let _ = elected.send(Event::Elected(name, fence));
         })
@@ -241,4 +250,32 @@ pub async fn two_candidates_one_leader_and_a_handover_on_close(store: Store) {
         "closing released the lease"
     );
     assert!(fired.try_recv().is_err(), "nothing else fired");
+}
+
+pub async fn a_lost_lease_is_revoked_before_the_campaign_goes_on(store: Store) {
+    let setup = Setup::start(store).await;
+    let (events, mut fired) = mpsc::unbounded_channel();
+    let mut next = async || timeout(SOON, fired.recv()).await.unwrap().unwrap();
+    // A short ttl, so that the first renewal (at a third of it) finds the lease gone.
+    let only = candidate_for(&setup.client, "a", Duration::from_millis(1500), &events);
+    let Event::Elected("a", first) = next().await else {
+        panic!("the only candidate is elected")
+    };
+    setup
+        .client
+        .force_release(&Resource::lock("leader"))
+        .await
+        .unwrap();
+    assert_eq!(
+        next().await,
+        Event::Revoked("a", false),
+        "the loss is told before anything else"
+    );
+    let Event::Elected("a", again) = next().await else {
+        panic!("the campaign goes on and wins the free key")
+    };
+    assert!(again > first, "a new term");
+    assert!(only.is_leader());
+    only.close().await.unwrap();
+    assert_eq!(next().await, Event::Revoked("a", true));
 }

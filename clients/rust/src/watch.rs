@@ -231,3 +231,35 @@ impl<T: DeserializeOwned + WatchedFence> Follower<T> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fence_watched_is_the_highest_holders() {
+        let shared: LockStatus = serde_json::from_str(
+            r#"{"key":"a","mode":"shared","fence":7,"expires_at_ms":1,"ttl_remaining_ms":1,
+                "owner":null,"changed":true,"holders":[
+                {"fence":5,"expires_at_ms":1,"ttl_remaining_ms":1,"owner":null},
+                {"fence":9,"expires_at_ms":1,"ttl_remaining_ms":1,"owner":"b"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(shared.watched_fence(), 9);
+        let permits: SemaphoreStatus = serde_json::from_str(
+            r#"{"key":"s","limit":3,"fence":4,"changed":false,"holders":[
+                {"fence":4,"expires_at_ms":1,"ttl_remaining_ms":1,"owner":null},
+                {"fence":2,"expires_at_ms":1,"ttl_remaining_ms":1,"owner":null}]}"#,
+        )
+        .unwrap();
+        assert_eq!(permits.watched_fence(), 4);
+        let changed: Changed = serde_json::from_str(
+            r#"{"error":"not_held","message":"free","fence":null,"changed":false}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (changed.changed, changed.error.as_deref()),
+            (Some(false), Some("not_held"))
+        );
+    }
+}
