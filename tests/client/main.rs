@@ -5,6 +5,7 @@
 //! Cargo tells only the package's own tests where its binary is.
 
 mod guard;
+mod watching;
 
 use std::process::Command;
 use std::time::Duration;
@@ -158,6 +159,10 @@ on_both_stores! {
     loss_after_force_release => crate::guard::a_force_release_is_signalled_as_a_loss_within_the_ttl;
     loss_after_broker_stop => crate::guard::a_stopped_broker_is_signalled_as_a_loss_within_the_ttl;
     no_renewal_after_release => crate::guard::no_renewal_is_sent_after_release_or_drop;
+    watch_grant_release_timeout => crate::watching::watch_sees_a_grant_and_a_release_and_times_out_unchanged;
+    follow_each_change => crate::watching::a_follower_yields_each_change_once_in_order;
+    leadership_handover => crate::watching::two_candidates_one_leader_and_a_handover_on_close;
+    leadership_loss => crate::watching::a_lost_lease_is_revoked_before_the_campaign_goes_on;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,7 +30,7 @@ pub struct BuildError(pub String);
 /// every lease taken with it talk to the same broker.
 #[derive(Clone)]
 pub struct Client {
-    http: reqwest::Client,
+    pub(crate) http: reqwest::Client,
     /// The URL without a trailing `/`.
     base: String,
 }
@@ -292,7 +292,10 @@ impl Client {
         expect_json(response, StatusCode::OK, space).await
     }
 
-    async fn send(&self, request: reqwest::RequestBuilder) -> Result<reqwest::Response, Error> {
+    pub(crate) async fn send(
+        &self,
+        request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, Error> {
         request.send().await.map_err(|e| Error::Transport {
             url: self.base.clone(),
             reason: error_chain(&e),

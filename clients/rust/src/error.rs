@@ -130,14 +130,29 @@ struct ErrorBody {
 /// Turns an error answer from `space` into an [`Error`], keeping the API's code and message.
 pub(crate) async fn error_from(response: reqwest::Response, space: Space) -> Error {
     let status = response.status();
-    let retry_after = response
+    let retry_after = retry_after_header(&response);
+    let text = response.text().await.unwrap_or_default();
+    error_from_text(status, retry_after, &text, space)
+}
+
+/// An answer's `Retry-After` header, in whole seconds as the broker sends it.
+pub(crate) fn retry_after_header(response: &reqwest::Response) -> Option<Duration> {
+    response
         .headers()
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Duration::from_secs);
-    let text = response.text().await.unwrap_or_default();
-    let body: Option<ErrorBody> = serde_json::from_str(&text).ok();
+        .map(Duration::from_secs)
+}
+
+/// [`error_from`] for an answer whose body was read already.
+pub(crate) fn error_from_text(
+    status: StatusCode,
+    retry_after: Option<Duration>,
+    text: &str,
+    space: Space,
+) -> Error {
+    let body: Option<ErrorBody> = serde_json::from_str(text).ok();
     let code = body.as_ref().and_then(|b| b.error.clone());
     match (status, code.as_deref()) {
         (StatusCode::CONFLICT, Some("locked")) => Error::Locked {
@@ -150,7 +165,7 @@ pub(crate) async fn error_from(response: reqwest::Response, space: Space) -> Err
             let (limit, message) = body.map_or((None, None), |b| (b.limit, b.message));
             Error::LimitMismatch {
                 limit,
-                message: message.unwrap_or_else(|| excerpt(&text)),
+                message: message.unwrap_or_else(|| excerpt(text)),
             }
         }
         _ => Error::Api {
@@ -158,7 +173,7 @@ pub(crate) async fn error_from(response: reqwest::Response, space: Space) -> Err
             code: code.unwrap_or_else(|| "unexpected_response".into()),
             message: body
                 .and_then(|b| b.message)
-                .unwrap_or_else(|| excerpt(&text)),
+                .unwrap_or_else(|| excerpt(text)),
             retry_after,
         },
     }

@@ -7,6 +7,9 @@
 //! a 503 or a lost answer is asked again without ever making a second holder. Shared leases and
 //! semaphore permits go through [`Client::acquire_with`] and a [`Claim`].
 //!
+//! [`Client::watch`] tells who holds a key when that changes, without polling; a [`Follower`]
+//! sees every change; [`Leadership`] elects one leader among the nodes that campaign for a key.
+//!
 //! The one-request calls the command line uses ([`Client::grant`], [`Client::renew`],
 //! [`Client::release`], status and listings) are public too.
 //!
@@ -30,14 +33,18 @@
 mod acquire;
 mod client;
 mod error;
+mod leadership;
 mod lease;
 mod types;
+mod watch;
 
 pub use crate::client::{BuildError, Client, ClientBuilder, REQUEST_TIMEOUT};
 pub use crate::error::Error;
+pub use crate::leadership::{Leadership, LeadershipBuilder, Revoked};
 pub use crate::lease::{Lease, LeaseOptions, LeaseState, Loss, Released, Trouble, TroubleHook};
 pub use crate::types::{
     AcquireParams, Claim, Grant, Holder, LockEntry, LockMode, LockStatus, MAX_PAGE,
     MAX_SEMAPHORE_LIMIT, Page, Resource, SemaphoreEntry, SemaphoreStatus, Space, Token, format_ms,
     new_request_id,
 };
+pub use crate::watch::{FOLLOW_WAIT, Follower, Watched, WatchedFence};
