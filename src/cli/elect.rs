@@ -23,11 +23,11 @@ use lockbroker_client::{
     AcquireParams, Claim, Client, Error, Grant, Lease, LeaseOptions, Trouble, new_request_id,
 };
 use nix::sys::signal::Signal;
-use nix::unistd::Pid;
 use tokio::time::Instant;
 
 use super::run::{
-    Signals, bound_again, default_owner, exit_code_of, release, send, spawn, terminate,
+    Signals, bound_again, cannot_run, default_owner, exit_code_of, group_of, release, send, spawn,
+    terminate,
 };
 use super::{
     BrokerArgs, exit, exit_code, format_ms, parse_duration, parse_key, parse_owner, parse_ttl,
@@ -227,21 +227,10 @@ async fn lead(
                 args.command[0].to_string_lossy()
             ));
             release(&lease).await;
-            return Led::Ended(ExitCode::from(
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    exit::NOT_FOUND
-                } else {
-                    exit::CANNOT_EXECUTE
-                },
-            ));
+            return Led::Ended(cannot_run(&e));
         }
     };
-    let group = Pid::from_raw(
-        child
-            .id()
-            .and_then(|id| i32::try_from(id).ok())
-            .expect("a child not yet waited for has a pid"),
-    );
+    let group = group_of(&child);
     let lost = loop {
         tokio::select! {
             biased;

@@ -145,19 +145,10 @@ pub async fn run(args: RunArgs) -> ExitCode {
                 args.command[0].to_string_lossy()
             ));
             release(&lease).await;
-            return ExitCode::from(if e.kind() == io::ErrorKind::NotFound {
-                exit::NOT_FOUND
-            } else {
-                exit::CANNOT_EXECUTE
-            });
+            return cannot_run(&e);
         }
     };
-    let group = Pid::from_raw(
-        child
-            .id()
-            .and_then(|id| i32::try_from(id).ok())
-            .expect("a child not yet waited for has a pid"),
-    );
+    let group = group_of(&child);
 
     let lost = loop {
         tokio::select! {
@@ -302,6 +293,25 @@ pub(super) fn send(group: Pid, signal: Signal) {
 
 /// The exit code that reports the command's end: its own status, or 128 + the signal that
 /// killed it, as shells do.
+/// The exit code for a command that could not be started: not found, or not executable.
+pub(super) fn cannot_run(e: &io::Error) -> ExitCode {
+    ExitCode::from(if e.kind() == io::ErrorKind::NotFound {
+        exit::NOT_FOUND
+    } else {
+        exit::CANNOT_EXECUTE
+    })
+}
+
+/// The process group of a started command (it leads its own group: see `spawn`).
+pub(super) fn group_of(child: &Child) -> Pid {
+    Pid::from_raw(
+        child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .expect("a child not yet waited for has a pid"),
+    )
+}
+
 pub(super) fn exit_code_of(status: io::Result<ExitStatus>) -> ExitCode {
     match status {
         Ok(status) => match (status.code(), status.signal()) {

@@ -14,11 +14,21 @@ use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
 
 fn store(redis: &RedisServer, prefix: &str) -> (RedisStore, mpsc::Receiver<Notice>) {
+    store_on(redis, prefix, Duration::from_secs(2))
+}
+
+/// A broker's store on `redis` under `prefix`, started, with its notices; `timeout` bounds its
+/// calls (and is the offer window of its queue).
+pub(crate) fn store_on(
+    redis: &RedisServer,
+    prefix: &str,
+    timeout: Duration,
+) -> (RedisStore, mpsc::Receiver<Notice>) {
     let store = RedisStore::connect(
         &RedisSettings {
             url: RedisUrl::parse(&redis.url()).unwrap(),
             key_prefix: prefix.into(),
-            timeout: Duration::from_secs(2),
+            timeout,
             store_loss_delay: Duration::ZERO,
             store_settle: Duration::from_millis(300),
             tls: RedisTls::default(),

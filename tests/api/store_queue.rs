@@ -3,11 +3,10 @@
 //! its `start` was given. The service's use of the queue is tested elsewhere; these check the
 //! scripts' answers and notices step by step.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use lockbroker::domain::{Lease, LockKey, RequestId, Token, Ttl};
-use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
+use lockbroker::store::redis::RedisStore;
 use lockbroker::store::{Bid, GrantAnswer, Holder, Join, Notice, Pool, Space, Store, StoreError};
 use lockbroker_test_support::redis_server::RedisServer;
 use redis::AsyncCommands;
@@ -15,22 +14,7 @@ use tokio::sync::mpsc;
 
 /// A broker's store on `redis`, started, with its notices; its offers stay open `window`.
 fn broker(redis: &RedisServer, window: Duration) -> (RedisStore, mpsc::Receiver<Notice>) {
-    let store = RedisStore::connect(
-        &RedisSettings {
-            url: RedisUrl::parse(&redis.url()).unwrap(),
-            key_prefix: "q:".into(),
-            timeout: window,
-            store_loss_delay: Duration::ZERO,
-            store_settle: Duration::from_millis(300),
-            tls: RedisTls::default(),
-            replica_acks: 0,
-        },
-        Arc::default(),
-    )
-    .unwrap();
-    let (tx, rx) = mpsc::channel(1024);
-    store.start(tx);
-    (store, rx)
+    crate::store_pools::store_on(redis, "q:", window)
 }
 
 fn key(k: &str) -> LockKey {

@@ -46,21 +46,33 @@ async fn in_process_brokers(redis_url: &str, n: usize, max_ttl_ms: u64) -> Vec<T
     apps
 }
 
+/// Three broker processes on `redis` with this store timeout, each ready and listening for
+/// notices: for the tests that kill one.
+pub(crate) async fn three_broker_processes(
+    redis: &RedisServer,
+    store_timeout_ms: u64,
+) -> [BrokerProcess; 3] {
+    let spec = BrokerSpec {
+        store_timeout_ms,
+        ..BrokerSpec::on(crate::LOCKBROKER, redis.url())
+    };
+    let brokers = [
+        BrokerProcess::start(spec.clone()).await,
+        BrokerProcess::start(spec.clone()).await,
+        BrokerProcess::start(spec).await,
+    ];
+    redis.wait_until_listening(3).await;
+    for broker in &brokers {
+        wait_until_ready(&broker.address(), Duration::from_secs(8)).await;
+    }
+    brokers
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_it_granted_end_at_their_ttl_not_before()
  {
     let redis = RedisServer::start().await;
-    let spec = BrokerSpec {
-        store_timeout_ms: STORE_TIMEOUT_MS,
-        ..BrokerSpec::on(crate::LOCKBROKER, redis.url())
-    };
-    let mut doomed = BrokerProcess::start(spec.clone()).await;
-    let two = BrokerProcess::start(spec.clone()).await;
-    let three = BrokerProcess::start(spec).await;
-    redis.wait_until_listening(3).await;
-    for broker in [&doomed, &two, &three] {
-        wait_until_ready(&broker.address(), Duration::from_secs(8)).await;
-    }
+    let [mut doomed, two, three] = three_broker_processes(&redis, STORE_TIMEOUT_MS).await;
 
     let brokers = Brokers::new(vec![doomed.address(), two.address(), three.address()]);
     let plan = Plan {

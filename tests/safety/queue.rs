@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
-use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
 use lockbroker_test_support::http::{Answer, Grant, http_client};
 use lockbroker_test_support::redis_server::RedisServer;
 use redis::AsyncCommands;
@@ -20,6 +19,7 @@ use reqwest::StatusCode;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use crate::faults::three_broker_processes;
 use crate::torture::{self, Brokers, Plan};
 
 /// The brokers' store timeout here, and so their offer window: an offer not taken within it
@@ -243,17 +243,7 @@ async fn semaphore_waiters_across_brokers_get_permits_in_the_order_they_joined()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_killed_with_waiters_queued_delays_the_key_by_at_most_one_offer_window() {
     let redis = RedisServer::start().await;
-    let spec = BrokerSpec {
-        store_timeout_ms: STORE_TIMEOUT_MS,
-        ..BrokerSpec::on(crate::LOCKBROKER, redis.url())
-    };
-    let mut doomed = BrokerProcess::start(spec.clone()).await;
-    let two = BrokerProcess::start(spec.clone()).await;
-    let three = BrokerProcess::start(spec).await;
-    redis.wait_until_listening(3).await;
-    for broker in [&doomed, &two, &three] {
-        wait_until_ready(&broker.address(), Duration::from_secs(8)).await;
-    }
+    let [mut doomed, two, three] = three_broker_processes(&redis, STORE_TIMEOUT_MS).await;
     let post = |base: String, query: &'static str| {
         let request = http_client().post(format!("{base}/locks/dead?{query}"));
         tokio::spawn(async move { request.send().await.map(|r| r.status()) })
