@@ -62,7 +62,8 @@ fn scripts_go_to_redis_without_their_comments_and_with_all_their_code() {
     for code in file.lines().filter(|l| !l.trim_start().starts_with("--")) {
         assert!(claim.contains(code), "{code}");
     }
-    assert!(claim.contains("local function fence_for(counter, now)"));
+    assert!(claim.contains("local function fence_for(counter, now, last)"));
+    assert!(claim.contains("local function kept_fence(c, f)"));
 }
 
 #[test]

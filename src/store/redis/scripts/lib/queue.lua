@@ -32,6 +32,17 @@ local function changed(c)
     redis.call('PUBLISH', c.chan .. 'changes', 'c ' .. c.space .. ' ' .. c.key)
   end
 end
+-- Before a script drops an exclusive lease record (fence `f`, a string, or nil): the fence is
+-- kept in the counter if Redis's clock has not passed it (a clock stepped back), since a grant
+-- on the fast path (fast/claim.lua) takes the clock as its fence when the key has no counter.
+-- With the clock past it, nothing needs it: every later fence is at least the clock.
+local function kept_fence(c, f)
+  f = tonumber(f)
+  if (not f) or f < c.now then return end
+  if tonumber(redis.call('GET', FENCE) or '0') < f then
+    redis.call('SET', FENCE, int(f), 'PX', int(math.ceil((f - c.now) / 1000) + c.slack))
+  end
+end
 -- A bid entry's fields (strings).
 local function bid_of(rec)
   return string.match(rec, '^([^|]*)|(%d+)|([^|]*)|(%d+)|([^|]*)|(.*)$')
@@ -56,9 +67,10 @@ end
 -- holders; a lapsed offer's broker requeues.
 local function settle(c)
   if EXCL then
-    local v = redis.call('HMGET', LOCK, 'expires_at', 'offered', 'by')
+    local v = redis.call('HMGET', LOCK, 'expires_at', 'offered', 'by', 'fence')
     if v[1] and tonumber(v[1]) <= c.now_ms then
       if v[2] == '1' then requeue(c, v[3]) end
+      kept_fence(c, v[4])
       redis.call('DEL', LOCK)
       changed(c)
     end
@@ -100,7 +112,9 @@ end
 -- offer window does, marked as an offer). `by`: the broker that answers its holder. The fence
 -- is taken now: an offer is the grant.
 local function write_lease(c, token, by, kind, ttl, rid, owner, offer)
-  local fence = fence_for(FENCE, c.now)
+  local last = 0
+  if EXCL then last = tonumber(redis.call('HGET', LOCK, 'fence') or '0') end
+  local fence = fence_for(FENCE, c.now, last)
   local expires = c.now_ms + ((offer and c.window) or ttl)
   local kept = expires - c.now_ms + c.slack
   if kind == 'x' then
