@@ -235,24 +235,34 @@ local function ended(c, by, fence, all)
     redis.call('PUBLISH', c.shared, old .. ' ' .. int(fence) .. ((all and ' *') or ''))
   end
 end
+-- The last argument of every script here, what only the slow paths read, in one string (each
+-- argument of a call costs Redis more than this split): `wait|kind|window|space|#chan|#shared|`
+-- and then the brokers' channel prefix, the shared channel ('' for a granting script) and the
+-- client key, back to back. Returns the context's common part, the wait (ms) and the kind.
+local function context_of(now, arg)
+  local wait, kind, window, space, nc, ns, rest =
+    string.match(arg, '^(%d+)|([^|]*)|(%d+)|(%a)|(%d+)|(%d+)|(.*)$')
+  nc, ns = tonumber(nc), tonumber(ns)
+  local c = {chan = string.sub(rest, 1, nc), shared = string.sub(rest, nc + 1, nc + ns),
+    key = string.sub(rest, nc + ns + 1), window = tonumber(window), space = space, slack = SLACK,
+    now = now, now_ms = math.floor(now / 1000), requeued = {}}
+  return c, tonumber(wait), kind
+end
 -- The context of a granting script (CLAIM, TAKE_OVER, JOIN): ARGV token, ttl_ms, owner (''
--- or '=' and the label), slack_ms, the epoch this broker knows, request_id ('' for none),
--- wait_ms (0: the bid does not wait), kind, broker id, broker channel prefix, offer window (ms),
--- client key, space letter. Called once `checked` passed: the key may be handed on.
+-- or '=' and the label), the epoch this broker knows, request_id ('' for none), broker id, and
+-- the context string above (wait_ms 0: the bid does not wait). Called once `checked` passed: the
+-- key may be handed on.
 local function grant_context(now)
-  local c = {token = ARGV[1], broker = ARGV[9], chan = ARGV[10], window = tonumber(ARGV[11]),
-    key = ARGV[12], space = ARGV[13], slack = tonumber(ARGV[4]), now = now,
-    now_ms = math.floor(now / 1000), hand = true, requeued = {}}
-  local bid = {kind = ARGV[8], ttl = tonumber(ARGV[2]), wait = tonumber(ARGV[7]), rid = ARGV[6], owner = ARGV[3]}
+  local c, wait, kind = context_of(now, ARGV[7])
+  c.token, c.broker, c.hand = ARGV[1], ARGV[6], true
+  local bid = {kind = kind, ttl = tonumber(ARGV[2]), wait = wait, rid = ARGV[5], owner = ARGV[3]}
   return c, bid
 end
 -- The context of a holder script (RELEASE, RENEW, FORCE, LEAVE): ARGV token ('' for FORCE),
--- the epoch this broker knows, broker id, broker channel prefix, offer window (ms), client
--- key, space letter, slack_ms, shared channel.
+-- the epoch this broker knows, broker id, and the context string above.
 local function holder_context(now)
-  local c = {token = ARGV[1], broker = ARGV[3], chan = ARGV[4], window = tonumber(ARGV[5]),
-    key = ARGV[6], space = ARGV[7], slack = tonumber(ARGV[8]), shared = ARGV[9], now = now,
-    now_ms = math.floor(now / 1000), requeued = {}}
+  local c = context_of(now, ARGV[4])
+  c.token, c.broker = ARGV[1], ARGV[3]
   local id, hold, _, layout = epoch(MARKER)
   c.hand = id == ARGV[2] and c.now_ms >= hold and layout <= LAYOUT
   return c
