@@ -113,6 +113,13 @@ async fn a_grant_whose_answer_was_lost_does_not_leave_the_key_blocked() {
     // Warm the connection and Redis's script cache, so that the claim below is sent as one
     // EVALSHA that Redis runs as soon as it thaws.
     app.grant("warm-up", "").await;
+    // From here, the only lease that Redis writes (and gives an expiry) is the lost claim's.
+    let mut conn = redis.connection().await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(&mut conn)
+        .await
+        .expect("CONFIG RESETSTAT");
     redis.pause();
     // Redis will run this claim when it thaws, but its answer comes too late: nobody gets the
     // token, so the broker must clean the lease up rather than let it block for 60 s.
@@ -134,17 +141,16 @@ async fn a_grant_whose_answer_was_lost_does_not_leave_the_key_blocked() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // The claim did run in Redis (its fence counter is there): the key really was blocked by a
-    // lease nobody had the token of, until the broker cleaned it up.
-    let mut conn = redis.connection().await;
-    let counters: Vec<String> = redis::cmd("KEYS")
-        .arg("*orphan*")
+    // The claim did run in Redis (a lease was written with its expiry): the key really was
+    // blocked by a lease nobody had the token of, until the broker cleaned it up.
+    let stats: String = redis::cmd("INFO")
+        .arg("commandstats")
         .query_async(&mut conn)
         .await
-        .expect("KEYS");
+        .expect("INFO commandstats");
     assert!(
-        counters.iter().any(|k| k.ends_with(":fence")),
-        "the lost claim never reached Redis, so this test proved nothing: {counters:?}"
+        stats.contains("cmdstat_pexpire:calls="),
+        "the lost claim never reached Redis, so this test proved nothing: {stats}"
     );
     app.grant("orphan", "").await;
 }
@@ -215,6 +221,147 @@ async fn fences_keep_rising_when_redis_rolls_its_fence_counter_back() {
         second.fence,
         first.fence
     );
+}
+
+/// Redis's clock in microseconds, as the scripts read it.
+async fn redis_now_us(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await.expect("TIME");
+    secs * 1_000_000 + micros
+}
+
+async fn exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool {
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async::<i64>(conn)
+        .await
+        .expect("EXISTS")
+        == 1
+}
+
+#[tokio::test]
+async fn a_released_lock_leaves_no_key_in_redis() {
+    let redis = RedisServer::start().await;
+    let app = spawn_app(Some(redis.url())).await;
+    let mut conn = redis.connection().await;
+    for round in 0..3 {
+        let held = app.grant("gone", "ttl_ms=30000").await;
+        assert!(
+            exists(&mut conn, "lockbroker:{gone}:lock").await,
+            "round {round}"
+        );
+        app.release("gone", &held.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+        let left: Vec<String> = redis::cmd("KEYS")
+            .arg("*{gone}*")
+            .query_async(&mut conn)
+            .await
+            .expect("KEYS");
+        assert!(left.is_empty(), "round {round} left {left:?}");
+    }
+}
+
+#[tokio::test]
+async fn fences_keep_rising_when_redis_clock_is_behind_the_fences_granted() {
+    // As a Redis whose clock stepped back leaves a key: a counter and a lease whose fences are
+    // ahead of the clock. Every later fence must still be above them, and the counter must stay
+    // while the clock has not passed it.
+    let redis = RedisServer::start().await;
+    let app = spawn_app(Some(redis.url())).await;
+    let mut conn = redis.connection().await;
+    let ahead = redis_now_us(&mut conn).await + 600_000_000;
+    let _: () = redis::cmd("SET")
+        .arg("lockbroker:{ahead}:fence")
+        .arg(ahead)
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+    let mut last = ahead;
+    for round in 0..3 {
+        let held = app.grant("ahead", "").await;
+        assert!(
+            held.fence > last,
+            "round {round}: fence {} after {last}",
+            held.fence
+        );
+        last = held.fence;
+        app.release("ahead", &held.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+        assert!(
+            exists(&mut conn, "lockbroker:{ahead}:fence").await,
+            "round {round}: the counter ahead of the clock went"
+        );
+    }
+
+    // An expired lease record, alone, with a fence ahead of the clock: taken over by a claim
+    // that does not wait, and ended (then granted) by one that does.
+    for wait in ["", "wait_ms=1000"] {
+        let now = redis_now_us(&mut conn).await;
+        let ahead = now + 600_000_000;
+        let _: () = redis::cmd("HSET")
+            .arg("lockbroker:{record}:lock")
+            .arg(&["token", "t0", "fence", &ahead.to_string(), "expires_at"])
+            .arg(now / 1000 - 1)
+            .arg(&["ttl", "1000", "granted_at"])
+            .arg(now / 1000 - 1001)
+            .query_async(&mut conn)
+            .await
+            .expect("HSET");
+        let mut last = ahead;
+        for round in 0..3 {
+            let held = app.grant("record", wait).await;
+            assert!(
+                held.fence > last,
+                "{wait:?} round {round}: fence {} after {last}",
+                held.fence
+            );
+            last = held.fence;
+            app.release("record", &held.token)
+                .await
+                .expect_status(StatusCode::NO_CONTENT);
+        }
+        let _: () = redis::cmd("DEL")
+            .arg("lockbroker:{record}:fence")
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
+    }
+}
+
+#[tokio::test]
+async fn fences_keep_rising_when_redis_clock_steps_back_under_a_lease() {
+    // A lease granted when the key had no counter, whose fence Redis's clock is then behind (as
+    // after a step back of the clock): its release must keep the fence for the next grant.
+    let redis = RedisServer::start().await;
+    let app = spawn_app(Some(redis.url())).await;
+    let mut conn = redis.connection().await;
+    let mut last = 0;
+    for round in 0..2 {
+        let held = app.grant("stepped", "ttl_ms=30000").await;
+        assert!(held.fence > last, "fence {} after {last}", held.fence);
+        let ahead = redis_now_us(&mut conn).await + 600_000_000;
+        let _: () = redis::cmd("HSET")
+            .arg("lockbroker:{stepped}:lock")
+            .arg("fence")
+            .arg(ahead)
+            .query_async(&mut conn)
+            .await
+            .expect("HSET");
+        app.release("stepped", &held.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+        let next = app.grant("stepped", "").await;
+        assert!(
+            next.fence > ahead,
+            "round {round}: fence {} after {ahead}",
+            next.fence
+        );
+        last = next.fence;
+        app.release("stepped", &next.token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+    }
 }
 
 /// Waits until the broker's log has a line containing `needle`, polling the log file.

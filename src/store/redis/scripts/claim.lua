@@ -9,16 +9,13 @@
 -- nobody queues for; else it joins the queue (or keeps its place), the key is handed on, and if
 -- its turn came it is granted now, else it answers queued.
 --
--- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua and lib/queue.lua. Its call:
--- `Claim` in scripts/grant.rs.
+-- Joined after lib/prelude.lua, lib/grant.lua, fast/claim.lua (whose `now` and epoch check it
+-- goes on from), lib/pools.lua and lib/queue.lua. Its call: `Claim` in scripts/grant.rs.
 -- KEYS: as lib/queue.lua's. ARGV: as `grant_context`'s (kind `x`).
 -- Replies: {1, fence, expires_at, token, ttl, now} granted; {0} refused; {7, retry_after_ms}
 -- queued; {2, hold_until, now, reason} a store-wide hold is in force; {3, epoch} the store is in
 -- another epoch than the broker knows: it must catch up (put its leases back) before it may
 -- grant; {6, layout} a broker of a newer layout runs on the store.
-local now = now_us()
-local held = checked(now, MARKER, ARGV[5])
-if held then return held end
 local c, bid = grant_context(now)
 local cur = redis.call('HMGET', LOCK, 'token', 'fence', 'expires_at', 'ttl', 'request_id', 'offered')
 local live = cur[1] and tonumber(cur[3]) > c.now_ms

@@ -6,7 +6,7 @@ use redis::{FromRedisValue, ParsingError, Value};
 use super::{Call, Fields, hold_in, unknown};
 use crate::domain::Fence;
 use crate::store::redis::keys::RedisKeys;
-use crate::store::{Bid, EXPIRY_SLACK_MS, Hold, Pool};
+use crate::store::{Bid, Hold, Pool};
 
 /// Who calls, as the queue's scripts need it: the broker's id (what queued bids and leases
 /// record), the prefix of every broker's own channel, and the offer window.
@@ -26,6 +26,27 @@ pub(crate) fn write_queue_keys(call: &mut Call<'_>, keys: &RedisKeys, marker: &s
         .key(&keys.queue)
         .key(&keys.bids)
         .key(&keys.watched);
+}
+
+/// The last argument of every queue script (`context_of` in `lib/queue.lua`): what only its slow
+/// paths read, in one string, because each argument of a script call costs Redis more than
+/// splitting one string does — `wait|kind|window|space|#chan|#shared|` and then the brokers'
+/// channel prefix, the shared channel and the client key, back to back (their lengths first,
+/// as any of them may hold a `|`).
+pub(crate) fn queue_context(
+    wait_ms: u64,
+    kind: &str,
+    caller: &Caller<'_>,
+    (space, key): (&str, &str),
+    shared: &str,
+) -> String {
+    let chan = caller.channels;
+    format!(
+        "{wait_ms}|{kind}|{}|{space}|{}|{}|{chan}{shared}{key}",
+        caller.window_ms,
+        chan.len(),
+        shared.len()
+    )
 }
 
 /// CLAIM's call: SETNX for `bid` on the key of `keys`, in `epoch` — or the bid's turn in the
@@ -53,16 +74,16 @@ impl Claim<'_> {
                     .as_ref()
                     .map_or(String::new(), |o| format!("={}", o.as_str())),
             )
-            .arg(EXPIRY_SLACK_MS)
             .arg(self.epoch)
             .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()))
-            .arg(bid.wait_ms)
-            .arg(kind)
             .arg(caller.id)
-            .arg(caller.channels)
-            .arg(caller.window_ms)
-            .arg(&keys.key)
-            .arg(keys.space);
+            .arg(queue_context(
+                bid.wait_ms,
+                kind,
+                caller,
+                (keys.space, &keys.key),
+                "",
+            ));
     }
 }
 

@@ -3,15 +3,15 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
-use super::grant::{Caller, write_queue_keys};
+use super::grant::{Caller, queue_context, write_queue_keys};
 use super::{Call, Fields, hold_in, unknown};
 use crate::domain::{Fence, Owner, Token, Ttl};
 use crate::store::redis::keys::RedisKeys;
-use crate::store::{EXPIRY_SLACK_MS, Hold, Holder};
+use crate::store::{Hold, Holder};
 
 /// What every holder script takes (`holder_context` in `lib/queue.lua`): the key's queue keys,
 /// and as arguments the token, the epoch this broker knows (the key is handed on only in it),
-/// the caller, the client key, its space, the slack and the shared channel.
+/// the caller's id and the queue context (with the client key, its space and the shared channel).
 pub(crate) struct HolderKeys<'a> {
     pub keys: &'a RedisKeys,
     pub marker: &'a str,
@@ -29,12 +29,13 @@ impl<'a> HolderKeys<'a> {
         call.arg(token)
             .arg(self.epoch)
             .arg(self.caller.id)
-            .arg(self.caller.channels)
-            .arg(self.caller.window_ms)
-            .arg(&self.keys.key)
-            .arg(self.keys.space)
-            .arg(EXPIRY_SLACK_MS)
-            .arg(self.channel);
+            .arg(queue_context(
+                0,
+                "x",
+                self.caller,
+                (self.keys.space, &self.keys.key),
+                self.channel,
+            ));
     }
 }
 

@@ -9,7 +9,7 @@
 -- is live, bids are queued, or every permit is taken) or {5, limit} (the live holders, or the
 -- queued bids, use that other limit).
 local now = now_us()
-local held = checked(now, MARKER, ARGV[5])
+local held = checked(now, MARKER, ARGV[4])
 if held then return held end
 local c, bid = grant_context(now)
 settle(c)

@@ -224,12 +224,12 @@ impl Scripts {
             };
         }
         Self {
-            claim: lua!("claim": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "claim.lua"),
+            claim: lua!("claim": "lib/prelude.lua", "lib/grant.lua", "fast/claim.lua", "lib/pools.lua", "lib/queue.lua", "claim.lua"),
             take_over: lua!("take_over": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "take_over.lua"),
             join: lua!("join": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "join.lua"),
             read: lua!("read": "lib/prelude.lua", "lib/pools.lua", "read.lua"),
             permits: lua!("permits": "lib/prelude.lua", "lib/pools.lua", "permits.lua"),
-            release: lua!("release": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
+            release: lua!("release": "lib/prelude.lua", "fast/release.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
             renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "renew.lua"),
             force: lua!("force": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "force.lua"),
             leave: lua!("leave": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "leave.lua"),

@@ -29,13 +29,22 @@
 -- to be raised.
 
 local PUT_BACK_HOLD_MS = 1000
-local now_ms = math.floor(now_us() / 1000)
+local now = now_us()
+local now_ms = math.floor(now / 1000)
 local m = redis.call('HMGET', KEYS[1], 'id', 'hold_until')
 if m[1] ~= ARGV[1] then return {-1} end
 if tonumber(m[2] or '0') < now_ms + PUT_BACK_HOLD_MS then
   redis.call('HSET', KEYS[1], 'hold_until', int(now_ms + PUT_BACK_HOLD_MS))
 end
 local slack = tonumber(ARGV[2])
+-- A lease record this may replace or drop keeps its fence in the counter while Redis's clock has
+-- not passed it (as lib/queue.lua's `kept_fence`: a grant on the fast path takes the clock).
+local function kept_fence(counter, f)
+  f = tonumber(f)
+  if f and f >= now and tonumber(redis.call('GET', counter) or '0') < f then
+    redis.call('SET', counter, int(f), 'PX', int(math.ceil((f - now) / 1000) + slack))
+  end
+end
 local broker = ARGV[3]
 local out = {}
 for i = 0, (#KEYS - 1) / 4 - 1 do
@@ -56,6 +65,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
   if kind == 'x' then
     local lock, pool, ends = k1, k3, k4
     local cur = redis.call('HMGET', lock, 'token', 'fence', 'expires_at')
+    kept_fence(counter, cur[2])
     if cur[1] and tonumber(cur[3]) > now_ms then
       if cur[1] == token then
         code, write = 0, false
@@ -105,6 +115,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
     end
     if write and lock ~= pool then
       local cur = redis.call('HMGET', lock, 'fence', 'expires_at')
+      kept_fence(counter, cur[1])
       if cur[1] and tonumber(cur[2]) > now_ms and tonumber(cur[1]) > fence then
         code, other, write = 2, tonumber(cur[1]), false
       elseif cur[1] then

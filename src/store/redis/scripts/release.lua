@@ -2,11 +2,10 @@
 -- step. The brokers that remember the lease in their ledgers, other than this one, are told
 -- (see `ended`).
 --
--- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua, lib/queue.lua and lib/holder.lua.
--- Its call: `Release` in scripts/holder.rs.
+-- Joined after lib/prelude.lua, fast/release.lua (whose `now` it goes on from), lib/pools.lua,
+-- lib/grant.lua, lib/queue.lua and lib/holder.lua. Its call: `Release` in scripts/holder.rs.
 -- KEYS: as lib/queue.lua's. ARGV: as `holder_context`'s.
 -- Replies {1, held_ms, fence}; {0} not held, {2} not the token's; or {3, hold_until, now, reason}.
-local now = now_us()
 local c = holder_context(now)
 local h, hold, reason = holder(c.now_ms)
 if h == 3 then return {3, hold, c.now_ms, reason} end
@@ -20,6 +19,7 @@ if h == 4 then
 end
 if h ~= 1 then return {h} end
 local v = redis.call('HMGET', LOCK, 'granted_at', 'fence', 'by')
+kept_fence(c, v[2])
 redis.call('DEL', LOCK)
 ended(c, v[3], tonumber(v[2]), false)
 hand_on(c, nil)

@@ -14,7 +14,7 @@ local c = holder_context(now)
 local now_ms = c.now_ms
 local h, expires, reason = holder(now_ms)
 if h == 3 then return {3, expires, now_ms, reason} end
-local ttl = tonumber(ARGV[10])
+local ttl = tonumber(ARGV[5])
 local function sooner()
   if now_ms + ttl >= expires then return end
   local first = redis.call('ZRANGE', QUEUE, 0, 0)[1]

@@ -9,10 +9,10 @@
 --
 -- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua and lib/queue.lua. Its call:
 -- `TakeOver` in scripts/grant.rs.
--- KEYS and ARGV[1..13] as CLAIM's; ARGV[14]: the fence of the expired lease seen.
+-- KEYS and ARGV[1..7] as CLAIM's; ARGV[8]: the fence of the expired lease seen.
 -- Replies as CLAIM's (never {7}).
 local now = now_us()
-local held = checked(now, MARKER, ARGV[5])
+local held = checked(now, MARKER, ARGV[4])
 if held then return held end
 local c, bid = grant_context(now)
 if redis.call('ZCARD', QUEUE) > 0 then
@@ -21,7 +21,7 @@ if redis.call('ZCARD', QUEUE) > 0 then
 end
 local cur = redis.call('HMGET', LOCK, 'fence', 'expires_at', 'offered', 'by')
 if cur[1] then
-  if cur[1] ~= ARGV[14] then return {0} end
+  if cur[1] ~= ARGV[8] then return {0} end
   if tonumber(cur[2]) > c.now_ms then return {0} end
   if cur[3] == '1' then requeue(c, cur[4]) end
 end

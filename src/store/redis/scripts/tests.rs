@@ -26,6 +26,25 @@ fn the_scripts_use_the_brokers_own_store_layout() {
 }
 
 #[test]
+fn the_scripts_keep_keys_the_brokers_own_slack_past_their_leases() {
+    let declared = format!("local SLACK = {}\n", crate::store::EXPIRY_SLACK_MS);
+    assert!(include_str!("lib/prelude.lua").contains(&declared));
+}
+
+#[test]
+fn the_queue_context_puts_its_free_text_last_with_lengths_first() {
+    let caller = Caller {
+        id: "b1",
+        channels: "p|q:b:",
+        window_ms: 500,
+    };
+    assert_eq!(
+        grant::queue_context(250, "x", &caller, ("L", "a:b"), "p|q:released"),
+        "250|x|500|L|6|12|p|q:b:p|q:releaseda:b"
+    );
+}
+
+#[test]
 fn queued_and_newer_layout_replies_decode_by_their_code() {
     assert!(matches!(
         Epoched::<GrantReply>::from_redis_value(reply(vec![int(7), int(250)])),
@@ -62,7 +81,8 @@ fn scripts_go_to_redis_without_their_comments_and_with_all_their_code() {
     for code in file.lines().filter(|l| !l.trim_start().starts_with("--")) {
         assert!(claim.contains(code), "{code}");
     }
-    assert!(claim.contains("local function fence_for(counter, now)"));
+    assert!(claim.contains("local function fence_for(counter, now, last)"));
+    assert!(claim.contains("local function kept_fence(c, f)"));
 }
 
 #[test]

@@ -24,11 +24,12 @@ local function checked(now, marker, known)
   if now_ms < hold then return {2, hold, now_ms, reason} end
   return nil
 end
-local function fence_for(counter, now)
-  local fence = redis.call('INCR', counter)
-  if fence < now then
-    fence = now
-    redis.call('SET', counter, int(fence))
-  end
+-- `last`: the fence of the key's exclusive lease record, live or not (0 for none), which the
+-- counter need not hold: a grant on the fast path (fast/claim.lua) writes its fence in the lease
+-- alone.
+local function fence_for(counter, now, last)
+  local n = redis.call('INCR', counter)
+  local fence = math.max(n, last + 1, now)
+  if fence ~= n then redis.call('SET', counter, int(fence)) end
   return fence
 end

@@ -12,9 +12,13 @@
 -- broker on the store runs; a granting script refuses to grant on a marker of a newer layout.
 if redis.replicate_commands then redis.replicate_commands() end
 local LAYOUT = 2
+-- How long a key outlives the lease (or the wait) that last set its expiry, ms: the broker's
+-- `EXPIRY_SLACK_MS` (a unit test checks that the two agree).
+local SLACK = 60000
+-- Redis's clock in µs, and as TIME answers it ({seconds, microseconds}, strings).
 local function now_us()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return tonumber(t[1]) * 1000000 + tonumber(t[2]), t
 end
 local function int(n) return string.format('%.0f', n) end
 local function epoch(marker)

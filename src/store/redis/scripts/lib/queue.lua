@@ -32,6 +32,17 @@ local function changed(c)
     redis.call('PUBLISH', c.chan .. 'changes', 'c ' .. c.space .. ' ' .. c.key)
   end
 end
+-- Before a script drops an exclusive lease record (fence `f`, a string, or nil): the fence is
+-- kept in the counter if Redis's clock has not passed it (a clock stepped back), since a grant
+-- on the fast path (fast/claim.lua) takes the clock as its fence when the key has no counter.
+-- With the clock past it, nothing needs it: every later fence is at least the clock.
+local function kept_fence(c, f)
+  f = tonumber(f)
+  if (not f) or f < c.now then return end
+  if tonumber(redis.call('GET', FENCE) or '0') < f then
+    redis.call('SET', FENCE, int(f), 'PX', int(math.ceil((f - c.now) / 1000) + c.slack))
+  end
+end
 -- A bid entry's fields (strings).
 local function bid_of(rec)
   return string.match(rec, '^([^|]*)|(%d+)|([^|]*)|(%d+)|([^|]*)|(.*)$')
@@ -56,9 +67,10 @@ end
 -- holders; a lapsed offer's broker requeues.
 local function settle(c)
   if EXCL then
-    local v = redis.call('HMGET', LOCK, 'expires_at', 'offered', 'by')
+    local v = redis.call('HMGET', LOCK, 'expires_at', 'offered', 'by', 'fence')
     if v[1] and tonumber(v[1]) <= c.now_ms then
       if v[2] == '1' then requeue(c, v[3]) end
+      kept_fence(c, v[4])
       redis.call('DEL', LOCK)
       changed(c)
     end
@@ -100,7 +112,9 @@ end
 -- offer window does, marked as an offer). `by`: the broker that answers its holder. The fence
 -- is taken now: an offer is the grant.
 local function write_lease(c, token, by, kind, ttl, rid, owner, offer)
-  local fence = fence_for(FENCE, c.now)
+  local last = 0
+  if EXCL then last = tonumber(redis.call('HGET', LOCK, 'fence') or '0') end
+  local fence = fence_for(FENCE, c.now, last)
   local expires = c.now_ms + ((offer and c.window) or ttl)
   local kept = expires - c.now_ms + c.slack
   if kind == 'x' then
@@ -221,24 +235,34 @@ local function ended(c, by, fence, all)
     redis.call('PUBLISH', c.shared, old .. ' ' .. int(fence) .. ((all and ' *') or ''))
   end
 end
+-- The last argument of every script here, what only the slow paths read, in one string (each
+-- argument of a call costs Redis more than this split): `wait|kind|window|space|#chan|#shared|`
+-- and then the brokers' channel prefix, the shared channel ('' for a granting script) and the
+-- client key, back to back. Returns the context's common part, the wait (ms) and the kind.
+local function context_of(now, arg)
+  local wait, kind, window, space, nc, ns, rest =
+    string.match(arg, '^(%d+)|([^|]*)|(%d+)|(%a)|(%d+)|(%d+)|(.*)$')
+  nc, ns = tonumber(nc), tonumber(ns)
+  local c = {chan = string.sub(rest, 1, nc), shared = string.sub(rest, nc + 1, nc + ns),
+    key = string.sub(rest, nc + ns + 1), window = tonumber(window), space = space, slack = SLACK,
+    now = now, now_ms = math.floor(now / 1000), requeued = {}}
+  return c, tonumber(wait), kind
+end
 -- The context of a granting script (CLAIM, TAKE_OVER, JOIN): ARGV token, ttl_ms, owner (''
--- or '=' and the label), slack_ms, the epoch this broker knows, request_id ('' for none),
--- wait_ms (0: the bid does not wait), kind, broker id, broker channel prefix, offer window (ms),
--- client key, space letter. Called once `checked` passed: the key may be handed on.
+-- or '=' and the label), the epoch this broker knows, request_id ('' for none), broker id, and
+-- the context string above (wait_ms 0: the bid does not wait). Called once `checked` passed: the
+-- key may be handed on.
 local function grant_context(now)
-  local c = {token = ARGV[1], broker = ARGV[9], chan = ARGV[10], window = tonumber(ARGV[11]),
-    key = ARGV[12], space = ARGV[13], slack = tonumber(ARGV[4]), now = now,
-    now_ms = math.floor(now / 1000), hand = true, requeued = {}}
-  local bid = {kind = ARGV[8], ttl = tonumber(ARGV[2]), wait = tonumber(ARGV[7]), rid = ARGV[6], owner = ARGV[3]}
+  local c, wait, kind = context_of(now, ARGV[7])
+  c.token, c.broker, c.hand = ARGV[1], ARGV[6], true
+  local bid = {kind = kind, ttl = tonumber(ARGV[2]), wait = wait, rid = ARGV[5], owner = ARGV[3]}
   return c, bid
 end
 -- The context of a holder script (RELEASE, RENEW, FORCE, LEAVE): ARGV token ('' for FORCE),
--- the epoch this broker knows, broker id, broker channel prefix, offer window (ms), client
--- key, space letter, slack_ms, shared channel.
+-- the epoch this broker knows, broker id, and the context string above.
 local function holder_context(now)
-  local c = {token = ARGV[1], broker = ARGV[3], chan = ARGV[4], window = tonumber(ARGV[5]),
-    key = ARGV[6], space = ARGV[7], slack = tonumber(ARGV[8]), shared = ARGV[9], now = now,
-    now_ms = math.floor(now / 1000), requeued = {}}
+  local c = context_of(now, ARGV[4])
+  c.token, c.broker = ARGV[1], ARGV[3]
   local id, hold, _, layout = epoch(MARKER)
   c.hand = id == ARGV[2] and c.now_ms >= hold and layout <= LAYOUT
   return c

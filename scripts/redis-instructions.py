@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Counts the instructions Redis spends on the lock cycle: the broker's CLAIM and RELEASE scripts
+for an uncontended exclusive lock, beside the minimal proxy's `SET NX PX` and compare-and-delete.
+
+Starts its own `redis-server` under valgrind's callgrind on a free loopback port, loads the
+scripts as the broker joins them (the file lists of `lua!` in src/store/redis/scripts/mod.rs),
+sends each step as one pipelined batch of `--calls` commands on new keys (the arguments a plain
+lock's call writes, see scripts/grant.rs and holder.rs), and reads callgrind's instruction count
+between the steps. Instruction counts do not move with the machine's load, unlike timings, so
+two versions of the scripts compare in one run: `--against REV` measures the scripts of a git
+revision too. Needs valgrind (`apt-get install -y valgrind`) and redis-server.
+
+    scripts/redis-instructions.py [--calls 2000] [--against REV]
+"""
+import argparse, glob, os, random, re, shutil, socket, subprocess, sys, tempfile, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = 'src/store/redis/scripts'
+
+
+def source(rev, path):
+    if rev is None:
+        with open(os.path.join(ROOT, path)) as f:
+            return f.read()
+    return subprocess.run(['git', '-C', ROOT, 'show', f'{rev}:{path}'], capture_output=True,
+                          text=True, check=True).stdout
+
+
+def script(rev, name):
+    """The script `name` as the broker sends it: its files joined, comment lines dropped."""
+    files = re.search(name + r': lua!\("' + name + r'": ([^)]*)\)', source(rev, f'{SCRIPTS}/mod.rs'))
+    text = ''.join(source(rev, f'{SCRIPTS}/{f}') for f in re.findall(r'"([^"]+)"', files.group(1)))
+    return ''.join(l + '\n' for l in text.splitlines() if not l.lstrip().startswith('--'))
+
+
+def resp(commands):
+    out = bytearray()
+    for args in commands:
+        out += b'*%d\r\n' % len(args)
+        for a in args:
+            b = str(a).encode()
+            out += b'$%d\r\n%s\r\n' % (len(b), b)
+    return bytes(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--calls', type=int, default=2000)
+    ap.add_argument('--against', metavar='REV', help='also measure the scripts of this git revision')
+    opts = ap.parse_args()
+    for tool in ('valgrind', 'callgrind_control', 'callgrind_annotate', 'redis-server', 'redis-cli'):
+        if not shutil.which(tool):
+            sys.exit(f'{tool} not found (apt-get install -y valgrind redis-server)')
+    work = tempfile.mkdtemp(prefix='lockbroker-instructions-')
+    s = socket.socket(); s.bind(('127.0.0.1', 0)); port = str(s.getsockname()[1]); s.close()
+    server = subprocess.Popen(
+        ['valgrind', '--tool=callgrind', f'--callgrind-out-file={work}/cg.out', 'redis-server',
+         '--port', port, '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--dir', work],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def cli(*args, data=None):
+        return subprocess.run(['redis-cli', '-p', port, *args], input=data, capture_output=True,
+                              check=True)
+
+    try:
+        for _ in range(600):
+            if subprocess.run(['redis-cli', '-p', port, 'ping'], capture_output=True).stdout.strip() == b'PONG':
+                break
+            time.sleep(0.1)
+        else:
+            sys.exit('redis-server under callgrind did not start')
+        cli('hset', 'lb:epoch', 'id', 'E1', 'layout', '2')
+        dumps = [0]
+
+        def count(name, commands):
+            subprocess.run(['callgrind_control', '-z', str(server.pid)], capture_output=True)
+            out = cli('--pipe', data=resp(commands)).stdout
+            if b'errors: 0' not in out:
+                sys.exit(f'{name}: {out.decode()}')
+            subprocess.run(['callgrind_control', '-d', str(server.pid)], capture_output=True)
+            dumps[0] += 1
+            for _ in range(100):
+                files = glob.glob(f'{work}/cg.out.*')
+                if len(files) >= dumps[0]:
+                    break
+                time.sleep(0.05)
+            latest = max(files, key=os.path.getmtime)
+            time.sleep(0.2)
+            text = subprocess.run(['callgrind_annotate', latest], capture_output=True, text=True).stdout
+            total = int(re.search(r'([\d,]+) \(100\.0%\)\s+PROGRAM TOTALS', text).group(1).replace(',', ''))
+            return total / len(commands)
+
+        n = opts.calls
+        cas = 'if redis.call("GET", KEYS[1]) == ARGV[1] then return redis.call("DEL", KEYS[1]) else return 0 end'
+        rows = []
+        for rev in ([opts.against] if opts.against else []) + [None]:
+            claim = cli('script', 'load', script(rev, 'claim')).stdout.decode().strip()
+            release = cli('script', 'load', script(rev, 'release')).stdout.decode().strip()
+            tag = random.randrange(10 ** 9)
+
+            def keys(i):
+                k = f'lb:{{k{tag}-{i}}}'
+                return [f'{k}:lock', f'{k}:fence', 'lb:epoch', f'{k}:shared', f'{k}:shared:ends',
+                        f'{k}:queue', f'{k}:bids', f'{k}:watched']
+            before = int(cli('dbsize').stdout)
+            if 'context_of' in script(rev, 'claim'):
+                # One context string for what only the slow paths read (scripts/grant.rs).
+                def claim_args(i):
+                    return [f'tok{i}', 30000, '', 'E1', '', 'broker1', f'0|x|500|L|5|0|lb:b:k{i}']
+
+                def release_args(i):
+                    return [f'tok{i}', 'E1', 'broker1', f'0|x|500|L|5|11|lb:b:lb:releasedk{i}']
+            else:
+                def claim_args(i):
+                    return [f'tok{i}', 30000, '', 60000, 'E1', '', 0, 'x', 'broker1', 'lb:b:', 500,
+                            f'k{i}', 'L']
+
+                def release_args(i):
+                    return [f'tok{i}', 'E1', 'broker1', 'lb:b:', 500, f'k{i}', 'L', 60000,
+                            'lb:released']
+            c = count('claim', [['EVALSHA', claim, 8, *keys(i), *claim_args(i)] for i in range(n)])
+            r = count('release', [['EVALSHA', release, 8, *keys(i), *release_args(i)] for i in range(n)])
+            left = int(cli('dbsize').stdout) - before
+            rows.append((rev or 'working tree', c, r, left))
+        proxy = cli('script', 'load', cas).stdout.decode().strip()
+        tag = random.randrange(10 ** 9)
+        ps = count('set', [['SET', f'p{tag}-{i}', f'tok{i}', 'NX', 'PX', 30000] for i in range(n)])
+        pr = count('del', [['EVALSHA', proxy, 1, f'p{tag}-{i}', f'tok{i}'] for i in range(n)])
+        print(f'Redis instructions per call (callgrind, {n} calls per step, new key each)')
+        print(f'{"scripts":<22}{"acquire":>10}{"release":>10}{"cycle":>10}{"/ proxy":>9}{"keys left":>11}')
+        for name, c, r, left in rows:
+            print(f'{name:<22}{c:>10.0f}{r:>10.0f}{c + r:>10.0f}{(c + r) / (ps + pr):>9.2f}{left / n:>11.3f}')
+        print(f'{"proxy":<22}{ps:>10.0f}{pr:>10.0f}{ps + pr:>10.0f}{1:>9.2f}{0:>11.3f}')
+    finally:
+        subprocess.run(['redis-cli', '-p', port, 'shutdown', 'nosave'], capture_output=True)
+        server.wait(timeout=60)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == '__main__':
+    main()
