@@ -7,7 +7,7 @@
 -- KEYS: as lib/queue.lua's. ARGV: as `holder_context`'s.
 -- Replies {1, held_ms, fence}; {0} not held, {2} not the token's; or {3, hold_until, now, reason}.
 local c = holder_context(now)
-local h, hold, reason = holder(c.now_ms)
+local h, hold, reason = holder(c.now_ms, lease)
 if h == 3 then return {3, hold, c.now_ms, reason} end
 if h == 4 then
   local f, _, _, g = record(reason)
@@ -18,9 +18,9 @@ if h == 4 then
   return {1, math.max(0, c.now_ms - g), f}
 end
 if h ~= 1 then return {h} end
-local v = redis.call('HMGET', LOCK, 'granted_at', 'fence', 'by')
-kept_fence(c, v[2])
+local granted_at, fence, by = lease[6], lease[5], lease[4]
+kept_fence(c, fence)
 redis.call('DEL', LOCK)
-ended(c, v[3], tonumber(v[2]), false)
+ended(c, by, tonumber(fence), false)
 hand_on(c, nil)
-return {1, math.max(0, c.now_ms - tonumber(v[1] or c.now_ms)), tonumber(v[2])}
+return {1, math.max(0, c.now_ms - tonumber(granted_at or c.now_ms)), tonumber(fence)}

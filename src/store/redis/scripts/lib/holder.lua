@@ -10,9 +10,13 @@
 --
 -- The check and the write are one step: the classic GET-then-DEL lets a client whose lease
 -- expired between the two delete its successor's lease.
-local function holder(now_ms)
-  local cur = {}
-  if EXCL then cur = redis.call('HMGET', LOCK, 'token', 'expires_at', 'offered') end
+-- `cur`: the exclusive lease's token, expires_at and offered (then anything), if the caller has
+-- read them already.
+local function holder(now_ms, cur)
+  if not cur then
+    cur = {}
+    if EXCL then cur = redis.call('HMGET', LOCK, 'token', 'expires_at', 'offered') end
+  end
   if cur[1] == ARGV[1] and tonumber(cur[2]) > now_ms and cur[3] ~= '1' then return 1, tonumber(cur[2]) end
   local rec = redis.call('HGET', POOL, ARGV[1])
   if rec and redis.call('HEXISTS', POOL, '!' .. ARGV[1]) == 0 then
