@@ -109,6 +109,15 @@ impl ApiError {
         }
     }
 
+    /// This answer with a `Retry-After` of `ms` unless it has one: `/readyz` says when to look
+    /// again in every 503 it gives. (A lock call's 503 while the store does not answer has none:
+    /// the client libraries then retry after their own short backoff, in time to renew a short
+    /// lease, where a whole second could lose it.)
+    pub(super) fn or_retry_after(mut self, ms: u64) -> Self {
+        self.retry_after_ms.get_or_insert(ms);
+        self
+    }
+
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, ErrorCode::InvalidRequest, message)
     }

@@ -33,7 +33,7 @@ fn store_bound() -> Duration {
 }
 
 /// Sends the request `call` makes and asserts a prompt 503 `store_unavailable`.
-async fn expect_unavailable(what: &str, call: impl Future<Output = Answer>) {
+async fn expect_unavailable(what: &str, call: impl Future<Output = Answer>) -> Answer {
     let started = Instant::now();
     let answer = call.await;
     let took = started.elapsed();
@@ -45,6 +45,14 @@ async fn expect_unavailable(what: &str, call: impl Future<Output = Answer>) {
     );
     answer.expect_error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable");
     assert!(took < store_bound(), "{what} took {took:?} to give up");
+    answer
+}
+
+/// `/readyz` answers 503 while the store does not answer, saying when to look again.
+async fn expect_not_ready(app: &TestApp) {
+    let answer = expect_unavailable("readyz", app.get("/readyz")).await;
+    let retry = answer.header("retry-after");
+    assert_eq!(retry, Some("1"), "Retry-After of {}", answer.text);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -59,7 +67,7 @@ async fn a_broker_whose_redis_is_down_answers_503_and_recovers_when_redis_return
     expect_unavailable("release", app.release("before", &held.token)).await;
     expect_unavailable("renew", app.renew("before", &held.token, "")).await;
     expect_unavailable("inspect", app.inspect("before")).await;
-    expect_unavailable("readyz", app.get("/readyz")).await;
+    expect_not_ready(&app).await;
     app.get("/healthz").await.expect_status(StatusCode::OK);
 
     redis.restart().await;
@@ -78,7 +86,7 @@ async fn a_broker_started_while_redis_is_down_becomes_ready_when_redis_comes() {
     redis.stop();
     let app = broker_on(&redis).await;
     app.get("/healthz").await.expect_status(StatusCode::OK);
-    expect_unavailable("readyz", app.get("/readyz")).await;
+    expect_not_ready(&app).await;
     expect_unavailable("acquire", app.acquire("k", "")).await;
     redis.restart().await;
     wait_until_ready(&app, Duration::from_secs(5)).await;
@@ -99,7 +107,7 @@ async fn a_redis_that_stops_answering_gives_503_within_the_store_timeout() {
     );
     expect_unavailable("release", app.release("frozen", &held.token)).await;
     expect_unavailable("renew", app.renew("frozen", &held.token, "")).await;
-    expect_unavailable("readyz", app.get("/readyz")).await;
+    expect_not_ready(&app).await;
     app.get("/healthz").await.expect_status(StatusCode::OK);
     redis.resume();
     wait_until_ready(&app, Duration::from_secs(5)).await;
