@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -330,31 +331,30 @@ impl<S: Store> LockService<S> {
     }
 
     /// Runs a store call that may grant `bid`, so that a lease nobody knows the token of does not
-    /// outlive the call's failure or the client's departure (see [`PendingGrant`]).
-    async fn guarded<T>(
-        &self,
+    /// outlive the call's failure or the client's departure (see [`PendingGrant`]). A
+    /// combinator, as [`LockService::timed`] is: the call's future is kept once.
+    fn guarded<'a, T: 'a>(
+        &'a self,
         space: Space,
-        key: &LockKey,
-        bid: &Bid,
-        call: impl Future<Output = StoreResult<T>>,
-    ) -> StoreResult<T> {
-        let mut pending = PendingGrant {
+        key: &'a LockKey,
+        bid: &'a Bid,
+        call: impl Future<Output = StoreResult<T>> + 'a,
+    ) -> impl Future<Output = StoreResult<T>> + 'a {
+        let pending = PendingGrant {
             // With a request id the client can get this grant back by repeating its acquire,
             // so a lease whose answer was lost is left to be claimed (or to end at its TTL);
             // releasing it could pull it from under that repeat's 201.
-            store: bid.request_id.is_none().then(|| self.store.clone()),
+            store: bid.request_id.is_none().then_some(&self.store),
             space,
-            key: key.clone(),
-            token: bid.token.clone(),
+            key,
+            token: &bid.token,
             ttl: bid.ttl,
         };
-        let result = call.await;
-        if result.is_ok() {
-            // A definite answer: a grant goes back to the client (one that has left by now was
-            // granted at that instant, and its lease ends at its TTL).
-            pending.store = None;
-        }
-        result
+        // Dropped with the future if the call never ends (the client went away): armed.
+        call.map(move |result| {
+            pending.settle(&result);
+            result
+        })
     }
 }
 
