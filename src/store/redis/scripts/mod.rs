@@ -261,8 +261,10 @@ impl Scripts {
     pub(super) fn call<S: ScriptCall>(&self, call: &S) -> Call<'_> {
         let mut built = Call {
             lua: S::script(self),
-            keys: Cmd::new(),
-            args: Cmd::new(),
+            // Room for a claim's eight keys and fifteen arguments of usual lengths, so that
+            // writing them does not grow the buffers step by step.
+            keys: Cmd::with_capacity(8, 384),
+            args: Cmd::with_capacity(16, 256),
         };
         call.write(&mut built);
         built
