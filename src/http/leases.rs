@@ -15,7 +15,7 @@ use super::requests::{
     ListQueryParams, Parameters, ReleaseQuery, RenewBody, WatchQuery, list_query, ttl_param,
     watch_request,
 };
-use super::{AppState, Limits};
+use super::{Limits, SharedState};
 use crate::domain::LockKey;
 use crate::lock::{AcquireRequest, HoldersView};
 use crate::store::{Kind, Lease, Page, Space, Store};
@@ -53,10 +53,11 @@ pub(super) trait LeaseSpace {
 
 /// An acquire: `201` with the grant.
 pub(super) async fn acquire<L: LeaseSpace, S: Store>(
-    state: &AppState<S>,
-    key: &LockKey,
+    state: SharedState<S>,
+    key: LockKey,
     values: L::Acquire,
 ) -> Result<Response, ApiError> {
+    let key = &key;
     let request = L::acquire_request(values, &state.limits)?;
     let limit = match request.kind {
         Kind::Semaphore { limit } => Some(limit),
@@ -71,10 +72,11 @@ pub(super) async fn acquire<L: LeaseSpace, S: Store>(
 
 /// A release by token, or by force: `204`.
 pub(super) async fn release<L: LeaseSpace, S: Store>(
-    state: &AppState<S>,
-    key: &LockKey,
+    state: SharedState<S>,
+    key: LockKey,
     params: Params<ReleaseQuery>,
 ) -> Result<StatusCode, ApiError> {
+    let key = &key;
     let Params {
         values,
         token_header,
@@ -97,10 +99,11 @@ pub(super) async fn release<L: LeaseSpace, S: Store>(
 
 /// A renewal: `200` with the grant again.
 pub(super) async fn renew<L: LeaseSpace, S: Store>(
-    state: &AppState<S>,
-    key: &LockKey,
+    state: SharedState<S>,
+    key: LockKey,
     params: Params<RenewBody>,
 ) -> Result<Response, ApiError> {
+    let key = &key;
     let token = token(params.token_header, params.values.token)?;
     let ttl = ttl_param(params.values.ttl_ms, &state.limits)?;
     let lease = state.locks.renew(L::SPACE, key, &token, ttl).await?;
@@ -134,10 +137,11 @@ const GRANT_CAPACITY: usize = 256;
 /// fence the caller saw or change within `wait_ms`, with `changed`; a free key is then
 /// `404 not_held` with `"fence": null` (see [`LockService::watch`](crate::lock::LockService)).
 pub(super) async fn inspect<L: LeaseSpace, S: Store>(
-    state: &AppState<S>,
-    key: &LockKey,
+    state: SharedState<S>,
+    key: LockKey,
     values: WatchQuery,
 ) -> Result<Response, ApiError> {
+    let key = &key;
     let Some(watch) = watch_request(values, &state.limits)? else {
         let view = match L::SPACE {
             Space::Locks => state.locks.inspect(key).await?,
@@ -189,7 +193,7 @@ fn watch_not_held(changed: bool) -> Response {
 
 /// A listing: `200` with a page.
 pub(super) async fn list<L: LeaseSpace, S: Store>(
-    state: &AppState<S>,
+    state: SharedState<S>,
     params: ListQueryParams,
 ) -> Result<Response, ApiError> {
     let query = list_query(L::SPACE, params)?;
@@ -216,7 +220,7 @@ macro_rules! lease_routes {
         $(#[doc = $list_doc:tt])* ;
     ) => {
         /// The routes, without their state.
-        pub(super) fn router<S: Store>() -> axum::Router<super::AppState<S>> {
+        pub(super) fn router<S: Store>() -> axum::Router<super::SharedState<S>> {
             use axum::routing::{get, post};
             axum::Router::new()
                 .route($list_path, get(list::<S>))
@@ -249,12 +253,12 @@ macro_rules! lease_routes {
             ),
             security((), ("bearer" = []))
         )]
-        pub(super) async fn acquire<S: Store>(
-            axum::extract::State(state): axum::extract::State<super::AppState<S>>,
+        pub(super) fn acquire<S: Store>(
+            axum::extract::State(state): axum::extract::State<super::SharedState<S>>,
             super::params::KeyPath(key): super::params::KeyPath,
             params: super::params::Params<$params>,
-        ) -> Result<axum::response::Response, super::error::ApiError> {
-            super::leases::acquire::<$space, S>(&state, &key, params.values).await
+        ) -> impl Future<Output = Result<axum::response::Response, super::error::ApiError>> + Send {
+            super::leases::acquire::<$space, S>(state, key, params.values)
         }
 
         $(#[doc = $release_doc])*
@@ -279,12 +283,12 @@ macro_rules! lease_routes {
             ),
             security((), ("bearer" = []))
         )]
-        pub(super) async fn release<S: Store>(
-            axum::extract::State(state): axum::extract::State<super::AppState<S>>,
+        pub(super) fn release<S: Store>(
+            axum::extract::State(state): axum::extract::State<super::SharedState<S>>,
             super::params::KeyPath(key): super::params::KeyPath,
             params: super::params::Params<super::requests::ReleaseQuery>,
-        ) -> Result<axum::http::StatusCode, super::error::ApiError> {
-            super::leases::release::<$space, S>(&state, &key, params).await
+        ) -> impl Future<Output = Result<axum::http::StatusCode, super::error::ApiError>> + Send {
+            super::leases::release::<$space, S>(state, key, params)
         }
 
         $(#[doc = $renew_doc])*
@@ -315,12 +319,12 @@ macro_rules! lease_routes {
             ),
             security((), ("bearer" = []))
         )]
-        pub(super) async fn renew<S: Store>(
-            axum::extract::State(state): axum::extract::State<super::AppState<S>>,
+        pub(super) fn renew<S: Store>(
+            axum::extract::State(state): axum::extract::State<super::SharedState<S>>,
             super::params::KeyPath(key): super::params::KeyPath,
             params: super::params::Params<super::requests::RenewBody>,
-        ) -> Result<axum::response::Response, super::error::ApiError> {
-            super::leases::renew::<$space, S>(&state, &key, params).await
+        ) -> impl Future<Output = Result<axum::response::Response, super::error::ApiError>> + Send {
+            super::leases::renew::<$space, S>(state, key, params)
         }
 
         $(#[doc = $inspect_doc])*
@@ -340,12 +344,12 @@ macro_rules! lease_routes {
             ),
             security((), ("bearer" = []))
         )]
-        pub(super) async fn inspect<S: Store>(
-            axum::extract::State(state): axum::extract::State<super::AppState<S>>,
+        pub(super) fn inspect<S: Store>(
+            axum::extract::State(state): axum::extract::State<super::SharedState<S>>,
             super::params::KeyPath(key): super::params::KeyPath,
             params: super::params::Params<super::requests::WatchQuery>,
-        ) -> Result<axum::response::Response, super::error::ApiError> {
-            super::leases::inspect::<$space, S>(&state, &key, params.values).await
+        ) -> impl Future<Output = Result<axum::response::Response, super::error::ApiError>> + Send {
+            super::leases::inspect::<$space, S>(state, key, params.values)
         }
 
         $(#[doc = $list_doc])*
@@ -364,11 +368,11 @@ macro_rules! lease_routes {
             ),
             security((), ("bearer" = []))
         )]
-        pub(super) async fn list<S: Store>(
-            axum::extract::State(state): axum::extract::State<super::AppState<S>>,
+        pub(super) fn list<S: Store>(
+            axum::extract::State(state): axum::extract::State<super::SharedState<S>>,
             params: super::params::Params<super::requests::ListQueryParams>,
-        ) -> Result<axum::response::Response, super::error::ApiError> {
-            super::leases::list::<$space, S>(&state, params.values).await
+        ) -> impl Future<Output = Result<axum::response::Response, super::error::ApiError>> + Send {
+            super::leases::list::<$space, S>(state, params.values)
         }
     };
 }

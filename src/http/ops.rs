@@ -11,12 +11,12 @@ use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::openapi::{self, Forbidden, StoreUnavailable, Unauthorized};
-use super::{AppState, Auth};
+use super::{Auth, SharedState};
 use crate::store::Store;
 
 /// The operations routes, without their state. `/healthz` and `/readyz` are always open;
 /// `/metrics` and `/openapi.json` are guarded by `guard` when there is one (`auth_metrics`).
-pub(super) fn ops_router<S: Store>(guard: Option<Auth>) -> Router<AppState<S>> {
+pub(super) fn ops_router<S: Store>(guard: Option<Auth>) -> Router<SharedState<S>> {
     let readable = Router::new()
         .route("/metrics", get(metrics::<S>))
         .route("/openapi.json", get(openapi_json::<S>));
@@ -75,7 +75,7 @@ pub(super) async fn healthz() -> Json<StatusBody> {
     ),
     security((), ("bearer" = []))
 )]
-pub(super) async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Response {
+pub(super) async fn metrics<S: Store>(State(state): State<SharedState<S>>) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
@@ -102,7 +102,7 @@ pub(super) async fn metrics<S: Store>(State(state): State<AppState<S>>) -> Respo
     )
 )]
 pub(super) async fn readyz<S: Store>(
-    State(state): State<AppState<S>>,
+    State(state): State<SharedState<S>>,
 ) -> Result<Json<StatusBody>, ApiError> {
     // The broker looks at the store again within a second (its epoch check).
     state
@@ -128,7 +128,7 @@ pub(super) async fn readyz<S: Store>(
     security((), ("bearer" = []))
 )]
 pub(super) async fn openapi_json<S: Store>(
-    State(state): State<AppState<S>>,
+    State(state): State<SharedState<S>>,
 ) -> Json<serde_json::Value> {
     Json(openapi::document(
         &state.limits,

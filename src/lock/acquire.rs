@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -59,11 +60,16 @@ impl<S: Store> LockService<S> {
     /// Ends by `req.wait` plus the store timeout. Dropping the returned future (the client went
     /// away) stops the wait; a store call it interrupts is cleaned up (see `PendingGrant`), and
     /// so is its place in the key's queue (see `Spot`).
-    pub(crate) async fn acquire(
-        &self,
-        key: &LockKey,
+    ///
+    /// Not an `async fn`, and neither is `acquire_until`: an `async fn` keeps room for its
+    /// arguments twice in its future (as they came, and as the body's own), and a parked
+    /// waiter's future lives as long as it waits. Here the wait's future is timed by
+    /// combinators, which keep it once.
+    pub(crate) fn acquire<'a>(
+        &'a self,
+        key: &'a LockKey,
         req: AcquireRequest,
-    ) -> Result<Lease, LockError> {
+    ) -> impl Future<Output = Result<Lease, LockError>> + 'a {
         let kind = req.kind;
         let wait = req.wait.as_duration();
         let bid = Bid {
@@ -75,156 +81,172 @@ impl<S: Store> LockService<S> {
         };
         let bound = wait + self.settings.store_timeout;
         let arrived = Instant::now();
-        let result =
-            match tokio::time::timeout(bound, self.acquire_until(kind, key, bid, arrived + wait))
-                .await
-            {
+        let until = self.acquire_until(kind, key, bid, arrived + wait);
+        tokio::time::timeout(bound, until).map(move |result| {
+            let result = match result {
                 Ok(result) => result,
                 // Only a store call can be running when this fires: the loop stops napping at
                 // the deadline, and a nap is shorter than the store timeout.
                 Err(_) => Err(StoreError::Timeout(millis(self.settings.store_timeout)).into()),
             };
-        let outcome = match &result {
-            Ok(_) => AcquireResult::Granted,
-            Err(LockError::Locked { .. }) => AcquireResult::Locked,
-            Err(LockError::LimitMismatch { .. }) => AcquireResult::LimitMismatch,
-            Err(_) => AcquireResult::Error,
-        };
-        self.metrics.acquired(kind, outcome, arrived.elapsed());
-        if result.is_ok() {
-            self.watchers.changed(kind.space(), key);
-        }
-        result
+            let outcome = match &result {
+                Ok(_) => AcquireResult::Granted,
+                Err(LockError::Locked { .. }) => AcquireResult::Locked,
+                Err(LockError::LimitMismatch { .. }) => AcquireResult::LimitMismatch,
+                Err(_) => AcquireResult::Error,
+            };
+            self.metrics.acquired(kind, outcome, arrived.elapsed());
+            if result.is_ok() {
+                self.watchers.changed(kind.space(), key);
+            }
+            result
+        })
     }
 
-    async fn acquire_until(
-        &self,
+    /// The acquire's passes and waits, until a grant, a refusal or `deadline`.
+    // An `async` block, not an `async fn`: see `acquire`.
+    #[allow(clippy::manual_async_fn)]
+    fn acquire_until<'a>(
+        &'a self,
         kind: Kind,
-        key: &LockKey,
+        key: &'a LockKey,
         mut bid: Bid,
         deadline: Instant,
-    ) -> Result<Lease, LockError> {
-        let space = kind.space();
-        // This broker's record of the waiter, where the store's offer finds it by token. Without
-        // one (the broker has `max_waiters` waiting) the bid may still be granted at once, but
-        // it does not join the store's queue: a full broker is only an error if we must wait.
-        let ticket = if bid.waits() {
-            self.waiters.enqueue(space, key, &bid.token)
-        } else {
-            None
-        };
-        // The bid's entry in the store's queue, taken out if the acquire ends without a grant.
-        let mut spot: Option<Spot<S>> = None;
-        let mut fallback = FALLBACK_POLL_MIN;
-        let mut immediate = 0;
-        let mut shutdown = self.shutdown.clone();
-        // When the lease (or offer) blocking the bid ends, as the store last said.
-        let mut until: Option<Instant> = None;
-        let mut retry_after_ms = 0;
-        // Why the last look could not tell who holds the key (a store-wide hold, a store that
-        // did not answer), if it could not.
-        let mut trouble: Option<LockError> = None;
-        // Whether the next turn of the loop asks the store (or only parks again).
-        let mut ask = true;
-        // Whether the store has put the bid in the key's queue (a grant then is a handoff).
-        let mut queued = false;
-        loop {
-            if ask {
-                let now = Instant::now();
-                // The store keeps the bid in the queue until about our deadline.
-                bid.wait_ms = match &ticket {
-                    Some(_) => millis(deadline.saturating_duration_since(now)),
-                    None => 0,
-                };
-                if bid.waits() && !spot.as_ref().is_some_and(|s| s.is_for(&bid.token)) {
-                    // Armed before the call: a call that fails may have queued the bid.
-                    spot = Some(Spot {
-                        store: Some(self.store.clone()),
-                        space,
-                        key: key.clone(),
-                        token: bid.token.clone(),
-                    });
+    ) -> impl Future<Output = Result<Lease, LockError>> + 'a {
+        // The arguments are the block's own: kept once (see `acquire`).
+        async move {
+            let space = kind.space();
+            // This broker's record of the waiter, where the store's offer finds it by token.
+            // Without one (the broker has `max_waiters` waiting) the bid may still be granted at
+            // once, but it does not join the store's queue: a full broker is only an error if we
+            // must wait.
+            let ticket = if bid.waits() {
+                self.waiters.enqueue(space, key, &bid.token)
+            } else {
+                None
+            };
+            // The bid's entry in the store's queue, taken out if the acquire ends without a grant.
+            let mut spot: Option<Spot<S>> = None;
+            let mut fallback = FALLBACK_POLL_MIN;
+            let mut immediate = 0;
+            let mut shutdown = self.shutdown.clone();
+            // When the lease (or offer) blocking the bid ends, as the store last said.
+            let mut until: Option<Instant> = None;
+            let mut retry_after_ms = 0;
+            // Why the last look could not tell who holds the key (a store-wide hold, a store that
+            // did not answer), if it could not.
+            let mut trouble: Option<LockError> = None;
+            // Whether the next turn of the loop asks the store (or only parks again).
+            let mut ask = true;
+            // Whether the store has put the bid in the key's queue (a grant then is a handoff).
+            let mut queued = false;
+            loop {
+                if ask {
+                    let now = Instant::now();
+                    // The store keeps the bid in the queue until about our deadline.
+                    bid.wait_ms = match &ticket {
+                        Some(_) => millis(deadline.saturating_duration_since(now)),
+                        None => 0,
+                    };
+                    if bid.waits() && !spot.as_ref().is_some_and(|s| s.is_for(&bid.token)) {
+                        // Armed before the call: a call that fails may have queued the bid.
+                        spot = Some(Spot {
+                            store: Some(self.store.clone()),
+                            space,
+                            key: key.clone(),
+                            token: bid.token.clone(),
+                        });
+                    }
+                    // Boxed: the store call's future lives on the heap only while the call runs,
+                    // instead of its whole size being reserved in every parked waiter's future.
+                    let attempt = match Box::pin(self.attempt(kind, key, &bid)).await {
+                        // A store-wide hold lasts a few seconds: a request that may still wait
+                        // waits it out, as it would a holder.
+                        Err(LockError::OnHold(hold)) if now < deadline => {
+                            trouble = Some(LockError::OnHold(hold));
+                            Attempt::Busy {
+                                retry_after_ms: hold.retry_after_ms,
+                            }
+                        }
+                        // So does a store that failed to answer (a restart, a failover): the
+                        // request looks again shortly, with a new token — the failed call may
+                        // have granted the old one, and its cleanup releases by that token (and
+                        // takes it out of the queue: its spot is dropped with it).
+                        Err(LockError::StoreUnavailable(e))
+                            if Instant::now() + STORE_RETRY < deadline =>
+                        {
+                            trouble = Some(LockError::StoreUnavailable(e));
+                            bid.token = Token::generate();
+                            spot = None;
+                            if let Some(ticket) = &ticket {
+                                ticket.set_token(&bid.token);
+                            }
+                            // Boxed: a rare nap, whose timer and shutdown watch would otherwise
+                            // take room in every waiter's future beside the parked ones.
+                            let stopping = Box::pin(async {
+                                tokio::select! {
+                                    () = tokio::time::sleep(jittered(STORE_RETRY)) => false,
+                                    _ = shutdown.wait_for(|stopping| *stopping) => true,
+                                }
+                            });
+                            if stopping.await {
+                                return Err(LockError::ShuttingDown);
+                            }
+                            continue;
+                        }
+                        attempt => {
+                            trouble = None;
+                            attempt?
+                        }
+                    };
+                    let ends_in = match attempt {
+                        Attempt::Granted(lease) => {
+                            if let Some(mut spot) = spot.take() {
+                                // Nothing of the bid waits any more.
+                                spot.store = None;
+                            }
+                            if queued {
+                                self.metrics.handed_off(space);
+                            }
+                            return Ok(lease);
+                        }
+                        Attempt::Again if immediate < MAX_IMMEDIATE_RETRIES => {
+                            immediate += 1;
+                            continue;
+                        }
+                        Attempt::Again => 0,
+                        Attempt::Queued { retry_after_ms } => {
+                            queued = true;
+                            retry_after_ms
+                        }
+                        Attempt::Busy { retry_after_ms } => retry_after_ms,
+                    };
+                    immediate = 0;
+                    retry_after_ms = ends_in;
+                    // A lease ends *after* its last millisecond.
+                    until = Some(Instant::now() + Duration::from_millis(ends_in.saturating_add(1)));
                 }
-                // Boxed: the store call's future lives on the heap only while the call runs,
-                // instead of its whole size being reserved in every parked waiter's future.
-                let attempt = match Box::pin(self.attempt(kind, key, &bid)).await {
-                    // A store-wide hold lasts a few seconds: a request that may still wait waits
-                    // it out, as it would a holder.
-                    Err(LockError::OnHold(hold)) if now < deadline => {
-                        trouble = Some(LockError::OnHold(hold));
-                        Attempt::Busy {
-                            retry_after_ms: hold.retry_after_ms,
-                        }
-                    }
-                    // So does a store that failed to answer (a restart, a failover): the
-                    // request looks again shortly, with a new token — the failed call may have
-                    // granted the old one, and its cleanup releases by that token (and takes
-                    // it out of the queue: its spot is dropped with it).
-                    Err(LockError::StoreUnavailable(e))
-                        if Instant::now() + STORE_RETRY < deadline =>
-                    {
-                        trouble = Some(LockError::StoreUnavailable(e));
-                        bid.token = Token::generate();
-                        spot = None;
-                        if let Some(ticket) = &ticket {
-                            ticket.set_token(&bid.token);
-                        }
-                        tokio::select! {
-                            () = tokio::time::sleep(jittered(STORE_RETRY)) => {}
-                            _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
-                        }
-                        continue;
-                    }
-                    attempt => {
-                        trouble = None;
-                        attempt?
+                let now = Instant::now();
+                if now >= deadline {
+                    // The wait ran out: say why the last look did not grant.
+                    return Err(trouble.unwrap_or(LockError::Locked { retry_after_ms }));
+                }
+                let Some(waiting) = &ticket else {
+                    // The broker had no room for another waiter: if there is room now, the bid may
+                    // wait; otherwise it cannot.
+                    return Err(LockError::TooManyWaiters {
+                        limit: self.waiters.limit(),
+                    });
+                };
+                let wake_at = self.wake_at(waiting, until, &mut fallback, deadline);
+                ask = tokio::select! {
+                    wake = waiting.woken() => wake == Wake::Ask,
+                    () = tokio::time::sleep_until(wake_at) => true,
+                    _ = shutdown.wait_for(|stopping| *stopping) => {
+                        return Err(LockError::ShuttingDown);
                     }
                 };
-                let ends_in = match attempt {
-                    Attempt::Granted(lease) => {
-                        if let Some(mut spot) = spot.take() {
-                            // Nothing of the bid waits any more.
-                            spot.store = None;
-                        }
-                        if queued {
-                            self.metrics.handed_off(space);
-                        }
-                        return Ok(lease);
-                    }
-                    Attempt::Again if immediate < MAX_IMMEDIATE_RETRIES => {
-                        immediate += 1;
-                        continue;
-                    }
-                    Attempt::Again => 0,
-                    Attempt::Queued { retry_after_ms } => {
-                        queued = true;
-                        retry_after_ms
-                    }
-                    Attempt::Busy { retry_after_ms } => retry_after_ms,
-                };
-                immediate = 0;
-                retry_after_ms = ends_in;
-                // A lease ends *after* its last millisecond.
-                until = Some(Instant::now() + Duration::from_millis(ends_in.saturating_add(1)));
             }
-            let now = Instant::now();
-            if now >= deadline {
-                // The wait ran out: say why the last look did not grant.
-                return Err(trouble.unwrap_or(LockError::Locked { retry_after_ms }));
-            }
-            let Some(waiting) = &ticket else {
-                // The broker had no room for another waiter: if there is room now, the bid may
-                // wait; otherwise it cannot.
-                return Err(LockError::TooManyWaiters {
-                    limit: self.waiters.limit(),
-                });
-            };
-            let wake_at = self.wake_at(waiting, until, &mut fallback, deadline);
-            ask = tokio::select! {
-                wake = waiting.woken() => wake == Wake::Ask,
-                () = tokio::time::sleep_until(wake_at) => true,
-                _ = shutdown.wait_for(|stopping| *stopping) => return Err(LockError::ShuttingDown),
-            };
         }
     }
 
@@ -330,31 +352,30 @@ impl<S: Store> LockService<S> {
     }
 
     /// Runs a store call that may grant `bid`, so that a lease nobody knows the token of does not
-    /// outlive the call's failure or the client's departure (see [`PendingGrant`]).
-    async fn guarded<T>(
-        &self,
+    /// outlive the call's failure or the client's departure (see [`PendingGrant`]). A
+    /// combinator, as [`LockService::timed`] is: the call's future is kept once.
+    fn guarded<'a, T: 'a>(
+        &'a self,
         space: Space,
-        key: &LockKey,
-        bid: &Bid,
-        call: impl Future<Output = StoreResult<T>>,
-    ) -> StoreResult<T> {
-        let mut pending = PendingGrant {
+        key: &'a LockKey,
+        bid: &'a Bid,
+        call: impl Future<Output = StoreResult<T>> + 'a,
+    ) -> impl Future<Output = StoreResult<T>> + 'a {
+        let pending = PendingGrant {
             // With a request id the client can get this grant back by repeating its acquire,
             // so a lease whose answer was lost is left to be claimed (or to end at its TTL);
             // releasing it could pull it from under that repeat's 201.
-            store: bid.request_id.is_none().then(|| self.store.clone()),
+            store: bid.request_id.is_none().then_some(&self.store),
             space,
-            key: key.clone(),
-            token: bid.token.clone(),
+            key,
+            token: &bid.token,
             ttl: bid.ttl,
         };
-        let result = call.await;
-        if result.is_ok() {
-            // A definite answer: a grant goes back to the client (one that has left by now was
-            // granted at that instant, and its lease ends at its TTL).
-            pending.store = None;
-        }
-        result
+        // Dropped with the future if the call never ends (the client went away): armed.
+        call.map(move |result| {
+            pending.settle(&result);
+            result
+        })
     }
 }
 

@@ -20,6 +20,7 @@ mod watching;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
@@ -225,17 +226,22 @@ impl<S: Store> LockService<S> {
     }
 
     /// Runs one store call, recording its latency and whether it failed.
-    async fn timed<T>(
-        &self,
+    ///
+    /// A combinator, not an `async fn`: an `async fn` taking the call's future by value keeps it
+    /// twice in its own future (once as the argument, once as the awaited value), and the
+    /// store's futures are the largest part of a request's.
+    fn timed<'a, T: 'a>(
+        &'a self,
         op: StoreOp,
-        call: impl Future<Output = StoreResult<T>>,
-    ) -> StoreResult<T> {
+        call: impl Future<Output = StoreResult<T>> + 'a,
+    ) -> impl Future<Output = StoreResult<T>> + 'a {
         let started = Instant::now();
-        let result = call.await;
-        self.metrics
-            .store_call(op, started.elapsed(), result.is_err());
-        self.outage.observe(&result);
-        result
+        call.map(move |result| {
+            self.metrics
+                .store_call(op, started.elapsed(), result.is_err());
+            self.outage.observe(&result);
+            result
+        })
     }
 
     /// Whether the store answers, as this service's store calls found; the HTTP layer counts

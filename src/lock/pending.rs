@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::domain::{LockKey, Token, Ttl};
-use crate::store::{Holder, Space, Store};
+use crate::store::{Holder, Space, Store, StoreResult};
 
 /// A store call that may be granting a lease and has not given a definite answer yet.
 ///
@@ -20,17 +20,30 @@ use crate::store::{Holder, Space, Store};
 /// one extra store call. Not armed for a bid with a request id: its client can get the grant
 /// back by repeating the acquire, and a cleanup could release it from under that repeat. If the store stays unreachable, the lease ends at its TTL like any
 /// other.
-pub(super) struct PendingGrant<S: Store> {
+///
+/// It borrows the key and the token: they are copied only for a cleanup, not for every call.
+pub(super) struct PendingGrant<'a, S: Store> {
     /// `None` once disarmed.
-    pub store: Option<Arc<S>>,
+    pub store: Option<&'a Arc<S>>,
     /// The space the lease would be in: a lock's (exclusive or shared lease), or a semaphore's.
     pub space: Space,
-    pub key: LockKey,
-    pub token: Token,
+    pub key: &'a LockKey,
+    pub token: &'a Token,
     pub ttl: Ttl,
 }
 
-impl<S: Store> Drop for PendingGrant<S> {
+impl<S: Store> PendingGrant<'_, S> {
+    /// Ends the guard with the call's answer: a definite one disarms it (a grant goes back to
+    /// the client; one that has left by now was granted at that instant, and its lease ends at
+    /// its TTL); a failure leaves it armed, so dropping it cleans up.
+    pub fn settle<T>(mut self, answer: &StoreResult<T>) {
+        if answer.is_ok() {
+            self.store = None;
+        }
+    }
+}
+
+impl<S: Store> Drop for PendingGrant<'_, S> {
     fn drop(&mut self) {
         let Some(store) = self.store.take() else {
             return;
@@ -38,6 +51,7 @@ impl<S: Store> Drop for PendingGrant<S> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let store = store.clone();
         let (space, key, token) = (self.space, self.key.clone(), self.token.clone());
         let give_up = Instant::now() + Duration::from_millis(self.ttl.as_ms());
         runtime.spawn(async move {

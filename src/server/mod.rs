@@ -26,6 +26,8 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use futures_util::FutureExt;
+use futures_util::future::Either;
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -108,10 +110,8 @@ pub(crate) async fn serve(
             header_timeout: settings.header_timeout,
             closing: closing_rx.clone(),
         };
-        connections.spawn(async move {
-            connection.serve(stream, tls).await;
-            drop(permit);
-        });
+        // The permit goes when the connection's task ends.
+        connections.spawn(connection.serve(stream, tls).map(move |()| drop(permit)));
     }
     drop(listener);
     tracing::info!("shutting down: waiting requests get 503, in-flight ones finish");
@@ -145,56 +145,81 @@ enum Protocol {
 }
 
 impl Connection {
-    async fn serve(self, stream: TcpStream, tls: Option<TlsAcceptor>) {
+    /// Serves the connection until it ends.
+    ///
+    /// The connection's task is most of a parked HTTP/1.1 waiter's memory, so its future is
+    /// kept small: the TLS handshake and stream, larger than all the rest of it, are boxed; and
+    /// the steps are not `async fn`s, which keep room for their arguments twice (as they came,
+    /// and as the body's own), but functions that return an `async` block or a combinator.
+    fn serve(
+        self,
+        stream: TcpStream,
+        tls: Option<TlsAcceptor>,
+    ) -> impl Future<Output = ()> + Send + 'static {
         let _ = stream.set_nodelay(true);
         let started = Instant::now();
         match tls {
-            None => {
-                let mut stream = stream;
-                let mut closing = self.closing.clone();
-                let sniffed = tokio::select! {
-                    sniffed = tokio::time::timeout(self.header_timeout, sniff(&mut stream)) => {
-                        sniffed
-                    }
-                    // A client that has not finished its first bytes has no request under way.
-                    _ = closing.changed() => return,
-                };
-                let Ok(Ok(Some((protocol, read)))) = sniffed else {
-                    return;
-                };
-                self.run(stream, read, protocol, started).await;
-            }
-            Some(acceptor) => {
-                let mut closing = self.closing.clone();
-                let accepted = tokio::select! {
-                    // Boxed, as the TLS connection's serving: a plain connection's task does not
-                    // carry room for TLS state.
-                    accepted = tokio::time::timeout(self.header_timeout, Box::pin(acceptor.accept(stream))) => {
-                        accepted
-                    }
-                    _ = closing.changed() => return,
-                };
-                let stream = match accepted {
-                    Ok(Ok(stream)) => stream,
-                    Ok(Err(e)) => {
-                        tracing::debug!(error = %e, "TLS handshake failed");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::debug!("TLS handshake not done within the header timeout");
-                        return;
-                    }
-                };
-                let protocol = match stream.get_ref().1.alpn_protocol() {
-                    Some(b"h2") => Protocol::Http2,
-                    _ => Protocol::Http1,
-                };
-                Box::pin(self.run(stream, Vec::new(), protocol, started)).await;
-            }
+            None => Either::Left(self.serve_plain(stream, started)),
+            Some(acceptor) => Either::Right(Box::pin(self.serve_tls(stream, acceptor, started))),
         }
     }
 
-    async fn run<I>(self, stream: I, read: Vec<u8>, protocol: Protocol, started: Instant)
+    // An `async` block, not an `async fn`: see `serve`.
+    #[allow(clippy::manual_async_fn)]
+    fn serve_plain(
+        self,
+        mut stream: TcpStream,
+        started: Instant,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        async move {
+            let mut closing = self.closing.clone();
+            let sniffed = tokio::select! {
+                sniffed = tokio::time::timeout(self.header_timeout, sniff(&mut stream)) => {
+                    sniffed
+                }
+                // A client that has not finished its first bytes has no request under way.
+                _ = closing.changed() => return,
+            };
+            let Ok(Ok(Some((protocol, read)))) = sniffed else {
+                return;
+            };
+            self.run(stream, read, protocol, started).await;
+        }
+    }
+
+    async fn serve_tls(self, stream: TcpStream, acceptor: TlsAcceptor, started: Instant) {
+        let mut closing = self.closing.clone();
+        let accepted = tokio::select! {
+            accepted = tokio::time::timeout(self.header_timeout, acceptor.accept(stream)) => {
+                accepted
+            }
+            _ = closing.changed() => return,
+        };
+        let stream = match accepted {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!("TLS handshake not done within the header timeout");
+                return;
+            }
+        };
+        let protocol = match stream.get_ref().1.alpn_protocol() {
+            Some(b"h2") => Protocol::Http2,
+            _ => Protocol::Http1,
+        };
+        self.run(stream, Vec::new(), protocol, started).await;
+    }
+
+    fn run<I>(
+        self,
+        stream: I,
+        read: Vec<u8>,
+        protocol: Protocol,
+        started: Instant,
+    ) -> impl Future<Output = ()> + Send + 'static
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -203,94 +228,100 @@ impl Connection {
             header_timeout,
             mut closing,
         } = self;
-        // Requests under way on this connection, each until its response body is sent.
-        let activity = Arc::new(Activity::new());
-        let counter = activity.clone();
-        let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
-            let guard = UnderWay::new(counter.clone());
-            let response = router.clone().oneshot(request.map(Body::new));
-            async move {
-                let response = response.await?;
-                Ok::<_, std::convert::Infallible>(response.map(|body| {
-                    Body::new(CountedBody {
-                        body,
-                        _guard: guard,
+        async move {
+            // Requests under way on this connection, each until its response body is sent.
+            let activity = Arc::new(Activity::new());
+            let counter = activity.clone();
+            let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
+                let guard = UnderWay::new(counter.clone());
+                // A combinator, not an `async` block: the block would keep the router's future
+                // twice (as captured, and as awaited), for as long as the request waits.
+                router
+                    .clone()
+                    .oneshot(request.map(Body::new))
+                    .map(move |response| {
+                        Ok::<_, std::convert::Infallible>(response?.map(|body| {
+                            Body::new(CountedBody {
+                                body,
+                                _guard: guard,
+                            })
+                        }))
                     })
-                }))
-            }
-        });
-        // On shutdown, a connection with no request under way is idle or has sent part of a
-        // head at most: it is closed at once. (Hyper alone would wait for the rest of a
-        // half-sent first head until the header timeout.)
-        let idle = || activity.idle_for().is_some();
-        let result = match protocol {
-            Protocol::Http1 => {
-                // The first head's time started with the connection.
-                let first_head = header_timeout
-                    .saturating_sub(started.elapsed())
-                    .max(Duration::from_millis(1));
-                let io = TokioIo::new(io::Stream::new(stream, read, true));
-                // Boxed, as the HTTP/2 one below: the connection's task then takes the size of
-                // the protocol it speaks, not of the larger of the two.
-                let mut connection = Box::pin(
-                    http1::Builder::new()
-                        .timer(TokioTimer::new())
-                        .header_read_timeout(first_head.min(header_timeout))
-                        .max_header_size(MAX_HEAD_BYTES)
-                        .serve_connection(io, service),
-                );
-                tokio::select! {
-                    result = connection.as_mut() => result,
-                    _ = closing.changed() => {
-                        if idle() {
-                            return;
+            });
+            // On shutdown, a connection with no request under way is idle or has sent part of a
+            // head at most: it is closed at once. (Hyper alone would wait for the rest of a
+            // half-sent first head until the header timeout.)
+            let idle = || activity.idle_for().is_some();
+            let result = match protocol {
+                Protocol::Http1 => {
+                    // The first head's time started with the connection.
+                    let first_head = header_timeout
+                        .saturating_sub(started.elapsed())
+                        .max(Duration::from_millis(1));
+                    let io = TokioIo::new(io::Stream::new(stream, read, true));
+                    // Boxed, as the HTTP/2 one below: the connection's task then takes the size of
+                    // the protocol it speaks, not of the larger of the two.
+                    let mut connection = Box::pin(
+                        http1::Builder::new()
+                            .timer(TokioTimer::new())
+                            .header_read_timeout(first_head.min(header_timeout))
+                            .max_header_size(MAX_HEAD_BYTES)
+                            .serve_connection(io, service),
+                    );
+                    tokio::select! {
+                        result = connection.as_mut() => result,
+                        _ = closing.changed() => {
+                            if idle() {
+                                return;
+                            }
+                            connection.as_mut().graceful_shutdown();
+                            connection.await
                         }
-                        connection.as_mut().graceful_shutdown();
-                        connection.await
                     }
                 }
-            }
-            Protocol::Http2 => {
-                let io = TokioIo::new(io::Stream::new(stream, read, false));
-                let mut connection = Box::pin(
-                    http2::Builder::new(TokioExecutor::new())
-                        .timer(TokioTimer::new())
-                        .keep_alive_interval(H2_KEEP_ALIVE)
-                        .keep_alive_timeout(H2_KEEP_ALIVE)
-                        .max_header_list_size(MAX_HEAD_BYTES as u32)
-                        .serve_connection(io, service),
-                );
-                // HTTP/2 has no header timer between requests: a connection with no stream
-                // for header_timeout is closed here (GOAWAY), as an idle HTTP/1.1 one is.
-                let mut check = tokio::time::interval((header_timeout / 4).max(IDLE_CHECK_MIN));
-                let mut ending = false;
-                // A GOAWAY completes when the client answers the ping that goes with it; an
-                // idle client that does not is dropped after one more header timeout.
-                let mut give_up: Option<Pin<Box<tokio::time::Sleep>>> = None;
-                loop {
-                    tokio::select! {
-                        result = connection.as_mut() => break result,
-                        _ = closing.changed(), if !ending => {
-                            connection.as_mut().graceful_shutdown();
-                            ending = true;
-                        }
-                        _ = check.tick(), if !ending => {
-                            if activity.idle_for().is_some_and(|idle| idle >= header_timeout) {
+                Protocol::Http2 => {
+                    let io = TokioIo::new(io::Stream::new(stream, read, false));
+                    let mut connection = Box::pin(
+                        http2::Builder::new(TokioExecutor::new())
+                            .timer(TokioTimer::new())
+                            .keep_alive_interval(H2_KEEP_ALIVE)
+                            .keep_alive_timeout(H2_KEEP_ALIVE)
+                            .max_header_list_size(MAX_HEAD_BYTES as u32)
+                            .serve_connection(io, service),
+                    );
+                    // HTTP/2 has no header timer between requests: a connection with no stream
+                    // for header_timeout is closed here (GOAWAY), as an idle HTTP/1.1 one is.
+                    let mut check = tokio::time::interval((header_timeout / 4).max(IDLE_CHECK_MIN));
+                    let mut ending = false;
+                    // A GOAWAY completes when the client answers the ping that goes with it; an
+                    // idle client that does not is dropped after one more header timeout.
+                    let mut give_up: Option<Pin<Box<tokio::time::Sleep>>> = None;
+                    loop {
+                        tokio::select! {
+                            result = connection.as_mut() => break result,
+                            _ = closing.changed(), if !ending => {
                                 connection.as_mut().graceful_shutdown();
                                 ending = true;
-                                give_up = Some(Box::pin(tokio::time::sleep(header_timeout)));
                             }
-                        }
-                        () = async { give_up.as_mut().expect("guarded").await }, if give_up.is_some() => {
-                            break Ok(());
+                            _ = check.tick(), if !ending => {
+                                if activity.idle_for().is_some_and(|idle| idle >= header_timeout) {
+                                    connection.as_mut().graceful_shutdown();
+                                    ending = true;
+                                    give_up = Some(Box::pin(tokio::time::sleep(header_timeout)));
+                                }
+                            }
+                            () = async { give_up.as_mut().expect("guarded").await }, if give_up.is_some() => {
+                                break Ok(());
+                            }
                         }
                     }
                 }
+            };
+            if let Err(e) = result {
+                // Header timeouts, resets, hyper's rejections: the client's doing, not the
+                // broker's.
+                tracing::debug!(error = %e, "connection ended with an error");
             }
-        };
-        if let Err(e) = result {
-            // Header timeouts, resets, hyper's rejections: the client's doing, not the broker's.
-            tracing::debug!(error = %e, "connection ended with an error");
         }
     }
 }

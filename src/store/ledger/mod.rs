@@ -80,7 +80,7 @@ pub(crate) struct Ledger {
     /// operation (or one pass over the map, once a second, to drop ended leases).
     leases: Mutex<HashMap<Box<str>, Kept>>,
     /// Shared leases and permits, by space and key; a few per key, usually.
-    pools: Mutex<HashMap<(Space, Box<str>), Pool>>,
+    pools: Mutex<BySpace<Pool>>,
     /// The ends seen lately, by space and key (see the module's docs).
     ended: Mutex<EndMarks>,
     /// How long an end's mark is kept: longer than a renewal's answer can take to be recorded
@@ -91,7 +91,65 @@ pub(crate) struct Ledger {
 }
 
 /// The ends seen lately, by space and key.
-type EndMarks = HashMap<(Space, Box<str>), Vec<Ended>>;
+type EndMarks = BySpace<Marks>;
+
+/// A map by space, then by key: one map per space, so that a key is looked up as the `&str` it
+/// is, without building an owned key for every lookup.
+#[derive(Debug)]
+struct BySpace<T> {
+    locks: HashMap<Box<str>, T>,
+    semaphores: HashMap<Box<str>, T>,
+}
+
+impl<T> Default for BySpace<T> {
+    fn default() -> Self {
+        Self {
+            locks: HashMap::new(),
+            semaphores: HashMap::new(),
+        }
+    }
+}
+
+impl<T> BySpace<T> {
+    fn of(&self, space: Space) -> &HashMap<Box<str>, T> {
+        match space {
+            Space::Locks => &self.locks,
+            Space::Semaphores => &self.semaphores,
+        }
+    }
+
+    fn of_mut(&mut self, space: Space) -> &mut HashMap<Box<str>, T> {
+        match space {
+            Space::Locks => &mut self.locks,
+            Space::Semaphores => &mut self.semaphores,
+        }
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&mut T) -> bool) {
+        self.locks.retain(|_, v| keep(v));
+        self.semaphores.retain(|_, v| keep(v));
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (Space, &str, &T)> {
+        let locks = self.locks.iter().map(|(key, v)| (Space::Locks, &**key, v));
+        let semaphores = (self.semaphores.iter()).map(|(key, v)| (Space::Semaphores, &**key, v));
+        locks.chain(semaphores)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &T> {
+        self.locks.values().chain(self.semaphores.values())
+    }
+}
+
+/// The end marks of one key, and the highest fence among them: a lease with a higher fence is
+/// covered by none of them (see [`Ended::covers`]), which a grant, whose fence is the newest,
+/// finds without going through the marks (a busy key has a mark for every release of the last
+/// few seconds).
+#[derive(Debug, Default)]
+struct Marks {
+    list: Vec<Ended>,
+    highest: Fence,
+}
 
 /// The mark of an end: the lease with `fence` on a key is over — and, with `all`, every lease on
 /// the key up to it; on a lock, an exclusive lease up to it either way.
@@ -142,25 +200,33 @@ impl Ledger {
     /// Leaves the mark of an end (see the module's docs).
     fn mark_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
         let until_ms = self.ms_after_base(Instant::now() + self.linger);
-        self.ended()
-            .entry((space, key.into()))
-            .or_default()
-            .push(Ended {
-                fence,
-                all,
-                until_ms,
-            });
+        let mut ended = self.ended();
+        let by_key = ended.of_mut(space);
+        if !by_key.contains_key(key) {
+            by_key.insert(key.into(), Marks::default());
+        }
+        let marks = by_key.get_mut(key).expect("inserted above");
+        marks.highest = marks.highest.max(fence);
+        marks.list.push(Ended {
+            fence,
+            all,
+            until_ms,
+        });
     }
 
     /// Whether an end seen lately ended the lease of `kind` on `key` with `fence`.
     fn was_ended(&self, key: &LockKey, kind: Kind, fence: Fence) -> bool {
         let now_ms = self.ms_after_base(Instant::now());
         self.ended()
-            .get(&(kind.space(), key.as_str().into()))
+            .of(kind.space())
+            .get(key.as_str())
             .is_some_and(|marks| {
-                marks
-                    .iter()
-                    .any(|m| m.until_ms > now_ms && m.covers(kind, fence))
+                // No mark covers a fence above every mark's.
+                fence <= marks.highest
+                    && marks
+                        .list
+                        .iter()
+                        .any(|m| m.until_ms > now_ms && m.covers(kind, fence))
             })
     }
 
@@ -175,7 +241,7 @@ impl Ledger {
         u64::try_from(since.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
     }
 
-    fn pools(&self) -> MutexGuard<'_, HashMap<(Space, Box<str>), Pool>> {
+    fn pools(&self) -> MutexGuard<'_, BySpace<Pool>> {
         self.pools.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -223,7 +289,8 @@ impl Ledger {
             };
             let mut pools = self.pools();
             let pool = pools
-                .entry((kind.space(), key.as_str().into()))
+                .of_mut(kind.space())
+                .entry(key.as_str().into())
                 .or_insert(Pool {
                     limit,
                     members: Vec::new(),
@@ -269,11 +336,11 @@ impl Ledger {
     pub(crate) fn forget_pooled(&self, space: Space, key: &LockKey, token: &Token) {
         let token = KeptToken::of(token);
         let mut pools = self.pools();
-        let id = (space, Box::<str>::from(key.as_str()));
-        if let Some(pool) = pools.get_mut(&id) {
+        let by_key = pools.of_mut(space);
+        if let Some(pool) = by_key.get_mut(key.as_str()) {
             pool.members.retain(|m| m.token != token);
             if pool.members.is_empty() {
-                pools.remove(&id);
+                by_key.remove(key.as_str());
             }
         }
     }
@@ -296,8 +363,8 @@ impl Ledger {
             self.forget_released(key, fence);
         }
         let mut pools = self.pools();
-        let id = (space, Box::<str>::from(key));
-        if let Some(pool) = pools.get_mut(&id) {
+        let by_key = pools.of_mut(space);
+        if let Some(pool) = by_key.get_mut(key) {
             pool.members.retain(|m| {
                 if all {
                     m.fence > fence
@@ -306,7 +373,7 @@ impl Ledger {
                 }
             });
             if pool.members.is_empty() {
-                pools.remove(&id);
+                by_key.remove(key);
             }
         }
     }
@@ -347,7 +414,8 @@ impl Ledger {
                 .map(|kept| self.expand(key.as_str(), kind, kept).1);
         }
         self.pools()
-            .get(&(kind.space(), key.as_str().into()))
+            .of(kind.space())
+            .get(key.as_str())
             .and_then(|pool| pool.members.iter().find(|m| m.token == token))
             .map(|kept| self.expand(key.as_str(), kind, kept).1)
     }
@@ -356,9 +424,10 @@ impl Ledger {
     /// how many leases.
     pub(crate) fn sweep(&self, now: Instant) -> usize {
         let now_ms = self.ms_after_base(now);
-        self.ended().retain(|_, marks| {
-            marks.retain(|m| m.until_ms > now_ms);
-            !marks.is_empty()
+        self.ended().retain(|marks| {
+            marks.list.retain(|m| m.until_ms > now_ms);
+            marks.highest = marks.list.iter().map(|m| m.fence).max().unwrap_or(0);
+            !marks.list.is_empty()
         });
         let mut dropped = {
             let mut leases = self.leases();
@@ -366,7 +435,7 @@ impl Ledger {
             leases.retain(|_, e| e.ends_ms > now_ms);
             before - leases.len()
         };
-        self.pools().retain(|_, pool| {
+        self.pools().retain(|pool| {
             let before = pool.members.len();
             pool.members.retain(|m| m.ends_ms > now_ms);
             dropped += before - pool.members.len();
@@ -384,7 +453,7 @@ impl Ledger {
             .filter(|(_, e)| e.ends_ms > now_ms)
             .map(|(k, e)| self.expand(k, Kind::Exclusive, e))
             .collect();
-        for ((space, key), pool) in self.pools().iter() {
+        for (space, key, pool) in self.pools().iter() {
             let kind = match space {
                 Space::Locks => Kind::Shared,
                 Space::Semaphores => Kind::Semaphore { limit: pool.limit },

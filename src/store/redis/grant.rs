@@ -68,8 +68,9 @@ impl RedisStore {
         // than its TTL.
         let remaining = Duration::from_millis(granted.expires_at_ms.saturating_sub(granted.now_ms));
         let lease = lease_of(granted, bid, kind)?;
-        self.replicas
-            .confirm_grant(
+        if self.replicas.asked() {
+            // Boxed: see `Replicas::asked`.
+            Box::pin(self.replicas.confirm_grant(
                 self,
                 kind.space(),
                 key,
@@ -78,8 +79,9 @@ impl RedisStore {
                     lease: &lease,
                     generation: carried.load(Ordering::Relaxed),
                 },
-            )
+            ))
             .await?;
+        }
         self.remember(key, kind, place.slot, &lease, answered + remaining, &epoch);
         Ok(Ok(lease))
     }

@@ -69,31 +69,46 @@ impl RedisStore {
     }
 
     /// The Redis keys of `key` in `space`.
+    ///
+    /// Each name is its prefix and suffix copied into a string of its size: two calls per lock
+    /// cycle build these names, and `format!` took about a tenth of the broker's instructions
+    /// per cycle.
     pub(super) fn names(&self, space: Space, key: &LockKey) -> RedisKeys {
-        let base = format!("{}{{{}}}", self.layout.prefix, key);
+        let prefix = self.layout.prefix.as_str();
+        let mut base = String::with_capacity(prefix.len() + key.as_str().len() + 2);
+        base.push_str(prefix);
+        base.push('{');
+        base.push_str(key.as_str());
+        base.push('}');
+        let name = |suffix: &str| {
+            let mut name = String::with_capacity(base.len() + suffix.len());
+            name.push_str(&base);
+            name.push_str(suffix);
+            name
+        };
         match space {
             Space::Locks => RedisKeys {
-                lock: format!("{base}:lock"),
-                fence: format!("{base}:fence"),
-                pool: format!("{base}:shared"),
-                ends: format!("{base}:shared:ends"),
-                queue: format!("{base}:queue"),
-                bids: format!("{base}:bids"),
-                watched: format!("{base}:watched"),
+                lock: name(":lock"),
+                fence: name(":fence"),
+                pool: name(":shared"),
+                ends: name(":shared:ends"),
+                queue: name(":queue"),
+                bids: name(":bids"),
+                watched: name(":watched"),
                 notice: key.as_str().into(),
                 key: key.as_str().into(),
                 space: LOCK_SPACE,
             },
             Space::Semaphores => RedisKeys {
                 // A semaphore has no exclusive lease: the scripts find none in its pool.
-                lock: format!("{base}:sem"),
-                fence: format!("{base}:sem:fence"),
-                pool: format!("{base}:sem"),
-                ends: format!("{base}:sem:ends"),
-                queue: format!("{base}:sem:queue"),
-                bids: format!("{base}:sem:bids"),
-                watched: format!("{base}:sem:watched"),
-                notice: format!("{SEMAPHORE_NOTICE}{key}"),
+                lock: name(":sem"),
+                fence: name(":sem:fence"),
+                pool: name(":sem"),
+                ends: name(":sem:ends"),
+                queue: name(":sem:queue"),
+                bids: name(":sem:bids"),
+                watched: name(":sem:watched"),
+                notice: [SEMAPHORE_NOTICE, key.as_str()].concat(),
                 key: key.as_str().into(),
                 space: SEMAPHORE_SPACE,
             },

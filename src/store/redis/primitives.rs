@@ -107,7 +107,12 @@ impl Store for RedisStore {
         token: &Token,
         ttl: Ttl,
     ) -> StoreResult<Holder<Lease>> {
-        let told = self.replicas.before_renew(self, space, key, token).await?;
+        let told = if self.replicas.asked() {
+            // Boxed: see `Replicas::asked`.
+            Box::pin(self.replicas.before_renew(self, space, key, token)).await?
+        } else {
+            None
+        };
         let place = self.place(space, key);
         let (caller, known) = (self.broker.caller(), self.epoch_for(place.slot));
         let renew = Renew {
@@ -159,8 +164,8 @@ impl Store for RedisStore {
                 Kind::Exclusive | Kind::Shared => None,
             },
         };
-        self.replicas
-            .confirm_renew(
+        if self.replicas.asked() {
+            Box::pin(self.replicas.confirm_renew(
                 self,
                 space,
                 key,
@@ -170,8 +175,9 @@ impl Store for RedisStore {
                     lease: &lease,
                     generation,
                 },
-            )
+            ))
             .await?;
+        }
         let ends = answered + Duration::from_millis(ttl.as_ms());
         self.remember(key, kind, place.slot, &lease, ends, &epoch);
         Ok(Holder::Done(lease))

@@ -157,6 +157,13 @@ impl Replicas {
         }
     }
 
+    /// Whether writes wait for replicas at all (`--redis-replica-acks` above 0). Callers box
+    /// the waits behind this, so that a store without replica acks (the usual one) does not
+    /// carry room for them in every grant's and renewal's future.
+    pub(super) fn asked(&self) -> bool {
+        self.acks > 0
+    }
+
     /// After a grant, before it is answered: `Ok` once enough replicas have it. Otherwise a
     /// lease this request created is released (one handed back again by request id was
     /// granted, and answered, before), and the error is the answer.

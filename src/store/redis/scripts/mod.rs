@@ -90,7 +90,7 @@ mod grant;
 mod holder;
 mod reads;
 
-use redis::{Cmd, FromRedisValue, ParsingError, Script, ToRedisArgs, Value};
+use redis::{Arg, Cmd, FromRedisValue, ParsingError, Script, ToRedisArgs, Value};
 
 pub(crate) use self::epoch::{
     Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
@@ -149,8 +149,10 @@ pub(crate) trait ScriptCall {
 /// the crate keeps the command it sends with the source to itself.
 pub(crate) struct Call<'a> {
     lua: &'a Lua,
-    keys: Vec<Vec<u8>>,
-    args: Vec<Vec<u8>>,
+    /// The keys, then the arguments, each in one buffer (a `Cmd` is a byte buffer and the ends
+    /// of its arguments): one allocation each, not one per key or argument.
+    keys: Cmd,
+    args: Cmd,
 }
 
 impl Call<'_> {
@@ -176,11 +178,26 @@ impl Call<'_> {
     }
 
     fn command(&self, verb: &str, script: &[u8]) -> Cmd {
-        let mut cmd = redis::cmd(verb);
-        cmd.arg(script)
-            .arg(self.keys.len())
-            .arg(&*self.keys)
-            .arg(&*self.args);
+        let (keys, args) = (self.keys.args_iter(), self.args.args_iter());
+        let bytes: usize = keys
+            .clone()
+            .chain(args.clone())
+            .map(|arg| match arg {
+                Arg::Simple(bytes) => bytes.len(),
+                _ => 0,
+            })
+            .sum();
+        let mut cmd = Cmd::with_capacity(
+            3 + keys.len() + args.len(),
+            verb.len() + script.len() + 4 + bytes,
+        );
+        cmd.arg(verb).arg(script).arg(keys.len());
+        for arg in keys.chain(args) {
+            // Keys and arguments are plain bytes: nothing writes a cursor into them.
+            if let Arg::Simple(bytes) = arg {
+                cmd.arg(bytes);
+            }
+        }
         cmd
     }
 
@@ -244,8 +261,10 @@ impl Scripts {
     pub(super) fn call<S: ScriptCall>(&self, call: &S) -> Call<'_> {
         let mut built = Call {
             lua: S::script(self),
-            keys: Vec::new(),
-            args: Vec::new(),
+            // Room for a claim's eight keys and fifteen arguments of usual lengths, so that
+            // writing them does not grow the buffers step by step.
+            keys: Cmd::with_capacity(8, 384),
+            args: Cmd::with_capacity(16, 256),
         };
         call.write(&mut built);
         built
