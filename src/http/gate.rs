@@ -1,6 +1,12 @@
-//! The layer in front of every route: a body announced larger than the limit is refused at
-//! once, before it is read (waiting for a `Content-Length` of a terabyte would hold the request
-//! open for ever), and every answer is logged in the request's span ([`log_answer`]).
+//! The layer in front of every route: a body announced larger than the limit is refused before
+//! the routes see it (waiting for a `Content-Length` of a terabyte would hold the request open
+//! for ever), and every answer is logged in the request's span ([`log_answer`]).
+//!
+//! An oversized body of up to [`DRAIN_LIMIT`] is read and dropped before the refusal: answering
+//! with the client's bytes still unread makes the connection close with data in its receive
+//! buffer, which the kernel answers with a reset — and a client still sending may then lose the
+//! `413` itself and see a broken connection instead. A larger one is refused at once (the
+//! connection closes after the answer).
 //!
 //! Written by hand rather than with tower-http's `TraceLayer` and an axum `from_fn` middleware:
 //! those do the same per request plus what the broker does not use (a response classifier, a
@@ -17,6 +23,7 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::http::{Request, header};
 use axum::response::{IntoResponse, Response};
+use http_body_util::BodyExt;
 use tower::{Layer, Service};
 
 use super::error::{ApiError, Expected};
@@ -71,12 +78,14 @@ where
         let span = request_span(&request);
         let _entered = span.enter();
         tracing::debug!("started processing request");
-        let inner = if announced_too_large(&request) {
-            Err(Some(
+        let inner = match announced_length(&request) {
+            Some(len) if len > BODY_LIMIT as u64 && len <= DRAIN_LIMIT => {
+                Inner::Refusing(Box::pin(refuse_after_draining(request.into_body())))
+            }
+            Some(len) if len > BODY_LIMIT as u64 => Inner::Refused(Some(
                 ApiError::payload_too_large(BODY_LIMIT).into_response(),
-            ))
-        } else {
-            Ok(self.inner.call(request))
+            )),
+            _ => Inner::Called(self.inner.call(request)),
         };
         drop(_entered);
         GateFuture {
@@ -88,10 +97,31 @@ where
     }
 }
 
+/// The most of an oversized body that is read (and dropped) before the refusal, and the longest
+/// that reading may take (see the module's documentation).
+const DRAIN_LIMIT: u64 = 1024 * 1024;
+const DRAIN_TIME: Duration = Duration::from_secs(1);
+
+/// The refusal of an oversized body, once the body was read to its end (or for [`DRAIN_TIME`]).
+async fn refuse_after_draining(mut body: Body) -> Response {
+    let drained = async { while let Some(Ok(_)) = body.frame().await {} };
+    let _ = tokio::time::timeout(DRAIN_TIME, drained).await;
+    ApiError::payload_too_large(BODY_LIMIT).into_response()
+}
+
+/// What a [`GateFuture`] waits for.
+enum Inner<F> {
+    /// The inner service's answer.
+    Called(F),
+    /// The refusal of an oversized body, answered at once (taken when polled).
+    Refused(Option<Response>),
+    /// The refusal of an oversized body, after reading it (rare: boxed).
+    Refusing(Pin<Box<dyn Future<Output = Response> + Send>>),
+}
+
 /// The answer of a [`GateService`]: the inner service's, or the refusal of an oversized body.
 pub(super) struct GateFuture<F> {
-    /// `Err`: answered at once (taken when polled).
-    inner: Result<F, Option<Response>>,
+    inner: Inner<F>,
     span: tracing::Span,
     started: Instant,
     outage: Arc<Outage>,
@@ -107,28 +137,31 @@ where
         let this = &mut *self;
         let _entered = this.span.enter();
         let response = match &mut this.inner {
-            Ok(inner) => match Pin::new(inner).poll(cx) {
+            Inner::Called(inner) => match Pin::new(inner).poll(cx) {
                 Poll::Ready(Ok(response)) => response,
                 Poll::Ready(Err(never)) => match never {},
                 Poll::Pending => return Poll::Pending,
             },
-            Err(ready) => ready
+            Inner::Refused(ready) => ready
                 .take()
                 .expect("a future is not polled after it completed"),
+            Inner::Refusing(refusal) => match refusal.as_mut().poll(cx) {
+                Poll::Ready(response) => response,
+                Poll::Pending => return Poll::Pending,
+            },
         };
         log_answer(&this.outage, &response, this.started.elapsed());
         Poll::Ready(Ok(response))
     }
 }
 
-/// Whether the request's `Content-Length` is over the body limit.
-fn announced_too_large(request: &Request<Body>) -> bool {
+/// The request's `Content-Length`, if it has a readable one.
+fn announced_length(request: &Request<Body>) -> Option<u64> {
     request
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
-        .is_some_and(|len| len > BODY_LIMIT as u64)
 }
 
 /// The span of one request: method and path, never the query string, which may carry a token;
