@@ -33,7 +33,7 @@ pub(crate) fn write_queue_keys(call: &mut Call<'_>, keys: &RedisKeys, marker: &s
 /// splitting one string does — `wait|kind|window|space|#chan|#shared|` and then the brokers'
 /// channel prefix, the shared channel and the client key, back to back (their lengths first,
 /// as any of them may hold a `|`). Written straight into the command ([`Call::arg_fmt`]): a
-/// `format!` here grew its string step by step, eight reallocations per call.
+/// `format!` here grew its string step by step, four reallocations per call.
 pub(crate) struct QueueContext<'a> {
     wait_ms: u64,
     kind: &'a str,
