@@ -28,7 +28,7 @@ pub(super) trait LeaseSpace {
     /// An acquire's parameters.
     type Acquire: Parameters + Send;
     /// The body of a grant (acquire, renew).
-    type Grant<'a>: Serialize;
+    type Grant<'a>: GrantJson;
     /// The body of an inspect.
     type Inspect<'a>: Serialize;
     /// The body of a listing's page.
@@ -116,9 +116,9 @@ pub(super) async fn renew<L: LeaseSpace, S: Store>(
 /// A grant's answer: `body` as JSON, written straight into a buffer of the size a grant takes
 /// (axum's `Json` starts smaller, so a grant grows its buffer once, and writes through a
 /// `BytesMut` writer piece by piece).
-fn grant_response(status: StatusCode, body: &impl Serialize) -> Response {
+fn grant_response(status: StatusCode, body: &impl GrantJson) -> Response {
     let mut json = Vec::with_capacity(GRANT_CAPACITY);
-    serde_json::to_writer(&mut json, body).expect("a grant serializes to JSON");
+    body.write_json(&mut json);
     (
         status,
         [(
@@ -128,6 +128,15 @@ fn grant_response(status: StatusCode, body: &impl Serialize) -> Response {
         json,
     )
         .into_response()
+}
+
+/// A grant's body written as JSON: by `serde_json` unless the body writes itself faster (the
+/// lock grant, every acquire's answer: see `GrantBody`).
+pub(super) trait GrantJson: Serialize {
+    /// Appends the body's JSON to `out`.
+    fn write_json(&self, out: &mut Vec<u8>) {
+        serde_json::to_writer(out, self).expect("a grant serializes to JSON");
+    }
 }
 
 /// Room for a grant's JSON with a long key and token (both at most a few hundred bytes).

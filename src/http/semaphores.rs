@@ -10,7 +10,7 @@ use utoipa::ToSchema;
 
 use super::Limits;
 use super::error::ApiError;
-use super::leases::{LeaseSpace, lease_routes};
+use super::leases::{GrantJson, LeaseSpace, lease_routes};
 use super::locks::{HolderBody, aggregate, holder_bodies};
 use super::openapi::PermitRefused;
 use super::requests::{SemaphoreAcquireBody, acquire_request};
@@ -156,6 +156,9 @@ pub(super) struct PermitBody<'a> {
     #[schema(minimum = 1)]
     limit: u32,
 }
+
+/// By `serde_json`: a permit's body has more fields, and semaphores are the rarer path.
+impl GrantJson for PermitBody<'_> {}
 
 /// Who holds a semaphore's permits. Never a token.
 #[derive(Serialize, ToSchema)]

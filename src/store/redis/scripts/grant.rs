@@ -32,21 +32,53 @@ pub(crate) fn write_queue_keys(call: &mut Call<'_>, keys: &RedisKeys, marker: &s
 /// paths read, in one string, because each argument of a script call costs Redis more than
 /// splitting one string does — `wait|kind|window|space|#chan|#shared|` and then the brokers'
 /// channel prefix, the shared channel and the client key, back to back (their lengths first,
-/// as any of them may hold a `|`).
-pub(crate) fn queue_context(
+/// as any of them may hold a `|`). Written straight into the command ([`Call::arg_fmt`]): a
+/// `format!` here grew its string step by step, four reallocations per call.
+pub(crate) struct QueueContext<'a> {
     wait_ms: u64,
-    kind: &str,
-    caller: &Caller<'_>,
-    (space, key): (&str, &str),
-    shared: &str,
-) -> String {
-    let chan = caller.channels;
-    format!(
-        "{wait_ms}|{kind}|{}|{space}|{}|{}|{chan}{shared}{key}",
-        caller.window_ms,
-        chan.len(),
-        shared.len()
-    )
+    kind: &'a str,
+    caller: &'a Caller<'a>,
+    space: &'a str,
+    key: &'a str,
+    shared: &'a str,
+}
+
+pub(crate) fn queue_context<'a>(
+    wait_ms: u64,
+    kind: &'a str,
+    caller: &'a Caller<'a>,
+    (space, key): (&'a str, &'a str),
+    shared: &'a str,
+) -> QueueContext<'a> {
+    QueueContext {
+        wait_ms,
+        kind,
+        caller,
+        space,
+        key,
+        shared,
+    }
+}
+
+impl std::fmt::Display for QueueContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            wait_ms,
+            kind,
+            caller,
+            space,
+            key,
+            shared,
+        } = self;
+        let chan = caller.channels;
+        write!(
+            f,
+            "{wait_ms}|{kind}|{}|{space}|{}|{}|{chan}{shared}{key}",
+            caller.window_ms,
+            chan.len(),
+            shared.len()
+        )
+    }
 }
 
 /// CLAIM's call: SETNX for `bid` on the key of `keys`, in `epoch` — or the bid's turn in the
@@ -77,7 +109,7 @@ impl Claim<'_> {
             .arg(self.epoch)
             .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()))
             .arg(caller.id)
-            .arg(queue_context(
+            .arg_fmt(queue_context(
                 bid.wait_ms,
                 kind,
                 caller,

@@ -29,7 +29,7 @@ impl<'a> HolderKeys<'a> {
         call.arg(token)
             .arg(self.epoch)
             .arg(self.caller.id)
-            .arg(queue_context(
+            .arg_fmt(queue_context(
                 0,
                 "x",
                 self.caller,

@@ -90,7 +90,7 @@ mod grant;
 mod holder;
 mod reads;
 
-use redis::{Arg, Cmd, FromRedisValue, ParsingError, Script, ToRedisArgs, Value};
+use redis::{Arg, Cmd, FromRedisValue, ParsingError, RedisWrite, Script, ToRedisArgs, Value};
 
 pub(crate) use self::epoch::{
     Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
@@ -147,53 +147,75 @@ pub(crate) trait ScriptCall {
 /// the store's decision (see `RedisStore::invoke`): the crate's own fallback
 /// (`ScriptInvocation::invoke_async`) would load the script on every master of a cluster, and
 /// the crate keeps the command it sends with the source to itself.
+///
+/// The `EVALSHA` command is built as the call is written: its number of keys comes before the
+/// keys, so the keys wait in a buffer of their own until the first argument (or the end), and
+/// the arguments are written straight into the command, once.
 pub(crate) struct Call<'a> {
     lua: &'a Lua,
-    /// The keys, then the arguments, each in one buffer (a `Cmd` is a byte buffer and the ends
-    /// of its arguments): one allocation each, not one per key or argument.
+    /// The keys, in one buffer (a `Cmd` is a byte buffer and the ends of its arguments): one
+    /// allocation, not one per key.
     keys: Cmd,
-    args: Cmd,
+    /// The `EVALSHA` with the keys, once the first argument comes; the arguments follow.
+    cmd: Option<Cmd>,
 }
 
 impl Call<'_> {
     /// Only a [`ScriptCall::write`] adds keys and arguments: the order is written there alone.
+    /// Every script's keys come before its arguments.
     fn key(&mut self, key: impl ToRedisArgs) -> &mut Self {
+        debug_assert!(self.cmd.is_none(), "a key written after an argument");
         key.write_redis_args(&mut self.keys);
         self
     }
 
     fn arg(&mut self, arg: impl ToRedisArgs) -> &mut Self {
-        arg.write_redis_args(&mut self.args);
+        arg.write_redis_args(self.started());
         self
     }
 
+    /// An argument written into the command as it formats, with no string of its own between.
+    fn arg_fmt(&mut self, arg: impl std::fmt::Display) -> &mut Self {
+        self.started().write_arg_fmt(arg);
+        self
+    }
+
+    /// The `EVALSHA` with its script's SHA, number of keys and keys, started on first use.
+    fn started(&mut self) -> &mut Cmd {
+        let (lua, keys) = (self.lua, &self.keys);
+        self.cmd.get_or_insert_with(|| {
+            let keys = keys.args_iter();
+            // Room for a claim's fifteen arguments of usual lengths after the keys, so that
+            // writing them does not grow the command step by step.
+            let mut cmd =
+                Cmd::with_capacity(3 + keys.len() + 16, 64 + keys_len(keys.clone()) + 256);
+            cmd.arg("EVALSHA")
+                .arg(lua.sha.get_hash().as_bytes())
+                .arg(keys.len());
+            for key in keys {
+                // Keys are plain bytes: nothing writes a cursor into them.
+                if let Arg::Simple(bytes) = key {
+                    cmd.arg(bytes);
+                }
+            }
+            cmd
+        })
+    }
+
     /// `EVALSHA`: the server runs the script if it has it cached.
-    pub(super) fn by_sha(&self) -> Cmd {
-        self.command("EVALSHA", self.lua.sha.get_hash().as_bytes())
+    pub(super) fn by_sha(&self) -> &Cmd {
+        self.cmd
+            .as_ref()
+            .expect("a written call has its command (Scripts::call starts it)")
     }
 
-    /// `EVAL` with the source, which also caches it on that server.
+    /// `EVAL` with the source, which also caches it on that server: the `EVALSHA`'s key count,
+    /// keys and arguments after the source instead of the SHA.
     pub(super) fn with_source(&self) -> Cmd {
-        self.command("EVAL", self.lua.source.as_bytes())
-    }
-
-    fn command(&self, verb: &str, script: &[u8]) -> Cmd {
-        let (keys, args) = (self.keys.args_iter(), self.args.args_iter());
-        let bytes: usize = keys
-            .clone()
-            .chain(args.clone())
-            .map(|arg| match arg {
-                Arg::Simple(bytes) => bytes.len(),
-                _ => 0,
-            })
-            .sum();
-        let mut cmd = Cmd::with_capacity(
-            3 + keys.len() + args.len(),
-            verb.len() + script.len() + 4 + bytes,
-        );
-        cmd.arg(verb).arg(script).arg(keys.len());
-        for arg in keys.chain(args) {
-            // Keys and arguments are plain bytes: nothing writes a cursor into them.
+        let rest = self.by_sha().args_iter().skip(2);
+        let mut cmd = Cmd::with_capacity(rest.len() + 2, self.lua.source.len() + 512);
+        cmd.arg("EVAL").arg(self.lua.source.as_bytes());
+        for arg in rest {
             if let Arg::Simple(bytes) = arg {
                 cmd.arg(bytes);
             }
@@ -261,14 +283,25 @@ impl Scripts {
     pub(super) fn call<S: ScriptCall>(&self, call: &S) -> Call<'_> {
         let mut built = Call {
             lua: S::script(self),
-            // Room for a claim's eight keys and fifteen arguments of usual lengths, so that
-            // writing them does not grow the buffers step by step.
+            // Room for a claim's eight keys of usual lengths, so that writing them does not grow
+            // the buffer step by step.
             keys: Cmd::with_capacity(8, 384),
-            args: Cmd::with_capacity(16, 256),
+            cmd: None,
         };
         call.write(&mut built);
+        // A call without arguments has its command made here.
+        built.started();
         built
     }
+}
+
+/// The bytes of a command's plain arguments.
+fn keys_len<'a>(args: impl Iterator<Item = Arg<&'a [u8]>>) -> usize {
+    args.map(|arg| match arg {
+        Arg::Simple(bytes) => bytes.len(),
+        _ => 0,
+    })
+    .sum()
 }
 
 /// The fields of a script's array reply, read in order, as mini-redis's `Parse` reads a frame:

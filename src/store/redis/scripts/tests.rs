@@ -39,7 +39,7 @@ fn the_queue_context_puts_its_free_text_last_with_lengths_first() {
         window_ms: 500,
     };
     assert_eq!(
-        grant::queue_context(250, "x", &caller, ("L", "a:b"), "p|q:released"),
+        grant::queue_context(250, "x", &caller, ("L", "a:b"), "p|q:released").to_string(),
         "250|x|500|L|6|12|p|q:b:p|q:releaseda:b"
     );
 }
