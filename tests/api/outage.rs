@@ -246,6 +246,21 @@ async fn exists(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> bool
         == 1
 }
 
+/// One grant of `key` (with `params`), whose fence must be above `last`, released at once; its
+/// fence. `what` names the step in a failure.
+async fn cycle_above(app: &TestApp, key: &str, params: &str, last: u64, what: &str) -> u64 {
+    let held = app.grant(key, params).await;
+    assert!(
+        held.fence > last,
+        "{what}: fence {} after {last}",
+        held.fence
+    );
+    app.release(key, &held.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    held.fence
+}
+
 #[tokio::test]
 async fn a_released_lock_leaves_no_key_in_redis() {
     let redis = RedisServer::start().await;
@@ -286,16 +301,7 @@ async fn fences_keep_rising_when_redis_clock_is_behind_the_fences_granted() {
         .expect("SET");
     let mut last = ahead;
     for round in 0..3 {
-        let held = app.grant("ahead", "").await;
-        assert!(
-            held.fence > last,
-            "round {round}: fence {} after {last}",
-            held.fence
-        );
-        last = held.fence;
-        app.release("ahead", &held.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        last = cycle_above(&app, "ahead", "", last, &format!("round {round}")).await;
         assert!(
             exists(&mut conn, "lockbroker:{ahead}:fence").await,
             "round {round}: the counter ahead of the clock went"
@@ -318,16 +324,14 @@ async fn fences_keep_rising_when_redis_clock_is_behind_the_fences_granted() {
             .expect("HSET");
         let mut last = ahead;
         for round in 0..3 {
-            let held = app.grant("record", wait).await;
-            assert!(
-                held.fence > last,
-                "{wait:?} round {round}: fence {} after {last}",
-                held.fence
-            );
-            last = held.fence;
-            app.release("record", &held.token)
-                .await
-                .expect_status(StatusCode::NO_CONTENT);
+            last = cycle_above(
+                &app,
+                "record",
+                wait,
+                last,
+                &format!("{wait:?} round {round}"),
+            )
+            .await;
         }
         let _: () = redis::cmd("DEL")
             .arg("lockbroker:{record}:fence")
@@ -359,16 +363,7 @@ async fn fences_keep_rising_when_redis_clock_steps_back_under_a_lease() {
         app.release("stepped", &held.token)
             .await
             .expect_status(StatusCode::NO_CONTENT);
-        let next = app.grant("stepped", "").await;
-        assert!(
-            next.fence > ahead,
-            "round {round}: fence {} after {ahead}",
-            next.fence
-        );
-        last = next.fence;
-        app.release("stepped", &next.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        last = cycle_above(&app, "stepped", "", ahead, &format!("round {round}")).await;
     }
 }
 

@@ -30,7 +30,7 @@ if EXCL then
     out[#out + 1] = tonumber(cur[1])
     note(cur[3], tonumber(cur[1]))
   end
-  kept_fence(c, cur[1])
+  kept_fence(FENCE, cur[1], c.now)
   redis.call('DEL', LOCK)
 end
 local live = holders(POOL, ENDS, c.now_ms)

@@ -35,29 +35,13 @@ pub(crate) fn write_queue_keys(call: &mut Call<'_>, keys: &RedisKeys, marker: &s
 /// as any of them may hold a `|`). Written straight into the command ([`Call::arg_fmt`]): a
 /// `format!` here grew its string step by step, four reallocations per call.
 pub(crate) struct QueueContext<'a> {
-    wait_ms: u64,
-    kind: &'a str,
-    caller: &'a Caller<'a>,
-    space: &'a str,
-    key: &'a str,
-    shared: &'a str,
-}
-
-pub(crate) fn queue_context<'a>(
-    wait_ms: u64,
-    kind: &'a str,
-    caller: &'a Caller<'a>,
-    (space, key): (&'a str, &'a str),
-    shared: &'a str,
-) -> QueueContext<'a> {
-    QueueContext {
-        wait_ms,
-        kind,
-        caller,
-        space,
-        key,
-        shared,
-    }
+    pub wait_ms: u64,
+    pub kind: &'a str,
+    pub caller: &'a Caller<'a>,
+    pub space: &'a str,
+    pub key: &'a str,
+    /// The shared channel ('' for a granting script).
+    pub shared: &'a str,
 }
 
 impl std::fmt::Display for QueueContext<'_> {
@@ -109,13 +93,14 @@ impl Claim<'_> {
             .arg(self.epoch)
             .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()))
             .arg(caller.id)
-            .arg_fmt(queue_context(
-                bid.wait_ms,
+            .arg_fmt(QueueContext {
+                wait_ms: bid.wait_ms,
                 kind,
                 caller,
-                (keys.space, &keys.key),
-                "",
-            ));
+                space: keys.space,
+                key: &keys.key,
+                shared: "",
+            });
     }
 }
 

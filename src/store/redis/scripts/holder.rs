@@ -3,7 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
-use super::grant::{Caller, queue_context, write_queue_keys};
+use super::grant::{Caller, QueueContext, write_queue_keys};
 use super::{Call, Fields, hold_in, unknown};
 use crate::domain::{Fence, Owner, Token, Ttl};
 use crate::store::redis::keys::RedisKeys;
@@ -29,13 +29,14 @@ impl<'a> HolderKeys<'a> {
         call.arg(token)
             .arg(self.epoch)
             .arg(self.caller.id)
-            .arg_fmt(queue_context(
-                0,
-                "x",
-                self.caller,
-                (self.keys.space, &self.keys.key),
-                self.channel,
-            ));
+            .arg_fmt(QueueContext {
+                wait_ms: 0,
+                kind: "x",
+                caller: self.caller,
+                space: self.keys.space,
+                key: &self.keys.key,
+                shared: self.channel,
+            });
     }
 }
 

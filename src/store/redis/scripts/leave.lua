@@ -11,12 +11,10 @@ local now = now_us()
 local queued = redis.call('ZREM', QUEUE, ARGV[1]) == 1
 if queued then redis.call('HDEL', BIDS, ARGV[1]) end
 local offer = false
-local c = nil
 if EXCL then
   local v = redis.call('HMGET', LOCK, 'token', 'offered', 'fence')
   if v[1] == ARGV[1] and v[2] == '1' then
-    c = holder_context(now)
-    kept_fence(c, v[3])
+    kept_fence(FENCE, v[3], now)
     redis.call('DEL', LOCK)
     offer = true
   end
@@ -26,7 +24,7 @@ if (not offer) and redis.call('HEXISTS', POOL, '!' .. ARGV[1]) == 1 then
   offer = true
 end
 if offer or queued then
-  c = c or holder_context(now)
+  local c = holder_context(now)
   if offer then changed(c) end
   hand_on(c, nil)
 end

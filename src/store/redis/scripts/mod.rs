@@ -275,7 +275,7 @@ impl Scripts {
             check: lua!("check": "lib/prelude.lua", "check.lua"),
             mark: lua!("mark": "mark.lua"),
             repair: lua!("repair": "repair.lua"),
-            put_back: lua!("put_back": "lib/prelude.lua", "lib/pools.lua", "put_back.lua"),
+            put_back: lua!("put_back": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "put_back.lua"),
         }
     }
 

@@ -14,7 +14,9 @@
 -- many leases to put back may need longer than the settle time, and no other broker may grant
 -- one of its keys before it is back.
 --
--- Joined after lib/prelude.lua and lib/pools.lua. Its call: `PutBack` in scripts/epoch.rs.
+-- Joined after lib/prelude.lua, lib/pools.lua and lib/grant.lua (for `kept_fence`: a lease record
+-- it replaces or drops keeps its fence in the counter while Redis's clock has not passed it). Its
+-- call: `PutBack` in scripts/epoch.rs.
 -- KEYS: epoch marker, then for each lease four keys: for an exclusive lease its lock, fence
 --       counter, shared pool and its ends; for a pool lease (shared or permit) the pool, its
 --       ends, fence counter and the exclusive lock (for a permit: the pool again).
@@ -37,14 +39,6 @@ if tonumber(m[2] or '0') < now_ms + PUT_BACK_HOLD_MS then
   redis.call('HSET', KEYS[1], 'hold_until', int(now_ms + PUT_BACK_HOLD_MS))
 end
 local slack = tonumber(ARGV[2])
--- A lease record this may replace or drop keeps its fence in the counter while Redis's clock has
--- not passed it (as lib/queue.lua's `kept_fence`: a grant on the fast path takes the clock).
-local function kept_fence(counter, f)
-  f = tonumber(f)
-  if f and f >= now and tonumber(redis.call('GET', counter) or '0') < f then
-    redis.call('SET', counter, int(f), 'PX', int(math.ceil((f - now) / 1000) + slack))
-  end
-end
 local broker = ARGV[3]
 local out = {}
 for i = 0, (#KEYS - 1) / 4 - 1 do
@@ -65,7 +59,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
   if kind == 'x' then
     local lock, pool, ends = k1, k3, k4
     local cur = redis.call('HMGET', lock, 'token', 'fence', 'expires_at')
-    kept_fence(counter, cur[2])
+    kept_fence(counter, cur[2], now)
     if cur[1] and tonumber(cur[3]) > now_ms then
       if cur[1] == token then
         code, write = 0, false
@@ -115,7 +109,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
     end
     if write and lock ~= pool then
       local cur = redis.call('HMGET', lock, 'fence', 'expires_at')
-      kept_fence(counter, cur[1])
+      kept_fence(counter, cur[1], now)
       if cur[1] and tonumber(cur[2]) > now_ms and tonumber(cur[1]) > fence then
         code, other, write = 2, tonumber(cur[1]), false
       elseif cur[1] then

@@ -19,7 +19,7 @@ if h == 4 then
 end
 if h ~= 1 then return {h} end
 local granted_at, fence, by = lease[6], lease[5], lease[4]
-kept_fence(c, fence)
+kept_fence(FENCE, fence, c.now)
 redis.call('DEL', LOCK)
 ended(c, by, tonumber(fence), false)
 hand_on(c, nil)

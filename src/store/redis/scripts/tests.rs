@@ -39,7 +39,15 @@ fn the_queue_context_puts_its_free_text_last_with_lengths_first() {
         window_ms: 500,
     };
     assert_eq!(
-        grant::queue_context(250, "x", &caller, ("L", "a:b"), "p|q:released").to_string(),
+        grant::QueueContext {
+            wait_ms: 250,
+            kind: "x",
+            caller: &caller,
+            space: "L",
+            key: "a:b",
+            shared: "p|q:released",
+        }
+        .to_string(),
         "250|x|500|L|6|12|p|q:b:p|q:releaseda:b"
     );
 }
@@ -82,7 +90,7 @@ fn scripts_go_to_redis_without_their_comments_and_with_all_their_code() {
         assert!(claim.contains(code), "{code}");
     }
     assert!(claim.contains("local function fence_for(counter, now, last)"));
-    assert!(claim.contains("local function kept_fence(c, f)"));
+    assert!(claim.contains("local function kept_fence(counter, f, now)"));
 }
 
 #[test]

@@ -7,7 +7,7 @@
 -- Why the grant needs no counter here: every fence a key ever had is in its fence counter, in a
 -- live record (this lease hash, a pool's records), or below Redis's clock — a script that drops
 -- a record whose fence is not below the clock raises the counter to it first (`kept_fence`,
--- lib/queue.lua). So with no counter, no pool and no lease record, Redis's clock in µs is above
+-- lib/grant.lua). So with no counter, no pool and no lease record, Redis's clock in µs is above
 -- every fence granted before (as long as it does not step back while nothing holds the key).
 --
 -- Joined after lib/prelude.lua and lib/grant.lua. KEYS and ARGV: CLAIM's (claim.lua).

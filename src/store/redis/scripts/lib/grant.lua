@@ -33,3 +33,15 @@ local function fence_for(counter, now, last)
   if fence ~= n then redis.call('SET', counter, int(fence)) end
   return fence
 end
+-- Before a script drops an exclusive lease record (fence `f`, a string, or nil): the fence is
+-- kept in the key's `counter` if Redis's clock (`now`, µs) has not passed it (a clock stepped
+-- back), since a grant on the fast path (fast/claim.lua) takes the clock as its fence when the
+-- key has no counter. With the clock past it, nothing needs it: every later fence is at least
+-- the clock.
+local function kept_fence(counter, f, now)
+  f = tonumber(f)
+  if (not f) or f < now then return end
+  if tonumber(redis.call('GET', counter) or '0') < f then
+    redis.call('SET', counter, int(f), 'PX', int(math.ceil((f - now) / 1000) + SLACK))
+  end
+end

@@ -32,17 +32,6 @@ local function changed(c)
     redis.call('PUBLISH', c.chan .. 'changes', 'c ' .. c.space .. ' ' .. c.key)
   end
 end
--- Before a script drops an exclusive lease record (fence `f`, a string, or nil): the fence is
--- kept in the counter if Redis's clock has not passed it (a clock stepped back), since a grant
--- on the fast path (fast/claim.lua) takes the clock as its fence when the key has no counter.
--- With the clock past it, nothing needs it: every later fence is at least the clock.
-local function kept_fence(c, f)
-  f = tonumber(f)
-  if (not f) or f < c.now then return end
-  if tonumber(redis.call('GET', FENCE) or '0') < f then
-    redis.call('SET', FENCE, int(f), 'PX', int(math.ceil((f - c.now) / 1000) + c.slack))
-  end
-end
 -- A bid entry's fields (strings).
 local function bid_of(rec)
   return string.match(rec, '^([^|]*)|(%d+)|([^|]*)|(%d+)|([^|]*)|(.*)$')
@@ -70,7 +59,7 @@ local function settle(c)
     local v = redis.call('HMGET', LOCK, 'expires_at', 'offered', 'by', 'fence')
     if v[1] and tonumber(v[1]) <= c.now_ms then
       if v[2] == '1' then requeue(c, v[3]) end
-      kept_fence(c, v[4])
+      kept_fence(FENCE, v[4], c.now)
       redis.call('DEL', LOCK)
       changed(c)
     end
