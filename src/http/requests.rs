@@ -230,6 +230,10 @@ pub(super) struct WatchRequest {
     pub wait: std::time::Duration,
 }
 
+/// The highest `watch`: fences are signed 64-bit integers (`format: int64` in the API document),
+/// and no fence comes near it.
+pub const MAX_WATCH: u64 = i64::MAX as u64;
+
 /// The watch an inspect asks for, if any; `wait_ms` without `watch` is refused (it would wait
 /// for nothing).
 pub(super) fn watch_request(
@@ -242,6 +246,9 @@ pub(super) fn watch_request(
             "wait_ms goes with watch (the fence you last saw, or 0): give watch too, or leave \
              out wait_ms.",
         )),
+        (Some(seen), _) if seen > MAX_WATCH => Err(ApiError::invalid(format!(
+            "watch is a fence the broker gave (or 0): at most {MAX_WATCH}."
+        ))),
         (Some(seen), wait_ms) => Ok(Some(WatchRequest {
             seen,
             wait: WaitFor::parse(

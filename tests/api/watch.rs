@@ -379,12 +379,22 @@ async fn watches_count_against_max_waiters_and_bad_watches_are_refused(backend: 
         ("wait_ms=100", "wait_ms without watch"),
         ("watch=-1", "a negative fence"),
         ("watch=x", "a fence that is not a number"),
+        (
+            "watch=9223372036854775808",
+            "a fence over the int64 the document states",
+        ),
+        (
+            "watch=10000000000000000001",
+            "a fence over int64, within u64",
+        ),
         ("watch=0&wait_ms=60001", "a wait over max_wait_ms"),
         ("watch=0&wait_ms=1&nope=1", "an unknown parameter"),
     ] {
-        app.get(&format!("/locks/k?{query}"))
-            .await
-            .expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+        for path in ["/locks/k", "/semaphores/k"] {
+            app.get(&format!("{path}?{query}"))
+                .await
+                .expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+        }
     }
     let parked: Vec<_> = (0..2)
         .map(|_| {

@@ -22,7 +22,7 @@ use utoipa::{IntoResponses, Modify, OpenApi, PartialSchema, ToSchema};
 use super::Limits;
 use super::error::{Body as ErrorBody, ErrorCode, LockedError, PermitConflictError};
 use super::leases::NotHeldBody;
-use super::requests::{AcquireBody, RenewBody, SemaphoreAcquireBody};
+use super::requests::{AcquireBody, MAX_WATCH, RenewBody, SemaphoreAcquireBody};
 use crate::store::{MAX_LIST_LIMIT, MAX_SEMAPHORE_LIMIT};
 
 /// What the document says about the API as a whole: its conventions.
@@ -145,12 +145,14 @@ pub fn document(limits: &Limits, cursor_pattern: Option<&str>) -> Value {
 /// Writes the `maximum` of every parameter and property whose bound is not a constant of the
 /// code that utoipa's attributes could name: `ttl_ms` and `wait_ms` of a request (the
 /// configuration's `max_ttl_ms`, `max_wait_ms`), a semaphore's `limit`
-/// ([`MAX_SEMAPHORE_LIMIT`]) and a listing's ([`MAX_LIST_LIMIT`]).
+/// ([`MAX_SEMAPHORE_LIMIT`]), a listing's ([`MAX_LIST_LIMIT`]) and an inspect's `watch`
+/// ([`MAX_WATCH`], so that a generated document states the bound its `int64` format implies).
 fn bounds(doc: &mut Value, limits: &Limits) {
     let request = |name: &str| match name {
         "ttl_ms" => Some(limits.max_ttl_ms),
         "wait_ms" => Some(limits.max_wait_ms),
         "limit" => Some(u64::from(MAX_SEMAPHORE_LIMIT)),
+        "watch" => Some(MAX_WATCH),
         _ => None,
     };
     if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {

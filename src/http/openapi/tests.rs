@@ -93,6 +93,8 @@ fn bounds_come_from_the_configuration_and_the_store() {
         MAX_SEMAPHORE_LIMIT
     );
     assert_eq!(param("/locks", "get", "limit"), MAX_LIST_LIMIT as u64);
+    assert_eq!(param("/locks/{key}", "get", "watch"), MAX_WATCH);
+    assert_eq!(param("/semaphores/{key}", "get", "watch"), MAX_WATCH);
     assert_eq!(param("/semaphores", "get", "limit"), MAX_LIST_LIMIT as u64);
     let property = |schema: &str, name: &str| {
         doc["components"]["schemas"][schema]["properties"][name]["maximum"].clone()
