@@ -3,7 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
-use super::{Call, Fields, hold_in, unknown};
+use super::{Fields, Writer, hold_in, unknown};
 use crate::domain::Fence;
 use crate::store::redis::keys::RedisKeys;
 use crate::store::{Bid, Hold, Pool};
@@ -17,7 +17,7 @@ pub(crate) struct Caller<'a> {
 }
 
 /// The keys every queue script takes, in `lib/queue.lua`'s order.
-pub(crate) fn write_queue_keys(call: &mut Call<'_>, keys: &RedisKeys, marker: &str) {
+pub(crate) fn write_queue_keys(call: &mut Writer<'_>, keys: &RedisKeys, marker: &str) {
     call.key(&keys.lock)
         .key(&keys.fence)
         .key(marker)
@@ -79,7 +79,7 @@ pub(crate) struct Claim<'a> {
 
 impl Claim<'_> {
     /// The arguments of `grant_context` (`lib/queue.lua`), for a bid of `kind`.
-    fn write_bid(&self, call: &mut Call<'_>, kind: &str) {
+    fn write_bid(&self, call: &mut Writer<'_>, kind: &str) {
         let (keys, bid, caller) = (self.keys, self.bid, self.caller);
         write_queue_keys(call, keys, self.marker);
         call.arg(bid.token.as_str())

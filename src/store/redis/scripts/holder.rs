@@ -4,7 +4,7 @@
 use redis::{FromRedisValue, ParsingError, Value};
 
 use super::grant::{Caller, QueueContext, write_queue_keys};
-use super::{Call, Fields, hold_in, unknown};
+use super::{Fields, Writer, hold_in, unknown};
 use crate::domain::{Fence, Owner, Token, Ttl};
 use crate::store::redis::keys::RedisKeys;
 use crate::store::{Hold, Holder};
@@ -24,7 +24,7 @@ pub(crate) struct HolderKeys<'a> {
 }
 
 impl<'a> HolderKeys<'a> {
-    fn write(&self, call: &mut Call<'_>, token: &str) {
+    fn write(&self, call: &mut Writer<'_>, token: &str) {
         write_queue_keys(call, self.keys, self.marker);
         call.arg(token)
             .arg(self.epoch)

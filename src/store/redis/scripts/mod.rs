@@ -77,7 +77,7 @@ macro_rules! script_call {
                 &scripts.$script
             }
 
-            fn write(&self, $out: &mut $crate::store::redis::scripts::Call<'_>) {
+            fn write(&self, $out: &mut $crate::store::redis::scripts::Writer<'_>) {
                 let $this = self;
                 $write
             }
@@ -139,19 +139,26 @@ pub(crate) trait ScriptCall {
     fn script(scripts: &Scripts) -> &Lua;
 
     /// Adds the keys, then the arguments, in the order the script's `.lua` file reads them.
-    fn write(&self, call: &mut Call<'_>);
+    fn write(&self, call: &mut Writer<'_>);
 }
 
 /// A script call with its keys and arguments: run by SHA ([`Call::by_sha`]), or with its source
 /// ([`Call::with_source`]) when the server answers NOSCRIPT. What the server does on NOSCRIPT is
 /// the store's decision (see `RedisStore::invoke`): the crate's own fallback
 /// (`ScriptInvocation::invoke_async`) would load the script on every master of a cluster, and
-/// the crate keeps the command it sends with the source to itself.
-///
-/// The `EVALSHA` command is built as the call is written: its number of keys comes before the
-/// keys, so the keys wait in a buffer of their own until the first argument (or the end), and
-/// the arguments are written straight into the command, once.
+/// the crate keeps the command it sends with the source to itself. Made by [`Scripts::call`]
+/// from what a [`Writer`] wrote, so it always has its command.
 pub(crate) struct Call<'a> {
+    lua: &'a Lua,
+    /// The `EVALSHA` with its keys and arguments.
+    cmd: Cmd,
+}
+
+/// What a [`ScriptCall::write`] writes a call's keys and arguments into. The `EVALSHA` command
+/// is built as the call is written: its number of keys comes before the keys, so the keys wait
+/// in a buffer of their own until the first argument (or the end), and the arguments are
+/// written straight into the command, once.
+pub(crate) struct Writer<'a> {
     lua: &'a Lua,
     /// The keys, in one buffer (a `Cmd` is a byte buffer and the ends of its arguments): one
     /// allocation, not one per key.
@@ -160,7 +167,7 @@ pub(crate) struct Call<'a> {
     cmd: Option<Cmd>,
 }
 
-impl Call<'_> {
+impl<'a> Writer<'a> {
     /// Only a [`ScriptCall::write`] adds keys and arguments: the order is written there alone.
     /// Every script's keys come before its arguments.
     fn key(&mut self, key: impl ToRedisArgs) -> &mut Self {
@@ -183,30 +190,41 @@ impl Call<'_> {
     /// The `EVALSHA` with its script's SHA, number of keys and keys, started on first use.
     fn started(&mut self) -> &mut Cmd {
         let (lua, keys) = (self.lua, &self.keys);
-        self.cmd.get_or_insert_with(|| {
-            let keys = keys.args_iter();
-            // Room for a claim's fifteen arguments of usual lengths after the keys, so that
-            // writing them does not grow the command step by step.
-            let mut cmd =
-                Cmd::with_capacity(3 + keys.len() + 16, 64 + keys_len(keys.clone()) + 256);
-            cmd.arg("EVALSHA")
-                .arg(lua.sha.get_hash().as_bytes())
-                .arg(keys.len());
-            for key in keys {
-                // Keys are plain bytes: nothing writes a cursor into them.
-                if let Arg::Simple(bytes) = key {
-                    cmd.arg(bytes);
-                }
-            }
-            cmd
-        })
+        self.cmd.get_or_insert_with(|| evalsha(lua, keys))
     }
 
+    /// The call as written (a call without arguments has its command made here).
+    fn finish(self) -> Call<'a> {
+        let cmd = match self.cmd {
+            Some(cmd) => cmd,
+            None => evalsha(self.lua, &self.keys),
+        };
+        Call { lua: self.lua, cmd }
+    }
+}
+
+/// `EVALSHA` with `lua`'s SHA, the number of keys and the keys, with room for the arguments.
+fn evalsha(lua: &Lua, keys: &Cmd) -> Cmd {
+    let keys = keys.args_iter();
+    // Room for a claim's fifteen arguments of usual lengths after the keys, so that writing
+    // them does not grow the command step by step.
+    let mut cmd = Cmd::with_capacity(3 + keys.len() + 16, 64 + keys_len(keys.clone()) + 256);
+    cmd.arg("EVALSHA")
+        .arg(lua.sha.get_hash().as_bytes())
+        .arg(keys.len());
+    for key in keys {
+        // Keys are plain bytes: nothing writes a cursor into them.
+        if let Arg::Simple(bytes) = key {
+            cmd.arg(bytes);
+        }
+    }
+    cmd
+}
+
+impl Call<'_> {
     /// `EVALSHA`: the server runs the script if it has it cached.
     pub(super) fn by_sha(&self) -> &Cmd {
-        self.cmd
-            .as_ref()
-            .expect("a written call has its command (Scripts::call starts it)")
+        &self.cmd
     }
 
     /// `EVAL` with the source, which also caches it on that server: the `EVALSHA`'s key count,
@@ -281,17 +299,15 @@ impl Scripts {
 
     /// `call`'s script with its keys and arguments.
     pub(super) fn call<S: ScriptCall>(&self, call: &S) -> Call<'_> {
-        let mut built = Call {
+        let mut writer = Writer {
             lua: S::script(self),
             // Room for a claim's eight keys of usual lengths, so that writing them does not grow
             // the buffer step by step.
             keys: Cmd::with_capacity(8, 384),
             cmd: None,
         };
-        call.write(&mut built);
-        // A call without arguments has its command made here.
-        built.started();
-        built
+        call.write(&mut writer);
+        writer.finish()
     }
 }
 
