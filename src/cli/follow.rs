@@ -1,175 +1,201 @@
 //! `lockbroker status KEY --watch`: prints who holds a lock (or a semaphore's permits) now and
 //! then every change as it happens — a grant, a release, an expiry, a takeover, a force release
 //! — one line each (one JSON object each with `--json`), until interrupted. It follows the
-//! broker's watch (`GET /locks/{key}?watch=F&wait_ms=W`): one request parked at a time, answered
-//! when the holders change, so nothing polls.
+//! broker's watch with the client's [`Follower`]: one request parked at a time, answered when
+//! the holders change, so nothing polls.
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use reqwest::StatusCode;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use super::commands::StatusArgs;
-use super::{exit, print_json};
-use lockbroker_client::Space;
+use super::{fail, print_json};
+use lockbroker_client::{
+    Client, Error, Follower, LockStatus, SemaphoreStatus, Space, Watched, WatchedFence,
+};
 
 /// How long one watch request waits (at most; a broker whose `max_wait_ms` is lower refuses
 /// it, and the next one asks for half).
-const WATCH_WAIT_MS: u64 = 30_000;
+const WATCH_WAIT: Duration = Duration::from_secs(30);
 
-/// How soon to ask again after the broker could not be reached or answered 5xx.
+/// How soon to ask again after the broker could not be reached or answered 5xx for a whole
+/// watch.
 const RETRY: Duration = Duration::from_secs(1);
 
 /// `lockbroker status --watch`.
 pub async fn follow(args: &StatusArgs) -> ExitCode {
-    let http = match args
-        .broker
-        .connect
-        .apply(reqwest::Client::builder().connect_timeout(Duration::from_secs(5)))
-        .and_then(|b| b.build().map_err(|e| e.to_string()))
-    {
-        Ok(http) => http,
-        Err(why) => {
-            eprintln!("lockbroker: {why}");
-            return ExitCode::from(exit::ERROR);
-        }
+    let client = match args.broker.client() {
+        Ok(client) => client,
+        Err(code) => return code,
     };
-    let resource = args.target.resource();
-    let path = match resource.space {
-        Space::Locks => "locks",
-        Space::Semaphores => "semaphores",
-    };
-    let url = format!(
-        "{}/{path}/{}",
-        args.broker.url.trim_end_matches('/'),
-        resource.key
-    );
-    let mut wait_ms = WATCH_WAIT_MS;
-    // The fence last printed (0: free); `None` before the first line.
-    let mut seen: Option<u64> = None;
-    let mut troubled = false;
-    loop {
-        let query: Vec<(&str, String)> = match seen {
-            // The first look answers at once.
-            None => vec![],
-            Some(fence) => vec![
-                ("watch", fence.to_string()),
-                ("wait_ms", wait_ms.to_string()),
-            ],
-        };
-        let answer = http
-            .get(&url)
-            .query(&query)
-            .timeout(Duration::from_millis(wait_ms) + Duration::from_secs(10))
-            .send()
-            .await;
-        let (status, body) = match answer {
-            Ok(response) => {
-                let status = response.status();
-                (
-                    status,
-                    response.json::<Value>().await.unwrap_or(Value::Null),
-                )
-            }
-            Err(e) => {
-                if !troubled {
-                    eprintln!("lockbroker: cannot reach the broker at {url} ({e}); trying again");
-                    troubled = true;
-                }
-                tokio::time::sleep(RETRY).await;
-                continue;
-            }
-        };
-        let held = match (status, body["error"].as_str()) {
-            (StatusCode::OK, _) => true,
-            (StatusCode::NOT_FOUND, Some("not_held")) => false,
-            (StatusCode::BAD_REQUEST, _)
-                if seen.is_some()
-                    && body["message"]
-                        .as_str()
-                        .is_some_and(|m| m.contains("wait_ms"))
-                    && wait_ms > 1_000 =>
-            {
-                wait_ms /= 2;
-                continue;
-            }
-            (status, _) if status.is_server_error() => {
-                if !troubled {
-                    eprintln!("lockbroker: the broker answered {status} ({body}); trying again");
-                    troubled = true;
-                }
-                tokio::time::sleep(RETRY).await;
-                continue;
-            }
-            (status, _) => {
-                eprintln!(
-                    "lockbroker: cannot watch {resource}: the broker answered {status} {body}"
-                );
-                if args.json {
-                    print_json(&body);
-                }
-                return ExitCode::from(exit::ERROR);
-            }
-        };
-        troubled = false;
-        let fence = if held { highest_fence(&body) } else { 0 };
-        if seen.is_none() || body["changed"] == Value::Bool(true) {
-            print_change(&resource.key, held, &body, args.json);
-        }
-        seen = Some(fence);
+    match args.target.resource().space {
+        Space::Locks => follow_key::<LockStatus>(&client, args).await,
+        Space::Semaphores => follow_key::<SemaphoreStatus>(&client, args).await,
     }
 }
 
-/// The fence a watch compares: the top-level one (a lock; a watched semaphore), else the
-/// highest of the holders' (a semaphore's first look).
-fn highest_fence(body: &Value) -> u64 {
-    body["fence"].as_u64().unwrap_or_else(|| {
-        body["holders"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|h| h["fence"].as_u64())
-            .max()
-            .unwrap_or(0)
-    })
+/// What `status --watch` follows: a lock's holders or a semaphore's permits.
+trait Followed: DeserializeOwned + WatchedFence + Serialize + Sized {
+    /// Who holds `key` now (`None`: nobody), answered at once.
+    async fn now(client: &Client, key: &str) -> Result<Option<Self>, Error>;
+
+    /// A follower of `key`.
+    fn follower(client: &Client, key: &str) -> Follower<Self>;
+
+    /// The line that shows it held (after the time).
+    fn line(&self) -> String;
 }
 
-/// One line: the time it was seen, and who holds the key (or that it is free).
-fn print_change(key: &str, held: bool, body: &Value, json: bool) {
+impl Followed for LockStatus {
+    async fn now(client: &Client, key: &str) -> Result<Option<Self>, Error> {
+        free_is_none(client.status(key).await)
+    }
+
+    fn follower(client: &Client, key: &str) -> Follower<Self> {
+        client.follow(key)
+    }
+
+    fn line(&self) -> String {
+        format!(
+            "{}: fence {}, owner {}, {}",
+            self.key,
+            self.watched_fence(),
+            self.owner.as_deref().unwrap_or("-"),
+            self.mode
+        )
+    }
+}
+
+impl Followed for SemaphoreStatus {
+    async fn now(client: &Client, key: &str) -> Result<Option<Self>, Error> {
+        free_is_none(client.semaphore_status(key).await)
+    }
+
+    fn follower(client: &Client, key: &str) -> Follower<Self> {
+        client.follow_semaphore(key)
+    }
+
+    fn line(&self) -> String {
+        format!(
+            "{}: {} of {} permits, highest fence {}",
+            self.key,
+            self.holders.len(),
+            self.limit,
+            self.watched_fence()
+        )
+    }
+}
+
+/// A status that says "nobody holds it" as `None`.
+fn free_is_none<T>(answer: Result<T, Error>) -> Result<Option<T>, Error> {
+    match answer {
+        Ok(status) => Ok(Some(status)),
+        Err(Error::NotHeld { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Prints the key's state now, then follows it from that state's fence, until interrupted or
+/// refused. The broker unreachable (or answering 5xx) is said once and tried again each
+/// [`RETRY`]; a wait over the broker's `max_wait_ms` is halved.
+async fn follow_key<T: Followed>(client: &Client, args: &StatusArgs) -> ExitCode {
+    let resource = args.target.resource();
+    let mut troubled = false;
+    let now = loop {
+        match T::now(client, &resource.key).await {
+            Ok(now) => break now,
+            Err(e) if e.is_transient() => trouble(&e, &mut troubled).await,
+            Err(e) => return fail(&format!("cannot watch {resource}"), &e, args.json),
+        }
+    };
+    let fence = now.as_ref().map_or(0, T::watched_fence);
+    print_change(&resource.key, now.as_ref(), fence, args.json);
+    let mut follower = T::follower(client, &resource.key)
+        .from_fence(fence)
+        .wait(WATCH_WAIT);
+    loop {
+        match follower.next().await {
+            Ok(Watched { status, fence, .. }) => {
+                troubled = false;
+                print_change(&resource.key, status.as_ref(), fence, args.json);
+            }
+            Err(e) if e.is_transient() => trouble(&e, &mut troubled).await,
+            Err(Error::Api {
+                status, message, ..
+            }) if status == StatusCode::BAD_REQUEST
+                && message.contains("wait_ms")
+                && follower.wait_for() > Duration::from_secs(1) =>
+            {
+                let half = follower.wait_for() / 2;
+                follower = follower.wait(half);
+            }
+            Err(e) => return fail(&format!("cannot watch {resource}"), &e, args.json),
+        }
+    }
+}
+
+/// Says once (until an answer comes) that the broker is unreachable or failing, and waits
+/// [`RETRY`] before the next try.
+async fn trouble(e: &Error, troubled: &mut bool) {
+    if !*troubled {
+        eprintln!("lockbroker: {e}; trying again");
+        *troubled = true;
+    }
+    tokio::time::sleep(RETRY).await;
+}
+
+/// One line: the time it was seen, and who holds the key (or that it is free). As JSON, the
+/// status with `held`, `seen_at_ms` and the watched `fence` (`null` when free).
+fn print_change<T: Followed>(key: &str, status: Option<&T>, fence: u64, json: bool) {
     let seen_at_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     if json {
-        let mut line = if held {
-            body.clone()
-        } else {
-            json!({ "key": key, "fence": null, "owner": null })
+        let mut line = match status {
+            Some(status) => serde_json::to_value(status).unwrap_or(Value::Null),
+            None => json!({ "key": key, "fence": null, "owner": null }),
         };
         if let Some(object) = line.as_object_mut() {
-            object.remove("changed");
-            object.insert("held".into(), held.into());
+            if status.is_some() {
+                object.insert("fence".into(), fence.into());
+            }
+            object.insert("held".into(), status.is_some().into());
             object.insert("seen_at_ms".into(), seen_at_ms.into());
         }
         print_json(&line);
         return;
     }
     let when = humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(seen_at_ms));
-    if !held {
-        out!("{when}  {key} is free");
-        return;
+    match status {
+        Some(status) => out!("{when}  {}", status.line()),
+        None => out!("{when}  {key} is free"),
     }
-    let owner = body["owner"].as_str().unwrap_or("-");
-    match body["limit"].as_u64() {
-        Some(limit) => out!(
-            "{when}  {key}: {} of {limit} permits, highest fence {}",
-            body["holders"].as_array().map_or(0, Vec::len),
-            highest_fence(body)
-        ),
-        None => out!(
-            "{when}  {key}: fence {}, owner {owner}, {}",
-            highest_fence(body),
-            body["mode"].as_str().unwrap_or("exclusive")
-        ),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_says_who_holds_the_key_and_its_fence() {
+        let shared: LockStatus = serde_json::from_str(
+            r#"{"key":"a","mode":"shared","fence":7,"expires_at_ms":1,"ttl_remaining_ms":1,
+                "owner":null,"holders":[
+                {"fence":5,"expires_at_ms":1,"ttl_remaining_ms":1,"owner":null},
+                {"fence":9,"expires_at_ms":1,"ttl_remaining_ms":1,"owner":"b"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(shared.line(), "a: fence 9, owner -, shared");
+        let permits: SemaphoreStatus = serde_json::from_str(
+            r#"{"key":"s","limit":3,"holders":[
+                {"fence":4,"expires_at_ms":1,"ttl_remaining_ms":1,"owner":null},
+                {"fence":2,"expires_at_ms":1,"ttl_remaining_ms":1,"owner":null}]}"#,
+        )
+        .unwrap();
+        assert_eq!(permits.line(), "s: 2 of 3 permits, highest fence 4");
     }
 }

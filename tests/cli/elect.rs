@@ -6,10 +6,11 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use lockbroker_test_support::app::{TestApp, spawn_app};
+use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
 use lockbroker_test_support::redis_server::RedisServer;
 use lockbroker_test_support::send_signal;
 use lockbroker_test_support::temp::TempDir;
+use reqwest::{Method, StatusCode};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Child;
@@ -255,6 +256,50 @@ async fn status_watch_prints_each_change_as_a_json_line() {
         (&line["held"], &line["fence"]),
         (&false.into(), &Value::Null)
     );
+    status.start_kill().unwrap();
+}
+
+/// `status --semaphore NAME --watch` in text on a broker whose `max_wait_ms` (2 s) is below the
+/// 30 s a watch asks for: the refused waits are halved until one is accepted, and each change
+/// is one line (the time, then who holds what).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_watch_prints_a_semaphores_changes_as_lines_within_a_short_max_wait() {
+    let app = spawn_app_with(None, |settings| settings.max_wait_ms = Some(2_000)).await;
+    let mut status =
+        lockbroker_command(&app.address, &["status", "--semaphore", "pool", "--watch"])
+            .spawn()
+            .expect("cannot start status --watch");
+    let mut lines = BufReader::new(status.stdout.take().unwrap()).lines();
+    let mut next = async || -> String {
+        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+            .await
+            .expect("a line within 10 s")
+            .expect("stdout")
+            .expect("status --watch runs on");
+        // After the time it was seen.
+        let (when, what) = line.split_once("  ").expect("a time, then the change");
+        assert!(humantime::parse_rfc3339(when).is_ok(), "{line}");
+        what.to_owned()
+    };
+    assert_eq!(next().await, "pool is free");
+    let permit = app
+        .send(app.request(Method::POST, "/semaphores/pool?limit=2"))
+        .await
+        .expect_status(StatusCode::CREATED)
+        .json();
+    assert_eq!(
+        next().await,
+        format!("pool: 1 of 2 permits, highest fence {}", permit["fence"])
+    );
+    // The next change comes after more than one accepted wait has run out unchanged.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    app.send(
+        app.request(Method::DELETE, "/semaphores/pool")
+            .header("Lock-Token", permit["token"].as_str().unwrap()),
+    )
+    .await
+    .expect_status(StatusCode::NO_CONTENT);
+    assert_eq!(next().await, "pool is free");
     status.start_kill().unwrap();
 }
 
