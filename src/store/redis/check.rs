@@ -142,7 +142,7 @@ impl RedisStore {
                      settling before the first grant"
                 );
             }
-            let putting_back = PuttingBack::begin(&self.epoch, &checked.id);
+            let putting_back = PuttingBack::begin(&self.epoch, &checked.id, shard);
             let started = Instant::now();
             // On a cluster, the slots of this broker's leases are marked first and their leases
             // put back at once, then the master's other slots are marked: the put-back must

@@ -36,6 +36,7 @@ use redis::Value;
 use tokio::sync::Notify;
 
 use super::connection::Conn;
+use super::slots::SLOTS;
 use crate::store::{Hold, HoldReason};
 
 /// The payload that announces a repaired slot marker, followed by the slot.
@@ -75,8 +76,22 @@ pub(super) struct EpochState {
     /// Cluster only: the epoch each slot's marker is expected in (its master's, or — for a slot
     /// that moved from another master with its marker — that master's).
     pub slots: Option<Arc<[Arc<str>]>>,
-    /// Set while this broker puts its leases back into a new epoch: it grants nothing meanwhile.
-    putting_back_to: Option<String>,
+    /// Set while this broker puts its leases back into a shard's new epoch: it grants nothing
+    /// on that shard meanwhile (on one server, nothing at all).
+    putting_back_to: Option<PutBackInto>,
+}
+
+/// What a put-back writes into: a new epoch, on one shard.
+struct PutBackInto {
+    epoch: String,
+    shard: Shard,
+}
+
+impl PutBackInto {
+    /// Whether a key of `slot` (`None`: one server) is on the shard being put back.
+    fn holds(&self, slot: Option<u16>) -> bool {
+        slot.is_none_or(|slot| self.shard.holds(slot))
+    }
 }
 
 impl EpochState {
@@ -108,10 +123,15 @@ impl Epoch {
     }
 
     /// The epoch a grant on a key of `slot` (on a cluster) may be made in, or the hold while
-    /// this broker is putting leases back.
+    /// this broker is putting leases back on the key's shard (a cluster's other masters lost
+    /// nothing: their keys are granted meanwhile).
     pub(super) fn for_grant(&self, slot: Option<u16>) -> Result<String, Hold> {
         let state = self.state();
-        if state.putting_back_to.is_some() {
+        if state
+            .putting_back_to
+            .as_ref()
+            .is_some_and(|p| p.holds(slot))
+        {
             return Err(Hold {
                 reason: HoldReason::PuttingBack,
                 retry_after_ms: 1_000,
@@ -121,11 +141,11 @@ impl Epoch {
     }
 
     /// Whether `epoch` is older than the newest epoch this broker has seen for `slot` (or the
-    /// one it is putting leases back into, if any).
+    /// one it is putting leases back into on the slot's shard, if any).
     pub(super) fn is_behind(&self, slot: Option<u16>, epoch: &str) -> bool {
         let state = self.state();
-        if let Some(latest) = &state.putting_back_to {
-            return latest != epoch;
+        if let Some(into) = state.putting_back_to.as_ref().filter(|p| p.holds(slot)) {
+            return into.epoch != epoch;
         }
         state.expected(slot).is_some_and(|latest| latest != epoch)
     }
@@ -146,18 +166,27 @@ impl Epoch {
         true
     }
 
-    pub(super) fn putting_back(&self) -> bool {
-        self.state().putting_back_to.is_some()
+    /// Whether this broker is putting leases back on every key of the store (one server, or a
+    /// cluster's only master): it would grant nothing now.
+    pub(super) fn putting_back_everywhere(&self) -> bool {
+        self.state()
+            .putting_back_to
+            .as_ref()
+            .is_some_and(|p| p.shard.is_everything())
     }
 }
 
-/// While alive, this broker is putting its leases back into an epoch and grants nothing; however
-/// the put-back ends (done, failed, or its task gone), dropping it lets grants through again.
+/// While alive, this broker is putting its leases back into a shard's epoch and grants nothing
+/// on that shard; however the put-back ends (done, failed, or its task gone), dropping it lets
+/// grants through again.
 pub(super) struct PuttingBack<'a>(&'a Epoch);
 
 impl<'a> PuttingBack<'a> {
-    pub(super) fn begin(epoch: &'a Epoch, into: &str) -> Self {
-        epoch.state().putting_back_to = Some(into.to_owned());
+    pub(super) fn begin(epoch: &'a Epoch, into: &str, shard: &Shard) -> Self {
+        epoch.state().putting_back_to = Some(PutBackInto {
+            epoch: into.to_owned(),
+            shard: shard.clone(),
+        });
         Self(epoch)
     }
 }
@@ -187,6 +216,7 @@ impl PutBackReport {
 }
 
 /// One shard of the store for the epoch: a cluster master's slots, or the whole store.
+#[derive(Debug, Clone)]
 pub(super) struct Shard {
     /// The shard's first slot (0 for one server): its epoch is decided on this slot's marker.
     pub first: u16,
@@ -208,6 +238,17 @@ impl Shard {
 
     pub(super) fn slots(&self) -> impl Iterator<Item = u16> + '_ {
         self.ranges.iter().flat_map(|(a, b)| *a..=*b)
+    }
+
+    /// Whether every key is on this shard: one server, or a cluster with one master.
+    fn is_everything(&self) -> bool {
+        // A master's ranges do not overlap.
+        let slots: usize = self
+            .ranges
+            .iter()
+            .map(|(a, b)| usize::from(b - a) + 1)
+            .sum();
+        self.ranges.is_empty() || slots == usize::from(SLOTS)
     }
 }
 
@@ -244,4 +285,50 @@ pub(super) async fn masters(conn: &mut Conn) -> redis::RedisResult<Vec<Shard>> {
         .collect();
     shards.sort_by_key(|s| s.first);
     Ok(shards)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(epoch: &Epoch, slot: Option<u16>) -> bool {
+        epoch.for_grant(slot).is_err()
+    }
+
+    #[test]
+    fn a_put_back_holds_the_keys_of_its_shard_only() {
+        let epoch = Epoch::new(Duration::ZERO, Duration::ZERO);
+        epoch.state().known.insert(0, "old".into());
+        let master = Shard {
+            first: 0,
+            ranges: vec![(0, 99), (200, 299)],
+        };
+        let putting_back = PuttingBack::begin(&epoch, "new", &master);
+        assert!(held(&epoch, Some(0)) && held(&epoch, Some(250)));
+        assert!(!held(&epoch, Some(100)) && !held(&epoch, Some(16_383)));
+        assert!(!epoch.putting_back_everywhere(), "the other masters grant");
+        // A lease answered in the old epoch raced the put-back only on its shard.
+        assert!(epoch.is_behind(Some(5), "old") && !epoch.is_behind(Some(5), "new"));
+        assert!(!epoch.is_behind(Some(150), "old"));
+        drop(putting_back);
+        assert!(!held(&epoch, Some(0)));
+
+        // One server, or a cluster's only master: every key is held, and the broker is not ready.
+        for shard in [
+            Shard::whole(),
+            Shard {
+                first: 0,
+                ranges: vec![(0, 8_000), (8_001, SLOTS - 1)],
+            },
+        ] {
+            let putting_back = PuttingBack::begin(&epoch, "new", &shard);
+            assert!(epoch.putting_back_everywhere(), "{shard:?}");
+            assert!(held(&epoch, Some(9_000)), "{shard:?}");
+            drop(putting_back);
+        }
+        let putting_back = PuttingBack::begin(&epoch, "new", &Shard::whole());
+        assert!(held(&epoch, None));
+        drop(putting_back);
+        assert!(!epoch.putting_back_everywhere());
+    }
 }

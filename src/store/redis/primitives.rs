@@ -254,7 +254,7 @@ impl Store for RedisStore {
     }
 
     async fn ready(&self) -> StoreResult<Option<Hold>> {
-        if self.epoch.putting_back() {
+        if self.epoch.putting_back_everywhere() {
             return Ok(Some(Hold {
                 reason: HoldReason::PuttingBack,
                 retry_after_ms: 1_000,
