@@ -60,7 +60,20 @@ async fn mutual_exclusion_holds_while_a_cluster_master_fails_over_to_a_replica_t
         ..Plan::new("hot", 12, 10_000)
     };
     let run = torture::start(&brokers, &plan);
+    // Beside it, clients on a key of another master, through the same brokers: that master
+    // loses nothing, so it grants throughout (each broker holds only the failed master's keys
+    // while it puts leases back), and its key's sections never overlap either.
+    let cold = key_off(&cluster, master).await;
+    let elsewhere = torture::start(
+        &brokers,
+        &Plan {
+            key: cold,
+            clients: 4,
+            ..plan.clone()
+        },
+    );
     run.until_sections(30).await;
+    elsewhere.until_sections(30).await;
 
     // Writes the replica will miss: freeze it, cut it off, let the clients go on.
     cluster.signal(replica, "-STOP");
@@ -117,13 +130,40 @@ async fn mutual_exclusion_holds_while_a_cluster_master_fails_over_to_a_replica_t
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     run.stop();
+    elsewhere.stop();
 
     let report = run.finish().await;
     let summary = report.check();
-    println!(
-        "cluster failover: {summary}; a free key on the new master granted {:?} after the election",
+    let other = elsewhere.finish().await;
+    let other_summary = other.check();
+    // From the election until grants were back on the new master: the brokers caught up with
+    // it and put their leases back meanwhile.
+    let granted_elsewhere = other.sections_between(elected, resumed).len();
+    assert!(
+        granted_elsewhere > 0,
+        "no section on another master while the failed one was caught up with ({:?})",
         resumed - elected
     );
+    println!(
+        "cluster failover: {summary}; a free key on the new master granted {:?} after the election; \
+         on another master: {other_summary}, {granted_elsewhere} sections meanwhile",
+        resumed - elected
+    );
+}
+
+/// A key whose lock lives on another master than `master`.
+async fn key_off(cluster: &RedisCluster, master: usize) -> String {
+    for i in 0.. {
+        let key = format!("cold-{i}");
+        if cluster
+            .master_of(&format!("lockbroker:{{{key}}}:lock"))
+            .await
+            != master
+        {
+            return key;
+        }
+    }
+    unreachable!()
 }
 
 /// A key whose lock lives on master `master`.
