@@ -7,7 +7,6 @@ use redis::{FromRedisValue, RedisError, Value};
 use tokio::time::Instant;
 
 use super::RedisStore;
-use super::check::Reach;
 use super::connection::{Conn, Link, breaks_connection};
 use super::scripts::{Call, ScriptCall};
 use crate::domain::millis;
@@ -89,8 +88,7 @@ impl RedisStore {
     ) -> Result<T, RedisError> {
         match call.by_sha().query_async(conn).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                if check_on_noscript && let Err(e) = self.clone().catch_up_task(Reach::Every).await
-                {
+                if check_on_noscript && let Err(e) = self.clone().catch_up_task().await {
                     return Err(RedisError::from((
                         redis::ErrorKind::Io,
                         "epoch check failed",
@@ -107,10 +105,9 @@ impl RedisStore {
     /// the request that started it gave up).
     pub(super) fn catch_up_task(
         self,
-        reach: Reach,
     ) -> Pin<Box<dyn Future<Output = StoreResult<Option<Hold>>> + Send>> {
         let store = self.clone();
-        self.spawned(async move { store.catch_up(reach).await })
+        self.spawned(async move { store.catch_up().await })
     }
 
     /// [`RedisStore::repair_slot`] in a task of its own, as [`RedisStore::catch_up_task`].
@@ -157,7 +154,7 @@ impl RedisStore {
             let verified = async {
                 let mut conn = self.connection.open().await?;
                 if self.layout.cluster {
-                    self.check_cluster(&mut conn, Reach::Answering).await?;
+                    self.check_cluster(&mut conn).await?;
                 } else {
                     self.check_on(&mut conn).await?;
                 }
@@ -239,10 +236,7 @@ impl RedisStore {
     }
 
     /// Runs `call` on `link` until `deadline`; a call that fails in a way that condemns the
-    /// connection, or times out, replaces it. On a cluster, a call reaches one master, and a
-    /// master that fails or falls silent condemns only the cluster client's connection to it,
-    /// which the client mends (reconnecting, following the cluster's new slot map); the
-    /// broker's epoch watch replaces the whole connection if no master answers.
+    /// connection, or times out, replaces it.
     async fn call_on<T>(
         &self,
         link: Link,
@@ -259,17 +253,14 @@ impl RedisStore {
                 } else {
                     StoreError::Failed(e.to_string())
                 };
-                if breaks_connection(&e, self.layout.cluster) {
+                if breaks_connection(&e) {
                     self.connection.drop_link(link.generation, &error);
                 }
                 Err(error)
             }
             Err(_) => {
                 let error = timed_out();
-                // A cluster's call went to one master, which alone did not answer.
-                if !self.layout.cluster {
-                    self.connection.drop_link(link.generation, &error);
-                }
+                self.connection.drop_link(link.generation, &error);
                 Err(error)
             }
         }

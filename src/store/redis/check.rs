@@ -18,24 +18,9 @@ use super::slots::SLOTS;
 use crate::domain::millis;
 use crate::store::{Hold, HoldReason, Notice, StoreError, StoreResult};
 
-/// How much of a cluster a check must reach.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Reach {
-    /// Every master: before a script is sent with its source to a server that did not have it
-    /// (NOSCRIPT: a restarted master or a promoted replica, which the check must have caught up
-    /// with first).
-    Every,
-    /// The masters that answer: a master that cannot be reached is skipped (its epoch stays
-    /// what this broker knew, and every granting script on it still compares its marker with
-    /// that), so one dead master does not stop grants on the others. Fails only if none
-    /// answers.
-    Answering,
-}
-
 impl RedisStore {
     /// Checks the epoch on the current connection (making and verifying one if needed) and
-    /// catches up with a new one. Returns the store-wide hold in force, if any. On a cluster,
-    /// `reach` says which masters must answer the check.
+    /// catches up with a new one. Returns the store-wide hold in force, if any.
     ///
     /// Every check reads the server's `run_id` again, so a restart behind a proxy that keeps
     /// client connections open is noticed within [`CHECK_EVERY`](super::epoch::CHECK_EVERY) too.
@@ -43,7 +28,7 @@ impl RedisStore {
     /// A connection that fails the check is replaced and the check made again at once (the new
     /// connection's verification is the check): after a restart, the old connection is usually
     /// the first thing that fails, and the put-back must not wait for another round.
-    pub(super) async fn catch_up(&self, reach: Reach) -> StoreResult<Option<Hold>> {
+    pub(super) async fn catch_up(&self) -> StoreResult<Option<Hold>> {
         let deadline = Instant::now() + self.connection.timeout();
         let mut last = None;
         for _ in 0..2 {
@@ -55,15 +40,12 @@ impl RedisStore {
             // Unbounded here: a new epoch puts leases back (on a cluster, marks a master's
             // thousands of slots too), which must not stop halfway. Each call in it is bounded.
             let checked = if self.layout.cluster {
-                self.check_cluster(&mut conn, reach).await
+                self.check_cluster(&mut conn).await
             } else {
                 self.check_on(&mut conn).await
             };
             match checked {
                 Ok(hold) => return Ok(hold),
-                // One master that did not answer condemns it alone: the cluster client mends
-                // its own connection to it.
-                Err(e) if self.layout.cluster && reach == Reach::Every => return Err(e),
                 Err(e) => {
                     self.connection.drop_link(link.generation, &e);
                     last = Some(e);
@@ -82,41 +64,20 @@ impl RedisStore {
     }
 
     /// The epoch check of every master of a cluster, each caught up with as [`check_on`] does
-    /// for one server; with [`Reach::Answering`], a master whose check fails is skipped (and
-    /// logged). Returns a hold only if every master checked holds: a master that settles alone
+    /// for one server. Returns a hold only if every master holds: a master that settles alone
     /// holds only its own keys (its slots' markers say so to every script), and the broker stays
     /// ready for the others.
     ///
     /// [`check_on`]: RedisStore::check_on
-    pub(super) async fn check_cluster(
-        &self,
-        conn: &mut Conn,
-        reach: Reach,
-    ) -> StoreResult<Option<Hold>> {
+    pub(super) async fn check_cluster(&self, conn: &mut Conn) -> StoreResult<Option<Hold>> {
         let _one = self.epoch.catching_up.lock().await;
         let shards = self.bounded(masters(conn)).await?;
         // The hold that stops every grant: the shortest, if every master holds.
         let mut hold: Option<Hold> = None;
         let mut all_held = !shards.is_empty();
-        // Each master's epoch; `None` for one skipped.
         let mut epochs = Vec::with_capacity(shards.len());
-        let mut failed = None;
         for shard in &shards {
-            let checked = match self.check_shard(conn, shard).await {
-                Ok(checked) => checked,
-                Err(e) if reach == Reach::Answering => {
-                    tracing::warn!(
-                        first_slot = shard.first,
-                        error = %e,
-                        "cannot check the epoch of one Redis Cluster master; its keys answer 503 \
-                         until it answers, the other masters' are granted"
-                    );
-                    epochs.push(None);
-                    failed = Some(e);
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
+            let checked = self.check_shard(conn, shard).await?;
             match checked.hold() {
                 Some(h)
                     if hold
@@ -128,34 +89,22 @@ impl RedisStore {
                 Some(_) => {}
                 None => all_held = false,
             }
-            epochs.push(Some(checked.id));
-        }
-        if let Some(e) = failed
-            && epochs.iter().all(Option::is_none)
-        {
-            return Err(e);
+            epochs.push(checked.id);
         }
         let hold = hold.filter(|_| all_held);
         // Which epoch each slot's marker is expected in: its master's, unless the slot keeps
         // another master's current epoch (it moved here with its marker).
         let mut state = self.epoch.state();
-        let current: Vec<&str> = epochs.iter().flatten().map(String::as_str).collect();
+        let current: Vec<&str> = epochs.iter().map(String::as_str).collect();
         let mut table: Vec<Arc<str>> = vec![Arc::from(""); usize::from(SLOTS)];
         for (shard, epoch) in shards.iter().zip(&epochs) {
-            let old = |slot: u16| state.slots.as_ref().map(|old| &old[usize::from(slot)]);
-            let Some(epoch) = epoch else {
-                // Not checked: its slots keep what this broker expected of them ("" if
-                // nothing: every grant there is refused until a check reaches the master).
-                for slot in shard.slots() {
-                    if let Some(old) = old(slot) {
-                        table[usize::from(slot)] = old.clone();
-                    }
-                }
-                continue;
-            };
             let epoch: Arc<str> = epoch.as_str().into();
             for slot in shard.slots() {
-                let kept = old(slot).filter(|old| current.contains(&&***old) && ***old != *epoch);
+                let kept = state
+                    .slots
+                    .as_ref()
+                    .map(|old| &old[usize::from(slot)])
+                    .filter(|old| current.contains(&&***old) && ***old != *epoch);
                 table[usize::from(slot)] = kept.cloned().unwrap_or_else(|| epoch.clone());
             }
         }

@@ -405,41 +405,12 @@ impl RedisConnection {
     }
 }
 
-/// Whether a failed call means the connection itself is unusable. On a cluster (`cluster`), a
-/// dropped, failed or silent connection is the cluster client's to one master, which it mends
-/// itself: only what the client cannot mend condemns the whole.
-pub(super) fn breaks_connection(e: &RedisError, cluster: bool) -> bool {
-    let broken = if cluster {
-        matches!(
-            e.retry_method(),
-            redis::RetryMethod::ReconnectFromInitialConnections
-        )
-    } else {
-        e.is_connection_dropped() || e.is_io_error() || e.is_timeout() || e.is_unrecoverable_error()
-    };
-    // A server that became a replica (a failover demoted it) refuses writes: find the master.
-    broken || e.code() == Some("READONLY")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_dropped_connection_condemns_a_servers_connection_not_a_clusters() {
-        let refused = || {
-            RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::ConnectionRefused,
-                "refused",
-            ))
-        };
-        assert!(breaks_connection(&refused(), false));
-        assert!(!breaks_connection(&refused(), true));
-        let readonly = RedisError::from((
-            redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
-            "READONLY",
-        ));
-        assert_eq!(readonly.code(), Some("READONLY"));
-        assert!(breaks_connection(&readonly, false) && breaks_connection(&readonly, true));
-    }
+/// Whether a failed call means the connection itself is unusable.
+pub(super) fn breaks_connection(e: &RedisError) -> bool {
+    e.is_connection_dropped()
+        || e.is_io_error()
+        || e.is_timeout()
+        || e.is_unrecoverable_error()
+        // A server that became a replica (a failover demoted it) refuses writes: find the master.
+        || e.code() == Some("READONLY")
 }

@@ -7,7 +7,6 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::RedisStore;
-use super::check::Reach;
 use super::keys::Place;
 use super::replicas::Written;
 use super::scripts::{Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver};
@@ -141,7 +140,7 @@ impl RedisStore {
                 // Caught up and the slot's marker is still missing: it alone lost it.
                 (2, Some(slot), None) => self.clone().repair_task(slot).await?,
                 (1 | 2, ..) => {
-                    if let Some(hold) = self.clone().catch_up_task(Reach::Answering).await? {
+                    if let Some(hold) = self.clone().catch_up_task().await? {
                         return Ok(Err(NotGranted::OnHold(hold)));
                     }
                 }

@@ -23,7 +23,6 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::time::Instant;
 
 use super::RedisStore;
-use super::check::Reach;
 use super::connection::Connector;
 use super::epoch::{CHECK_EVERY, SLOT_NOTICE};
 use super::keys::{LOCK_SPACE, SEMAPHORE_NOTICE, SEMAPHORE_SPACE};
@@ -50,7 +49,7 @@ pub(super) async fn watch_epoch(store: RedisStore, notices: mpsc::Sender<Notice>
         if notices.is_closed() {
             return;
         }
-        let pause = match store.catch_up(Reach::Answering).await {
+        let pause = match store.catch_up().await {
             Ok(_) => {
                 retry = RETRY_MIN;
                 CHECK_EVERY

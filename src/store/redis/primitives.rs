@@ -6,7 +6,6 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::check::Reach;
 use super::grant::{GrantScript, STORE_LAYOUT, newer_layout};
 use super::keys::Place;
 use super::replicas::Written;
@@ -261,7 +260,7 @@ impl Store for RedisStore {
                 retry_after_ms: 1_000,
             }));
         }
-        let hold = self.clone().catch_up_task(Reach::Answering).await?;
+        let hold = self.clone().catch_up_task().await?;
         let layout = self.epoch.layout.load(std::sync::atomic::Ordering::Relaxed);
         if layout > STORE_LAYOUT {
             return Err(newer_layout(layout));
