@@ -141,13 +141,17 @@ impl Epoch {
     }
 
     /// Whether `epoch` is older than the newest epoch this broker has seen for `slot` (or the
-    /// one it is putting leases back into on the slot's shard, if any).
+    /// one it is putting leases back into on the slot's shard, if any). On a cluster, also
+    /// when `epoch` is no master's current epoch: a master's put-back ends (and its epoch is
+    /// known) before the check of the other masters does and the slots' table is rebuilt, and a
+    /// lease answered in the old epoch meanwhile must still be put back on its own.
     pub(super) fn is_behind(&self, slot: Option<u16>, epoch: &str) -> bool {
         let state = self.state();
         if let Some(into) = state.putting_back_to.as_ref().filter(|p| p.holds(slot)) {
             return into.epoch != epoch;
         }
         state.expected(slot).is_some_and(|latest| latest != epoch)
+            || (slot.is_some() && !state.known.values().any(|known| known == epoch))
     }
 
     /// Cluster: a slot's marker is in `epoch`, not its master's. If `epoch` is the current
@@ -310,6 +314,18 @@ mod tests {
         // A lease answered in the old epoch raced the put-back only on its shard.
         assert!(epoch.is_behind(Some(5), "old") && !epoch.is_behind(Some(5), "new"));
         assert!(!epoch.is_behind(Some(150), "old"));
+        // The put-back is done and "new" known for the master, but its slots still expect "old"
+        // (the table is rebuilt when every master is checked): "old" is behind all the same.
+        {
+            let mut state = epoch.state();
+            state.known.insert(0, "new".into());
+            state.slots = Some(vec![Arc::from("old"); usize::from(SLOTS)].into());
+        }
+        drop(putting_back);
+        assert!(epoch.is_behind(Some(5), "old"));
+        epoch.state().slots = Some(vec![Arc::from("new"); usize::from(SLOTS)].into());
+        assert!(epoch.is_behind(Some(5), "old") && !epoch.is_behind(Some(5), "new"));
+        let putting_back = PuttingBack::begin(&epoch, "new", &master);
         drop(putting_back);
         assert!(!held(&epoch, Some(0)));
 
