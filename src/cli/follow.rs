@@ -112,6 +112,7 @@ async fn follow_key<T: Followed>(client: &Client, args: &StatusArgs) -> ExitCode
             Err(e) => return fail(&format!("cannot watch {resource}"), &e, args.json),
         }
     };
+    troubled = false;
     let fence = now.as_ref().map_or(0, T::watched_fence);
     print_change(&resource.key, now.as_ref(), fence, args.json);
     let mut follower = T::follower(client, &resource.key)

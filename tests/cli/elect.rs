@@ -12,8 +12,8 @@ use lockbroker_test_support::send_signal;
 use lockbroker_test_support::temp::TempDir;
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::Child;
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::{Child, ChildStdout};
 
 use crate::support::{finish, lockbroker_command};
 
@@ -219,6 +219,15 @@ async fn three_candidates_on_one_embedded_broker_one_leads_at_a_time() {
     three_candidates([&app, &app, &app]).await;
 }
 
+/// The next line `status --watch` prints, within 10 s.
+async fn next_line(lines: &mut Lines<BufReader<ChildStdout>>) -> String {
+    tokio::time::timeout(Duration::from_secs(10), lines.next_line())
+        .await
+        .expect("a line within 10 s")
+        .expect("stdout")
+        .expect("status --watch runs on")
+}
+
 /// `status --watch --json` on one broker sees the changes made through another broker sharing
 /// Redis: one line each, in order, with who holds the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -234,12 +243,7 @@ async fn status_watch_prints_each_change_as_a_json_line() {
     .expect("cannot start status --watch");
     let mut lines = BufReader::new(status.stdout.take().unwrap()).lines();
     let mut next = async || -> Value {
-        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
-            .await
-            .expect("a line within 10 s")
-            .expect("stdout")
-            .expect("status --watch runs on");
-        serde_json::from_str(&line).expect("a JSON line")
+        serde_json::from_str(&next_line(&mut lines).await).expect("a JSON line")
     };
     let now = next().await;
     assert_eq!((&now["held"], &now["fence"]), (&false.into(), &Value::Null));
@@ -271,11 +275,7 @@ async fn status_watch_prints_a_semaphores_changes_as_lines_within_a_short_max_wa
             .expect("cannot start status --watch");
     let mut lines = BufReader::new(status.stdout.take().unwrap()).lines();
     let mut next = async || -> String {
-        let line = tokio::time::timeout(Duration::from_secs(10), lines.next_line())
-            .await
-            .expect("a line within 10 s")
-            .expect("stdout")
-            .expect("status --watch runs on");
+        let line = next_line(&mut lines).await;
         // After the time it was seen.
         let (when, what) = line.split_once("  ").expect("a time, then the change");
         assert!(humantime::parse_rfc3339(when).is_ok(), "{line}");

@@ -63,7 +63,7 @@ async fn mutual_exclusion_holds_while_a_cluster_master_fails_over_to_a_replica_t
     // Beside it, clients on a key of another master, through the same brokers: that master
     // loses nothing, so it grants throughout (each broker holds only the failed master's keys
     // while it puts leases back), and its key's sections never overlap either.
-    let cold = key_off(&cluster, master).await;
+    let cold = key_where(&cluster, "cold", |m| m != master).await;
     let elsewhere = torture::start(
         &brokers,
         &Plan {
@@ -88,7 +88,7 @@ async fn mutual_exclusion_holds_while_a_cluster_master_fails_over_to_a_replica_t
     // An extra client takes the hot key now (the new master will not have its lease) and works
     // through the failover until after grants resume: had its lease not been put back, a client
     // of the run would get the key meanwhile, and their sections would overlap.
-    let probe = key_on(&cluster, master).await;
+    let probe = key_where(&cluster, "probe", |m| m == master).await;
     let mut timeline = None;
     let long = run
         .hold_once(&apps[0].address, 20_000, 3000, Duration::ZERO, async {
@@ -151,30 +151,15 @@ async fn mutual_exclusion_holds_while_a_cluster_master_fails_over_to_a_replica_t
     );
 }
 
-/// A key whose lock lives on another master than `master`.
-async fn key_off(cluster: &RedisCluster, master: usize) -> String {
+/// The first key `<prefix>-<i>` whose lock lives on a master that `wanted` accepts.
+async fn key_where(cluster: &RedisCluster, prefix: &str, wanted: impl Fn(usize) -> bool) -> String {
     for i in 0.. {
-        let key = format!("cold-{i}");
-        if cluster
-            .master_of(&format!("lockbroker:{{{key}}}:lock"))
-            .await
-            != master
-        {
-            return key;
-        }
-    }
-    unreachable!()
-}
-
-/// A key whose lock lives on master `master`.
-async fn key_on(cluster: &RedisCluster, master: usize) -> String {
-    for i in 0.. {
-        let key = format!("probe-{i}");
-        if cluster
-            .master_of(&format!("lockbroker:{{{key}}}:lock"))
-            .await
-            == master
-        {
+        let key = format!("{prefix}-{i}");
+        if wanted(
+            cluster
+                .master_of(&format!("lockbroker:{{{key}}}:lock"))
+                .await,
+        ) {
             return key;
         }
     }
