@@ -19,32 +19,37 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 # 1. Dependencies only, cached until a manifest or Cargo.lock changes: build the real
-#    manifests against stub sources. Every target path the manifest names (lib, bins, and any
-#    [[test]]/[[bench]]/[[example]] entries) gets a stub, so `cargo build` can read the
-#    manifest whatever targets it declares; only the lib and the bins are built.
-#    Cargo loads the whole workspace to resolve it, so the test fixtures' crate (test-support/,
-#    a dev-dependency, never built here) is there too: its manifest and an empty library,
-#    kept for step 2.
+#    manifests against stub sources. Cargo loads the whole workspace to resolve it, so every
+#    member's manifest is copied (the broker; clients/rust, the client crate it builds on;
+#    test-support/, the suites' fixtures, a dev-dependency never built here). A member added to
+#    the workspace without a line here fails this step, and CI (scripts/container-check.sh)
+#    builds this image on every run. Every target path a manifest names (lib, bins, and any
+#    [[test]]/[[bench]]/[[example]] entries) gets a stub, so cargo can read the manifest
+#    whatever targets it declares; only the broker's lib and bin and their dependencies are
+#    built.
 COPY Cargo.toml Cargo.lock ./
+COPY clients/rust/Cargo.toml ./clients/rust/
 COPY test-support/Cargo.toml ./test-support/
 RUN set -eu; \
-    mkdir -p src test-support/src; \
-    for p in $(sed -n 's/^[[:space:]]*path[[:space:]]*=[[:space:]]*"\([^"]*\.rs\)".*/\1/p' Cargo.toml) \
-             src/lib.rs src/main.rs; do \
-        mkdir -p "$(dirname "$p")"; \
-        [ -e "$p" ] || echo 'fn main() {}' > "$p"; \
+    members=$(sed -n '/^members *=/,/]/p' Cargo.toml | grep -o '"[^"]*"' | tr -d '"'); \
+    for m in $members; do \
+        [ -f "$m/Cargo.toml" ] || { echo "workspace member $m: its Cargo.toml is not copied (Dockerfile, step 1)" >&2; exit 1; }; \
+        for p in $(sed -n 's/^[[:space:]]*path[[:space:]]*=[[:space:]]*"\([^"]*\.rs\)".*/\1/p' "$m/Cargo.toml") src/lib.rs; do \
+            mkdir -p "$(dirname "$m/$p")"; \
+            [ -e "$m/$p" ] || echo '' > "$m/$p"; \
+        done; \
     done; \
-    echo '' > src/lib.rs; \
-    echo '' > test-support/src/lib.rs; \
-    cargo build --release --locked; \
-    rm -rf src tests benches examples
+    echo 'fn main() {}' > src/main.rs; \
+    cargo build --release --locked --bin lockbroker; \
+    rm -rf src tests benches examples clients/rust/src
 
 # 2. The real sources. Touch them so cargo sees them as newer than the stub build (COPY keeps
 #    the files' own modification times, which may be older), then build the binary.
 COPY src ./src
+COPY clients/rust/src ./clients/rust/src
 COPY config ./config
 RUN set -eu; \
-    find src -name '*.rs' -exec touch {} +; \
+    find src clients/rust/src -name '*.rs' -exec touch {} +; \
     cargo build --release --locked --bin lockbroker; \
     install -D -m 0755 target/release/lockbroker /out/lockbroker
 

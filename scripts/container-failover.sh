@@ -13,7 +13,7 @@
 #
 # Environment:
 #   DOCKER_HOST              the engine (default: the podman socket of
-#                            ../shared/tools/containers/setup.sh when it exists)
+#                            scripts/containers.sh when it exists)
 #   LOCKBROKER_SKIP_BUILD=1  use the lockbroker:local image as it is
 #   RESUME_BOUND_S=15        a run whose first grant comes later fails
 #   LOCKBROKER_HTTP_PORT     nginx's host port (8080)
@@ -26,18 +26,12 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 runs=${1:-3}
 bound_s=${RESUME_BOUND_S:-15}
-port=${LOCKBROKER_HTTP_PORT:-8080}
-export LOCKBROKER_HTTP_PORT=$port
-if [[ -z "${DOCKER_HOST:-}" && -S /run/lockbroker-podman.sock ]]; then
-    export DOCKER_HOST=unix:///run/lockbroker-podman.sock
-fi
-base=http://127.0.0.1:$port
+# shellcheck source=scripts/containers-common.sh
+source scripts/containers-common.sh
 single=(docker-compose -p lockbroker-check -f deploy/compose.yaml)
 sentinel=(docker-compose -p lockbroker-sentinel-check -f deploy/compose-sentinel.yaml)
 loaders=()
 
-now_ms() { date +%s%3N; }
-log() { printf '%s %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 stop_load() {
     if [[ ${#loaders[@]} -gt 0 ]]; then kill "${loaders[@]}" 2>/dev/null || true; fi
     loaders=()
@@ -48,28 +42,6 @@ teardown() {
     "${sentinel[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
 }
 trap teardown EXIT
-
-# acquire KEY QUERY: prints "STATUS BODY" for POST /locks/KEY through nginx.
-acquire() {
-    curl -s --max-time 5 -X POST -w ' %{http_code}' "$base/locks/$1?$2" | awk '{ code = $NF; $NF = ""; print code, $0 }'
-}
-field() { sed -n "s/.*\"$1\":\"\{0,1\}\([^\",}]*\).*/\1/p"; }
-
-# Polls nginx until a free key is granted; prints when (ms since the epoch). Gives up after $1 s.
-first_grant() {
-    local limit=$1 started n=0 answer
-    started=$(now_ms)
-    while (($(now_ms) - started < limit * 1000)); do
-        answer=$(acquire "check:free-$RANDOM-$n" "ttl_ms=5000") || true
-        if [[ "$answer" == 201* ]]; then
-            now_ms
-            return 0
-        fi
-        n=$((n + 1))
-        sleep 0.05
-    done
-    return 1
-}
 
 # Clients acquiring and releasing keys of their own through nginx, until stopped.
 start_load() {
@@ -107,16 +79,9 @@ event_ms() {
 since() { [[ -n "$2" ]] && awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f s", (b - a) / 1000 }' || echo "-"; }
 
 if [[ "${LOCKBROKER_SKIP_BUILD:-}" != 1 ]]; then
-    log "building the image lockbroker:local (a release build: minutes)"
-    docker build -q -t lockbroker:local . >/dev/null
+    build_image
 fi
 teardown
-
-# up: brings the project up, showing the engine's output only if it fails.
-up() {
-    local out
-    out=$("$@" up -d 2>&1) || { printf '%s\nFAIL: %s up\n' "$out" "${*: -1}" >&2; exit 1; }
-}
 
 log "deploy/compose.yaml: up"
 up "${single[@]}"
