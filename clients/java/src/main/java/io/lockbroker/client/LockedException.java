@@ -9,9 +9,21 @@ import java.time.Duration;
 public class LockedException extends LockBrokerException {
     private static final long serialVersionUID = 1L;
 
+    /**
+     * The key that was not granted.
+     */
     private final String key;
+    /**
+     * Time until the current holder's lease ends; null when not said.
+     */
     private final Duration retryAfter;
 
+    /**
+     * A "not granted" for {@code key}.
+     *
+     * @param key the key
+     * @param retryAfter time until the current lease ends, as the broker said; null if it did not
+     */
     public LockedException(String key, Duration retryAfter) {
         super("'" + key + "' is held by someone else"
                 + (retryAfter == null ? "" : "; the current lease ends in " + retryAfter.toMillis() + " ms"),
@@ -20,12 +32,20 @@ public class LockedException extends LockBrokerException {
         this.retryAfter = retryAfter;
     }
 
-    /** The key that was not granted. */
+    /**
+     * The key that was not granted.
+     *
+     * @return the key
+     */
     public String key() {
         return key;
     }
 
-    /** Time until the current holder's lease ends, as the broker said; null if it did not. */
+    /**
+     * Time until the current holder's lease ends, as the broker said; null if it did not.
+     *
+     * @return the time, or null
+     */
     public Duration retryAfter() {
         return retryAfter;
     }
