@@ -214,7 +214,8 @@ public final class Lease implements AutoCloseable {
 
     /**
      * Runs {@code hook} on a client thread when a background renewal fails without an answer
-     * that ends the lease (no answer, a 503, a 5xx or 4xx that is not the broker's "gone"):
+     * that ends the lease (no answer, a 503 or another 5xx, a {@code 400}; not a
+     * {@code 404}/{@code 409}/{@code 401}/{@code 403}, which lose it):
      * once per run of failed renewals, at the first, while they are retried until the lease
      * would end. A renewal that gets through ends the run; the next failure is reported again.
      * Registered during such a run, it runs at once on the calling thread with the last failure.
