@@ -453,7 +453,7 @@ public final class LockBroker implements AutoCloseable {
                         continue; // the wait was split over several requests
                     }
                     Long retryMs = number(answer, "retry_after_ms");
-                    throw new LockedException(r.key, retryMs == null ? null : Duration.ofMillis(retryMs));
+                    throw new LockedException(r.key, retryMs == null ? null : Duration.ofMillis(retryMs), url);
                 } else if (retryable(status)) {
                     trouble = unavailable("acquire '" + r.key + "'", response, answer);
                     retryAfter = retryAfterMs(response);

@@ -25,7 +25,18 @@ public class LockedException extends LockBrokerException {
      * @param retryAfter time until the current lease ends, as the broker said; null if it did not
      */
     public LockedException(String key, Duration retryAfter) {
-        super("'" + key + "' is held by someone else"
+        this(key, retryAfter, null);
+    }
+
+    /**
+     * A "not granted" for {@code key}, from the broker at {@code url}.
+     *
+     * @param key the key
+     * @param retryAfter time until the current lease ends, as the broker said; null if it did not
+     * @param url the broker's URL, for the message; null to leave it out
+     */
+    public LockedException(String key, Duration retryAfter, String url) {
+        super("'" + key + "' is held by someone else" + (url == null ? "" : " (broker " + url + ")")
                 + (retryAfter == null ? "" : "; the current lease ends in " + retryAfter.toMillis() + " ms"),
                 409, "locked", null);
         this.key = key;

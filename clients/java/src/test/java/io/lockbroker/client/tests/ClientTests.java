@@ -268,6 +268,8 @@ public final class ClientTests {
                 check(e instanceof LockBrokerException, "LockedException is a LockBrokerException");
                 equal(409, e.status(), "status");
                 check(e.retryAfter() != null && e.retryAfter().toMillis() > 0, "it says when the lease ends");
+                check(e.getMessage().contains("'" + key + "'") && e.getMessage().contains(env.url()),
+                        "names the key and the URL: " + e.getMessage());
             }
             check(two.tryAcquire(key, Duration.ofSeconds(10)).isEmpty(), "tryAcquire of a held lock is empty");
             held.release();
