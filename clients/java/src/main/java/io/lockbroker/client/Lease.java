@@ -21,7 +21,8 @@ import java.util.function.Consumer;
  * <p>The lease is <em>lost</em>, once, when a renewal answers {@code 404}/{@code 409} (it was
  * force-released, or ended and was taken over) or {@code 401}/{@code 403} (the bearer token was
  * revoked or lost its permission), or when its end comes without a confirmed renewal (the broker
- * unreachable or answering 503; {@link #onTrouble(Consumer)} hears of the failed renewals before). The client counts that end from the moment
+ * unreachable or answering 503; {@link #onTrouble(Consumer)} hears of the failed renewals
+ * before). The client counts that end from the moment
  * it <em>sent</em> the acquire or renewal, less a margin (a tenth of the ttl, at most 1 s), so
  * the signal comes before the broker's end, not after it. Then {@link #isHeld()} turns false and
  * the {@link #onLost(Runnable)} callbacks run on a client thread. An application told its lease
