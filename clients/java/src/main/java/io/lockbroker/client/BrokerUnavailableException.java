@@ -9,6 +9,14 @@ package io.lockbroker.client;
 public class BrokerUnavailableException extends LockBrokerException {
     private static final long serialVersionUID = 1L;
 
+    /**
+     * The broker could not be reached, or answered as unavailable.
+     *
+     * @param message says what was asked, of which broker, and what came back
+     * @param status the HTTP status of the last answer; 0 when none came
+     * @param code the broker's error code ({@code "store_unavailable"}, ...); null when none
+     * @param cause the connection's failure; null when an answer came
+     */
     public BrokerUnavailableException(String message, int status, String code, Throwable cause) {
         super(message, status, code, cause);
     }

@@ -6,8 +6,9 @@ import java.util.Map;
 import java.util.Optional;
 
 /**
- * What a watch saw of a lock or semaphore: who holds it (never a token) and whether that
- * differs from the fence the watch was given. A free key has {@link #fence()} 0 and no owner.
+ * What a watch, an inspect or a listing saw of a lock or semaphore: who holds it (never a token)
+ * and, for a watch, whether that differs from the fence the watch was given. A free key has
+ * {@link #fence()} 0 and no owner.
  */
 public final class KeyView {
     private final String key;
@@ -17,10 +18,11 @@ public final class KeyView {
     private final Instant expiresAt;
     private final String mode;
     private final int holders;
+    private final int limit;
     private final boolean changed;
 
     private KeyView(String key, boolean held, long fence, String owner, Instant expiresAt, String mode,
-            int holders, boolean changed) {
+            int holders, int limit, boolean changed) {
         this.key = key;
         this.held = held;
         this.fence = fence;
@@ -28,30 +30,61 @@ public final class KeyView {
         this.expiresAt = expiresAt;
         this.mode = mode;
         this.holders = holders;
+        this.limit = limit;
         this.changed = changed;
     }
 
-    /** A view from a watch's {@code 200} body (held) or its {@code 404 not_held} body (free). */
+    /**
+     * A view from a watch's or an inspect's {@code 200} body or a listing's entry (held), or from
+     * a {@code 404 not_held} body (free). A semaphore's inspect has no top-level fence or end:
+     * they are its permits' highest.
+     */
     static KeyView of(String key, boolean held, Map<String, Object> body) {
         boolean changed = Boolean.TRUE.equals(body.get("changed"));
         if (!held) {
-            return new KeyView(key, false, 0, null, null, null, 0, changed);
+            return new KeyView(key, false, 0, null, null, null, 0, 0, changed);
         }
         Long fence = LockBroker.number(body, "fence");
         Long expires = LockBroker.number(body, "expires_at_ms");
         Object list = body.get("holders");
-        int count = list instanceof List ? ((List<?>) list).size() : 1;
+        int count = 1;
+        if (list instanceof List) {
+            count = ((List<?>) list).size();
+            for (Object holder : (List<?>) list) {
+                if (holder instanceof Map) {
+                    @SuppressWarnings("unchecked")
+                    Map<String, Object> h = (Map<String, Object>) holder;
+                    fence = max(fence, LockBroker.number(h, "fence"));
+                    expires = max(expires, LockBroker.number(h, "expires_at_ms"));
+                }
+            }
+        } else if (list instanceof Number) {
+            count = ((Number) list).intValue(); // a listed semaphore: its permits taken
+        }
+        Long limit = LockBroker.number(body, "limit");
         return new KeyView(key, true, fence == null ? 0 : fence, LockBroker.string(body, "owner"),
                 expires == null ? null : Instant.ofEpochMilli(expires), LockBroker.string(body, "mode"),
-                count, changed);
+                count, limit == null ? 0 : limit.intValue(), changed);
     }
 
-    /** The key watched. */
+    private static Long max(Long a, Long b) {
+        return a == null ? b : b == null ? a : Long.valueOf(Math.max(a, b));
+    }
+
+    /**
+     * The key watched.
+     *
+     * @return the key
+     */
     public String key() {
         return key;
     }
 
-    /** Whether anyone holds the key (or, for a semaphore, any permit). */
+    /**
+     * Whether anyone holds the key (or, for a semaphore, any permit).
+     *
+     * @return true while a lease (or a permit) holds it
+     */
     public boolean isHeld() {
         return held;
     }
@@ -59,32 +92,64 @@ public final class KeyView {
     /**
      * The holder's fence (for shared holders or a semaphore's permits, the highest); 0 when the
      * key is free. Pass it to the next watch to wait for a change from this view.
+     *
+     * @return the fence, or 0 when free
      */
     public long fence() {
         return fence;
     }
 
-    /** The holder's {@code owner} label; empty when free, when it gave none, or for shared holders and permits. */
+    /**
+     * The holder's {@code owner} label; empty when free, when it gave none, or for shared holders and permits.
+     *
+     * @return the owner label, if there is one
+     */
     public Optional<String> owner() {
         return Optional.ofNullable(owner);
     }
 
-    /** When the last lease ends unless renewed, on the broker's (store's) clock; empty when free. */
+    /**
+     * When the last lease ends unless renewed, on the broker's (store's) clock; empty when free.
+     *
+     * @return the end, if held
+     */
     public Optional<Instant> expiresAt() {
         return Optional.ofNullable(expiresAt);
     }
 
-    /** {@code "exclusive"} or {@code "shared"} for a held lock; empty when free or for a semaphore. */
+    /**
+     * {@code "exclusive"} or {@code "shared"} for a held lock; empty when free or for a semaphore.
+     *
+     * @return the mode, if a lock is held
+     */
     public Optional<String> mode() {
         return Optional.ofNullable(mode);
     }
 
-    /** How many leases hold the key: 1 for an exclusive lock, the holders or permits otherwise, 0 when free. */
+    /**
+     * How many leases hold the key.
+     *
+     * @return 1 for an exclusive lock, the shared holders or permits taken otherwise, 0 when free
+     *     (a listing does not count a shared lock's holders: 1 there)
+     */
     public int holders() {
         return holders;
     }
 
-    /** Whether this view differs from the fence the watch was given (false: the wait ran out first). */
+    /**
+     * A semaphore's limit, as its holders took their permits.
+     *
+     * @return the limit; 0 for a lock or a free key
+     */
+    public int limit() {
+        return limit;
+    }
+
+    /**
+     * Whether this view differs from the fence the watch was given (false: the wait ran out first).
+     *
+     * @return true when the view differs from what the watch was given
+     */
     public boolean changed() {
         return changed;
     }

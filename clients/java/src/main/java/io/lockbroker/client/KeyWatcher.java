@@ -62,7 +62,11 @@ public final class KeyWatcher implements AutoCloseable {
         }
     }
 
-    /** The key followed. */
+    /**
+     * The key followed.
+     *
+     * @return the key
+     */
     public String key() {
         return key;
     }

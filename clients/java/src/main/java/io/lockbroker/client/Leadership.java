@@ -9,6 +9,7 @@ import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
 import java.util.concurrent.Future;
 import java.util.concurrent.TimeUnit;
+import java.util.function.Consumer;
 
 /**
  * An election on one lock key: campaigns in the background (an acquire with a long wait, in a
@@ -26,6 +27,12 @@ import java.util.concurrent.TimeUnit;
  * lease is lost, and the {@link #onRevoked(Runnable)} callbacks have all returned before it
  * campaigns again. Callbacks run in order on one thread of this object's own. The token is never
  * shown; {@link #leader()} names the current leader from a watch of the key.
+ *
+ * <p>An unreachable or unavailable broker is campaigned through. A refusal that no retry would
+ * change (a bearer token unknown or revoked, {@code 401}; one without the permission for the key,
+ * {@code 403}; a 5xx that is not the broker's) ends the campaign at once: {@link #failure()}
+ * then says why, the {@link #onFailure(Consumer)} callbacks run, a warning is logged, and this
+ * node does not lead again.
  */
 public final class Leadership implements AutoCloseable {
     private final LockBroker broker;
@@ -34,6 +41,9 @@ public final class Leadership implements AutoCloseable {
     private final Duration ttl;
     private final List<Runnable> onElected = new CopyOnWriteArrayList<>();
     private final List<Runnable> onRevoked = new CopyOnWriteArrayList<>();
+    private final List<Consumer<LockBrokerException>> onFailure = new CopyOnWriteArrayList<>();
+    /** Why the campaign ended, when a refusal ended it. */
+    private volatile LockBrokerException failure;
     private final ExecutorService callbacks;
     private final Thread campaign;
     private final KeyWatcher watcher;
@@ -51,13 +61,19 @@ public final class Leadership implements AutoCloseable {
      * Starts campaigning for {@code key} as {@code name} (the lease's {@code owner} label, which
      * {@link #leader()} reports), with leases of {@code ttl}, renewed while this node leads.
      *
+     * @param broker the client to campaign through
+     * @param key the lock whose holder leads
+     * @param name this node's name, the lease's {@code owner} label
+     * @param ttl the lease's ttl: how long a leader that stops renewing (dies) keeps the lead
      * @throws BrokerUnavailableException when the broker could not be reached to watch the key
-     * @throws LockBrokerException when the broker refused the key (bad key, auth)
+     * @throws LockBrokerException when the broker refused to show the key (auth)
+     * @throws IllegalArgumentException when an argument is missing or the key breaks the key rule
      */
     public Leadership(LockBroker broker, String key, String name, Duration ttl) {
-        if (broker == null || key == null || name == null || ttl == null) {
-            throw new IllegalArgumentException("broker, key, name and ttl are required");
+        if (broker == null || name == null || ttl == null) {
+            throw new IllegalArgumentException("broker, name and ttl are required");
         }
+        Keys.check(key);
         if (ttl.toMillis() < 1) {
             throw new IllegalArgumentException("ttl must be at least 1 ms, not " + ttl);
         }
@@ -111,7 +127,11 @@ public final class Leadership implements AutoCloseable {
                 if (isClosed() || broker.isClosed()) {
                     return; // interrupted by close()
                 }
-                LockBroker.warn("campaign for '" + key + "' refused: " + e.getMessage());
+                if (e.status() != 0) {
+                    fail(e); // refused (401, 403, ...): asking again would be refused again
+                    return;
+                }
+                LockBroker.warn("campaign for '" + key + "' failed: " + e.getMessage());
                 backoff.sleep(null, System.nanoTime() + TimeUnit.SECONDS.toNanos(1));
                 continue;
             }
@@ -149,6 +169,29 @@ public final class Leadership implements AutoCloseable {
         }
     }
 
+    /** Ends the campaign for good on a refusal: says so once, then runs the failure callbacks. */
+    private void fail(LockBrokerException e) {
+        List<Consumer<LockBrokerException>> toRun;
+        synchronized (this) {
+            failure = e;
+            toRun = List.copyOf(onFailure);
+        }
+        LockBroker.warn("stopped campaigning for '" + key + "' as " + name + ": " + e.getMessage());
+        await(callbacks.submit(() -> {
+            for (Consumer<LockBrokerException> callback : toRun) {
+                runFailureCallback(callback, e);
+            }
+        }));
+    }
+
+    private void runFailureCallback(Consumer<LockBrokerException> callback, LockBrokerException e) {
+        try {
+            callback.accept(e);
+        } catch (RuntimeException thrown) {
+            LockBroker.warn("a leadership callback on '" + key + "' threw: " + thrown);
+        }
+    }
+
     private Future<?> runCallbacks(List<Runnable> list) {
         return callbacks.submit(() -> {
             for (Runnable callback : list) {
@@ -178,7 +221,11 @@ public final class Leadership implements AutoCloseable {
         }
     }
 
-    /** Whether this node leads now: elected, and its lease neither lost nor released. */
+    /**
+     * Whether this node leads now: elected, and its lease neither lost nor released.
+     *
+     * @return true while this node leads
+     */
     public boolean isLeader() {
         Lease current;
         synchronized (this) {
@@ -191,6 +238,8 @@ public final class Leadership implements AutoCloseable {
      * The current leader's name (its lease's {@code owner} label; "" if it gave none), this
      * node's own while it leads, otherwise as the last watch of the key saw it; empty when
      * nobody leads.
+     *
+     * @return the leader's name; empty when nobody leads
      */
     public Optional<String> leader() {
         if (isLeader()) {
@@ -199,7 +248,11 @@ public final class Leadership implements AutoCloseable {
         return Optional.ofNullable(watchedLeader);
     }
 
-    /** This node's fence while it leads (send it with every write, as with any lease). */
+    /**
+     * This node's fence while it leads (send it with every write, as with any lease).
+     *
+     * @return the fence of this node's lease; empty when it does not lead
+     */
     public Optional<Long> fence() {
         Lease current;
         synchronized (this) {
@@ -211,6 +264,8 @@ public final class Leadership implements AutoCloseable {
     /**
      * Runs {@code callback} each time this node is elected, on this object's callback thread; if
      * it leads already, once now on that thread as well.
+     *
+     * @param callback what to run each time this node is elected
      */
     public void onElected(Runnable callback) {
         if (callback == null) {
@@ -234,6 +289,8 @@ public final class Leadership implements AutoCloseable {
      * Runs {@code callback} once each time this node stops leading (its lease lost, or
      * {@link #close()}/{@link #resign()}), on this object's callback thread, before it could
      * campaign again.
+     *
+     * @param callback what to run each time this node stops leading
      */
     public void onRevoked(Runnable callback) {
         if (callback == null) {
@@ -242,12 +299,52 @@ public final class Leadership implements AutoCloseable {
         onRevoked.add(callback);
     }
 
-    /** The key campaigned for. */
+    /**
+     * Why the campaign ended, when a refusal ended it ({@code 401 unauthorized}, {@code 403
+     * forbidden}, ...): this node no longer campaigns and will not lead.
+     *
+     * @return the refusal; empty while campaigning or leading, and after a plain {@link #close()}
+     */
+    public Optional<LockBrokerException> failure() {
+        return Optional.ofNullable(failure);
+    }
+
+    /**
+     * Runs {@code callback} once, on this object's callback thread, if a refusal ends the
+     * campaign (see {@link #failure()}); at once, on the calling thread, if one has already.
+     *
+     * @param callback called with the refusal
+     */
+    public void onFailure(Consumer<LockBrokerException> callback) {
+        if (callback == null) {
+            throw new IllegalArgumentException("callback is null");
+        }
+        LockBrokerException now;
+        synchronized (this) {
+            now = failure;
+            if (now == null) {
+                onFailure.add(callback);
+            }
+        }
+        if (now != null) {
+            runFailureCallback(callback, now);
+        }
+    }
+
+    /**
+     * The key campaigned for.
+     *
+     * @return the key
+     */
     public String key() {
         return key;
     }
 
-    /** This node's name (the {@code owner} label of its lease). */
+    /**
+     * This node's name (the {@code owner} label of its lease).
+     *
+     * @return the name
+     */
     public String name() {
         return name;
     }

@@ -12,14 +12,17 @@ import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.ScheduledFuture;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.TimeoutException;
+import java.util.function.Consumer;
 
 /**
  * What one successful acquire returns: a lease on a lock, a shared lock or a semaphore permit,
  * renewed in the background at a third of its ttl (by default) until {@link #release()}.
  *
  * <p>The lease is <em>lost</em>, once, when a renewal answers {@code 404}/{@code 409} (it was
- * force-released, or ended and was taken over) or when its end comes without a confirmed
- * renewal (the broker unreachable or answering 503). The client counts that end from the moment
+ * force-released, or ended and was taken over) or {@code 401}/{@code 403} (the bearer token was
+ * revoked or lost its permission), or when its end comes without a confirmed renewal (the broker
+ * unreachable or answering 503; {@link #onTrouble(Consumer)} hears of the failed renewals
+ * before). The client counts that end from the moment
  * it <em>sent</em> the acquire or renewal, less a margin (a tenth of the ttl, at most 1 s), so
  * the signal comes before the broker's end, not after it. Then {@link #isHeld()} turns false and
  * the {@link #onLost(Runnable)} callbacks run on a client thread. An application told its lease
@@ -63,6 +66,9 @@ public final class Lease implements AutoCloseable {
     private boolean lostForSure;
     private boolean releaseSent;
     private final List<Runnable> onLost = new ArrayList<>();
+    private final List<Consumer<LockBrokerException>> onTrouble = new ArrayList<>();
+    /** The last failed renewal since the last one that got through; null while they get through. */
+    private LockBrokerException trouble;
     private ScheduledFuture<?> renewTask;
     private ScheduledFuture<?> lossTask;
     private CompletableFuture<?> renewing;
@@ -91,32 +97,56 @@ public final class Lease implements AutoCloseable {
         this.end = sentNanos + TimeUnit.MILLISECONDS.toNanos(this.ttlMs);
     }
 
-    /** The key (lock or semaphore name). */
+    /**
+     * The key (lock or semaphore name).
+     *
+     * @return the key
+     */
     public String key() {
         return key;
     }
 
-    /** The fence: greater than every fence granted before on this key. Pass it with every write. */
+    /**
+     * The fence: greater than every fence granted before on this key. Pass it with every write.
+     *
+     * @return the fence
+     */
     public long fence() {
         return fence;
     }
 
-    /** Exclusive, shared, or a semaphore permit. */
+    /**
+     * Exclusive, shared, or a semaphore permit.
+     *
+     * @return what the lease is on
+     */
     public Kind kind() {
         return kind;
     }
 
-    /** The semaphore's limit for a permit; 0 for a lock. */
+    /**
+     * The semaphore's limit for a permit; 0 for a lock.
+     *
+     * @return the limit, or 0
+     */
     public int limit() {
         return limit;
     }
 
-    /** The ttl each renewal asks for. */
+    /**
+     * The ttl each renewal asks for.
+     *
+     * @return the ttl
+     */
     public Duration ttl() {
         return Duration.ofMillis(ttlMs);
     }
 
-    /** When the lease ends by the broker's latest answer, on the store's clock. */
+    /**
+     * When the lease ends by the broker's latest answer, on the store's clock.
+     *
+     * @return the end, as of the last confirmed acquire or renewal
+     */
     public synchronized Instant expiresAt() {
         return Instant.ofEpochMilli(expiresAtMs);
     }
@@ -124,8 +154,11 @@ public final class Lease implements AutoCloseable {
     /**
      * True while the lease is held: not released, not lost, and its end (as this client counts
      * it, conservatively) not passed.
+     *
+     * @return true while held
      */
     public boolean isHeld() {
+        String reason;
         synchronized (this) {
             if (state != State.HELD) {
                 return false;
@@ -133,8 +166,10 @@ public final class Lease implements AutoCloseable {
             if (System.nanoTime() - lostAt() < 0) {
                 return true;
             }
+            reason = "its end came without a confirmed renewal"
+                    + (trouble == null ? "" : " (last: " + trouble.getMessage() + ")");
         }
-        lost("its end came without a confirmed renewal", false);
+        lost(reason, false);
         return false;
     }
 
@@ -145,7 +180,13 @@ public final class Lease implements AutoCloseable {
         }
     }
 
-    /** Why the lease was lost, once it is. */
+    /**
+     * Why the lease was lost, once it is: {@code "a renewal was answered 404 not_held ..."} (or
+     * {@code 409 not_owner}, {@code 401 unauthorized}, {@code 403 forbidden}), or
+     * {@code "its end came without a confirmed renewal (last: ...)"}.
+     *
+     * @return the reason; empty while the lease is held or after a plain release
+     */
     public synchronized Optional<String> lostReason() {
         return Optional.ofNullable(lostReason);
     }
@@ -153,6 +194,8 @@ public final class Lease implements AutoCloseable {
     /**
      * Runs {@code callback} once, on a client thread, when the lease is lost; at once, on the
      * calling thread, if it is lost already. Never after a release (that is not a loss).
+     *
+     * @param callback what to run when the lease is lost (stop writing)
      */
     public void onLost(Runnable callback) {
         if (callback == null) {
@@ -171,10 +214,41 @@ public final class Lease implements AutoCloseable {
     }
 
     /**
+     * Runs {@code hook} on a client thread when a background renewal fails without an answer
+     * that ends the lease (no answer, a 503 or another 5xx, a {@code 400}; not a
+     * {@code 404}/{@code 409}/{@code 401}/{@code 403}, which lose it):
+     * once per run of failed renewals, at the first, while they are retried until the lease
+     * would end. A renewal that gets through ends the run; the next failure is reported again.
+     * Registered during such a run, it runs at once on the calling thread with the last failure.
+     * The exception names the key, the broker's URL and what it answered. Meant for a log line
+     * or a metric: it must be quick, as it runs on the thread of the lost-lease callbacks.
+     *
+     * @param hook called with the failed renewal's error
+     */
+    public void onTrouble(Consumer<LockBrokerException> hook) {
+        if (hook == null) {
+            throw new IllegalArgumentException("hook is null");
+        }
+        LockBrokerException now;
+        synchronized (this) {
+            if (state == State.HELD) {
+                onTrouble.add(hook);
+            }
+            now = state == State.HELD ? trouble : null;
+        }
+        if (now != null) {
+            runTroubleHook(hook, now);
+        }
+    }
+
+    /**
      * Renews the lease now, for its ttl (the background renewal does this by itself).
      *
      * @throws LeaseLostException it was already lost or released, or the broker says it ended
-     * @throws BrokerUnavailableException the broker could not be reached or answered 503
+     *     ({@code 404}/{@code 409}), or refused the token ({@code 401}/{@code 403})
+     * @throws BrokerUnavailableException the broker could not be reached or answered 503 (or 429,
+     *     or a proxy's 502/504)
+     * @throws LockBrokerException any other answer (the broker's {@code 400}, a 5xx that is not)
      */
     public void renew() {
         synchronized (this) {
@@ -187,7 +261,7 @@ public final class Lease implements AutoCloseable {
         try {
             response = broker.send("POST", path + "/renew", renewBody(), token, broker.requestTimeout);
         } catch (IOException e) {
-            throw new BrokerUnavailableException("cannot reach the broker at " + broker.url + ": " + e, 0, null, e);
+            throw broker.unreachable("renew '" + key + "'", e);
         } catch (InterruptedException e) {
             Thread.currentThread().interrupt();
             throw new LockBrokerException("interrupted while renewing '" + key + "'", e);
@@ -195,18 +269,20 @@ public final class Lease implements AutoCloseable {
         Map<String, Object> answer = Json.parseObject(response.body());
         int status = response.statusCode();
         if (status == 200) {
+            synchronized (this) {
+                trouble = null;
+            }
             renewed(sent, answer);
             return;
         }
-        if (status == 404 || status == 409) {
-            lost(lossBy(status, answer), true);
+        if (ends(status)) {
+            lost(lossBy(status, answer), gone(status));
             throw new LeaseLostException(describeLoss());
         }
-        if (status == 503 || status == 429 || status >= 500) {
-            throw new BrokerUnavailableException("the broker answered " + status + " to a renewal of '" + key + "'",
-                    status, LockBroker.string(answer, "error"), null);
+        if (LockBroker.retryable(status)) {
+            throw broker.unavailable("renew '" + key + "'", response, answer);
         }
-        throw LockBroker.refusal("renew '" + key + "'", status, answer);
+        throw broker.refusal("renew '" + key + "'", response, answer);
     }
 
     /**
@@ -310,8 +386,8 @@ public final class Lease implements AutoCloseable {
                     renewed(sent, Json.parseObject(response.body()));
                     return true;
                 }
-                if (response.statusCode() == 404 || response.statusCode() == 409) {
-                    return false;
+                if (!LockBroker.retryable(response.statusCode())) {
+                    return false; // gone, refused, or an answer no retry would change
                 }
                 retryAfter = LockBroker.retryAfterMs(response);
             } catch (IOException e) {
@@ -390,13 +466,15 @@ public final class Lease implements AutoCloseable {
     private void renewAnswered(long sent, HttpResponse<String> response, Throwable error) {
         int status = response == null ? 0 : response.statusCode();
         Map<String, Object> answer = response == null ? Map.of() : Json.parseObject(response.body());
-        if (status == 404 || status == 409) {
+        if (ends(status)) {
             synchronized (this) {
                 renewing = null;
             }
-            lost(lossBy(status, answer), true);
+            lost(lossBy(status, answer), gone(status));
             return;
         }
+        LockBrokerException failure = status == 200 ? null : renewalFailure(response, answer, error);
+        List<Consumer<LockBrokerException>> toReport = List.of();
         synchronized (this) {
             renewing = null;
             if (state != State.HELD) {
@@ -404,18 +482,55 @@ public final class Lease implements AutoCloseable {
             }
             if (status == 200) {
                 backoff.reset();
+                trouble = null;
                 renewed(sent, answer);
                 scheduleRenew(sent + renewEvery() - System.nanoTime());
                 return;
             }
             // 503, another error, or no answer: try again soon, while the lease may be live;
-            // the loss timer fires if no renewal is confirmed in time.
+            // the loss timer fires if no renewal is confirmed in time. (A 5xx that is not the
+            // broker's is retried here too: nobody waits on this call, and the loss comes anyway.)
+            if (trouble == null) {
+                toReport = new ArrayList<>(onTrouble);
+            }
+            trouble = failure;
             long pauseMs = backoff.pauseMs(response == null ? null : LockBroker.retryAfterMs(response));
-            if (status != 503 && status != 429 && status < 500 && response != null) {
-                LockBroker.warn("renewal of '" + key + "' refused with " + status + "; retrying until the lease ends");
+            if (response != null && status < 500 && !LockBroker.retryable(status)) {
+                LockBroker.warn(failure.getMessage() + "; retrying until the lease ends");
             }
             long pause = Math.min(TimeUnit.MILLISECONDS.toNanos(pauseMs), Math.max(0, lostAt() - System.nanoTime()));
             scheduleRenew(pause);
+        }
+        for (Consumer<LockBrokerException> hook : toReport) {
+            try {
+                broker.callbacks.execute(() -> runTroubleHook(hook, failure));
+            } catch (java.util.concurrent.RejectedExecutionException e) {
+                // the client is closed: its leases are released, not in trouble
+            }
+        }
+    }
+
+    /** A failed background renewal as the error {@link #onTrouble(Consumer)} hooks get. */
+    private LockBrokerException renewalFailure(HttpResponse<String> response, Map<String, Object> answer,
+            Throwable error) {
+        String what = "renew '" + key + "'";
+        if (response != null) {
+            return LockBroker.retryable(response.statusCode()) ? broker.unavailable(what, response, answer)
+                    : broker.refusal(what, response, answer);
+        }
+        Throwable cause = error instanceof java.util.concurrent.CompletionException && error.getCause() != null
+                ? error.getCause() : error;
+        if (cause instanceof IOException) {
+            return broker.unreachable(what, (IOException) cause);
+        }
+        return new BrokerUnavailableException("cannot " + what + " at " + broker.url + ": " + cause, 0, null, cause);
+    }
+
+    private void runTroubleHook(Consumer<LockBrokerException> hook, LockBrokerException failure) {
+        try {
+            hook.accept(failure);
+        } catch (RuntimeException e) {
+            LockBroker.warn("a renewal-trouble hook for '" + key + "' threw: " + e);
         }
     }
 
@@ -448,6 +563,7 @@ public final class Lease implements AutoCloseable {
             cancelTimers();
             toRun = new ArrayList<>(onLost);
             onLost.clear();
+            onTrouble.clear();
         }
         if (!forSure) {
             // The broker may still count it held; if it comes back in time, let the key go.
@@ -485,9 +601,25 @@ public final class Lease implements AutoCloseable {
         }
     }
 
+    /** Whether a renewal's answer ends the lease: gone ({@code 404}/{@code 409}) or the bearer token refused. */
+    private static boolean ends(int status) {
+        return gone(status) || status == 401 || status == 403;
+    }
+
+    /** The broker says the lease is over: nobody ({@code 404}) or somebody else ({@code 409}) holds it. */
+    private static boolean gone(int status) {
+        return status == 404 || status == 409;
+    }
+
     private String lossBy(int status, Map<String, Object> answer) {
         String code = LockBroker.string(answer, "error");
-        return "a renewal was answered " + status + (code == null ? "" : " " + code);
+        if (code == null) {
+            code = status == 401 ? "unauthorized" : status == 403 ? "forbidden"
+                    : status == 404 ? "not_held" : status == 409 ? "not_owner" : null;
+        }
+        String message = LockBroker.string(answer, "message");
+        return "a renewal was answered " + status + (code == null ? "" : " " + code)
+                + (message == null ? "" : " (" + message + ")");
     }
 
     private synchronized String describeLoss() {
@@ -510,9 +642,9 @@ public final class Lease implements AutoCloseable {
                 if (status == 204 || status == 200 || status == 404 || status == 409) {
                     return; // released, or already gone
                 }
-                if (status != 503 && status != 429 && status < 500) {
-                    LockBroker.warn("release of '" + key + "' refused with " + status + " "
-                            + LockBroker.string(Json.parseObject(response.body()), "error"));
+                if (!LockBroker.retryable(status)) {
+                    LockBroker.warn(broker.refusal("release '" + key + "'", response, Json.parseObject(response.body()))
+                            .getMessage() + "; it ends by its ttl, as it is no longer renewed");
                     return;
                 }
                 trouble = "answered " + status;
@@ -524,7 +656,7 @@ public final class Lease implements AutoCloseable {
                 return;
             }
             if (until - System.nanoTime() <= 0) {
-                LockBroker.warn("could not release '" + key + "' (the broker " + trouble
+                LockBroker.warn("could not release '" + key + "' at " + broker.url + " (the broker " + trouble
                         + "); it ends by its ttl, as it is no longer renewed");
                 return;
             }

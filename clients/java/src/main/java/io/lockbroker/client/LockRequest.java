@@ -1,7 +1,5 @@
 package io.lockbroker.client;
 
-import java.net.URLEncoder;
-import java.nio.charset.StandardCharsets;
 import java.time.Duration;
 import java.util.LinkedHashMap;
 import java.util.Map;
@@ -30,28 +28,39 @@ public final class LockRequest {
     boolean autoRenew = true;
 
     LockRequest(LockBroker broker, String key, Lease.Kind kind, int limit) {
-        if (key == null || key.isEmpty()) {
-            throw new IllegalArgumentException("a key is required");
-        }
         this.broker = broker;
-        this.key = key;
+        this.key = Keys.check(key);
         this.kind = kind;
         this.limit = limit;
     }
 
-    /** The lease's length; renewed by that much each time (default 30 s). */
+    /**
+     * The lease's length; renewed by that much each time (default 30 s).
+     *
+     * @param ttl the lease's length
+     * @return this request
+     */
     public LockRequest ttl(Duration ttl) {
         this.ttl = ttl;
         return this;
     }
 
-    /** How long to wait while others hold the key (default: not at all). */
+    /**
+     * How long to wait while others hold the key (default: not at all).
+     *
+     * @param wait how long to wait
+     * @return this request
+     */
     public LockRequest maxWait(Duration wait) {
         this.wait = wait;
         return this;
     }
 
-    /** A shared (read) lease instead of an exclusive one; not for semaphores. */
+    /**
+     * A shared (read) lease instead of an exclusive one; not for semaphores.
+     *
+     * @return a shared request with the same settings
+     */
     public LockRequest shared() {
         if (kind == Lease.Kind.PERMIT) {
             throw new IllegalStateException("a semaphore permit has no shared mode");
@@ -59,13 +68,23 @@ public final class LockRequest {
         return new LockRequest(broker, key, Lease.Kind.SHARED, 0).copy(this);
     }
 
-    /** The label {@code GET /locks/{key}} shows for this lease, for people (at most 128 characters). */
+    /**
+     * The label {@code GET /locks/{key}} shows for this lease, for people (at most 128 characters).
+     *
+     * @param owner the label
+     * @return this request
+     */
     public LockRequest owner(String owner) {
         this.owner = owner;
         return this;
     }
 
-    /** {@code false}: no background renewal; the lease ends after its ttl unless {@link Lease#renew()} is called. */
+    /**
+     * {@code false}: no background renewal; the lease ends after its ttl unless {@link Lease#renew()} is called.
+     *
+     * @param autoRenew whether the lease is renewed in the background (default true)
+     * @return this request
+     */
     public LockRequest autoRenew(boolean autoRenew) {
         this.autoRenew = autoRenew;
         return this;
@@ -74,6 +93,7 @@ public final class LockRequest {
     /**
      * Acquires, waiting up to {@link #maxWait(Duration)}.
      *
+     * @return the lease
      * @throws LockedException not granted within the wait
      * @throws BrokerUnavailableException the broker could not be reached, or kept answering 503
      */
@@ -81,7 +101,12 @@ public final class LockRequest {
         return broker.acquire(this);
     }
 
-    /** Acquires without waiting ({@code wait_ms=0}); empty when others hold it. */
+    /**
+     * Acquires without waiting ({@code wait_ms=0}); empty when others hold it.
+     *
+     * @return the lease; empty when others hold it
+     * @throws BrokerUnavailableException the broker could not be reached, or answered 503
+     */
     public Optional<Lease> tryAcquire() {
         Duration saved = wait;
         wait = Duration.ZERO;
@@ -105,9 +130,7 @@ public final class LockRequest {
     /** {@code /locks/KEY} or {@code /semaphores/KEY}, the key percent-encoded. */
     String path() {
         String space = kind == Lease.Kind.PERMIT ? "/semaphores/" : "/locks/";
-        // The broker decides which keys are valid; characters a path cannot carry are escaped
-        // so that it sees (and refuses) them as they are.
-        return space + URLEncoder.encode(key, StandardCharsets.UTF_8).replace("+", "%20");
+        return space + key; // checked by Keys: nothing in it needs escaping
     }
 
     Map<String, Object> body(long ttlMs, long waitMs, String requestId, String defaultOwner) {

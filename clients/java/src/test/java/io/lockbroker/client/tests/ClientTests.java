@@ -91,6 +91,17 @@ public final class ClientTests {
         redisOnly.put("store_down_503s_retried_without_double_grant", ClientTests::storeDown);
         Map<String, Body> own = new LinkedHashMap<>();
         own.put("lost_within_ttl_after_broker_stopped", ClientTests::lostAfterBrokerStopped);
+        // Client behaviour that does not depend on the store: on the embedded one only.
+        own.put("server_errors_other_than_unavailable_not_retried", FailureTests::serverErrorsOtherThanUnavailableNotRetried);
+        own.put("revoked_token_loses_lease_naming_401_or_403", FailureTests::revokedTokenLosesLeaseNamingIt);
+        own.put("leadership_refused_fails_fast", FailureTests::leadershipRefusedFailsFast);
+        own.put("trouble_hook_told_before_the_loss", FailureTests::troubleHookBeforeLoss);
+        own.put("key_rule_checked_before_sending", FailureTests::keyRuleCheckedBeforeSending);
+        own.put("with_lease_runs_work_then_releases", ApiTests::withLeaseRunsWorkThenReleases);
+        own.put("with_lease_interrupts_work_when_lost", ApiTests::withLeaseInterruptsWorkWhenLost);
+        own.put("inspect_list_and_force_release", ApiTests::inspectListAndForceRelease);
+        own.put("from_env_reads_url_and_auth_token", ApiTests::fromEnvReadsUrlAndAuthToken);
+        own.put("jars_versioned_with_sources_and_javadoc", ApiTests::jarsVersionedWithSourcesAndJavadoc);
 
         List<String> filters = List.of(args);
         int[] tally = new int[2];
@@ -257,6 +268,8 @@ public final class ClientTests {
                 check(e instanceof LockBrokerException, "LockedException is a LockBrokerException");
                 equal(409, e.status(), "status");
                 check(e.retryAfter() != null && e.retryAfter().toMillis() > 0, "it says when the lease ends");
+                check(e.getMessage().contains("'" + key + "'") && e.getMessage().contains(env.url()),
+                        "names the key and the URL: " + e.getMessage());
             }
             check(two.tryAcquire(key, Duration.ofSeconds(10)).isEmpty(), "tryAcquire of a held lock is empty");
             held.release();
@@ -576,11 +589,19 @@ public final class ClientTests {
             try {
                 broker.acquire("no spaces/or slashes", Duration.ofSeconds(1), Duration.ZERO);
                 throw new AssertionError("a bad key was accepted");
+            } catch (IllegalArgumentException e) {
+                check(e.getMessage().contains("no spaces/or slashes") && e.getMessage().contains("A-Z a-z 0-9 . _ - :"),
+                        "names the key and the rule: " + e.getMessage());
+            }
+            try {
+                broker.lock("k").owner("x".repeat(129)).acquire();
+                throw new AssertionError("an over-long owner was accepted");
             } catch (LockedException | BrokerUnavailableException e) {
-                throw new AssertionError("a bad key reported as " + e.getClass().getSimpleName(), e);
+                throw new AssertionError("a bad owner reported as " + e.getClass().getSimpleName(), e);
             } catch (LockBrokerException e) {
                 equal(400, e.status(), "status");
                 equal("invalid_request", e.code(), "code");
+                check(e.getMessage().contains("'k'") && e.getMessage().contains(env.url()), "names key and URL: " + e.getMessage());
             }
             try {
                 broker.acquire("k", Duration.ZERO, Duration.ZERO);

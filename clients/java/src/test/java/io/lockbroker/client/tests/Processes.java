@@ -168,10 +168,38 @@ final class Processes {
         private static final Pattern SERVING = Pattern.compile("lockbroker is serving addr=127\\.0\\.0\\.1:(\\d+)");
         final Child child;
         final int port;
+        /** The auth file of a broker started by {@link #withAuth(String)}; null otherwise. */
+        private Path authFile;
 
         private Broker(Child child, int port) {
             this.child = child;
             this.port = port;
+        }
+
+        /** A broker on the embedded store with auth on: {@code tokens} is the auth file's TOML. */
+        static Broker withAuth(String tokens) throws Exception {
+            Path file = Files.createTempDirectory("lockbroker-java-auth").resolve("auth.toml");
+            Files.writeString(file, tokens);
+            Broker broker = start(null, "--auth-file", file.toString());
+            broker.authFile = file;
+            return broker;
+        }
+
+        /** One {@code [[tokens]]} entry of an auth file. */
+        static String token(String name, String secret, String prefix, String permission) {
+            return "[[tokens]]\nname = \"" + name + "\"\ntoken = \"" + secret + "\"\nprefixes = [\"" + prefix
+                    + "\"]\npermissions = [\"" + permission + "\"]\n\n";
+        }
+
+        /** Rewrites the auth file and has the broker read it again now (SIGHUP). */
+        void reloadAuth(String tokens) throws Exception {
+            Files.writeString(authFile, tokens);
+            Process kill = new ProcessBuilder("kill", "-HUP", String.valueOf(child.process.pid()))
+                    .redirectErrorStream(true).start();
+            if (kill.waitFor() != 0) {
+                throw new IllegalStateException("kill -HUP failed: " + new String(kill.getInputStream().readAllBytes(),
+                        StandardCharsets.UTF_8));
+            }
         }
 
         /** The binary: {@code $LOCKBROKER_BIN}, or the repository's debug build. */

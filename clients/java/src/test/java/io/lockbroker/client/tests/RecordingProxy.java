@@ -23,7 +23,8 @@ import java.util.function.Predicate;
 /**
  * An HTTP proxy on a loopback port between the client and a broker: it records every request
  * (method, path, body, the answer the client got) and can answer in the broker's place, to
- * count renewals and to make a grant's answer get lost on the way back.
+ * count renewals, to make a grant's answer get lost on the way back, and to answer as a broken
+ * proxy would (a 500 or a 502 that is not the broker's).
  */
 final class RecordingProxy implements AutoCloseable {
     /** One request and what the client got. */
@@ -61,7 +62,13 @@ final class RecordingProxy implements AutoCloseable {
         /** Answer 503 store_unavailable without asking the broker. */
         ANSWER_503,
         /** Pass it to the broker, then answer the client 503 as if the broker had failed. */
-        FORWARD_THEN_503
+        FORWARD_THEN_503,
+        /** Answer 500 without asking the broker, with a body that is not the broker's (a proxy's own error). */
+        ANSWER_500,
+        /** Pass it to the broker, then answer the client a proxy's 500. */
+        FORWARD_THEN_500,
+        /** Answer 502 without asking the broker, with an HTML page (a proxy with no broker behind it). */
+        ANSWER_502
     }
 
     private static final class Rule {
@@ -158,6 +165,14 @@ final class RecordingProxy implements AutoCloseable {
             if (fault == Fault.ANSWER_503) {
                 status = 503;
                 answer = "{\"error\":\"store_unavailable\",\"message\":\"proxy fault\"}";
+            } else if (fault == Fault.ANSWER_500) {
+                status = 500;
+                answer = "upstream handler crashed";
+                contentType = "text/plain";
+            } else if (fault == Fault.ANSWER_502) {
+                status = 502;
+                answer = "<html><head><title>502 Bad Gateway</title></head>\n<body>no upstream</body></html>";
+                contentType = "text/html";
             } else {
                 HttpRequest.Builder b = HttpRequest.newBuilder(URI.create(upstream + path))
                         .timeout(Duration.ofSeconds(90))
@@ -187,6 +202,11 @@ final class RecordingProxy implements AutoCloseable {
                 if (fault == Fault.FORWARD_THEN_503) {
                     status = 503;
                     answer = "{\"error\":\"store_unavailable\",\"message\":\"proxy fault after forwarding\"}";
+                    retryAfter = null;
+                } else if (fault == Fault.FORWARD_THEN_500) {
+                    status = 500;
+                    answer = "upstream handler crashed after forwarding";
+                    contentType = "text/plain";
                     retryAfter = null;
                 }
             }

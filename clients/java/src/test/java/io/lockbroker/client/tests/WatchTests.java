@@ -10,7 +10,6 @@ import io.lockbroker.client.KeyWatcher;
 import io.lockbroker.client.Lease;
 import io.lockbroker.client.Leadership;
 import io.lockbroker.client.LockBroker;
-import io.lockbroker.client.LockBrokerException;
 import java.time.Duration;
 import java.util.ArrayList;
 import java.util.Collections;
@@ -66,15 +65,14 @@ final class WatchTests {
             try {
                 broker.watch("no spaces/or slashes", 0, Duration.ZERO);
                 throw new AssertionError("a bad key was watched");
-            } catch (LockBrokerException e) {
-                equal(400, e.status(), "a bad key's status");
-                equal("invalid_request", e.code(), "a bad key's code");
+            } catch (IllegalArgumentException e) {
+                check(e.getMessage().contains("A-Z a-z 0-9 . _ - :"), "a bad key's error: " + e.getMessage());
             }
             try {
                 broker.follow("no spaces/or slashes", view -> { });
                 throw new AssertionError("a bad key was followed");
-            } catch (LockBrokerException e) {
-                equal(400, e.status(), "a bad key's status, followed");
+            } catch (IllegalArgumentException e) {
+                check(e.getMessage().contains("A-Z a-z 0-9 . _ - :"), "a bad key's error, followed: " + e.getMessage());
             }
         }
     }
@@ -142,7 +140,13 @@ final class WatchTests {
             CompletableFuture<Integer> sampler = async(() -> {
                 int samples = 0;
                 while (sampling.get()) {
-                    if (a.leadership.isLeader() && b.leadership.isLeader()) {
+                    // Two reads are two instants: a handover between them would look like two
+                    // leaders. Both at once is one leading before and after the other's read.
+                    boolean a1 = a.leadership.isLeader();
+                    boolean b1 = b.leadership.isLeader();
+                    boolean a2 = a.leadership.isLeader();
+                    boolean b2 = b.leadership.isLeader();
+                    if (a1 && b1 && a2 || b1 && a2 && b2) {
                         overlaps.incrementAndGet();
                     }
                     samples++;
