@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use tokio::time::{Instant, sleep};
 
 use crate::client::{Client, REQUEST_TIMEOUT};
-use crate::error::{Error, error_chain, error_from_text, excerpt, retry_after_header};
+use crate::error::{Error, asked, error_chain, error_from_text, excerpt, retry_after_header};
 use crate::lease::{MAX_RETRY, MIN_RETRY};
 use crate::types::{LockStatus, Resource, SemaphoreStatus, millis};
 
@@ -60,8 +60,9 @@ struct Changed {
 impl Client {
     /// `GET /locks/{key}?watch=seen&wait_ms=wait`: who holds `key`, answered at once if the
     /// holder's fence is not `seen` (`0`: free), else when it changes or `wait` runs out
-    /// (`changed: false`). A renewal is not a change. A `503` or no answer is asked again
-    /// (reading changes nothing) until `wait` has run out; then the error is returned.
+    /// (`changed: false`). A renewal is not a change. A `503` (`429`, `502`, `504`) or no answer
+    /// is asked again (reading changes nothing) until `wait` has run out; then the error is
+    /// returned. Any other error answer is returned at once.
     pub async fn watch(
         &self,
         key: &str,
@@ -122,7 +123,7 @@ impl Client {
     ) -> Result<Watched<T>, Error> {
         let request = self
             .http
-            .get(self.resource_url(resource))
+            .get(self.resource_url(resource)?)
             .query(&[
                 ("watch", seen.to_string()),
                 ("wait_ms", millis(wait).to_string()),
@@ -131,12 +132,14 @@ impl Client {
         let response = self.send(request).await?;
         let status = response.status();
         let retry_after = retry_after_header(&response);
-        let text = response
-            .text()
-            .await
-            .map_err(|e| Error::BadResponse(error_chain(&e)))?;
-        let unreadable = |e: serde_json::Error| {
-            Error::BadResponse(format!("{e} in a watch's answer: {}", excerpt(&text)))
+        let url = asked(response.url());
+        let text = response.text().await.map_err(|e| Error::BadResponse {
+            url: url.clone(),
+            reason: error_chain(&e.without_url()),
+        })?;
+        let unreadable = |e: serde_json::Error| Error::BadResponse {
+            url: url.clone(),
+            reason: format!("{e} in a watch's answer: {}", excerpt(&text)),
         };
         match status {
             StatusCode::OK => {
@@ -157,9 +160,21 @@ impl Client {
                     fence: 0,
                     changed: changed.unwrap_or(true),
                 }),
-                _ => Err(error_from_text(status, retry_after, &text, resource.space)),
+                _ => Err(error_from_text(
+                    status,
+                    retry_after,
+                    &text,
+                    resource.space,
+                    url,
+                )),
             },
-            _ => Err(error_from_text(status, retry_after, &text, resource.space)),
+            _ => Err(error_from_text(
+                status,
+                retry_after,
+                &text,
+                resource.space,
+                url,
+            )),
         }
     }
 }
