@@ -220,6 +220,20 @@ async fn three_candidates_on_one_embedded_broker_one_leads_at_a_time() {
     three_candidates([&app, &app, &app]).await;
 }
 
+/// `status KEY --watch --json` on the broker at `url`, and a reader of its lines.
+fn watch_json(url: &str, key: &str) -> (Child, Lines<BufReader<ChildStdout>>) {
+    let mut status = lockbroker_command(url, &["status", key, "--watch", "--json"])
+        .spawn()
+        .expect("cannot start status --watch");
+    let lines = BufReader::new(status.stdout.take().unwrap()).lines();
+    (status, lines)
+}
+
+/// The next line `status --watch --json` prints, within 10 s.
+async fn next_json(lines: &mut Lines<BufReader<ChildStdout>>) -> Value {
+    serde_json::from_str(&next_line(lines).await).expect("a JSON line")
+}
+
 /// The next line `status --watch` prints, within 10 s.
 async fn next_line(lines: &mut Lines<BufReader<ChildStdout>>) -> String {
     tokio::time::timeout(Duration::from_secs(10), lines.next_line())
@@ -236,16 +250,8 @@ async fn status_watch_prints_each_change_as_a_json_line() {
     let redis = RedisServer::start().await;
     let watching = spawn_app(Some(redis.url())).await;
     let changing = spawn_app(Some(redis.url())).await;
-    let mut status = lockbroker_command(
-        &watching.address,
-        &["status", "followed", "--watch", "--json"],
-    )
-    .spawn()
-    .expect("cannot start status --watch");
-    let mut lines = BufReader::new(status.stdout.take().unwrap()).lines();
-    let mut next = async || -> Value {
-        serde_json::from_str(&next_line(&mut lines).await).expect("a JSON line")
-    };
+    let (mut status, mut lines) = watch_json(&watching.address, "followed");
+    let mut next = async || next_json(&mut lines).await;
     let now = next().await;
     assert_eq!((&now["held"], &now["fence"]), (&false.into(), &Value::Null));
     let grant = changing.grant("followed", "owner=someone").await;
@@ -311,14 +317,8 @@ async fn status_watch_prints_a_semaphores_changes_as_lines_within_a_short_max_wa
 async fn status_watch_shows_a_handed_on_leases_own_ttl_not_the_offer_window() {
     let app = spawn_app(None).await;
     let first = app.grant("handed", "ttl_ms=10000").await;
-    let mut status = lockbroker_command(&app.address, &["status", "handed", "--watch", "--json"])
-        .spawn()
-        .expect("cannot start status --watch");
-    let mut lines = BufReader::new(status.stdout.take().unwrap()).lines();
-    let mut next = async || -> Value {
-        serde_json::from_str(&next_line(&mut lines).await).expect("a JSON line")
-    };
-    let now = next().await;
+    let (mut status, mut lines) = watch_json(&app.address, "handed");
+    let now = next_json(&mut lines).await;
     assert_eq!(now["fence"], first.fence);
     let waiter = app.spawn_acquire("handed", "ttl_ms=10000&wait_ms=10000");
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -330,7 +330,7 @@ async fn status_watch_shows_a_handed_on_leases_own_ttl_not_the_offer_window() {
         .await
         .expect_status(StatusCode::NO_CONTENT);
     let granted = waiter.await.unwrap().expect_grant(StatusCode::CREATED);
-    let line = next().await;
+    let line = next_json(&mut lines).await;
     assert_eq!(line["fence"], granted.fence, "{line}");
     let remaining = line["ttl_remaining_ms"].as_u64().expect("a TTL");
     assert!(

@@ -141,41 +141,36 @@ impl Client {
             url: url.clone(),
             reason: format!("{e} in a watch's answer: {}", excerpt(&text)),
         };
-        match status {
-            StatusCode::OK => {
-                let changed: Changed = serde_json::from_str(&text).map_err(unreadable)?;
-                let view: T = serde_json::from_str(&text).map_err(unreadable)?;
-                Ok(Watched {
-                    fence: view.watched_fence(),
-                    status: Some(view),
-                    changed: changed.changed.unwrap_or(true),
-                })
-            }
-            StatusCode::NOT_FOUND => match serde_json::from_str::<Changed>(&text) {
-                Ok(Changed {
-                    changed,
-                    error: Some(code),
-                }) if code == "not_held" => Ok(Watched {
-                    status: None,
-                    fence: 0,
-                    changed: changed.unwrap_or(true),
-                }),
-                _ => Err(error_from_text(
-                    status,
-                    retry_after,
-                    &text,
-                    resource.space,
-                    url,
-                )),
-            },
-            _ => Err(error_from_text(
-                status,
-                retry_after,
-                &text,
-                resource.space,
-                url,
-            )),
+        if status == StatusCode::OK {
+            let changed: Changed = serde_json::from_str(&text).map_err(unreadable)?;
+            let view: T = serde_json::from_str(&text).map_err(unreadable)?;
+            return Ok(Watched {
+                fence: view.watched_fence(),
+                status: Some(view),
+                changed: changed.changed.unwrap_or(true),
+            });
         }
+        // Free: `404 not_held`, with `changed`.
+        if status == StatusCode::NOT_FOUND
+            && let Ok(Changed {
+                changed,
+                error: Some(code),
+            }) = serde_json::from_str::<Changed>(&text)
+            && code == "not_held"
+        {
+            return Ok(Watched {
+                status: None,
+                fence: 0,
+                changed: changed.unwrap_or(true),
+            });
+        }
+        Err(error_from_text(
+            status,
+            retry_after,
+            &text,
+            resource.space,
+            url,
+        ))
     }
 }
 
