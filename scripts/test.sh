@@ -9,7 +9,9 @@
 # runs `cargo test --workspace --all-targets`: the root package's unit tests and its api, cli,
 # client, safety and topologies suites, and the unit tests of the workspace's other crates
 # (clients/rust, the lockbroker-client crate; test-support/, which holds the suites' fixtures);
-# then each client library's tests against the broker binary that built. It never starts a Redis
+# then each client library's tests against the broker binary that built, which need a JDK (11+)
+# and python3 (3.9+) with pytest (installed with apt too when missing). Extra arguments go to
+# `cargo test` only: the Java and Python suites always run in full. It never starts a Redis
 # server itself.
 set -euo pipefail
 
@@ -115,5 +117,11 @@ if ! command -v python3 >/dev/null 2>&1; then
         echo "       macOS: brew install python; Fedora/RHEL: dnf install python3; Arch: pacman -S python; Alpine: apk add python3" >&2
         exit 1
     fi
+fi
+# A python3 without pytest (Debian's own): its package, since pip may not be there, and Debian's
+# python3 refuses a system-wide pip install.
+if ! python3 -c 'import pytest' >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    echo "pytest not found: installing python3-pytest with apt-get (the Python client's tests need it)."
+    apt_install python3-pytest
 fi
 LOCKBROKER_BIN="$(cd "${CARGO_TARGET_DIR:-target}" && pwd)/debug/lockbroker" clients/python/test.sh

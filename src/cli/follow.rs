@@ -3,6 +3,13 @@
 //! — one line each (one JSON object each with `--json`), until interrupted. It follows the
 //! broker's watch with the client's [`Follower`]: one request parked at a time, answered when
 //! the holders change, so nothing polls.
+//!
+//! A watch answers with the broker's reading made when the holders changed. When a lock is
+//! handed to a waiter queued for it (an `elect` candidate, an `acquire --wait`), that reading is
+//! the *offer*: a lease the store writes for the waiter that lasts the offer window (2 s by
+//! default) until the waiter's broker takes it, from when it runs its own TTL. Taking it changes
+//! no holder, so no watch answers it. Each line's expiry therefore comes from a status read made
+//! after the watch's answer, which shows the lease taken.
 
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -22,8 +29,8 @@ use lockbroker_client::{
 /// it, and the next one asks for half).
 const WATCH_WAIT: Duration = Duration::from_secs(30);
 
-/// How soon to ask again after the broker could not be reached or answered 5xx for a whole
-/// watch.
+/// How soon to ask again after the broker could not be reached or answered 503 (502, 504, 429)
+/// for a whole watch.
 const RETRY: Duration = Duration::from_secs(1);
 
 /// `lockbroker status --watch`.
@@ -48,6 +55,9 @@ trait Followed: DeserializeOwned + WatchedFence + Serialize + Sized {
 
     /// The line that shows it held (after the time).
     fn line(&self) -> String;
+
+    /// The holders' fences: two statuses with the same ones show the same leases.
+    fn fences(&self) -> Vec<u64>;
 }
 
 impl Followed for LockStatus {
@@ -67,6 +77,13 @@ impl Followed for LockStatus {
             self.owner.as_deref().unwrap_or("-"),
             self.mode
         )
+    }
+
+    fn fences(&self) -> Vec<u64> {
+        match &self.holders {
+            Some(holders) => holders.iter().map(|h| h.fence).collect(),
+            None => vec![self.fence],
+        }
     }
 }
 
@@ -88,6 +105,10 @@ impl Followed for SemaphoreStatus {
             self.watched_fence()
         )
     }
+
+    fn fences(&self) -> Vec<u64> {
+        self.holders.iter().map(|h| h.fence).collect()
+    }
 }
 
 /// A status that says "nobody holds it" as `None`.
@@ -100,8 +121,8 @@ fn free_is_none<T>(answer: Result<T, Error>) -> Result<Option<T>, Error> {
 }
 
 /// Prints the key's state now, then follows it from that state's fence, until interrupted or
-/// refused. The broker unreachable (or answering 5xx) is said once and tried again each
-/// [`RETRY`]; a wait over the broker's `max_wait_ms` is halved.
+/// refused. The broker unreachable (or answering 503, 502, 504, 429) is said once and tried
+/// again each [`RETRY`]; a wait over the broker's `max_wait_ms` is halved.
 async fn follow_key<T: Followed>(client: &Client, args: &StatusArgs) -> ExitCode {
     let resource = args.target.resource();
     let mut troubled = false;
@@ -122,6 +143,10 @@ async fn follow_key<T: Followed>(client: &Client, args: &StatusArgs) -> ExitCode
         match follower.next().await {
             Ok(Watched { status, fence, .. }) => {
                 troubled = false;
+                let status = match status {
+                    Some(seen) => Some(taken(client, &resource.key, seen).await),
+                    None => None,
+                };
                 print_change(&resource.key, status.as_ref(), fence, args.json);
             }
             Err(e) if e.is_transient() => trouble(&e, &mut troubled).await,
@@ -136,6 +161,17 @@ async fn follow_key<T: Followed>(client: &Client, args: &StatusArgs) -> ExitCode
             }
             Err(e) => return fail(&format!("cannot watch {resource}"), &e, args.json),
         }
+    }
+}
+
+/// The holders a watch answered with, as a status read made now shows them: the same leases,
+/// with their expiry as it is now — for a lock handed to a queued waiter, the lease it took
+/// rather than the offer the watch saw (see the module's note). The watch's own view when the
+/// read fails or shows other holders (a change the follower sees next).
+async fn taken<T: Followed>(client: &Client, key: &str, seen: T) -> T {
+    match T::now(client, key).await {
+        Ok(Some(now)) if now.fences() == seen.fences() => now,
+        _ => seen,
     }
 }
 

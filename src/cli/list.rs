@@ -8,7 +8,7 @@ use clap::Args;
 use lockbroker_client::{Error, LockEntry, MAX_PAGE, Page, SemaphoreEntry};
 use serde::Serialize;
 
-use super::{BrokerArgs, fail, format_ms, parse_prefix, print_json};
+use super::{BrokerArgs, closed_stdout_ends_with, fail, format_ms, parse_prefix, print_json};
 
 /// `lockbroker list` flags.
 #[derive(Debug, Clone, Args)]
@@ -44,6 +44,8 @@ pub struct ListArgs {
 /// `lockbroker list`: every held lock (or semaphore) under the prefix, following the broker's
 /// cursor from page to page until the last one or `--limit`.
 pub async fn list(args: ListArgs) -> ExitCode {
+    // A reader that stops reading (`| head -1`) took what it wanted: 0, table or JSON lines.
+    closed_stdout_ends_with(0);
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,

@@ -10,8 +10,10 @@
 //! "something went wrong", and stdout that a closed pipe ends quietly ([`out!`]).
 
 /// `println!` for the commands' output, except that a reader gone (a closed pipe, as in
-/// `lockbroker list | head -1`) ends the process quietly with [`exit::BROKEN_PIPE`], as a
-/// program killed by SIGPIPE does, instead of panicking.
+/// `lockbroker list | head -1`) ends the process quietly instead of panicking: with the status
+/// the command said it ends with ([`closed_stdout_ends_with`]: 0 for a listing or a status,
+/// whose reader took what it wanted), else [`exit::BROKEN_PIPE`], as a program killed by
+/// SIGPIPE does (an acquire's token that nobody read).
 macro_rules! out {
     ($($arg:tt)*) => {
         $crate::cli::write_line(format_args!($($arg)*))
@@ -33,6 +35,7 @@ use std::fmt;
 use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use clap::Args;
 use lockbroker_client::{Client, Error};
@@ -69,8 +72,10 @@ pub mod exit {
     pub const CANNOT_EXECUTE: u8 = 126;
     /// `run` only: the command was not found (as a shell does).
     pub const NOT_FOUND: u8 = 127;
-    /// Stdout was closed before the output was written (`lockbroker list | head -1`): 128 +
-    /// SIGPIPE, what a shell reports for a program that SIGPIPE ended.
+    /// Stdout was closed before output that had to be read was written (the grant of
+    /// `lockbroker acquire --json | …` whose reader left): 128 + SIGPIPE, what a shell reports
+    /// for a program that SIGPIPE ended. A listing or a status whose reader leaves early
+    /// (`lockbroker list --json | head -1`) ends with its own status instead.
     pub const BROKEN_PIPE: u8 = 141;
 }
 
@@ -113,7 +118,7 @@ pub struct ConnectArgs {
     /// environment keeps it out of `ps`. (`--token` is the lock's own token.)
     #[arg(
         long,
-        env = "LOCKBROKER_AUTH_TOKEN",
+        env = lockbroker_client::AUTH_TOKEN_ENV,
         hide_env_values = true,
         value_name = "TOKEN"
     )]
@@ -203,8 +208,8 @@ pub struct BrokerArgs {
     /// The broker (or the load balancer in front of several).
     #[arg(
         long,
-        env = "LOCKBROKER_URL",
-        default_value = "http://127.0.0.1:8080",
+        env = lockbroker_client::URL_ENV,
+        default_value = lockbroker_client::DEFAULT_URL,
         value_name = "URL"
     )]
     pub url: String,
@@ -250,6 +255,7 @@ pub fn error_json(e: &Error) -> serde_json::Value {
 /// Reports an error on stderr (and as JSON on stdout with `--json`); returns its exit code.
 pub fn fail(doing: &str, e: &Error, json: bool) -> ExitCode {
     eprintln!("lockbroker: {doing}: {e}");
+    closed_stdout_ends_with(exit_code(e));
     if json {
         print_json(&error_json(e));
     }
@@ -258,6 +264,7 @@ pub fn fail(doing: &str, e: &Error, json: bool) -> ExitCode {
 
 /// What `status` and `release --force` say of a lock or semaphore nobody holds.
 pub fn not_held(resource: &lockbroker_client::Resource, json: bool) {
+    closed_stdout_ends_with(exit::NOT_HELD);
     if json {
         print_json(&error_json(&Error::NotHeld {
             space: resource.space,
@@ -275,6 +282,18 @@ pub fn print_json(value: &impl Serialize) {
     );
 }
 
+/// The status a closed stdout ends the process with; see [`closed_stdout_ends_with`].
+static CLOSED_STDOUT_EXIT: AtomicU8 = AtomicU8::new(exit::BROKEN_PIPE);
+
+/// Says the status the command ends with, for a reader that closes stdout before the command
+/// has written all it prints: a listing or a status is an answer that its reader may cut short
+/// (`lockbroker list --json | head -1` ends with 0, as the table form does when the pipe took
+/// all of it), and a failure ends with its own exit code. Until a command says, a closed stdout
+/// ends it with [`exit::BROKEN_PIPE`].
+pub fn closed_stdout_ends_with(code: u8) {
+    CLOSED_STDOUT_EXIT.store(code, Ordering::Relaxed);
+}
+
 /// One line on stdout; see [`out!`].
 pub fn write_line(line: fmt::Arguments<'_>) {
     let mut stdout = io::stdout().lock();
@@ -284,7 +303,7 @@ pub fn write_line(line: fmt::Arguments<'_>) {
     match written {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {
-            std::process::exit(exit::BROKEN_PIPE.into())
+            std::process::exit(CLOSED_STDOUT_EXIT.load(Ordering::Relaxed).into())
         }
         Err(e) => {
             eprintln!("lockbroker: cannot write to stdout: {e}");
@@ -321,6 +340,7 @@ mod tests {
             code: "store_unavailable".into(),
             message: "down".into(),
             retry_after: None,
+            url: "http://h:1/locks/k".into(),
         };
         assert_eq!(exit_code(&unavailable), exit::ERROR);
     }

@@ -1,4 +1,4 @@
-//! The HTTP contract (`shared/design/api.md`), point by point, over real HTTP. Every check is
+//! The HTTP contract, as docs/api.md documents it, point by point, over real HTTP. Every check is
 //! written once and runs twice: on the embedded store and on Redis.
 
 use std::time::{Duration, Instant};

@@ -28,7 +28,7 @@ const METHODS: &[&str] = &[
     "GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE",
 ];
 
-/// The error codes of `api.md`, plus `too_many_waiters` and `shutting_down`.
+/// The error codes of docs/api.md's error table.
 const ERROR_CODES: &[&str] = &[
     "unauthorized",
     "forbidden",

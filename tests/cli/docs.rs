@@ -464,3 +464,142 @@ fn a_missing_file_a_missing_anchor_and_a_malformed_url_are_each_reported() {
         );
     }
 }
+
+/// The code-layout table of docs/how-it-works.md: its rows as (paths of the first column, the
+/// backquoted names of the second).
+fn layout_rows(text: &str) -> Vec<(Vec<String>, Vec<String>)> {
+    let section = text
+        .split("\n## Code layout")
+        .nth(1)
+        .expect("docs/how-it-works.md has a Code layout section");
+    let section = section.split("\n## ").next().unwrap_or(section);
+    let quoted = |cell: &str| -> Vec<String> {
+        cell.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    };
+    section
+        .lines()
+        .filter(|line| line.starts_with("| `"))
+        .map(|line| {
+            let cells: Vec<&str> = line.split(" | ").collect();
+            let rest = cells[1..].join(" | ");
+            (quoted(cells[0]), quoted(&rest))
+        })
+        .collect()
+}
+
+/// Whether a backquoted name in the table is a file or directory name (`slot.rs`, `memory/`)
+/// rather than a type, a route or a flag.
+fn names_a_path(name: &str) -> bool {
+    const EXTENSIONS: &[&str] = &[".rs", ".lua", ".sh", ".py", ".java", ".toml", ".md"];
+    !name.starts_with('.')
+        && !name.contains(' ')
+        && (name.ends_with('/') || EXTENSIONS.iter().any(|e| name.ends_with(e)))
+}
+
+/// Whether `name` (`slot.rs`, `redis/scripts/`) is a path under `dir`, at any depth.
+fn found_under(dir: &Path, name: &str) -> bool {
+    if dir.join(name.trim_end_matches('/')).exists() {
+        return true;
+    }
+    let Ok(entries) = fs::read_dir(dir) else {
+        return false;
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| path.is_dir())
+        .filter(|path| {
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            !name.starts_with('.') && !SKIPPED_DIRS.contains(&name)
+        })
+        .any(|path| found_under(&path, name))
+}
+
+/// The table of `docs/how-it-works.md` says where the code is: every path in its first column
+/// exists, every file or directory its second column names exists under that row's paths, and
+/// every top-level module of `src/` and every client under `clients/` has a row.
+#[test]
+fn the_code_layout_table_names_paths_that_exist_and_every_module_of_src() {
+    let root = root();
+    let text = fs::read_to_string(root.join("docs/how-it-works.md"))
+        .expect("cannot read docs/how-it-works.md");
+    let rows = layout_rows(&text);
+    assert!(rows.len() > 10, "only {} rows read", rows.len());
+    let mut wrong = Vec::new();
+    let mut listed = HashSet::new();
+    for (paths, names) in &rows {
+        for path in paths {
+            if !root.join(path).exists() {
+                wrong.push(format!("{path} does not exist"));
+            }
+            listed.insert(path.trim_end_matches('/').to_owned());
+        }
+        let dirs: Vec<PathBuf> = paths
+            .iter()
+            .map(|p| root.join(p))
+            .map(|p| {
+                if p.is_dir() {
+                    p
+                } else {
+                    p.parent().unwrap().into()
+                }
+            })
+            .collect();
+        for name in names.iter().filter(|n| names_a_path(n)) {
+            if !dirs.iter().any(|dir| found_under(dir, name)) {
+                wrong.push(format!("`{name}` is not under {}", paths.join(", ")));
+            }
+        }
+    }
+    for parent in ["src", "clients"] {
+        for entry in fs::read_dir(root.join(parent)).expect("a directory") {
+            let name = entry.expect("a directory entry").file_name();
+            let path = format!("{parent}/{}", name.to_string_lossy());
+            if !listed.contains(&path) {
+                wrong.push(format!("{path} has no row"));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "docs/how-it-works.md, Code layout:\n{}",
+        wrong.join("\n")
+    );
+}
+
+#[test]
+fn the_layout_check_tells_file_names_from_other_code() {
+    for name in [
+        "slot.rs",
+        "memory/",
+        "scripts/",
+        "test.sh",
+        "src/lockbroker/",
+    ] {
+        assert!(names_a_path(name), "{name}");
+    }
+    for name in [
+        "LockKey",
+        "Store::leave",
+        ".lua",
+        "GET …?watch=F",
+        "lease_routes!",
+    ] {
+        assert!(!names_a_path(name), "{name}");
+    }
+    let rows = layout_rows(
+        "# How\n\n## Code layout\n\n| path | what |\n|---|---|\n\
+         | `src/a/`, `src/b.rs` | `x.rs` (`T`) |\n\n## Next\n| `src/c/` | no |\n",
+    );
+    assert_eq!(
+        rows,
+        [(
+            vec!["src/a/".to_owned(), "src/b.rs".to_owned()],
+            vec!["x.rs".to_owned(), "T".to_owned()]
+        )]
+    );
+}

@@ -7,6 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
+use lockbroker_test_support::http::metric;
 use lockbroker_test_support::redis_server::RedisServer;
 use lockbroker_test_support::send_signal;
 use lockbroker_test_support::temp::TempDir;
@@ -219,6 +220,20 @@ async fn three_candidates_on_one_embedded_broker_one_leads_at_a_time() {
     three_candidates([&app, &app, &app]).await;
 }
 
+/// `status KEY --watch --json` on the broker at `url`, and a reader of its lines.
+fn watch_json(url: &str, key: &str) -> (Child, Lines<BufReader<ChildStdout>>) {
+    let mut status = lockbroker_command(url, &["status", key, "--watch", "--json"])
+        .spawn()
+        .expect("cannot start status --watch");
+    let lines = BufReader::new(status.stdout.take().unwrap()).lines();
+    (status, lines)
+}
+
+/// The next line `status --watch --json` prints, within 10 s.
+async fn next_json(lines: &mut Lines<BufReader<ChildStdout>>) -> Value {
+    serde_json::from_str(&next_line(lines).await).expect("a JSON line")
+}
+
 /// The next line `status --watch` prints, within 10 s.
 async fn next_line(lines: &mut Lines<BufReader<ChildStdout>>) -> String {
     tokio::time::timeout(Duration::from_secs(10), lines.next_line())
@@ -235,16 +250,8 @@ async fn status_watch_prints_each_change_as_a_json_line() {
     let redis = RedisServer::start().await;
     let watching = spawn_app(Some(redis.url())).await;
     let changing = spawn_app(Some(redis.url())).await;
-    let mut status = lockbroker_command(
-        &watching.address,
-        &["status", "followed", "--watch", "--json"],
-    )
-    .spawn()
-    .expect("cannot start status --watch");
-    let mut lines = BufReader::new(status.stdout.take().unwrap()).lines();
-    let mut next = async || -> Value {
-        serde_json::from_str(&next_line(&mut lines).await).expect("a JSON line")
-    };
+    let (mut status, mut lines) = watch_json(&watching.address, "followed");
+    let mut next = async || next_json(&mut lines).await;
     let now = next().await;
     assert_eq!((&now["held"], &now["fence"]), (&false.into(), &Value::Null));
     let grant = changing.grant("followed", "owner=someone").await;
@@ -300,6 +307,36 @@ async fn status_watch_prints_a_semaphores_changes_as_lines_within_a_short_max_wa
     .await
     .expect_status(StatusCode::NO_CONTENT);
     assert_eq!(next().await, "pool is free");
+    status.start_kill().unwrap();
+}
+
+/// `status KEY --watch --json` when the lock is handed on to a waiter queued for it (as an
+/// `elect` candidate is): the line shows the lease the waiter took, with its own TTL (10 s),
+/// not the offer the watch saw when the holder let go, which lasts the offer window (2 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_watch_shows_a_handed_on_leases_own_ttl_not_the_offer_window() {
+    let app = spawn_app(None).await;
+    let first = app.grant("handed", "ttl_ms=10000").await;
+    let (mut status, mut lines) = watch_json(&app.address, "handed");
+    let now = next_json(&mut lines).await;
+    assert_eq!(now["fence"], first.fence);
+    let waiter = app.spawn_acquire("handed", "ttl_ms=10000&wait_ms=10000");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&app.address, "lockbroker_waiters").await < 1.0 {
+        assert!(Instant::now() < deadline, "the waiter never parked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    app.release("handed", &first.token)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    let granted = waiter.await.unwrap().expect_grant(StatusCode::CREATED);
+    let line = next_json(&mut lines).await;
+    assert_eq!(line["fence"], granted.fence, "{line}");
+    let remaining = line["ttl_remaining_ms"].as_u64().expect("a TTL");
+    assert!(
+        remaining > 5_000,
+        "the line shows {remaining} ms left of a 10 s lease: {line}"
+    );
     status.start_kill().unwrap();
 }
 

@@ -1,10 +1,13 @@
 //! The `lockbroker-client` crate against a real broker process (`lockbroker serve`, built from
 //! this package), on the embedded store and on a real `redis-server`: grants, waiting, `409`,
 //! shared leases and permits, the renewing guard, the loss signal, retries across `503`s, and
-//! no renewal after a release. The suite lives in this package, not in the crate's, because
-//! Cargo tells only the package's own tests where its binary is.
+//! no renewal after a release; and the answers not worth asking again (`refusals`, against a
+//! broker in the test process and a stand-in that is not a broker): a `500`, a revoked bearer
+//! token, a `Leadership` with a wrong token, an empty key. The suite lives in this package, not
+//! in the crate's, because Cargo tells only the package's own tests where its binary is.
 
 mod guard;
+mod refusals;
 mod watching;
 
 use std::process::Command;

@@ -1,6 +1,7 @@
 //! Taking a lease: [`Client::acquire`], [`Client::try_acquire`] and their forms for any
-//! [`Claim`]. The broker does the waiting; a `503` or a lost connection is asked again with the
-//! same request id, so a retry can never make a second holder nor strand a lease.
+//! [`Claim`]. The broker does the waiting; a `503` (or `429`, `502`, `504`) or a lost connection
+//! is asked again with the same request id, so a retry can never make a second holder nor strand
+//! a lease. Any other error answer is returned at once.
 
 use std::time::Duration;
 
@@ -14,7 +15,8 @@ use crate::types::{AcquireParams, Claim, new_request_id};
 impl Client {
     /// An exclusive lease on `key` for `ttl`, waiting up to `wait` while someone else holds it.
     /// [`Error::Locked`] when the wait ran out; an error with [`Error::is_transient`] when the
-    /// broker stayed unreachable or unavailable.
+    /// broker stayed unreachable or unavailable; any other error answer (a `401`, a proxy's
+    /// `500`) at once; [`Error::Invalid`] for an empty key, before anything is sent.
     pub async fn acquire(&self, key: &str, ttl: Duration, wait: Duration) -> Result<Lease, Error> {
         self.acquire_with(
             Claim::Exclusive(key.to_owned()),
@@ -44,9 +46,9 @@ impl Client {
     }
 
     /// A lease for `claim` (exclusive, shared, or a semaphore's permit). One request id for
-    /// every attempt: a 503 or a lost connection is asked again after the broker's
-    /// `Retry-After` (or a short pause) until `options.wait` has run out, and at least once,
-    /// so a grant whose answer was lost is returned rather than left behind.
+    /// every attempt: a 503 (429, 502, 504) or a lost connection is asked again after the
+    /// broker's `Retry-After` (or a short pause) until `options.wait` has run out, and at least
+    /// once, so a grant whose answer was lost is returned rather than left behind.
     pub async fn acquire_with(&self, claim: Claim, options: LeaseOptions) -> Result<Lease, Error> {
         let first_sent = Instant::now();
         let deadline = first_sent + options.wait;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde::Serialize;
 
-use crate::error::{Error, error_chain, error_from, excerpt};
+use crate::error::{Error, asked, error_chain, error_from, excerpt};
 use crate::types::{
     AcquireParams, Claim, Grant, LockEntry, LockStatus, Page, Resource, SemaphoreEntry,
     SemaphoreStatus, Space, Token, millis,
@@ -20,6 +20,18 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Bound on opening a connection to the broker.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The environment variable that names the broker's URL, read by [`Client::from_env`] and by
+/// the command line's `--url`.
+pub const URL_ENV: &str = "LOCKBROKER_URL";
+
+/// The environment variable that holds the bearer token, read by [`Client::from_env`] and by
+/// the command line's `--auth-token`. (`LOCKBROKER_TOKEN`, which `lockbroker run` sets for its
+/// command, is the lock's own token, not this.)
+pub const AUTH_TOKEN_ENV: &str = "LOCKBROKER_AUTH_TOKEN";
+
+/// The broker's URL when none is given: a broker on this host with its default port.
+pub const DEFAULT_URL: &str = "http://127.0.0.1:8080";
 
 /// Why a [`Client`] could not be set up: the URL, the token or the TLS settings.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -114,6 +126,26 @@ impl Client {
         Self::builder(url)?.build()
     }
 
+    /// A client for the broker at `$LOCKBROKER_URL` ([`DEFAULT_URL`] when unset or empty), with
+    /// the bearer token `$LOCKBROKER_AUTH_TOKEN` when it is set and not empty.
+    pub fn from_env() -> Result<Self, BuildError> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`Client::from_env`] with the variables read by `var`.
+    fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self, BuildError> {
+        let var = |name: &str| var(name).filter(|v| !v.is_empty());
+        let url = var(URL_ENV).unwrap_or_else(|| DEFAULT_URL.to_owned());
+        let mut builder =
+            Self::builder(&url).map_err(|e| BuildError(format!("{URL_ENV}: {}", e.0)))?;
+        if let Some(token) = var(AUTH_TOKEN_ENV) {
+            builder = builder.auth_token(token);
+        }
+        builder
+            .build()
+            .map_err(|e| BuildError(format!("{AUTH_TOKEN_ENV}: {}", e.0)))
+    }
+
     /// A builder for the broker at `url`; the URL is checked now.
     pub fn builder(url: &str) -> Result<ClientBuilder, BuildError> {
         let parsed = reqwest::Url::parse(url).map_err(|e| {
@@ -142,15 +174,25 @@ impl Client {
     }
 
     /// `{base}/{space}/{key}`, the key percent-encoded as one path segment (a valid key needs
-    /// no encoding; an invalid one reaches the broker intact and is refused with `400`).
-    pub(crate) fn resource_url(&self, resource: &Resource) -> String {
+    /// no encoding; an invalid one reaches the broker intact and is refused with `400`). An
+    /// empty key is refused here: it would name the space's listing, not a key.
+    pub(crate) fn resource_url(&self, resource: &Resource) -> Result<String, Error> {
+        if resource.key.is_empty() {
+            return Err(Error::Invalid(
+                match resource.space {
+                    Space::Locks => "a key is required: an empty key names no lock",
+                    Space::Semaphores => "a name is required: an empty name names no semaphore",
+                }
+                .to_owned(),
+            ));
+        }
         let mut url = reqwest::Url::parse(&self.base).expect("checked by Client::builder");
         url.path_segments_mut()
             .expect("an http(s) URL has a path")
             .pop_if_empty()
             .push(resource.space.path())
             .push(&resource.key);
-        url.into()
+        Ok(url.into())
     }
 
     /// `POST /locks/{key}` (`?mode=shared` for a shared lease) or
@@ -178,7 +220,7 @@ impl Client {
         let resource = claim.resource();
         let request = self
             .http
-            .post(self.resource_url(&resource))
+            .post(self.resource_url(&resource)?)
             .query(&claim.query())
             .json(&body)
             .timeout(params.wait.unwrap_or_default() + REQUEST_TIMEOUT);
@@ -190,7 +232,7 @@ impl Client {
     pub async fn release(&self, resource: &Resource, token: &Token) -> Result<(), Error> {
         let request = self
             .http
-            .delete(self.resource_url(resource))
+            .delete(self.resource_url(resource)?)
             .header("Lock-Token", token.as_str())
             .timeout(REQUEST_TIMEOUT);
         expect_no_content(self.send(request).await?, resource.space).await
@@ -202,7 +244,7 @@ impl Client {
     pub async fn force_release(&self, resource: &Resource) -> Result<(), Error> {
         let request = self
             .http
-            .delete(self.resource_url(resource))
+            .delete(self.resource_url(resource)?)
             .query(&[("force", "true")])
             .timeout(REQUEST_TIMEOUT);
         expect_no_content(self.send(request).await?, resource.space).await
@@ -218,7 +260,7 @@ impl Client {
     ) -> Result<Grant, Error> {
         let mut request = self
             .http
-            .post(format!("{}/renew", self.resource_url(resource)))
+            .post(format!("{}/renew", self.resource_url(resource)?))
             .header("Lock-Token", token.as_str())
             .timeout(REQUEST_TIMEOUT);
         if let Some(ttl) = ttl {
@@ -241,7 +283,7 @@ impl Client {
     async fn read<T: serde::de::DeserializeOwned>(&self, resource: &Resource) -> Result<T, Error> {
         let request = self
             .http
-            .get(self.resource_url(resource))
+            .get(self.resource_url(resource)?)
             .timeout(REQUEST_TIMEOUT);
         let response = self.send(request).await?;
         expect_json(response, StatusCode::OK, resource.space).await
@@ -297,8 +339,9 @@ impl Client {
         request: reqwest::RequestBuilder,
     ) -> Result<reqwest::Response, Error> {
         request.send().await.map_err(|e| Error::Transport {
-            url: self.base.clone(),
-            reason: error_chain(&e),
+            url: e.url().map_or_else(|| self.base.clone(), asked),
+            // The URL is said once, in `url`.
+            reason: error_chain(&e.without_url()),
         })
     }
 }
@@ -312,12 +355,15 @@ async fn expect_json<T: serde::de::DeserializeOwned>(
     if response.status() != expected {
         return Err(error_from(response, space).await);
     }
-    let text = response
-        .text()
-        .await
-        .map_err(|e| Error::BadResponse(error_chain(&e)))?;
-    serde_json::from_str(&text)
-        .map_err(|e| Error::BadResponse(format!("{e} in {}", excerpt(&text))))
+    let url = asked(response.url());
+    let text = response.text().await.map_err(|e| Error::BadResponse {
+        url: url.clone(),
+        reason: error_chain(&e.without_url()),
+    })?;
+    serde_json::from_str(&text).map_err(|e| Error::BadResponse {
+        url,
+        reason: format!("{e} in {}", excerpt(&text)),
+    })
 }
 
 /// `Ok` for `204 No Content`, the error otherwise.
@@ -350,19 +396,28 @@ mod tests {
         assert_eq!(shared.resource().to_string(), "jobs");
         let client = Client::new("http://h:1/").unwrap();
         assert_eq!(
-            client.resource_url(&permit.resource()),
+            client.resource_url(&permit.resource()).unwrap(),
             "http://h:1/semaphores/jobs"
         );
         let prefixed = Client::new("http://h:1/base/").unwrap();
         assert_eq!(
-            prefixed.resource_url(&Resource::lock("a:b")),
+            prefixed.resource_url(&Resource::lock("a:b")).unwrap(),
             "http://h:1/base/locks/a:b"
         );
         assert_eq!(
-            client.resource_url(&Resource::lock("a/b c")),
+            client.resource_url(&Resource::lock("a/b c")).unwrap(),
             "http://h:1/locks/a%2Fb%20c",
             "a key never adds a path segment"
         );
+        for empty in [Resource::lock(""), Resource::semaphore("")] {
+            match client.resource_url(&empty) {
+                Err(e @ Error::Invalid(_)) => {
+                    assert!(e.to_string().contains("is required"), "{e}");
+                    assert_eq!(e.code(), "invalid_request");
+                }
+                other => panic!("an empty key is refused before sending, got {other:?}"),
+            }
+        }
     }
 
     #[test]
@@ -380,6 +435,29 @@ mod tests {
             .auth_token("é\n")
             .build();
         assert!(bad_token.is_err());
+    }
+
+    #[test]
+    fn from_env_reads_the_url_and_the_bearer_token_the_command_line_reads() {
+        let vars = |url: &'static str, token: &'static str| {
+            move |name: &str| match name {
+                "LOCKBROKER_URL" => Some(url.to_owned()),
+                "LOCKBROKER_AUTH_TOKEN" => Some(token.to_owned()),
+                _ => None,
+            }
+        };
+        let client = Client::from_vars(vars("https://broker:9/base/", "s3cret")).unwrap();
+        assert_eq!(client.url(), "https://broker:9/base");
+        let unset = Client::from_vars(|_| None).unwrap();
+        assert_eq!(unset.url(), "http://127.0.0.1:8080");
+        assert_eq!(Client::from_vars(vars("", "")).unwrap().url(), DEFAULT_URL);
+        let bad_url = Client::from_vars(vars("broker:8080", "")).unwrap_err();
+        assert!(bad_url.0.starts_with("LOCKBROKER_URL: "), "{bad_url}");
+        let bad_token = Client::from_vars(vars("http://h:1", "é\n")).unwrap_err();
+        assert!(
+            bad_token.0.starts_with("LOCKBROKER_AUTH_TOKEN: "),
+            "{bad_token}"
+        );
     }
 
     #[test]

@@ -1,5 +1,12 @@
 //! [`Error`]: why a call did not give what was asked, with the broker's own error code kept,
 //! and whether asking again may help ([`Error::is_transient`]).
+//!
+//! The one policy on error answers, shared with the Java and Python clients: `429`, `502`,
+//! `503`, `504` and no answer at all are asked again (the same request, the same request id,
+//! after `Retry-After` or a short pause) until the caller's wait runs out; any other answer is
+//! returned at once. The broker itself never answers `500`, `501`, `505`…: one of those comes
+//! from something else on the way (a proxy, a server that is not a broker), and asking again
+//! would only hide it. Failures name the URL asked (and so the key).
 
 use std::time::Duration;
 
@@ -32,21 +39,28 @@ pub enum Error {
         limit.map_or_else(|| format!("another limit ({message})"), |n| format!("--limit {n}"))
     )]
     LimitMismatch { limit: Option<u32>, message: String },
-    /// Any other error answer: `400 invalid_request`, `503 store_unavailable`, a proxy's 502...
-    /// `retry_after` is the answer's `Retry-After` header, when it had one.
-    #[error("the broker answered {status} {code}: {message}")]
+    /// Any other error answer: `400 invalid_request`, `401 unauthorized`, `403 forbidden`,
+    /// `503 store_unavailable`, a proxy's `502`... `retry_after` is the answer's `Retry-After`
+    /// header, when it had one; `url` the URL asked (the key's, for a call on a key).
+    #[error("{url} answered {status} {code}: {message}")]
     Api {
         status: StatusCode,
         code: String,
         message: String,
         retry_after: Option<Duration>,
+        url: String,
     },
-    /// No answer: the connection was refused or reset, or the request timed out.
+    /// No answer: the connection was refused or reset, or the request timed out. `url` is the
+    /// URL asked (the key's, for a call on a key).
     #[error("cannot reach the broker at {url}: {reason}")]
     Transport { url: String, reason: String },
     /// A success status with a body that is not what the API promises.
-    #[error("the broker's answer could not be read: {0}")]
-    BadResponse(String),
+    #[error("the answer from {url} could not be read: {reason}")]
+    BadResponse { url: String, reason: String },
+    /// Refused before anything was sent: the call cannot be right (an empty key names no lock
+    /// and no semaphore).
+    #[error("{0}")]
+    Invalid(String),
 }
 
 fn locked_words(space: Space) -> &'static str {
@@ -78,14 +92,26 @@ fn retry_hint(space: Space, retry_after_ms: Option<u64>) -> String {
 }
 
 impl Error {
-    /// Whether the same request may succeed later: no answer, or a 5xx (the store was
-    /// unavailable, the broker was shutting down, a proxy found no broker).
+    /// Whether the same request may succeed later: no answer, `503` (the store unavailable,
+    /// the broker settling or shutting down), `429`, or a proxy's `502`/`504` (no broker behind
+    /// it just now). Any other status — `500`, `501`, `505`…, which the broker never answers —
+    /// is not: asking again would not change it.
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Transport { .. } => true,
-            Self::Api { status, .. } => status.is_server_error(),
+            Self::Api { status, .. } => is_transient_status(*status),
             _ => false,
         }
+    }
+
+    /// Whether the broker refused the caller's bearer token: `401` (no token, or one it does
+    /// not know, or no longer knows) or `403` (a token not allowed this).
+    pub fn is_unauthorized(&self) -> bool {
+        matches!(
+            self,
+            Self::Api { status, .. }
+                if *status == StatusCode::UNAUTHORIZED || *status == StatusCode::FORBIDDEN
+        )
     }
 
     /// Whether the answer says the lease is gone: `not_held` or `not_owner`.
@@ -103,7 +129,8 @@ impl Error {
             Self::LimitMismatch { .. } => "limit_mismatch",
             Self::Api { code, .. } => code,
             Self::Transport { .. } => "unreachable",
-            Self::BadResponse(_) => "bad_response",
+            Self::BadResponse { .. } => "bad_response",
+            Self::Invalid(_) => "invalid_request",
         }
     }
 
@@ -115,6 +142,17 @@ impl Error {
             _ => None,
         }
     }
+}
+
+/// The statuses that asking again may change: see [`Error::is_transient`].
+pub(crate) fn is_transient_status(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT
+    )
 }
 
 /// The API's error body; every field optional, since a proxy in front may answer otherwise.
@@ -131,8 +169,16 @@ struct ErrorBody {
 pub(crate) async fn error_from(response: reqwest::Response, space: Space) -> Error {
     let status = response.status();
     let retry_after = retry_after_header(&response);
+    let url = asked(response.url());
     let text = response.text().await.unwrap_or_default();
-    error_from_text(status, retry_after, &text, space)
+    error_from_text(status, retry_after, &text, space, url)
+}
+
+/// A request's URL as errors name it: without its query (which says nothing a reader needs).
+pub(crate) fn asked(url: &reqwest::Url) -> String {
+    let mut url = url.clone();
+    url.set_query(None);
+    url.into()
 }
 
 /// An answer's `Retry-After` header, in whole seconds as the broker sends it.
@@ -151,6 +197,7 @@ pub(crate) fn error_from_text(
     retry_after: Option<Duration>,
     text: &str,
     space: Space,
+    url: String,
 ) -> Error {
     let body: Option<ErrorBody> = serde_json::from_str(text).ok();
     let code = body.as_ref().and_then(|b| b.error.clone());
@@ -175,6 +222,7 @@ pub(crate) fn error_from_text(
                 .and_then(|b| b.message)
                 .unwrap_or_else(|| excerpt(text)),
             retry_after,
+            url,
         },
     }
 }
@@ -213,16 +261,31 @@ pub(crate) fn excerpt(text: &str) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn only_no_answer_and_5xx_are_worth_asking_again() {
-        let answer = |status| Error::Api {
+    fn answer(status: StatusCode) -> Error {
+        Error::Api {
             status,
             code: "x".into(),
             message: "m".into(),
             retry_after: Some(Duration::from_secs(1)),
+            url: "http://h:1/locks/orders:42".into(),
+        }
+    }
+
+    #[test]
+    fn only_no_answer_and_the_statuses_of_a_broker_or_proxy_in_trouble_are_asked_again() {
+        for status in [429, 502, 503, 504] {
+            let status = StatusCode::from_u16(status).unwrap();
+            assert!(answer(status).is_transient(), "{status}");
+        }
+        for status in [400, 401, 403, 404, 500, 501, 505, 507] {
+            let status = StatusCode::from_u16(status).unwrap();
+            assert!(!answer(status).is_transient(), "{status}");
+        }
+        let unreachable = Error::Transport {
+            url: "http://h:1/locks/k".into(),
+            reason: "connection refused".into(),
         };
-        assert!(answer(StatusCode::SERVICE_UNAVAILABLE).is_transient());
-        assert!(!answer(StatusCode::BAD_REQUEST).is_transient());
+        assert!(unreachable.is_transient());
         assert_eq!(
             answer(StatusCode::SERVICE_UNAVAILABLE).retry_after(),
             Some(Duration::from_secs(1))
@@ -236,6 +299,28 @@ mod tests {
             message: "limit 3 in use".into(),
         };
         assert!(!mismatch.is_transient() && !mismatch.is_gone());
+        assert!(answer(StatusCode::UNAUTHORIZED).is_unauthorized());
+        assert!(answer(StatusCode::FORBIDDEN).is_unauthorized());
+        assert!(!answer(StatusCode::BAD_REQUEST).is_unauthorized());
+    }
+
+    #[test]
+    fn an_error_answer_names_its_status_and_the_url_asked() {
+        let proxy = error_from_text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            "<html>oops</html>",
+            Space::Locks,
+            "http://h:1/locks/orders:42".into(),
+        );
+        assert_eq!(
+            proxy.to_string(),
+            "http://h:1/locks/orders:42 answered 500 Internal Server Error unexpected_response: \
+             <html>oops</html>"
+        );
+        assert!(!proxy.is_transient());
+        let url = reqwest::Url::parse("http://h:1/locks/k?watch=3&wait_ms=100").unwrap();
+        assert_eq!(asked(&url), "http://h:1/locks/k");
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! [`Leadership`]: an election on one lock. It campaigns in the background (an exclusive
 //! acquire with a long wait, in a loop, kept by the renewing [`Lease`]), says whether this node
-//! leads and calls back when that starts and stops, and follows the key to tell who leads.
+//! leads and calls back when that starts and stops, and follows the key to tell who leads. A
+//! broker out of reach or unavailable is asked again; a refusal that asking again cannot change
+//! (a wrong bearer token, an invalid key) ends the campaign ([`Leadership::failed`]).
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -71,10 +73,12 @@ impl LeadershipBuilder {
         let (closing, _) = watch::channel(false);
         let (leading, _) = watch::channel(false);
         let (leader, _) = watch::channel(None);
+        let (failure, _) = watch::channel(None);
         let inner = Arc::new(Inner {
             leading,
             leader,
             closing,
+            failure,
             last_error: Mutex::new(None),
         });
         let follower = tokio::spawn(follow(self.client.clone(), self.key.clone(), inner.clone()));
@@ -94,6 +98,8 @@ struct Inner {
     leader: watch::Sender<Option<String>>,
     /// Set once by close (or drop).
     closing: watch::Sender<bool>,
+    /// Set once when the campaign ends on a refusal that asking again cannot change.
+    failure: watch::Sender<Option<Error>>,
     /// The campaign's or the follower's last failure, cleared by a success.
     last_error: Mutex<Option<Error>>,
 }
@@ -162,8 +168,9 @@ impl Leadership {
         self.inner.leader.subscribe()
     }
 
-    /// The last error the campaign or the watch met (both keep trying), if the latest attempt
-    /// failed: a broker that stays unavailable, or refuses the key.
+    /// The last error the campaign or the watch met, if the latest attempt failed: a broker
+    /// that stays out of reach or unavailable (both keep trying), or the refusal that ended
+    /// them.
     pub fn last_error(&self) -> Option<Error> {
         self.inner
             .last_error
@@ -172,9 +179,28 @@ impl Leadership {
             .clone()
     }
 
+    /// Why the campaign ended by itself, if it did: the broker refused it in a way asking again
+    /// cannot change (`401`/`403` for a wrong or revoked bearer token, `400` for an invalid key,
+    /// a `500` from something that is not a broker). This node then never leads again.
+    pub fn failure(&self) -> Option<Error> {
+        self.inner.failure.borrow().clone()
+    }
+
+    /// Resolves with the refusal that ended the campaign (at once if it has); never while the
+    /// campaign goes on. Made for `tokio::select!` beside the node's work.
+    pub async fn failed(&self) -> Error {
+        let mut failure = self.inner.failure.subscribe();
+        match failure.wait_for(Option::is_some).await {
+            Ok(failure) => failure.clone().expect("waited for Some"),
+            // The sender lives in `self.inner`, which outlives this borrow.
+            Err(_) => std::future::pending().await,
+        }
+    }
+
     /// Stops campaigning; if this node leads, calls `on_revoked(Closed)` and releases the
     /// lease, so a successor leads at once. Returns the release's error, if the broker could
-    /// not be told (the lease then ends by its ttl).
+    /// not be told (the lease then ends by its ttl), or the [`Leadership::failure`] that ended
+    /// the campaign.
     pub async fn close(mut self) -> Result<(), Error> {
         self.inner.closing.send_replace(true);
         self.follower.abort();
@@ -204,12 +230,17 @@ async fn campaign(builder: LeadershipBuilder, inner: Arc<Inner>) -> Result<(), E
             return Ok(());
         }
         let (lease, grant_fence) = match request(&builder, &claim, &mut wait, &inner).await {
-            Some(Ok(lease)) => {
+            Asked::Granted(lease) => {
                 let fence = lease.fence();
                 (lease, fence)
             }
-            Some(Err(())) => continue,
-            None => return Ok(()),
+            Asked::Again => continue,
+            Asked::Closed => return Ok(()),
+            Asked::Refused(e) => {
+                inner.record(Some(e.clone()));
+                inner.failure.send_replace(Some(e.clone()));
+                return Err(e);
+            }
         };
         inner.leading.send_replace(true);
         if let Some(elected) = &builder.on_elected {
@@ -230,16 +261,26 @@ async fn campaign(builder: LeadershipBuilder, inner: Arc<Inner>) -> Result<(), E
     }
 }
 
-/// One campaign request, with its retries: `Some(Ok)` when granted, `Some(Err)` to ask again
-/// (the wait ran out, or a failure was recorded and paused on), `None` when closed. A grant
-/// whose request was cut short by closing is asked for again with the same request id and no
-/// wait, and released, so that closing never strands a lease.
+/// How one campaign request ended.
+enum Asked {
+    Granted(Lease),
+    /// Ask again: the wait ran out, or the broker asked for a shorter one.
+    Again,
+    /// The election was closed.
+    Closed,
+    /// A refusal that asking again cannot change: the campaign ends.
+    Refused(Error),
+}
+
+/// One campaign request, with its retries while the broker is out of reach or unavailable. A
+/// grant whose request was cut short by closing is asked for again with the same request id
+/// and no wait, and released, so that closing never strands a lease.
 async fn request(
     builder: &LeadershipBuilder,
     claim: &Claim,
     wait: &mut Duration,
     inner: &Inner,
-) -> Option<Result<Lease, ()>> {
+) -> Asked {
     let mut closing = inner.closing.subscribe();
     let mut params = AcquireParams {
         ttl: Some(builder.ttl),
@@ -257,7 +298,7 @@ async fn request(
                 if let Ok(grant) = builder.client.grant(claim, &params).await {
                     let _ = builder.client.release(&claim.resource(), &grant.token).await;
                 }
-                return None;
+                return Asked::Closed;
             }
             granted = builder.client.grant(claim, &params) => granted,
         };
@@ -266,22 +307,20 @@ async fn request(
                 inner.record(None);
                 let options = LeaseOptions::new(builder.ttl).owner(builder.owner.clone());
                 let lease = Lease::hold(builder.client.clone(), claim, &grant, first_sent, options);
-                return Some(Ok(lease));
+                return Asked::Granted(lease);
             }
             Err(Error::Locked { .. }) => {
                 inner.record(None);
-                return Some(Err(()));
+                return Asked::Again;
             }
+            Err(e) if too_long_a_wait(&e, *wait) => {
+                // Perhaps a broker whose max_wait_ms is lower: ask with less.
+                *wait /= 2;
+                inner.record(Some(e));
+                return Asked::Again;
+            }
+            Err(e) if !e.is_transient() => return Asked::Refused(e),
             Err(e) => {
-                if !e.is_transient()
-                    && *wait > Duration::from_secs(1)
-                    && e.code() == "invalid_request"
-                {
-                    // Perhaps a broker whose max_wait_ms is lower: ask with less.
-                    *wait /= 2;
-                    inner.record(Some(e));
-                    return Some(Err(()));
-                }
                 inner.record(Some(e.clone()));
                 let paused = e.retry_after().unwrap_or(pause).min(MAX_RETRY * 5);
                 tokio::select! {
@@ -289,16 +328,22 @@ async fn request(
                     () = closed(&mut closing) => {}
                 }
                 pause = (pause * 2).min(MAX_RETRY);
-                if !e.is_transient() {
-                    return Some(Err(()));
-                }
                 // The same request id: a grant whose answer was lost is returned, not doubled.
             }
         }
     }
 }
 
-/// Follows the key and keeps [`Leadership::leader`] current, until aborted.
+/// Whether `e` refused a request that waited longer than a second as too long (a broker whose
+/// `max_wait_ms` is lower than asked): asking with half the wait may do.
+fn too_long_a_wait(e: &Error, wait: Duration) -> bool {
+    e.code() == "invalid_request"
+        && !matches!(e, Error::Invalid(_))
+        && wait > Duration::from_secs(1)
+}
+
+/// Follows the key and keeps [`Leadership::leader`] current, until aborted, or until the broker
+/// refuses the watch in a way asking again cannot change (recorded in `last_error`).
 async fn follow(client: Client, key: String, inner: Arc<Inner>) {
     let mut follower = client.follow(&key);
     loop {
@@ -308,19 +353,17 @@ async fn follow(client: Client, key: String, inner: Arc<Inner>) {
                     .leader
                     .send_replace(change.status.and_then(|s| s.owner));
             }
-            Err(e) => {
+            Err(e) if too_long_a_wait(&e, follower.wait_for()) => {
                 let wait = follower.wait_for();
-                if e.code() == "invalid_request" && wait > Duration::from_secs(1) {
-                    // Perhaps a broker whose max_wait_ms is lower: ask with less.
-                    follower = client
-                        .follow(&key)
-                        .from_fence(follower.fence())
-                        .wait(wait / 2);
-                    continue;
-                }
-                let transient = e.is_transient();
+                follower = client
+                    .follow(&key)
+                    .from_fence(follower.fence())
+                    .wait(wait / 2);
+            }
+            Err(e) if !e.is_transient() => return inner.record(Some(e)),
+            Err(e) => {
                 inner.record(Some(e));
-                sleep(if transient { MAX_RETRY } else { MAX_RETRY * 5 }).await;
+                sleep(MAX_RETRY).await;
             }
         }
     }

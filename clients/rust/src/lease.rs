@@ -31,7 +31,7 @@ pub struct LeaseOptions {
     /// The lease's length; each renewal extends it to this much from the renewal.
     pub ttl: Duration,
     /// How long the broker waits while someone else holds the lock; `0` answers at once. 503s
-    /// and connection failures are retried within it.
+    /// (429, 502, 504) and connection failures are retried within it.
     pub wait: Duration,
     /// A label shown by the broker's status and listings (at most 128 characters).
     pub owner: Option<String>,
@@ -90,8 +90,8 @@ pub type TroubleHook = Arc<dyn Fn(&Trouble) + Send + Sync>;
 /// A renewal's trouble, for [`LeaseOptions::on_trouble`].
 #[derive(Debug)]
 pub enum Trouble {
-    /// A renewal failed without an answer that ends the lease (no answer, a 5xx); the guard
-    /// tries again until `ends_in` has passed.
+    /// A renewal failed without an answer that ends the lease (no answer, a `503`, a proxy's
+    /// `502`/`504`, a `429`); the guard tries again until `ends_in` has passed.
     Failing { error: Error, ends_in: Duration },
     /// A renewal got through after failing ones.
     Recovered,
@@ -100,7 +100,10 @@ pub enum Trouble {
 /// Why a lease was lost.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Loss {
-    /// A renewal was answered `not_held` or `not_owner`: nobody, or somebody else, holds it.
+    /// A renewal was refused, and asking again would not change it: `not_held` or `not_owner`
+    /// (nobody, or somebody else, holds it), `401`/`403` (the bearer token was revoked or is not
+    /// allowed to renew), or any other answer that is not worth asking again (see
+    /// [`Error::is_transient`]). The error says which.
     #[error("a renewal was refused: {0}")]
     Refused(Error),
     /// No renewal was confirmed before the lease would have ended (judged from when the last
@@ -330,7 +333,7 @@ fn lose(shared: &Shared, loss: Loss) {
 }
 
 /// The renewal task: renews every `every` until the lease is released or lost. A renewal that
-/// fails without an answer that ends the lease is retried until the lease would have ended,
+/// fails transiently (no answer, a `503`) is retried until the lease would have ended,
 /// judged from when the last confirmed renewal was sent (the broker cannot have extended it past
 /// that), less a tenth of the ttl.
 async fn keep(
@@ -377,7 +380,12 @@ async fn keep(
                 ends_at = sent + lasts;
                 next = sent + every;
             }
-            Ok(Err(e)) if e.is_gone() => return lose(&shared, Loss::Refused(e)),
+            // Gone, or a refusal that no later renewal would change (a revoked bearer token's
+            // 401): lost now, with the answer as the reason, not at the lease's end as if the
+            // broker had been out of reach.
+            Ok(Err(e)) if !e.is_transient() => {
+                return lose(&shared, Loss::Refused(e));
+            }
             Ok(Err(e)) => {
                 if let (None, Some(report)) = (&last, &on_trouble) {
                     report(&Trouble::Failing {
@@ -391,7 +399,11 @@ async fn keep(
             Err(_) => {
                 let last = last.or_else(|| {
                     Some(Error::Transport {
-                        url: shared.client.url().to_owned(),
+                        url: shared
+                            .client
+                            .resource_url(&shared.resource)
+                            .map(|url| format!("{url}/renew"))
+                            .unwrap_or_else(|_| shared.client.url().to_owned()),
                         reason: "the last renewal was still unanswered".into(),
                     })
                 });

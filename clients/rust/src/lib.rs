@@ -4,7 +4,10 @@
 //! renews itself in the background at a third of its ttl, tells when it is lost
 //! ([`Lease::is_held`], [`Lease::lost`], [`Lease::subscribe`]), and is released by
 //! [`Lease::release`] or, best effort, when dropped. Acquires carry a generated request id, so
-//! a 503 or a lost answer is asked again without ever making a second holder. Shared leases and
+//! a 503 or a lost answer is asked again without ever making a second holder; an error answer
+//! that asking again cannot change (a `401`, a proxy's `500`) is returned at once, naming the
+//! URL (and so the key) it came from. [`Client::from_env`] reads `LOCKBROKER_URL` and
+//! `LOCKBROKER_AUTH_TOKEN`. Shared leases and
 //! semaphore permits go through [`Client::acquire_with`] and a [`Claim`].
 //!
 //! [`Client::watch`] tells who holds a key when that changes, without polling; a [`Follower`]
@@ -38,7 +41,9 @@ mod lease;
 mod types;
 mod watch;
 
-pub use crate::client::{BuildError, Client, ClientBuilder, REQUEST_TIMEOUT};
+pub use crate::client::{
+    AUTH_TOKEN_ENV, BuildError, Client, ClientBuilder, DEFAULT_URL, REQUEST_TIMEOUT, URL_ENV,
+};
 pub use crate::error::Error;
 pub use crate::leadership::{Leadership, LeadershipBuilder, Revoked};
 pub use crate::lease::{Lease, LeaseOptions, LeaseState, Loss, Released, Trouble, TroubleHook};

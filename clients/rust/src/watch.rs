@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use tokio::time::{Instant, sleep};
 
 use crate::client::{Client, REQUEST_TIMEOUT};
-use crate::error::{Error, error_chain, error_from_text, excerpt, retry_after_header};
+use crate::error::{Error, asked, error_chain, error_from_text, excerpt, retry_after_header};
 use crate::lease::{MAX_RETRY, MIN_RETRY};
 use crate::types::{LockStatus, Resource, SemaphoreStatus, millis};
 
@@ -60,8 +60,9 @@ struct Changed {
 impl Client {
     /// `GET /locks/{key}?watch=seen&wait_ms=wait`: who holds `key`, answered at once if the
     /// holder's fence is not `seen` (`0`: free), else when it changes or `wait` runs out
-    /// (`changed: false`). A renewal is not a change. A `503` or no answer is asked again
-    /// (reading changes nothing) until `wait` has run out; then the error is returned.
+    /// (`changed: false`). A renewal is not a change. A `503` (`429`, `502`, `504`) or no answer
+    /// is asked again (reading changes nothing) until `wait` has run out; then the error is
+    /// returned. Any other error answer is returned at once.
     pub async fn watch(
         &self,
         key: &str,
@@ -122,7 +123,7 @@ impl Client {
     ) -> Result<Watched<T>, Error> {
         let request = self
             .http
-            .get(self.resource_url(resource))
+            .get(self.resource_url(resource)?)
             .query(&[
                 ("watch", seen.to_string()),
                 ("wait_ms", millis(wait).to_string()),
@@ -131,36 +132,45 @@ impl Client {
         let response = self.send(request).await?;
         let status = response.status();
         let retry_after = retry_after_header(&response);
-        let text = response
-            .text()
-            .await
-            .map_err(|e| Error::BadResponse(error_chain(&e)))?;
-        let unreadable = |e: serde_json::Error| {
-            Error::BadResponse(format!("{e} in a watch's answer: {}", excerpt(&text)))
+        let url = asked(response.url());
+        let text = response.text().await.map_err(|e| Error::BadResponse {
+            url: url.clone(),
+            reason: error_chain(&e.without_url()),
+        })?;
+        let unreadable = |e: serde_json::Error| Error::BadResponse {
+            url: url.clone(),
+            reason: format!("{e} in a watch's answer: {}", excerpt(&text)),
         };
-        match status {
-            StatusCode::OK => {
-                let changed: Changed = serde_json::from_str(&text).map_err(unreadable)?;
-                let view: T = serde_json::from_str(&text).map_err(unreadable)?;
-                Ok(Watched {
-                    fence: view.watched_fence(),
-                    status: Some(view),
-                    changed: changed.changed.unwrap_or(true),
-                })
-            }
-            StatusCode::NOT_FOUND => match serde_json::from_str::<Changed>(&text) {
-                Ok(Changed {
-                    changed,
-                    error: Some(code),
-                }) if code == "not_held" => Ok(Watched {
-                    status: None,
-                    fence: 0,
-                    changed: changed.unwrap_or(true),
-                }),
-                _ => Err(error_from_text(status, retry_after, &text, resource.space)),
-            },
-            _ => Err(error_from_text(status, retry_after, &text, resource.space)),
+        if status == StatusCode::OK {
+            let changed: Changed = serde_json::from_str(&text).map_err(unreadable)?;
+            let view: T = serde_json::from_str(&text).map_err(unreadable)?;
+            return Ok(Watched {
+                fence: view.watched_fence(),
+                status: Some(view),
+                changed: changed.changed.unwrap_or(true),
+            });
         }
+        // Free: `404 not_held`, with `changed`.
+        if status == StatusCode::NOT_FOUND
+            && let Ok(Changed {
+                changed,
+                error: Some(code),
+            }) = serde_json::from_str::<Changed>(&text)
+            && code == "not_held"
+        {
+            return Ok(Watched {
+                status: None,
+                fence: 0,
+                changed: changed.unwrap_or(true),
+            });
+        }
+        Err(error_from_text(
+            status,
+            retry_after,
+            &text,
+            resource.space,
+            url,
+        ))
     }
 }
 

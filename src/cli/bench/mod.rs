@@ -58,7 +58,7 @@ pub struct BenchArgs {
     #[command(subcommand)]
     pub tool: Option<BenchTool>,
     /// The broker to load.
-    #[arg(long, env = "LOCKBROKER_URL", default_value = "http://127.0.0.1:8080")]
+    #[arg(long, env = lockbroker_client::URL_ENV, default_value = lockbroker_client::DEFAULT_URL)]
     pub url: String,
     #[command(flatten)]
     pub connect: crate::cli::ConnectArgs,

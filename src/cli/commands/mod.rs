@@ -209,6 +209,8 @@ pub async fn renew(args: RenewArgs) -> ExitCode {
 /// `lockbroker status`: who holds the lock (or the semaphore's permits) and until when; exit 4
 /// when nobody does.
 pub async fn status(args: StatusArgs) -> ExitCode {
+    // A reader that stops reading (`| head -1`) took what it wanted.
+    super::closed_stdout_ends_with(0);
     if args.watch {
         return super::follow::follow(&args).await;
     }
