@@ -114,6 +114,11 @@ impl Error {
         )
     }
 
+    /// Whether the answer is a `5xx`, transient or not.
+    pub fn is_server_error(&self) -> bool {
+        matches!(self, Self::Api { status, .. } if status.is_server_error())
+    }
+
     /// Whether the answer says the lease is gone: `not_held` or `not_owner`.
     pub fn is_gone(&self) -> bool {
         matches!(self, Self::NotHeld { .. } | Self::NotOwner { .. })

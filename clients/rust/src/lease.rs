@@ -102,8 +102,9 @@ pub enum Trouble {
 pub enum Loss {
     /// A renewal was refused, and asking again would not change it: `not_held` or `not_owner`
     /// (nobody, or somebody else, holds it), `401`/`403` (the bearer token was revoked or is not
-    /// allowed to renew), or any other answer that is not worth asking again (see
-    /// [`Error::is_transient`]). The error says which.
+    /// allowed to renew), or any other answer that is not worth asking again: neither
+    /// [`Error::is_transient`] nor a `5xx` (which is asked again until the lease's end). The
+    /// error says which.
     #[error("a renewal was refused: {0}")]
     Refused(Error),
     /// No renewal was confirmed before the lease would have ended (judged from when the last
@@ -382,8 +383,10 @@ async fn keep(
             }
             // Gone, or a refusal that no later renewal would change (a revoked bearer token's
             // 401): lost now, with the answer as the reason, not at the lease's end as if the
-            // broker had been out of reach.
-            Ok(Err(e)) if !e.is_transient() => {
+            // broker had been out of reach. Any 5xx is asked again until the lease's end, as
+            // the Java and Python clients do: nobody waits on a renewal, and a proxy's 500
+            // says nothing of the lease.
+            Ok(Err(e)) if !e.is_transient() && !e.is_server_error() => {
                 return lose(&shared, Loss::Refused(e));
             }
             Ok(Err(e)) => {
