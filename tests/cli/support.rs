@@ -143,3 +143,39 @@ pub async fn wait_for_line(path: &Path, limit: Duration) -> String {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Whether process `pid` runs: it exists and is not a zombie (a killed process whose parent
+/// is gone stays a zombie until init reaps it, and init may take its time).
+pub fn is_running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // After the command's name in parentheses: the state.
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| !matches!(state, "Z" | "X"))
+    })
+}
+
+/// Waits until none of `pids` runs, polling `/proc` (a process of no relation to the test
+/// gives no event to await); how long that took. Panics if one still runs after `limit`.
+pub async fn until_gone(pids: &[u32], limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let running: Vec<u32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
+        if running.is_empty() {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{running:?} (of {pids:?}) still run {limit:?} later"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Nanoseconds since the Unix epoch, on the clock that `date +%s%N` in a command reads.
+pub fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
