@@ -73,10 +73,11 @@ enum Command {
     #[cfg(target_os = "linux")]
     #[command(name = "__exec", hide = true)]
     Exec(supervise::ExecArgs),
-    /// Kills `run`'s or `elect`'s command's process group when they die (cli::supervise).
+    /// Stands between `run` or `elect` and its command, which it kills when they die
+    /// (cli::supervise).
     #[cfg(target_os = "linux")]
-    #[command(name = "__guard", hide = true)]
-    Guard(supervise::GuardArgs),
+    #[command(name = "__supervise", hide = true)]
+    Supervise(supervise::SuperviseArgs),
 }
 
 fn main() -> ExitCode {
@@ -85,7 +86,7 @@ fn main() -> ExitCode {
         #[cfg(target_os = "linux")]
         Command::Exec(args) => supervise::exec(args),
         #[cfg(target_os = "linux")]
-        Command::Guard(args) => supervise::guard(args),
+        Command::Supervise(args) => supervise::supervise(args),
         // On this (the main) thread: `run` and `elect` start their command from it (see
         // cli::supervise).
         command => tokio::runtime::Builder::new_multi_thread()
@@ -133,7 +134,7 @@ async fn execute(command: Command) -> ExitCode {
         #[cfg(unix)]
         Command::Elect(args) => elect::elect(args).await,
         #[cfg(target_os = "linux")]
-        Command::Exec(_) | Command::Guard(_) => unreachable!("run by main"),
+        Command::Exec(_) | Command::Supervise(_) => unreachable!("run by main"),
     }
 }
 

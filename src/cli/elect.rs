@@ -28,9 +28,7 @@ use lockbroker_client::{
 use nix::sys::signal::Signal;
 use tokio::time::Instant;
 
-use super::run::{
-    Signals, bound_again, default_owner, exit_code_of, release, send, spawn, terminate,
-};
+use super::run::{Signals, bound_again, default_owner, exit_code_of, release, spawn, terminate};
 use super::supervise::cannot_run;
 use super::{
     BrokerArgs, exit, exit_code, format_ms, parse_duration, parse_key, parse_owner, parse_ttl,
@@ -224,7 +222,7 @@ async fn lead(
         },
     ));
     let lease = Lease::hold(client.clone(), claim, &grant, sent_at, options);
-    let mut child = match spawn("elect", &args.command, &lease, client, claim.mode()) {
+    let mut child = match spawn("elect", &args.command, &lease, client, claim.mode()).await {
         Ok(child) => child,
         Err(e) => {
             say(format_args!(
@@ -235,7 +233,6 @@ async fn lead(
             return Led::Ended(cannot_run(&e));
         }
     };
-    let group = child.group();
     let lost = loop {
         tokio::select! {
             biased;
@@ -252,7 +249,7 @@ async fn lead(
                     release(&lease).await;
                     return Led::Ended(exit_code_of(status));
                 }
-                send(group, signal);
+                child.signal(signal);
             }
             lost = lease.lost() => break lost,
         }

@@ -29,8 +29,7 @@ use lockbroker_client::{
     AcquireParams, Claim, Client, Error, Grant, Lease, LeaseOptions, REQUEST_TIMEOUT, Released,
     Trouble, new_request_id,
 };
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal as listen_for};
 use tokio::time::{Instant, sleep_until};
 
@@ -141,7 +140,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
     ));
     let lease = Lease::hold(client.clone(), &claim, &grant, sent_at, options);
 
-    let mut child = match spawn("run", &args.command, &lease, &client, claim.mode()) {
+    let mut child = match spawn("run", &args.command, &lease, &client, claim.mode()).await {
         Ok(child) => child,
         Err(e) => {
             say(format_args!(
@@ -152,8 +151,6 @@ pub async fn run(args: RunArgs) -> ExitCode {
             return cannot_run(&e);
         }
     };
-    let group = child.group();
-
     let lost = loop {
         tokio::select! {
             biased;
@@ -161,7 +158,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
                 release(&lease).await;
                 return exit_code_of(status);
             }
-            signal = signals.recv() => send(group, signal),
+            signal = signals.recv() => child.signal(signal),
             lost = lease.lost() => break lost,
         }
     };
@@ -243,7 +240,7 @@ pub(super) async fn release(lease: &Lease) {
 /// that it dies with `who` (see [`supervise`](super::supervise)), with the lease in its
 /// environment: `LOCKBROKER_KEY` is the lock's key or the semaphore's name, and
 /// `LOCKBROKER_MODE` says which (`exclusive`, `shared` or `semaphore`).
-pub(super) fn spawn(
+pub(super) async fn spawn(
     who: &'static str,
     command: &[OsString],
     lease: &Lease,
@@ -262,6 +259,7 @@ pub(super) fn spawn(
             ("LOCKBROKER_URL", client.url()),
         ],
     )
+    .await
 }
 
 /// SIGTERM to the command's group; SIGKILL if it is still there after `grace`. Signals that
@@ -271,8 +269,7 @@ pub(super) async fn terminate(
     grace: Duration,
     signals: &mut Signals,
 ) -> io::Result<ExitStatus> {
-    let group = child.group();
-    send(group, Signal::SIGTERM);
+    child.signal(Signal::SIGTERM);
     let kill_at = Instant::now() + grace;
     loop {
         tokio::select! {
@@ -283,19 +280,11 @@ pub(super) async fn terminate(
                     "the command is still running {} after SIGTERM; sending SIGKILL",
                     humantime::format_duration(grace)
                 ));
-                send(group, Signal::SIGKILL);
+                child.signal(Signal::SIGKILL);
                 return child.wait().await;
             }
-            signal = signals.recv() => send(group, signal),
+            signal = signals.recv() => child.signal(signal),
         }
-    }
-}
-
-/// Sends `signal` to the command's process group. A group that is gone already is fine.
-pub(super) fn send(group: Pid, signal: Signal) {
-    match killpg(group, signal) {
-        Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
-        Err(e) => say(format_args!("cannot send {signal} to the command: {e}")),
     }
 }
 

@@ -17,9 +17,7 @@ use tokio::io::{AsyncReadExt, copy_bidirectional};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
-use crate::support::{
-    finish, is_running, lockbroker, lockbroker_command, until_gone, wait_for_line,
-};
+use crate::support::{finish, is_there, lockbroker, lockbroker_command, until_gone, wait_for_line};
 
 /// The TTL of the lost-lease tests: `run` renews every third of it, 300 ms.
 const SHORT_TTL: &str = "900ms";
@@ -387,9 +385,10 @@ i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done"#
 }
 
 /// `run` SIGKILLed alone, not its group (as the OOM killer or `kill -9` does): its command, a
-/// shell, and the child it started in the background are gone within a second. A second `run`
-/// waiting for the key gets it when the dead run's lease ends, and its command starts after the
-/// first one's processes are all gone (it looks for them in `/proc` as it starts).
+/// shell, and the child it started in the background are gone (dead and reaped) within a
+/// second. A second `run` waiting for the key gets it when the dead run's lease ends, and its
+/// command starts after the first one's processes are all gone (it asks `kill -0` as it
+/// starts).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_killed_with_sigkill_takes_its_command_and_its_children_down_at_once() {
     let app = spawn_app(None).await;
@@ -406,14 +405,12 @@ async fn a_run_killed_with_sigkill_takes_its_command_and_its_children_down_at_on
         .map(|p| p.parse().expect("a pid"))
         .collect();
     assert_eq!(pids.len(), 2, "the shell and its child: {pids:?}");
-    assert!(pids.iter().all(|&p| is_running(p)), "{pids:?} run");
+    assert!(pids.iter().all(|&p| is_there(p)), "{pids:?} run");
 
     // The next run waits for the lock, and as its command starts lists those still running.
-    let second = r#"running=""
-for p in $FIRST; do
-  [ -r "/proc/$p/stat" ] && ! grep -q ') [ZX] ' "/proc/$p/stat" && running="$running $p"
-done
-echo "started;$running" > "$OUT/second""#;
+    let second = r#"there=""
+for p in $FIRST; do kill -0 "$p" 2>/dev/null && there="$there $p"; done
+echo "started;$there" > "$OUT/second""#;
     let next = lockbroker_command(
         &app.address,
         &run_args("killed", &["--wait", "10s", "--ttl", "1s"], second),

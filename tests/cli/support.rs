@@ -144,29 +144,25 @@ pub async fn wait_for_line(path: &Path, limit: Duration) -> String {
     }
 }
 
-/// Whether process `pid` runs: it exists and is not a zombie (a killed process whose parent
-/// is gone stays a zombie until init reaps it, and init may take its time).
-pub fn is_running(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        // After the command's name in parentheses: the state.
-        stat.rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|state| !matches!(state, "Z" | "X"))
-    })
+/// Whether process `pid` is still there, as `kill -0` sees it: running, or dead but not yet
+/// reaped by its parent (a zombie).
+pub fn is_there(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
 }
 
-/// Waits until none of `pids` runs, polling `/proc` (a process of no relation to the test
-/// gives no event to await); how long that took. Panics if one still runs after `limit`.
+/// Waits until none of `pids` is there (each has died and been reaped), polling `/proc` (a
+/// process of no relation to the test gives no event to await); how long that took. Panics if
+/// one is still there after `limit`.
 pub async fn until_gone(pids: &[u32], limit: Duration) -> Duration {
     let started = Instant::now();
     loop {
-        let running: Vec<u32> = pids.iter().copied().filter(|&p| is_running(p)).collect();
-        if running.is_empty() {
+        let there: Vec<u32> = pids.iter().copied().filter(|&p| is_there(p)).collect();
+        if there.is_empty() {
             return started.elapsed();
         }
         assert!(
             started.elapsed() < limit,
-            "{running:?} (of {pids:?}) still run {limit:?} later"
+            "{there:?} (of {pids:?}) still there {limit:?} later"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
