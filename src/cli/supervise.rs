@@ -101,7 +101,7 @@ impl Supervised {
             // one descriptor without close-on-exec, for the moment of this spawn.
             let (report, reporter) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(helper_error)?;
             fcntl(&reporter, FcntlArg::F_SETFD(FdFlag::empty())).map_err(helper_error)?;
-            let child = Command::new(SELF)
+            let mut child = Command::new(SELF)
                 .arg0("lockbroker")
                 .args(["__supervise", "--for", who, "--supervisor"])
                 .arg(std::process::id().to_string())
@@ -115,8 +115,14 @@ impl Supervised {
                 .spawn()
                 .map_err(helper_error)?;
             drop(reporter);
-            let group = read_pid(report).await.map_err(helper_error)?;
-            Ok(Self { who, child, group })
+            match read_pid(report).await {
+                Ok(group) => Ok(Self { who, child, group }),
+                Err(e) => {
+                    // Its command, if it started, dies with it (its parent-death signal).
+                    let _ = child.start_kill();
+                    Err(helper_error(e))
+                }
+            }
         }
         #[cfg(not(target_os = "linux"))]
         {

@@ -16,7 +16,7 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout};
 
-use crate::support::{finish, lockbroker_command, now_ns, until_gone};
+use crate::support::{finish, is_there, lockbroker_command, now_ns, until_none};
 
 /// The leaders' lease length.
 const TTL: Duration = Duration::from_secs(2);
@@ -180,7 +180,7 @@ async fn three_candidates(apps: [&TestApp; 3]) {
     );
     let sent = Instant::now();
     send_signal(child.id().unwrap(), "-KILL");
-    let gone = until_gone(&second.pids, GONE).await;
+    let gone = until_none(&second.pids, is_there, GONE).await;
     let killed_at = now_ns();
     println!("SIGKILLed leader {name}: its command was gone after {gone:?}");
     let _ = child.wait().await;

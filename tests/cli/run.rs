@@ -17,7 +17,9 @@ use tokio::io::{AsyncReadExt, copy_bidirectional};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
-use crate::support::{finish, is_there, lockbroker, lockbroker_command, until_gone, wait_for_line};
+use crate::support::{
+    finish, is_running, is_there, lockbroker, lockbroker_command, until_none, wait_for_line,
+};
 
 /// The TTL of the lost-lease tests: `run` renews every third of it, 300 ms.
 const SHORT_TTL: &str = "900ms";
@@ -421,7 +423,7 @@ echo "started;$there" > "$OUT/second""#;
     .expect("cannot start lockbroker run");
 
     send_signal(killed.id().expect("run is running"), "-KILL");
-    let gone = until_gone(&pids, Duration::from_secs(1)).await;
+    let gone = until_none(&pids, is_there, Duration::from_secs(1)).await;
     println!("the command and its child were gone {gone:?} after run was SIGKILLed");
     let status = killed.wait().await.unwrap();
     assert_eq!(status.signal(), Some(9), "{status}");
@@ -433,6 +435,39 @@ echo "started;$there" > "$OUT/second""#;
         "started;",
         "the second run's command started while the first's ran"
     );
+}
+
+/// The process between `run` and its command (`lockbroker __supervise`) SIGKILLed: the
+/// command's first process dies with it, `run` sends SIGKILL to the rest of the group, exits
+/// 137 as for a command killed so, and releases the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_helper_takes_the_command_down_and_run_reports_sigkill() {
+    let app = spawn_app(None).await;
+    let scratch = TempDir::new("helper");
+    let script = r#"sleep 10 & echo "$$ $!" > "$OUT/pids"; wait"#;
+    let run = start_run(&app.address, &scratch, &run_args("helper", &[], script));
+    let pids: Vec<u32> = wait_for_line(&scratch.path("pids"), MARKER_LIMIT)
+        .await
+        .split_whitespace()
+        .map(|p| p.parse().expect("a pid"))
+        .collect();
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pids[0])).unwrap();
+    let helper: u32 = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("the command's parent");
+    assert_ne!(helper, run.id().unwrap(), "a process stands between them");
+
+    send_signal(helper, "-KILL");
+    // Dead: with their parents gone, init reaps them when it gets round to it.
+    until_none(&pids, is_running, Duration::from_secs(1)).await;
+    finish(run)
+        .await
+        .expect_failure(137, &["sending SIGKILL to the command"]);
+    app.inspect("helper")
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
