@@ -15,6 +15,8 @@ use cli::elect::{self, ElectArgs};
 use cli::list::{self, ListArgs};
 #[cfg(unix)]
 use cli::run::{self, RunArgs};
+#[cfg(target_os = "linux")]
+use cli::supervise;
 use lockbroker::config::{Config, ServeArgs};
 use lockbroker::{Application, shutdown_signal};
 
@@ -67,11 +69,36 @@ enum Command {
     /// candidate otherwise, and hand over on SIGTERM.
     #[cfg(unix)]
     Elect(ElectArgs),
+    /// Starts `run`'s or `elect`'s command so that it dies with them (cli::supervise).
+    #[cfg(target_os = "linux")]
+    #[command(name = "__exec", hide = true)]
+    Exec(supervise::ExecArgs),
+    /// Stands between `run` or `elect` and its command, which it kills when they die
+    /// (cli::supervise).
+    #[cfg(target_os = "linux")]
+    #[command(name = "__supervise", hide = true)]
+    Supervise(supervise::SuperviseArgs),
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     match Cli::parse().command {
+        // Before the async runtime: one thread, and no signal handlers for `exec` to pass on.
+        #[cfg(target_os = "linux")]
+        Command::Exec(args) => supervise::exec(args),
+        #[cfg(target_os = "linux")]
+        Command::Supervise(args) => supervise::supervise(args),
+        // On this (the main) thread: `run` and `elect` start their command from it (see
+        // cli::supervise).
+        command => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .expect("cannot start the async runtime")
+            .block_on(execute(command)),
+    }
+}
+
+async fn execute(command: Command) -> ExitCode {
+    match command {
         Command::Serve(args) => report(serve(*args).await),
         Command::Bench(BenchArgs {
             tool: Some(bench::BenchTool::FloorProxy(args)),
@@ -106,6 +133,8 @@ async fn main() -> ExitCode {
         Command::Run(args) => run::run(args).await,
         #[cfg(unix)]
         Command::Elect(args) => elect::elect(args).await,
+        #[cfg(target_os = "linux")]
+        Command::Exec(_) | Command::Supervise(_) => unreachable!("run by main"),
     }
 }
 

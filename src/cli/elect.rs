@@ -11,7 +11,10 @@
 //! again. SIGTERM or SIGINT while it leads stops the command the same way and then releases the
 //! lock, so a successor starts within a handoff rather than a TTL; other signals go to the
 //! command. The exit status is the command's (it ended by itself or was stopped), or 128+S for
-//! a signal S received while waiting as a candidate.
+//! a signal S received while waiting as a candidate. If `elect` itself dies while it leads, by
+//! any signal, SIGKILL included, the command's whole group gets SIGKILL at once (on Linux; see
+//! [`supervise`](super::supervise)), so a successor, which leads only once the dead leader's
+//! lease has ended, never runs its command beside it.
 
 use std::ffi::OsString;
 use std::fmt;
@@ -25,10 +28,8 @@ use lockbroker_client::{
 use nix::sys::signal::Signal;
 use tokio::time::Instant;
 
-use super::run::{
-    Signals, bound_again, cannot_run, default_owner, exit_code_of, group_of, release, send, spawn,
-    terminate,
-};
+use super::run::{Signals, bound_again, default_owner, exit_code_of, release, spawn, terminate};
+use super::supervise::cannot_run;
 use super::{
     BrokerArgs, exit, exit_code, format_ms, parse_duration, parse_key, parse_owner, parse_ttl,
 };
@@ -63,7 +64,9 @@ pub struct ElectArgs {
     /// When the command must stop: how long it has between SIGTERM and SIGKILL.
     #[arg(long, default_value = "10s", value_parser = parse_duration, value_name = "DURATION")]
     pub grace: Duration,
-    /// The command and its arguments, after `--`, run while this node leads.
+    /// The command and its arguments, after `--`, run while this node leads, in a process
+    /// group of its own. If `elect` dies, by any signal (SIGKILL included), the whole group
+    /// gets SIGKILL at once (on Linux).
     #[arg(last = true, required = true, num_args = 1.., value_name = "COMMAND")]
     pub command: Vec<OsString>,
 }
@@ -219,7 +222,7 @@ async fn lead(
         },
     ));
     let lease = Lease::hold(client.clone(), claim, &grant, sent_at, options);
-    let mut child = match spawn(&args.command, &lease, client, claim.mode()) {
+    let mut child = match spawn("elect", &args.command, &lease, client, claim.mode()).await {
         Ok(child) => child,
         Err(e) => {
             say(format_args!(
@@ -230,7 +233,6 @@ async fn lead(
             return Led::Ended(cannot_run(&e));
         }
     };
-    let group = group_of(&child);
     let lost = loop {
         tokio::select! {
             biased;
@@ -243,11 +245,11 @@ async fn lead(
                 if matches!(signal, Signal::SIGTERM | Signal::SIGINT) {
                     // Stop first, then hand over: never two leaders' commands at once.
                     say(format_args!("got {signal}: stopping the command, then handing {resource} over"));
-                    let status = terminate(&mut child, group, args.grace, signals).await;
+                    let status = terminate(&mut child, args.grace, signals).await;
                     release(&lease).await;
                     return Led::Ended(exit_code_of(status));
                 }
-                send(group, signal);
+                child.signal(signal);
             }
             lost = lease.lost() => break lost,
         }
@@ -256,7 +258,7 @@ async fn lead(
         "lost the lead on {resource}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
         humantime::format_duration(args.grace)
     ));
-    match terminate(&mut child, group, args.grace, signals).await {
+    match terminate(&mut child, args.grace, signals).await {
         Ok(status) => say(format_args!(
             "the command stopped ({status}); standing again"
         )),

@@ -30,6 +30,8 @@ pub mod follow;
 pub mod list;
 #[cfg(unix)]
 pub mod run;
+#[cfg(unix)]
+pub mod supervise;
 
 use std::fmt;
 use std::io::{self, Write};

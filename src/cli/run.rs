@@ -13,7 +13,9 @@
 //! If a renewal is answered `not_held` or `not_owner`, or no renewal gets through before the
 //! lease would have ended, the lease is lost: the command's process group gets SIGTERM, then
 //! SIGKILL after `--grace`, and `run` exits [`exit::LEASE_LOST`]. Signals sent to `run`
-//! (TERM, INT, HUP, QUIT, USR1, USR2) go to the command's process group.
+//! (TERM, INT, HUP, QUIT, USR1, USR2) go to the command's process group. If `run` itself dies,
+//! by any signal, SIGKILL included, the whole group gets SIGKILL at once (on Linux; see
+//! [`supervise`](super::supervise) for how, and what holds elsewhere).
 
 use std::ffi::OsString;
 use std::fmt;
@@ -27,12 +29,11 @@ use lockbroker_client::{
     AcquireParams, Claim, Client, Error, Grant, Lease, LeaseOptions, REQUEST_TIMEOUT, Released,
     Trouble, new_request_id,
 };
-use nix::sys::signal::{Signal, killpg};
-use nix::unistd::Pid;
-use tokio::process::{Child, Command};
+use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal as listen_for};
 use tokio::time::{Instant, sleep_until};
 
+use super::supervise::{Supervised, cannot_run};
 use super::{
     BrokerArgs, ClaimArgs, RUN_EXIT_CODES_HELP, exit, exit_code, format_ms, parse_duration,
     parse_owner, parse_ttl,
@@ -67,6 +68,8 @@ pub struct RunArgs {
     pub quiet: bool,
     /// The command and its arguments, after `--`. It runs in a process group of its own, so
     /// that a stop reaches everything it started; it can write to a terminal, not read from it.
+    /// If `run` dies, by any signal (SIGKILL included), the whole group gets SIGKILL at once
+    /// (on Linux).
     #[arg(last = true, required = true, num_args = 1.., value_name = "COMMAND")]
     pub command: Vec<OsString>,
 }
@@ -137,7 +140,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
     ));
     let lease = Lease::hold(client.clone(), &claim, &grant, sent_at, options);
 
-    let mut child = match spawn(&args.command, &lease, &client, claim.mode()) {
+    let mut child = match spawn("run", &args.command, &lease, &client, claim.mode()).await {
         Ok(child) => child,
         Err(e) => {
             say(format_args!(
@@ -148,8 +151,6 @@ pub async fn run(args: RunArgs) -> ExitCode {
             return cannot_run(&e);
         }
     };
-    let group = group_of(&child);
-
     let lost = loop {
         tokio::select! {
             biased;
@@ -157,7 +158,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
                 release(&lease).await;
                 return exit_code_of(status);
             }
-            signal = signals.recv() => send(group, signal),
+            signal = signals.recv() => child.signal(signal),
             lost = lease.lost() => break lost,
         }
     };
@@ -165,7 +166,7 @@ pub async fn run(args: RunArgs) -> ExitCode {
         "lost the lease on {resource}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
         humantime::format_duration(args.grace)
     ));
-    let status = terminate(&mut child, group, args.grace, &mut signals).await;
+    let status = terminate(&mut child, args.grace, &mut signals).await;
     match status {
         Ok(status) => say(format_args!("the command stopped ({status})")),
         Err(e) => say(format_args!("cannot wait for the command: {e}")),
@@ -235,36 +236,40 @@ pub(super) async fn release(lease: &Lease) {
     }
 }
 
-/// Starts the command in a process group of its own, with the lease in its environment:
-/// `LOCKBROKER_KEY` is the lock's key or the semaphore's name, and `LOCKBROKER_MODE` says which
-/// (`exclusive`, `shared` or `semaphore`).
-pub(super) fn spawn(
+/// Starts the command for `who` (`run` or `elect`) in a process group of its own, guarded so
+/// that it dies with `who` (see [`supervise`](super::supervise)), with the lease in its
+/// environment: `LOCKBROKER_KEY` is the lock's key or the semaphore's name, and
+/// `LOCKBROKER_MODE` says which (`exclusive`, `shared` or `semaphore`).
+pub(super) async fn spawn(
+    who: &'static str,
     command: &[OsString],
     lease: &Lease,
     client: &Client,
     mode: &str,
-) -> io::Result<Child> {
-    let (program, args) = command.split_first().expect("clap requires a command");
-    Command::new(program)
-        .args(args)
-        .env("LOCKBROKER_KEY", lease.key())
-        .env("LOCKBROKER_MODE", mode)
-        .env("LOCKBROKER_FENCE", lease.fence().to_string())
-        .env("LOCKBROKER_TOKEN", lease.token().as_str())
-        .env("LOCKBROKER_URL", client.url())
-        .process_group(0)
-        .spawn()
+) -> io::Result<Supervised> {
+    let fence = lease.fence().to_string();
+    Supervised::start(
+        who,
+        command,
+        &[
+            ("LOCKBROKER_KEY", lease.key()),
+            ("LOCKBROKER_MODE", mode),
+            ("LOCKBROKER_FENCE", &fence),
+            ("LOCKBROKER_TOKEN", lease.token().as_str()),
+            ("LOCKBROKER_URL", client.url()),
+        ],
+    )
+    .await
 }
 
 /// SIGTERM to the command's group; SIGKILL if it is still there after `grace`. Signals that
 /// arrive meanwhile are still forwarded.
 pub(super) async fn terminate(
-    child: &mut Child,
-    group: Pid,
+    child: &mut Supervised,
     grace: Duration,
     signals: &mut Signals,
 ) -> io::Result<ExitStatus> {
-    send(group, Signal::SIGTERM);
+    child.signal(Signal::SIGTERM);
     let kill_at = Instant::now() + grace;
     loop {
         tokio::select! {
@@ -275,43 +280,16 @@ pub(super) async fn terminate(
                     "the command is still running {} after SIGTERM; sending SIGKILL",
                     humantime::format_duration(grace)
                 ));
-                send(group, Signal::SIGKILL);
+                child.signal(Signal::SIGKILL);
                 return child.wait().await;
             }
-            signal = signals.recv() => send(group, signal),
+            signal = signals.recv() => child.signal(signal),
         }
-    }
-}
-
-/// Sends `signal` to the command's process group. A group that is gone already is fine.
-pub(super) fn send(group: Pid, signal: Signal) {
-    match killpg(group, signal) {
-        Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
-        Err(e) => say(format_args!("cannot send {signal} to the command: {e}")),
     }
 }
 
 /// The exit code that reports the command's end: its own status, or 128 + the signal that
 /// killed it, as shells do.
-/// The exit code for a command that could not be started: not found, or not executable.
-pub(super) fn cannot_run(e: &io::Error) -> ExitCode {
-    ExitCode::from(if e.kind() == io::ErrorKind::NotFound {
-        exit::NOT_FOUND
-    } else {
-        exit::CANNOT_EXECUTE
-    })
-}
-
-/// The process group of a started command (it leads its own group: see `spawn`).
-pub(super) fn group_of(child: &Child) -> Pid {
-    Pid::from_raw(
-        child
-            .id()
-            .and_then(|id| i32::try_from(id).ok())
-            .expect("a child not yet waited for has a pid"),
-    )
-}
-
 pub(super) fn exit_code_of(status: io::Result<ExitStatus>) -> ExitCode {
     match status {
         Ok(status) => match (status.code(), status.signal()) {

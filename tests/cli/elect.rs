@@ -1,7 +1,8 @@
 //! `lockbroker elect` and `lockbroker status --watch`: three candidates on three brokers sharing
 //! Redis (and on one broker of the embedded store), each running a command that records its own
 //! start and stop; exactly one runs at any instant, a SIGTERMed leader hands over within a
-//! second, a killed one within its TTL and a second. `status --watch --json` prints each change.
+//! second, a SIGKILLed one within its TTL and a second, its command (and what that started)
+//! gone within a second of the kill. `status --watch --json` prints each change.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -16,7 +17,7 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout};
 
-use crate::support::{finish, lockbroker_command};
+use crate::support::{finish, is_there, lockbroker_command, now_ns, until_none};
 
 /// The leaders' lease length.
 const TTL: Duration = Duration::from_secs(2);
@@ -24,26 +25,25 @@ const TTL: Duration = Duration::from_secs(2);
 /// How soon a SIGTERMed leader's successor starts its command.
 const HANDOFF: Duration = Duration::from_secs(1);
 
-/// A candidate's command: records `start NAME NS PID` when it starts and `stop NAME NS` when a
-/// SIGTERM (to its process group) stops it, in the shared log; runs until stopped.
-const COMMAND: &str = r#"echo "start $NAME $(date +%s%N) $$" >> "$LOG"
+/// How soon a SIGKILLed leader's command, and what it started, are gone.
+const GONE: Duration = Duration::from_secs(1);
+
+/// A candidate's command: starts a child in the background, records `start NAME NS PID CHILD`
+/// when it starts and `stop NAME NS` when a SIGTERM (to its process group) stops it, in the
+/// shared log; runs until stopped (60 s at most, far beyond a test, so that nothing outlives a
+/// failed one for long).
+const COMMAND: &str = r#"sleep 60 &
+echo "start $NAME $(date +%s%N) $$ $!" >> "$LOG"
 trap 'echo "stop $NAME $(date +%s%N)" >> "$LOG"; exit 0' TERM
-while :; do sleep 0.05; done"#;
+i=0; while [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done"#;
 
-fn now_ns() -> u128 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos()
-}
-
-/// One line of the log: a command started (with its pid) or stopped.
+/// One line of the log: a command started (with its pid and its child's) or stopped.
 #[derive(Debug, Clone)]
 struct Record {
     started: bool,
     name: String,
     ns: u128,
-    pid: Option<u32>,
+    pids: Vec<u32>,
 }
 
 fn records(log: &Path) -> Vec<Record> {
@@ -56,7 +56,10 @@ fn records(log: &Path) -> Vec<Record> {
                 started: fields[0] == "start",
                 name: fields[1].to_owned(),
                 ns: fields[2].parse().expect("nanoseconds"),
-                pid: fields.get(3).map(|p| p.parse().expect("a pid")),
+                pids: fields[3..]
+                    .iter()
+                    .map(|p| p.parse().expect("a pid"))
+                    .collect(),
             }
         })
         .collect()
@@ -108,8 +111,9 @@ fn assert_one_at_a_time(log: &Path, killed: &[(String, u128)]) {
 }
 
 /// Three candidates, each on its broker: the first leader is SIGTERMed (its successor starts
-/// within `HANDOFF`), the second killed with its command, as a node dies (its successor starts
-/// within the TTL and a second); never two at once.
+/// within `HANDOFF`), the second's `elect` alone is SIGKILLed (its command and the command's
+/// child are gone within `GONE`, its successor starts within the TTL and a second); never two
+/// at once.
 async fn three_candidates(apps: [&TestApp; 3]) {
     let dir = TempDir::new("elect");
     let log = dir.path("runs.log");
@@ -163,21 +167,23 @@ async fn three_candidates(apps: [&TestApp; 3]) {
         "the stopped command's status: {outcome:?}"
     );
 
-    // SIGKILL, elect and its command together: the lease ends by itself.
+    // SIGKILL to elect alone (the OOM killer, `kill -9`): its command goes with it, and the
+    // lease ends by itself.
     let leader = candidates
         .iter()
         .position(|(n, _)| *n == second.name)
         .unwrap();
     let (name, mut child) = candidates.remove(leader);
-    send_signal(child.id().unwrap(), "-KILL");
-    let group = second.pid.expect("the start record's pid");
-    let killed = std::process::Command::new("kill")
-        .args(["-KILL", "--", &format!("-{group}")])
-        .status()
-        .expect("cannot run kill");
-    assert!(killed.success(), "the command's process group was killed");
-    let killed_at = now_ns();
+    assert_eq!(
+        second.pids.len(),
+        2,
+        "the command and its child: {second:?}"
+    );
     let sent = Instant::now();
+    send_signal(child.id().unwrap(), "-KILL");
+    let gone = until_none(&second.pids, is_there, GONE).await;
+    let killed_at = now_ns();
+    println!("SIGKILLed leader {name}: its command was gone after {gone:?}");
     let _ = child.wait().await;
     let third = until_started(&log, 3, limit).await;
     let failover = sent.elapsed();

@@ -5,6 +5,7 @@
 //! and loop for a bounded time (10 s at most) so that nothing outlives a failed test for long.
 
 use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::spawn_app;
@@ -16,7 +17,9 @@ use tokio::io::{AsyncReadExt, copy_bidirectional};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
 
-use crate::support::{finish, lockbroker, lockbroker_command, wait_for_line};
+use crate::support::{
+    finish, is_running, is_there, lockbroker, lockbroker_command, until_none, wait_for_line,
+};
 
 /// The TTL of the lost-lease tests: `run` renews every third of it, 300 ms.
 const SHORT_TTL: &str = "900ms";
@@ -381,6 +384,90 @@ i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done"#
             .await
             .expect_error(StatusCode::NOT_FOUND, "not_held");
     }
+}
+
+/// `run` SIGKILLed alone, not its group (as the OOM killer or `kill -9` does): its command, a
+/// shell, and the child it started in the background are gone (dead and reaped) within a
+/// second. A second `run` waiting for the key gets it when the dead run's lease ends, and its
+/// command starts after the first one's processes are all gone (it asks `kill -0` as it
+/// starts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_killed_with_sigkill_takes_its_command_and_its_children_down_at_once() {
+    let app = spawn_app(None).await;
+    let scratch = TempDir::new("killed");
+    let first = r#"sleep 10 & echo "$$ $!" > "$OUT/first"; wait"#;
+    let mut killed = start_run(
+        &app.address,
+        &scratch,
+        &run_args("killed", &["--ttl", "1s"], first),
+    );
+    let pids: Vec<u32> = wait_for_line(&scratch.path("first"), MARKER_LIMIT)
+        .await
+        .split_whitespace()
+        .map(|p| p.parse().expect("a pid"))
+        .collect();
+    assert_eq!(pids.len(), 2, "the shell and its child: {pids:?}");
+    assert!(pids.iter().all(|&p| is_there(p)), "{pids:?} run");
+
+    // The next run waits for the lock, and as its command starts lists those still running.
+    let second = r#"there=""
+for p in $FIRST; do kill -0 "$p" 2>/dev/null && there="$there $p"; done
+echo "started;$there" > "$OUT/second""#;
+    let next = lockbroker_command(
+        &app.address,
+        &run_args("killed", &["--wait", "10s", "--ttl", "1s"], second),
+    )
+    .env("OUT", scratch.dir())
+    .env("FIRST", format!("{} {}", pids[0], pids[1]))
+    .spawn()
+    .expect("cannot start lockbroker run");
+
+    send_signal(killed.id().expect("run is running"), "-KILL");
+    let gone = until_none(&pids, is_there, Duration::from_secs(1)).await;
+    println!("the command and its child were gone {gone:?} after run was SIGKILLed");
+    let status = killed.wait().await.unwrap();
+    assert_eq!(status.signal(), Some(9), "{status}");
+
+    finish(next).await.expect_code(0);
+    let seen = std::fs::read_to_string(scratch.path("second")).unwrap();
+    assert_eq!(
+        seen.trim(),
+        "started;",
+        "the second run's command started while the first's ran"
+    );
+}
+
+/// The process between `run` and its command (`lockbroker __supervise`) SIGKILLed: the
+/// command's first process dies with it, `run` sends SIGKILL to the rest of the group, exits
+/// 137 as for a command killed so, and releases the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_helper_takes_the_command_down_and_run_reports_sigkill() {
+    let app = spawn_app(None).await;
+    let scratch = TempDir::new("helper");
+    let script = r#"sleep 10 & echo "$$ $!" > "$OUT/pids"; wait"#;
+    let run = start_run(&app.address, &scratch, &run_args("helper", &[], script));
+    let pids: Vec<u32> = wait_for_line(&scratch.path("pids"), MARKER_LIMIT)
+        .await
+        .split_whitespace()
+        .map(|p| p.parse().expect("a pid"))
+        .collect();
+    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pids[0])).unwrap();
+    let helper: u32 = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("the command's parent");
+    assert_ne!(helper, run.id().unwrap(), "a process stands between them");
+
+    send_signal(helper, "-KILL");
+    // Dead: with their parents gone, init reaps them when it gets round to it.
+    until_none(&pids, is_running, Duration::from_secs(1)).await;
+    finish(run)
+        .await
+        .expect_failure(137, &["sending SIGKILL to the command"]);
+    app.inspect("helper")
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
