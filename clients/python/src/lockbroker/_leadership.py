@@ -36,6 +36,11 @@ class Leadership:
 
     Each campaign waits in parts of ``part`` seconds; a candidate closed while it waits leaves
     the broker's queue when that part ends (a grant that comes then is released at once).
+
+    A refusal is not campaigned through: the constructor looks at the key first and raises the
+    :class:`BrokerError` of a bad token (``401``) or a token without rights to the key
+    (``403``); one that comes later (a token revoked, or allowed to read but not to lock) stops
+    the campaign, logged once as an error, and :attr:`error` gives it.
     """
 
     def __init__(self, client: "Broker", key: str, name: str, ttl: float = 10.0, *,
@@ -56,6 +61,13 @@ class Leadership:
         self._view: Optional[KeyView] = None
         self._elected: List[Callable[..., Any]] = []
         self._revoked: List[Callable[..., Any]] = []
+        self._error: Optional[BrokerError] = None
+        try:
+            # Raises for a bad key (ValueError) and for a refusal; an unreachable broker is
+            # the campaign's business.
+            client.inspect(key)
+        except Unavailable:
+            pass
         self._follower = client.follow(key, part=self._part)
         self._campaigner = threading.Thread(target=self._campaign, daemon=True,
                                             name=f"lockbroker-campaign-{key}")
@@ -86,6 +98,12 @@ class Leadership:
         pass it to what the leader writes), else ``None``."""
         with self._lock:
             return self._lease
+
+    @property
+    def error(self) -> Optional[BrokerError]:
+        """The refusal that stopped the campaign (``401``/``403``...), or ``None``."""
+        with self._lock:
+            return self._error
 
     def on_elected(self, callback: Callable[..., Any]) -> None:
         """Runs ``callback`` each time this node becomes leader (with the term's lease if it
@@ -144,17 +162,22 @@ class Leadership:
             except Locked:
                 backoff.reset()
                 continue
-            except BrokerError as e:
+            except Unavailable as e:
                 if self._client._core.closed:
                     return
-                # Unavailable, or a refusal (403?): campaigning goes on, as a node must not
-                # give up leading for a passing outage.
-                level = logging.DEBUG if isinstance(e, Unavailable) else logging.WARNING
-                log.log(level, "campaign for %r: %s", self.key, e)
+                # Campaigning goes on, as a node must not give up leading for a passing outage.
+                log.debug("campaign for %r: %s", self.key, e)
                 with self._cond:
                     if not self._closed:
                         self._cond.wait(backoff.delay())
                 continue
+            except BrokerError as e:
+                if not self._client._core.closed:
+                    # A refusal (401/403): asking again would only be refused again.
+                    log.error("campaign for %r stopped: %s", self.key, e)
+                    with self._lock:
+                        self._error = e
+                return
             backoff.reset()
             with self._lock:
                 stale = self._closed

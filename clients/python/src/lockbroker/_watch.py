@@ -12,7 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional
 
-from ._errors import BrokerError, Unavailable, error_from
+from ._errors import BrokerError, Unavailable, error_from, where
 from ._lease import Backoff, key_path
 from ._transport import RETRYABLE, NoAnswer
 
@@ -148,12 +148,12 @@ def watch_once(core: "_Core", max_wait: float, space: str, key: str, seen_fence:
                     continue
                 return view
             if answer.status not in RETRYABLE:
-                raise error_from(answer)
+                raise error_from(answer, where("watch of", key, core.url))
             problem, delay = answer.message, backoff.delay(answer.retry_after())
         now = time.monotonic()
         if now >= deadline:
             raise Unavailable(
-                f"could not watch {key!r}: {problem}",
+                f"{where('watch of', key, core.url)}: {problem}",
                 status=answer.status if answer is not None else None,
                 code=answer.code if answer is not None else "unreachable",
             )

@@ -1,0 +1,222 @@
+"""The asyncio client against a real broker: many tasks on one key served in order, a cancelled
+waiter leaving nothing behind (also when its grant came after the cancellation), renewals as
+tasks on the loop, many open leases without a thread, and the calls beside acquire."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from harness import BrokerProcess, Exchange, Proxy, wait_until
+from lockbroker import BrokerError, LeaseLost, Locked
+from lockbroker.aio import AsyncBroker, AsyncLease
+
+
+def waiters(broker: BrokerProcess) -> float:
+    return broker.metric("lockbroker_waiters")
+
+
+def test_twenty_tasks_on_one_key_are_granted_one_at_a_time_in_arrival_order(
+    broker: BrokerProcess, key: str
+) -> None:
+    grants = []
+    holding = []
+    overlaps = []
+
+    async def task(client: AsyncBroker, i: int) -> None:
+        async with await client.acquire(key, ttl=10, wait=30) as lease:
+            grants.append((i, lease.fence))
+            holding.append(i)
+            if len(holding) > 1:
+                overlaps.append(list(holding))
+            await asyncio.sleep(0.01)
+            holding.remove(i)
+
+    async def scenario() -> None:
+        async with AsyncBroker(broker.url) as client:
+            first = await client.acquire(key, ttl=10)
+            before = waiters(broker)
+            tasks = []
+            for i in range(20):
+                tasks.append(asyncio.ensure_future(task(client, i)))
+                # Each queued at the broker before the next is started: the arrival order.
+                while waiters(broker) < before + i + 1:
+                    await asyncio.sleep(0.005)
+            await first.release()
+            await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+    assert overlaps == []
+    assert [i for i, _ in grants] == list(range(20))
+    fences = [fence for _, fence in grants]
+    assert fences == sorted(fences) and len(set(fences)) == 20
+    assert broker.holders(key) == []
+
+
+def test_a_waiter_cancelled_by_wait_for_leaves_nothing_queued_or_held(
+    broker: BrokerProcess, key: str
+) -> None:
+    async def scenario() -> None:
+        async with AsyncBroker(broker.url) as client:
+            holder = await client.acquire(key, ttl=10)
+            before = waiters(broker)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.acquire(key, ttl=10, wait=20), 0.5)
+            assert waiters(broker) == before  # out of the queue
+            await holder.release()
+            # Nobody takes the key after the holder: the cancelled waiter is gone.
+            assert broker.holders(key) == []
+            assert await client.try_acquire(key, ttl=10) is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_grant_that_arrives_after_the_cancellation_is_released_at_once(
+    broker: BrokerProcess, key: str
+) -> None:
+    proxy = Proxy(broker.url)
+    granted = threading.Event()
+    resume = threading.Event()
+
+    def hold_the_first_grant(exchange: Exchange) -> bool:
+        # The broker granted it; its answer is held back until the client was cancelled, then
+        # lost: the client cannot know, and must find it again by its request_id.
+        if exchange.method == "POST" and exchange.path == f"/locks/{key}" and not granted.is_set():
+            granted.set()
+            resume.wait(10)
+            return True
+        return False
+
+    proxy.drop = hold_the_first_grant
+
+    async def scenario() -> None:
+        async with AsyncBroker(proxy.url) as client:
+            acquire = asyncio.ensure_future(client.acquire(key, ttl=30, wait=5))
+            while not granted.is_set():
+                await asyncio.sleep(0.01)
+            assert broker.holders(key) != []  # granted at the broker, answer not back
+            acquire.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await acquire
+            # Done by the time the cancellation came through: released.
+            assert broker.holders(key) == []
+            resume.set()
+
+    try:
+        asyncio.run(scenario())
+        posts = proxy.wait_for(lambda e: e.method == "POST" and e.path == f"/locks/{key}", 2)
+        assert len(posts) == 2 and posts[0].json()["request_id"] == posts[1].json()["request_id"]
+        assert posts[1].status == 201 and posts[1].answer["fence"] == posts[0].answer["fence"]
+        assert [e.status for e in proxy.seen(lambda e: e.method == "DELETE")] == [204]
+    finally:
+        resume.set()
+        proxy.close()
+
+
+def test_a_one_second_lease_held_for_three_and_a_half_is_renewed_on_the_loop(
+    broker: BrokerProcess, key: str
+) -> None:
+    async def scenario() -> None:
+        threads = threading.active_count()
+        async with AsyncBroker(broker.url) as client:
+            lease = await client.acquire(key, ttl=1.0)
+            assert isinstance(lease, AsyncLease)
+            lost = []
+            lease.on_lost(lambda: lost.append(True))
+            first_end = broker.holders(key)[0]["expires_at_ms"]
+            await asyncio.sleep(3.5)
+            assert lease.held and lost == []
+            holders = broker.holders(key)
+            assert [h["fence"] for h in holders] == [lease.fence]
+            assert holders[0]["expires_at_ms"] > first_end + 2000
+            # The renewals are a task of this loop, not a thread.
+            assert lease._task is not None and not lease._task.done()
+            assert lease._task.get_loop() is asyncio.get_running_loop()
+            assert threading.active_count() == threads
+        assert not lease.held
+        assert broker.holders(key) == []
+
+    asyncio.run(scenario())
+
+
+def test_fifty_open_leases_add_no_thread_and_close_releases_them(
+    broker: BrokerProcess, key: str
+) -> None:
+    keys = [f"{key}-{i}" for i in range(50)]
+
+    async def scenario() -> None:
+        threads = threading.active_count()
+        async with AsyncBroker(broker.url) as client:
+            leases = await asyncio.gather(*(client.acquire(k, ttl=1.5) for k in keys))
+            await asyncio.sleep(1.2)  # each renewed at least once meanwhile
+            assert all(lease.held for lease in leases)
+            assert threading.active_count() <= threads + 2
+            assert threading.active_count() == threads  # none at all, on a numeric address
+        assert not any(lease.held for lease in leases)
+
+    asyncio.run(scenario())
+    page = broker.call("GET", f"/locks?prefix={key}-")[1]
+    assert page["locks"] == []
+
+
+def test_try_acquire_locked_lost_callbacks_and_with_lease(broker: BrokerProcess, key: str) -> None:
+    async def scenario() -> None:
+        async with AsyncBroker(broker.url) as client, AsyncBroker(broker.url) as other:
+            lease = await client.acquire(key, ttl=2.0)
+            assert await other.try_acquire(key, ttl=2.0) is None
+            with pytest.raises(Locked):
+                await other.acquire(key, ttl=2.0, wait=0.2)
+            fired = asyncio.Event()
+            calls = []
+
+            async def coroutine_callback() -> None:
+                calls.append("coroutine")
+                fired.set()
+
+            lease.on_lost(lambda: calls.append("plain"))
+            lease.on_lost(coroutine_callback)
+            assert await other.force_release(key) is True
+            await asyncio.wait_for(fired.wait(), 2.0)
+            assert calls == ["plain", "coroutine"]
+            assert not lease.held and lease.lost_reason == "not_held"
+            await lease.release()  # quiet
+
+            assert await client.with_lease(key, 10, 0, _answer) == 42
+            assert broker.holders(key) == []
+
+            async def work(lease: AsyncLease) -> None:
+                await other.force_release(key)
+                await asyncio.sleep(30)  # cancelled when the loss is seen
+
+            started = time.monotonic()
+            with pytest.raises(LeaseLost) as lost:
+                await client.with_lease(key, 2.0, 0, work)
+            assert lost.value.reason == "not_held"
+            assert time.monotonic() - started < 2.0
+
+    asyncio.run(scenario())
+
+
+async def _answer(lease: AsyncLease) -> int:
+    assert lease.held
+    return 42
+
+
+def test_inspect_list_and_bad_keys(broker: BrokerProcess, key: str) -> None:
+    async def scenario() -> None:
+        async with AsyncBroker(broker.url) as client:
+            assert not (await client.inspect(key)).held
+            async with await client.acquire(key, ttl=10, owner="me") as lease:
+                view = await client.inspect(key)
+                assert view.held and view.fence == lease.fence and view.owner == "me"
+                page = await client.list(key)
+                assert [v.key for v in page.locks] == [key] and page.next_cursor is None
+            for bad in ("", "no spaces", "x" * 201):
+                with pytest.raises(ValueError) as refused:
+                    await client.acquire(bad)
+                assert "1 to 200 characters" in str(refused.value)
+        with pytest.raises(BrokerError):
+            await client.acquire(key)  # closed
+
+    asyncio.run(scenario())
