@@ -62,6 +62,24 @@ def test_leadership_with_a_wrong_token_raises(auth_broker: BrokerProcess, key: s
     assert threading.active_count() == threads
 
 
+def test_leadership_stops_campaigning_when_its_acquires_are_refused(
+    tmp_path: pathlib.Path, key: str
+) -> None:
+    auth = tmp_path / "auth.toml"
+    auth.write_text('[[tokens]]\nname = "reader"\ntoken = "%s"\nprefixes = [""]\n'
+                    'permissions = ["read"]\n' % SECRET)
+    broker = BrokerProcess(None, ("--auth-file", str(auth)))
+    try:
+        with Broker(broker.url, token=SECRET) as client:
+            # It may look (the constructor's inspect), not lock: the campaign stops, once.
+            with Leadership(client, key, "node-a", ttl=2) as leadership:
+                error = wait_until(lambda: leadership.error, 10, "the campaign to stop")
+                assert error.status == 403 and not leadership.is_leader()
+                assert not leadership._campaigner.is_alive()
+    finally:
+        broker.close()
+
+
 def test_a_refusal_names_the_key_the_url_and_the_status(auth_broker: BrokerProcess) -> None:
     with Broker(auth_broker.url, token=SECRET) as client:
         with pytest.raises(BrokerError) as refused:
@@ -182,7 +200,8 @@ def test_with_lease_runs_the_work_under_the_lease_and_releases(broker: BrokerPro
 def test_inspect_list_and_force_release(broker: BrokerProcess, key: str) -> None:
     with Broker(broker.url) as client:
         assert not client.inspect(key).held
-        leases = [client.acquire(f"{key}-{i}", ttl=10, owner=f"o{i}") for i in range(3)]
+        # Renewed every 0.5 s: the force release is seen within that.
+        leases = [client.acquire(f"{key}-{i}", ttl=1.5, owner=f"o{i}") for i in range(3)]
         view = client.inspect(f"{key}-1")
         assert view.held and view.fence == leases[1].fence and view.owner == "o1"
         first = client.list(f"{key}-", limit=2)

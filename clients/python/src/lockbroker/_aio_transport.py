@@ -18,7 +18,7 @@ import ssl
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._transport import Answer, NoAnswer, base_headers, decode_body, describe, parse_url
+from ._transport import Answer, Endpoint, NoAnswer, decode_body, describe
 
 #: How long a kept-alive connection may sit idle before it is dropped rather than reused (see
 #: the sync transport).
@@ -30,27 +30,18 @@ _POOL_SIZE = 32
 _Connection = Tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-class AsyncTransport:
+class AsyncTransport(Endpoint):
     """Requests to the broker at ``url`` from one event loop."""
 
     def __init__(self, url: str, bearer: Optional[str], ssl_context: Optional[ssl.SSLContext],
                  user_agent: str):
-        target = parse_url(url)
-        self.url = url
-        self._https = target.https
-        self._host = target.host
-        self._port = target.port
-        self._prefix = target.prefix
-        self._ssl_context = ssl_context
-        if self._https and self._ssl_context is None:
-            self._ssl_context = ssl.create_default_context()
-        self._headers = base_headers(bearer, user_agent)
-        self._host_header = target.host if ":" not in target.host else f"[{target.host}]"
-        if (target.https and target.port != 443) or (not target.https and target.port != 80):
-            self._host_header += f":{target.port}"
+        super().__init__(url, bearer, ssl_context, user_agent)
+        self._host_header = self._host if ":" not in self._host else f"[{self._host}]"
+        if self._port != (443 if self._https else 80):
+            self._host_header += f":{self._port}"
         try:
-            ipaddress.ip_address(target.host)
-            self._addresses: Optional[List[str]] = [target.host]
+            ipaddress.ip_address(self._host)
+            self._addresses: Optional[List[str]] = [self._host]
             self._numeric = True
         except ValueError:
             self._addresses = None

@@ -8,7 +8,7 @@ import os
 import ssl
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Set, TypeVar
+from typing import Any, Callable, Dict, Optional, Set, Type, TypeVar
 
 from ._calls import (
     AGAIN,
@@ -29,6 +29,7 @@ from ._transport import NoAnswer, Transport
 from ._watch import Follower, KeyView, watch_once
 
 __version__ = "0.1.0"
+USER_AGENT = f"lockbroker-python/{__version__}"
 
 log = logging.getLogger("lockbroker")
 
@@ -43,6 +44,7 @@ TOKEN_VARIABLE = "LOCKBROKER_AUTH_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8080"
 
 T = TypeVar("T")
+C = TypeVar("C", bound="ClientBase")
 
 
 def from_environment() -> Dict[str, Any]:
@@ -79,8 +81,66 @@ class _Core:
         with self.lock:
             self.leases.discard(lease)
 
+    def horizon(self, lease: Lease) -> float:
+        """The earliest end among the other live leases: a renewal on the one renewal thread
+        must not keep them from theirs (a request stuck on a dead connection) past it."""
+        with self.lock:
+            others = [other for other in self.leases if other is not lease]
+        ends = [other._end for other in others
+                if not other._released and other._lost_reason is None]
+        return min(ends, default=float("inf"))
 
-class Broker:
+
+class ClientBase:
+    """The settings both clients take (see :class:`Broker`), ``from_env``, and the start of an
+    acquire."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        token: Optional[str] = None,
+        *,
+        timeout: float = 10.0,
+        renew_fraction: float = 1.0 / 3.0,
+        owner: Optional[str] = None,
+        max_wait: float = DEFAULT_MAX_WAIT,
+        ssl_context: Optional[ssl.SSLContext] = None,
+        on_trouble: Optional[Callable[[Optional[str]], Any]] = None,
+    ):
+        check_settings(timeout, renew_fraction, max_wait)
+        self.url = url
+        self._owner = owner
+        self._max_wait = float(max_wait)
+        self._on_trouble = on_trouble
+        self._core = self._make_core(url, token, ssl_context, float(timeout),
+                                     float(renew_fraction))
+
+    def _make_core(self, url: str, token: Optional[str], ssl_context: Optional[ssl.SSLContext],
+                   timeout: float, renew_fraction: float) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def from_env(cls: Type[C], **settings: Any) -> C:
+        """A client for ``$LOCKBROKER_URL`` (default ``http://127.0.0.1:8080``) with the bearer
+        token ``$LOCKBROKER_AUTH_TOKEN`` (none when unset); ``settings`` as for the
+        constructor. (``$LOCKBROKER_TOKEN``, which ``lockbroker run`` sets, is the lock's own
+        token, not a bearer token: it is not read.)"""
+        return cls(**from_environment(), **settings)  # type: ignore[call-arg]
+
+    def _acquire_run(self, space: str, key: str, ttl: float, wait: float,
+                     params: Dict[str, Any], mode: str, owner: Optional[str], auto_renew: bool,
+                     renew_every: Optional[float],
+                     on_trouble: Optional[Callable[[Optional[str]], Any]]) -> AcquireRun:
+        return AcquireRun(self.url, space, key, ttl, wait, params, mode,
+                          owner if owner is not None else self._owner, renew_every, auto_renew,
+                          on_trouble if on_trouble is not None else self._on_trouble,
+                          self._max_wait, self._core.timeout)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} url={self.url!r}>"
+
+
+class Broker(ClientBase):
     """A client of the broker at ``url``. Thread-safe: share one per process.
 
     ``token`` is the bearer token of the broker's auth file, if it has one (never shown).
@@ -100,33 +160,10 @@ class Broker:
     renewals. One thread renews every lease of a Broker (started with its first lease).
     """
 
-    def __init__(
-        self,
-        url: str = "http://127.0.0.1:8080",
-        token: Optional[str] = None,
-        *,
-        timeout: float = 10.0,
-        renew_fraction: float = 1.0 / 3.0,
-        owner: Optional[str] = None,
-        max_wait: float = DEFAULT_MAX_WAIT,
-        ssl_context: Optional[ssl.SSLContext] = None,
-        on_trouble: Optional[Callable[[Optional[str]], Any]] = None,
-    ):
-        check_settings(timeout, renew_fraction, max_wait)
-        self.url = url
-        self._owner = owner
-        self._max_wait = float(max_wait)
-        self._on_trouble = on_trouble
-        transport = Transport(url, token, ssl_context, f"lockbroker-python/{__version__}")
-        self._core = _Core(transport, float(timeout), float(renew_fraction))
-
-    @classmethod
-    def from_env(cls, **settings: Any) -> "Broker":
-        """A Broker for ``$LOCKBROKER_URL`` (default ``http://127.0.0.1:8080``) with the bearer
-        token ``$LOCKBROKER_AUTH_TOKEN`` (none when unset); ``settings`` as for the
-        constructor. (``$LOCKBROKER_TOKEN``, which ``lockbroker run`` sets, is the lock's own
-        token, not a bearer token: it is not read.)"""
-        return cls(**from_environment(), **settings)
+    def _make_core(self, url: str, token: Optional[str], ssl_context: Optional[ssl.SSLContext],
+                   timeout: float, renew_fraction: float) -> "_Core":
+        transport = Transport(url, token, ssl_context, USER_AGENT)
+        return _Core(transport, timeout, renew_fraction)
 
     # -- locks ----------------------------------------------------------------------------------
 
@@ -323,9 +360,6 @@ class Broker:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __repr__(self) -> str:
-        return f"<Broker url={self.url!r}>"
-
     # -- the acquire loop -----------------------------------------------------------------------
 
     def _acquire(
@@ -341,10 +375,8 @@ class Broker:
         renew_every: Optional[float],
         on_trouble: Optional[Callable[[Optional[str]], Any]],
     ) -> Lease:
-        run = AcquireRun(self.url, space, key, ttl, wait, params, mode,
-                         owner if owner is not None else self._owner, renew_every, auto_renew,
-                         on_trouble if on_trouble is not None else self._on_trouble,
-                         self._max_wait, self._core.timeout)
+        run = self._acquire_run(space, key, ttl, wait, params, mode, owner, auto_renew,
+                                renew_every, on_trouble)
         while True:
             if self._core.closed:
                 raise BrokerError("this Broker is closed", code="closed")

@@ -11,8 +11,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
-from ._errors import BrokerError, Locked, Unavailable
+from ._calls import inspect_request, inspect_view
+from ._errors import BrokerError, Locked, Unavailable, error_from
 from ._lease import Backoff, Lease, _takes_an_argument, ttl_ms
+from ._transport import RETRYABLE, NoAnswer
 from ._watch import KeyView
 
 if TYPE_CHECKING:
@@ -62,12 +64,7 @@ class Leadership:
         self._elected: List[Callable[..., Any]] = []
         self._revoked: List[Callable[..., Any]] = []
         self._error: Optional[BrokerError] = None
-        try:
-            # Raises for a bad key (ValueError) and for a refusal; an unreachable broker is
-            # the campaign's business.
-            client.inspect(key)
-        except Unavailable:
-            pass
+        _first_look(client, key)
         self._follower = client.follow(key, part=self._part)
         self._campaigner = threading.Thread(target=self._campaign, daemon=True,
                                             name=f"lockbroker-campaign-{key}")
@@ -232,6 +229,19 @@ class Leadership:
                 with self._cond:
                     if not self._closed:
                         self._cond.wait(backoff.delay())
+
+
+def _first_look(client: "Broker", key: str) -> None:
+    """One inspect of ``key``: raises for a bad key (``ValueError``) and for a refusal (a wrong
+    token: 401; no rights to the key: 403). No answer, or a 503, is the campaign's business:
+    it is not waited out here."""
+    path, context = inspect_request(client.url, key, False)
+    try:
+        answer = client._core.transport.request("GET", path, timeout=client._core.timeout)
+    except NoAnswer:
+        return
+    if inspect_view(key, answer, False) is None and answer.status not in RETRYABLE:
+        raise error_from(answer, context)
 
 
 def _release(lease: Lease) -> None:

@@ -485,6 +485,10 @@ class Lease(LeaseState):
                 return _STOPPED, None, "released"
             self._in_flight += 1
         ttl, timeout = begun
+        if not confirming:
+            # One thread renews every lease of the Broker: this request gives up in time for
+            # the others (at least half a second, or the lease's own bound if shorter).
+            timeout = min(timeout, max(self._core.horizon(self) - now, 0.5))
         try:
             answer: Optional[Answer] = self._core.transport.request(
                 "POST", self._path + "/renew", body={"ttl_ms": ttl_ms(ttl)},

@@ -118,9 +118,10 @@ class Answer:
         return None
 
 
-class Transport:
-    """Requests to the broker at ``url``, thread-safe. ``url`` may carry a path prefix (a broker
-    behind a reverse proxy under ``/lockbroker``)."""
+class Endpoint:
+    """What both transports know of the broker at ``url`` (which may carry a path prefix: a
+    broker behind a reverse proxy under ``/lockbroker``): host, port, TLS, the headers of every
+    request."""
 
     def __init__(
         self,
@@ -139,6 +140,19 @@ class Transport:
         if self._https and self._ssl_context is None:
             self._ssl_context = ssl.create_default_context()
         self._headers = base_headers(bearer, user_agent)
+
+
+class Transport(Endpoint):
+    """Requests to the broker at ``url``, thread-safe."""
+
+    def __init__(
+        self,
+        url: str,
+        bearer: Optional[str],
+        ssl_context: Optional[ssl.SSLContext],
+        user_agent: str,
+    ):
+        super().__init__(url, bearer, ssl_context, user_agent)
         self._idle: List[Tuple[http.client.HTTPConnection, float]] = []
         self._lock = threading.Lock()
         self._closed = False

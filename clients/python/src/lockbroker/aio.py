@@ -20,9 +20,9 @@ import inspect
 import logging
 import ssl
 import time
-from typing import Any, Awaitable, Callable, Dict, Optional, Set, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Set, TypeVar
 
-from ._broker import DEFAULT_MAX_WAIT, __version__, check_settings, from_environment
+from ._broker import USER_AGENT, ClientBase
 from ._calls import (
     AGAIN,
     GRANTED,
@@ -51,7 +51,7 @@ from ._lease import (
 )
 from ._aio_transport import AsyncTransport
 from ._transport import RETRYABLE, Answer, NoAnswer
-from ._watch import KeyView
+from ._watch import KeyView, WatchRun, check_fence, check_wait
 
 __all__ = [
     "AsyncBroker",
@@ -240,36 +240,16 @@ class AsyncLease(LeaseState):
                             f"the on_trouble hook of the lease on {self.key!r}")
 
 
-class AsyncBroker:
+class AsyncBroker(ClientBase):
     """An asyncio client of the broker at ``url``, with the settings of
     :class:`~lockbroker.Broker`. An async context manager: leaving it (or ``await close()``)
-    releases every lease still open. Use it from one event loop."""
+    releases every lease still open. Use it from one event loop. ``AsyncBroker.from_env()``
+    reads ``$LOCKBROKER_URL`` and ``$LOCKBROKER_AUTH_TOKEN`` as :meth:`Broker.from_env` does."""
 
-    def __init__(
-        self,
-        url: str = "http://127.0.0.1:8080",
-        token: Optional[str] = None,
-        *,
-        timeout: float = 10.0,
-        renew_fraction: float = 1.0 / 3.0,
-        owner: Optional[str] = None,
-        max_wait: float = DEFAULT_MAX_WAIT,
-        ssl_context: Optional[ssl.SSLContext] = None,
-        on_trouble: Optional[Callable[[Optional[str]], Any]] = None,
-    ):
-        check_settings(timeout, renew_fraction, max_wait)
-        self.url = url
-        self._owner = owner
-        self._max_wait = float(max_wait)
-        self._on_trouble = on_trouble
-        transport = AsyncTransport(url, token, ssl_context, f"lockbroker-python/{__version__}")
-        self._core = _AsyncCore(transport, float(timeout), float(renew_fraction))
-
-    @classmethod
-    def from_env(cls, **settings: Any) -> "AsyncBroker":
-        """As :meth:`lockbroker.Broker.from_env`: ``$LOCKBROKER_URL`` and
-        ``$LOCKBROKER_AUTH_TOKEN``."""
-        return cls(**from_environment(), **settings)
+    def _make_core(self, url: str, token: Optional[str], ssl_context: Optional[ssl.SSLContext],
+                   timeout: float, renew_fraction: float) -> _AsyncCore:
+        transport = AsyncTransport(url, token, ssl_context, USER_AGENT)
+        return _AsyncCore(transport, timeout, renew_fraction)
 
     # -- locks and permits ----------------------------------------------------------------------
 
@@ -319,7 +299,7 @@ class AsyncBroker:
         lease = await self.acquire(key, ttl, wait, **options)
         async with lease:
             task = asyncio.ensure_future(work(lease))
-            lease.on_lost(task.cancel)
+            lease.on_lost(lambda: task.cancel())
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
@@ -331,6 +311,49 @@ class AsyncBroker:
                                 f"(fence {lease.fence}) was lost ({lease.lost_reason})",
                                 reason=lease.lost_reason)
             return task.result()
+
+    # -- watching -------------------------------------------------------------------------------
+
+    async def watch(self, key: str, seen_fence: int = 0, wait: float = 30.0) -> KeyView:
+        """As :meth:`lockbroker.Broker.watch`."""
+        return await self._watch("locks", key, seen_fence, wait)
+
+    async def watch_permits(self, key: str, seen_fence: int = 0, wait: float = 30.0) -> KeyView:
+        """As :meth:`lockbroker.Broker.watch_permits`."""
+        return await self._watch("semaphores", key, seen_fence, wait)
+
+    async def follow(self, key: str, seen_fence: int = 0, *, part: float = 10.0,
+                     semaphore: bool = False) -> AsyncIterator[KeyView]:
+        """Every change of the lock (or semaphore) ``key`` from ``seen_fence`` on, once and in
+        order: ``async for view in broker.follow(key):`` (leave the loop, or cancel its task,
+        to stop). Raises :class:`Unavailable` when the broker could not be reached for a whole
+        ``part``."""
+        fence = check_fence(seen_fence)
+        if not check_wait(part) > 0:
+            raise ValueError("part must be a positive number of seconds")
+        space = "semaphores" if semaphore else "locks"
+        while True:
+            view = await self._watch(space, key, fence, part)
+            if view.changed:
+                fence = view.next_fence
+                yield view
+
+    async def _watch(self, space: str, key: str, seen_fence: int, wait: float) -> KeyView:
+        run = WatchRun(self.url, self._max_wait, self._core.timeout, space, key, seen_fence, wait)
+        while True:
+            self._check_open()
+            target, timeout = run.request()
+            try:
+                answer: Optional[Answer] = await self._core.transport.request(
+                    "GET", target, timeout=timeout)
+                problem = ""
+            except NoAnswer as e:
+                answer, problem = None, str(e)
+            view, pause = run.answered(answer, problem)
+            if view is not None:
+                return view
+            if pause:
+                await asyncio.sleep(pause)
 
     # -- looking and force release --------------------------------------------------------------
 
@@ -376,9 +399,6 @@ class AsyncBroker:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    def __repr__(self) -> str:
-        return f"<AsyncBroker url={self.url!r}>"
-
     # -- inside ---------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -405,10 +425,8 @@ class AsyncBroker:
                        params: Dict[str, Any], mode: str, owner: Optional[str],
                        auto_renew: bool, renew_every: Optional[float],
                        on_trouble: Optional[Callable[[Optional[str]], Any]]) -> AsyncLease:
-        run = AcquireRun(self.url, space, key, ttl, wait, params, mode,
-                         owner if owner is not None else self._owner, renew_every, auto_renew,
-                         on_trouble if on_trouble is not None else self._on_trouble,
-                         self._max_wait, self._core.timeout)
+        run = self._acquire_run(space, key, ttl, wait, params, mode, owner, auto_renew,
+                                renew_every, on_trouble)
         lease: Optional[AsyncLease] = None
         try:
             while True:
