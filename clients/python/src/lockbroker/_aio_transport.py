@@ -27,6 +27,9 @@ _IDLE_LIMIT = 4.0
 #: Most idle connections kept; more are closed after use.
 _POOL_SIZE = 32
 
+#: How long an ordered request waits for ``100 Continue`` before it sends its body anyway.
+_CONTINUE_WAIT = 1.0
+
 _Connection = Tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
@@ -49,8 +52,8 @@ class AsyncTransport(Endpoint):
         self._resolving: Optional["asyncio.Future[List[str]]"] = None
         self._idle: List[Tuple[_Connection, float]] = []
         self._closed = False
-        # Held while an ordered request connects and writes: acquires leave in call order.
-        self._order: Optional[asyncio.Lock] = None
+        # Per path, the ordered requests waiting to be sent or unanswered (see `request`).
+        self._turns: Dict[str, _Turn] = {}
 
     async def request(
         self,
@@ -63,19 +66,43 @@ class AsyncTransport(Endpoint):
         ordered: bool = False,
     ) -> Answer:
         """Sends one request and reads its answer within ``timeout`` seconds. Raises
-        :class:`NoAnswer` when no HTTP answer came. ``ordered``: sent only after every earlier
-        ordered request was written (the broker serves waiting acquires in arrival order).
-        Cancelled, it closes its connection: a waiting request ends at the broker with it."""
-        data = self._encode(method, self._prefix + path, body, headers)
+        :class:`NoAnswer` when no HTTP answer came. Cancelled, it closes its connection: a
+        waiting request ends at the broker with it.
+
+        ``ordered`` (acquires): the broker serves waiters in the order their requests reached
+        it, so ordered requests to one path leave in call order; while another one to the same
+        path waits its turn or is unanswered, a request sends its head with ``Expect:
+        100-continue``, its body after the broker's ``100 Continue`` (which comes when the
+        broker's handler reads the body, just before it queues the request), and lets the next
+        one go only then."""
+        head, payload = self._encode(method, self._prefix + path, body, headers)
         timeout = max(timeout, 0.05)
         deadline = time.monotonic() + timeout
-        if ordered:
-            if self._order is None:
-                self._order = asyncio.Lock()
-            async with self._order:
-                conn, reused = await self._send(data, deadline)
-        else:
-            conn, reused = await self._send(data, deadline)
+        if not ordered:
+            conn, reused = await self._send(head + payload, deadline)
+            return await self._exchanged(conn, reused, method, head + payload, deadline)
+        turn = self._turns.get(path)
+        if turn is None:
+            turn = self._turns[path] = _Turn()
+        turn.users += 1
+        try:
+            async with turn.lock:
+                if turn.users > 1 and payload:
+                    sent = await self._send_in_turn(method, head, payload, deadline)
+                    if isinstance(sent, Answer):
+                        return sent
+                    conn, reused = sent
+                else:
+                    conn, reused = await self._send(head + payload, deadline)
+            return await self._exchanged(conn, reused, method, head + payload, deadline)
+        finally:
+            turn.users -= 1
+            if turn.users == 0 and self._turns.get(path) is turn:
+                del self._turns[path]
+
+    async def _exchanged(self, conn: _Connection, reused: bool, method: str, data: bytes,
+                         deadline: float) -> Answer:
+        """The answer to a request sent on ``conn``."""
         try:
             return await self._receive(conn, reused, method, deadline)
         except _Stale:
@@ -97,7 +124,8 @@ class AsyncTransport(Endpoint):
     # -- one exchange ---------------------------------------------------------------------------
 
     def _encode(self, method: str, target: str, body: Optional[Dict[str, Any]],
-                headers: Optional[Dict[str, str]]) -> bytes:
+                headers: Optional[Dict[str, str]]) -> Tuple[bytes, bytes]:
+        """The request's head (ending with its blank line) and body."""
         payload = json.dumps(body).encode("utf-8") if body is not None else b""
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self._host_header}"]
         all_headers = dict(self._headers)
@@ -108,7 +136,7 @@ class AsyncTransport(Endpoint):
         if body is not None or method in ("POST", "PUT"):
             all_headers["Content-Length"] = str(len(payload))
         lines += [f"{name}: {value}" for name, value in all_headers.items()]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), payload
 
     async def _send(self, data: bytes, deadline: float) -> Tuple[_Connection, bool]:
         conn = self._take()
@@ -121,6 +149,63 @@ class AsyncTransport(Endpoint):
         conn = await self._connect(deadline)
         await self._write(conn, data, False)
         return conn, False
+
+    async def _send_in_turn(self, method: str, head: bytes, payload: bytes,
+                            deadline: float) -> "Tuple[_Connection, bool] | Answer":
+        """Sends the head with ``Expect: 100-continue``, then the body once the broker said
+        ``100 Continue`` (or did not within :data:`_CONTINUE_WAIT`: something in front that
+        does not pass it on). A final answer instead of the 100 is returned as it is."""
+        expecting = head[:-2] + b"Expect: 100-continue\r\n\r\n"
+        conn = self._take()
+        reused = conn is not None
+        for _ in range(2):
+            if conn is None:
+                conn, reused = await self._connect(deadline), False
+            try:
+                await self._write(conn, expecting, reused)
+                early = await self._await_continue(conn, reused, method, deadline)
+            except _Stale:
+                conn = None
+                continue
+            if early is not None:
+                return early
+            await self._write(conn, payload, False)
+            return conn, reused
+        raise NoAnswer("the broker closed the connection", sent=True)
+
+    async def _await_continue(self, conn: _Connection, reused: bool, method: str,
+                              deadline: float) -> Optional[Answer]:
+        reader, writer = conn
+        try:
+            line = await asyncio.wait_for(
+                reader.readline(), min(_CONTINUE_WAIT, max(deadline - time.monotonic(), 0.01)))
+            if not line:
+                raise _Stale()
+            status = int(line.split(None, 2)[1])
+            if 100 <= status < 200:
+                while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                    pass
+                return None
+            # Answered before the body was read (a refusal): that is the answer.
+            status, headers, raw, _ = await asyncio.wait_for(
+                self._read_answer(reader, method, line), max(deadline - time.monotonic(), 0.01))
+        except asyncio.TimeoutError:
+            return None
+        except _Stale:
+            writer.close()
+            if reused:
+                raise
+            raise NoAnswer("the broker closed the connection", sent=True) from None
+        except (OSError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
+            writer.close()
+            if reused and isinstance(e, ConnectionResetError):
+                raise _Stale() from e
+            raise NoAnswer(describe(e), sent=True) from None
+        except BaseException:
+            writer.close()
+            raise
+        writer.close()  # the body it did not read would be taken for the next request
+        return Answer(status, headers, decode_body(raw))
 
     async def _write(self, conn: _Connection, data: bytes, reused: bool) -> None:
         writer = conn[1]
@@ -172,25 +257,31 @@ class AsyncTransport(Endpoint):
         return Answer(status, headers, decode_body(raw))
 
     @staticmethod
-    async def _read_answer(reader: asyncio.StreamReader,
-                           method: str) -> Tuple[int, http.client.HTTPMessage, bytes, bool]:
-        line = await reader.readline()
-        if not line:
-            raise _Stale()
-        parts = line.decode("latin-1").split(None, 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/"):
-            raise ValueError(f"not an HTTP answer: {line[:40]!r}")
-        version, status = parts[0], int(parts[1])
-        head = b""
+    async def _read_answer(reader: asyncio.StreamReader, method: str, line: bytes = b""
+                           ) -> Tuple[int, http.client.HTTPMessage, bytes, bool]:
+        """The answer's status, headers, body and whether the connection may be kept; ``line``:
+        its status line, if read already. Interim (1xx) answers are skipped."""
         while True:
-            header = await reader.readline()
-            if header in (b"\r\n", b"\n", b""):
+            line = line or await reader.readline()
+            if not line:
+                raise _Stale()
+            parts = line.decode("latin-1").split(None, 2)
+            if len(parts) < 2 or not parts[0].startswith("HTTP/"):
+                raise ValueError(f"not an HTTP answer: {line[:40]!r}")
+            version, status = parts[0], int(parts[1])
+            head = b""
+            while True:
+                header = await reader.readline()
+                if header in (b"\r\n", b"\n", b""):
+                    break
+                head += header
+            if not 100 <= status < 200:
                 break
-            head += header
+            line = b""
         headers = http.client.parse_headers(io.BytesIO(head + b"\r\n"))
         keep = version != "HTTP/1.0" and \
             (headers.get("Connection") or "").strip().lower() != "close"
-        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+        if method == "HEAD" or status in (204, 304):
             return status, headers, b"", keep
         if (headers.get("Transfer-Encoding") or "").strip().lower() == "chunked":
             raw = b""
@@ -271,6 +362,17 @@ class AsyncTransport(Endpoint):
                 addresses.append(address)
         self._addresses = addresses
         return addresses
+
+
+class _Turn:
+    """The ordered requests to one path: a lock held while one is sent, and how many are
+    waiting for it or unanswered."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
 
 
 class _Stale(Exception):
