@@ -324,7 +324,7 @@ class AsyncTransport(Endpoint):
             if left <= 0:
                 break
             try:
-                return await asyncio.wait_for(
+                conn = await asyncio.wait_for(
                     asyncio.open_connection(
                         address, self._port, ssl=self._ssl_context,
                         server_hostname=self._host if self._https else None),
@@ -333,6 +333,12 @@ class AsyncTransport(Endpoint):
                 problem = socket.timeout("timed out")
             except (OSError, ssl.SSLError) as e:
                 problem = e
+            else:
+                if address != addresses[0] and self._addresses is addresses:
+                    # The one that answered first from now on (localhost: ::1 refused, then
+                    # 127.0.0.1).
+                    self._addresses = [address] + [a for a in addresses if a != address]
+                return conn
         if not self._numeric:
             self._addresses = None  # looked up again next time: the name may point elsewhere now
         raise NoAnswer(describe(problem) if problem else "the broker did not answer in time",
