@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from harness import BrokerProcess, Exchange, Proxy
+from harness import BrokerProcess, Exchange, Proxy, threads_since
 from lockbroker import BrokerError, LeaseLost, Locked
 from lockbroker.aio import AsyncBroker, AsyncLease
 
@@ -120,7 +120,7 @@ def test_a_one_second_lease_held_for_three_and_a_half_is_renewed_on_the_loop(
     broker: BrokerProcess, key: str
 ) -> None:
     async def scenario() -> None:
-        threads = threading.active_count()
+        before = set(threading.enumerate())
         async with AsyncBroker(broker.url) as client:
             lease = await client.acquire(key, ttl=1.0)
             assert isinstance(lease, AsyncLease)
@@ -135,7 +135,7 @@ def test_a_one_second_lease_held_for_three_and_a_half_is_renewed_on_the_loop(
             # The renewals are a task of this loop, not a thread.
             assert lease._task is not None and not lease._task.done()
             assert lease._task.get_loop() is asyncio.get_running_loop()
-            assert threading.active_count() == threads
+            assert threads_since(before) == []
         assert not lease.held
         assert broker.holders(key) == []
 
@@ -148,13 +148,16 @@ def test_fifty_open_leases_add_no_thread_and_close_releases_them(
     keys = [f"{key}-{i}" for i in range(50)]
 
     async def scenario() -> None:
-        threads = threading.active_count()
+        before = set(threading.enumerate())
         async with AsyncBroker(broker.url) as client:
             leases = await asyncio.gather(*(client.acquire(k, ttl=1.5) for k in keys))
-            await asyncio.sleep(1.2)  # each renewed at least once meanwhile
+            first = [lease.expires_at for lease in leases]
+            deadline = time.monotonic() + 10
+            while any(lease.expires_at == end for lease, end in zip(leases, first)):
+                assert time.monotonic() < deadline, "every lease renewed once"
+                await asyncio.sleep(0.05)
             assert all(lease.held for lease in leases)
-            assert threading.active_count() <= threads + 2
-            assert threading.active_count() == threads  # none at all, on a numeric address
+            assert threads_since(before) == []  # none at all, on a numeric address
         assert not any(lease.held for lease in leases)
 
     asyncio.run(scenario())
@@ -247,3 +250,34 @@ def test_watch_and_follow(broker: BrokerProcess, key: str) -> None:
             assert [v.fence for v in views] == [lease.fence, None]
 
     asyncio.run(scenario())
+
+
+def test_acquires_started_together_through_a_proxy_that_drops_100_continue_still_queue_in_order(
+    broker: BrokerProcess, key: str
+) -> None:
+    # The harness proxy answers no `100 Continue`: each acquire after the first sends its body
+    # after the client's wait for it (a second), and all are still served in order.
+    proxy = Proxy(broker.url)
+    grants = []
+
+    async def scenario() -> None:
+        async with AsyncBroker(broker.url) as direct, AsyncBroker(proxy.url) as client:
+            holder = await direct.acquire(key, ttl=10)
+            before = waiters(broker)
+
+            async def task(i: int) -> None:
+                async with await client.acquire(key, ttl=10, wait=30) as lease:
+                    grants.append((i, lease.fence))
+
+            tasks = [asyncio.ensure_future(task(i)) for i in range(3)]
+            while waiters(broker) < before + 3:
+                await asyncio.sleep(0.02)
+            await holder.release()
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        proxy.close()
+    assert [i for i, _ in grants] == [0, 1, 2]
+    assert [f for _, f in grants] == sorted(f for _, f in grants)

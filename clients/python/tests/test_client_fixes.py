@@ -10,7 +10,7 @@ from typing import Iterator, List, Optional
 
 import pytest
 
-from harness import BrokerProcess, Proxy, wait_until
+from harness import BrokerProcess, Proxy, threads_since, wait_until
 from lockbroker import Broker, BrokerError, Leadership, Unavailable
 
 SECRET = "orders-secret-0123456789"
@@ -29,15 +29,15 @@ def auth_broker(tmp_path: pathlib.Path) -> Iterator[BrokerProcess]:
 
 
 def test_three_hundred_leases_are_renewed_by_one_thread(broker: BrokerProcess, key: str) -> None:
-    threads = threading.active_count()
+    before = set(threading.enumerate())
     with Broker(broker.url) as client:
         leases = [client.acquire(f"{key}-{i}", ttl=2.0) for i in range(300)]
         first = {lease.key: lease.expires_at for lease in leases}
         wait_until(lambda: all(lease.expires_at != first[lease.key] for lease in leases), 10,
                    "every lease renewed once")
         assert all(lease.held for lease in leases)
-        assert threading.active_count() <= threads + 1
-    assert threading.active_count() == threads  # the renewal thread stopped with the Broker
+        assert [t.name for t in threads_since(before)] == ["lockbroker-renewer"]
+    assert threads_since(before) == []  # the renewal thread stopped with the Broker
     assert not any(lease.held for lease in leases)
 
 
@@ -53,13 +53,13 @@ def test_a_revoked_token_loses_the_lease_as_unauthorized(auth_broker: BrokerProc
 
 
 def test_leadership_with_a_wrong_token_raises(auth_broker: BrokerProcess, key: str) -> None:
-    threads = threading.active_count()
+    before = set(threading.enumerate())
     with Broker(auth_broker.url, token="wrong-secret-0123456789") as client:
         with pytest.raises(BrokerError) as refused:
             Leadership(client, key, "node-a", ttl=2)
         assert refused.value.status == 401
         assert key in str(refused.value) and auth_broker.url in str(refused.value)
-    assert threading.active_count() == threads
+    assert threads_since(before) == []
 
 
 def test_leadership_stops_campaigning_when_its_acquires_are_refused(
