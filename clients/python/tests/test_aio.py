@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from conftest import embedded_only
 from harness import BrokerProcess, Exchange, Proxy, threads_since
 from lockbroker import BrokerError, LeaseLost, Locked
 from lockbroker.aio import AsyncBroker, AsyncLease
@@ -115,7 +116,7 @@ def test_a_grant_that_arrives_after_the_cancellation_is_released_at_once(
 
 
 # On one store: 3.5 s, and renewals on Redis are the sync client's tests' business too.
-@pytest.mark.parametrize("broker", ["embedded"], indirect=True)
+@embedded_only
 def test_a_one_second_lease_held_for_three_and_a_half_is_renewed_on_the_loop(
     broker: BrokerProcess, key: str
 ) -> None:
@@ -142,6 +143,7 @@ def test_a_one_second_lease_held_for_three_and_a_half_is_renewed_on_the_loop(
     asyncio.run(scenario())
 
 
+@embedded_only
 def test_fifty_open_leases_add_no_thread_and_close_releases_them(
     broker: BrokerProcess, key: str
 ) -> None:
@@ -165,6 +167,7 @@ def test_fifty_open_leases_add_no_thread_and_close_releases_them(
     assert page["locks"] == []
 
 
+@embedded_only
 def test_try_acquire_locked_lost_callbacks_and_with_lease(broker: BrokerProcess, key: str) -> None:
     async def scenario() -> None:
         async with AsyncBroker(broker.url) as client, AsyncBroker(broker.url) as other:
@@ -208,6 +211,7 @@ async def _answer(lease: AsyncLease) -> int:
     return 42
 
 
+@embedded_only
 def test_inspect_list_and_bad_keys(broker: BrokerProcess, key: str) -> None:
     async def scenario() -> None:
         async with AsyncBroker(broker.url) as client:
@@ -227,6 +231,7 @@ def test_inspect_list_and_bad_keys(broker: BrokerProcess, key: str) -> None:
     asyncio.run(scenario())
 
 
+@embedded_only
 def test_watch_and_follow(broker: BrokerProcess, key: str) -> None:
     async def scenario() -> None:
         async with AsyncBroker(broker.url) as client, AsyncBroker(broker.url) as writer:
@@ -252,6 +257,7 @@ def test_watch_and_follow(broker: BrokerProcess, key: str) -> None:
     asyncio.run(scenario())
 
 
+@embedded_only
 def test_acquires_started_together_through_a_proxy_that_drops_100_continue_still_queue_in_order(
     broker: BrokerProcess, key: str
 ) -> None:

@@ -10,6 +10,7 @@ from typing import Iterator, List, Optional
 
 import pytest
 
+from conftest import embedded_only
 from harness import BrokerProcess, Proxy, threads_since, wait_until
 from lockbroker import Broker, BrokerError, Leadership, Unavailable
 
@@ -28,6 +29,7 @@ def auth_broker(tmp_path: pathlib.Path) -> Iterator[BrokerProcess]:
     process.close()
 
 
+@embedded_only
 def test_three_hundred_leases_are_renewed_by_one_thread(broker: BrokerProcess, key: str) -> None:
     before = set(threading.enumerate())
     with Broker(broker.url) as client:
@@ -89,6 +91,7 @@ def test_a_refusal_names_the_key_the_url_and_the_status(auth_broker: BrokerProce
         assert SECRET not in message
 
 
+@embedded_only
 @pytest.mark.parametrize("status", [500, 501, 505])
 def test_a_5xx_the_broker_never_sends_is_an_error_at_once(
     broker: BrokerProcess, key: str, status: int
@@ -110,6 +113,7 @@ def test_a_5xx_the_broker_never_sends_is_an_error_at_once(
         proxy.close()
 
 
+@embedded_only
 @pytest.mark.parametrize("status", [429, 502, 503, 504])
 def test_429_and_gateway_errors_are_retried_with_the_same_request_id(
     broker: BrokerProcess, key: str, status: int
@@ -138,6 +142,7 @@ def test_429_and_gateway_errors_are_retried_with_the_same_request_id(
         proxy.close()
 
 
+@embedded_only
 def test_the_trouble_hook_hears_failing_renewals_and_their_recovery(
     broker: BrokerProcess, key: str
 ) -> None:
@@ -183,6 +188,7 @@ def test_from_env_reads_the_url_and_the_auth_token_not_the_lock_token(
         assert client.url == "http://127.0.0.1:8080"
 
 
+@embedded_only
 def test_with_lease_runs_the_work_under_the_lease_and_releases(broker: BrokerProcess, key: str) -> None:
     with Broker(broker.url) as client:
         def work(lease) -> int:
