@@ -114,8 +114,9 @@ def test_a_5xx_the_broker_never_sends_is_an_error_at_once(
 
 
 @embedded_only
-@pytest.mark.parametrize("status", [429, 502, 503, 504])
-def test_429_and_gateway_errors_are_retried_with_the_same_request_id(
+# 502/503/504 are test_faults' (a load balancer's, a Redis outage's); 429 is new.
+@pytest.mark.parametrize("status", [429])
+def test_a_429_is_retried_with_the_same_request_id(
     broker: BrokerProcess, key: str, status: int
 ) -> None:
     proxy = Proxy(broker.url)
