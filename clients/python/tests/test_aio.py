@@ -287,3 +287,17 @@ def test_acquires_started_together_through_a_proxy_that_drops_100_continue_still
         proxy.close()
     assert [i for i, _ in grants] == [0, 1, 2]
     assert [f for _, f in grants] == sorted(f for _, f in grants)
+
+
+def test_an_acquire_cancelled_while_the_broker_is_unreachable_ends_at_once() -> None:
+    from harness import free_port
+
+    async def scenario() -> None:
+        async with AsyncBroker(f"http://127.0.0.1:{free_port()}") as client:
+            started = time.monotonic()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.acquire("k", ttl=5, wait=10), 0.3)
+            # No attempt reached a broker: nothing to clean up, nothing to wait for.
+            assert time.monotonic() - started < 1.0
+
+    asyncio.run(scenario())

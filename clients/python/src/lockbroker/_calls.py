@@ -63,8 +63,10 @@ class AcquireRun:
         #: When the first attempt that may have reached the broker left: no lease this acquire
         #: produced can have begun earlier.
         self.first_sent: Optional[float] = None
-        #: Whether any attempt may have reached the broker (then it may have granted).
-        self.may_have_reached = False
+        # Whether an attempt reached the broker, or may have (then it may have granted), and
+        # whether one is under way (its fate unknown).
+        self._reached = False
+        self._in_flight = False
         self._asked = 0.0
         self._asked_at = 0.0
         self._answer: Optional[Answer] = None
@@ -76,11 +78,20 @@ class AcquireRun:
         self._asked = min(max(self.deadline - now, 0.0), self._max_wait)
         self._asked_at = now
         self.body["wait_ms"] = int(self._asked * 1000)
-        self.may_have_reached = True
+        self._in_flight = True
         return self.body, self._asked + self._timeout
+
+    @property
+    def may_have_reached(self) -> bool:
+        """Whether the broker may have granted this acquire: an attempt reached it, may have
+        (no answer after sending), or is under way."""
+        return self._reached or self._in_flight
 
     def no_answer(self, e: NoAnswer) -> float:
         """Books an attempt that got no answer; the pause before the next."""
+        self._in_flight = False
+        if e.sent:
+            self._reached = True
         if e.sent and self.first_sent is None:
             self.first_sent = self._asked_at
         self._answer, self._problem = None, str(e)
@@ -89,6 +100,8 @@ class AcquireRun:
     def answered(self, answer: Answer) -> Tuple[str, float]:
         """What to do after ``answer``: (GRANTED, 0), (AGAIN, 0) or (PAUSE, delay). Raises the
         error an answer that ends the acquire stands for."""
+        self._in_flight = False
+        self._reached = True
         if self.first_sent is None:
             self.first_sent = self._asked_at
         if answer.status == 201:

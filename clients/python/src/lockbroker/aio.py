@@ -69,6 +69,9 @@ log = logging.getLogger("lockbroker")
 
 T = TypeVar("T")
 
+#: How long a cancelled acquire waits for its clean-up before the cancellation goes on.
+_CLEAN_UP_WAIT = 2.0
+
 
 class _AsyncCore:
     """What an AsyncBroker's leases share with it."""
@@ -469,12 +472,14 @@ class AsyncBroker(ClientBase):
 
     async def _abandon(self, run: AcquireRun, lease: Optional[AsyncLease]) -> None:
         """After the cancellation of an acquire: ends what it may have been granted, before the
-        cancellation goes on (or in the background, if cancelled again meanwhile)."""
+        cancellation goes on. A broker that does not answer within :data:`_CLEAN_UP_WAIT` (or a
+        second cancellation) leaves the clean-up to go on in the background (``close`` waits
+        for it)."""
         task = asyncio.ensure_future(self._clean_up(run, lease))
         self._core.cleanups.add(task)
         task.add_done_callback(self._core.cleanups.discard)
         try:
-            await asyncio.shield(task)
+            await asyncio.wait({task}, timeout=min(_CLEAN_UP_WAIT, self._core.timeout))
         except asyncio.CancelledError:
             pass  # cancelled again: the clean-up goes on by itself
 
