@@ -301,3 +301,47 @@ def test_an_acquire_cancelled_while_the_broker_is_unreachable_ends_at_once() -> 
             assert time.monotonic() - started < 1.0
 
     asyncio.run(scenario())
+
+
+@embedded_only
+def test_async_leadership_elects_one_hands_over_on_close_and_revokes_a_lost_term(
+    broker: BrokerProcess, key: str
+) -> None:
+    from lockbroker.aio import AsyncLeadership
+
+    async def scenario() -> None:
+        events = []
+        async with AsyncBroker(broker.url) as one, AsyncBroker(broker.url) as two:
+            a = AsyncLeadership(one, key, "a", ttl=2, part=1)
+            b = AsyncLeadership(two, key, "b", ttl=2, part=1)
+            elected_b = asyncio.Event()
+
+            async def revoked_a() -> None:
+                await asyncio.sleep(0.05)  # awaited: the release waits for it
+                events.append(("a revoked", broker.holders(key)[0]["owner"]))
+
+            a.on_elected(lambda lease: events.append(("a elected", lease.fence)))
+            a.on_revoked(revoked_a)
+            b.on_elected(lambda: (events.append(("b elected", None)), elected_b.set()))
+            b.on_revoked(lambda: events.append(("b revoked", None)))
+            await a.start()
+            while not a.is_leader():
+                await asyncio.sleep(0.01)
+            await b.start()
+            await asyncio.sleep(0.2)
+            assert a.leader() == "a" and not b.is_leader()
+            await a.close()  # on_revoked, then the release: b next
+            await asyncio.wait_for(elected_b.wait(), 5)
+            assert b.is_leader() and b.leader() == "b"
+            first_fence = b.lease.fence
+            elected_b.clear()
+            await one.force_release(key)  # b's term is lost: revoked, then elected again
+            await asyncio.wait_for(elected_b.wait(), 5)
+            assert b.lease.fence > first_fence
+            await b.close()
+            assert not b.is_leader() and broker.holders(key) == []
+        assert [e[0] for e in events] == ["a elected", "a revoked", "b elected", "b revoked",
+                                          "b elected", "b revoked"]
+        assert events[1][1] == "a"  # a still held the key while its on_revoked ran
+
+    asyncio.run(scenario())

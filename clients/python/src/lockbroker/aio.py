@@ -49,12 +49,14 @@ from ._lease import (
     _takes_an_argument,
     ttl_ms,
 )
+from ._aio_leadership import AsyncLeadership
 from ._aio_transport import AsyncTransport
 from ._transport import RETRYABLE, Answer, NoAnswer
 from ._watch import KeyView, WatchRun, check_fence, check_wait
 
 __all__ = [
     "AsyncBroker",
+    "AsyncLeadership",
     "AsyncLease",
     "BrokerError",
     "KeyView",
