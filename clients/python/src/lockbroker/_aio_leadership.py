@@ -9,10 +9,11 @@ import inspect
 import logging
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
-from ._calls import inspect_request, inspect_view
-from ._errors import BrokerError, Locked, Unavailable, error_from
-from ._lease import Backoff, _takes_an_argument, ttl_ms
-from ._transport import RETRYABLE, NoAnswer
+from ._calls import inspect_request
+from ._errors import BrokerError, Locked, Unavailable
+from ._leadership import check_campaign, check_look
+from ._lease import Backoff, _takes_an_argument
+from ._transport import NoAnswer
 from ._watch import KeyView
 
 if TYPE_CHECKING:
@@ -33,10 +34,7 @@ class AsyncLeadership:
 
     def __init__(self, client: "AsyncBroker", key: str, name: str, ttl: float = 10.0, *,
                  part: float = 5.0):
-        ttl_ms(ttl)
-        ttl_ms(part, "part")
-        if not isinstance(name, str) or not name:
-            raise ValueError("name is a non-empty str (the leader's owner label)")
+        check_campaign(ttl, part, name)
         inspect_request(client.url, key, False)  # a bad key: ValueError now
         self.key = key
         self.name = name
@@ -132,8 +130,7 @@ class AsyncLeadership:
             answer = await core.transport.request("GET", path, timeout=core.timeout)
         except NoAnswer:
             return
-        if inspect_view(self.key, answer, False) is None and answer.status not in RETRYABLE:
-            raise error_from(answer, context)
+        check_look(self.key, answer, context)
 
     async def _campaign(self) -> None:
         assert self._wake is not None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 from ._calls import inspect_request, inspect_view
 from ._errors import BrokerError, Locked, Unavailable, error_from
 from ._lease import Backoff, Lease, _takes_an_argument, ttl_ms
-from ._transport import RETRYABLE, NoAnswer
+from ._transport import RETRYABLE, Answer, NoAnswer
 from ._watch import KeyView
 
 if TYPE_CHECKING:
@@ -47,10 +47,7 @@ class Leadership:
 
     def __init__(self, client: "Broker", key: str, name: str, ttl: float = 10.0, *,
                  part: float = 5.0):
-        ttl_ms(ttl)
-        ttl_ms(part, "part")
-        if not isinstance(name, str) or not name:
-            raise ValueError("name is a non-empty str (the leader's owner label)")
+        check_campaign(ttl, part, name)
         self.key = key
         self.name = name
         self.ttl = float(ttl)
@@ -240,6 +237,20 @@ def _first_look(client: "Broker", key: str) -> None:
         answer = client._core.transport.request("GET", path, timeout=client._core.timeout)
     except NoAnswer:
         return
+    check_look(key, answer, context)
+
+
+def check_campaign(ttl: float, part: float, name: str) -> None:
+    """The checks of a candidate's settings (both clients' election helpers)."""
+    ttl_ms(ttl)
+    ttl_ms(part, "part")
+    if not isinstance(name, str) or not name:
+        raise ValueError("name is a non-empty str (the leader's owner label)")
+
+
+def check_look(key: str, answer: Answer, context: str) -> None:
+    """Raises the refusal a first look at ``key`` was answered with (401, 403...); a view, or
+    a 503, is fine."""
     if inspect_view(key, answer, False) is None and answer.status not in RETRYABLE:
         raise error_from(answer, context)
 
