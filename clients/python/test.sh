@@ -37,7 +37,40 @@ if [[ ! -x "$BIN" ]]; then
 fi
 export LOCKBROKER_BIN="$BIN"
 
+# Beside the tests: the package installs as users install it (`pip install ./clients/python` in a
+# fresh venv; pip fetches setuptools to build it) and both clients import from the installed copy.
+# LOCKBROKER_PY_SKIP_INSTALL=1 skips this (no package index reachable).
+install_log=""
+if [[ "${LOCKBROKER_PY_SKIP_INSTALL:-}" != 1 ]]; then
+    venv="$(mktemp -d -t lockbroker-py-venv.XXXXXX)"
+    install_log="$venv.log"
+    trap 'rm -rf "$venv" "$install_log"' EXIT
+    (
+        "$PYTHON" -m venv "$venv" &&
+            "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$PWD" &&
+            cd "$venv" && "$venv/bin/python" -c \
+            'import lockbroker, lockbroker.aio; assert lockbroker.aio.AsyncBroker and lockbroker.Broker'
+    ) >"$install_log" 2>&1 &
+    install_pid=$!
+fi
+
 # The source tree, not an installed copy: the tests check this checkout's client.
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
-exec "$PYTHON" -m pytest -p no:cacheprovider "$@"
+status=0
+"$PYTHON" -m pytest -p no:cacheprovider "$@" || status=$?
+
+if [[ -n "$install_log" ]]; then
+    if wait "$install_pid"; then
+        echo "install check: pip install ./clients/python in a fresh venv, then import lockbroker.aio: ok"
+    elif grep -qE "NewConnectionError|Temporary failure in name resolution|Network is unreachable|No matching distribution found for setuptools|Could not fetch URL" "$install_log"; then
+        # pip builds the package with setuptools from the index: without one, nothing to check.
+        echo "install check skipped: pip could not reach a package index for setuptools (offline?)"
+    else
+        echo "error: pip install ./clients/python in a fresh venv failed, or the installed package does not import:" >&2
+        cat "$install_log" >&2
+        echo "(LOCKBROKER_PY_SKIP_INSTALL=1 skips this check where no package index is reachable)" >&2
+        status=1
+    fi
+fi
+exit "$status"

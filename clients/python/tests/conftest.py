@@ -16,6 +16,10 @@ from harness import BrokerProcess, Proxy, RedisServer  # noqa: E402
 
 STORES = ["embedded", "redis"]
 
+#: For a test of the client's own logic, which the store behind the broker does not change: the
+#: shared broker on the embedded store only.
+embedded_only = pytest.mark.parametrize("broker", ["embedded"], indirect=True)
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:

@@ -53,6 +53,12 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, every: f
         time.sleep(every)
 
 
+def threads_since(before: "set[threading.Thread]") -> List[threading.Thread]:
+    """The threads alive now that were not in ``before`` (``set(threading.enumerate())``): in a
+    process that other tests' threads leave and enter, what a count cannot tell."""
+    return [t for t in threading.enumerate() if t not in before]
+
+
 def http_call(
     base: str,
     method: str,

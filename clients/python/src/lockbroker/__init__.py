@@ -7,11 +7,12 @@ they are lost, and carry a fence.
         with broker.acquire("orders:42", ttl=10, wait=5) as lease:
             ...  # write, passing lease.fence to the resource; stop if lease.held turns false
 
-Standard library only; thread-safe.
+Standard library only; thread-safe. ``lockbroker.aio`` is the asyncio client.
 """
 
 from ._broker import Broker, __version__
-from ._errors import BrokerError, LimitMismatch, Locked, Unavailable
+from ._calls import Page
+from ._errors import BrokerError, LeaseLost, LimitMismatch, Locked, Unavailable
 from ._lease import Lease
 from ._leadership import Leadership
 from ._watch import Follower, Holder, KeyView
@@ -24,8 +25,10 @@ __all__ = [
     "KeyView",
     "Lease",
     "Leadership",
+    "LeaseLost",
     "LimitMismatch",
     "Locked",
+    "Page",
     "Unavailable",
     "__version__",
 ]

@@ -1,34 +1,35 @@
 """The client of one broker: acquires locks, shared locks and semaphore permits, and keeps track
-of the leases it handed out so that :meth:`Broker.close` ends them.
-
-An acquire is one ``POST`` with a ``request_id`` generated for it; the broker does the waiting.
-When the broker answers ``503`` (or a load balancer in front ``502``/``504``) or no answer comes,
-the same request is sent again (same ``request_id``) after the broker's ``Retry-After`` or a
-short backoff, while the caller's wait lasts. A repeat of a request the broker did grant answers that same lease, so a retry never
-makes a second holder, and a grant whose answer was lost is found again, not left behind.
+of the leases it handed out so that :meth:`Broker.close` ends them. How an acquire retries is in
+``_calls``; every lease of one Broker is renewed by its one renewal thread (``_lease.Renewer``).
 """
 
 import logging
-import secrets
+import os
 import ssl
 import threading
 import time
-from typing import Any, Dict, Optional, Set
+from typing import Any, Callable, Dict, Optional, Set, Type, TypeVar
 
-from ._errors import BrokerError, Locked, Unavailable, error_from
-from ._lease import (
-    _GONE,
-    _RENEWED,
-    Backoff,
-    Lease,
-    key_path,
-    margin_for,
-    ttl_ms,
+from ._calls import (
+    AGAIN,
+    GRANTED,
+    AcquireRun,
+    CallRun,
+    Page,
+    force_request,
+    forced,
+    inspect_request,
+    inspect_view,
+    list_page,
+    list_request,
 )
-from ._transport import RETRYABLE, NoAnswer, Transport
+from ._errors import BrokerError, Locked
+from ._lease import _GONE, _RENEWED, Lease, Renewer
+from ._transport import NoAnswer, Transport
 from ._watch import Follower, KeyView, watch_once
 
 __version__ = "0.1.0"
+USER_AGENT = f"lockbroker-python/{__version__}"
 
 log = logging.getLogger("lockbroker")
 
@@ -36,23 +37,110 @@ log = logging.getLogger("lockbroker")
 DEFAULT_MAX_WAIT = 60.0
 
 
+#: The environment variables of :meth:`Broker.from_env`. ``LOCKBROKER_TOKEN`` is not one of
+#: them: ``lockbroker run`` sets it to the lock's own token, not a bearer token.
+URL_VARIABLE = "LOCKBROKER_URL"
+TOKEN_VARIABLE = "LOCKBROKER_AUTH_TOKEN"
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+T = TypeVar("T")
+C = TypeVar("C", bound="ClientBase")
+
+
+def from_environment() -> Dict[str, Any]:
+    """``url`` and ``token`` as :meth:`Broker.from_env` reads them."""
+    url = os.environ.get(URL_VARIABLE) or DEFAULT_URL
+    token = os.environ.get(TOKEN_VARIABLE) or None
+    return {"url": url, "token": token}
+
+
+def check_settings(timeout: float, renew_fraction: float, max_wait: float) -> None:
+    if not 0 < renew_fraction < 1:
+        raise ValueError("renew_fraction must be between 0 and 1 (exclusive)")
+    if not timeout > 0:
+        raise ValueError("timeout must be a positive number of seconds")
+    if not max_wait >= 0.001:
+        raise ValueError("max_wait must be at least 0.001 s")
+
+
 class _Core:
-    """What a broker's leases share with it: the transport, the settings, the open leases."""
+    """What a broker's leases share with it: the transport, the settings, the open leases and
+    the thread that renews them."""
 
     def __init__(self, transport: Transport, timeout: float, renew_fraction: float):
         self.transport = transport
+        self.url = transport.url
         self.timeout = timeout
         self.renew_fraction = renew_fraction
         self.lock = threading.Lock()
         self.leases: Set[Lease] = set()
+        self.renewer = Renewer()
         self.closed = False
 
     def forget(self, lease: Lease) -> None:
         with self.lock:
             self.leases.discard(lease)
 
+    def horizon(self, lease: Lease) -> float:
+        """The earliest end among the other live leases: a renewal on the one renewal thread
+        must not keep them from theirs (a request stuck on a dead connection) past it."""
+        with self.lock:
+            others = [other for other in self.leases if other is not lease]
+        ends = [other._end for other in others
+                if not other._released and other._lost_reason is None]
+        return min(ends, default=float("inf"))
 
-class Broker:
+
+class ClientBase:
+    """The settings both clients take (see :class:`Broker`), ``from_env``, and the start of an
+    acquire."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        token: Optional[str] = None,
+        *,
+        timeout: float = 10.0,
+        renew_fraction: float = 1.0 / 3.0,
+        owner: Optional[str] = None,
+        max_wait: float = DEFAULT_MAX_WAIT,
+        ssl_context: Optional[ssl.SSLContext] = None,
+        on_trouble: Optional[Callable[[Optional[str]], Any]] = None,
+    ):
+        check_settings(timeout, renew_fraction, max_wait)
+        self.url = url
+        self._owner = owner
+        self._max_wait = float(max_wait)
+        self._on_trouble = on_trouble
+        self._core = self._make_core(url, token, ssl_context, float(timeout),
+                                     float(renew_fraction))
+
+    def _make_core(self, url: str, token: Optional[str], ssl_context: Optional[ssl.SSLContext],
+                   timeout: float, renew_fraction: float) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def from_env(cls: Type[C], **settings: Any) -> C:
+        """A client for ``$LOCKBROKER_URL`` (default ``http://127.0.0.1:8080``) with the bearer
+        token ``$LOCKBROKER_AUTH_TOKEN`` (none when unset); ``settings`` as for the
+        constructor. (``$LOCKBROKER_TOKEN``, which ``lockbroker run`` sets, is the lock's own
+        token, not a bearer token: it is not read.)"""
+        return cls(**from_environment(), **settings)  # type: ignore[call-arg]
+
+    def _acquire_run(self, space: str, key: str, ttl: float, wait: float,
+                     params: Dict[str, Any], mode: str, owner: Optional[str], auto_renew: bool,
+                     renew_every: Optional[float],
+                     on_trouble: Optional[Callable[[Optional[str]], Any]]) -> AcquireRun:
+        return AcquireRun(self.url, space, key, ttl, wait, params, mode,
+                          owner if owner is not None else self._owner, renew_every, auto_renew,
+                          on_trouble if on_trouble is not None else self._on_trouble,
+                          self._max_wait, self._core.timeout)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} url={self.url!r}>"
+
+
+class Broker(ClientBase):
     """A client of the broker at ``url``. Thread-safe: share one per process.
 
     ``token`` is the bearer token of the broker's auth file, if it has one (never shown).
@@ -66,33 +154,16 @@ class Broker:
     - ``max_wait`` (seconds, default 60, the broker's default ``max_wait_ms``): longer waits are
       asked for in parts of at most this length.
     - ``ssl_context``: for ``https://`` brokers with a private CA or client certificates.
+    - ``on_trouble``: the default renewal-trouble hook of its leases (see :meth:`acquire`).
 
     ``close()`` (or leaving a ``with`` block) releases every lease still open and stops their
-    renewals.
+    renewals. One thread renews every lease of a Broker (started with its first lease).
     """
 
-    def __init__(
-        self,
-        url: str = "http://127.0.0.1:8080",
-        token: Optional[str] = None,
-        *,
-        timeout: float = 10.0,
-        renew_fraction: float = 1.0 / 3.0,
-        owner: Optional[str] = None,
-        max_wait: float = DEFAULT_MAX_WAIT,
-        ssl_context: Optional[ssl.SSLContext] = None,
-    ):
-        if not 0 < renew_fraction < 1:
-            raise ValueError("renew_fraction must be between 0 and 1 (exclusive)")
-        if not timeout > 0:
-            raise ValueError("timeout must be a positive number of seconds")
-        if not max_wait >= 0.001:
-            raise ValueError("max_wait must be at least 0.001 s")
-        self.url = url
-        self._owner = owner
-        self._max_wait = float(max_wait)
-        transport = Transport(url, token, ssl_context, f"lockbroker-python/{__version__}")
-        self._core = _Core(transport, float(timeout), float(renew_fraction))
+    def _make_core(self, url: str, token: Optional[str], ssl_context: Optional[ssl.SSLContext],
+                   timeout: float, renew_fraction: float) -> "_Core":
+        transport = Transport(url, token, ssl_context, USER_AGENT)
+        return _Core(transport, timeout, renew_fraction)
 
     # -- locks ----------------------------------------------------------------------------------
 
@@ -106,21 +177,26 @@ class Broker:
         owner: Optional[str] = None,
         auto_renew: bool = True,
         renew_every: Optional[float] = None,
+        on_trouble: Optional[Callable[[Optional[str]], Any]] = None,
     ) -> Lease:
         """Takes the lock on ``key`` for ``ttl`` seconds, waiting up to ``wait`` seconds while
         someone else holds it (the broker waits; waiters are served in arrival order).
         ``shared=True`` takes a shared (read) lease instead of an exclusive one.
 
         The lease renews itself every ``renew_every`` seconds (default: a third of ``ttl``)
-        until released, unless ``auto_renew=False``.
+        until released, unless ``auto_renew=False``. ``on_trouble`` (default: the Broker's) is
+        called on the renewal thread with a description when a renewal fails without ending
+        the lease (the first of a streak; renewals go on until the lease's end), and with
+        ``None`` when one gets through again.
 
-        Raises :class:`Locked` when still held by someone else after the wait, and
-        :class:`Unavailable` when the broker could not be reached or kept answering ``503``
-        until the wait ran out.
+        Raises ``ValueError`` for a key the broker would refuse, :class:`Locked` when still
+        held by someone else after the wait, :class:`Unavailable` when the broker could not be
+        reached or kept answering ``503`` until the wait ran out, :class:`BrokerError` for any
+        other refusal (its message names the key, the URL and the status).
         """
         params: Dict[str, Any] = {"mode": "shared"} if shared else {}
         return self._acquire("locks", key, ttl, wait, params, "shared" if shared else "exclusive",
-                             owner, auto_renew, renew_every)
+                             owner, auto_renew, renew_every, on_trouble)
 
     def try_acquire(
         self,
@@ -131,12 +207,14 @@ class Broker:
         owner: Optional[str] = None,
         auto_renew: bool = True,
         renew_every: Optional[float] = None,
+        on_trouble: Optional[Callable[[Optional[str]], Any]] = None,
     ) -> Optional[Lease]:
         """As :meth:`acquire` without waiting: the lease, or ``None`` when someone else holds
         the key. Raises :class:`Unavailable` when the broker could not answer."""
         try:
             return self.acquire(key, ttl, 0.0, shared=shared, owner=owner,
-                                auto_renew=auto_renew, renew_every=renew_every)
+                                auto_renew=auto_renew, renew_every=renew_every,
+                                on_trouble=on_trouble)
         except Locked:
             return None
 
@@ -152,6 +230,7 @@ class Broker:
         owner: Optional[str] = None,
         auto_renew: bool = True,
         renew_every: Optional[float] = None,
+        on_trouble: Optional[Callable[[Optional[str]], Any]] = None,
     ) -> Lease:
         """Takes one of the ``limit`` permits of the semaphore ``key`` (semaphore keys are apart
         from lock keys), waiting up to ``wait`` seconds while all are taken. Every holder must
@@ -160,7 +239,7 @@ class Broker:
         if isinstance(limit, bool) or not isinstance(limit, int):
             raise TypeError("limit is an int")
         return self._acquire("semaphores", key, ttl, wait, {"limit": limit}, "permit",
-                             owner, auto_renew, renew_every)
+                             owner, auto_renew, renew_every, on_trouble)
 
     def try_acquire_permit(
         self,
@@ -171,13 +250,65 @@ class Broker:
         owner: Optional[str] = None,
         auto_renew: bool = True,
         renew_every: Optional[float] = None,
+        on_trouble: Optional[Callable[[Optional[str]], Any]] = None,
     ) -> Optional[Lease]:
         """As :meth:`acquire_permit` without waiting: ``None`` when all permits are taken."""
         try:
             return self.acquire_permit(key, limit, ttl, 0.0, owner=owner,
-                                       auto_renew=auto_renew, renew_every=renew_every)
+                                       auto_renew=auto_renew, renew_every=renew_every,
+                                       on_trouble=on_trouble)
         except Locked:
             return None
+
+    def with_lease(self, key: str, ttl: float, wait: float, work: Callable[[Lease], T],
+                   **options: Any) -> T:
+        """Runs ``work(lease)`` under a lease on ``key`` (taken as :meth:`acquire` takes it,
+        with ``options``) and releases it on the way out, also when ``work`` raises; returns
+        what ``work`` returns. A thread cannot be stopped from outside: ``work`` should check
+        ``lease.held`` before each write (the asyncio client cancels the work instead)."""
+        with self.acquire(key, ttl, wait, **options) as lease:
+            return work(lease)
+
+    # -- looking and force release --------------------------------------------------------------
+
+    def inspect(self, key: str, *, semaphore: bool = False) -> KeyView:
+        """The lock (or semaphore) ``key`` as it is now (``GET /locks/{key}``): a
+        :class:`KeyView` whose ``held`` is false when nobody holds it. Never a token."""
+        path, context = inspect_request(self.url, key, semaphore)
+        return self._call("GET", path, CallRun(context, self._core.timeout),
+                          lambda answer: inspect_view(key, answer, semaphore))
+
+    def list(self, prefix: str = "", *, limit: int = 100, cursor: Optional[str] = None) -> Page:
+        """One page of the held locks whose key starts with ``prefix`` (``GET /locks``): a
+        :class:`Page` of at most ``limit`` views and the ``next_cursor`` to pass for the next
+        page (``None`` after the last)."""
+        path, context = list_request(self.url, prefix, limit, cursor)
+        return self._call("GET", path, CallRun(context, self._core.timeout), list_page)
+
+    def force_release(self, key: str, *, semaphore: bool = False) -> bool:
+        """Ends every lease on ``key`` without its token (``DELETE /locks/{key}?force=true``):
+        ``True`` when there were some, ``False`` when nobody held it. Needs an ``admin`` token
+        (or, without auth, a broker run with ``--allow-force-release``): else
+        :class:`BrokerError` ``403``. Not repeated once it may have reached the broker."""
+        path, context = force_request(self.url, key, semaphore)
+        return self._call("DELETE", path, CallRun(context, self._core.timeout, repeatable=False),
+                          forced)
+
+    def _call(self, method: str, path: str, run: CallRun, outcome: Callable[[Any], Any]) -> Any:
+        while True:
+            if self._core.closed:
+                raise BrokerError("this Broker is closed", code="closed")
+            try:
+                answer = self._core.transport.request(method, path,
+                                                      timeout=run.request_timeout())
+            except NoAnswer as e:
+                pause = run.no_answer(e)
+            else:
+                result = outcome(answer)
+                if result is not None:
+                    return result
+                pause = run.retry(answer)
+            time.sleep(pause)
 
     # -- watching -------------------------------------------------------------------------------
 
@@ -220,6 +351,7 @@ class Broker:
                 # No longer renewed, it ends by its ttl.
                 log.warning("could not release the lease on %r (fence %d): %s",
                             lease.key, lease.fence, e)
+        self._core.renewer.stop()
         self._core.transport.close()
 
     def __enter__(self) -> "Broker":
@@ -227,9 +359,6 @@ class Broker:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"<Broker url={self.url!r}>"
 
     # -- the acquire loop -----------------------------------------------------------------------
 
@@ -244,97 +373,35 @@ class Broker:
         owner: Optional[str],
         auto_renew: bool,
         renew_every: Optional[float],
+        on_trouble: Optional[Callable[[Optional[str]], Any]],
     ) -> Lease:
-        path = key_path(space, key)
-        body: Dict[str, Any] = dict(params)
-        body["ttl_ms"] = ttl_ms(ttl)
-        ttl = body["ttl_ms"] / 1000.0
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0 \
-                or wait == float("inf"):
-            raise ValueError(f"wait must be a number of seconds >= 0; got {wait!r}")
-        if renew_every is not None:
-            ttl_ms(renew_every, "renew_every")
-            if renew_every >= ttl - margin_for(ttl):
-                raise ValueError("renew_every must be shorter than the ttl (less a tenth)")
-        owner = owner if owner is not None else self._owner
-        if owner is not None:
-            body["owner"] = owner
-        # One id for every attempt of this acquire: a repeat of an attempt the broker granted
-        # answers that same lease (while it is held), never a second one.
-        body["request_id"] = secrets.token_urlsafe(18)
-        deadline = time.monotonic() + wait
-        backoff = Backoff()
-        # When the first attempt that may have reached the broker left: no lease this acquire
-        # produced can have begun earlier.
-        first_sent: Optional[float] = None
-        problem = "no attempt made"
+        run = self._acquire_run(space, key, ttl, wait, params, mode, owner, auto_renew,
+                                renew_every, on_trouble)
         while True:
             if self._core.closed:
                 raise BrokerError("this Broker is closed", code="closed")
-            now = time.monotonic()
-            ask = min(max(deadline - now, 0.0), self._max_wait)
-            body["wait_ms"] = int(ask * 1000)
+            body, timeout = run.request()
             try:
-                answer = self._core.transport.request(
-                    "POST", path, body=body, timeout=ask + self._core.timeout
-                )
+                answer = self._core.transport.request("POST", run.path, body=body, timeout=timeout)
             except NoAnswer as e:
-                if e.sent and first_sent is None:
-                    first_sent = now
-                answer, problem, delay = None, str(e), backoff.delay()
+                action, delay = "pause", run.no_answer(e)
             else:
-                if first_sent is None:
-                    first_sent = now
-                if answer.status == 201:
-                    lease = self._granted(space, key, mode, answer.body, ttl, first_sent,
-                                          renew_every, auto_renew)
-                    if lease is not None:
-                        return lease
-                    # The grant was gone (404/409) before it could be confirmed: ask again,
-                    # while the wait lasts.
-                    if time.monotonic() >= deadline:
-                        raise Locked(f"the grant of {key!r} ended before it could be confirmed")
-                    continue
-                if answer.status == 409 and answer.code == "locked" and \
-                        time.monotonic() < deadline - 0.001 and ask < deadline - now:
-                    continue  # a wait longer than the broker's longest, asked for in parts
-                if answer.status not in RETRYABLE:
-                    raise error_from(answer)
-                problem, delay = answer.message, backoff.delay(answer.retry_after())
-            now = time.monotonic()
-            log.debug("acquire of %r not answered: %s; again in %.2f s", key, problem,
-                      min(delay, max(deadline - now, 0.0)))
-            if now >= deadline:
-                raise Unavailable(
-                    f"could not acquire {key!r}: {problem}",
-                    status=answer.status if answer is not None else None,
-                    code=answer.code if answer is not None else "unreachable",
-                )
-            time.sleep(min(delay, deadline - now))
+                action, delay = run.answered(answer)
+            if action == GRANTED:
+                lease = self._granted(run, answer.body)
+                if lease is not None:
+                    return lease
+                run.grant_gone()
+                continue
+            if action == AGAIN:
+                continue
+            time.sleep(run.pause(delay))
 
-    def _granted(
-        self,
-        space: str,
-        key: str,
-        mode: str,
-        body: Dict[str, Any],
-        ttl: float,
-        first_sent: float,
-        renew_every: Optional[float],
-        auto_renew: bool,
-    ) -> Optional[Lease]:
+    def _granted(self, run: AcquireRun, body: Dict[str, Any]) -> Optional[Lease]:
         """The lease a 201 answered, made sure of: ``None`` if it turned out to be gone."""
-        if not isinstance(body.get("token"), str) or not isinstance(body.get("fence"), int):
-            raise BrokerError("the broker's grant has no token or fence", status=201,
-                              code="bad_response")
-        lease = Lease(self._core, space=space, key=key, mode=mode, body=body, ttl=ttl,
-                      sent_at=first_sent, renew_every=renew_every, auto_renew=auto_renew)
-        now = time.monotonic()
-        if now - first_sent > ttl / 3:
-            # Granted after a wait, or found again by a retry: the grant happened at some
-            # instant since `first_sent`, so the end the client can prove is early. A renewal
-            # now gives it an end measured from now.
-            outcome, _, _ = lease._renew_once(now, confirming=True)
+        lease = Lease(self._core, **run.lease_args(body))
+        if run.needs_confirming():
+            outcome, _, _ = lease._renew_once(time.monotonic(), confirming=True)
             if outcome == _GONE:
                 return None
             if outcome != _RENEWED and not lease.held:
@@ -344,13 +411,10 @@ class Broker:
                     lease.release()
                 except BrokerError:
                     pass
-                raise Unavailable(f"could not confirm the grant of {key!r} in time",
-                                  code="unreachable")
+                raise run.unconfirmed()
         with self._core.lock:
-            if self._core.closed:
-                closed = True
-            else:
-                closed = False
+            closed = self._core.closed
+            if not closed:
                 self._core.leases.add(lease)
         if closed:
             lease.release()

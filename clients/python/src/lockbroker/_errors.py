@@ -54,14 +54,31 @@ class LimitMismatch(BrokerError):
         self.limit = limit
 
 
-def error_from(answer: "Answer") -> BrokerError:
-    """The error an answer other than a success stands for."""
+class LeaseLost(BrokerError):
+    """The lease that ``with_lease`` ran the work under was lost before the work finished (the
+    work was cancelled). ``reason`` is the lease's ``lost_reason``."""
+
+    def __init__(self, message: str, *, reason: Optional[str]):
+        super().__init__(message, code="lost")
+        self.reason = reason
+
+
+def where(action: str, key: str, url: str) -> str:
+    """The start of an error message: what was asked of which key at which broker."""
+    return f"{action} {key!r} at {url}"
+
+
+def error_from(answer: "Answer", context: str) -> BrokerError:
+    """The error an answer other than a success stands for; ``context`` (from :func:`where`)
+    starts its message."""
     code = answer.code
+    status = f"HTTP {answer.status}" + (f" {code}" if code else "")
+    message = f"{context}: {answer.message} ({status})"
     if answer.status == 409 and code == "locked":
-        return Locked(answer.message, retry_after=answer.retry_after())
+        return Locked(message, retry_after=answer.retry_after())
     if answer.status == 409 and code == "limit_mismatch":
         limit = answer.body.get("limit")
-        return LimitMismatch(answer.message, limit=limit if isinstance(limit, int) else None)
-    if answer.status in (502, 503, 504):
-        return Unavailable(answer.message, status=answer.status, code=code)
-    return BrokerError(answer.message, status=answer.status, code=code)
+        return LimitMismatch(message, limit=limit if isinstance(limit, int) else None)
+    if answer.status in (429, 502, 503, 504):
+        return Unavailable(message, status=answer.status, code=code)
+    return BrokerError(message, status=answer.status, code=code)

@@ -11,8 +11,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
-from ._errors import BrokerError, Locked, Unavailable
+from ._calls import inspect_request, inspect_view
+from ._errors import BrokerError, Locked, Unavailable, error_from
 from ._lease import Backoff, Lease, _takes_an_argument, ttl_ms
+from ._transport import RETRYABLE, Answer, NoAnswer
 from ._watch import KeyView
 
 if TYPE_CHECKING:
@@ -36,14 +38,16 @@ class Leadership:
 
     Each campaign waits in parts of ``part`` seconds; a candidate closed while it waits leaves
     the broker's queue when that part ends (a grant that comes then is released at once).
+
+    A refusal is not campaigned through: the constructor looks at the key first and raises the
+    :class:`BrokerError` of a bad token (``401``) or a token without rights to the key
+    (``403``); one that comes later (a token revoked, or allowed to read but not to lock) stops
+    the campaign, logged once as an error, and :attr:`error` gives it.
     """
 
     def __init__(self, client: "Broker", key: str, name: str, ttl: float = 10.0, *,
                  part: float = 5.0):
-        ttl_ms(ttl)
-        ttl_ms(part, "part")
-        if not isinstance(name, str) or not name:
-            raise ValueError("name is a non-empty str (the leader's owner label)")
+        check_campaign(ttl, part, name)
         self.key = key
         self.name = name
         self.ttl = float(ttl)
@@ -56,6 +60,8 @@ class Leadership:
         self._view: Optional[KeyView] = None
         self._elected: List[Callable[..., Any]] = []
         self._revoked: List[Callable[..., Any]] = []
+        self._error: Optional[BrokerError] = None
+        _first_look(client, key)
         self._follower = client.follow(key, part=self._part)
         self._campaigner = threading.Thread(target=self._campaign, daemon=True,
                                             name=f"lockbroker-campaign-{key}")
@@ -86,6 +92,12 @@ class Leadership:
         pass it to what the leader writes), else ``None``."""
         with self._lock:
             return self._lease
+
+    @property
+    def error(self) -> Optional[BrokerError]:
+        """The refusal that stopped the campaign (``401``/``403``...), or ``None``."""
+        with self._lock:
+            return self._error
 
     def on_elected(self, callback: Callable[..., Any]) -> None:
         """Runs ``callback`` each time this node becomes leader (with the term's lease if it
@@ -144,17 +156,22 @@ class Leadership:
             except Locked:
                 backoff.reset()
                 continue
-            except BrokerError as e:
+            except Unavailable as e:
                 if self._client._core.closed:
                     return
-                # Unavailable, or a refusal (403?): campaigning goes on, as a node must not
-                # give up leading for a passing outage.
-                level = logging.DEBUG if isinstance(e, Unavailable) else logging.WARNING
-                log.log(level, "campaign for %r: %s", self.key, e)
+                # Campaigning goes on, as a node must not give up leading for a passing outage.
+                log.debug("campaign for %r: %s", self.key, e)
                 with self._cond:
                     if not self._closed:
                         self._cond.wait(backoff.delay())
                 continue
+            except BrokerError as e:
+                if not self._client._core.closed:
+                    # A refusal (401/403): asking again would only be refused again.
+                    log.error("campaign for %r stopped: %s", self.key, e)
+                    with self._lock:
+                        self._error = e
+                return
             backoff.reset()
             with self._lock:
                 stale = self._closed
@@ -209,6 +226,33 @@ class Leadership:
                 with self._cond:
                     if not self._closed:
                         self._cond.wait(backoff.delay())
+
+
+def _first_look(client: "Broker", key: str) -> None:
+    """One inspect of ``key``: raises for a bad key (``ValueError``) and for a refusal (a wrong
+    token: 401; no rights to the key: 403). No answer, or a 503, is the campaign's business:
+    it is not waited out here."""
+    path, context = inspect_request(client.url, key, False)
+    try:
+        answer = client._core.transport.request("GET", path, timeout=client._core.timeout)
+    except NoAnswer:
+        return
+    check_look(key, answer, context)
+
+
+def check_campaign(ttl: float, part: float, name: str) -> None:
+    """The checks of a candidate's settings (both clients' election helpers)."""
+    ttl_ms(ttl)
+    ttl_ms(part, "part")
+    if not isinstance(name, str) or not name:
+        raise ValueError("name is a non-empty str (the leader's owner label)")
+
+
+def check_look(key: str, answer: Answer, context: str) -> None:
+    """Raises the refusal a first look at ``key`` was answered with (401, 403...); a view, or
+    a 503, is fine."""
+    if inspect_view(key, answer, False) is None and answer.status not in RETRYABLE:
+        raise error_from(answer, context)
 
 
 def _release(lease: Lease) -> None:

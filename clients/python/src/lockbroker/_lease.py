@@ -1,26 +1,27 @@
-"""A lease the broker granted: its key, fence and token (kept inside), the thread that renews it,
-the moment it stops being held (the lost signal), and its release.
+"""A lease the broker granted: its key, fence and token (kept inside), its renewal, the moment it
+stops being held (the lost signal), and its release; and the one thread that renews every lease
+of a sync :class:`~lockbroker.Broker`.
 
 Times are kept on this process's monotonic clock. The end the client believes in is one it can
 prove: ``ttl`` after the *sending* of the request the broker last confirmed (the broker granted
 or renewed after that instant, so its own end is no earlier), less a small margin that gives the
 application a head start. ``held`` turns false at that end, or as soon as a renewal is answered
-``404``/``409``, whichever comes first; the lost callbacks run once, on the lease's thread.
+``404``/``409`` (or refused ``401``/``403``), whichever comes first; the lost callbacks run once.
 """
 
+import heapq
 import inspect
+import itertools
 import logging
 import random
+import re
 import threading
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ._errors import BrokerError, Unavailable, error_from
+from ._errors import BrokerError, Unavailable, error_from, where
 from ._transport import RETRYABLE, Answer, NoAnswer
-
-if TYPE_CHECKING:
-    from ._broker import _Core
 
 log = logging.getLogger("lockbroker")
 
@@ -28,12 +29,21 @@ log = logging.getLogger("lockbroker")
 NOT_HELD = "not_held"
 NOT_OWNER = "not_owner"
 EXPIRED = "expired"
+UNAUTHORIZED = "unauthorized"
+FORBIDDEN = "forbidden"
 
 # What one renewal came to.
 _RENEWED = "renewed"
 _GONE = "gone"
 _RETRY = "retry"
 _STOPPED = "stopped"
+# What the renewal does next (besides _STOPPED and EXPIRED).
+_RENEW = "renew"
+_WAIT = "wait"
+
+#: The broker's key rule (api.md), checked before anything is sent.
+KEY_RULE = "1 to 200 characters from A-Z a-z 0-9 . _ - :"
+_KEY = re.compile(r"[A-Za-z0-9._:-]{1,200}")
 
 
 def margin_for(ttl: float) -> float:
@@ -60,12 +70,19 @@ class Backoff:
         self._next = 0.05
 
 
-def key_path(space: str, key: str) -> str:
+def check_key(key: Any) -> str:
+    """``key`` if the broker would take it, else ``ValueError`` naming the rule."""
     if not isinstance(key, str):
         raise TypeError(f"a key is a str, not {type(key).__name__}")
-    # Every character outside the key alphabet is escaped, so that a bad key reaches the broker
-    # as one path segment and is answered 400 with the broker's reason, never routed elsewhere.
-    return f"/{space}/{urllib.parse.quote(key, safe=':')}"
+    if not key:
+        raise ValueError(f"a key is required ({KEY_RULE})")
+    if not _KEY.fullmatch(key):
+        raise ValueError(f"bad key {key!r}: a key is {KEY_RULE}")
+    return key
+
+
+def key_path(space: str, key: str) -> str:
+    return f"/{space}/{urllib.parse.quote(check_key(key), safe=':')}"
 
 
 def ttl_ms(seconds: float, what: str = "ttl") -> int:
@@ -76,21 +93,15 @@ def ttl_ms(seconds: float, what: str = "ttl") -> int:
     return max(1, round(seconds * 1000))
 
 
-class Lease:
-    """One lease: an exclusive or shared lock, or a semaphore permit.
-
-    Attributes: ``key``, ``fence`` (int, strictly greater than every fence granted before for
-    the key: pass it to the resource you write), ``mode`` (``"exclusive"``, ``"shared"`` or
-    ``"permit"``), ``limit`` (the semaphore's, or ``None``), ``ttl`` (seconds), ``expires_at``
-    (Unix time in seconds on the broker's store clock, as last granted or renewed).
-
-    The token that proves ownership stays inside: it is never in ``repr``, a log line or an
-    error. Whoever has this object may renew and release it, from any thread.
-    """
+class LeaseState:
+    """What every lease keeps, sync or async: what was granted, its provable end, when it renews
+    next, whether it was released or lost, and the decisions of its renewal (what to do now,
+    what an answer means). The sync :class:`Lease` and ``lockbroker.aio.AsyncLease`` add how
+    they send and wait."""
 
     def __init__(
         self,
-        core: "_Core",
+        core: Any,
         *,
         space: str,
         key: str,
@@ -100,6 +111,7 @@ class Lease:
         sent_at: float,
         renew_every: Optional[float],
         auto_renew: bool,
+        on_trouble: Optional[Callable[..., Any]],
     ):
         self.key = key
         self.mode = mode
@@ -113,15 +125,17 @@ class Lease:
         self._token: str = body["token"]
         self._renew_every = renew_every
         self._auto_renew = auto_renew
+        self._on_trouble = on_trouble
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._end = sent_at + ttl - margin_for(ttl)
         self._next_renew = sent_at + self._interval()
         self._lost_reason: Optional[str] = None
         self._callbacks: List[Callable[..., Any]] = []
         self._released = False
         self._release_done = False
-        self._thread: Optional[threading.Thread] = None
+        self._backoff = Backoff()
+        # The problem of the renewal that failed last, while renewals fail (else None).
+        self._trouble: Optional[str] = None
 
     # -- what the application sees ------------------------------------------------------------
 
@@ -135,88 +149,12 @@ class Lease:
     @property
     def lost_reason(self) -> Optional[str]:
         """``None`` while not lost; else ``"not_held"`` or ``"not_owner"`` (a renewal was
-        answered 404/409: the lease had ended, or someone else holds the key now), or
-        ``"expired"`` (no renewal was confirmed before its end: the broker was unreachable or
-        kept answering 503)."""
+        answered 404/409: the lease had ended, or someone else holds the key now),
+        ``"unauthorized"`` or ``"forbidden"`` (a renewal was refused 401/403: the token was
+        revoked or lost its rights), or ``"expired"`` (no renewal was confirmed before its end:
+        the broker was unreachable or kept answering 503)."""
         with self._lock:
             return self._lost_reason
-
-    def on_lost(self, callback: Callable[..., Any]) -> None:
-        """Registers ``callback`` to run once when the lease is lost, on a client thread. It
-        is called with the lease if it takes an argument, else with none. A callback registered
-        after the loss runs at once, in this call. A released lease is not lost: its callbacks
-        never run."""
-        if not callable(callback):
-            raise TypeError("on_lost takes a callable")
-        with self._lock:
-            if self._lost_reason is None:
-                self._callbacks.append(callback)
-                return
-        self._run_callback(callback)
-
-    def renew(self, ttl: Optional[float] = None) -> bool:
-        """Renews the lease now (the auto-renewal does this by itself; this is for leases taken
-        with ``auto_renew=False``), for ``ttl`` seconds or the lease's own ttl. Returns ``True``
-        when renewed, ``False`` when the lease is lost (then the lost callbacks run). Raises
-        :class:`Unavailable` when the broker did not confirm, :class:`BrokerError` when the
-        lease was released."""
-        if ttl is not None:
-            ttl_ms(ttl)
-        with self._lock:
-            if self._released:
-                raise BrokerError("the lease was released", code="released")
-            if self._lost_reason is not None:
-                return False
-            if ttl is not None:
-                self.ttl = float(ttl)
-        outcome, answer, problem = self._renew_once(time.monotonic())
-        if outcome == _RENEWED:
-            return True
-        if outcome == _GONE:
-            return False
-        if outcome == _STOPPED:
-            raise BrokerError("the lease was released", code="released")
-        raise Unavailable(problem, status=answer.status if answer else None, code="unreachable")
-
-    def release(self) -> None:
-        """Ends the lease: stops its renewals for good (waiting for one under way), then
-        ``DELETE``s it, retrying ``503``s and network errors for up to the broker's ``timeout``.
-        Idempotent; quiet when the broker says the lease had already ended (``404``/``409``) or
-        when its end has passed. Raises :class:`Unavailable` when the lease may still stand and
-        the broker could not be reached to end it (it then ends by its ttl, as it is no longer
-        renewed), :class:`BrokerError` for a refusal such as ``403``."""
-        self._release(time.monotonic() + self._core.timeout)
-
-    def _release(self, give_up: float) -> None:
-        with self._lock:
-            if self._release_done:
-                return
-            self._released = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        self._delete(give_up)
-
-    def close(self) -> None:
-        """The same as :meth:`release`."""
-        self.release()
-
-    def __enter__(self) -> "Lease":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        try:
-            self.release()
-        except Unavailable as e:
-            # The block's work is done and the lease is no longer renewed: it ends by its ttl.
-            # Failing the block for it would turn finished work into an error.
-            log.warning("could not release the lease on %r (fence %d): %s", self.key, self.fence, e)
-        except BrokerError as e:
-            if exc_type is None:
-                raise
-            # The block's own exception matters more.
-            log.warning("could not release the lease on %r (fence %d): %s", self.key, self.fence, e)
 
     def __repr__(self) -> str:
         with self._lock:
@@ -229,128 +167,185 @@ class Lease:
             else:
                 state = "ended"
         return (
-            f"<Lease key={self.key!r} fence={self.fence} mode={self.mode!r}"
+            f"<{type(self).__name__} key={self.key!r} fence={self.fence} mode={self.mode!r}"
             + (f" limit={self.limit}" if self.limit is not None else "")
             + f" ttl={self.ttl:g} {state}>"
         )
 
-    # -- the lease's thread -------------------------------------------------------------------
+    # -- the renewal's decisions --------------------------------------------------------------
 
-    def _start(self) -> None:
-        thread = threading.Thread(
-            target=self._run, name=f"lockbroker-lease-{self.key}-{self.fence}", daemon=True
-        )
-        self._thread = thread
-        thread.start()
-
-    def _run(self) -> None:
-        backoff = Backoff()
-        while True:
-            with self._cond:
-                action = self._wait_for_action()
-            if action == _STOPPED:
-                return
-            if action == EXPIRED:
-                self._lose(EXPIRED)
-                return
-            outcome, answer, problem = self._renew_once(time.monotonic())
-            if outcome == _RENEWED:
-                backoff.reset()
-                continue
-            if outcome in (_GONE, _STOPPED):
-                return
-            delay = backoff.delay(answer.retry_after() if answer is not None else None)
-            log.debug("renewal of %r (fence %d) not confirmed: %s; again in %.2f s",
-                      self.key, self.fence, problem, delay)
-            with self._lock:
-                self._next_renew = time.monotonic() + delay
-
-    def _wait_for_action(self) -> str:
-        """Under the lock: sleeps until a renewal is due or the lease's end comes, and says
-        which; or that the lease was released or lost meanwhile."""
-        while True:
+    def _next_step(self, now: float) -> Tuple[str, float]:
+        """What the renewal does at ``now``: stop (released or lost), lose it (its end came),
+        renew, or wait until the returned instant."""
+        with self._lock:
             if self._released or self._lost_reason is not None:
-                return _STOPPED
-            now = time.monotonic()
+                return _STOPPED, now
             if now >= self._end:
-                return EXPIRED
+                return EXPIRED, now
             due = self._next_renew if self._auto_renew else float("inf")
             if now >= due:
-                return "renew"
-            self._cond.wait(min(due, self._end) - now)
+                return _RENEW, now
+            return _WAIT, min(due, self._end)
 
-    def _renew_once(self, now: float, confirming: bool = False):
-        """One renewal request, sent at ``now``. Returns (outcome, answer or None, problem).
-
-        ``confirming``: the renewal that fixes the end of a lease not yet handed out (see
-        ``Broker._granted``); its end may have passed, as nobody has been told it is held.
-        """
-        with self._lock:
-            # Checked under the lock, as `release` sets it under the lock before waiting for
-            # this thread: no renewal starts after a release began.
-            if self._released:
-                return _STOPPED, None, "released"
-            ttl = self.ttl
-            end = self._end
+    def _begin_renewal(self, now: float, confirming: bool) -> Optional[Tuple[float, float]]:
+        """Under the lock: the ttl to ask for and the request's timeout, or ``None`` when the
+        lease was released (no renewal starts after a release began)."""
+        if self._released:
+            return None
         # Never waiting past the lease's end: the lost signal must not be late for an answer.
-        timeout = self._core.timeout if confirming else min(self._core.timeout, max(end - now, 0.05))
-        try:
-            answer = self._core.transport.request(
-                "POST",
-                self._path + "/renew",
-                body={"ttl_ms": ttl_ms(ttl)},
-                headers={"Lock-Token": self._token},
-                timeout=timeout,
-            )
-        except NoAnswer as e:
-            return _RETRY, None, str(e)
+        # ``confirming``: the renewal that fixes the end of a lease not yet handed out (see
+        # ``_granted``); its end may have passed, as nobody has been told it is held.
+        timeout = self._core.timeout if confirming else \
+            min(self._core.timeout, max(self._end - now, 0.05))
+        return self.ttl, timeout
+
+    def _settle(self, sent: float, ttl: float, answer: Optional[Answer], problem: str,
+                confirming: bool) -> Tuple[str, Optional[str], str]:
+        """What a renewal sent at ``sent`` for ``ttl`` came to: (outcome, the lost reason to
+        apply or ``None``, the problem in words)."""
+        if answer is None:
+            return _RETRY, None, problem
         if answer.status == 200:
             received = time.monotonic()
-            with self._cond:
+            with self._lock:
                 if self._lost_reason is not None:
-                    return _GONE, answer, "lost"
+                    return _GONE, None, "lost"
                 if received >= self._end and not confirming:
-                    late = True
-                else:
-                    late = False
-                    self._end = now + ttl - margin_for(ttl)
-                    self._next_renew = now + self._interval()
-                    self.expires_at = _expires_at(answer.body)
-                    self._cond.notify_all()
-            if late:
-                # `held` may already have said false: it must not turn true again.
-                self._lose(EXPIRED)
-                return _GONE, answer, "confirmed after the lease's end"
-            return _RENEWED, answer, ""
+                    # `held` may already have said false: it must not turn true again.
+                    return _GONE, EXPIRED, "confirmed after the lease's end"
+                self._end = sent + ttl - margin_for(ttl)
+                self._next_renew = sent + self._interval()
+                self.expires_at = _expires_at(answer.body)
+            return _RENEWED, None, ""
+        described = f"HTTP {answer.status}" + (f" {answer.code}" if answer.code else "") + \
+            f": {answer.message}"
         if answer.status in (404, 409):
-            self._lose(NOT_OWNER if answer.code == "not_owner" else NOT_HELD)
-            return _GONE, answer, answer.message
-        if answer.status not in RETRYABLE:
-            # 401/403 (the auth file changed?), 400: kept trying until the end, as a refusal
-            # that lasts until then loses the lease anyway.
-            log.warning("renewal of %r (fence %d) refused with HTTP %d: %s",
-                        self.key, self.fence, answer.status, answer.message)
-        return _RETRY, answer, answer.message
+            return _GONE, NOT_OWNER if answer.code == "not_owner" else NOT_HELD, described
+        if answer.status in (401, 403):
+            # The token was revoked or lost its rights to the key: no renewal will get through.
+            return _GONE, UNAUTHORIZED if answer.status == 401 else FORBIDDEN, described
+        # 503 and the like; also a 400 or 500 nobody expects: tried again until the end.
+        return _RETRY, None, described
 
-    def _lose(self, reason: str) -> None:
-        with self._cond:
+    def _failed(self, answer: Optional[Answer], problem: str) -> Optional[str]:
+        """Books a renewal that failed without ending the lease: the next try after a backoff
+        (or the broker's Retry-After). Returns the description for the trouble hook when this
+        failure starts a streak, else ``None``."""
+        delay = self._backoff.delay(answer.retry_after() if answer is not None else None)
+        now = time.monotonic()
+        with self._lock:
+            self._next_renew = now + delay
+            first = self._trouble is None
+            self._trouble = problem
+            ends_in = max(self._end - now, 0.0)
+        log.debug("renewal of %r (fence %d) not confirmed: %s; again in %.2f s",
+                  self.key, self.fence, problem, delay)
+        if not first:
+            return None
+        return (f"renewal of {self.key!r} (fence {self.fence}) at {self._core.url} failed: "
+                f"{problem}; the lease is lost in {ends_in:.1f} s unless a renewal gets through")
+
+    def _recovered(self) -> bool:
+        """Books a confirmed renewal; whether it ended a streak of failed ones."""
+        self._backoff.reset()
+        with self._lock:
+            was, self._trouble = self._trouble, None
+        return was is not None
+
+    def _mark_lost(self, reason: str, problem: Optional[str]) -> Optional[List[Callable[..., Any]]]:
+        """Marks the lease lost (once; never a released one) and returns the callbacks to run,
+        or ``None`` when it was already lost or released."""
+        with self._lock:
             if self._lost_reason is not None or self._released:
-                return
+                return None
+            if reason == EXPIRED and problem is None:
+                problem = self._trouble
             self._lost_reason = reason
             callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
-        log.info("lease on %r (fence %d) lost: %s", self.key, self.fence, reason)
-        for callback in callbacks:
-            self._run_callback(callback)
+        detail = f" ({problem})" if problem else ""
+        if reason in (UNAUTHORIZED, FORBIDDEN):
+            log.warning("lease on %r (fence %d) at %s lost: its renewal was refused%s",
+                        self.key, self.fence, self._core.url, detail)
+        else:
+            log.info("lease on %r (fence %d) lost: %s%s", self.key, self.fence, reason, detail)
+        return callbacks
 
-    def _run_callback(self, callback: Callable[..., Any]) -> None:
-        try:
-            if _takes_an_argument(callback):
-                callback(self)
-            else:
-                callback()
-        except Exception:
-            log.exception("an on_lost callback of the lease on %r raised", self.key)
+    def _add_callback(self, callback: Callable[..., Any]) -> bool:
+        """Registers a lost callback; ``False`` when the lease is lost already (run it now)."""
+        if not callable(callback):
+            raise TypeError("on_lost takes a callable")
+        with self._lock:
+            if self._lost_reason is None:
+                self._callbacks.append(callback)
+                return True
+        return False
+
+    def _next_due(self) -> float:
+        with self._lock:
+            due = self._next_renew if self._auto_renew else float("inf")
+            return min(due, self._end)
+
+    # -- the release's decisions --------------------------------------------------------------
+
+    def _deleted(self, answer: Optional[Answer], problem: str, give_up: float) -> Tuple[bool, float]:
+        """What one ``DELETE`` came to: (done, the pause before the next try). Raises for a
+        refusal, and :class:`Unavailable` when ``give_up`` passed with the lease maybe
+        standing."""
+        if answer is not None:
+            if answer.status in (204, 404, 409):
+                return True, 0.0
+            if answer.status not in RETRYABLE:
+                raise error_from(answer, where("release of", self.key, self._core.url))
+            problem = answer.message
+        now = time.monotonic()
+        if self._ended_by(now):
+            return True, 0.0  # nothing left to end
+        if now >= give_up:
+            raise Unavailable(
+                f"could not release the lease on {self.key!r} at {self._core.url}: {problem}; "
+                "it ends by its ttl",
+                status=answer.status if answer is not None else None,
+                code="unreachable",
+            )
+        return False, min(self._backoff.delay(answer.retry_after() if answer else None),
+                          give_up - now)
+
+    def _release_finished(self) -> None:
+        with self._lock:
+            self._release_done = True
+        self._core.forget(self)
+
+    def _renew_args(self, ttl: Optional[float]) -> Optional[bool]:
+        """The checks of an explicit ``renew(ttl)``: ``False`` when lost; raises when released."""
+        if ttl is not None:
+            ttl_ms(ttl)
+        with self._lock:
+            if self._released:
+                raise BrokerError("the lease was released", code="released")
+            if self._lost_reason is not None:
+                return False
+            if ttl is not None:
+                self.ttl = float(ttl)
+        return None
+
+    def _renew_result(self, outcome: str, answer: Optional[Answer], problem: str) -> bool:
+        if outcome == _RENEWED:
+            return True
+        if outcome == _GONE:
+            return False
+        if outcome == _STOPPED:
+            raise BrokerError("the lease was released", code="released")
+        raise Unavailable(f"could not renew {self.key!r} at {self._core.url}: {problem}",
+                          status=answer.status if answer else None, code="unreachable")
+
+    def _release_failed_on_exit(self, exc_type: Any, e: BrokerError) -> None:
+        """Leaving a ``with`` block whose release failed: the block's work is done and the lease
+        is no longer renewed (it ends by its ttl), so an :class:`Unavailable` is logged, not
+        raised; a refusal is raised unless the block's own exception is on its way."""
+        if isinstance(e, Unavailable) or exc_type is not None:
+            log.warning("could not release the lease on %r (fence %d): %s", self.key, self.fence, e)
+            return
+        raise e
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -368,38 +363,234 @@ class Lease:
         with self._lock:
             return self._lost_reason in (NOT_HELD, NOT_OWNER) or now >= self._end + margin_for(self.ttl)
 
-    def _delete(self, give_up: float) -> None:
-        backoff = Backoff()
+
+class Lease(LeaseState):
+    """One lease: an exclusive or shared lock, or a semaphore permit.
+
+    Attributes: ``key``, ``fence`` (int, strictly greater than every fence granted before for
+    the key: pass it to the resource you write), ``mode`` (``"exclusive"``, ``"shared"`` or
+    ``"permit"``), ``limit`` (the semaphore's, or ``None``), ``ttl`` (seconds), ``expires_at``
+    (Unix time in seconds on the broker's store clock, as last granted or renewed).
+
+    The token that proves ownership stays inside: it is never in ``repr``, a log line or an
+    error. Whoever has this object may renew and release it, from any thread. Its renewals run
+    on its :class:`~lockbroker.Broker`'s one renewal thread, with every other lease's.
+    """
+
+    def __init__(self, core: Any, **kwargs: Any):
+        super().__init__(core, **kwargs)
+        self._cond = threading.Condition(self._lock)
+        self._in_flight = 0
+        #: When the renewal thread will look at this lease next (its business, under its lock).
+        self._scheduled: Optional[float] = None
+
+    def on_lost(self, callback: Callable[..., Any]) -> None:
+        """Registers ``callback`` to run once when the lease is lost, on the client's renewal
+        thread (keep it quick: hand long work to a thread of your own). It is called with the
+        lease if it takes an argument, else with none. A callback registered after the loss
+        runs at once, in this call. A released lease is not lost: its callbacks never run."""
+        if not self._add_callback(callback):
+            self._run_callback(callback)
+
+    def renew(self, ttl: Optional[float] = None) -> bool:
+        """Renews the lease now (the auto-renewal does this by itself; this is for leases taken
+        with ``auto_renew=False``), for ``ttl`` seconds or the lease's own ttl. Returns ``True``
+        when renewed, ``False`` when the lease is lost (then the lost callbacks run). Raises
+        :class:`Unavailable` when the broker did not confirm, :class:`BrokerError` when the
+        lease was released."""
+        if self._renew_args(ttl) is False:
+            return False
+        outcome, answer, problem = self._renew_once(time.monotonic())
+        if outcome == _RENEWED:
+            self._core.renewer.schedule(self, self._next_due())
+        return self._renew_result(outcome, answer, problem)
+
+    def release(self) -> None:
+        """Ends the lease: stops its renewals for good (waiting for one under way), then
+        ``DELETE``s it, retrying ``503``s and network errors for up to the broker's ``timeout``.
+        Idempotent; quiet when the broker says the lease had already ended (``404``/``409``) or
+        when its end has passed. Raises :class:`Unavailable` when the lease may still stand and
+        the broker could not be reached to end it (it then ends by its ttl, as it is no longer
+        renewed), :class:`BrokerError` for a refusal such as ``403``."""
+        self._release(time.monotonic() + self._core.timeout)
+
+    def _release(self, give_up: float) -> None:
+        with self._cond:
+            if self._release_done:
+                return
+            self._released = True
+            while self._in_flight:
+                self._cond.wait()
         while True:
-            now = time.monotonic()
             try:
                 answer: Optional[Answer] = self._core.transport.request(
-                    "DELETE",
-                    self._path,
-                    headers={"Lock-Token": self._token},
-                    timeout=max(give_up - now, 0.05),
-                )
+                    "DELETE", self._path, headers={"Lock-Token": self._token},
+                    timeout=max(give_up - time.monotonic(), 0.05))
+                problem = ""
             except NoAnswer as e:
                 answer, problem = None, str(e)
-            else:
-                if answer.status in (204, 404, 409):
-                    break
-                if answer.status not in RETRYABLE:
-                    raise error_from(answer)
-                problem = answer.message
-            now = time.monotonic()
-            if self._ended_by(now):
-                break  # nothing left to end
-            if now >= give_up:
-                raise Unavailable(
-                    f"could not release the lease on {self.key!r}: {problem}; it ends by its ttl",
-                    status=answer.status if answer is not None else None,
-                    code="unreachable",
-                )
-            time.sleep(min(backoff.delay(answer.retry_after() if answer else None), give_up - now))
+            done, pause = self._deleted(answer, problem, give_up)
+            if done:
+                break
+            time.sleep(pause)
+        self._release_finished()
+
+    def close(self) -> None:
+        """The same as :meth:`release`."""
+        self.release()
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.release()
+        except BrokerError as e:
+            self._release_failed_on_exit(exc_type, e)
+
+    # -- renewal, on the Broker's renewal thread ----------------------------------------------
+
+    def _start(self) -> None:
+        self._core.renewer.schedule(self, self._next_due())
+
+    def _step(self) -> Optional[float]:
+        """One look by the renewal thread: renews when due, loses the lease when its end came.
+        Returns when to look next, or ``None`` for never."""
+        now = time.monotonic()
+        action, when = self._next_step(now)
+        if action == _STOPPED:
+            return None
+        if action == EXPIRED:
+            self._lose(EXPIRED, None)
+            return None
+        if action == _WAIT:
+            return when
+        outcome, answer, problem = self._renew_once(now)
+        if outcome == _RENEWED:
+            if self._recovered():
+                self._report_trouble(None)
+            return self._next_due()
+        if outcome in (_GONE, _STOPPED):
+            return None
+        trouble = self._failed(answer, problem)
+        if trouble is not None:
+            self._report_trouble(trouble)
+        return self._next_due()
+
+    def _renew_once(self, now: float, confirming: bool = False) -> Tuple[str, Optional[Answer], str]:
+        """One renewal request, sent at ``now``. Returns (outcome, answer or None, problem)."""
         with self._lock:
-            self._release_done = True
-        self._core.forget(self)
+            begun = self._begin_renewal(now, confirming)
+            if begun is None:
+                return _STOPPED, None, "released"
+            self._in_flight += 1
+        ttl, timeout = begun
+        if not confirming:
+            # One thread renews every lease of the Broker: this request gives up in time for
+            # the others (at least half a second, or the lease's own bound if shorter).
+            timeout = min(timeout, max(self._core.horizon(self) - now, 0.5))
+        try:
+            answer: Optional[Answer] = self._core.transport.request(
+                "POST", self._path + "/renew", body={"ttl_ms": ttl_ms(ttl)},
+                headers={"Lock-Token": self._token}, timeout=timeout)
+            problem = ""
+        except NoAnswer as e:
+            answer, problem = None, str(e)
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+        outcome, reason, problem = self._settle(now, ttl, answer, problem, confirming)
+        if reason is not None:
+            self._lose(reason, problem)
+        return outcome, answer, problem
+
+    def _lose(self, reason: str, problem: Optional[str]) -> None:
+        callbacks = self._mark_lost(reason, problem)
+        for callback in callbacks or ():
+            self._run_callback(callback)
+
+    def _run_callback(self, callback: Callable[..., Any]) -> None:
+        try:
+            if _takes_an_argument(callback):
+                callback(self)
+            else:
+                callback()
+        except Exception:
+            log.exception("an on_lost callback of the lease on %r raised", self.key)
+
+    def _report_trouble(self, trouble: Optional[str]) -> None:
+        if self._on_trouble is None:
+            return
+        try:
+            self._on_trouble(trouble)
+        except Exception:
+            log.exception("the on_trouble hook of the lease on %r raised", self.key)
+
+
+class Renewer:
+    """The one thread that renews every lease of one :class:`~lockbroker.Broker`: a heap of the
+    instants at which a lease needs a look (a renewal due, or its end), and a condition variable
+    to sleep on until the first. Started with the first lease, stopped by ``close``."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: List[Tuple[float, int, Lease]] = []
+        self._seq = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+
+    def schedule(self, lease: Lease, due: float) -> None:
+        """Makes the thread look at ``lease`` at ``due`` (or earlier, if that was set)."""
+        with self._cond:
+            if self._stopped:
+                return
+            if lease._scheduled is not None and lease._scheduled <= due:
+                return
+            lease._scheduled = due
+            heapq.heappush(self._heap, (due, next(self._seq), lease))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lockbroker-renewer",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._heap = []
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._stopped:
+                        return
+                    if not self._heap:
+                        self._cond.wait()
+                        continue
+                    due, _, lease = self._heap[0]
+                    if lease._scheduled != due:
+                        heapq.heappop(self._heap)  # superseded by an earlier look
+                        continue
+                    now = time.monotonic()
+                    if due > now:
+                        self._cond.wait(due - now)
+                        continue
+                    heapq.heappop(self._heap)
+                    lease._scheduled = None
+                    break
+            try:
+                following = lease._step()
+            except Exception:
+                log.exception("the renewal of the lease on %r failed", lease.key)
+                following = None
+            if following is not None:
+                self.schedule(lease, following)
 
 
 def _expires_at(body: Dict[str, Any]) -> Optional[float]:

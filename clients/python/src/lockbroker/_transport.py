@@ -10,7 +10,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 #: How long a kept-alive connection may sit idle before it is dropped rather than reused. The
 #: broker disconnects a connection idle for its header timeout (10 s by default); dropping ours
@@ -33,10 +33,53 @@ class NoAnswer(Exception):
         self.sent = sent
 
 
-#: Statuses that mean "try again": the broker's own ``503``, and the ``502``/``504`` of a load
+#: Statuses that mean "try again": the broker's own ``503``, the ``502``/``504`` of a load
 #: balancer in front of brokers that did not answer it (the request may have reached one, which
-#: is why every repeat carries the same ``request_id``).
-RETRYABLE = frozenset({502, 503, 504})
+#: is why every repeat carries the same ``request_id``), and a ``429`` of a rate limiter in front.
+#: Any other ``5xx`` (the broker itself never answers one) is an error at once.
+RETRYABLE = frozenset({429, 502, 503, 504})
+
+
+class Target(NamedTuple):
+    """Where a broker is: scheme, host, port and path prefix, from its URL."""
+
+    https: bool
+    host: str
+    port: int
+    prefix: str
+
+
+def parse_url(url: str) -> Target:
+    """The broker's ``http[s]://HOST[:PORT][/PREFIX]`` URL, checked; ``ValueError`` otherwise."""
+    if not isinstance(url, str):
+        raise TypeError(f"the broker URL is a str, not {type(url).__name__}")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"the broker URL must be http://HOST[:PORT] or https://...; got {url!r}")
+    if parts.username or parts.password:
+        raise ValueError("the broker URL must not carry credentials; pass token= instead")
+    https = parts.scheme == "https"
+    try:
+        port = parts.port or (443 if https else 80)
+    except ValueError as e:  # a port that is not a number, or out of range
+        raise ValueError(f"bad port in the broker URL {url!r}") from e
+    return Target(https, parts.hostname, port, parts.path.rstrip("/"))
+
+
+def base_headers(bearer: Optional[str], user_agent: str) -> Dict[str, str]:
+    headers = {"Accept": "application/json", "User-Agent": user_agent}
+    if bearer is not None:
+        headers["Authorization"] = f"Bearer {bearer}"
+    return headers
+
+
+def decode_body(raw: bytes) -> Dict[str, Any]:
+    """A JSON object body, or ``{}`` for anything else (no body, not JSON, not an object)."""
+    try:
+        decoded = json.loads(raw.decode("utf-8")) if raw else {}
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
 
 
 class Answer:
@@ -75,9 +118,10 @@ class Answer:
         return None
 
 
-class Transport:
-    """Requests to the broker at ``url``, thread-safe. ``url`` may carry a path prefix (a broker
-    behind a reverse proxy under ``/lockbroker``)."""
+class Endpoint:
+    """What both transports know of the broker at ``url`` (which may carry a path prefix: a
+    broker behind a reverse proxy under ``/lockbroker``): host, port, TLS, the headers of every
+    request."""
 
     def __init__(
         self,
@@ -86,24 +130,29 @@ class Transport:
         ssl_context: Optional[ssl.SSLContext],
         user_agent: str,
     ):
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"the broker URL must be http://HOST[:PORT] or https://...; got {url!r}")
-        if parts.username or parts.password:
-            raise ValueError("the broker URL must not carry credentials; pass token= instead")
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname
-        try:
-            self._port = parts.port or (443 if self._https else 80)
-        except ValueError as e:  # a port that is not a number, or out of range
-            raise ValueError(f"bad port in the broker URL {url!r}") from e
-        self._prefix = parts.path.rstrip("/")
+        target = parse_url(url)
+        self.url = url
+        self._https = target.https
+        self._host = target.host
+        self._port = target.port
+        self._prefix = target.prefix
         self._ssl_context = ssl_context
         if self._https and self._ssl_context is None:
             self._ssl_context = ssl.create_default_context()
-        self._headers = {"Accept": "application/json", "User-Agent": user_agent}
-        if bearer is not None:
-            self._headers["Authorization"] = f"Bearer {bearer}"
+        self._headers = base_headers(bearer, user_agent)
+
+
+class Transport(Endpoint):
+    """Requests to the broker at ``url``, thread-safe."""
+
+    def __init__(
+        self,
+        url: str,
+        bearer: Optional[str],
+        ssl_context: Optional[ssl.SSLContext],
+        user_agent: str,
+    ):
+        super().__init__(url, bearer, ssl_context, user_agent)
         self._idle: List[Tuple[http.client.HTTPConnection, float]] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -172,21 +221,15 @@ class Transport:
             conn.close()
             if not fresh:
                 raise _Stale() from e
-            raise NoAnswer(_describe(e), sent=sent) from None
+            raise NoAnswer(describe(e), sent=sent) from None
         except (OSError, http.client.HTTPException) as e:
             conn.close()
-            raise NoAnswer(_describe(e), sent=sent) from None
+            raise NoAnswer(describe(e), sent=sent) from None
         if response.will_close:
             conn.close()
         else:
             self._give_back(conn)
-        try:
-            decoded = json.loads(raw.decode("utf-8")) if raw else {}
-        except (UnicodeDecodeError, ValueError):
-            decoded = {}
-        if not isinstance(decoded, dict):
-            decoded = {}
-        return Answer(response.status, response.headers, decoded)
+        return Answer(response.status, response.headers, decode_body(raw))
 
     def _take(self, timeout: float) -> http.client.HTTPConnection:
         now = time.monotonic()
@@ -219,8 +262,9 @@ class _Stale(Exception):
     """A pooled connection was found closed by the broker."""
 
 
-def _describe(e: BaseException) -> str:
-    if isinstance(e, socket.timeout):
+def describe(e: BaseException) -> str:
+    """What a connection failure means, in words (never a token)."""
+    if isinstance(e, (socket.timeout, TimeoutError)):
         return "the broker did not answer in time"
     if isinstance(e, ConnectionRefusedError):
         return "the broker refused the connection (is it running?)"

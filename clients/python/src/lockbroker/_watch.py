@@ -10,11 +10,11 @@ they change, else with ``changed: false`` when the wait runs out. A watch never 
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
-from ._errors import BrokerError, Unavailable, error_from
+from ._errors import BrokerError, Unavailable, error_from, where
 from ._lease import Backoff, key_path
-from ._transport import RETRYABLE, NoAnswer
+from ._transport import RETRYABLE, Answer, NoAnswer
 
 if TYPE_CHECKING:
     from ._broker import _Core
@@ -115,51 +115,72 @@ def check_wait(wait: Any) -> float:
     return float(wait)
 
 
-def watch_once(core: "_Core", max_wait: float, space: str, key: str, seen_fence: int,
-               wait: float) -> KeyView:
-    """The watch behind ``Broker.watch``: asked in parts of at most ``max_wait`` while nothing
-    changes, ``503``s and lost answers retried while the wait lasts (a watch changes nothing,
-    so a repeat is harmless)."""
-    path = key_path(space, key)
-    seen_fence = check_fence(seen_fence)
-    wait = check_wait(wait)
-    semaphore = space == "semaphores"
-    deadline = time.monotonic() + wait
-    backoff = Backoff()
-    while True:
-        if core.closed:
-            raise BrokerError("this Broker is closed", code="closed")
-        now = time.monotonic()
-        ask = min(max(deadline - now, 0.0), max_wait)
-        target = f"{path}?watch={seen_fence}&wait_ms={int(ask * 1000)}"
-        try:
-            answer = core.transport.request("GET", target, timeout=ask + core.timeout)
-        except NoAnswer as e:
-            answer, problem, delay = None, str(e), backoff.delay()
-        else:
-            if answer.status == 200:
-                view = KeyView(key, answer.body, held=True, semaphore=semaphore)
-                if not view.changed and time.monotonic() < deadline - 0.001:
-                    continue  # a wait longer than the broker's longest, asked for in parts
-                return view
-            if answer.status == 404 and answer.code == "not_held":
-                view = KeyView(key, answer.body, held=False, semaphore=semaphore)
-                if not view.changed and time.monotonic() < deadline - 0.001:
-                    continue
-                return view
+class WatchRun:
+    """The decisions of one watch (sync or async): asked in parts of at most ``max_wait`` while
+    nothing changes, ``503``s and lost answers retried while the wait lasts (a watch changes
+    nothing, so a repeat is harmless)."""
+
+    def __init__(self, url: str, max_wait: float, timeout: float, space: str, key: str,
+                 seen_fence: int, wait: float):
+        self._path = key_path(space, key)
+        self._key = key
+        self._seen = check_fence(seen_fence)
+        self._semaphore = space == "semaphores"
+        self._context = where("watch of", key, url)
+        self._max_wait = max_wait
+        self._timeout = timeout
+        self._deadline = time.monotonic() + check_wait(wait)
+        self._backoff = Backoff()
+
+    def request(self) -> Tuple[str, float]:
+        """The next attempt's target and timeout."""
+        ask = min(max(self._deadline - time.monotonic(), 0.0), self._max_wait)
+        return f"{self._path}?watch={self._seen}&wait_ms={int(ask * 1000)}", ask + self._timeout
+
+    def answered(self, answer: Optional[Answer], problem: str) -> Tuple[Optional[KeyView], float]:
+        """(the view to return, or ``None`` and the pause before asking again). Raises for a
+        refusal, and :class:`Unavailable` when the wait ran out without an answer."""
+        if answer is not None:
+            held = answer.status == 200
+            if held or (answer.status == 404 and answer.code == "not_held"):
+                view = KeyView(self._key, answer.body, held=held, semaphore=self._semaphore)
+                if not view.changed and time.monotonic() < self._deadline - 0.001:
+                    return None, 0.0  # a wait longer than the broker's longest, asked in parts
+                return view, 0.0
             if answer.status not in RETRYABLE:
-                raise error_from(answer)
-            problem, delay = answer.message, backoff.delay(answer.retry_after())
+                raise error_from(answer, self._context)
+            problem = answer.message
+        delay = self._backoff.delay(answer.retry_after() if answer is not None else None)
         now = time.monotonic()
-        if now >= deadline:
+        if now >= self._deadline:
             raise Unavailable(
-                f"could not watch {key!r}: {problem}",
+                f"{self._context}: {problem}",
                 status=answer.status if answer is not None else None,
                 code=answer.code if answer is not None else "unreachable",
             )
-        log.debug("watch of %r not answered: %s; again in %.2f s", key, problem,
-                  min(delay, deadline - now))
-        time.sleep(min(delay, deadline - now))
+        log.debug("watch of %r not answered: %s; again in %.2f s", self._key, problem,
+                  min(delay, self._deadline - now))
+        return None, min(delay, self._deadline - now)
+
+
+def watch_once(core: "_Core", max_wait: float, space: str, key: str, seen_fence: int,
+               wait: float) -> KeyView:
+    """The watch behind ``Broker.watch`` (see :class:`WatchRun`)."""
+    run = WatchRun(core.url, max_wait, core.timeout, space, key, seen_fence, wait)
+    while True:
+        if core.closed:
+            raise BrokerError("this Broker is closed", code="closed")
+        target, timeout = run.request()
+        try:
+            answer: Optional[Answer] = core.transport.request("GET", target, timeout=timeout)
+            problem = ""
+        except NoAnswer as e:
+            answer, problem = None, str(e)
+        view, pause = run.answered(answer, problem)
+        if view is not None:
+            return view
+        if pause:
+            time.sleep(pause)
 
 
 class Follower:

@@ -1,0 +1,536 @@
+"""The asyncio client of lockbroker: the names of :class:`~lockbroker.Broker`, as coroutines.
+
+    from lockbroker.aio import AsyncBroker
+
+    async with AsyncBroker("http://127.0.0.1:8080") as broker:
+        async with await broker.acquire("orders:42", ttl=10, wait=5) as lease:
+            ...  # write, passing lease.fence to the resource; stop if lease.held turns false
+
+Standard library only, and no thread: requests are HTTP/1.1 on ``asyncio`` streams (a pool of
+kept-alive connections, one per request in flight), and each lease is renewed by a task on the
+loop that acquired it. Use an ``AsyncBroker`` and its leases from that one loop.
+
+Cancellation leaves nothing behind: an acquire cancelled while it waits closes its request (the
+broker stops waiting for it), then asks again with the same ``request_id`` to learn whether it
+was granted meanwhile, and releases what it was granted, before the cancellation goes on.
+"""
+
+import asyncio
+import inspect
+import logging
+import ssl
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, Set, TypeVar
+
+from ._broker import USER_AGENT, ClientBase
+from ._calls import (
+    AGAIN,
+    GRANTED,
+    PAUSE,
+    AcquireRun,
+    CallRun,
+    Page,
+    force_request,
+    forced,
+    inspect_request,
+    inspect_view,
+    list_page,
+    list_request,
+)
+from ._errors import BrokerError, LeaseLost, LimitMismatch, Locked, Unavailable, where
+from ._lease import (
+    _GONE,
+    _RENEWED,
+    _STOPPED,
+    _WAIT,
+    EXPIRED,
+    Backoff,
+    LeaseState,
+    _takes_an_argument,
+    ttl_ms,
+)
+from ._aio_leadership import AsyncLeadership
+from ._aio_transport import AsyncTransport
+from ._transport import RETRYABLE, Answer, NoAnswer
+from ._watch import KeyView, WatchRun, check_fence, check_wait
+
+__all__ = [
+    "AsyncBroker",
+    "AsyncLeadership",
+    "AsyncLease",
+    "BrokerError",
+    "KeyView",
+    "LeaseLost",
+    "LimitMismatch",
+    "Locked",
+    "Page",
+    "Unavailable",
+]
+
+log = logging.getLogger("lockbroker")
+
+T = TypeVar("T")
+
+#: How long a cancelled acquire waits for its clean-up before the cancellation goes on.
+_CLEAN_UP_WAIT = 2.0
+
+
+class _AsyncCore:
+    """What an AsyncBroker's leases share with it."""
+
+    def __init__(self, transport: AsyncTransport, timeout: float, renew_fraction: float):
+        self.transport = transport
+        self.url = transport.url
+        self.timeout = timeout
+        self.renew_fraction = renew_fraction
+        self.leases: Set["AsyncLease"] = set()
+        self.closed = False
+        #: Clean-ups of cancelled acquires under way (``close`` waits for them).
+        self.cleanups: Set["asyncio.Future[None]"] = set()
+        #: Tasks of coroutine callbacks (kept referenced while they run).
+        self.callbacks: Set["asyncio.Future[Any]"] = set()
+
+    def forget(self, lease: "AsyncLease") -> None:
+        self.leases.discard(lease)
+
+    def call(self, callback: Callable[..., Any], args: tuple, what: str) -> None:
+        """Runs a plain callback now, or a coroutine one as a task on the loop."""
+        try:
+            result = callback(*args)
+        except Exception:
+            log.exception("%s raised", what)
+            return
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(result)
+            self.callbacks.add(task)
+            task.add_done_callback(lambda t: self._finished(t, what))
+
+    def _finished(self, task: "asyncio.Future[Any]", what: str) -> None:
+        self.callbacks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s raised", what, exc_info=task.exception())
+
+
+class AsyncLease(LeaseState):
+    """A lease of the asyncio client: what :class:`~lockbroker.Lease` is, with coroutines for
+    ``renew``, ``release`` and ``close``, and ``async with`` (releases on exit). It is renewed
+    by a task on the loop that acquired it; lost callbacks (no argument, or the lease; plain
+    functions or coroutine functions) run on that loop."""
+
+    def __init__(self, core: _AsyncCore, **kwargs: Any):
+        super().__init__(core, **kwargs)
+        self._task: Optional["asyncio.Task[None]"] = None
+        self._sleeping = False
+
+    def on_lost(self, callback: Callable[..., Any]) -> None:
+        """Registers ``callback`` to run once when the lease is lost (a coroutine function's
+        coroutine runs as a task). Registered after the loss, it runs at once. A released
+        lease is not lost: its callbacks never run."""
+        if not self._add_callback(callback):
+            self._run_callback(callback)
+
+    async def renew(self, ttl: Optional[float] = None) -> bool:
+        """As :meth:`lockbroker.Lease.renew`."""
+        if self._renew_args(ttl) is False:
+            return False
+        outcome, answer, problem = await self._renew_once(time.monotonic())
+        if outcome == _RENEWED and self._task is not None and self._sleeping:
+            # The renewal task sleeps until a time this renewal moved: it starts over.
+            self._task.cancel()
+            self._start()
+        return self._renew_result(outcome, answer, problem)
+
+    async def release(self) -> None:
+        """As :meth:`lockbroker.Lease.release`: the renewal task stops first (a renewal under
+        way is abandoned), then the ``DELETE``, retried for up to the broker's ``timeout``."""
+        await self._release(time.monotonic() + self._core.timeout)
+
+    async def close(self) -> None:
+        """The same as :meth:`release`."""
+        await self.release()
+
+    async def __aenter__(self) -> "AsyncLease":
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            await self.release()
+        except BrokerError as e:
+            self._release_failed_on_exit(exc_type, e)
+
+    async def _release(self, give_up: float) -> None:
+        with self._lock:
+            if self._release_done:
+                return
+            self._released = True
+        task = self._task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        while True:
+            try:
+                answer: Optional[Answer] = await self._core.transport.request(
+                    "DELETE", self._path, headers={"Lock-Token": self._token},
+                    timeout=max(give_up - time.monotonic(), 0.05))
+                problem = ""
+            except NoAnswer as e:
+                answer, problem = None, str(e)
+            done, pause = self._deleted(answer, problem, give_up)
+            if done:
+                break
+            await asyncio.sleep(pause)
+        self._release_finished()
+
+    # -- the renewal task ---------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._task = asyncio.ensure_future(self._keep())
+
+    async def _keep(self) -> None:
+        while True:
+            now = time.monotonic()
+            action, when = self._next_step(now)
+            if action == _STOPPED:
+                return
+            if action == EXPIRED:
+                self._lose(EXPIRED, None)
+                return
+            if action == _WAIT:
+                self._sleeping = True
+                try:
+                    await asyncio.sleep(when - now)
+                finally:
+                    self._sleeping = False
+                continue
+            outcome, answer, problem = await self._renew_once(now)
+            if outcome == _RENEWED:
+                if self._recovered():
+                    self._report_trouble(None)
+                continue
+            if outcome in (_GONE, _STOPPED):
+                return
+            trouble = self._failed(answer, problem)
+            if trouble is not None:
+                self._report_trouble(trouble)
+
+    async def _renew_once(self, now: float, confirming: bool = False):
+        with self._lock:
+            begun = self._begin_renewal(now, confirming)
+        if begun is None:
+            return _STOPPED, None, "released"
+        ttl, timeout = begun
+        try:
+            answer: Optional[Answer] = await self._core.transport.request(
+                "POST", self._path + "/renew", body={"ttl_ms": ttl_ms(ttl)},
+                headers={"Lock-Token": self._token}, timeout=timeout)
+            problem = ""
+        except NoAnswer as e:
+            answer, problem = None, str(e)
+        outcome, reason, problem = self._settle(now, ttl, answer, problem, confirming)
+        if reason is not None:
+            self._lose(reason, problem)
+        return outcome, answer, problem
+
+    def _lose(self, reason: str, problem: Optional[str]) -> None:
+        for callback in self._mark_lost(reason, problem) or ():
+            self._run_callback(callback)
+
+    def _run_callback(self, callback: Callable[..., Any]) -> None:
+        args = (self,) if _takes_an_argument(callback) else ()
+        self._core.call(callback, args, f"an on_lost callback of the lease on {self.key!r}")
+
+    def _report_trouble(self, trouble: Optional[str]) -> None:
+        if self._on_trouble is not None:
+            self._core.call(self._on_trouble, (trouble,),
+                            f"the on_trouble hook of the lease on {self.key!r}")
+
+
+class AsyncBroker(ClientBase):
+    """An asyncio client of the broker at ``url``, with the settings of
+    :class:`~lockbroker.Broker`. An async context manager: leaving it (or ``await close()``)
+    releases every lease still open. Use it from one event loop. ``AsyncBroker.from_env()``
+    reads ``$LOCKBROKER_URL`` and ``$LOCKBROKER_AUTH_TOKEN`` as :meth:`Broker.from_env` does."""
+
+    def _make_core(self, url: str, token: Optional[str], ssl_context: Optional[ssl.SSLContext],
+                   timeout: float, renew_fraction: float) -> _AsyncCore:
+        transport = AsyncTransport(url, token, ssl_context, USER_AGENT)
+        return _AsyncCore(transport, timeout, renew_fraction)
+
+    # -- locks and permits ----------------------------------------------------------------------
+
+    async def acquire(self, key: str, ttl: float = 30.0, wait: float = 0.0, *,
+                      shared: bool = False, owner: Optional[str] = None,
+                      auto_renew: bool = True, renew_every: Optional[float] = None,
+                      on_trouble: Optional[Callable[[Optional[str]], Any]] = None) -> AsyncLease:
+        """As :meth:`lockbroker.Broker.acquire`. Cancelled while it waits, it leaves nothing
+        behind (see the module's documentation)."""
+        params: Dict[str, Any] = {"mode": "shared"} if shared else {}
+        return await self._acquire("locks", key, ttl, wait, params,
+                                   "shared" if shared else "exclusive", owner, auto_renew,
+                                   renew_every, on_trouble)
+
+    async def try_acquire(self, key: str, ttl: float = 30.0, **options: Any) -> Optional[AsyncLease]:
+        """As :meth:`acquire` without waiting: ``None`` when someone else holds the key."""
+        try:
+            return await self.acquire(key, ttl, 0.0, **options)
+        except Locked:
+            return None
+
+    async def acquire_permit(self, key: str, limit: int, ttl: float = 30.0, wait: float = 0.0,
+                             *, owner: Optional[str] = None, auto_renew: bool = True,
+                             renew_every: Optional[float] = None,
+                             on_trouble: Optional[Callable[[Optional[str]], Any]] = None
+                             ) -> AsyncLease:
+        """As :meth:`lockbroker.Broker.acquire_permit`."""
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise TypeError("limit is an int")
+        return await self._acquire("semaphores", key, ttl, wait, {"limit": limit}, "permit",
+                                   owner, auto_renew, renew_every, on_trouble)
+
+    async def try_acquire_permit(self, key: str, limit: int, ttl: float = 30.0,
+                                 **options: Any) -> Optional[AsyncLease]:
+        """As :meth:`acquire_permit` without waiting: ``None`` when all permits are taken."""
+        try:
+            return await self.acquire_permit(key, limit, ttl, 0.0, **options)
+        except Locked:
+            return None
+
+    async def with_lease(self, key: str, ttl: float, wait: float,
+                         work: Callable[[AsyncLease], Awaitable[T]], **options: Any) -> T:
+        """Runs ``await work(lease)`` as a task under a lease on ``key`` (taken as
+        :meth:`acquire` takes it) and releases the lease on the way out; returns what the work
+        returns. If the lease is lost first, the work is cancelled and :class:`LeaseLost`
+        raised. Cancelling ``with_lease`` cancels the work too."""
+        lease = await self.acquire(key, ttl, wait, **options)
+        async with lease:
+            task = asyncio.ensure_future(work(lease))
+            lease.on_lost(lambda: task.cancel())
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                task.cancel()
+                await asyncio.wait({task})
+                raise
+            if task.cancelled() and lease.lost_reason is not None:
+                raise LeaseLost(f"{where('work under', key, self.url)} was cancelled: the lease "
+                                f"(fence {lease.fence}) was lost ({lease.lost_reason})",
+                                reason=lease.lost_reason)
+            return task.result()
+
+    # -- watching -------------------------------------------------------------------------------
+
+    async def watch(self, key: str, seen_fence: int = 0, wait: float = 30.0) -> KeyView:
+        """As :meth:`lockbroker.Broker.watch`."""
+        return await self._watch("locks", key, seen_fence, wait)
+
+    async def watch_permits(self, key: str, seen_fence: int = 0, wait: float = 30.0) -> KeyView:
+        """As :meth:`lockbroker.Broker.watch_permits`."""
+        return await self._watch("semaphores", key, seen_fence, wait)
+
+    async def follow(self, key: str, seen_fence: int = 0, *, part: float = 10.0,
+                     semaphore: bool = False) -> AsyncIterator[KeyView]:
+        """Every change of the lock (or semaphore) ``key`` from ``seen_fence`` on, once and in
+        order: ``async for view in broker.follow(key):`` (leave the loop, or cancel its task,
+        to stop). Raises :class:`Unavailable` when the broker could not be reached for a whole
+        ``part``."""
+        fence = check_fence(seen_fence)
+        if not check_wait(part) > 0:
+            raise ValueError("part must be a positive number of seconds")
+        space = "semaphores" if semaphore else "locks"
+        while True:
+            view = await self._watch(space, key, fence, part)
+            if view.changed:
+                fence = view.next_fence
+                yield view
+
+    async def _watch(self, space: str, key: str, seen_fence: int, wait: float) -> KeyView:
+        run = WatchRun(self.url, self._max_wait, self._core.timeout, space, key, seen_fence, wait)
+        while True:
+            self._check_open()
+            target, timeout = run.request()
+            try:
+                answer: Optional[Answer] = await self._core.transport.request(
+                    "GET", target, timeout=timeout)
+                problem = ""
+            except NoAnswer as e:
+                answer, problem = None, str(e)
+            view, pause = run.answered(answer, problem)
+            if view is not None:
+                return view
+            if pause:
+                await asyncio.sleep(pause)
+
+    # -- looking and force release --------------------------------------------------------------
+
+    async def inspect(self, key: str, *, semaphore: bool = False) -> KeyView:
+        """As :meth:`lockbroker.Broker.inspect`."""
+        path, context = inspect_request(self.url, key, semaphore)
+        return await self._call("GET", path, CallRun(context, self._core.timeout),
+                                lambda answer: inspect_view(key, answer, semaphore))
+
+    async def list(self, prefix: str = "", *, limit: int = 100,
+                   cursor: Optional[str] = None) -> Page:
+        """As :meth:`lockbroker.Broker.list`."""
+        path, context = list_request(self.url, prefix, limit, cursor)
+        return await self._call("GET", path, CallRun(context, self._core.timeout), list_page)
+
+    async def force_release(self, key: str, *, semaphore: bool = False) -> bool:
+        """As :meth:`lockbroker.Broker.force_release`."""
+        path, context = force_request(self.url, key, semaphore)
+        return await self._call("DELETE", path,
+                                CallRun(context, self._core.timeout, repeatable=False), forced)
+
+    # -- the client's life ----------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Releases every lease still open (their renewal tasks stop first), waits for the
+        clean-ups of cancelled acquires, and closes the connections. Idempotent."""
+        self._core.closed = True
+        leases = list(self._core.leases)
+        give_up = time.monotonic() + self._core.timeout
+        results = await asyncio.gather(*(lease._release(give_up) for lease in leases),
+                                       return_exceptions=True)
+        for lease, result in zip(leases, results):
+            if isinstance(result, BrokerError):
+                log.warning("could not release the lease on %r (fence %d): %s",
+                            lease.key, lease.fence, result)
+        if self._core.cleanups:
+            await asyncio.wait(set(self._core.cleanups), timeout=self._core.timeout)
+        await self._core.transport.close()
+
+    async def __aenter__(self) -> "AsyncBroker":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- inside ---------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._core.closed:
+            raise BrokerError("this AsyncBroker is closed", code="closed")
+
+    async def _call(self, method: str, path: str, run: CallRun,
+                    outcome: Callable[[Any], Any]) -> Any:
+        while True:
+            self._check_open()
+            try:
+                answer = await self._core.transport.request(method, path,
+                                                            timeout=run.request_timeout())
+            except NoAnswer as e:
+                pause = run.no_answer(e)
+            else:
+                result = outcome(answer)
+                if result is not None:
+                    return result
+                pause = run.retry(answer)
+            await asyncio.sleep(pause)
+
+    async def _acquire(self, space: str, key: str, ttl: float, wait: float,
+                       params: Dict[str, Any], mode: str, owner: Optional[str],
+                       auto_renew: bool, renew_every: Optional[float],
+                       on_trouble: Optional[Callable[[Optional[str]], Any]]) -> AsyncLease:
+        run = self._acquire_run(space, key, ttl, wait, params, mode, owner, auto_renew,
+                                renew_every, on_trouble)
+        lease: Optional[AsyncLease] = None
+        try:
+            while True:
+                self._check_open()
+                body, timeout = run.request()
+                try:
+                    answer = await self._core.transport.request(
+                        "POST", run.path, body=body, timeout=timeout, ordered=True)
+                except NoAnswer as e:
+                    action, delay = PAUSE, run.no_answer(e)
+                else:
+                    action, delay = run.answered(answer)
+                if action == GRANTED:
+                    lease = AsyncLease(self._core, **run.lease_args(answer.body))
+                    if run.needs_confirming():
+                        outcome, _, _ = await lease._renew_once(time.monotonic(), confirming=True)
+                        if outcome == _GONE:
+                            lease = None
+                            run.grant_gone()
+                            continue
+                        if outcome != _RENEWED and not lease.held:
+                            await _release_quietly(lease)
+                            lease = None
+                            raise run.unconfirmed()
+                    if self._core.closed:
+                        await _release_quietly(lease)
+                        lease = None
+                        self._check_open()
+                    # From here to the return nothing awaits: a cancellation cannot come between.
+                    self._core.leases.add(lease)
+                    lease._start()
+                    return lease
+                if action == AGAIN:
+                    continue
+                await asyncio.sleep(run.pause(delay))
+        except asyncio.CancelledError:
+            if lease is not None or run.may_have_reached:
+                await self._abandon(run, lease)
+            raise
+
+    async def _abandon(self, run: AcquireRun, lease: Optional[AsyncLease]) -> None:
+        """After the cancellation of an acquire: ends what it may have been granted, before the
+        cancellation goes on. A broker that does not answer within :data:`_CLEAN_UP_WAIT` (or a
+        second cancellation) leaves the clean-up to go on in the background (``close`` waits
+        for it)."""
+        task = asyncio.ensure_future(self._clean_up(run, lease))
+        self._core.cleanups.add(task)
+        task.add_done_callback(self._core.cleanups.discard)
+        try:
+            await asyncio.wait({task}, timeout=min(_CLEAN_UP_WAIT, self._core.timeout))
+        except asyncio.CancelledError:
+            pass  # cancelled again: the clean-up goes on by itself
+
+    async def _clean_up(self, run: AcquireRun, lease: Optional[AsyncLease]) -> None:
+        if lease is None:
+            lease = await self._find_grant(run)
+            if lease is None:
+                return
+            log.info("acquire of %r was cancelled after its grant (fence %d): releasing it",
+                     run.key, lease.fence)
+        await _release_quietly(lease)
+
+    async def _find_grant(self, run: AcquireRun) -> Optional[AsyncLease]:
+        """Asks again with the cancelled acquire's ``request_id`` without waiting: the lease it
+        was granted (or, the key being free, is granted now), to release; ``None`` when it holds
+        nothing."""
+        body = dict(run.body, wait_ms=0)
+        give_up = time.monotonic() + self._core.timeout
+        backoff = Backoff()
+        while True:
+            try:
+                answer: Optional[Answer] = await self._core.transport.request(
+                    "POST", run.path, body=body, timeout=max(give_up - time.monotonic(), 0.05),
+                    ordered=True)
+                problem = ""
+            except NoAnswer as e:
+                answer, problem = None, str(e)
+            if answer is not None:
+                if answer.status == 201:
+                    try:
+                        return AsyncLease(self._core, **run.lease_args(
+                            answer.body, sent_at=time.monotonic()))
+                    except BrokerError:
+                        return None
+                if answer.status not in RETRYABLE:
+                    return None  # 409 locked: this request holds nothing
+                problem = answer.message
+            now = time.monotonic()
+            if now >= give_up:
+                log.warning("%s was cancelled, and whether it was granted could not be learnt "
+                            "(%s): a lease it may have been granted ends by its ttl",
+                            run.context, problem)
+                return None
+            await asyncio.sleep(min(backoff.delay(answer.retry_after() if answer else None),
+                                    give_up - now))
+
+
+async def _release_quietly(lease: AsyncLease) -> None:
+    try:
+        await lease.release()
+    except BrokerError as e:
+        log.warning("could not release the lease on %r (fence %d): %s", lease.key, lease.fence, e)
