@@ -104,6 +104,10 @@ pub(crate) struct Watched {
     /// Set while the key has no watch (changed under the watchers' lock): the keeper reads
     /// nothing, and stops after [`LINGER`] unless a watch comes.
     idle: AtomicBool,
+    /// Set when the store may have lost the key's watched mark (a store loss, missed notices):
+    /// the keeper marks it again before its next read, or its readings would count on
+    /// announcements that no longer come.
+    mark_again: AtomicBool,
     readings: watch::Sender<Reading>,
 }
 
@@ -120,6 +124,7 @@ impl Watched {
             wake: Notify::new(),
             started: AtomicU64::new(0),
             idle: AtomicBool::new(false),
+            mark_again: AtomicBool::new(false),
             readings,
         }
     }
@@ -136,6 +141,12 @@ impl Watched {
     /// the watches that come meanwhile share it.
     pub(crate) fn next_generation(&self) -> u64 {
         self.wanted.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// For the keeper: whether the key must be marked watched again (see `mark_again`); clears
+    /// the request.
+    pub(crate) fn take_mark_again(&self) -> bool {
+        self.mark_again.swap(false, Ordering::SeqCst)
     }
 
     /// For the keeper: the read of `generation` begins.
@@ -269,6 +280,7 @@ impl Watchers {
     /// its key again.
     pub(crate) fn all_changed(&self) {
         for entry in self.keys().values() {
+            entry.watched.mark_again.store(true, Ordering::SeqCst);
             entry.watched.ask();
         }
     }
@@ -407,8 +419,11 @@ mod tests {
         watchers.changed(Space::Locks, &LockKey::parse("a").unwrap());
         watchers.changed(Space::Semaphores, &LockKey::parse("b").unwrap());
         assert_eq!((a.watched().wanted(), b.watched().wanted()), (1, 0));
+        assert!(!a.watched().take_mark_again());
         watchers.all_changed();
         assert_eq!((a.watched().wanted(), b.watched().wanted()), (2, 1));
+        assert!(a.watched().take_mark_again() && b.watched().take_mark_again());
+        assert!(!a.watched().take_mark_again(), "asked once");
     }
 
     #[test]

@@ -137,6 +137,9 @@ impl<S: Store> LockService<S> {
                     watched.next_generation()
                 };
                 watched.reading(generation);
+                if watched.take_mark_again() {
+                    announced_until = None;
+                }
                 let now = Instant::now();
                 // Marked before the read: a change after the read is announced.
                 if announced_until.is_none_or(|until| until <= now + MARK_AGAIN_BEFORE) {
