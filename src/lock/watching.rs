@@ -60,7 +60,8 @@ impl<S: Store> LockService<S> {
         let asked = watched.first_reading();
         let deadline = Instant::now() + wait;
         let mut shutdown = self.shutdown.clone();
-        // A reading made after this watch came (the keeper may finish an earlier one first).
+        // A reading that knows every change signalled before this watch came (see
+        // `Watched::first_reading`; the keeper may publish an earlier one first).
         let bound = self.settings.store_timeout * 2;
         let first = tokio::select! {
             first = tokio::time::timeout(bound, reading_from(&mut readings, asked)) => first,
