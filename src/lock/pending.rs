@@ -67,8 +67,9 @@ impl<S: Store> Drop for PendingGrant<'_, S> {
                 outage.observe(&result);
                 let retry = Instant::now() + pause < give_up;
                 match result {
+                    // DEBUG too: a frozen store's outage leaves one per refused acquire.
                     Ok(Holder::Done(_)) => {
-                        tracing::info!(%key, "released a lease granted to a request that failed or went away");
+                        tracing::debug!(%key, "released a lease granted to a request that failed or went away");
                         return;
                     }
                     // A store-wide hold refuses releases too, for a few seconds: wait it out.
