@@ -11,14 +11,26 @@
 //! (the lock service calls [`Watchers::changed`] after a grant, a release, a force release, an
 //! offer ended for a waiter that left, and a renewal, which may move the earliest lease end),
 //! from the store's [`Notice::Changed`](crate::store::Notice) for other brokers' changes, from a
-//! watch that arrives (it needs a reading made after it came), and from a store loss or missed
-//! notices ([`Watchers::all_changed`]).
+//! watch that arrives and needs a reading, and from a store loss or missed notices
+//! ([`Watchers::all_changed`]).
+//!
+//! A watch that arrives needs a reading that knows every change this broker made or was told of
+//! before it came ([`Watched::first_reading`]): the keeper's latest one if no change was
+//! signalled since and it is still current (the store announces the key's changes to this broker
+//! and none of its leases has ended since: a reading as fresh as the one the parked watches
+//! hold), or the one being read if that read began after the last change signalled; otherwise it
+//! asks for a new one. So watches of one key arriving together share one read, and a watch that
+//! follows a key (watching again from each answer) costs no read per answer. A key's entry and
+//! its keeper outlive its last watch by [`LINGER`], still counting changes, so that the next
+//! watch (a crowd arriving over a moment, each answered at once; a follower's next watch) can
+//! take the reading it has.
 //!
 //! Watches count against `max_waiters` together with the waiting acquires.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
@@ -26,6 +38,10 @@ use tokio::time::Instant;
 use crate::domain::LockKey;
 use crate::lock::{HoldersView, LockError};
 use crate::store::Space;
+
+/// How long a key's entry and keeper stay after its last watch left, for the next watch to take
+/// its reading.
+pub(crate) const LINGER: Duration = Duration::from_secs(1);
 
 /// A key in its space: what a watch is on.
 pub(crate) type Place = (Space, LockKey);
@@ -41,6 +57,22 @@ pub(crate) struct Reading {
     pub at: Instant,
     /// The holders (`None`: free), or why the store did not say.
     pub view: Arc<Result<Option<HoldersView>, LockError>>,
+    /// Until when the reading stays the key's holders unless a change is signalled (a wake-up
+    /// request after `generation`): the store announces every change of the key to this broker
+    /// until then, and none of its leases ends sooner. `None`: it may be out of date at once (the
+    /// read failed, or the store does not announce the key's changes).
+    pub current_until: Option<Instant>,
+}
+
+impl Reading {
+    /// Whether a watch that comes now may take this reading as its first (see
+    /// [`Watched::first_reading`]), as far as its own age goes.
+    fn is_current(&self) -> bool {
+        self.view.is_ok()
+            && self
+                .current_until
+                .is_some_and(|until| Instant::now() < until)
+    }
 }
 
 /// What a watch sees of its key's holders: their fences, in order (empty: free). A change of
@@ -67,8 +99,15 @@ pub(crate) struct Watched {
     /// Wakes the keeper; `notify_one` keeps a permit when the keeper is busy reading, so a
     /// request made meanwhile is not lost.
     wake: Notify,
-    /// Set when the key's last watch leaves: the keeper stops.
-    closed: AtomicBool,
+    /// The generation of the read under way, or of the last one.
+    started: AtomicU64,
+    /// Set while the key has no watch (changed under the watchers' lock): the keeper reads
+    /// nothing, and stops after [`LINGER`] unless a watch comes.
+    idle: AtomicBool,
+    /// Set when the store may have lost the key's watched mark (a store loss, missed notices):
+    /// the keeper marks it again before its next read, or its readings would count on
+    /// announcements that no longer come.
+    mark_again: AtomicBool,
     readings: watch::Sender<Reading>,
 }
 
@@ -78,11 +117,14 @@ impl Watched {
             generation: 0,
             at: Instant::now(),
             view: Arc::new(Ok(None)),
+            current_until: None,
         });
         Self {
             wanted: AtomicU64::new(0),
             wake: Notify::new(),
-            closed: AtomicBool::new(false),
+            started: AtomicU64::new(0),
+            idle: AtomicBool::new(false),
+            mark_again: AtomicBool::new(false),
             readings,
         }
     }
@@ -95,18 +137,51 @@ impl Watched {
         generation
     }
 
+    /// For the keeper: a new generation for a read it makes by itself (a lease ended), so that
+    /// the watches that come meanwhile share it.
+    pub(crate) fn next_generation(&self) -> u64 {
+        self.wanted.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// For the keeper: whether the key must be marked watched again (see `mark_again`); clears
+    /// the request.
+    pub(crate) fn take_mark_again(&self) -> bool {
+        self.mark_again.swap(false, Ordering::SeqCst)
+    }
+
+    /// For the keeper: the read of `generation` begins.
+    pub(crate) fn reading(&self, generation: u64) {
+        self.started.store(generation, Ordering::SeqCst);
+    }
+
+    /// The generation of the first reading a watch that comes now can answer from: one that
+    /// knows every change signalled so far. The latest, if it is still current; the one being
+    /// read, if that read began after the last change signalled; otherwise a new one, asked for.
+    pub(crate) fn first_reading(&self) -> u64 {
+        let wanted = self.wanted();
+        if wanted > 0 && self.started.load(Ordering::SeqCst) == wanted {
+            let latest = self.readings.borrow();
+            if latest.generation < wanted || latest.is_current() {
+                return wanted;
+            }
+        }
+        self.ask()
+    }
+
     /// The wake-up requests so far.
     pub(crate) fn wanted(&self) -> u64 {
         self.wanted.load(Ordering::SeqCst)
     }
 
-    /// Completes when the keeper is asked for something (or the key's last watch left).
+    /// Completes when the keeper is asked for something, or the key's last watch left, or a
+    /// watch came to an idle key.
     pub(crate) async fn woken(&self) {
         self.wake.notified().await;
     }
 
-    pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::SeqCst)
+    /// Whether the key has no watch now (see [`LINGER`]).
+    pub(crate) fn is_idle(&self) -> bool {
+        self.idle.load(Ordering::SeqCst)
     }
 
     /// Hands a reading to every watch of the key.
@@ -159,8 +234,8 @@ impl Watchers {
     }
 
     /// Parks a watch on `place`, unless `busy` (the waiters and watches parked already) reaches
-    /// `limit`. The flag is true when the key was not watched here before: the caller starts its
-    /// keeper.
+    /// `limit`. The flag is true when the key had no entry here (no watch within [`LINGER`]):
+    /// the caller starts its keeper.
     pub(crate) fn enter(
         self: &Arc<Self>,
         place: &Place,
@@ -181,6 +256,11 @@ impl Watchers {
             }
         });
         entry.watches += 1;
+        if entry.watches == 1 && !fresh {
+            // A lingering keeper: it serves watches again.
+            entry.watched.idle.store(false, Ordering::SeqCst);
+            entry.watched.wake.notify_one();
+        }
         let ticket = WatchTicket {
             watchers: self.clone(),
             place: place.clone(),
@@ -200,12 +280,31 @@ impl Watchers {
     /// its key again.
     pub(crate) fn all_changed(&self) {
         for entry in self.keys().values() {
+            entry.watched.mark_again.store(true, Ordering::SeqCst);
             entry.watched.ask();
+        }
+    }
+
+    /// For a keeper that lingered [`LINGER`] without a watch: removes its key's entry, so that
+    /// the keeper may stop (`true`), unless a watch came meanwhile (`false`: it goes on). Under
+    /// the lock: a watch that comes after finds no entry and starts a new keeper.
+    pub(crate) fn retire(&self, place: &Place, watched: &Arc<Watched>) -> bool {
+        let mut keys = self.keys();
+        match keys.get(place) {
+            Some(entry) if Arc::ptr_eq(&entry.watched, watched) => {
+                if entry.watches > 0 {
+                    return false;
+                }
+                keys.remove(place);
+                true
+            }
+            // Not this keeper's entry (it cannot be): nothing of it to remove.
+            _ => true,
         }
     }
 }
 
-/// A parked watch; leaving (drop) stops the key's keeper when it was the last.
+/// A parked watch; leaving (drop) idles the key's keeper when it was the last (see [`LINGER`]).
 pub(crate) struct WatchTicket {
     watchers: Arc<Watchers>,
     place: Place,
@@ -227,9 +326,8 @@ impl Drop for WatchTicket {
         };
         entry.watches -= 1;
         if entry.watches == 0 {
-            // Under the lock: a watch that comes now finds no entry and starts a new keeper.
-            keys.remove(&self.place);
-            self.watched.closed.store(true, Ordering::SeqCst);
+            // Under the lock: a watch that comes now finds the entry, and wakes the keeper.
+            self.watched.idle.store(true, Ordering::SeqCst);
             self.watched.wake.notify_one();
         }
     }
@@ -244,7 +342,7 @@ mod tests {
     }
 
     #[test]
-    fn watches_of_one_key_share_its_entry_and_the_last_to_leave_closes_it() {
+    fn watches_of_one_key_share_its_entry_and_the_last_to_leave_idles_it_until_retired() {
         let watchers = Watchers::new(Arc::default());
         let (a, fresh_a) = watchers.enter(&place("k"), 0, 10).unwrap();
         let (b, fresh_b) = watchers.enter(&place("k"), 1, 10).unwrap();
@@ -253,12 +351,64 @@ mod tests {
         assert_eq!(watchers.len(), 2);
         let watched = a.watched().clone();
         drop(a);
-        assert!(!watched.is_closed());
+        assert!(!watched.is_idle());
         drop(b);
-        assert!(watched.is_closed(), "the keeper stops with the last watch");
-        assert_eq!((watchers.len(), watchers.keys_watched()), (0, 0));
-        let (_c, fresh_c) = watchers.enter(&place("k"), 0, 10).unwrap();
-        assert!(fresh_c, "a watch after that starts a new keeper");
+        assert!(watched.is_idle(), "the keeper idles with the last watch");
+        assert_eq!((watchers.len(), watchers.keys_watched()), (0, 1));
+
+        // A watch within the linger takes the same keeper back.
+        let (c, fresh_c) = watchers.enter(&place("k"), 0, 10).unwrap();
+        assert!(!fresh_c && Arc::ptr_eq(c.watched(), &watched));
+        assert!(!watched.is_idle());
+        assert!(
+            !watchers.retire(&place("k"), &watched),
+            "a keeper with a watch goes on"
+        );
+        drop(c);
+        assert!(watchers.retire(&place("k"), &watched));
+        assert_eq!(watchers.keys_watched(), 0);
+        let (_d, fresh_d) = watchers.enter(&place("k"), 0, 10).unwrap();
+        assert!(fresh_d, "a watch after that starts a new keeper");
+    }
+
+    /// A reading of `generation`, current for `for_ms` (`None`: not current at all).
+    fn publish(watched: &Watched, generation: u64, for_ms: Option<u64>) {
+        watched.publish(Reading {
+            generation,
+            at: Instant::now(),
+            view: Arc::new(Ok(None)),
+            current_until: for_ms.map(|ms| Instant::now() + Duration::from_millis(ms)),
+        });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_takes_the_reading_under_way_or_a_current_one_and_asks_otherwise() {
+        let watchers = Watchers::new(Arc::default());
+        let (a, _) = watchers.enter(&place("k"), 0, 10).unwrap();
+        let watched = a.watched();
+        assert_eq!(watched.first_reading(), 1, "no reading yet: it asks");
+        assert_eq!(watched.first_reading(), 2, "nor a read under way");
+        watched.reading(2);
+        assert_eq!(watched.first_reading(), 2, "it shares the read under way");
+        publish(watched, 2, Some(1000));
+        assert_eq!(watched.first_reading(), 2, "it takes the current reading");
+        tokio::time::advance(Duration::from_millis(1000)).await;
+        assert_eq!(
+            watched.first_reading(),
+            3,
+            "past its lease end or mark: it asks"
+        );
+        watched.reading(3);
+        publish(watched, 3, Some(1000));
+        watchers.changed(Space::Locks, &LockKey::parse("k").unwrap());
+        assert_eq!(watched.first_reading(), 5, "a change since: it asks");
+        watched.reading(5);
+        publish(watched, 5, None);
+        assert_eq!(
+            watched.first_reading(),
+            6,
+            "a reading not kept current: it asks"
+        );
     }
 
     #[test]
@@ -269,8 +419,11 @@ mod tests {
         watchers.changed(Space::Locks, &LockKey::parse("a").unwrap());
         watchers.changed(Space::Semaphores, &LockKey::parse("b").unwrap());
         assert_eq!((a.watched().wanted(), b.watched().wanted()), (1, 0));
+        assert!(!a.watched().take_mark_again());
         watchers.all_changed();
         assert_eq!((a.watched().wanted(), b.watched().wanted()), (2, 1));
+        assert!(a.watched().take_mark_again() && b.watched().take_mark_again());
+        assert!(!a.watched().take_mark_again(), "asked once");
     }
 
     #[test]

@@ -370,6 +370,7 @@ impl<S: Store> LockService<S> {
             key,
             token: &bid.token,
             ttl: bid.ttl,
+            outage: self.metrics.outage(),
         };
         // Dropped with the future if the call never ends (the client went away): armed.
         call.map(move |result| {

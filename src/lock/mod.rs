@@ -117,7 +117,6 @@ pub struct LockService<S> {
     watchers: Arc<Watchers>,
     shutdown: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
-    outage: Arc<Outage>,
 }
 
 impl<S> Clone for LockService<S> {
@@ -129,7 +128,6 @@ impl<S> Clone for LockService<S> {
             watchers: self.watchers.clone(),
             shutdown: self.shutdown.clone(),
             metrics: self.metrics.clone(),
-            outage: self.outage.clone(),
         }
     }
 }
@@ -199,7 +197,6 @@ impl<S: Store> LockService<S> {
             watchers,
             shutdown,
             metrics,
-            outage: Arc::default(),
         }
     }
 
@@ -239,7 +236,7 @@ impl<S: Store> LockService<S> {
         call.map(move |result| {
             self.metrics
                 .store_call(op, started.elapsed(), result.is_err());
-            self.outage.observe(&result);
+            self.metrics.outage().observe(&result);
             result
         })
     }
@@ -247,7 +244,7 @@ impl<S: Store> LockService<S> {
     /// Whether the store answers, as this service's store calls found; the HTTP layer counts
     /// the requests it refuses meanwhile.
     pub fn outage(&self) -> &Arc<Outage> {
-        &self.outage
+        self.metrics.outage()
     }
 
     /// The metrics, with the current number of waiters, in the OpenMetrics text format.

@@ -1,7 +1,12 @@
 //! Store outages as the logs tell them: one WARN line when the store stops answering, one when
-//! it answers again (how long it was out and how many requests were refused meanwhile), instead
-//! of one line per refused request. An outage is an expected event (a Redis restart, a
-//! failover), not a bug: nothing here logs at ERROR.
+//! it answers again (how long it was out, how many requests were refused and how many cleanups
+//! of unanswered grants failed meanwhile), instead of one line per refused request or failed
+//! cleanup: those are logged at DEBUG and counted here. An outage is an expected event (a Redis
+//! restart, a failover), not a bug: nothing here logs at ERROR.
+//!
+//! One [`Outage`] per broker, shared through [`Metrics`](crate::metrics::Metrics) by the lock
+//! service (which notes its store calls' results), the HTTP layer (which counts the requests it
+//! refuses) and the store (which counts the cleanups it could not finish).
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -26,6 +31,9 @@ pub struct Outage {
     state: Mutex<Option<Down>>,
     /// Requests answered `503 store_unavailable` during the current outage.
     refused: AtomicU64,
+    /// Cleanups that gave up during the current outage: a grant whose answer was lost, or a
+    /// write the replicas did not acknowledge, that could not be undone (it ends at its TTL).
+    cleanups_failed: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -57,6 +65,14 @@ impl Outage {
         self.refused.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts one cleanup that gave up because the store did not answer (`error`, its last
+    /// failure): a lease nobody was told of that now ends at its TTL. A failed store call
+    /// itself, so it begins an outage if none is in progress.
+    pub fn cleanup_failed(&self, error: &StoreError) {
+        self.failed(error);
+        self.cleanups_failed.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn failed(&self, error: &StoreError) {
         let now = Instant::now();
         let mut state = self
@@ -74,6 +90,7 @@ impl Outage {
             answered_since: None,
         });
         self.refused.store(0, Ordering::Relaxed);
+        self.cleanups_failed.store(0, Ordering::Relaxed);
         self.down.store(true, Ordering::Relaxed);
         tracing::warn!(
             %error,
@@ -100,11 +117,14 @@ impl Outage {
         *state = None;
         self.down.store(false, Ordering::Relaxed);
         let refused = self.refused.swap(0, Ordering::Relaxed);
+        let cleanups_failed = self.cleanups_failed.swap(0, Ordering::Relaxed);
         tracing::warn!(
             lasted_ms,
             refused,
+            cleanups_failed,
             "the lock store answers again after {lasted_ms} ms out; {refused} requests were \
-             answered 503 store_unavailable meanwhile"
+             answered 503 store_unavailable meanwhile; {cleanups_failed} cleanups of grants \
+             whose answer was lost could not be done (those leases end at their TTL)"
         );
     }
 
@@ -131,6 +151,8 @@ mod tests {
         outage.observe::<()>(&Err(StoreError::Failed("refused".into())));
         outage.refused();
         assert_eq!(outage.refused.load(Ordering::Relaxed), 2);
+        outage.cleanup_failed(&StoreError::Timeout(5));
+        assert_eq!(outage.cleanups_failed.load(Ordering::Relaxed), 1);
         // An answer right after a failure: the store may be only partly back.
         outage.observe(&Ok(()));
         assert!(outage.is_down());
@@ -138,6 +160,24 @@ mod tests {
         outage.observe(&Ok(()));
         assert!(!outage.is_down());
         assert_eq!(outage.refused.load(Ordering::Relaxed), 0);
+        assert_eq!(outage.cleanups_failed.load(Ordering::Relaxed), 0);
         assert!(outage.state.lock().unwrap().is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_cleanup_begins_an_outage_and_counts_into_it() {
+        let outage = Outage::default();
+        outage.cleanup_failed(&StoreError::Failed("refused".into()));
+        assert!(
+            outage.is_down(),
+            "a cleanup that gave up is a failed store call"
+        );
+        assert_eq!(outage.cleanups_failed.load(Ordering::Relaxed), 1);
+        outage.cleanup_failed(&StoreError::Failed("refused".into()));
+        assert_eq!(outage.cleanups_failed.load(Ordering::Relaxed), 2);
+        tokio::time::advance(QUIET).await;
+        outage.observe(&Ok(()));
+        assert!(!outage.is_down());
+        assert_eq!(outage.cleanups_failed.load(Ordering::Relaxed), 0);
     }
 }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::Outage;
 use crate::domain::{LockKey, Token, Ttl};
 use crate::store::{Holder, Space, Store, StoreResult};
 
@@ -15,11 +16,14 @@ use crate::store::{Holder, Space, Store, StoreResult};
 /// script before the answer was lost), or the client went away mid-call and the request future
 /// was dropped — nobody will ever learn the token, and the lease would block the key for its
 /// whole TTL. So it spawns a cleanup: a holder-checked release by that token, retried until the
-/// store gives any definite answer or the TTL has passed (by then the lease has ended by itself).
+/// store gives any definite answer (a store-wide hold is waited out) or the TTL has passed (by
+/// then the lease has ended by itself). A cleanup that gives up is a DEBUG line and a count in
+/// the store outage it belongs to (see [`Outage`]), not a line of its own above DEBUG: an outage
+/// refuses many requests, and each may leave one.
 /// A release by a token that holds nothing changes nothing, so a call that never applied costs
 /// one extra store call. Not armed for a bid with a request id: its client can get the grant
-/// back by repeating the acquire, and a cleanup could release it from under that repeat. If the store stays unreachable, the lease ends at its TTL like any
-/// other.
+/// back by repeating the acquire, and a cleanup could release it from under that repeat. If the
+/// store stays unreachable, the lease ends at its TTL like any other.
 ///
 /// It borrows the key and the token: they are copied only for a cleanup, not for every call.
 pub(super) struct PendingGrant<'a, S: Store> {
@@ -30,6 +34,8 @@ pub(super) struct PendingGrant<'a, S: Store> {
     pub key: &'a LockKey,
     pub token: &'a Token,
     pub ttl: Ttl,
+    /// Where the cleanup's store calls and a cleanup that gives up are counted.
+    pub outage: &'a Arc<Outage>,
 }
 
 impl<S: Store> PendingGrant<'_, S> {
@@ -51,29 +57,35 @@ impl<S: Store> Drop for PendingGrant<'_, S> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let store = store.clone();
+        let (store, outage) = (store.clone(), self.outage.clone());
         let (space, key, token) = (self.space, self.key.clone(), self.token.clone());
         let give_up = Instant::now() + Duration::from_millis(self.ttl.as_ms());
         runtime.spawn(async move {
             let mut pause = Duration::from_millis(50);
             loop {
-                match store.release(space, &key, &token).await {
-                    Ok(outcome) => {
-                        if matches!(outcome, Holder::Done(_)) {
-                            tracing::info!(%key, "released a lease granted to a request that failed or went away");
-                        }
+                let result = store.release(space, &key, &token).await;
+                outage.observe(&result);
+                let retry = Instant::now() + pause < give_up;
+                match result {
+                    // DEBUG too: a frozen store's outage leaves one per refused acquire.
+                    Ok(Holder::Done(_)) => {
+                        tracing::debug!(%key, "released a lease granted to a request that failed or went away");
                         return;
                     }
-                    Err(e) if Instant::now() + pause < give_up => {
+                    // A store-wide hold refuses releases too, for a few seconds: wait it out.
+                    Ok(Holder::OnHold(_)) if retry => {}
+                    Ok(_) => return,
+                    Err(e) if retry => {
                         tracing::debug!(%key, error = %e, "cleanup of an unanswered grant failed; retrying");
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(Duration::from_secs(1));
                     }
                     Err(e) => {
-                        tracing::warn!(%key, error = %e, "could not clean up an unanswered grant; it ends at its TTL");
+                        tracing::debug!(%key, error = %e, "could not clean up an unanswered grant; it ends at its TTL");
+                        outage.cleanup_failed(&e);
                         return;
                     }
                 }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
             }
         });
     }

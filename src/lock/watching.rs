@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::{HoldersView, LockError, LockService};
 use crate::domain::{LockKey, millis};
 use crate::store::{Space, Store, StoreError, WATCH_MARK};
-use crate::watchers::{Reading, Watched, identity, shown_fence};
+use crate::watchers::{LINGER, Reading, Watched, identity, shown_fence};
 
 /// How soon a keeper reads again after the store did not answer.
 const STORE_RETRY: Duration = Duration::from_millis(500);
@@ -57,10 +57,11 @@ impl<S: Store> LockService<S> {
             tokio::spawn(self.clone().keep(watched.clone(), space, key.clone()));
         }
         let mut readings = watched.subscribe();
-        let asked = watched.ask();
+        let asked = watched.first_reading();
         let deadline = Instant::now() + wait;
         let mut shutdown = self.shutdown.clone();
-        // A reading made after this watch came (the keeper may finish an earlier one first).
+        // A reading that knows every change signalled before this watch came (see
+        // `Watched::first_reading`; the keeper may publish an earlier one first).
         let bound = self.settings.store_timeout * 2;
         let first = tokio::select! {
             first = tokio::time::timeout(bound, reading_from(&mut readings, asked)) => first,
@@ -99,33 +100,68 @@ impl<S: Store> LockService<S> {
     }
 
     /// The keeper of a watched key: reads it when asked and when the earliest of its leases
-    /// ends, publishing each reading to the key's watches, until the last watch leaves.
+    /// ends, publishing each reading to the key's watches, until [`LINGER`] after the last watch
+    /// left (meanwhile it reads nothing, and a watch that comes may take its latest reading).
     async fn keep(self, watched: Arc<Watched>, space: Space, key: LockKey) {
+        let place = (space, key);
+        let key = &place.1;
         let mut done = 0;
         let mut timer: Option<Instant> = None;
         // Until when the store announces the key's changes made through other brokers.
         let mut announced_until: Option<Instant> = None;
+        // When the key's last watch left, while it has none.
+        let mut idle_since: Option<Instant> = None;
         loop {
-            if watched.is_closed() {
-                return;
+            if watched.is_idle() {
+                let retire_at = *idle_since.get_or_insert_with(Instant::now) + LINGER;
+                if Instant::now() >= retire_at {
+                    if self.watchers.retire(&place, &watched) {
+                        return;
+                    }
+                } else {
+                    tokio::select! {
+                        () = watched.woken() => {}
+                        () = tokio::time::sleep_until(retire_at) => {}
+                    }
+                }
+                continue;
             }
+            idle_since = None;
             let wanted = watched.wanted();
-            if wanted > done || timer.is_some_and(|at| at <= Instant::now()) {
+            let due = timer.is_some_and(|at| at <= Instant::now());
+            if wanted > done || due {
+                // A read of its own (a lease ended) gets a generation too, for the watches that
+                // come meanwhile to share.
+                let generation = if wanted > done {
+                    wanted
+                } else {
+                    watched.next_generation()
+                };
+                watched.reading(generation);
+                if watched.take_mark_again() {
+                    announced_until = None;
+                }
                 let now = Instant::now();
                 // Marked before the read: a change after the read is announced.
                 if announced_until.is_none_or(|until| until <= now + MARK_AGAIN_BEFORE) {
-                    announced_until = match self.store.mark_watched(space, &key).await {
+                    announced_until = match self.store.mark_watched(space, key).await {
                         Ok(true) => Some(now + WATCH_MARK),
                         Ok(false) | Err(_) => None,
                     };
                 }
-                let view = self.read_view(space, &key).await;
-                done = wanted;
-                timer = self.next_read(&view, announced_until);
+                let view = self.read_view(space, key).await;
+                done = generation;
+                let ends = first_end(&view);
+                timer = self.next_read(ends, view.is_err(), announced_until);
+                let current_until = match (&view, announced_until) {
+                    (Ok(_), Some(until)) => Some(ends.map_or(until, |end| end.min(until))),
+                    _ => None,
+                };
                 watched.publish(Reading {
-                    generation: wanted,
+                    generation,
                     at: Instant::now(),
                     view: Arc::new(view),
+                    current_until,
                 });
                 continue;
             }
@@ -156,26 +192,21 @@ impl<S: Store> LockService<S> {
         }
     }
 
-    /// When the keeper reads by itself: just after the first of the leases ends (an expiry
-    /// changes the holders and nobody announces it), soon after a failed read, on the fallback
-    /// timer when other brokers' changes are not announced, and in time to mark the key again
-    /// while they are.
+    /// When the keeper reads by itself: just after the first of the leases ends (`ends`: an
+    /// expiry changes the holders and nobody announces it), soon after a failed read, on the
+    /// fallback timer when other brokers' changes are not announced, and in time to mark the key
+    /// again while they are.
     fn next_read(
         &self,
-        view: &Result<Option<HoldersView>, LockError>,
+        ends: Option<Instant>,
+        failed: bool,
         announced_until: Option<Instant>,
     ) -> Option<Instant> {
         let now = Instant::now();
-        let at = match view {
-            Ok(Some(view)) => view
-                .holders
-                .iter()
-                .map(|l| l.expires_at_ms)
-                .min()
-                // A lease ends *after* its last millisecond.
-                .map(|end| now + Duration::from_millis(end.saturating_sub(view.now_ms) + 1)),
-            Ok(None) => None,
-            Err(_) => Some(now + STORE_RETRY),
+        let at = if failed {
+            Some(now + STORE_RETRY)
+        } else {
+            ends
         };
         let next = match announced_until {
             Some(until) if !self.store.sees_every_change() => until - MARK_AGAIN_BEFORE,
@@ -185,6 +216,18 @@ impl<S: Store> LockService<S> {
         };
         Some(at.map_or(next, |at| at.min(next)))
     }
+}
+
+/// Just after the first of a reading's leases ends (this host's clock, as the read answered).
+fn first_end(view: &Result<Option<HoldersView>, LockError>) -> Option<Instant> {
+    let Ok(Some(view)) = view else { return None };
+    let now = Instant::now();
+    view.holders
+        .iter()
+        .map(|l| l.expires_at_ms)
+        .min()
+        // A lease ends *after* its last millisecond.
+        .map(|end| now + Duration::from_millis(end.saturating_sub(view.now_ms) + 1))
 }
 
 /// The first reading of generation `asked` or later; `None` if the keeper is gone.

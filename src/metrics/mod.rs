@@ -3,8 +3,8 @@
 //! wait and hold times, renewals, releases and force releases by key space (locks, semaphores)
 //! and result, takeovers of expired leases, store errors and latency, current waiters.
 
-use std::sync::OnceLock;
 use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -14,6 +14,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use crate::lock::Outage;
 use crate::store::{Kind, Space};
 
 mod labels;
@@ -56,6 +57,9 @@ pub struct Metrics {
     double_claims: Counter,
     store_hold_seconds: Counter<f64, AtomicU64>,
     auth: Family<AuthLabels, Counter>,
+    /// Store outages as the logs tell them: shared here because the lock service, the HTTP
+    /// layer and the store all count into the one in progress.
+    outage: Arc<Outage>,
 }
 
 /// An acquire's outcome, for `lockbroker_acquisitions_total`.
@@ -289,11 +293,17 @@ impl Default for Metrics {
             double_claims,
             store_hold_seconds,
             auth,
+            outage: Arc::default(),
         }
     }
 }
 
 impl Metrics {
+    /// The broker's store outage in progress, if any (see [`Outage`]).
+    pub(crate) fn outage(&self) -> &Arc<Outage> {
+        &self.outage
+    }
+
     pub fn acquired(&self, kind: Kind, result: AcquireResult, waited: Duration) {
         let acquisitions = &self.acquisitions;
         acquisitions.inc(&KindLabels {

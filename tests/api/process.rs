@@ -7,9 +7,12 @@ use std::time::{Duration, Instant};
 
 use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, serve_command};
 use lockbroker_test_support::http::{Answer, http_client};
+use lockbroker_test_support::redis_server::RedisServer;
 use lockbroker_test_support::send_signal;
 use lockbroker_test_support::temp::{temp_file, temp_log};
 use reqwest::StatusCode;
+
+use crate::outage::{log_field, wait_for_log_line};
 
 /// The binary under test; Cargo builds it before this suite.
 const BINARY: &str = env!("CARGO_BIN_EXE_lockbroker");
@@ -241,4 +244,57 @@ fn an_invalid_configuration_stops_the_binary_with_a_non_zero_status_and_a_messag
         );
     }
     let _ = std::fs::remove_file(&bad_file);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_trace_level_each_redis_script_call_is_logged_with_its_key_and_duration() {
+    let redis = RedisServer::start().await;
+    let url = redis.url();
+    let broker = BrokerProcess::start(BrokerCommand::configured(BINARY, move |command, port| {
+        command
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--redis-url",
+                &url,
+            ])
+            // A new store's settle time aside: grants at once.
+            .args(["--store-settle-ms", "0"])
+            .env("LOCKBROKER_LOG_LEVEL", "trace");
+    }))
+    .await;
+    let client = http_client();
+    let grant = Answer::read(
+        client
+            .post(broker.url("/locks/traced?ttl_ms=30000"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await
+    .expect_grant(StatusCode::CREATED);
+    let released = client
+        .delete(broker.url("/locks/traced"))
+        .header("Lock-Token", &grant.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(released.status(), StatusCode::NO_CONTENT);
+    let limit = Duration::from_secs(5);
+    for script in ["claim", "release"] {
+        let line = wait_for_log_line(
+            &broker,
+            &format!("{script} script on lockbroker:{{traced}}:lock"),
+            limit,
+        )
+        .await;
+        assert!(line.contains(" TRACE "), "{line}");
+        assert!(line.contains(&format!("script=\"{script}\"")), "{line}");
+        assert!(line.contains("key=lockbroker:{traced}:lock"), "{line}");
+        assert!(log_field(&line, "took_us") < 10_000_000, "{line}");
+        assert!(
+            !line.contains(&grant.token),
+            "a lease token in the log: {line}"
+        );
+    }
 }

@@ -560,3 +560,71 @@ async fn a_thousand_parked_watches_cost_redis_nothing_while_nothing_changes() {
     let redis = RedisServer::start().await;
     thousand_parked_watches(Some(&redis)).await;
 }
+
+/// How many watches arrive together in [`concurrent_first_watches_of_a_key_share_its_reads`].
+const CROWD: usize = 200;
+
+/// [`CROWD`] watches of `path` sent at once, from the fence `seen`, waiting up to `wait_ms`; the
+/// tasks, each answered with its status and body.
+fn crowd(
+    app: &TestApp,
+    path: &str,
+    seen: u64,
+    wait_ms: u64,
+) -> Vec<tokio::task::JoinHandle<(StatusCode, Value)>> {
+    (0..CROWD)
+        .map(|_| {
+            let (app, path) = (remote(app), path.to_owned());
+            tokio::spawn(async move { watch(&app, &path, seen, wait_ms).await })
+        })
+        .collect()
+}
+
+/// Watches of one key arriving together (each the first its client sends) share the key's
+/// reads: a handful for all of them, not one each — whether each is answered at once (the key is
+/// held, they saw it free) or they all park until a grant. And each is answered what the key
+/// holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_watches_of_a_key_share_its_reads() {
+    let redis = RedisServer::start().await;
+    let app = spawn_app(Some(redis.url())).await;
+
+    let held = app.grant("crowd", "ttl_ms=60000").await;
+    let before = broker_reads(&app).await;
+    for watch in crowd(&app, "/locks/crowd", 0, 10_000) {
+        let (status, body) = watch.await.expect("the watch task");
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(
+            (&body["fence"], &body["changed"]),
+            (&held.fence.into(), &true.into())
+        );
+    }
+    let reads_held = broker_reads(&app).await - before;
+
+    let before = broker_reads(&app).await;
+    let watches = crowd(&app, "/locks/crowd-free", 0, 30_000);
+    until_parked(&app, CROWD).await;
+    let reads_parking = broker_reads(&app).await - before;
+    let grant = app.grant("crowd-free", "ttl_ms=60000").await;
+    for watch in watches {
+        let (status, body) = watch.await.expect("the watch task");
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(
+            (&body["fence"], &body["changed"]),
+            (&grant.fence.into(), &true.into())
+        );
+    }
+    let reads_free = broker_reads(&app).await - before;
+    println!(
+        "{CROWD} watches of a held key: {reads_held} reads; of a free key: {reads_parking} reads \
+         while they parked, {reads_free} in all"
+    );
+    // One read each, and one after the grant; a watch that comes between the keeper's look at
+    // the requests and the start of its read asks for one more.
+    assert!(reads_held <= 3.0, "{reads_held} reads for {CROWD} watches");
+    assert!(
+        reads_parking <= 3.0,
+        "{reads_parking} reads for {CROWD} watches"
+    );
+    assert!(reads_free <= 5.0, "{reads_free} reads for {CROWD} watches");
+}

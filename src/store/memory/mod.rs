@@ -83,11 +83,19 @@ impl MemoryStore {
 
     /// Runs one atomic step on the slot of `key` in `space`, then tells the broker's waiters
     /// what it did (after the slots' lock is released).
-    fn step<T>(&self, space: Space, key: &LockKey, f: impl FnOnce(&mut Slot, &mut Tell) -> T) -> T {
-        let mut tell = Tell::default();
-        let answer = self.with_slot(space, key, |slot| f(slot, &mut tell));
-        self.send(space, key, tell);
-        answer
+    fn step<T>(
+        &self,
+        op: &'static str,
+        space: Space,
+        key: &LockKey,
+        f: impl FnOnce(&mut Slot, &mut Tell) -> T,
+    ) -> T {
+        traced(op, space, key, || {
+            let mut tell = Tell::default();
+            let answer = self.with_slot(space, key, |slot| f(slot, &mut tell));
+            self.send(space, key, tell);
+            answer
+        })
     }
 
     fn send(&self, space: Space, key: &LockKey, tell: Tell) {
@@ -151,6 +159,25 @@ struct Tell {
     look_ms: Option<u64>,
 }
 
+/// Runs one store operation, `op` on `key` in `space`; at TRACE, logs it and how long it took
+/// (measured only then), as the Redis store logs its script calls. Never a token.
+fn traced<T>(op: &'static str, space: Space, key: &LockKey, run: impl FnOnce() -> T) -> T {
+    if !tracing::enabled!(tracing::Level::TRACE) {
+        return run();
+    }
+    let started = std::time::Instant::now();
+    let answer = run();
+    let took_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+    tracing::trace!(
+        op,
+        ?space,
+        %key,
+        took_us,
+        "store call: {op} on {key} took {took_us} us"
+    );
+    answer
+}
+
 fn sorted(mut holders: Vec<Lease>) -> Vec<Lease> {
     holders.sort_by_key(|l| l.fence);
     holders
@@ -167,7 +194,7 @@ impl Store for MemoryStore {
     async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
-        Ok(self.step(Space::Locks, key, |slot, tell| {
+        Ok(self.step("claim", Space::Locks, key, |slot, tell| {
             slot.prune(now_ms);
             if let Some(lease) = slot.held_for(Kind::Exclusive, bid, now_ms) {
                 return GrantAnswer::Granted(Self::answered(slot, bid, lease, now_us, tell));
@@ -184,26 +211,28 @@ impl Store for MemoryStore {
     }
 
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
-        let now_ms = self.clock.now_ms();
-        let slots = self.slots();
-        let slot = slots.get(&(Space::Locks, key.clone()));
-        Ok(Snapshot {
-            now_ms,
-            lease: slot.and_then(|s| s.lease.as_ref()).map(|h| h.lease.clone()),
-            shared: sorted(
-                slot.iter()
-                    .flat_map(|s| &s.holders)
-                    .filter(|h| h.lease.is_live_at(now_ms))
-                    .map(|h| h.lease.clone())
-                    .collect(),
-            ),
+        traced("read", Space::Locks, key, || {
+            let now_ms = self.clock.now_ms();
+            let slots = self.slots();
+            let slot = slots.get(&(Space::Locks, key.clone()));
+            Ok(Snapshot {
+                now_ms,
+                lease: slot.and_then(|s| s.lease.as_ref()).map(|h| h.lease.clone()),
+                shared: sorted(
+                    slot.iter()
+                        .flat_map(|s| &s.holders)
+                        .filter(|h| h.lease.is_live_at(now_ms))
+                        .map(|h| h.lease.clone())
+                        .collect(),
+                ),
+            })
         })
     }
 
     async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
-        Ok(self.step(Space::Locks, key, |slot, tell| {
+        Ok(self.step("take_over", Space::Locks, key, |slot, tell| {
             // A lapsed offer ends here: for the recipe, the key vanished.
             slot.prune(now_ms);
             // Nobody goes ahead of the queue: with bids queued, the key goes to them.
@@ -232,7 +261,7 @@ impl Store for MemoryStore {
     ) -> StoreResult<Holder<Released>> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
-        Ok(self.step(space, key, |slot, tell| {
+        Ok(self.step("release", space, key, |slot, tell| {
             slot.prune(now_ms);
             let outcome = slot.release(token, now_ms);
             slot.hand_on(now_us, None, &mut tell.offered);
@@ -249,7 +278,7 @@ impl Store for MemoryStore {
     ) -> StoreResult<Holder<Lease>> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
-        Ok(self.step(space, key, |slot, tell| {
+        Ok(self.step("renew", space, key, |slot, tell| {
             slot.prune(now_ms);
             let (outcome, shortened) = slot.renew(token, ttl, now_ms);
             // A renewal frees nothing, but the prune may have ended a lapsed offer.
@@ -266,7 +295,7 @@ impl Store for MemoryStore {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
         let kind = kind_of(pool);
-        Ok(self.step(pool.space(), key, |slot, tell| {
+        Ok(self.step("join", pool.space(), key, |slot, tell| {
             slot.prune(now_ms);
             if let Pool::Semaphore { limit } = pool
                 && let Some(used) = slot.limit_in_use()
@@ -287,43 +316,47 @@ impl Store for MemoryStore {
     }
 
     async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
-        let now_us = self.clock.now_us();
-        let mut tell = Tell::default();
-        {
-            let mut slots = self.slots();
-            // Cheap when nothing matches: no slot is made for a key that has none.
-            if let Some(slot) = slots.get_mut(&(space, key.clone()))
-                && slot.leave(token)
+        traced("leave", space, key, || {
+            let now_us = self.clock.now_us();
+            let mut tell = Tell::default();
             {
-                slot.prune(now_us / 1000);
-                slot.hand_on(now_us, None, &mut tell.offered);
+                let mut slots = self.slots();
+                // Cheap when nothing matches: no slot is made for a key that has none.
+                if let Some(slot) = slots.get_mut(&(space, key.clone()))
+                    && slot.leave(token)
+                {
+                    slot.prune(now_us / 1000);
+                    slot.hand_on(now_us, None, &mut tell.offered);
+                }
             }
-        }
-        self.send(space, key, tell);
-        Ok(())
+            self.send(space, key, tell);
+            Ok(())
+        })
     }
 
     async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
-        let now_ms = self.clock.now_ms();
-        let slots = self.slots();
-        let slot = slots.get(&(Space::Semaphores, key.clone()));
-        let holders: Vec<Lease> = slot
-            .iter()
-            .flat_map(|s| &s.holders)
-            .filter(|h| h.lease.is_live_at(now_ms))
-            .map(|h| h.lease.clone())
-            .collect();
-        Ok(Permits {
-            now_ms,
-            limit: slot.and_then(|s| s.limit).filter(|_| !holders.is_empty()),
-            holders: sorted(holders),
+        traced("permits", Space::Semaphores, key, || {
+            let now_ms = self.clock.now_ms();
+            let slots = self.slots();
+            let slot = slots.get(&(Space::Semaphores, key.clone()));
+            let holders: Vec<Lease> = slot
+                .iter()
+                .flat_map(|s| &s.holders)
+                .filter(|h| h.lease.is_live_at(now_ms))
+                .map(|h| h.lease.clone())
+                .collect();
+            Ok(Permits {
+                now_ms,
+                limit: slot.and_then(|s| s.limit).filter(|_| !holders.is_empty()),
+                holders: sorted(holders),
+            })
         })
     }
 
     async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
-        let ended = self.step(space, key, |slot, tell| {
+        let ended = self.step("force", space, key, |slot, tell| {
             slot.prune(now_ms);
             // Offers too: they are live holders for everyone but the queue's own bids.
             let ended = slot.end_all(now_ms);

@@ -1,5 +1,7 @@
 //! Running calls on Redis: on the one verified connection (making it if needed), within the
-//! store's time bound, and scripts by SHA with the store's own handling of NOSCRIPT.
+//! store's time bound, and scripts by SHA with the store's own handling of NOSCRIPT. Every
+//! script call goes through [`RedisStore::run_tracked`], [`RedisStore::run_unchecked`] or
+//! [`RedisStore::eval`], which log it at TRACE (script, key, duration).
 
 use std::pin::Pin;
 
@@ -11,6 +13,12 @@ use super::connection::{Conn, Link, breaks_connection};
 use super::scripts::{Call, ScriptCall};
 use crate::domain::millis;
 use crate::store::{Hold, StoreError, StoreResult};
+
+/// When a script call began, if TRACE lines are on: otherwise nothing is measured, so a broker
+/// not tracing pays one check of the log filter per call (see `Call::trace`).
+fn trace_start() -> Option<Instant> {
+    tracing::enabled!(tracing::Level::TRACE).then(Instant::now)
+}
 
 impl RedisStore {
     /// Runs a script on the verified connection (see [`RedisStore::with_link`]) and decodes
@@ -27,9 +35,12 @@ impl RedisStore {
         script: &S,
     ) -> StoreResult<(S::Reply, u64)> {
         let call = self.scripts.call(script);
-        let (reply, generation): (Value, u64) = self
+        let started = trace_start();
+        let answer = self
             .with_link_tracked(async |conn| self.invoke(conn, &call).await)
-            .await?;
+            .await;
+        call.trace(started, answer.is_err());
+        let (reply, generation): (Value, u64) = answer?;
         Ok((call.decode(reply)?, generation))
     }
 
@@ -41,8 +52,10 @@ impl RedisStore {
         script: &S,
     ) -> StoreResult<S::Reply> {
         let call = self.scripts.call(script);
-        let reply: Value = self.bounded(self.invoke_unchecked(conn, &call)).await?;
-        call.decode(reply)
+        let started = trace_start();
+        let answer = self.bounded(self.invoke_unchecked(conn, &call)).await;
+        call.trace(started, answer.is_err());
+        call.decode(answer?)
     }
 
     /// Runs a script on `conn` with plain `EVAL` and its source, within the store's time bound:
@@ -54,8 +67,10 @@ impl RedisStore {
         script: &S,
     ) -> StoreResult<S::Reply> {
         let call = self.scripts.call(script);
-        let reply: Value = self.bounded(call.with_source().query_async(conn)).await?;
-        call.decode(reply)
+        let started = trace_start();
+        let answer = self.bounded(call.with_source().query_async(conn)).await;
+        call.trace(started, answer.is_err());
+        call.decode(answer?)
     }
 
     /// Runs a script call by SHA. A server without the script (NOSCRIPT) is, on a cluster, one

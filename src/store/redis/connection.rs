@@ -378,7 +378,8 @@ impl RedisConnection {
             _ => false,
         });
         if dropped {
-            tracing::warn!(error = %error, "the Redis connection failed: replacing it");
+            // INFO: the failed call is counted into the store outage, logged at WARN.
+            tracing::info!(error = %error, "the Redis connection failed: replacing it");
         }
     }
 

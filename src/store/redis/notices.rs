@@ -49,7 +49,10 @@ pub(super) async fn watch_epoch(store: RedisStore, notices: mpsc::Sender<Notice>
         if notices.is_closed() {
             return;
         }
-        let pause = match store.catch_up().await {
+        let checked = store.catch_up().await;
+        // A broker with no requests still tells an outage in its logs (see `crate::lock::Outage`).
+        store.metrics.outage().observe(&checked);
+        let pause = match checked {
             Ok(_) => {
                 retry = RETRY_MIN;
                 CHECK_EVERY
@@ -161,7 +164,8 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                         _ = switches.changed() => break,
                     }
                 }
-                tracing::warn!(
+                // INFO, not WARN: it comes with a store outage, which is logged on its own.
+                tracing::info!(
                     "release notices disconnected; waiters fall back to polling until they return"
                 );
             }

@@ -40,7 +40,9 @@
 //!   the restore then moves back to the one read.)
 //!
 //! The clean-up is a write the stalled replicas do not have either; what counts is the master,
-//! which every later request reads.
+//! which every later request reads. Each is a DEBUG line: the request's `503` is counted into the
+//! store outage in progress, and so is a clean-up that failed (see `crate::lock::Outage`), which
+//! the logs tell once when it begins and once when it ends.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -181,10 +183,11 @@ impl Replicas {
         if lease.token == *bid {
             match store.release(space, key, &lease.token).await {
                 Ok(_) => {
-                    tracing::warn!(%key, %error, "a grant was not acknowledged by the replicas in time: released it")
+                    tracing::debug!(%key, %error, "a grant was not acknowledged by the replicas in time: released it")
                 }
                 Err(e) => {
-                    tracing::warn!(%key, %error, release_error = %e, "a grant was not acknowledged by the replicas in time, and releasing it failed: it ends at its TTL")
+                    tracing::debug!(%key, %error, release_error = %e, "a grant was not acknowledged by the replicas in time, and releasing it failed: it ends at its TTL");
+                    store.metrics.outage().cleanup_failed(&e);
                 }
             }
         }
@@ -273,10 +276,11 @@ impl Replicas {
         };
         match undone {
             Ok(()) => {
-                tracing::warn!(%key, %error, "a renewal was not acknowledged by the replicas in time: the lease ends when its holder was last told")
+                tracing::debug!(%key, %error, "a renewal was not acknowledged by the replicas in time: the lease ends when its holder was last told")
             }
             Err(e) => {
-                tracing::warn!(%key, %error, undo_error = %e, "a renewal was not acknowledged by the replicas in time, and undoing it failed: the lease ends at the renewed time")
+                tracing::debug!(%key, %error, undo_error = %e, "a renewal was not acknowledged by the replicas in time, and undoing it failed: the lease ends at the renewed time");
+                store.metrics.outage().cleanup_failed(&e);
             }
         }
         Err(error)

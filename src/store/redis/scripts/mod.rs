@@ -90,7 +90,10 @@ mod grant;
 mod holder;
 mod reads;
 
+use std::borrow::Cow;
+
 use redis::{Arg, Cmd, FromRedisValue, ParsingError, RedisWrite, Script, ToRedisArgs, Value};
+use tokio::time::Instant;
 
 pub(crate) use self::epoch::{
     Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
@@ -239,6 +242,42 @@ impl Call<'_> {
             }
         }
         cmd
+    }
+
+    /// A TRACE line for this call, which began at `started` (taken only when TRACE lines are
+    /// on, see `RedisStore::trace_start`): its script, its first Redis key (which names the
+    /// client key) and how long it took. Never its arguments: they carry lease tokens.
+    pub(super) fn trace(&self, started: Option<Instant>, failed: bool) {
+        let Some(started) = started else { return };
+        let key = self
+            .cmd
+            .args_iter()
+            .nth(3)
+            .filter(|_| self.keys() > 0)
+            .map_or(Cow::Borrowed(""), |arg| match arg {
+                Arg::Simple(bytes) => String::from_utf8_lossy(bytes),
+                _ => Cow::Borrowed(""),
+            });
+        let took_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        tracing::trace!(
+            script = self.lua.name,
+            %key,
+            took_us,
+            failed,
+            "store call: {} script on {key} took {took_us} us",
+            self.lua.name
+        );
+    }
+
+    /// How many keys the call has (the `EVALSHA`'s third argument).
+    fn keys(&self) -> usize {
+        match self.cmd.args_iter().nth(2) {
+            Some(Arg::Simple(bytes)) => std::str::from_utf8(bytes)
+                .ok()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0),
+            _ => 0,
+        }
     }
 
     /// Decodes the script's reply, or says which script answered what the broker cannot read.
