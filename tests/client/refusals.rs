@@ -2,7 +2,8 @@
 //! `429`, `502`, `503`, `504` and no answer are asked again with the same request id until the
 //! wait runs out; any other status (`500`, `501`, `505`…, which the broker itself never answers)
 //! is an error at once naming the status, the key and the URL. A renewal refused `401` (a
-//! revoked bearer token) loses the lease at once, saying so; a `Leadership` whose token is
+//! revoked bearer token) loses the lease at once, saying so, while a renewal answered `500` is
+//! asked again until the lease's end; a `Leadership` whose token is
 //! refused fails instead of campaigning forever; an empty key is refused before anything is sent.
 
 use std::sync::{Arc, Mutex};
@@ -249,4 +250,73 @@ async fn a_leadership_with_a_wrong_token_fails_instead_of_campaigning_forever() 
         .expect("the known token leads")
         .unwrap();
     rightful.close().await.unwrap();
+}
+
+/// A proxy in front of a real broker that passes every request on, but answers each renewal
+/// `500` itself; it counts the renewals it refused.
+async fn failing_renewals_in_front_of(app: &TestApp) -> (String, Arc<Mutex<u32>>, JoinHandle<()>) {
+    let renewals = Arc::new(Mutex::new(0));
+    let broker = app.address.clone();
+    let counted = renewals.clone();
+    let router = Router::new().fallback(
+        async move |method: axum::http::Method,
+                    uri: axum::http::Uri,
+                    headers: axum::http::HeaderMap,
+                    body: String| {
+            if uri.path().ends_with("/renew") {
+                *counted.lock().unwrap() += 1;
+                return (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    String::from("proxy trouble"),
+                );
+            }
+            let mut forwarded = reqwest::Client::new().request(method, format!("{broker}{uri}"));
+            for (name, value) in &headers {
+                if name != axum::http::header::HOST {
+                    forwarded = forwarded.header(name, value);
+                }
+            }
+            let answer = forwarded
+                .body(body)
+                .send()
+                .await
+                .expect("the broker answers");
+            let status = StatusCode::from_u16(answer.status().as_u16()).unwrap();
+            (status, answer.text().await.unwrap())
+        },
+    );
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move {
+        axum::serve(listener, router).await.expect("it serves");
+    });
+    (url, renewals, server)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_answered_500_is_asked_again_until_the_lease_ends() {
+    let app = spawn_app_with(None, |_| {}).await;
+    let (url, renewals, server) = failing_renewals_in_front_of(&app).await;
+    let ttl = Duration::from_millis(1500);
+    let acquired = Instant::now();
+    let lease = Client::new(&url)
+        .unwrap()
+        .acquire("renewed-through-trouble", ttl, Duration::ZERO)
+        .await
+        .expect("the acquire passes through");
+    let loss = timeout(ttl * 2, lease.lost())
+        .await
+        .expect("the lease is lost by its end");
+    // Not at the first 500 (a third of the ttl in), but when no renewal got through in time.
+    assert!(
+        acquired.elapsed() >= ttl * 8 / 10,
+        "lost after {:?}: {loss}",
+        acquired.elapsed()
+    );
+    assert!(matches!(loss, Loss::Expired { .. }), "{loss}");
+    assert!(loss.to_string().contains("500"), "{loss}");
+    assert!(*renewals.lock().unwrap() >= 2, "renewals were asked again");
+    server.abort();
 }
