@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# lockbroker container image.
+# lockbroker container image: the broker, and the benchmark beside it (lockbroker-bench).
 #
 #   docker build -t lockbroker .
 #   docker run --rm -p 8080:8080 -e LOCKBROKER_REDIS_URL=redis://redis-host:6379 lockbroker
@@ -21,14 +21,17 @@ RUN apt-get update \
 # 1. Dependencies only, cached until a manifest or Cargo.lock changes: build the real
 #    manifests against stub sources. Cargo loads the whole workspace to resolve it, so every
 #    member's manifest is copied (the broker; clients/rust, the client crate it builds on;
-#    test-support/, the suites' fixtures, a dev-dependency never built here). A member added to
-#    the workspace without a line here fails this step, and CI (scripts/container-check.sh)
-#    builds this image on every run. Every target path a manifest names (lib, bins, and any
-#    [[test]]/[[bench]]/[[example]] entries) gets a stub, so cargo can read the manifest
-#    whatever targets it declares; only the broker's lib and bin and their dependencies are
-#    built.
+#    cli-support/, what the broker's and the bench's command lines share; bench/, the
+#    benchmark; test-support/, the suites' fixtures, a dev-dependency never built here). A
+#    member added to the workspace without a line here fails this step, and CI
+#    (scripts/container-check.sh) builds this image on every run. Every target path a manifest
+#    names (lib, bins, and any [[test]]/[[bench]]/[[example]] entries) gets a stub (`main.rs`
+#    an empty `main`), so cargo can read the manifest whatever targets it declares; only the
+#    two binaries, `lockbroker` and `lockbroker-bench`, and their dependencies are built.
 COPY Cargo.toml Cargo.lock ./
 COPY clients/rust/Cargo.toml ./clients/rust/
+COPY cli-support/Cargo.toml ./cli-support/
+COPY bench/Cargo.toml ./bench/
 COPY test-support/Cargo.toml ./test-support/
 RUN set -eu; \
     members=$(sed -n '/^members *=/,/]/p' Cargo.toml | grep -o '"[^"]*"' | tr -d '"'); \
@@ -36,22 +39,30 @@ RUN set -eu; \
         [ -f "$m/Cargo.toml" ] || { echo "workspace member $m: its Cargo.toml is not copied (Dockerfile, step 1)" >&2; exit 1; }; \
         for p in $(sed -n 's/^[[:space:]]*path[[:space:]]*=[[:space:]]*"\([^"]*\.rs\)".*/\1/p' "$m/Cargo.toml") src/lib.rs; do \
             mkdir -p "$(dirname "$m/$p")"; \
-            [ -e "$m/$p" ] || echo '' > "$m/$p"; \
+            case "$p" in \
+                *main.rs) stub='fn main() {}' ;; \
+                *) stub='' ;; \
+            esac; \
+            [ -e "$m/$p" ] || echo "$stub" > "$m/$p"; \
         done; \
     done; \
     echo 'fn main() {}' > src/main.rs; \
-    cargo build --release --locked --bin lockbroker; \
-    rm -rf src tests benches examples clients/rust/src
+    cargo build --release --locked -p lockbroker -p lockbroker-bench --bins; \
+    rm -rf src tests benches examples clients/rust/src cli-support/src bench/src
 
 # 2. The real sources. Touch them so cargo sees them as newer than the stub build (COPY keeps
-#    the files' own modification times, which may be older), then build the binary.
+#    the files' own modification times, which may be older), then build both binaries in one
+#    run (one build of the library serves both).
 COPY src ./src
 COPY clients/rust/src ./clients/rust/src
+COPY cli-support/src ./cli-support/src
+COPY bench/src ./bench/src
 COPY config ./config
 RUN set -eu; \
-    find src clients/rust/src -name '*.rs' -exec touch {} +; \
-    cargo build --release --locked --bin lockbroker; \
-    install -D -m 0755 target/release/lockbroker /out/lockbroker
+    find src clients/rust/src cli-support/src bench/src -name '*.rs' -exec touch {} +; \
+    cargo build --release --locked -p lockbroker -p lockbroker-bench --bins; \
+    install -D -m 0755 target/release/lockbroker /out/lockbroker; \
+    install -D -m 0755 target/release/lockbroker-bench /out/lockbroker-bench
 
 ############################ run ############################
 FROM debian:bookworm-slim AS runtime
@@ -68,6 +79,8 @@ RUN groupadd --system --gid 10001 lockbroker \
        --shell /usr/sbin/nologin lockbroker
 
 COPY --from=builder /out/lockbroker /usr/local/bin/lockbroker
+# The benchmark, to load a broker from inside its network: `lockbroker-bench --url …`.
+COPY --from=builder /out/lockbroker-bench /usr/local/bin/lockbroker-bench
 # The documented configuration file, for reference and for --config; not read by default.
 COPY config/lockbroker.toml /etc/lockbroker/lockbroker.toml
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs `lockbroker bench` on one Redis and on a 3-master Redis Cluster (3 replicas) in one run,
+# Runs `lockbroker-bench` on one Redis and on a 3-master Redis Cluster (3 replicas) in one run,
 # one after the other, each with a release-build broker of its own, and prints both tables.
 #
 #   scripts/bench-cluster.sh [extra bench flags, e.g. --duration 5s]
@@ -51,8 +51,8 @@ cluster_url="redis+cluster://$(IFS=,; echo "${nodes[*]}")"
 
 echo "== one Redis (redis://127.0.0.1:$single)"
 url=$(broker "redis://127.0.0.1:$single/")
-"$bin" bench --url "$url" --redis-url "redis://127.0.0.1:$single/" "$@"
+"$bench_bin" --url "$url" --redis-url "redis://127.0.0.1:$single/" "$@"
 echo
 echo "== Redis Cluster, 3 masters + 3 replicas ($cluster_url)"
 url=$(broker "$cluster_url")
-"$bin" bench --url "$url" --redis-url "$cluster_url" "$@"
+"$bench_bin" --url "$url" --redis-url "$cluster_url" "$@"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One hot key through 1, 4, 8 and 16 brokers on one Redis: for each fleet size, starts that many
-# release-build brokers on a Redis of its own, runs `lockbroker bench --urls …` (16 clients
+# release-build brokers on a Redis of its own, runs `lockbroker-bench --urls …` (16 clients
 # looping acquire with wait_ms=20000 → hold 1 ms → release on one key, client i through broker
 # i % B), stops the brokers, and prints one row per fleet size.
 #
@@ -23,8 +23,9 @@ while (($#)); do
     esac
 done
 
-cargo build --release -q
+cargo build --release -q -p lockbroker -p lockbroker-bench
 bin=target/release/lockbroker
+bench_bin=target/release/lockbroker-bench
 work=$(mktemp -d)
 redis_port=
 pids=()
@@ -94,7 +95,7 @@ for b in $fleets; do
     redis-cli -p "$redis_port" config resetstat >/dev/null
     # Bounded: the run, the drain of the last waiters, and the brokers' first grants.
     out=$(timeout --kill-after=5 "$(($(seconds "$duration") + 120))" \
-        "$bin" bench --urls "$(IFS=,; echo "${urls[*]}")" --redis-url "$redis_url" \
+        "$bench_bin" --urls "$(IFS=,; echo "${urls[*]}")" --redis-url "$redis_url" \
         --duration "$duration" "${extra[@]}")
     if ((first)) || [[ $out == "{"* ]]; then echo "$out"; else sed 1d <<<"$out"; fi
     first=0

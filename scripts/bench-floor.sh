@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Measures the broker against its floor: builds the release binary, starts a redis-server of its
-# own and a broker on free loopback ports, and runs `lockbroker bench --floor --breakdown`: the
+# own and a broker on free loopback ports, and runs `lockbroker-bench --floor --breakdown`: the
 # uncontended lock cycle against the broker and against a minimal HTTP lock proxy (started by the
 # bench) in alternating rounds, then Redis's time per step and command and the memory that
 # released locks leave, for both. Extra arguments go to the bench:
@@ -15,8 +15,9 @@ extra=()
 for a in "$@"; do
     if [[ $a == --no-breakdown ]]; then modes=(--floor); else extra+=("$a"); fi
 done
-cargo build --release -q --bin lockbroker
+cargo build --release -q -p lockbroker -p lockbroker-bench
 bin=target/release/lockbroker
+bench_bin=target/release/lockbroker-bench
 work=$(mktemp -d)
 broker_pid=
 redis_port=
@@ -46,5 +47,5 @@ until [[ $(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/readyz
     sleep 0.05
 done
 
-"$bin" bench --url "http://127.0.0.1:$port" --redis-url "$redis_url" \
+"$bench_bin" --url "http://127.0.0.1:$port" --redis-url "$redis_url" \
     --broker-pid "$broker_pid" "${modes[@]}" "${extra[@]}"

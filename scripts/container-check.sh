@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CI's container check of the deliverables users run: builds the image from the Dockerfile
-# (with the engine's layer cache) and fails if it does not build, then brings up
+# (with the engine's layer cache) and fails if it does not build or lacks the benchmark
+# (`lockbroker-bench --version` run in it), then brings up
 # deploy/compose.yaml (three brokers on one Redis behind nginx) and deploy/compose-sentinel.yaml
 # (the same on a Sentinel-managed master with two replicas) one after the other, and through
 # nginx takes a lease, sees a second acquire refused 409, releases it with its token (204), and
@@ -72,6 +73,9 @@ check() {
 }
 
 build_image
+# The benchmark ships beside the broker.
+docker run --rm --entrypoint lockbroker-bench lockbroker:local --version >/dev/null \
+    || { echo "FAIL: the image has no working /usr/local/bin/lockbroker-bench" >&2; exit 1; }
 check lockbroker-ci deploy/compose.yaml
 check lockbroker-sentinel-ci deploy/compose-sentinel.yaml
 echo "container check passed in $((SECONDS - started_s)) s"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What replica acknowledgements cost: `lockbroker bench` against a release-build broker on a
+# What replica acknowledgements cost: `lockbroker-bench` against a release-build broker on a
 # Redis master whose one replica sits behind a link that delays every byte by 1 ms each way
 # (a replica in another zone), once with --redis-replica-acks 0 and once with 1, and prints both
 # tables (requests/s and latency percentiles of each phase).
@@ -77,7 +77,7 @@ run() { # $1: replica acks
     done
     echo
     echo "== --redis-replica-acks $1, the replica ${delay_ms} ms away each way =="
-    "$bin" bench --url "http://127.0.0.1:$port" ${extra[@]+"${extra[@]}"}
+    "$bench_bin" --url "http://127.0.0.1:$port" ${extra[@]+"${extra[@]}"}
     kill "$pid"
 }
 run 0

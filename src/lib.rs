@@ -2,8 +2,9 @@
 //! with its known races closed, behind a small HTTP API, on Redis or on an embedded in-memory
 //! store.
 //!
-//! Its users outside this library are the `lockbroker` binary (`serve`, and the bench, which
-//! drives a [`store::RedisStore`] directly), the test suites and `test-support`: they reach the
+//! Its users outside this library are the `lockbroker` binary (`serve`), `lockbroker-bench`
+//! (`bench/`, which drives a [`store::RedisStore`] directly, and with the `bench` feature
+//! measures the lease ledger), the test suites and `test-support`: they reach the
 //! settings ([`config`]), the lease vocabulary ([`domain`]), the stores ([`store`]) and the few
 //! items re-exported here. Everything else is private, so the compiler keeps the layers apart.
 #![forbid(unsafe_code)]

@@ -3,12 +3,16 @@
 //! `lockbroker-client` crate, so the server library exports nothing for them.
 #![forbid(unsafe_code)]
 
+// `out!` (stdout that a closed pipe ends quietly) in every command's module, as when it was
+// defined here.
+#[macro_use]
+extern crate lockbroker_cli_support;
+
 mod cli;
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use cli::bench::{self, BenchArgs};
 use cli::commands::{self, AcquireArgs, ReleaseArgs, RenewArgs, StatusArgs};
 #[cfg(unix)]
 use cli::elect::{self, ElectArgs};
@@ -19,6 +23,7 @@ use cli::run::{self, RunArgs};
 use cli::supervise;
 use lockbroker::config::{Config, ServeArgs};
 use lockbroker::{Application, shutdown_signal};
+use lockbroker_cli_support::report;
 
 /// jemalloc: a parked HTTP/1.1 waiter takes 14.8 KB with it against 23.1 KB with glibc's
 /// allocator (hyper's per-connection buffers stay untouched, so not resident, until used), and
@@ -46,9 +51,6 @@ enum Command {
     /// Run the broker.
     // Boxed: the settings are many times larger than any other command's arguments.
     Serve(Box<ServeArgs>),
-    /// Load a running broker and print throughput and latency (and, with --redis-url, the
-    /// same lock cycle done directly on Redis, for comparison).
-    Bench(BenchArgs),
     /// Acquire a lock (exclusive, or --shared) or a semaphore's permit; print its token and
     /// fence.
     Acquire(AcquireArgs),
@@ -100,30 +102,6 @@ fn main() -> ExitCode {
 async fn execute(command: Command) -> ExitCode {
     match command {
         Command::Serve(args) => report(serve(*args).await),
-        Command::Bench(BenchArgs {
-            tool: Some(bench::BenchTool::FloorProxy(args)),
-            ..
-        }) => report(bench::floor_proxy::serve(args).await),
-        Command::Bench(args) => match args.ledger {
-            Some(leases) => {
-                let cost = lockbroker::store::ledger_cost(leases);
-                if args.json {
-                    cli::print_json(&cost);
-                } else {
-                    cli::out!(
-                        "ledger: {} live leases, {:.0} bytes per lease (resident memory growth); \
-                         sweep {:.1} ms, put-back snapshot {:.1} ms",
-                        cost.leases,
-                        cost.bytes_per_lease,
-                        cost.sweep_ms,
-                        cost.snapshot_ms
-                    );
-                }
-                ExitCode::SUCCESS
-            }
-            None if !args.urls.is_empty() => report(bench::run_fleet(args).await.map(drop)),
-            None => report(bench::run(args).await.map(drop)),
-        },
         Command::Acquire(args) => commands::acquire(args).await,
         Command::Release(args) => commands::release(args).await,
         Command::Renew(args) => commands::renew(args).await,
@@ -147,15 +125,4 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let app = Application::build(&config).await?;
     app.run_until_stopped(shutdown_signal()).await?;
     Ok(())
-}
-
-/// Exit 1 with the error and its causes, as `main` returning an `anyhow::Result` would.
-fn report(result: anyhow::Result<()>) -> ExitCode {
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("Error: {e:?}");
-            ExitCode::FAILURE
-        }
-    }
 }

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Args};
 
-use lockbroker_client::{Claim, MAX_SEMAPHORE_LIMIT, Resource, Token};
+pub use lockbroker_cli_support::parse_limit;
+use lockbroker_client::{Claim, Resource, Token};
 
 use lockbroker::domain::{LockKey, Owner, RequestId};
 
@@ -117,15 +118,6 @@ pub fn parse_prefix(raw: &str) -> Result<String, String> {
     LockKey::parse(raw)
         .map(|key| key.as_str().to_owned())
         .map_err(|e| format!("a prefix is the start of a key: {}", e.0))
-}
-
-/// A semaphore's number of permits: 1 to [`MAX_SEMAPHORE_LIMIT`].
-pub fn parse_limit(raw: &str) -> Result<u32, String> {
-    raw.trim()
-        .parse::<u32>()
-        .ok()
-        .filter(|n| (1..=MAX_SEMAPHORE_LIMIT).contains(n))
-        .ok_or_else(|| format!("a semaphore has 1 to {MAX_SEMAPHORE_LIMIT} permits"))
 }
 
 /// A lease's token, checked as the broker would.

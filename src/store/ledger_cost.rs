@@ -1,6 +1,7 @@
 //! The cost of the lease ledger, measured in this process: its memory per lease and the time of
-//! a sweep and of a put-back's snapshot. `lockbroker bench --ledger N` prints it; the ledger
-//! itself stays private to the store.
+//! a sweep and of a put-back's snapshot. `lockbroker-bench --ledger N` prints it; the ledger
+//! itself stays private to the store. Built only with the library's `bench` feature, which
+//! lockbroker-bench alone enables: the broker's own build neither carries nor exports it.
 
 use std::time::{Duration, Instant};
 

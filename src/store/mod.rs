@@ -8,6 +8,8 @@
 
 mod any;
 pub(crate) mod ledger;
+// Only for lockbroker-bench (the `bench` feature): the ledger itself stays private.
+#[cfg(feature = "bench")]
 mod ledger_cost;
 pub(crate) mod memory;
 pub mod redis;
@@ -17,6 +19,7 @@ use std::future::Future;
 use tokio::sync::mpsc;
 
 pub(crate) use any::AnyStore;
+#[cfg(feature = "bench")]
 pub use ledger_cost::{LedgerCost, ledger_cost};
 pub(crate) use memory::MemoryStore;
 pub use redis::RedisStore;

@@ -8,6 +8,8 @@
 //!   `on_both_stores!` macro that runs one contract on the embedded store and on Redis.
 //! - [`broker`]: the real `lockbroker serve` as a child process, for start-up, signals,
 //!   SIGKILL and a host clock shifted with `faketime`.
+//! - [`command`]: a command-line binary (`lockbroker`'s client commands, `lockbroker-bench`)
+//!   run against a broker with a scrubbed environment, bounded, and how it ended.
 //! - [`certs`]: a CA, server and client certificates made in the test, for the broker's HTTPS.
 //! - [`cluster`]: a real Redis Cluster of masters and replicas (`redis-cli --cluster create`)
 //!   that tests flush and fail over.
@@ -25,6 +27,7 @@ pub mod app;
 pub mod broker;
 pub mod certs;
 pub mod cluster;
+pub mod command;
 pub mod http;
 pub mod redis_server;
 pub mod sentinel;

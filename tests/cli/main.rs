@@ -3,7 +3,6 @@
 //! test's own). Every wait is bounded. `docs.rs` checks the links of the repository's
 //! Markdown files.
 
-mod bench;
 mod commands;
 mod docs;
 mod elect;

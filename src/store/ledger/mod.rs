@@ -11,8 +11,8 @@
 //! each end leaves a mark for [`Ledger::linger`]: a later [`Ledger::record`] of a lease that
 //! mark ended does not bring it back (it would stay until its end, and a store loss meanwhile
 //! would put a lease back that nobody holds). The ledger is bounded by the broker's live leases; an entry
-//! is a key, a token, a fence, a few numbers and the owner label (see `bench ledger` for the
-//! measured bytes per lease).
+//! is a key, a token, a fence, a few numbers and the owner label (see `lockbroker-bench --ledger`
+//! for the measured bytes per lease).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -52,7 +52,7 @@ impl Entry {
 }
 
 /// An entry as the ledger keeps it: a broker may hold a hundred thousand live leases, so each
-/// field is as small as it can be (about 200 bytes a lease in all; `lockbroker bench --ledger`).
+/// field is as small as it can be (about 200 bytes a lease in all; `lockbroker-bench --ledger`).
 #[derive(Debug)]
 struct Kept {
     token: KeptToken,

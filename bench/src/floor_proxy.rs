@@ -1,4 +1,4 @@
-//! `lockbroker bench floor-proxy`: the floor the broker is measured against — a minimal HTTP
+//! `lockbroker-bench floor-proxy`: the floor the broker is measured against — a minimal HTTP
 //! lock proxy in the broker's own stack (axum, hyper, the redis crate's multiplexed connection)
 //! that does the textbook Redis lock and nothing else. `POST /locks/{key}` is one
 //! `SET key token NX PX ttl` (`201` with the token, `409` if taken); `DELETE /locks/{key}` with
@@ -23,7 +23,7 @@ use redis::aio::MultiplexedConnection;
 
 use lockbroker::domain::Token;
 
-/// `lockbroker bench floor-proxy` flags.
+/// `lockbroker-bench floor-proxy` flags.
 #[derive(Debug, Clone, Args)]
 pub struct FloorProxyArgs {
     /// Where to listen; port 0 picks a free one. The address is printed on stdout once bound.
@@ -68,7 +68,7 @@ pub async fn serve(args: FloorProxyArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     // The bench reads this line to learn the port.
-    crate::cli::out!("{}", listener.local_addr()?);
+    lockbroker_cli_support::out!("{}", listener.local_addr()?);
     axum::serve(listener, app).await?;
     Ok(())
 }

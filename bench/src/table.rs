@@ -6,12 +6,12 @@ use super::{BenchMode, Latency, Summary};
 pub(super) fn print_table(summary: &Summary) {
     match (summary.mode, summary.limit) {
         (Some(BenchMode::Semaphore), Some(limit)) => {
-            crate::cli::out!("mode: semaphore, {limit} permits on each key");
+            lockbroker_cli_support::out!("mode: semaphore, {limit} permits on each key");
         }
-        (Some(BenchMode::Shared), _) => crate::cli::out!("mode: shared leases"),
+        (Some(BenchMode::Shared), _) => lockbroker_cli_support::out!("mode: shared leases"),
         _ => {}
     }
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "{:<28} {:>7} {:>10} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>7} {:>8} {:>6}",
         "phase",
         "clients",
@@ -32,7 +32,7 @@ pub(super) fn print_table(summary: &Summary) {
                 .as_ref()
                 .map_or("-".into(), |h| format!("{:.2}", f(h)))
         };
-        crate::cli::out!(
+        lockbroker_cli_support::out!(
             "{:<28} {:>7} {:>10.0} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9} {:>9} {:>7} {:>8} {:>6}",
             p.name,
             p.clients,
@@ -51,17 +51,19 @@ pub(super) fn print_table(summary: &Summary) {
         );
     }
     if let Some(ratio) = summary.broker_over_direct {
-        crate::cli::out!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
+        lockbroker_cli_support::out!("broker / direct Redis (uncontended cycles/s): {ratio:.3}");
     }
     if let Some(ratio) = summary.broker_over_raw {
-        crate::cli::out!("broker / raw Redis lock cycle (uncontended cycles/s): {ratio:.3}");
+        lockbroker_cli_support::out!(
+            "broker / raw Redis lock cycle (uncontended cycles/s): {ratio:.3}"
+        );
     }
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "calls: Redis round trips per acquire+release cycle (script calls; raw Redis: its SET \
          and its script call); redis µs: Redis CPU time (user+system, every data node) per cycle"
     );
     if let Some(w) = &summary.waiters {
-        crate::cli::out!(
+        lockbroker_cli_support::out!(
             "parked waiters: {} ({} failed); broker RSS {:.1} MiB -> {:.1} MiB, {:.0} bytes per waiter; drained {:.0} ms after their clients left",
             w.waiters,
             w.errors,

@@ -1,4 +1,4 @@
-//! `lockbroker bench --breakdown`: where Redis's time goes in one uncontended lock cycle, and
+//! `lockbroker-bench --breakdown`: where Redis's time goes in one uncontended lock cycle, and
 //! what a released lock leaves in Redis's memory — for the broker, and for the floor proxy
 //! beside it.
 //!
@@ -325,13 +325,13 @@ pub(super) async fn leftover(
 }
 
 pub(super) fn print_breakdown(b: &Breakdown) {
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "Redis per lock, {} ({} locks taken and released; µs: Redis's timing of each command, \
          a script's including the commands it calls)",
         b.server,
         b.locks
     );
-    crate::cli::out!("{:<8} {:<28} {:>7} {:>8}", "step", "command", "calls", "µs");
+    lockbroker_cli_support::out!("{:<8} {:<28} {:>7} {:>8}", "step", "command", "calls", "µs");
     let mut cpu_total = 0.0;
     let mut top_total = 0.0;
     for step in &b.steps {
@@ -348,7 +348,7 @@ pub(super) fn print_breakdown(b: &Breakdown) {
             } else {
                 c.command.clone()
             };
-            crate::cli::out!(
+            lockbroker_cli_support::out!(
                 "{:<8} {:<28} {:>7.2} {:>8.2}",
                 step.step,
                 name,
@@ -357,7 +357,7 @@ pub(super) fn print_breakdown(b: &Breakdown) {
             );
         }
         if let Some(overhead) = step.script_overhead_usec {
-            crate::cli::out!(
+            lockbroker_cli_support::out!(
                 "{:<8} {:<28} {:>7} {:>8.2}",
                 step.step,
                 "script overhead",
@@ -365,7 +365,7 @@ pub(super) fn print_breakdown(b: &Breakdown) {
                 overhead
             );
         }
-        crate::cli::out!(
+        lockbroker_cli_support::out!(
             "{:<8} {:<28} {:>7} {:>8.2}",
             step.step,
             "Redis CPU (INFO cpu)",
@@ -374,14 +374,14 @@ pub(super) fn print_breakdown(b: &Breakdown) {
         );
         cpu_total += step.redis_cpu_us;
     }
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "{:<8} {:<28} {:>7} {:>8.2}",
         "cycle",
         "commands (top level)",
         "",
         top_total
     );
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "{:<8} {:<28} {:>7} {:>8.2}",
         "cycle",
         "Redis CPU (INFO cpu)",
@@ -391,7 +391,7 @@ pub(super) fn print_breakdown(b: &Breakdown) {
 }
 
 pub(super) fn print_leftover(l: &Leftover) {
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "left in Redis by {} unique-key cycles in {:.1} s on the {}: used_memory {} -> {} bytes, \
          keys {} -> {}; {:.1} bytes and {:.3} keys per released lock",
         l.cycles,

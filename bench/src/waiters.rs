@@ -1,4 +1,4 @@
-//! `lockbroker bench --waiters N`: parks waiting acquires on a held key and reads the broker's
+//! `lockbroker-bench --waiters N`: parks waiting acquires on a held key and reads the broker's
 //! memory per waiter and drain time from its /metrics.
 
 use std::sync::Arc;
@@ -31,7 +31,7 @@ async fn scrape(http: &reqwest::Client, base: &str, name: &str) -> anyhow::Resul
 
 pub(super) async fn park_waiters(
     base: &str,
-    connect: &crate::cli::ConnectArgs,
+    connect: &lockbroker_cli_support::ConnectArgs,
     n: usize,
     http2: bool,
     run_id: &str,

@@ -1,4 +1,4 @@
-//! `lockbroker bench --urls A,B,…`: one hot key through a fleet of brokers on one store. Each of
+//! `lockbroker-bench --urls A,B,…`: one hot key through a fleet of brokers on one store. Each of
 //! `--contenders` clients loops acquire (waiting up to `--wait-ms`) → hold `--hold` → release on
 //! the same key, client `i` always through broker `i % B`; the run reports what an acquisition
 //! costs Redis (script calls and CPU), how long clients wait, how fast a lease passes from one
@@ -335,7 +335,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<FleetSummary> {
         per_client,
     };
     if args.json {
-        crate::cli::out!("{}", serde_json::to_string_pretty(&summary)?);
+        lockbroker_cli_support::out!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         print_table(&summary);
     }
@@ -345,7 +345,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<FleetSummary> {
 /// The header and the run's row; `scripts/bench-fleet.sh` prints the header once and a row per
 /// fleet size.
 fn print_table(s: &FleetSummary) {
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "{:>7} {:>7} {:>8} {:>7} {:>11} {:>9} {:>9} {:>9} {:>10} {:>10} {:>11} {:>12} {:>6}",
         "brokers",
         "clients",
@@ -362,7 +362,7 @@ fn print_table(s: &FleetSummary) {
         "errors"
     );
     let opt = |v: Option<f64>, digits: usize| v.map_or("-".into(), |v| format!("{v:.digits$}"));
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "{:>7} {:>7} {:>8} {:>7.0} {:>11} {:>9} {:>9.2} {:>9.2} {:>10} {:>10} {:>11} {:>12} {:>6}",
         s.brokers,
         s.clients,

@@ -1,4 +1,4 @@
-//! `lockbroker bench --floor`: the broker side by side with its floor, the minimal lock proxy of
+//! `lockbroker-bench --floor`: the broker side by side with its floor, the minimal lock proxy of
 //! `floor_proxy.rs`, on the same Redis. The bench starts the proxy as a child process, then runs
 //! the same uncontended lock-cycle load (the uncontended phase, with the lean client) against
 //! the broker and the proxy in turn, `--rounds` times, alternating which goes first. For each it
@@ -30,17 +30,11 @@ pub(super) struct ProxyProcess {
 }
 
 impl ProxyProcess {
-    /// Starts `lockbroker bench floor-proxy` (this same executable) on a free loopback port.
+    /// Starts `lockbroker-bench floor-proxy` (this same executable) on a free loopback port.
     pub(super) async fn start(redis_url: &str) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe().context("cannot find the lockbroker executable")?;
+        let exe = std::env::current_exe().context("cannot find the lockbroker-bench executable")?;
         let mut child = Command::new(exe)
-            .args([
-                "bench",
-                "floor-proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--redis-url",
-            ])
+            .args(["floor-proxy", "--listen", "127.0.0.1:0", "--redis-url"])
             .arg(redis_url)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -277,12 +271,12 @@ pub(super) async fn compare(
 }
 
 pub(super) fn print(summary: &FloorSummary) {
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "floor: uncontended acquire+release cycles, {} clients each on its own key, {:.0} s per run",
         summary.clients,
         summary.seconds_per_run
     );
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "{:<8} {:<7} {:>10} {:>10} {:>9} {:>9} {:>6}",
         "round",
         "server",
@@ -293,7 +287,7 @@ pub(super) fn print(summary: &FloorSummary) {
         "errors"
     );
     let row = |round: &str, server: &str, r: &FloorRun| {
-        crate::cli::out!(
+        lockbroker_cli_support::out!(
             "{:<8} {:<7} {:>10.0} {:>10.1} {:>9.1} {:>9.1} {:>6}",
             round,
             server,
@@ -311,13 +305,13 @@ pub(super) fn print(summary: &FloorSummary) {
     }
     row("median", "broker", &summary.broker);
     row("median", "proxy", &summary.proxy);
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "broker / proxy: cycles/s {:.3}, server CPU per cycle {:.2}, Redis CPU per cycle {:.2}",
         summary.cycles_ratio,
         summary.server_cpu_ratio,
         summary.redis_cpu_ratio
     );
-    crate::cli::out!(
+    lockbroker_cli_support::out!(
         "µs: CPU time (user+system) per cycle of the server process (/proc/<pid>/stat), of Redis \
          (INFO cpu) and of this load generator"
     );
@@ -405,7 +399,7 @@ pub(super) async fn run_floor(
         }
     }
     if args.json {
-        crate::cli::out!("{}", serde_json::to_string_pretty(&summary)?);
+        lockbroker_cli_support::out!("{}", serde_json::to_string_pretty(&summary)?);
     }
     Ok(summary)
 }

@@ -1,4 +1,4 @@
-//! `lockbroker bench` end to end, briefly, against a broker on a real Redis: every phase runs
+//! `lockbroker-bench` end to end, briefly, against a broker on a real Redis: every phase runs
 //! and completes cycles without an error, the raw Redis phase makes its two round trips per
 //! cycle, the summary carries both ratios, the lean HTTP client sends the bearer token to a
 //! broker with an auth file, and `--floor --breakdown` runs the broker beside the minimal proxy
@@ -6,18 +6,19 @@
 
 use lockbroker_test_support::app::{spawn_app, spawn_app_with};
 use lockbroker_test_support::auth_entry;
+use lockbroker_test_support::command::run;
 use lockbroker_test_support::redis_server::RedisServer;
 use lockbroker_test_support::temp::temp_file;
 use serde_json::Value;
 
-use crate::support::lockbroker;
+/// The binary under test.
+const BENCH: &str = env!("CARGO_BIN_EXE_lockbroker-bench");
 
 const TOKEN: &str = "bench-secret-0123456789abcdef";
 
-/// `lockbroker bench --json` for a short run; the summary.
+/// `lockbroker-bench --json` for a short run; the summary.
 async fn bench(url: &str, redis_url: &str, extra: &[&str]) -> Value {
     let mut args = vec![
-        "bench",
         "--redis-url",
         redis_url,
         "--duration",
@@ -29,7 +30,7 @@ async fn bench(url: &str, redis_url: &str, extra: &[&str]) -> Value {
         "--json",
     ];
     args.extend_from_slice(extra);
-    let out = lockbroker(url, &args).await;
+    let out = run(BENCH, url, &args).await;
     out.expect_code(0);
     serde_json::from_str(&out.stdout).expect("bench --json prints one JSON document")
 }
@@ -105,17 +106,10 @@ async fn bench_sends_the_bearer_token_on_every_phase_to_a_broker_with_an_auth_fi
         assert_eq!(p["errors"], 0, "{p}");
     }
     // Without the token the bench stops at once and says why.
-    let refused = lockbroker(
+    let refused = run(
+        BENCH,
         &app.url(""),
-        &[
-            "bench",
-            "--duration",
-            "300ms",
-            "--clients",
-            "2",
-            "--contenders",
-            "2",
-        ],
+        &["--duration", "300ms", "--clients", "2", "--contenders", "2"],
     )
     .await;
     refused.expect_failure(1, &["401", "--auth-token"]);
@@ -129,10 +123,10 @@ async fn fleet_bench_spreads_the_clients_over_every_broker_and_counts_each_acqui
         spawn_app(Some(redis.url())).await,
     ];
     let urls = format!("{},{}", brokers[0].url(""), brokers[1].url(""));
-    let out = lockbroker(
+    let out = run(
+        BENCH,
         "http://127.0.0.1:9",
         &[
-            "bench",
             "--urls",
             &urls,
             "--redis-url",

@@ -1,4 +1,4 @@
-//! `lockbroker bench`: a load generator for a running broker, and the same lock cycle run
+//! `lockbroker-bench`: a load generator for a running broker, and the same lock cycle run
 //! directly against Redis in the same run, so the broker's cost is measured side by side with
 //! the fastest thing a client could do instead.
 //!
@@ -15,12 +15,19 @@
 //! lease on the lock, or one permit of a semaphore of `--limit` permits. Phase (c) exists for
 //! exclusive leases only (phase (d) is the same in every mode), and handoff is measured only
 //! where one holder follows another (an exclusive lease).
+//!
+//! `--ledger N` measures the lease ledger in this process instead, and `floor-proxy` (a hidden
+//! subcommand) is the minimal lock server `--floor` measures the broker against. The bench is a
+//! program of its own, not a command of the shipped `lockbroker`: what only it needs (hyper's
+//! HTTP client, the proxy, the `/proc` and `INFO` readers) stays out of the broker.
+#![forbid(unsafe_code)]
 
+mod args;
 mod breakdown;
 mod direct;
 mod fleet;
 mod floor;
-pub mod floor_proxy;
+mod floor_proxy;
 mod http;
 mod lean;
 mod raw;
@@ -29,15 +36,16 @@ mod table;
 mod waiters;
 
 use std::io::IsTerminal;
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::{Args, ValueEnum};
+use clap::Parser;
+use lockbroker_cli_support::{out, report};
 use serde::Serialize;
 
-pub use self::fleet::run as run_fleet;
-
+use self::args::{BenchArgs, BenchMode, BenchTool};
 use self::direct::uncontended_direct;
 use self::floor::run_floor;
 use self::http::{check_mode, hot_key_http, uncontended_http, wait_until_granting};
@@ -45,144 +53,50 @@ use self::raw::uncontended_raw;
 use self::redis_stats::{RedisCost, data_nodes};
 use self::table::print_table;
 use self::waiters::park_waiters;
-use crate::cli::parse_limit;
 use lockbroker::domain::Token;
 use lockbroker::store::RedisStore;
 use lockbroker::store::redis::{ParsedUrl, RedisSettings, RedisUrl, Topology};
 
-/// `lockbroker bench` flags.
-#[derive(Debug, Clone, Args)]
-#[command(args_conflicts_with_subcommands = true)]
-pub struct BenchArgs {
-    /// A tool the bench runs as a process of its own.
-    #[command(subcommand)]
-    pub tool: Option<BenchTool>,
-    /// The broker to load.
-    #[arg(long, env = lockbroker_client::URL_ENV, default_value = lockbroker_client::DEFAULT_URL)]
-    pub url: String,
-    #[command(flatten)]
-    pub connect: crate::cli::ConnectArgs,
-    /// The Redis the broker uses: adds the direct-Redis phase and counts Redis calls per
-    /// operation (from INFO commandstats).
-    #[arg(long)]
-    pub redis_url: Option<String>,
-    /// The broker's key prefix in Redis (for the direct phase).
-    #[arg(long, default_value = "lockbroker:")]
-    pub key_prefix: String,
-    /// Concurrent clients in the uncontended and direct phases.
-    #[arg(long, default_value_t = 64)]
-    pub clients: usize,
-    /// Contenders on the hot key.
-    #[arg(long, default_value_t = 16)]
-    pub contenders: usize,
-    /// Instead of the usual phases, run one hot key through a fleet of brokers on one store:
-    /// `--contenders` clients loop acquire (waiting up to --wait-ms), hold --hold, release, client
-    /// i through the i % N-th of these URLs (comma-separated, or the flag repeated); --url is not
-    /// used.
-    #[arg(long, value_delimiter = ',', value_name = "URL,...")]
-    pub urls: Vec<String>,
-    /// With --urls: how long each client holds the lease before releasing it.
-    #[arg(long, default_value = "1ms", value_parser = humantime::parse_duration)]
-    pub hold: Duration,
-    /// With --urls: the wait_ms of each acquire.
-    #[arg(long, default_value_t = 20_000)]
-    pub wait_ms: u64,
-    /// How long each phase runs (`10s`, `1500ms`, `1m`).
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
-    pub duration: Duration,
-    /// Also hold a key and park this many waiting acquires on it, then report the broker's
-    /// resident memory per waiter (from its /metrics) and how fast they drain when their
-    /// clients leave. Needs a file-descriptor limit above twice this number.
-    #[arg(long, default_value_t = 0)]
-    pub waiters: usize,
-    /// Park the waiters over HTTP/2 (h2c, prior knowledge): at most 150 streams on each
-    /// connection instead of one connection each.
-    #[arg(long)]
-    pub http2: bool,
-    /// The lease each cycle takes: an exclusive lease on a lock, a shared lease on it, or one
-    /// permit of a semaphore (see --limit). The direct-Redis phase runs for exclusive only.
-    #[arg(long, value_enum, default_value_t = BenchMode::Exclusive)]
-    pub mode: BenchMode,
-    /// With --mode semaphore: each semaphore's permits, so on the hot key this many
-    /// contenders hold one at once [default: 4].
-    #[arg(long, value_name = "N", value_parser = parse_limit)]
-    pub limit: Option<u32>,
-    /// Print one JSON summary on stdout instead of a table.
-    #[arg(long)]
-    pub json: bool,
-    /// Instead of loading a broker, measure the memory the lease ledger (the live leases a
-    /// broker remembers, to put back after a store loss) takes for this many leases, in this
-    /// process, and how long its periodic sweep and a put-back snapshot take.
-    #[arg(long, value_name = "LEASES")]
-    pub ledger: Option<usize>,
-    /// Instead of the phases: start the floor, a minimal HTTP lock proxy on the same Redis
-    /// (`SET NX PX`, a compare-and-delete, nothing else), and run the uncontended cycle against
-    /// the broker and the proxy in turn for --rounds rounds, printing cycles/s and the CPU per
-    /// cycle of each server process and of Redis. Needs --redis-url (one server) and a broker
-    /// on this machine.
-    #[arg(long, requires = "redis_url")]
-    pub floor: bool,
-    /// With --floor: rounds of the broker and the proxy, each run --duration long.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
-    pub rounds: u32,
-    /// With --floor: the broker's process id, for its CPU time [default: the process listening
-    /// on --url's port].
-    #[arg(long, value_name = "PID")]
-    pub broker_pid: Option<u32>,
-    /// Instead of the phases (or after --floor): where Redis's time goes in an uncontended
-    /// lock cycle, per step (acquire, release) and per command, scripts and the commands they
-    /// call apart (INFO commandstats, INFO cpu); then what unique-key cycles leave in Redis's
-    /// memory (INFO memory, DBSIZE). For the broker and for the floor proxy. Needs --redis-url
-    /// (one server).
-    #[arg(long, requires = "redis_url")]
-    pub breakdown: bool,
-    /// With --breakdown: locks taken and released for the per-command figures.
-    #[arg(long, default_value_t = 20_000)]
-    pub breakdown_locks: u64,
-    /// With --breakdown: how long to run unique-key cycles for the memory they leave (0s:
-    /// skip).
-    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
-    pub leftover_duration: Duration,
+/// jemalloc, as in the broker: `--ledger` measures the memory the broker's allocator hands out,
+/// and the floor proxy runs on the same allocator as the broker it is compared with.
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+fn main() -> ExitCode {
+    let args = BenchArgs::parse();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("cannot start the async runtime")
+        .block_on(execute(args))
 }
 
-/// The tools `lockbroker bench` runs as processes of their own.
-#[derive(Debug, Clone, clap::Subcommand)]
-pub enum BenchTool {
-    /// The floor `--floor` measures the broker against: a minimal HTTP lock proxy on Redis.
-    #[command(hide = true)]
-    FloorProxy(floor_proxy::FloorProxyArgs),
-}
-
-/// The lease a bench cycle takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum BenchMode {
-    /// `POST /locks/{key}`: one holder at a time.
-    Exclusive,
-    /// `POST /locks/{key}?mode=shared`: every contender holds it at once.
-    Shared,
-    /// `POST /semaphores/{key}?limit=N`: N contenders hold a permit at once.
-    Semaphore,
-}
-
-impl BenchMode {
-    /// The mode as `--mode` writes it.
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Exclusive => "exclusive",
-            Self::Shared => "shared",
-            Self::Semaphore => "semaphore",
-        }
+async fn execute(args: BenchArgs) -> ExitCode {
+    if let Some(BenchTool::FloorProxy(proxy)) = args.tool {
+        return report(floor_proxy::serve(proxy).await);
     }
-}
-
-/// A semaphore's permits in `--mode semaphore` when `--limit` is not given.
-pub const DEFAULT_BENCH_LIMIT: u32 = 4;
-
-impl BenchArgs {
-    /// The semaphore's permits in `--mode semaphore`.
-    fn limit(&self) -> u32 {
-        self.limit.unwrap_or(DEFAULT_BENCH_LIMIT)
+    match args.ledger {
+        Some(leases) => {
+            let cost = lockbroker::store::ledger_cost(leases);
+            if args.json {
+                out!(
+                    "{}",
+                    serde_json::to_string(&cost).expect("plain structs always serialize")
+                );
+            } else {
+                out!(
+                    "ledger: {} live leases, {:.0} bytes per lease (resident memory growth); \
+                     sweep {:.1} ms, put-back snapshot {:.1} ms",
+                    cost.leases,
+                    cost.bytes_per_lease,
+                    cost.sweep_ms,
+                    cost.snapshot_ms
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        None if !args.urls.is_empty() => report(fleet::run(args).await.map(drop)),
+        None => report(run(args).await.map(drop)),
     }
 }
 
@@ -399,7 +313,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         leftover: Vec::new(),
     };
     if args.json {
-        crate::cli::out!("{}", serde_json::to_string_pretty(&summary)?);
+        out!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         print_table(&summary);
     }
