@@ -3,8 +3,8 @@
 //! `lockbroker-client` crate, so the server library exports nothing for them.
 #![forbid(unsafe_code)]
 
-// `out!` (stdout that a closed pipe ends quietly) in every command's module, as when it was
-// defined here.
+// `out!` (stdout that a closed pipe ends quietly) in every command's module, as when `cli`
+// defined it.
 #[macro_use]
 extern crate lockbroker_cli_support;
 

@@ -5,10 +5,11 @@
 //! through the `lockbroker-client` crate. The benchmark is a program of its own
 //! (`lockbroker-bench`, in `bench/`).
 //!
-//! This module owns what the commands share: how to reach the broker ([`BrokerArgs`]; the TLS
-//! and token flags, [`ConnectArgs`], the exit codes ([`exit`]) so that a shell script can branch
-//! on "held by someone else" apart from "something went wrong", and stdout that a closed pipe
-//! ends quietly ([`out!`]) are in `lockbroker-cli-support`, which the bench shares).
+//! This module owns what the commands share: how to reach the broker ([`BrokerArgs`]), the
+//! exit-code tables of their `--help`, and errors as the API's JSON. The token and TLS flags
+//! ([`ConnectArgs`]), the exit codes ([`exit`]) so that a shell script can branch on "held by
+//! someone else" apart from "something went wrong", and stdout that a closed pipe ends quietly
+//! (`out!`) come from `lockbroker-cli-support`, which lockbroker-bench shares.
 
 mod args;
 pub mod commands;
