@@ -2,12 +2,12 @@
 //! their live leases back before anything is granted again.
 //!
 //! An epoch is a period in which the store's data is continuous. It is recorded in a marker
-//! (`<prefix>epoch`, see `scripts/mod.rs`) with the server process (`run_id`) it began on. A new
-//! epoch begins when the marker is missing (a new store, or one emptied by a restart without
-//! persistence or a `FLUSHALL`) or names another server process (a restart from disk that may
-//! have lost its last second, a replica promoted that may have missed writes). The broker that
-//! sees it first starts the new epoch with a store-wide hold of `store_settle_ms` and announces
-//! it on the notice channel.
+//! (`<prefix>epoch`, see the key layout in `README.md`) with the server process (`run_id`) it
+//! began on. A new epoch begins when the marker is missing (a new store, or one emptied by a
+//! restart without persistence or a `FLUSHALL`) or names another server process (a restart from
+//! disk that may have lost its last second, a replica promoted that may have missed writes). The
+//! broker that sees it first starts the new epoch with a store-wide hold of `store_settle_ms` and
+//! announces it on the notice channel.
 //!
 //! Each broker remembers the epoch it last caught up with and passes it to every granting
 //! script, which refuses to grant in another epoch. A broker that meets a new epoch — through a

@@ -14,7 +14,7 @@ use crate::domain::{Fence, Lease, LockKey, Token};
 use crate::store::{Bid, Hold, HoldReason, Kind, Pool, StoreError, StoreResult};
 
 /// The version of what this broker keeps in Redis: 2 added the queue per key (`LAYOUT` in
-/// `lib/prelude.lua`; see `scripts/mod.rs` and docs/failover.md, "Rolling upgrades").
+/// `lib/prelude.lua`; see `README.md`, the key layout, and docs/failover.md, "Rolling upgrades").
 pub(crate) const STORE_LAYOUT: u32 = 2;
 
 /// Which granting script a bid runs.

@@ -1,6 +1,6 @@
 //! Where the broker's data is in Redis: the keys of one client key in one space, the epoch
 //! markers, and on a cluster the slot a key's scripts run on (the layout itself is described in
-//! `scripts/mod.rs`).
+//! `README.md`, beside this file).
 
 use std::borrow::Cow;
 

@@ -21,26 +21,27 @@
 -- ARGV: the epoch this broker knows ('' if none), store_settle_ms, store_loss_delay_ms, notice
 --       channel.
 -- Replies {id, hold_until, now, reason, run_id, layout}.
+local marker, known = KEYS[1], ARGV[1]
 local now = now_us()
 local now_ms = math.floor(now / 1000)
 local server = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
-local m = redis.call('HMGET', KEYS[1], 'id', 'run_id', 'hold_until', 'reason', 'layout')
+local m = redis.call('HMGET', marker, 'id', 'run_id', 'hold_until', 'reason', 'layout')
 local id, run, hold, reason = m[1], m[2], tonumber(m[3] or '0'), m[4] or ''
 local layout = tonumber(m[5] or '0') or 0
 if (not id) or run ~= server then
-  if id or ARGV[1] ~= '' then reason = 'loss' else reason = 'settle' end
+  if id or known ~= '' then reason = 'loss' else reason = 'settle' end
   id = int(now)
   hold = math.max(hold, now_ms + tonumber(ARGV[2]))
-  redis.call('HSET', KEYS[1], 'id', id, 'run_id', server, 'hold_until', int(hold), 'reason', reason)
+  redis.call('HSET', marker, 'id', id, 'run_id', server, 'hold_until', int(hold), 'reason', reason)
   redis.call('PUBLISH', ARGV[4], '!epoch')
 end
 if layout < LAYOUT then
   layout = LAYOUT
-  redis.call('HSET', KEYS[1], 'layout', LAYOUT)
+  redis.call('HSET', marker, 'layout', LAYOUT)
 end
-if ARGV[1] ~= '' and ARGV[1] ~= id then
+if known ~= '' and known ~= id then
   hold = math.max(hold, math.floor(tonumber(id) / 1000) + tonumber(ARGV[3]))
   reason = 'loss'
-  redis.call('HSET', KEYS[1], 'hold_until', int(hold), 'reason', reason)
+  redis.call('HSET', marker, 'hold_until', int(hold), 'reason', reason)
 end
 return {id, hold, now_ms, reason, server, layout}

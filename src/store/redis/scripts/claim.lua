@@ -9,13 +9,15 @@
 -- nobody queues for; else it joins the queue (or keeps its place), the key is handed on, and if
 -- its turn came it is granted now, else it answers queued.
 --
--- Joined after lib/prelude.lua, lib/grant.lua, fast/claim.lua (whose `now` and epoch check it
--- goes on from), lib/pools.lua and lib/queue.lua. Its call: `Claim` in scripts/grant.rs.
--- KEYS: as lib/queue.lua's. ARGV: as `grant_context`'s (kind `x`).
--- Replies: {1, fence, expires_at, token, ttl, now} granted; {0} refused; {7, retry_after_ms}
--- queued; {2, hold_until, now, reason} a store-wide hold is in force; {3, epoch} the store is in
--- another epoch than the broker knows: it must catch up (put its leases back) before it may
--- grant; {6, layout} a broker of a newer layout runs on the store.
+-- Joined after lib/prelude.lua, lib/grant.lua, lib/keys.lua, fast/claim.lua (whose `now` and
+-- epoch check it goes on from), lib/pools.lua and lib/queue.lua. Its call: `Claim` in
+-- scripts/grant.rs.
+-- KEYS: as lib/keys.lua's. ARGV: as `grant_context`'s (kind `x`).
+-- Replies (codes named in lib/prelude.lua): {GRANTED, fence, expires_at, token, ttl, now};
+-- {REFUSED}; {QUEUED, retry_after_ms}; {ON_HOLD, hold_until, now, reason} a store-wide hold is
+-- in force; {OTHER_EPOCH, epoch} the store is in another epoch than the broker knows: it must
+-- catch up (put its leases back) before it may grant; {NEWER_LAYOUT, layout} a broker of a newer
+-- layout runs on the store.
 local c, bid = grant_context(now)
 local cur = redis.call('HMGET', LOCK, 'token', 'fence', 'expires_at', 'ttl', 'request_id', 'offered')
 local live = cur[1] and tonumber(cur[3]) > c.now_ms
@@ -26,28 +28,28 @@ if live and cur[1] == c.token then
     redis.call('HDEL', LOCK, 'offered')
     redis.call('PEXPIRE', LOCK, bid.ttl + c.slack)
     keep(FENCE, bid.ttl + c.slack)
-    return {1, cur[2], expires, c.token, bid.ttl, c.now_ms}
+    return {GRANTED, cur[2], expires, c.token, bid.ttl, c.now_ms}
   end
-  return {1, cur[2], cur[3], cur[1], cur[4], c.now_ms}
+  return {GRANTED, cur[2], cur[3], cur[1], cur[4], c.now_ms}
 end
 if live and bid.rid ~= '' and cur[5] == bid.rid and cur[6] ~= '1' then
-  return {1, cur[2], cur[3], cur[1], cur[4], c.now_ms}
+  return {GRANTED, cur[2], cur[3], cur[1], cur[4], c.now_ms}
 end
 if bid.wait == 0 then
   if redis.call('ZCARD', QUEUE) > 0 then
     hand_on(c, nil)
-    if redis.call('ZCARD', QUEUE) > 0 then return {0} end
+    if redis.call('ZCARD', QUEUE) > 0 then return {REFUSED} end
     cur[1] = redis.call('HGET', LOCK, 'token')
   end
-  if cur[1] or busy_for(c, 'x') then return {0} end
+  if cur[1] or busy_for(c, 'x') then return {REFUSED} end
   local fence, expires = write_lease(c, c.token, c.broker, 'x', bid.ttl, bid.rid, bid.owner, false)
-  return {1, fence, expires, c.token, bid.ttl, c.now_ms}
+  return {GRANTED, fence, expires, c.token, bid.ttl, c.now_ms}
 end
 if redis.call('ZCARD', QUEUE) == 0 then
   settle(c)
   if not busy_for(c, 'x') then
     local fence, expires = write_lease(c, c.token, c.broker, 'x', bid.ttl, bid.rid, bid.owner, false)
-    return {1, fence, expires, c.token, bid.ttl, c.now_ms}
+    return {GRANTED, fence, expires, c.token, bid.ttl, c.now_ms}
   end
 end
 return wait_turn(c, bid)

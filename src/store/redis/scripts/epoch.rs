@@ -3,6 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
+use super::codes::PutBackCode;
 use super::{Fields, unknown};
 use crate::domain::Fence;
 use crate::store::ledger::Entry;
@@ -180,7 +181,8 @@ script_call! {
 
 /// PUT_BACK's reply.
 pub(crate) enum PutBackReply {
-    /// `{-1}`: the store is no longer in the epoch (a loss during the put-back).
+    /// `{EPOCH_MOVED}` ([`PutBackCode::EpochMoved`]): the store is no longer in the epoch (a
+    /// loss during the put-back).
     OtherEpoch,
     /// What became of each lease, in the call's order.
     Placed(Vec<Placed>),
@@ -194,13 +196,16 @@ pub(crate) struct Placed {
 }
 
 pub(crate) enum Placement {
-    /// Code 1: written back.
+    /// [`PutBackCode::Written`]: written back.
     Written,
-    /// Code 0: the key already held it (its end moved out if that was later).
+    /// [`PutBackCode::AlreadyThere`]: the key already held it (its end moved out if that was
+    /// later).
     AlreadyThere,
-    /// Code 2: another live lease with this higher fence was there, and stays.
+    /// [`PutBackCode::OtherKept`]: another live lease with this higher fence was there, and
+    /// stays.
     OtherKept { fence: Fence },
-    /// Code 3: another live lease with this lower fence was there, and this one replaced it.
+    /// [`PutBackCode::OtherReplaced`]: another live lease with this lower fence was there, and
+    /// this one replaced it.
     OtherReplaced { fence: Fence },
 }
 
@@ -209,18 +214,19 @@ impl FromRedisValue for PutBackReply {
         let mut fields = Fields::of(reply)?;
         let mut placed = Vec::new();
         while !fields.is_empty() {
-            let code: i64 = fields.next()?;
-            if code == -1 && placed.is_empty() {
+            let code = PutBackCode::try_from(fields.next::<i64>()?)
+                .map_err(|code| unknown("put_back", code))?;
+            if code == PutBackCode::EpochMoved && placed.is_empty() {
                 fields.finish()?;
                 return Ok(PutBackReply::OtherEpoch);
             }
             let other: Fence = fields.next()?;
             let outcome = match code {
-                1 => Placement::Written,
-                0 => Placement::AlreadyThere,
-                2 => Placement::OtherKept { fence: other },
-                3 => Placement::OtherReplaced { fence: other },
-                code => return Err(unknown("put_back", code)),
+                PutBackCode::Written => Placement::Written,
+                PutBackCode::AlreadyThere => Placement::AlreadyThere,
+                PutBackCode::OtherKept => Placement::OtherKept { fence: other },
+                PutBackCode::OtherReplaced => Placement::OtherReplaced { fence: other },
+                PutBackCode::EpochMoved => return Err(unknown("put_back", code as i64)),
             };
             placed.push(Placed {
                 outcome,

@@ -3,17 +3,17 @@
 -- lease is told once, with the highest fence it remembered there (every lease on the key up to
 -- it is over; see `ended`).
 --
--- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua, lib/queue.lua and lib/holder.lua.
--- Its call: `Force` in scripts/holder.rs.
--- KEYS: as lib/queue.lua's. ARGV: as `holder_context`'s (no token).
--- Replies {1, fences...} (none: nothing was live), or {3, hold_until, now, reason} while a
--- store-wide hold is in force.
+-- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua, lib/keys.lua, lib/queue.lua and
+-- lib/holder.lua. Its call: `Force` in scripts/holder.rs.
+-- KEYS: as lib/keys.lua's. ARGV: as `holder_context`'s (no token).
+-- Replies {HELD, fences...} (none: nothing was live), or {HOLD_IN_FORCE, hold_until, now, reason}
+-- while a store-wide hold is in force.
 local now = now_us()
 local c = holder_context(now)
 local id, hold, reason = epoch(MARKER)
-if not id then return {3, 0, c.now_ms, 'settle'} end
-if c.now_ms < hold then return {3, hold, c.now_ms, reason} end
-local out = {1}
+if not id then return {HOLD_IN_FORCE, 0, c.now_ms, 'settle'} end
+if c.now_ms < hold then return {HOLD_IN_FORCE, hold, c.now_ms, reason} end
+local out = {HELD}
 -- The highest fence ended per broker told; '' for the shared channel.
 local tops = {}
 local function note(by, fence)

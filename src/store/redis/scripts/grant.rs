@@ -3,6 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
+use super::codes::GrantCode;
 use super::{Fields, Writer, hold_in, unknown};
 use crate::domain::Fence;
 use crate::store::redis::keys::RedisKeys;
@@ -146,7 +147,7 @@ script_call! {
 }
 
 /// A reply of a script that checks the epoch before it grants: its answer, or the store's epoch
-/// when it is not the one the broker passed (code 3).
+/// when it is not the one the broker passed ([`GrantCode::OtherEpoch`]).
 pub(crate) enum Epoched<T> {
     Answered(T),
     /// The store (on a cluster: the key's slot marker) is in another epoch: this one, or none
@@ -156,24 +157,27 @@ pub(crate) enum Epoched<T> {
 
 /// What a granting script answered in the broker's epoch.
 pub(crate) enum GrantReply {
-    /// Code 1.
+    /// [`GrantCode::Granted`].
     Granted(Granted),
     NotGranted(NotGranted),
 }
 
 /// A granting script's answers other than a grant.
 pub(crate) enum NotGranted {
-    /// Code 0 (CLAIM, TAKE_OVER): the key holds a lease, or another contender won it.
+    /// [`GrantCode::Refused`] (CLAIM, TAKE_OVER): the key holds a lease, or another contender
+    /// won it.
     Refused,
-    /// Code 2: a store-wide hold is in force.
+    /// [`GrantCode::OnHold`]: a store-wide hold is in force.
     OnHold(Hold),
-    /// Code 4 (JOIN): no room now; something may change in this many ms.
+    /// [`GrantCode::NoRoom`] (JOIN): no room now; something may change in this many ms.
     Busy { retry_after_ms: u64 },
-    /// Code 5 (JOIN): the live holders (or the queued bids) use this other limit.
+    /// [`GrantCode::OtherLimit`] (JOIN): the live holders (or the queued bids) use this other
+    /// limit.
     LimitMismatch { limit: u32 },
-    /// Code 7: the bid waits in the key's queue; what blocks it ends in this many ms.
+    /// [`GrantCode::Queued`]: the bid waits in the key's queue; what blocks it ends in this many
+    /// ms.
     Queued { retry_after_ms: u64 },
-    /// Code 6: a broker of this newer store layout runs on the store.
+    /// [`GrantCode::NewerLayout`]: a broker of this newer store layout runs on the store.
     NewerLayout { layout: u32 },
 }
 
@@ -192,30 +196,31 @@ impl FromRedisValue for Epoched<GrantReply> {
     fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
         let mut fields = Fields::of(reply)?;
         let not = |not| Epoched::Answered(GrantReply::NotGranted(not));
-        let reply = match fields.next::<i64>()? {
-            0 => not(NotGranted::Refused),
-            1 => Epoched::Answered(GrantReply::Granted(Granted {
+        let code = fields.next::<i64>()?;
+        let code = GrantCode::try_from(code).map_err(|code| unknown("granting", code))?;
+        let reply = match code {
+            GrantCode::Refused => not(NotGranted::Refused),
+            GrantCode::Granted => Epoched::Answered(GrantReply::Granted(Granted {
                 fence: fields.next()?,
                 expires_at_ms: fields.next()?,
                 token: fields.next()?,
                 ttl_ms: fields.next()?,
                 now_ms: fields.next()?,
             })),
-            2 => not(NotGranted::OnHold(hold_in(&mut fields)?)),
-            3 => Epoched::OtherEpoch(fields.next()?),
-            4 => not(NotGranted::Busy {
+            GrantCode::OnHold => not(NotGranted::OnHold(hold_in(&mut fields)?)),
+            GrantCode::OtherEpoch => Epoched::OtherEpoch(fields.next()?),
+            GrantCode::NoRoom => not(NotGranted::Busy {
                 retry_after_ms: fields.next()?,
             }),
-            5 => not(NotGranted::LimitMismatch {
+            GrantCode::OtherLimit => not(NotGranted::LimitMismatch {
                 limit: fields.next()?,
             }),
-            6 => not(NotGranted::NewerLayout {
+            GrantCode::NewerLayout => not(NotGranted::NewerLayout {
                 layout: fields.next()?,
             }),
-            7 => not(NotGranted::Queued {
+            GrantCode::Queued => not(NotGranted::Queued {
                 retry_after_ms: fields.next()?,
             }),
-            code => return Err(unknown("granting", code)),
         };
         fields.finish()?;
         Ok(reply)

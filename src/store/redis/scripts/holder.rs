@@ -3,6 +3,7 @@
 
 use redis::{FromRedisValue, ParsingError, Value};
 
+use super::codes::HolderCode;
 use super::grant::{Caller, QueueContext, write_queue_keys};
 use super::{Fields, Writer, hold_in, unknown};
 use crate::domain::{Fence, Owner, Token, Ttl};
@@ -100,21 +101,30 @@ script_call! {
 
 /// A holder script's answers other than "done".
 pub(crate) enum Refusal {
-    /// Code 0: absent or expired.
+    /// [`HolderCode::NotHeld`]: absent or expired.
     NotHeld,
-    /// Code 2: another token's live lease.
+    /// [`HolderCode::NotOwner`]: another token's live lease.
     NotOwner,
-    /// Code 3: not this token's, but a store-wide hold is in force.
+    /// [`HolderCode::HoldInForce`]: not this token's, but a store-wide hold is in force.
     OnHold(Hold),
 }
 
+/// A holder script's code, or which script answered a code it never answers.
+fn holder_code(fields: &mut Fields, script: &str) -> Result<HolderCode, ParsingError> {
+    HolderCode::try_from(fields.next::<i64>()?).map_err(|code| unknown(script, code))
+}
+
 impl Refusal {
-    fn decode(code: i64, fields: &mut Fields, script: &str) -> Result<Self, ParsingError> {
+    /// The refusal that `code` stands for, with its fields; any other code is an error that names
+    /// `script`.
+    fn decode(code: HolderCode, fields: &mut Fields, script: &str) -> Result<Self, ParsingError> {
         Ok(match code {
-            0 => Refusal::NotHeld,
-            2 => Refusal::NotOwner,
-            3 => Refusal::OnHold(hold_in(fields)?),
-            code => return Err(unknown(script, code)),
+            HolderCode::NotHeld => Refusal::NotHeld,
+            HolderCode::NotOwner => Refusal::NotOwner,
+            HolderCode::HoldInForce => Refusal::OnHold(hold_in(fields)?),
+            HolderCode::Held | HolderCode::HeldPooled => {
+                return Err(unknown(script, code as i64));
+            }
         })
     }
 
@@ -129,7 +139,7 @@ impl Refusal {
 
 /// RELEASE's reply.
 pub(crate) enum ReleaseReply {
-    /// Code 1: released after this long held, on Redis's clock; the lease's fence.
+    /// [`HolderCode::Held`]: released after this long held, on Redis's clock; the lease's fence.
     Released {
         held_ms: u64,
         fence: Fence,
@@ -140,8 +150,8 @@ pub(crate) enum ReleaseReply {
 impl FromRedisValue for ReleaseReply {
     fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
         let mut fields = Fields::of(reply)?;
-        let reply = match fields.next()? {
-            1 => ReleaseReply::Released {
+        let reply = match holder_code(&mut fields, "release")? {
+            HolderCode::Held => ReleaseReply::Released {
                 held_ms: fields.next()?,
                 fence: fields.next()?,
             },
@@ -163,9 +173,9 @@ pub(crate) struct Renewed {
 
 /// RENEW's reply.
 pub(crate) enum RenewReply {
-    /// Code 1: the exclusive lease.
+    /// [`HolderCode::Held`]: the exclusive lease.
     Exclusive(Renewed),
-    /// Code 4: a shared lease (`limit` `None`) or a semaphore's permit.
+    /// [`HolderCode::HeldPooled`]: a shared lease (`limit` `None`) or a semaphore's permit.
     Pooled {
         renewed: Renewed,
         limit: Option<u32>,
@@ -176,9 +186,9 @@ pub(crate) enum RenewReply {
 impl FromRedisValue for RenewReply {
     fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
         let mut fields = Fields::of(reply)?;
-        let code = fields.next()?;
+        let code = holder_code(&mut fields, "renew")?;
         let reply = match code {
-            1 | 4 => {
+            HolderCode::Held | HolderCode::HeldPooled => {
                 let renewed = Renewed {
                     fence: fields.next()?,
                     expires_at_ms: fields.next()?,
@@ -190,7 +200,7 @@ impl FromRedisValue for RenewReply {
                         .transpose()?,
                     epoch: fields.next()?,
                 };
-                if code == 1 {
+                if code == HolderCode::Held {
                     RenewReply::Exclusive(renewed)
                 } else {
                     let limit: String = fields.next()?;
@@ -216,7 +226,7 @@ impl FromRedisValue for RenewReply {
 
 /// FORCE's reply.
 pub(crate) enum ForceReply {
-    /// Code 1: the fences of the leases ended (none: nothing was live).
+    /// [`HolderCode::Held`]: the fences of the leases ended (none: nothing was live).
     Ended(Vec<Fence>),
     Refused(Refusal),
 }
@@ -224,8 +234,8 @@ pub(crate) enum ForceReply {
 impl FromRedisValue for ForceReply {
     fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
         let mut fields = Fields::of(reply)?;
-        let reply = match fields.next()? {
-            1 => {
+        let reply = match holder_code(&mut fields, "force")? {
+            HolderCode::Held => {
                 let mut fences = Vec::new();
                 while !fields.is_empty() {
                     fences.push(fields.next()?);

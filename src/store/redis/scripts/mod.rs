@@ -12,51 +12,17 @@
 //! no other code orders arguments or indexes a reply. To add a script: its `.lua` file, a field in
 //! [`Scripts`], a call type that implements [`ScriptCall`], and its reply type.
 //!
-//! Layout of one lock's Redis keys (store layout 2, see `STORE_LAYOUT`), which share a hash tag
-//! so every script stays on one slot of a Redis Cluster (see
-//! [`RedisKeys`](super::keys::RedisKeys)): `<prefix>{<key>}:lock`, a hash with `token`, `fence`,
-//! `expires_at` (Unix ms on Redis's clock), `ttl`, `granted_at`, `by` (the brokers that answer
-//! its holder, comma-separated, or `*`; absent on a lease an older broker wrote), `offered`
-//! (`1` while it is an offer not taken: its `expires_at` is then the offer's end, its `ttl` the
-//! bid's) and, when given, `owner` and `request_id`, for the exclusive lease;
-//! `<prefix>{<key>}:fence`, the key's fence counter; the shared leases in a pool (below) at
-//! `<prefix>{<key>}:shared`; and the key's queue, `<prefix>{<key>}:queue` (a sorted set: each
-//! waiting bid's token → its arrival sequence) with `<prefix>{<key>}:bids` (a hash: token →
-//! `broker|deadline_ms|kind|ttl|request_id|owner`, kind `x`, `s` or a semaphore's limit, owner
-//! `=` and the label or empty; and `#seq`, the sequence counter). The queue keys expire a slack
-//! after the longest deadline they saw, so an abandoned queue vanishes.
+//! Reply codes — the first field of a script's reply — are named on both sides: in
+//! `lib/prelude.lua` for the scripts, and in `codes.rs` for the reply types, with a unit test
+//! that checks the two agree. The scripts on a key's queue name their `KEYS` in `lib/keys.lua`.
 //!
-//! A pool — the shared leases of a lock, or the permits of a semaphore — is a hash `<pool>`
-//! (each holder's token → `fence|expires_at|ttl|granted_at|request_id|owner`, with `owner` `=`
-//! and the label or empty for none, `?<request_id>` → token, `@<token>` → the brokers that
-//! answer the holder and `!<token>` while its lease is an offer not taken) and a sorted set
-//! `<pool>:ends` (token → expires_at), so ended holders are found without reading every one.
-//! A semaphore's pool is `<prefix>{<key>}:sem`, with its limit in the hash's `#limit`, its own
-//! fence counter `<prefix>{<key>}:sem:fence` and its own queue, `:sem:queue` and `:sem:bids`:
-//! semaphores and locks are separate spaces.
+//! The Redis keys the scripts read and write, the channels they publish on and the epoch marker
+//! — the store's key layout — are described once, in `src/store/redis/README.md`.
 //!
 //! The queue's scripts share `lib/queue.lua`: the hand-on (an offer is a lease written in the
 //! head's name, with a fence taken then, that ends after the offer window unless its broker takes
 //! it), the lapse of an offer not taken (its broker's other bids leave the queue), and the
-//! notices. Each broker has its own channel, `<prefix>b:<id>` (its id is random, new at each
-//! start), and the scripts publish to the one broker concerned: an offer to its bid, a look when
-//! an offer to another broker lapses or a lease now ends sooner, a requeue, the end of a lease it
-//! remembers in its ledger (see `notices.rs` for the payloads). The shared channel
-//! `<prefix>released`, which every broker reads, carries the epoch announcements and the ends of
-//! leases written by older brokers, as those read them.
-//!
-//! The epoch marker `<prefix>epoch` is a hash, never expired: `id` (the epoch, Redis's clock in
-//! µs when it began), `run_id` (the server process it began on), `hold_until` (ms; nothing is
-//! granted before it), `reason` (`settle` or `loss`) and `layout` (the newest store layout a
-//! broker on the store runs, raised by the epoch check, never lowered: a granting script of an
-//! older layout that knows the field refuses to grant beside a newer one). On a Redis Cluster
-//! there is one marker per slot, `<prefix>epoch{<tag>}`, so that a script's keys stay on one
-//! slot. See `epoch.rs` for what an epoch is.
-//!
-//! Layout 1 (brokers before the queue) wrote the same `:lock` hash and pool records without
-//! `by`, `offered`, `@` or `!`, and no queue; both layouts read each other's leases and grant
-//! only over a key that holds no live one, so they never both grant a key (docs/failover.md,
-//! "Rolling upgrades").
+//! notices, each published to the one broker concerned (see the README's channels).
 
 /// Implements [`ScriptCall`] for a call type: the script it runs (its field of [`Scripts`]),
 /// what it answers, and how it writes its keys and arguments (`this` is the call).
@@ -85,6 +51,7 @@ macro_rules! script_call {
     };
 }
 
+mod codes;
 mod epoch;
 mod grant;
 mod holder;
@@ -320,15 +287,15 @@ impl Scripts {
             };
         }
         Self {
-            claim: lua!("claim": "lib/prelude.lua", "lib/grant.lua", "fast/claim.lua", "lib/pools.lua", "lib/queue.lua", "claim.lua"),
-            take_over: lua!("take_over": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "take_over.lua"),
-            join: lua!("join": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "join.lua"),
+            claim: lua!("claim": "lib/prelude.lua", "lib/grant.lua", "lib/keys.lua", "fast/claim.lua", "lib/pools.lua", "lib/queue.lua", "claim.lua"),
+            take_over: lua!("take_over": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "take_over.lua"),
+            join: lua!("join": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "join.lua"),
             read: lua!("read": "lib/prelude.lua", "lib/pools.lua", "read.lua"),
             permits: lua!("permits": "lib/prelude.lua", "lib/pools.lua", "permits.lua"),
-            release: lua!("release": "lib/prelude.lua", "fast/release.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
-            renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "renew.lua"),
-            force: lua!("force": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "force.lua"),
-            leave: lua!("leave": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "leave.lua"),
+            release: lua!("release": "lib/prelude.lua", "lib/keys.lua", "fast/release.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
+            renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "renew.lua"),
+            force: lua!("force": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "force.lua"),
+            leave: lua!("leave": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "leave.lua"),
             check: lua!("check": "lib/prelude.lua", "check.lua"),
             mark: lua!("mark": "mark.lua"),
             repair: lua!("repair": "repair.lua"),

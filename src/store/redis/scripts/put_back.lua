@@ -2,11 +2,12 @@
 --
 -- For each lease: the fence counter is raised to at least its fence (a store that lost or rolled
 -- back counters must not hand out a fence again); then if the key is free (or its lease has
--- ended) the lease is written back with what remains of it (code 1); if the key already holds
--- this token, its end is moved out to what remains if that is later (code 0); if it holds another
--- live lease — only possible if one lock already had two holders, say a broker that was cut off
--- during a loss — the lease with the higher fence stays, and the reply says which (code 2: the
--- other one stays; code 3: this one replaced it), with the other's fence. An exclusive lease and
+-- ended) the lease is written back with what remains of it (WRITTEN); if the key already holds
+-- this token, its end is moved out to what remains if that is later (ALREADY_THERE); if it holds
+-- another live lease — only possible if one lock already had two holders, say a broker that was
+-- cut off during a loss — the lease with the higher fence stays, and the reply says which
+-- (OTHER_KEPT: the other one stays; OTHER_REPLACED: this one replaced it), with the other's
+-- fence. (The codes are named in lib/prelude.lua.) An exclusive lease and
 -- live shared ones are such a conflict too; pool leases (shared leases, a semaphore's permits) do
 -- not conflict with each other.
 --
@@ -26,17 +27,18 @@
 -- ARGV: the epoch, slack_ms, this broker's id, then seven for each lease: kind (`x` exclusive, `s` shared, or the
 --       semaphore's limit), token, fence, remaining_ms, ttl_ms, owner and request id (each ''
 --       for none, else '=' and the value).
--- Replies {-1} if the store is no longer in that epoch (a loss during the put-back: start over),
--- else three numbers per lease: code, the other lease's fence (or 0), and 1 if the counter had
--- to be raised.
+-- Replies {EPOCH_MOVED} if the store is no longer in that epoch (a loss during the put-back:
+-- start over), else three numbers per lease: code, the other lease's fence (or 0), and 1 if the
+-- counter had to be raised.
 
 local PUT_BACK_HOLD_MS = 1000
 local now = now_us()
 local now_ms = math.floor(now / 1000)
-local m = redis.call('HMGET', KEYS[1], 'id', 'hold_until')
-if m[1] ~= ARGV[1] then return {-1} end
+local marker = KEYS[1]
+local m = redis.call('HMGET', marker, 'id', 'hold_until')
+if m[1] ~= ARGV[1] then return {EPOCH_MOVED} end
 if tonumber(m[2] or '0') < now_ms + PUT_BACK_HOLD_MS then
-  redis.call('HSET', KEYS[1], 'hold_until', int(now_ms + PUT_BACK_HOLD_MS))
+  redis.call('HSET', marker, 'hold_until', int(now_ms + PUT_BACK_HOLD_MS))
 end
 local slack = tonumber(ARGV[2])
 local broker = ARGV[3]
@@ -55,14 +57,14 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
   if redis.call('PTTL', counter) < remaining + slack then
     redis.call('PEXPIRE', counter, remaining + slack)
   end
-  local code, other, write = 1, 0, true
+  local code, other, write = WRITTEN, 0, true
   if kind == 'x' then
     local lock, pool, ends = k1, k3, k4
     local cur = redis.call('HMGET', lock, 'token', 'fence', 'expires_at')
     kept_fence(counter, cur[2], now)
     if cur[1] and tonumber(cur[3]) > now_ms then
       if cur[1] == token then
-        code, write = 0, false
+        code, write = ALREADY_THERE, false
         local by = redis.call('HGET', lock, 'by')
         if by and by_with(by, broker) ~= by then redis.call('HSET', lock, 'by', by_with(by, broker)) end
         if now_ms + remaining > tonumber(cur[3]) then
@@ -70,18 +72,18 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
           redis.call('PEXPIRE', lock, remaining + slack)
         end
       elseif tonumber(cur[2]) > fence then
-        code, other, write = 2, tonumber(cur[2]), false
+        code, other, write = OTHER_KEPT, tonumber(cur[2]), false
       else
-        code, other = 3, tonumber(cur[2])
+        code, other = OTHER_REPLACED, tonumber(cur[2])
       end
     end
     if write then
       local live = holders(pool, ends, now_ms)
       for j = 2, #live, 6 do
-        if live[j] > fence then code, other, write = 2, live[j], false end
+        if live[j] > fence then code, other, write = OTHER_KEPT, live[j], false end
       end
       if write and #live > 0 then
-        code, other = 3, live[#live - 4]
+        code, other = OTHER_REPLACED, live[#live - 4]
         redis.call('DEL', pool, ends)
       end
     end
@@ -98,7 +100,7 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
     if rec then
       local f, e, t, g, r, o = record(rec)
       if e > now_ms then
-        code, write = 0, false
+        code, write = ALREADY_THERE, false
         local by = redis.call('HGET', pool, '@' .. token)
         if by and by_with(by, broker) ~= by then redis.call('HSET', pool, '@' .. token, by_with(by, broker)) end
         if now_ms + remaining > e then
@@ -111,9 +113,9 @@ for i = 0, (#KEYS - 1) / 4 - 1 do
       local cur = redis.call('HMGET', lock, 'fence', 'expires_at')
       kept_fence(counter, cur[1], now)
       if cur[1] and tonumber(cur[2]) > now_ms and tonumber(cur[1]) > fence then
-        code, other, write = 2, tonumber(cur[1]), false
+        code, other, write = OTHER_KEPT, tonumber(cur[1]), false
       elseif cur[1] then
-        if tonumber(cur[2]) > now_ms then code, other = 3, tonumber(cur[1]) end
+        if tonumber(cur[2]) > now_ms then code, other = OTHER_REPLACED, tonumber(cur[1]) end
         redis.call('DEL', lock)
       end
     end

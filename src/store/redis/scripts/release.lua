@@ -2,25 +2,27 @@
 -- step. The brokers that remember the lease in their ledgers, other than this one, are told
 -- (see `ended`).
 --
--- Joined after lib/prelude.lua, fast/release.lua (whose `now` it goes on from), lib/pools.lua,
--- lib/grant.lua, lib/queue.lua and lib/holder.lua. Its call: `Release` in scripts/holder.rs.
--- KEYS: as lib/queue.lua's. ARGV: as `holder_context`'s.
--- Replies {1, held_ms, fence}; {0} not held, {2} not the token's; or {3, hold_until, now, reason}.
+-- Joined after lib/prelude.lua, lib/keys.lua, fast/release.lua (whose `now` it goes on from),
+-- lib/pools.lua, lib/grant.lua, lib/queue.lua and lib/holder.lua. Its call: `Release` in
+-- scripts/holder.rs.
+-- KEYS: as lib/keys.lua's. ARGV: as `holder_context`'s.
+-- Replies (codes named in lib/prelude.lua) {HELD, held_ms, fence}; {NOT_HELD}, {NOT_OWNER}; or
+-- {HOLD_IN_FORCE, hold_until, now, reason}.
 local c = holder_context(now)
 local h, hold, reason = holder(c.now_ms, lease)
-if h == 3 then return {3, hold, c.now_ms, reason} end
-if h == 4 then
+if h == HOLD_IN_FORCE then return {HOLD_IN_FORCE, hold, c.now_ms, reason} end
+if h == HELD_POOLED then
   local f, _, _, g = record(reason)
   local by = redis.call('HGET', POOL, '@' .. c.token)
   drop_holder(POOL, ENDS, c.token)
   ended(c, by, f, false)
   hand_on(c, nil)
-  return {1, math.max(0, c.now_ms - g), f}
+  return {HELD, math.max(0, c.now_ms - g), f}
 end
-if h ~= 1 then return {h} end
+if h ~= HELD then return {h} end
 local granted_at, fence, by = lease[6], lease[5], lease[4]
 kept_fence(FENCE, fence, c.now)
 redis.call('DEL', LOCK)
 ended(c, by, tonumber(fence), false)
 hand_on(c, nil)
-return {1, math.max(0, c.now_ms - tonumber(granted_at or c.now_ms)), tonumber(fence)}
+return {HELD, math.max(0, c.now_ms - tonumber(granted_at or c.now_ms)), tonumber(fence)}

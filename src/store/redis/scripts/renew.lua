@@ -2,18 +2,18 @@
 -- the ones that answer its holder. A renew that makes the lease end sooner tells the broker of
 -- the queue's first bid to look when it now ends: it timed its wait for the old end.
 --
--- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua, lib/queue.lua and lib/holder.lua.
--- Its call: `Renew` in scripts/holder.rs.
--- KEYS: as lib/queue.lua's. ARGV: as `holder_context`'s, then ttl_ms.
--- Replies {1, fence, expires_at, owner, epoch} for the exclusive lease, {4, fence, expires_at,
--- owner, epoch, limit} for a pool lease (the semaphore's limit, or '' for a shared lease); {0}
--- not held, {2} not the token's; or {3, hold_until, now, reason}. The epoch lets the broker tell
--- a renewal that raced a loss (see `RedisStore::remember`).
+-- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua, lib/keys.lua, lib/queue.lua and
+-- lib/holder.lua. Its call: `Renew` in scripts/holder.rs.
+-- KEYS: as lib/keys.lua's. ARGV: as `holder_context`'s, then ttl_ms.
+-- Replies {HELD, fence, expires_at, owner, epoch} for the exclusive lease, {HELD_POOLED, fence,
+-- expires_at, owner, epoch, limit} for a pool lease (the semaphore's limit, or '' for a shared
+-- lease); {NOT_HELD}, {NOT_OWNER}; or {HOLD_IN_FORCE, hold_until, now, reason}. The epoch lets
+-- the broker tell a renewal that raced a loss (see `RedisStore::remember`).
 local now = now_us()
 local c = holder_context(now)
 local now_ms = c.now_ms
 local h, expires, reason = holder(now_ms)
-if h == 3 then return {3, expires, now_ms, reason} end
+if h == HOLD_IN_FORCE then return {HOLD_IN_FORCE, expires, now_ms, reason} end
 local ttl = tonumber(ARGV[5])
 local function sooner()
   if now_ms + ttl >= expires then return end
@@ -22,7 +22,7 @@ local function sooner()
   local b = rec and string.match(rec, '^([^|]*)|')
   if b then tell(c, b, 'l ' .. c.space .. ' ' .. int(ttl) .. ' ' .. c.key) end
 end
-if h == 4 then
+if h == HELD_POOLED then
   local f, _, _, g, r, o = record(reason)
   redis.call('HSET', POOL, c.token, int(f) .. '|' .. int(now_ms + ttl) .. '|' .. int(ttl) .. '|' .. int(g) .. '|' .. r .. '|' .. o)
   local by = redis.call('HGET', POOL, '@' .. c.token)
@@ -32,9 +32,9 @@ if h == 4 then
   sooner()
   keep(POOL, ttl + c.slack)
   keep(ENDS, ttl + c.slack)
-  return {4, f, now_ms + ttl, (o ~= '' and string.sub(o, 2)) or false, redis.call('HGET', MARKER, 'id') or '', redis.call('HGET', POOL, '#limit') or ''}
+  return {HELD_POOLED, f, now_ms + ttl, (o ~= '' and string.sub(o, 2)) or false, redis.call('HGET', MARKER, 'id') or '', redis.call('HGET', POOL, '#limit') or ''}
 end
-if h ~= 1 then return {h} end
+if h ~= HELD then return {h} end
 redis.call('HSET', LOCK, 'expires_at', int(now_ms + ttl), 'ttl', int(ttl))
 local by = redis.call('HGET', LOCK, 'by')
 local now_by = by_with(by, c.broker)
@@ -42,4 +42,4 @@ if now_by ~= by then redis.call('HSET', LOCK, 'by', now_by) end
 sooner()
 redis.call('PEXPIRE', LOCK, ttl + c.slack)
 local v = redis.call('HMGET', LOCK, 'fence', 'owner')
-return {1, v[1], now_ms + ttl, v[2] or false, redis.call('HGET', MARKER, 'id') or ''}
+return {HELD, v[1], now_ms + ttl, v[2] or false, redis.call('HGET', MARKER, 'id') or ''}

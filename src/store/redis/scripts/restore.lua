@@ -8,9 +8,10 @@
 -- ARGV: token, expires_at to restore, its ttl, slack_ms, notice channel, client key, the
 -- renewal's expires_at.
 -- Replies 1 restored, 0 nothing to do.
-local cur = redis.call('HMGET', KEYS[1], 'token', 'expires_at')
-if cur[1] ~= ARGV[1] or cur[2] ~= ARGV[7] then return 0 end
-redis.call('HSET', KEYS[1], 'expires_at', ARGV[2], 'ttl', ARGV[3])
-redis.call('PEXPIREAT', KEYS[1], string.format('%.0f', tonumber(ARGV[2]) + tonumber(ARGV[4])))
+local lock, token, expires = KEYS[1], ARGV[1], ARGV[2]
+local cur = redis.call('HMGET', lock, 'token', 'expires_at')
+if cur[1] ~= token or cur[2] ~= ARGV[7] then return 0 end
+redis.call('HSET', lock, 'expires_at', expires, 'ttl', ARGV[3])
+redis.call('PEXPIREAT', lock, string.format('%.0f', tonumber(expires) + tonumber(ARGV[4])))
 redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1

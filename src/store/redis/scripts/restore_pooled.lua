@@ -4,11 +4,12 @@
 -- KEYS: pool, its ends.
 -- ARGV: as restore.lua's.
 -- Replies 1 restored, 0 nothing to do.
-local rec = redis.call('HGET', KEYS[1], ARGV[1])
+local pool, token, expires = KEYS[1], ARGV[1], ARGV[2]
+local rec = redis.call('HGET', pool, token)
 if not rec then return 0 end
 local f, e, t, rest = string.match(rec, '^(%d+)|(%d+)|(%d+)|(.*)$')
 if e ~= ARGV[7] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], f .. '|' .. ARGV[2] .. '|' .. ARGV[3] .. '|' .. rest)
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('HSET', pool, token, f .. '|' .. expires .. '|' .. ARGV[3] .. '|' .. rest)
+redis.call('ZADD', KEYS[2], expires, token)
 redis.call('PUBLISH', ARGV[5], ARGV[6])
 return 1

@@ -31,6 +31,112 @@ fn the_scripts_keep_keys_the_brokers_own_slack_past_their_leases() {
     assert!(include_str!("lib/prelude.lua").contains(&declared));
 }
 
+/// The reply codes `lib/prelude.lua` declares (`local NAME = number`, between its "Reply codes
+/// begin." and "Reply codes end." lines), in order.
+fn prelude_reply_codes() -> Vec<(String, i64)> {
+    let prelude = include_str!("lib/prelude.lua");
+    let start = prelude
+        .find("-- Reply codes begin.\n")
+        .expect("prelude.lua marks where its reply codes begin");
+    let end = prelude
+        .find("-- Reply codes end.\n")
+        .expect("prelude.lua marks where its reply codes end");
+    prelude[start..end]
+        .lines()
+        .filter(|line| !line.starts_with("--"))
+        .map(|line| {
+            let declared = line
+                .strip_prefix("local ")
+                .and_then(|l| l.split_once(" = "));
+            let (name, code) = declared.unwrap_or_else(|| panic!("not a reply code: {line}"));
+            let code = code
+                .parse()
+                .unwrap_or_else(|_| panic!("not a number: {line}"));
+            (name.to_owned(), code)
+        })
+        .collect()
+}
+
+#[test]
+fn the_scripts_and_the_broker_name_the_same_reply_codes() {
+    let lua = prelude_reply_codes();
+    let rust = [
+        codes::GrantCode::LUA,
+        codes::HolderCode::LUA,
+        codes::PutBackCode::LUA,
+    ]
+    .concat();
+    assert!(lua.len() >= 18, "{lua:?}");
+    for (name, code) in &rust {
+        let in_lua = lua.iter().find(|(n, _)| n == name).map(|(_, c)| c);
+        assert_eq!(in_lua, Some(code), "{name}: its number in lib/prelude.lua");
+    }
+    for (name, _) in &lua {
+        let named = rust.iter().filter(|(n, _)| n == name).count();
+        assert_eq!(named, 1, "{name}: named once in scripts/codes.rs");
+    }
+    assert_eq!(
+        lua.len(),
+        rust.len(),
+        "a code declared twice in lib/prelude.lua"
+    );
+}
+
+#[test]
+fn each_reply_code_decodes_to_its_own_variant_and_an_unknown_one_is_given_back() {
+    for (name, code) in codes::GrantCode::LUA {
+        assert_eq!(
+            codes::GrantCode::try_from(*code).map(|c| c as i64),
+            Ok(*code),
+            "{name}"
+        );
+    }
+    for (name, code) in codes::HolderCode::LUA {
+        assert_eq!(
+            codes::HolderCode::try_from(*code).map(|c| c as i64),
+            Ok(*code),
+            "{name}"
+        );
+    }
+    for (name, code) in codes::PutBackCode::LUA {
+        assert_eq!(
+            codes::PutBackCode::try_from(*code).map(|c| c as i64),
+            Ok(*code),
+            "{name}"
+        );
+    }
+    assert_eq!(codes::GrantCode::try_from(8), Err(8));
+    assert_eq!(codes::HolderCode::try_from(-1), Err(-1));
+    assert_eq!(codes::PutBackCode::try_from(4), Err(4));
+}
+
+#[test]
+fn no_script_answers_a_bare_reply_code() {
+    let scripts = Scripts::new();
+    for lua in [
+        &scripts.claim,
+        &scripts.take_over,
+        &scripts.join,
+        &scripts.release,
+        &scripts.renew,
+        &scripts.force,
+        &scripts.leave,
+        &scripts.put_back,
+    ] {
+        // A reply is a table whose first field is its code: `{` and a number is a bare code.
+        let bare = lua.source.match_indices('{').find(|(at, _)| {
+            let after = lua.source[at + 1..].trim_start_matches('-');
+            after.starts_with(|c: char| c.is_ascii_digit())
+        });
+        assert!(
+            bare.is_none(),
+            "{}: a bare code at byte {:?}",
+            lua.name,
+            bare
+        );
+    }
+}
+
 #[test]
 fn the_queue_context_puts_its_free_text_last_with_lengths_first() {
     let caller = Caller {

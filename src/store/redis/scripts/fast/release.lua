@@ -4,18 +4,19 @@
 -- fence kept) — released in four calls, before the queue's helpers are defined. Anything else
 -- falls through to release.lua, which reuses `now` and the lease read here.
 --
--- Joined after lib/prelude.lua. KEYS and ARGV: RELEASE's (release.lua).
+-- Joined after lib/prelude.lua and lib/keys.lua (the KEYS by name). KEYS and ARGV: RELEASE's
+-- (release.lua).
 local now = now_us()
 -- The exclusive lease as read here (token, expires_at, offered, by, fence, granted_at); nil on a
 -- semaphore. Nothing writes before release.lua reads it again.
 local lease = nil
-if KEYS[1] ~= KEYS[4] then
+if EXCL then
   local now_ms = math.floor(now / 1000)
-  local v = redis.call('HMGET', KEYS[1], 'token', 'expires_at', 'offered', 'by', 'fence', 'granted_at')
+  local v = redis.call('HMGET', LOCK, 'token', 'expires_at', 'offered', 'by', 'fence', 'granted_at')
   lease = v
   if v[1] == ARGV[1] and v[3] ~= '1' and v[4] == ARGV[3] and v[6] and tonumber(v[2]) > now_ms
-      and tonumber(v[5]) < now and redis.call('EXISTS', KEYS[6], KEYS[5], KEYS[8], KEYS[2]) == 0 then
-    redis.call('DEL', KEYS[1])
-    return {1, math.max(0, now_ms - tonumber(v[6])), tonumber(v[5])}
+      and tonumber(v[5]) < now and redis.call('EXISTS', QUEUE, ENDS, WATCHED, FENCE) == 0 then
+    redis.call('DEL', LOCK)
+    return {HELD, math.max(0, now_ms - tonumber(v[6])), tonumber(v[5])}
   end
 end

@@ -3,11 +3,11 @@
 --
 -- Checking the epoch in the granting script itself closes the gap between a loss and the moment
 -- a broker notices: no broker grants into an emptied store, whatever its timing. `checked`
--- replies `{3, epoch}` when the store is not in the epoch the broker knows — it lost its data,
--- or another broker saw a loss first; on a cluster, the key's slot may also have moved from
--- another master, with that master's epoch — `{2, hold_until, now, reason}` while a store-wide
--- hold is in force, and `{6, layout}` when a broker of a newer layout runs on the store (this
--- one does not know what it keeps there, and must not grant beside it).
+-- replies `{OTHER_EPOCH, epoch}` when the store is not in the epoch the broker knows — it lost
+-- its data, or another broker saw a loss first; on a cluster, the key's slot may also have moved
+-- from another master, with that master's epoch — `{ON_HOLD, hold_until, now, reason}` while a
+-- store-wide hold is in force, and `{NEWER_LAYOUT, layout}` when a broker of a newer layout runs
+-- on the store (this one does not know what it keeps there, and must not grant beside it).
 --
 -- The fence is taken in the same script as the write that grants, so fences are ordered like
 -- grants. (Taking it with INCR before a separate SETNX is not: A INCRs 5, B INCRs 6, B wins and
@@ -18,10 +18,10 @@
 -- one grant per microsecond on average and Redis's clock did not step back.
 local function checked(now, marker, known)
   local id, hold, reason, layout = epoch(marker)
-  if layout > LAYOUT then return {6, layout} end
-  if id ~= known then return {3, id or false} end
+  if layout > LAYOUT then return {NEWER_LAYOUT, layout} end
+  if id ~= known then return {OTHER_EPOCH, id or false} end
   local now_ms = math.floor(now / 1000)
-  if now_ms < hold then return {2, hold, now_ms, reason} end
+  if now_ms < hold then return {ON_HOLD, hold, now_ms, reason} end
   return nil
 end
 -- `last`: the fence of the key's exclusive lease record, live or not (0 for none), which the

@@ -1,8 +1,6 @@
 -- Helpers of the scripts on pools (shared leases, semaphore permits), and `by_with`, which the
--- scripts that record the brokers answering a lease share. A pool is a hash (token ->
--- `fence|expires_at|ttl|granted_at|request_id|owner`, `?<request_id>` -> token, `!<token>` while
--- the token's lease is an offer not taken, `@<token>` -> the brokers that answer its holder) and
--- a sorted set of ends (token -> expires_at); see `scripts/mod.rs`.
+-- scripts that record the brokers answering a lease share. A pool is a hash of records and a
+-- sorted set of ends: see the key layout, src/store/redis/README.md.
 local function record(rec)
   local f, e, t, g, r, o = string.match(rec, '^(%d+)|(%d+)|(%d+)|(%d+)|([^|]*)|(.*)$')
   return tonumber(f), tonumber(e), tonumber(t), tonumber(g), r, o

@@ -1,5 +1,5 @@
 -- Shared head of every script but MARK and REPAIR (joined in front of it at build time, see
--- `scripts/mod.rs`).
+-- `scripts/mod.rs`): helpers, and the constants both sides of the boundary agree on.
 --
 -- `TIME` in a script that then writes needs effects replication: the default since Redis 5 and
 -- the only mode since 7; `replicate_commands` turns it on for older servers.
@@ -15,6 +15,34 @@ local LAYOUT = 2
 -- How long a key outlives the lease (or the wait) that last set its expiry, ms: the broker's
 -- `EXPIRY_SLACK_MS` (a unit test checks that the two agree).
 local SLACK = 60000
+-- Reply codes: the first field of a script's reply, by name. The broker's side is in
+-- scripts/codes.rs (`GrantCode`, `HolderCode`, `PutBackCode`); a unit test checks that every code
+-- below is there with the same number, and every code there is here. Plain locals, not a table:
+-- a table would be built anew at every call, a local is one load.
+-- Reply codes begin.
+-- The granting scripts (CLAIM, TAKE_OVER, JOIN; `checked` answers the three codes it checks):
+local REFUSED = 0
+local GRANTED = 1
+local ON_HOLD = 2
+local OTHER_EPOCH = 3
+local NO_ROOM = 4
+local OTHER_LIMIT = 5
+local NEWER_LAYOUT = 6
+local QUEUED = 7
+-- The holder scripts (RELEASE, RENEW, FORCE; `holder` in lib/holder.lua answers the same):
+-- HELD is the token's exclusive lease (FORCE: the live leases ended), HELD_POOLED its pool lease.
+local NOT_HELD = 0
+local HELD = 1
+local NOT_OWNER = 2
+local HOLD_IN_FORCE = 3
+local HELD_POOLED = 4
+-- PUT_BACK, one per lease, or EPOCH_MOVED alone:
+local ALREADY_THERE = 0
+local WRITTEN = 1
+local OTHER_KEPT = 2
+local OTHER_REPLACED = 3
+local EPOCH_MOVED = -1
+-- Reply codes end.
 -- Redis's clock in µs, and as TIME answers it ({seconds, microseconds}, strings).
 local function now_us()
   local t = redis.call('TIME')

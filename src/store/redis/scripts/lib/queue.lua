@@ -1,22 +1,13 @@
 -- The key's queue, shared by every broker on the store, and the hand-on: joined after
--- lib/prelude.lua, lib/pools.lua and lib/grant.lua in every script that grants or frees a key.
---
--- KEYS, in every one of those scripts: the exclusive lease (for a semaphore: its pool again,
--- where no such lease is), the fence counter, the epoch marker, the pool, its ends, the queue
--- (token -> sequence) and the bids (token -> `broker|deadline_ms|kind|ttl|request_id|owner`,
--- kind `x` exclusive, `s` shared or a semaphore's limit, owner '' or '=' and the label; and
--- `#seq`, the sequence counter). See `scripts/mod.rs`.
+-- lib/prelude.lua, lib/pools.lua, lib/grant.lua and lib/keys.lua (the KEYS by name) in every
+-- script that grants or frees a key. What each key holds: the key layout,
+-- src/store/redis/README.md.
 --
 -- The context `c` of a call: the caller's token and broker id, `chan` (the prefix of the
 -- brokers' own channels), `window` (how long an offer stays open, ms), the client key and its
 -- space letter (`L` lock, `S` semaphore) for the notices, the slack of the keys' expiry, the
 -- clock (`now` µs, `now_ms`), whether the key may be handed on (`hand`: the epoch is the one the
 -- caller knows and no hold is in force — an offer is a grant), and the brokers told to requeue.
-local LOCK, FENCE, MARKER, POOL, ENDS, QUEUE, BIDS = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
--- Present while some broker has watches on the key (see `changed`).
-local WATCHED = KEYS[8]
--- A lock key has an exclusive lease; a semaphore has none.
-local EXCL = LOCK ~= POOL
 -- The most queue entries one hand-on walks (dead ones dropped included).
 local WALK = 1000
 
@@ -174,7 +165,7 @@ local function hand_on(c, me)
       local mine = head == me
       local fence, expires = write_lease(c, head, b, kind, tonumber(ttl), rid, owner, not mine)
       if mine then
-        granted = {1, fence, expires, head, tonumber(ttl), c.now_ms}
+        granted = {GRANTED, fence, expires, head, tonumber(ttl), c.now_ms}
       else
         offered[b] = true
         any = true
@@ -198,14 +189,14 @@ local function enqueue(c, bid)
   keep(BIDS, bid.wait + c.slack)
 end
 -- A waiting bid's turn: it joins the queue (or keeps its place), the key is handed on, and the
--- bid is granted if its turn came; else {7, ms until what blocks it ends}.
+-- bid is granted if its turn came; else {QUEUED, ms until what blocks it ends}.
 local function wait_turn(c, bid)
   -- Settled first: a lapsed offer's broker requeues before this bid joins, not after.
   settle(c)
   enqueue(c, bid)
   local granted = hand_on(c, c.token)
   if granted then return granted end
-  return {7, busy_for(c, bid.kind) or busy_for(c, 'x') or c.window}
+  return {QUEUED, busy_for(c, bid.kind) or busy_for(c, 'x') or c.window}
 end
 -- Tells the brokers that remember a lease (`by`: broker ids, comma-separated) that it ended,
 -- except the caller (which forgets it itself): `d`, or `D` when every lease on the key up to the
