@@ -19,9 +19,9 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use crate::domain::{LockKey, Token};
+use crate::domain::{LockKey, Space, Token};
 use crate::metrics::{Metrics, PassedOn};
-use crate::store::{Notice, Space};
+use crate::store::Notice;
 
 /// One waiting acquire.
 struct Waiter {

@@ -35,9 +35,8 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
-use crate::domain::LockKey;
+use crate::domain::{LockKey, Space};
 use crate::lock::{HoldersView, LockError};
-use crate::store::Space;
 
 /// How long a key's entry and keeper stay after its last watch left, for the next watch to take
 /// its reading.

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use super::http::drive;
 use super::{BenchArgs, Phase};
-use lockbroker::domain::{LockKey, Token, Ttl};
-use lockbroker::store::{Bid, GrantAnswer, Holder, RedisStore, Space, Store};
+use lockbroker::domain::{LockKey, Space, Token, Ttl};
+use lockbroker::store::{Bid, GrantAnswer, Holder, RedisStore, Store};
 
 pub(super) async fn uncontended_direct(
     store: Arc<RedisStore>,

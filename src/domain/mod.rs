@@ -7,7 +7,7 @@ use std::time::Duration;
 use rand::Rng;
 
 mod lease;
-pub use lease::Lease;
+pub use lease::{Kind, Lease, Mode, Pool, Space};
 
 /// A duration in whole milliseconds, the unit of the API and of the store (saturating: no
 /// duration the broker handles comes near `u64::MAX` ms).

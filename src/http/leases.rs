@@ -16,9 +16,9 @@ use super::requests::{
     watch_request,
 };
 use super::{Limits, SharedState};
-use crate::domain::LockKey;
+use crate::domain::{Kind, LockKey, Space};
 use crate::lock::{AcquireRequest, HoldersView};
-use crate::store::{Kind, Lease, Page, Space, Store};
+use crate::store::{Lease, Page, Store};
 
 /// What the routes of one space do differently: their keys' space, what an acquire takes, and
 /// the bodies they answer with.

@@ -13,9 +13,9 @@ use super::error::ApiError;
 use super::leases::{GrantJson, LeaseSpace, lease_routes};
 use super::openapi::Locked;
 use super::requests::{AcquireBody, ModeName, acquire_request};
-use crate::domain::{LockKey, Owner};
+use crate::domain::{Kind, LockKey, Mode, Owner, Space};
 use crate::lock::{AcquireRequest, HoldersView};
-use crate::store::{Kind, Lease, Listed, Mode, Page, Space, Store};
+use crate::store::{Lease, Listed, Page, Store};
 
 lease_routes! {
     LockRoutes "locks" ["/locks" "/locks/{key}" "/locks/{key}/renew"]

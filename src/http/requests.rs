@@ -19,10 +19,9 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::Limits;
 use super::error::ApiError;
-use crate::domain::{LockKey, Owner, RequestId, Ttl, WaitFor};
+use crate::domain::{Kind, LockKey, Owner, RequestId, Space, Ttl, WaitFor};
 use crate::lock::AcquireRequest;
-use crate::store::Kind;
-use crate::store::{ListQuery, MAX_LIST_LIMIT, Space};
+use crate::store::{ListQuery, MAX_LIST_LIMIT};
 
 /// A request's parameters, as parsed from the query string and a JSON body alike.
 pub trait Parameters: DeserializeOwned + Serialize + Default {

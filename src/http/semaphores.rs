@@ -14,9 +14,9 @@ use super::leases::{GrantJson, LeaseSpace, lease_routes};
 use super::locks::{HolderBody, aggregate, holder_bodies};
 use super::openapi::PermitRefused;
 use super::requests::{SemaphoreAcquireBody, acquire_request};
-use crate::domain::LockKey;
+use crate::domain::{Kind, LockKey, Space};
 use crate::lock::{AcquireRequest, HoldersView};
-use crate::store::{Kind, Lease, Listed, MAX_SEMAPHORE_LIMIT, Page, Space, Store};
+use crate::store::{Lease, Listed, MAX_SEMAPHORE_LIMIT, Page, Store};
 
 lease_routes! {
     SemaphoreRoutes "semaphores" ["/semaphores" "/semaphores/{key}" "/semaphores/{key}/renew"]

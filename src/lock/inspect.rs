@@ -2,9 +2,9 @@
 //! live leases.
 
 use super::{HoldersView, LockError, LockService};
-use crate::domain::LockKey;
+use crate::domain::{LockKey, Mode};
 use crate::metrics::StoreOp;
-use crate::store::{ListQuery, Mode, Page, Store};
+use crate::store::{ListQuery, Page, Store};
 
 impl<S: Store> LockService<S> {
     /// The live leases on the lock `key`: the exclusive one, or the shared ones.

@@ -24,11 +24,9 @@ use futures_util::FutureExt;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
-use crate::domain::{Owner, RequestId, Ttl, WaitFor};
+use crate::domain::{Kind, Mode, Owner, RequestId, Space, Ttl, WaitFor};
 use crate::metrics::{Metrics, PassedOn, StoreOp};
-use crate::store::{
-    Hold, Holder, Kind, Lease, Mode, NOTICE_BUFFER, Notice, Space, Store, StoreError, StoreResult,
-};
+use crate::store::{Hold, Holder, Lease, NOTICE_BUFFER, Notice, Store, StoreError, StoreResult};
 use crate::waiters::{OnGone, Waiters};
 use crate::watchers::Watchers;
 

@@ -7,8 +7,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::Outage;
-use crate::domain::{LockKey, Token, Ttl};
-use crate::store::{Holder, Space, Store, StoreResult};
+use crate::domain::{LockKey, Space, Token, Ttl};
+use crate::store::{Holder, Store, StoreResult};
 
 /// A store call that may be granting a lease and has not given a definite answer yet.
 ///

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use super::{LockError, LockService};
-use crate::domain::{Fence, LockKey, Token, Ttl};
+use crate::domain::{Fence, LockKey, Space, Token, Ttl};
 use crate::metrics::{HolderResult, StoreOp};
-use crate::store::{Holder, Lease, Space, Store, StoreResult};
+use crate::store::{Holder, Lease, Store, StoreResult};
 
 impl<S: Store> LockService<S> {
     /// Releases `token`'s live lease on `key` in `space`: the exclusive or a shared lease of a

@@ -14,11 +14,10 @@ use futures::executor::block_on;
 
 use super::acquire::POLL_MIN;
 use super::*;
-use crate::domain::{LockKey, Token};
+use crate::domain::{Fence, LockKey, Mode, Pool, RequestId, Space, Token};
 use crate::store::memory::clock::ManualClock;
 use crate::store::{
-    Bid, GrantAnswer, Join, ListQuery, MemoryStore, Mode, Notice, Page, Permits, Pool, Snapshot,
-    Space,
+    Bid, GrantAnswer, Join, ListQuery, MemoryStore, Notice, Page, Permits, Snapshot,
 };
 
 type Hook = Box<dyn FnOnce(&MemoryStore) + Send>;
@@ -155,8 +154,6 @@ impl Store for Scripted {
         self.inner.start(notices);
     }
 }
-
-use crate::domain::{Fence, RequestId};
 
 const T0: u64 = 1_700_000_000_000;
 

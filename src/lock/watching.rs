@@ -10,8 +10,8 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{HoldersView, LockError, LockService};
-use crate::domain::{LockKey, millis};
-use crate::store::{Space, Store, StoreError, WATCH_MARK};
+use crate::domain::{LockKey, Space, millis};
+use crate::store::{Store, StoreError, WATCH_MARK};
 use crate::watchers::{LINGER, Reading, Watched, identity, shown_fence};
 
 /// How soon a keeper reads again after the store did not answer.

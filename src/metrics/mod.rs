@@ -14,8 +14,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+use crate::domain::{Kind, Space};
 use crate::lock::Outage;
-use crate::store::{Kind, Space};
 
 mod labels;
 

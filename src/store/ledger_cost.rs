@@ -25,8 +25,8 @@ pub struct LedgerCost {
 /// Fills a ledger with `leases` leases shaped like real ones (a 20-character key, a generated
 /// token, an owner label) and measures it.
 pub fn ledger_cost(leases: usize) -> LedgerCost {
-    use super::Kind;
     use super::ledger::Ledger;
+    use crate::domain::Kind;
     use crate::domain::{Lease, Owner};
     let ledger = Ledger::default();
     let owner = Owner::parse("web-7 pid 4242").expect("a valid owner");

@@ -25,7 +25,7 @@ pub(crate) use memory::MemoryStore;
 pub use redis::RedisStore;
 
 pub use crate::domain::Lease;
-use crate::domain::{Fence, LockKey, Owner, RequestId, Token, Ttl};
+use crate::domain::{Fence, Kind, LockKey, Mode, Owner, Pool, RequestId, Space, Token, Ttl};
 
 /// What a contender asks for: its token, the lease length and the label for people.
 #[derive(Debug, Clone)]
@@ -49,71 +49,6 @@ impl Bid {
     /// Whether the bid waits (joins the key's queue when it cannot be granted now).
     pub fn waits(&self) -> bool {
         self.wait_ms > 0
-    }
-}
-
-/// The key spaces: a lock and a semaphore of the same name are unrelated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Space {
-    Locks,
-    Semaphores,
-}
-
-/// What a lease on a lock key is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
-    /// One holder, alone.
-    Exclusive,
-    /// Any number of shared holders, never with an exclusive one.
-    Shared,
-}
-
-/// A set of holders a bid may join: the shared holders of a lock, or a semaphore's permits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pool {
-    /// A shared lease on a lock key: granted while no exclusive lease is live (or offered) on the
-    /// key and no exclusive bid waits in the key's queue ahead of it.
-    Shared,
-    /// One of `limit` permits of a semaphore (1 ..= `MAX_SEMAPHORE_LIMIT`).
-    Semaphore { limit: u32 },
-}
-
-impl Pool {
-    pub fn space(self) -> Space {
-        match self {
-            Pool::Shared => Space::Locks,
-            Pool::Semaphore { .. } => Space::Semaphores,
-        }
-    }
-}
-
-/// What kind of lease an acquire asks for, and a broker remembers in its ledger.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// The lock alone: the SETNX/GETSET recipe.
-    Exclusive,
-    /// A shared lease on the lock, beside any other shared ones.
-    Shared,
-    /// One of `limit` permits of a semaphore.
-    Semaphore { limit: u32 },
-}
-
-impl Kind {
-    /// The key space the lease is in.
-    pub fn space(self) -> Space {
-        match self {
-            Kind::Exclusive | Kind::Shared => Space::Locks,
-            Kind::Semaphore { .. } => Space::Semaphores,
-        }
-    }
-
-    /// The pool a shared lease or a permit joins; `None` for the lock alone.
-    pub fn pool(self) -> Option<Pool> {
-        match self {
-            Kind::Exclusive => None,
-            Kind::Shared => Some(Pool::Shared),
-            Kind::Semaphore { limit } => Some(Pool::Semaphore { limit }),
-        }
     }
 }
 

@@ -5,11 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockbroker::domain::{LockKey, RequestId, Token, Ttl};
+use lockbroker::domain::{LockKey, Mode, Pool, RequestId, Space, Token, Ttl};
 use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
-use lockbroker::store::{
-    Bid, GrantAnswer, Holder, Join, ListQuery, Mode, Notice, Pool, Space, Store, StoreError,
-};
+use lockbroker::store::{Bid, GrantAnswer, Holder, Join, ListQuery, Notice, Store, StoreError};
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
 

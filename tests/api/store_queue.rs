@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use lockbroker::domain::{Lease, LockKey, RequestId, Token, Ttl};
+use lockbroker::domain::{Lease, LockKey, Pool, RequestId, Space, Token, Ttl};
 use lockbroker::store::redis::RedisStore;
-use lockbroker::store::{Bid, GrantAnswer, Holder, Join, Notice, Pool, Space, Store, StoreError};
+use lockbroker::store::{Bid, GrantAnswer, Holder, Join, Notice, Store, StoreError};
 use lockbroker_test_support::redis_server::RedisServer;
 use redis::AsyncCommands;
 use tokio::sync::mpsc;

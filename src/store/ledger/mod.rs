@@ -20,8 +20,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::domain::{Fence, Lease, LockKey, Owner, RequestId, Token};
-use crate::store::{Kind, Space};
+use crate::domain::{Fence, Kind, Lease, LockKey, Owner, RequestId, Space, Token};
 
 mod kept_token;
 

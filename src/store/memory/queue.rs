@@ -6,8 +6,8 @@
 //! alive, so they keep their places).
 
 use super::slot::{Slot, StoredLease};
-use crate::domain::Token;
-use crate::store::{Bid, Kind, Lease};
+use crate::domain::{Kind, Token};
+use crate::store::{Bid, Lease};
 
 /// How long an offer waits for its bid to take it (the Redis store uses its store timeout).
 /// The broker that queued the bid is this process, so the take normally follows the notice at

@@ -10,8 +10,8 @@ use super::RedisStore;
 use super::keys::Place;
 use super::replicas::Written;
 use super::scripts::{Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver};
-use crate::domain::{Fence, Lease, LockKey, Token};
-use crate::store::{Bid, Hold, HoldReason, Kind, Pool, StoreError, StoreResult};
+use crate::domain::{Fence, Kind, Lease, LockKey, Pool, Token};
+use crate::store::{Bid, Hold, HoldReason, StoreError, StoreResult};
 
 /// The version of what this broker keeps in Redis: 2 added the queue per key (`LAYOUT` in
 /// `lib/prelude.lua`; see `README.md`, the key layout, and docs/failover.md, "Rolling upgrades").

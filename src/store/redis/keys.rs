@@ -6,8 +6,7 @@ use std::borrow::Cow;
 
 use super::RedisStore;
 use super::slots::{slot_of, tag_for};
-use crate::domain::LockKey;
-use crate::store::Space;
+use crate::domain::{LockKey, Space};
 
 /// A semaphore's release notices carry its key after this (a lock key never has it).
 pub(super) const SEMAPHORE_NOTICE: &str = "#";

@@ -16,8 +16,8 @@ use futures_util::{StreamExt, stream};
 
 use super::RedisStore;
 use super::epoch::masters;
-use crate::domain::LockKey;
-use crate::store::{ListQuery, Listed, Mode, Page, Space, Store, StoreError, StoreResult};
+use crate::domain::{LockKey, Mode, Space};
+use crate::store::{ListQuery, Listed, Page, Store, StoreError, StoreResult};
 
 /// Most `SCAN` calls one page makes before it answers with what it found.
 const MAX_SCANS_PER_PAGE: usize = 64;

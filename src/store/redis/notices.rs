@@ -26,8 +26,8 @@ use super::RedisStore;
 use super::connection::Connector;
 use super::epoch::{CHECK_EVERY, SLOT_NOTICE};
 use super::keys::{LOCK_SPACE, SEMAPHORE_NOTICE, SEMAPHORE_SPACE};
-use crate::domain::{Fence, LockKey, Token, millis};
-use crate::store::{Notice, Space, StoreError, StoreResult};
+use crate::domain::{Fence, LockKey, Space, Token, millis};
+use crate::store::{Notice, StoreError, StoreResult};
 
 /// The payload of an epoch announcement.
 pub(super) const EPOCH_NOTICE: &str = "!epoch";

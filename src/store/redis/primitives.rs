@@ -14,10 +14,10 @@ use super::scripts::{
     ReleaseReply, Renew, RenewReply, Renewed,
 };
 use super::{RedisStore, listing, notices, sentinel};
-use crate::domain::{Fence, Lease, LockKey, Token, Ttl, millis};
+use crate::domain::{Fence, Kind, Lease, LockKey, Pool, Space, Token, Ttl, millis};
 use crate::store::{
-    Bid, GrantAnswer, Hold, HoldReason, Holder, Join, Kind, ListQuery, Notice, Page, Permits, Pool,
-    Released, Snapshot, Space, Store, StoreError, StoreResult, WATCH_MARK,
+    Bid, GrantAnswer, Hold, HoldReason, Holder, Join, ListQuery, Notice, Page, Permits, Released,
+    Snapshot, Store, StoreError, StoreResult, WATCH_MARK,
 };
 
 /// The answer of CLAIM or TAKE_OVER.

@@ -14,9 +14,9 @@ use super::connection::Conn;
 use super::epoch::{MARK_CONCURRENCY, PutBackReport, Shard};
 use super::scripts::{LeaseBack, Placement, PutBack, PutBackReply};
 use super::slots::slot_of;
-use crate::domain::{LockKey, Token, millis};
+use crate::domain::{Kind, LockKey, Space, Token, millis};
 use crate::store::ledger::Entry;
-use crate::store::{Holder, Kind, Space, StoreError, StoreResult};
+use crate::store::{Holder, StoreError, StoreResult};
 
 /// How many leases one put-back script call carries. Bounded so that one call stays short for
 /// Redis (a script blocks the server while it runs).

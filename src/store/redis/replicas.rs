@@ -53,8 +53,8 @@ use redis::Script;
 
 use super::RedisStore;
 use super::connection::Conn;
-use crate::domain::{Lease, LockKey, Token, millis};
-use crate::store::{EXPIRY_SLACK_MS, Space, Store, StoreError, StoreResult};
+use crate::domain::{Lease, LockKey, Space, Token, millis};
+use crate::store::{EXPIRY_SLACK_MS, Store, StoreError, StoreResult};
 
 /// Puts back the end of an exclusive lease whose renewal the replicas did not acknowledge.
 const RESTORE: &str = include_str!("scripts/restore.lua");

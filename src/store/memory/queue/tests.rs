@@ -3,11 +3,11 @@
 //! permits to the heads while there is room, the limit checked against the queue too, and
 //! request ids (answered by a taken lease, never by an offer).
 
-use crate::domain::RequestId;
+use crate::domain::{Pool, RequestId, Space};
 use crate::store::memory::clock::Clock;
 use crate::store::memory::queue::OFFER_WINDOW_MS;
 use crate::store::memory::tests::{Fixture, bid, granted, queued, waiting};
-use crate::store::{Bid, GrantAnswer, Holder, Join, Lease, Pool, Space, Store};
+use crate::store::{Bid, GrantAnswer, Holder, Join, Lease, Store};
 
 #[track_caller]
 fn joined(answer: Join) -> Lease {

@@ -5,11 +5,11 @@ use redis::{FromRedisValue, ParsingError, Value};
 
 use super::codes::PutBackCode;
 use super::{Fields, unknown};
-use crate::domain::Fence;
+use crate::domain::{Fence, Kind};
 use crate::store::ledger::Entry;
 use crate::store::redis::grant::STORE_LAYOUT;
 use crate::store::redis::keys::RedisKeys;
-use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason, Kind};
+use crate::store::{EXPIRY_SLACK_MS, Hold, HoldReason};
 
 /// CHECK's call: the epoch check of the shard whose epoch `marker` records.
 pub(crate) struct Check<'a> {

@@ -5,9 +5,9 @@ use redis::{FromRedisValue, ParsingError, Value};
 
 use super::codes::GrantCode;
 use super::{Fields, Writer, hold_in, unknown};
-use crate::domain::Fence;
+use crate::domain::{Fence, Pool};
 use crate::store::redis::keys::RedisKeys;
-use crate::store::{Bid, Hold, Pool};
+use crate::store::{Bid, Hold};
 
 /// Who calls, as the queue's scripts need it: the broker's id (what queued bids and leases
 /// record), the prefix of every broker's own channel, and the offer window.
