@@ -20,8 +20,6 @@ mod server;
 mod startup;
 pub mod store;
 mod telemetry;
-mod waiters;
-mod watchers;
 
 pub use auth::sha256_hex;
 pub use http::ROUTES;

@@ -12,11 +12,11 @@ use rand::RngExt;
 use tokio::time::Instant;
 
 use super::pending::{PendingGrant, Spot};
+use super::waiters::{Ticket, Wake};
 use super::{AcquireRequest, LockError, LockService};
 use crate::domain::{Kind, LockKey, Pool, Space, Token, millis};
 use crate::metrics::{AcquireResult, StoreOp};
 use crate::store::{Bid, GrantAnswer, Join, Lease, Store, StoreError, StoreResult};
-use crate::waiters::{Ticket, Wake};
 
 /// The outcome of one pass of the lock recipe, or of one try to join a pool.
 enum Attempt {

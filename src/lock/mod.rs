@@ -8,13 +8,17 @@
 //! operations are split by concern: `acquire.rs` (the recipe and waiting), `release.rs`
 //! (release, renewal and force release: a holder's, or an admin's, calls on a lease) and
 //! `inspect.rs` (reading holders and listing keys); `outage.rs` tells store outages in the
-//! logs; `pending.rs` cleans up a grant whose answer was lost.
+//! logs; `pending.rs` cleans up a grant whose answer was lost. Beside them, this broker's side of
+//! waiting and watching: `waiters.rs` parks the acquires that wait in their keys' queues,
+//! `watchers.rs` the watches by key, and `watching.rs` runs each watched key's keeper.
 
 mod acquire;
 mod inspect;
 mod outage;
 mod pending;
 mod release;
+mod waiters;
+mod watchers;
 mod watching;
 
 use std::sync::Arc;
@@ -24,11 +28,11 @@ use futures_util::FutureExt;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
+use self::waiters::{OnGone, Waiters};
+use self::watchers::Watchers;
 use crate::domain::{Kind, Mode, Owner, RequestId, Space, Ttl, WaitFor};
 use crate::metrics::{Metrics, PassedOn, StoreOp};
 use crate::store::{Hold, Holder, Lease, NOTICE_BUFFER, Notice, Store, StoreError, StoreResult};
-use crate::waiters::{OnGone, Waiters};
-use crate::watchers::Watchers;
 
 pub(crate) use outage::Outage;
 

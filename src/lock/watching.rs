@@ -1,6 +1,6 @@
 //! Watching a key: answer a watch when the key's holders differ from what its caller saw, or
 //! when they change within its wait. The watches themselves are parked in
-//! [`crate::watchers`]; this file runs each watched key's keeper, the one task per key and
+//! [`super::watchers`]; this file runs each watched key's keeper, the one task per key and
 //! broker that reads the store for all of the key's watches.
 
 use std::sync::Arc;
@@ -9,10 +9,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::watchers::{LINGER, Reading, Watched, identity, shown_fence};
 use super::{HoldersView, LockError, LockService};
 use crate::domain::{LockKey, Space, millis};
 use crate::store::{Store, StoreError, WATCH_MARK};
-use crate::watchers::{LINGER, Reading, Watched, identity, shown_fence};
 
 /// How soon a keeper reads again after the store did not answer.
 const STORE_RETRY: Duration = Duration::from_millis(500);

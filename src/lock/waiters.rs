@@ -58,7 +58,7 @@ pub(crate) struct Waiters {
     queues: Mutex<Queues>,
     /// Most waiters at once; bounds the memory waiting can take.
     limit: usize,
-    /// Watches parked on this broker (`crate::watchers`), which count against `limit` too.
+    /// Watches parked on this broker (`super::watchers`), which count against `limit` too.
     watching: Arc<AtomicUsize>,
 }
 
@@ -113,7 +113,7 @@ impl Waiters {
                     waiters.ask_all(Some(&(space, key)));
                 }
                 Notice::Missed => waiters.ask_all(None),
-                // For watchers (`crate::watchers`); the lock service hands those over itself.
+                // For watchers (`super::watchers`); the lock service hands those over itself.
                 Notice::Changed(..) => {}
             }
         }

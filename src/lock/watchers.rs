@@ -3,7 +3,7 @@
 //!
 //! Per watched key this broker keeps one [`Watched`]: the last reading of the key (its holders,
 //! or free), published to every watch of the key, and a count of wake-up requests. One keeper
-//! per key (the lock service runs it, see `crate::lock`) reads the key when asked, at the
+//! per key (the lock service runs it, see `watching.rs`) reads the key when asked, at the
 //! earliest end of its holders' leases (an expiry changes the holders without anyone saying so),
 //! and once a second on a store that does not announce other brokers' changes:
 //! so a change costs one store read per key per broker, however many watches wait on it, and a
@@ -35,8 +35,8 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
+use super::{HoldersView, LockError};
 use crate::domain::{LockKey, Space};
-use crate::lock::{HoldersView, LockError};
 
 /// How long a key's entry and keeper stay after its last watch left, for the next watch to take
 /// its reading.
@@ -208,7 +208,7 @@ pub(crate) struct Watchers {
 }
 
 impl Watchers {
-    /// `count` is the waiters' count of watches (see `crate::waiters::Waiters::watching`).
+    /// `count` is the waiters' count of watches (see `super::waiters::Waiters::watching`).
     pub(crate) fn new(count: Arc<AtomicUsize>) -> Arc<Self> {
         Arc::new(Self {
             keys: Mutex::default(),
