@@ -2,7 +2,7 @@
 //! holding), a fence (its place in the key's grant order) and an end on the store's clock; its
 //! vocabulary (the key space, the kind and mode of a lease, the pool it joins) is here too.
 
-use super::{Fence, Owner, RequestId, Token};
+use super::{Fence, LockKey, Owner, RequestId, Token};
 
 /// A lease as a broker grants it, the store keeps it and the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,6 +33,10 @@ pub enum Space {
     Locks,
     Semaphores,
 }
+
+/// A key in its space (a lock and a semaphore of one name are two places): what a queue is for,
+/// and what a watch is on.
+pub(crate) type Place = (Space, LockKey);
 
 /// What a lease on a lock key is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

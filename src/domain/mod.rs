@@ -7,6 +7,7 @@ use std::time::Duration;
 use rand::Rng;
 
 mod lease;
+pub(crate) use lease::Place;
 pub use lease::{Kind, Lease, Mode, Pool, Space};
 
 /// A duration in whole milliseconds, the unit of the API and of the store (saturating: no

@@ -19,7 +19,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use crate::domain::{LockKey, Space, Token};
+use crate::domain::{LockKey, Place, Space, Token};
 use crate::metrics::{Metrics, PassedOn};
 use crate::store::Notice;
 
@@ -37,9 +37,6 @@ struct Waiter {
     /// else came, when an offer to another broker may lapse.
     look_at: Mutex<Option<Instant>>,
 }
-
-/// A key in its space: what a queue is for.
-type Place = (Space, LockKey);
 
 #[derive(Default)]
 struct Queues {

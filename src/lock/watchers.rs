@@ -36,14 +36,11 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use super::{HoldersView, LockError};
-use crate::domain::{LockKey, Space};
+use crate::domain::{LockKey, Place, Space};
 
 /// How long a key's entry and keeper stay after its last watch left, for the next watch to take
 /// its reading.
 pub(crate) const LINGER: Duration = Duration::from_secs(1);
-
-/// A key in its space: what a watch is on.
-pub(crate) type Place = (Space, LockKey);
 
 /// One reading of a watched key, shared by every watch of it.
 #[derive(Clone)]

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::RedisStore;
-use super::keys::Place;
+use super::keys::Site;
 use super::replicas::Written;
 use super::scripts::{Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver};
 use crate::domain::{Fence, Kind, Lease, LockKey, Pool, Token};
@@ -49,8 +49,8 @@ impl RedisStore {
         bid: &Bid,
     ) -> StoreResult<Result<Lease, NotGranted>> {
         let kind = script.kind();
-        let place = self.place(kind.space(), key);
-        let at = &place;
+        let site = self.site(kind.space(), key);
+        let at = &site;
         // The connection the granting write went over: its replicas are asked on that one.
         let carried = AtomicU64::new(0);
         let carried_by = &carried;
@@ -59,7 +59,7 @@ impl RedisStore {
             carried_by.store(generation, Ordering::Relaxed);
             Ok(reply)
         };
-        let (granted, epoch) = match self.in_epoch(place.slot, attempt).await? {
+        let (granted, epoch) = match self.in_epoch(site.slot, attempt).await? {
             Ok(granted) => granted,
             Err(not) => return Ok(Err(not)),
         };
@@ -82,7 +82,7 @@ impl RedisStore {
             ))
             .await?;
         }
-        self.remember(key, kind, place.slot, &lease, answered + remaining, &epoch);
+        self.remember(key, kind, site.slot, &lease, answered + remaining, &epoch);
         Ok(Ok(lease))
     }
 
@@ -90,11 +90,11 @@ impl RedisStore {
     async fn attempt(
         &self,
         script: GrantScript,
-        place: &Place<'_>,
+        site: &Site<'_>,
         bid: &Bid,
         epoch: &str,
     ) -> StoreResult<(Epoched<GrantReply>, u64)> {
-        let (keys, marker) = (&place.keys, &*place.marker);
+        let (keys, marker) = (&site.keys, &*site.marker);
         let caller = self.broker.caller();
         let claim = Claim {
             keys,

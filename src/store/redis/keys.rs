@@ -49,9 +49,9 @@ pub(super) struct RedisKeys {
     pub space: &'static str,
 }
 
-/// What a script on one key needs to know of where it runs: the key's Redis keys, its slot on
-/// a cluster, and the epoch marker on that slot.
-pub(super) struct Place<'a> {
+/// A key's site in Redis: what a script on one key needs to know of where it runs (the key's
+/// Redis keys, its slot on a cluster, and the epoch marker on that slot).
+pub(super) struct Site<'a> {
     pub keys: RedisKeys,
     pub slot: Option<u16>,
     pub marker: Cow<'a, str>,
@@ -115,8 +115,8 @@ impl RedisStore {
     }
 
     /// Where a script on `key` in `space` runs.
-    pub(super) fn place(&self, space: Space, key: &LockKey) -> Place<'_> {
-        Place {
+    pub(super) fn site(&self, space: Space, key: &LockKey) -> Site<'_> {
+        Site {
             keys: self.names(space, key),
             slot: self.slot(key),
             marker: self.marker_for(key),

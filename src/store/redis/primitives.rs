@@ -7,7 +7,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::grant::{GrantScript, STORE_LAYOUT, newer_layout};
-use super::keys::Place;
+use super::keys::Site;
 use super::replicas::Written;
 use super::scripts::{
     Caller, Force, ForceReply, HolderKeys, Leave, NotGranted, Read, ReadPermits, Release,
@@ -43,16 +43,16 @@ impl RedisStore {
         self.epoch.for_grant(slot).unwrap_or_default()
     }
 
-    /// What a holder script on `place` takes.
+    /// What a holder script on `site` takes.
     fn holder_keys<'a>(
         &'a self,
-        place: &'a Place<'_>,
+        site: &'a Site<'_>,
         caller: &'a Caller<'a>,
         epoch: &'a str,
     ) -> HolderKeys<'a> {
         HolderKeys {
-            keys: &place.keys,
-            marker: &place.marker,
+            keys: &site.keys,
+            marker: &site.marker,
             epoch,
             caller,
             channel: &self.channel,
@@ -80,10 +80,10 @@ impl Store for RedisStore {
         key: &LockKey,
         token: &Token,
     ) -> StoreResult<Holder<Released>> {
-        let place = self.place(space, key);
-        let (caller, epoch) = (self.broker.caller(), self.epoch_for(place.slot));
+        let site = self.site(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
         let release = Release {
-            on: self.holder_keys(&place, &caller, &epoch),
+            on: self.holder_keys(&site, &caller, &epoch),
             token,
         };
         let outcome = match self.run(&release).await? {
@@ -113,10 +113,10 @@ impl Store for RedisStore {
         } else {
             None
         };
-        let place = self.place(space, key);
-        let (caller, known) = (self.broker.caller(), self.epoch_for(place.slot));
+        let site = self.site(space, key);
+        let (caller, known) = (self.broker.caller(), self.epoch_for(site.slot));
         let renew = Renew {
-            on: self.holder_keys(&place, &caller, &known),
+            on: self.holder_keys(&site, &caller, &known),
             token,
             ttl,
         };
@@ -179,7 +179,7 @@ impl Store for RedisStore {
             .await?;
         }
         let ends = answered + Duration::from_millis(ttl.as_ms());
-        self.remember(key, kind, place.slot, &lease, ends, &epoch);
+        self.remember(key, kind, site.slot, &lease, ends, &epoch);
         Ok(Holder::Done(lease))
     }
 
@@ -198,10 +198,10 @@ impl Store for RedisStore {
     }
 
     async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
-        let place = self.place(space, key);
-        let (caller, epoch) = (self.broker.caller(), self.epoch_for(place.slot));
+        let site = self.site(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
         let leave = Leave {
-            on: self.holder_keys(&place, &caller, &epoch),
+            on: self.holder_keys(&site, &caller, &epoch),
             token,
         };
         self.run(&leave).await.map(|_| ())
@@ -229,10 +229,10 @@ impl Store for RedisStore {
     }
 
     async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
-        let place = self.place(space, key);
-        let (caller, epoch) = (self.broker.caller(), self.epoch_for(place.slot));
+        let site = self.site(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
         let force = Force {
-            on: self.holder_keys(&place, &caller, &epoch),
+            on: self.holder_keys(&site, &caller, &epoch),
         };
         let fences = match self.run(&force).await? {
             ForceReply::Ended(fences) => fences,
