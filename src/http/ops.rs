@@ -10,7 +10,8 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::error::ApiError;
-use super::openapi::{self, Forbidden, StoreUnavailable, Unauthorized};
+use super::error::responses::{Forbidden, StoreUnavailable, Unauthorized};
+use super::openapi;
 use super::{Auth, SharedState};
 use crate::store::Store;
 
