@@ -9,6 +9,7 @@
 //! the document lists exactly [`super::ROUTES`] and, for every operation, exactly the statuses
 //! that real requests get.
 
+use axum::body::Bytes;
 use serde_json::Value;
 use utoipa::openapi::OpenApi as Document;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
@@ -134,6 +135,14 @@ pub fn document(limits: &Limits, cursor_pattern: Option<&str>) -> Value {
         }
     }
     doc
+}
+
+/// The document as [`document`] gives it, serialized as `GET /openapi.json` sends it: built once
+/// per router (it depends on the configuration), each request then answers these bytes.
+pub(super) fn document_json(limits: &Limits, cursor_pattern: Option<&str>) -> Bytes {
+    serde_json::to_vec(&document(limits, cursor_pattern))
+        .expect("the document serializes")
+        .into()
 }
 
 /// Writes the `maximum` of every parameter and property whose bound is not a constant of the
