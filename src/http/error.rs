@@ -10,6 +10,8 @@ use crate::domain::InvalidValue;
 use crate::lock::LockError;
 use crate::store::{Hold, HoldReason, StoreError};
 
+pub mod responses;
+
 /// An error response. Every error the broker sends, the router's own included, is one of these.
 #[derive(Debug)]
 pub struct ApiError {
@@ -95,6 +97,38 @@ pub struct PermitConflictError<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = u32, required = false, minimum = 1)]
     limit: Option<u32>,
+}
+
+/// The body of `404 not_held`; with `watch`, it adds `"fence": null` and `changed`.
+#[derive(Serialize, ToSchema)]
+#[schema(as = NotHeldError)]
+pub struct NotHeldBody {
+    /// Always `not_held`.
+    #[schema(value_type = ErrorCode)]
+    error: &'static str,
+    /// One human sentence.
+    message: &'static str,
+    /// Only with `watch`: always null (nobody holds the key; a watch gives 0 for that).
+    #[schema(value_type = Option<u64>, required = false)]
+    fence: Option<u64>,
+    /// Only with `watch`: whether this differs from what the watch saw (false: its wait ran out
+    /// with the key still free).
+    #[schema(required = false)]
+    changed: bool,
+}
+
+/// The `404 not_held` a watch answers for a free key.
+pub(super) fn watch_not_held(changed: bool) -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        Json(NotHeldBody {
+            error: "not_held",
+            message: "Nobody holds this key (it is free, it was released, or its lease expired).",
+            fence: None,
+            changed,
+        }),
+    )
+        .into_response()
 }
 
 impl ApiError {

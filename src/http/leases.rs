@@ -7,7 +7,6 @@ use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
-use utoipa::ToSchema;
 
 use super::error::ApiError;
 use super::params::{Params, token};
@@ -164,40 +163,8 @@ pub(super) async fn inspect<L: LeaseSpace, S: Store>(
         .await?;
     Ok(match &answer.view {
         Some(view) => Json(L::inspect(key, view, Some(answer.changed))).into_response(),
-        None => watch_not_held(answer.changed),
+        None => super::error::watch_not_held(answer.changed),
     })
-}
-
-/// The body of `404 not_held`; with `watch`, it adds `"fence": null` and `changed`.
-#[derive(Serialize, ToSchema)]
-#[schema(as = NotHeldError)]
-pub struct NotHeldBody {
-    /// Always `not_held`.
-    #[schema(value_type = super::error::ErrorCode)]
-    error: &'static str,
-    /// One human sentence.
-    message: &'static str,
-    /// Only with `watch`: always null (nobody holds the key; a watch gives 0 for that).
-    #[schema(value_type = Option<u64>, required = false)]
-    fence: Option<u64>,
-    /// Only with `watch`: whether this differs from what the watch saw (false: its wait ran out
-    /// with the key still free).
-    #[schema(required = false)]
-    changed: bool,
-}
-
-/// The `404 not_held` a watch answers for a free key.
-fn watch_not_held(changed: bool) -> Response {
-    (
-        StatusCode::NOT_FOUND,
-        Json(NotHeldBody {
-            error: "not_held",
-            message: "Nobody holds this key (it is free, it was released, or its lease expired).",
-            fence: None,
-            changed,
-        }),
-    )
-        .into_response()
 }
 
 /// A listing: `200` with a page.
@@ -254,11 +221,11 @@ macro_rules! lease_routes {
             ),
             responses(
                 (status = 201, description = $granted, body = $grant),
-                super::openapi::RequestRefused,
-                super::openapi::Unauthorized,
-                super::openapi::Forbidden,
+                super::error::responses::RequestRefused,
+                super::error::responses::Unauthorized,
+                super::error::responses::Forbidden,
                 $conflict,
-                super::openapi::NotGranted,
+                super::error::responses::NotGranted,
             ),
             security((), ("bearer" = []))
         )]
@@ -283,12 +250,12 @@ macro_rules! lease_routes {
             ),
             responses(
                 (status = 204, description = $released),
-                super::openapi::RequestRefused,
-                super::openapi::Unauthorized,
-                super::openapi::ForceRefused,
-                super::openapi::NotHeld,
-                super::openapi::NotOwner,
-                super::openapi::StoreUnavailable,
+                super::error::responses::RequestRefused,
+                super::error::responses::Unauthorized,
+                super::error::responses::ForceRefused,
+                super::error::responses::NotHeld,
+                super::error::responses::NotOwner,
+                super::error::responses::StoreUnavailable,
             ),
             security((), ("bearer" = []))
         )]
@@ -319,12 +286,12 @@ macro_rules! lease_routes {
             ),
             responses(
                 (status = 200, description = $renewed, body = $grant),
-                super::openapi::RequestRefused,
-                super::openapi::Unauthorized,
-                super::openapi::Forbidden,
-                super::openapi::NotHeld,
-                super::openapi::NotOwner,
-                super::openapi::StoreUnavailable,
+                super::error::responses::RequestRefused,
+                super::error::responses::Unauthorized,
+                super::error::responses::Forbidden,
+                super::error::responses::NotHeld,
+                super::error::responses::NotOwner,
+                super::error::responses::StoreUnavailable,
             ),
             security((), ("bearer" = []))
         )]
@@ -345,11 +312,11 @@ macro_rules! lease_routes {
             params(super::params::KeyPath, super::requests::WatchQuery),
             responses(
                 (status = 200, description = $held, body = $inspect),
-                super::openapi::RequestRefused,
-                super::openapi::Unauthorized,
-                super::openapi::Forbidden,
-                super::openapi::InspectNotHeld,
-                super::openapi::InspectUnavailable,
+                super::error::responses::RequestRefused,
+                super::error::responses::Unauthorized,
+                super::error::responses::Forbidden,
+                super::error::responses::InspectNotHeld,
+                super::error::responses::InspectUnavailable,
             ),
             security((), ("bearer" = []))
         )]
@@ -370,10 +337,10 @@ macro_rules! lease_routes {
             params(super::requests::ListQueryParams),
             responses(
                 (status = 200, description = $listed, body = $list),
-                super::openapi::RequestRefused,
-                super::openapi::Unauthorized,
-                super::openapi::Forbidden,
-                super::openapi::StoreUnavailable,
+                super::error::responses::RequestRefused,
+                super::error::responses::Unauthorized,
+                super::error::responses::Forbidden,
+                super::error::responses::StoreUnavailable,
             ),
             security((), ("bearer" = []))
         )]

@@ -10,8 +10,8 @@ use utoipa::ToSchema;
 
 use super::Limits;
 use super::error::ApiError;
+use super::error::responses::Locked;
 use super::leases::{GrantJson, LeaseSpace, lease_routes};
-use super::openapi::Locked;
 use super::requests::{AcquireBody, ModeName, acquire_request};
 use crate::domain::{Kind, LockKey, Mode, Owner, Space};
 use crate::lock::{AcquireRequest, HoldersView};

@@ -79,12 +79,13 @@ pub(crate) type SharedState<S> = Arc<AppState<S>>;
 pub fn router<S: Store>(state: AppState<S>) -> Router {
     let state = Arc::new(state);
     let operations_guard = state.auth.clone().filter(|_| state.auth_metrics);
+    let document = openapi::document_json(&state.limits, state.locks.cursor_pattern());
     Router::new()
         .merge(guard_lock_routes(
             locks::router().merge(semaphores::router()),
             state.auth.clone(),
         ))
-        .merge(ops::ops_router(operations_guard))
+        .merge(ops::ops_router(operations_guard, document))
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         // Refuses oversized bodies, keeps each request in its span and logs each answer.

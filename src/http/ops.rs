@@ -2,7 +2,9 @@
 //! (`/metrics`) and the OpenAPI document (`/openapi.json`) — what load balancers, orchestrators
 //! and monitoring ask, as opposed to the lock routes clients use.
 
+use axum::body::Bytes;
 use axum::extract::State;
+use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -10,16 +12,17 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::error::ApiError;
-use super::openapi::{self, Forbidden, StoreUnavailable, Unauthorized};
+use super::error::responses::{Forbidden, StoreUnavailable, Unauthorized};
 use super::{Auth, SharedState};
 use crate::store::Store;
 
 /// The operations routes, without their state. `/healthz` and `/readyz` are always open;
-/// `/metrics` and `/openapi.json` are guarded by `guard` when there is one (`auth_metrics`).
-pub(super) fn ops_router<S: Store>(guard: Option<Auth>) -> Router<SharedState<S>> {
+/// `/metrics` and `/openapi.json` (which answers `document`, the OpenAPI document as built once
+/// for this router) are guarded by `guard` when there is one (`auth_metrics`).
+pub(super) fn ops_router<S: Store>(guard: Option<Auth>, document: Bytes) -> Router<SharedState<S>> {
     let readable = Router::new()
         .route("/metrics", get(metrics::<S>))
-        .route("/openapi.json", get(openapi_json::<S>));
+        .route("/openapi.json", get(move || openapi_json(document.clone())));
     let readable = match guard {
         Some(auth) => readable.route_layer(axum::middleware::from_fn_with_state(
             auth,
@@ -127,11 +130,13 @@ pub(super) async fn readyz<S: Store>(
     ),
     security((), ("bearer" = []))
 )]
-pub(super) async fn openapi_json<S: Store>(
-    State(state): State<SharedState<S>>,
-) -> Json<serde_json::Value> {
-    Json(openapi::document(
-        &state.limits,
-        state.locks.cursor_pattern(),
-    ))
+pub(super) async fn openapi_json(document: Bytes) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        document,
+    )
+        .into_response()
 }

@@ -10,9 +10,9 @@ use utoipa::ToSchema;
 
 use super::Limits;
 use super::error::ApiError;
+use super::error::responses::PermitRefused;
 use super::leases::{GrantJson, LeaseSpace, lease_routes};
 use super::locks::{HolderBody, aggregate, holder_bodies};
-use super::openapi::PermitRefused;
 use super::requests::{SemaphoreAcquireBody, acquire_request};
 use crate::domain::{Kind, LockKey, Space};
 use crate::lock::{AcquireRequest, HoldersView};

@@ -340,6 +340,29 @@ fn retry_after(answer: &Answer) -> Option<u64> {
         .map(|s| s.parse().expect("Retry-After is whole seconds"))
 }
 
+/// The document is built once per broker, from that broker's configuration: every request gets
+/// the same bytes, and two brokers configured differently each state their own bounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_broker_serves_one_document_of_its_own_configuration() {
+    let app = spawn_app_with(None, |c| c.max_ttl_ms = Some(120_000)).await;
+    let other = spawn_app_with(None, |c| c.max_ttl_ms = Some(240_000)).await;
+
+    let first = app.get("/openapi.json").await;
+    let second = app.get("/openapi.json").await;
+    first.expect_status(StatusCode::OK);
+    second.expect_status(StatusCode::OK);
+    assert_eq!(
+        first.text, second.text,
+        "two requests, two different documents"
+    );
+
+    let max_ttl = |doc: &Value| {
+        doc["components"]["schemas"]["AcquireBody"]["properties"]["ttl_ms"]["maximum"].clone()
+    };
+    assert_eq!(max_ttl(&first.json()), json!(120_000));
+    assert_eq!(max_ttl(&fetch_document(&other).await), json!(240_000));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_document_is_openapi_3_and_every_reference_resolves() {
     let app = spawn_app(None).await;
