@@ -16,7 +16,7 @@ const POLL_EVERY: Duration = Duration::from_millis(500);
 
 /// A value read from files, swapped whole on a reload. A std lock, not a tokio one: nothing
 /// awaits while holding it, and it is held only to clone or replace an `Arc`.
-pub struct Reloadable<T>(RwLock<Arc<T>>);
+pub(crate) struct Reloadable<T>(RwLock<Arc<T>>);
 
 impl<T> Reloadable<T> {
     pub(crate) fn new(value: T) -> Self {

@@ -139,7 +139,7 @@ impl BenchMode {
 }
 
 /// A semaphore's permits in `--mode semaphore` when `--limit` is not given.
-pub const DEFAULT_BENCH_LIMIT: u32 = 4;
+pub(crate) const DEFAULT_BENCH_LIMIT: u32 = 4;
 
 impl BenchArgs {
     /// The semaphore's permits in `--mode semaphore`.

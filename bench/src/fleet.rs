@@ -51,7 +51,7 @@ pub(super) fn handoffs(mut grants: Vec<Grant>) -> Vec<Duration> {
 
 /// How evenly the acquisitions fell on the clients.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Spread {
+pub(crate) struct Spread {
     pub most: u64,
     pub fewest: u64,
     /// `most / fewest`; absent when some client got no acquisition at all.
@@ -73,7 +73,7 @@ impl Spread {
 
 /// One fleet run's figures.
 #[derive(Debug, Serialize)]
-pub struct FleetSummary {
+pub(crate) struct FleetSummary {
     pub brokers: usize,
     pub clients: usize,
     pub hold_ms: f64,
@@ -236,7 +236,7 @@ async fn client_loop(
 }
 
 /// Runs the fleet bench against `args.urls` and prints its figures.
-pub async fn run(args: BenchArgs) -> anyhow::Result<FleetSummary> {
+pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<FleetSummary> {
     if args.contenders == 0 {
         bail!("--contenders must be at least 1");
     }

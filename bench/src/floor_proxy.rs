@@ -50,7 +50,7 @@ struct Proxy {
 }
 
 /// Serves the proxy until the process is stopped.
-pub async fn serve(args: FloorProxyArgs) -> anyhow::Result<()> {
+pub(crate) async fn serve(args: FloorProxyArgs) -> anyhow::Result<()> {
     let client = redis::Client::open(args.redis_url.as_str())?;
     let redis = client
         .get_multiplexed_async_connection()

@@ -105,7 +105,9 @@ async fn totals(nodes: &[MultiplexedConnection]) -> anyhow::Result<Totals> {
 
 /// Script calls Redis has served: EVALSHA, EVAL and (should the broker's scripts become
 /// functions) FCALL; scripts' inner commands are counted apart by Redis.
-pub async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<u64> {
+pub(crate) async fn script_calls(
+    conn: &mut redis::aio::MultiplexedConnection,
+) -> anyhow::Result<u64> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
@@ -117,7 +119,7 @@ pub async fn script_calls(conn: &mut redis::aio::MultiplexedConnection) -> anyho
 }
 
 /// `calls=` of `cmdstat_<name>` in an INFO commandstats reply.
-pub fn command_calls(info: &str, name: &str) -> u64 {
+pub(crate) fn command_calls(info: &str, name: &str) -> u64 {
     let prefix = format!("cmdstat_{name}:");
     info.lines()
         .find_map(|line| line.strip_prefix(&prefix))

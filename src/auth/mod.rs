@@ -124,7 +124,7 @@ impl Client {
 
 /// The tokens in force.
 #[derive(Debug, Default)]
-pub struct Policy {
+pub(crate) struct Policy {
     clients: Vec<Client>,
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{ArgGroup, Args};
 
-pub use lockbroker_cli_support::parse_limit;
+pub(super) use lockbroker_cli_support::parse_limit;
 use lockbroker_client::{Claim, Resource, Token};
 
 use lockbroker::domain::{LockKey, Owner, RequestId};
@@ -17,7 +17,7 @@ use lockbroker::domain::{LockKey, Owner, RequestId};
 #[derive(Debug, Clone, Args)]
 #[group(skip)]
 #[command(group(ArgGroup::new("target").args(["key", "semaphore"]).required(true)))]
-pub struct TargetArgs {
+pub(crate) struct TargetArgs {
     /// The lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
     #[arg(value_parser = parse_key)]
     pub key: Option<String>,
@@ -28,7 +28,7 @@ pub struct TargetArgs {
 
 impl TargetArgs {
     /// The lock or semaphore named.
-    pub fn resource(&self) -> Resource {
+    pub(crate) fn resource(&self) -> Resource {
         match (&self.key, &self.semaphore) {
             (Some(key), None) => Resource::lock(key.clone()),
             (None, Some(name)) => Resource::semaphore(name.clone()),
@@ -42,7 +42,7 @@ impl TargetArgs {
 #[derive(Debug, Clone, Args)]
 #[group(skip)]
 #[command(group(ArgGroup::new("target").args(["key", "semaphore"]).required(true)))]
-pub struct ClaimArgs {
+pub(crate) struct ClaimArgs {
     /// The lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
     #[arg(value_parser = parse_key)]
     pub key: Option<String>,
@@ -68,7 +68,7 @@ pub struct ClaimArgs {
 
 impl ClaimArgs {
     /// The lease asked for.
-    pub fn claim(&self) -> Claim {
+    pub(crate) fn claim(&self) -> Claim {
         match (&self.key, &self.semaphore, self.limit) {
             (Some(key), None, None) if self.shared => Claim::Shared(key.clone()),
             (Some(key), None, None) => Claim::Exclusive(key.clone()),
@@ -81,11 +81,11 @@ impl ClaimArgs {
     }
 }
 
-pub use lockbroker_client::format_ms;
+pub(crate) use lockbroker_client::format_ms;
 
 /// Parses a human duration (`30s`, `1500ms`, `2m`, `1h 30m`) that is a whole number of
 /// milliseconds, the API's unit.
-pub fn parse_duration(raw: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(raw: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(raw.trim())
         .map_err(|e| format!("{e} (write a duration such as 30s, 1500ms or 2m)"))?;
     if d.subsec_nanos() % 1_000_000 != 0 {
@@ -95,7 +95,7 @@ pub fn parse_duration(raw: &str) -> Result<Duration, String> {
 }
 
 /// A lease length: a duration of at least 1 ms.
-pub fn parse_ttl(raw: &str) -> Result<Duration, String> {
+pub(crate) fn parse_ttl(raw: &str) -> Result<Duration, String> {
     let d = parse_duration(raw)?;
     if d.is_zero() {
         return Err("a lease lasts at least 1ms".into());
@@ -104,14 +104,14 @@ pub fn parse_ttl(raw: &str) -> Result<Duration, String> {
 }
 
 /// A lock key, checked here as the broker would, so a typo is a usage error.
-pub fn parse_key(raw: &str) -> Result<String, String> {
+pub(crate) fn parse_key(raw: &str) -> Result<String, String> {
     LockKey::parse(raw)
         .map(|key| key.as_str().to_owned())
         .map_err(|e| e.0)
 }
 
 /// The start of a key, for `list`: empty, or what could begin a key.
-pub fn parse_prefix(raw: &str) -> Result<String, String> {
+pub(crate) fn parse_prefix(raw: &str) -> Result<String, String> {
     if raw.is_empty() {
         return Ok(String::new());
     }
@@ -121,21 +121,21 @@ pub fn parse_prefix(raw: &str) -> Result<String, String> {
 }
 
 /// A lease's token, checked as the broker would.
-pub fn parse_token(raw: &str) -> Result<Token, String> {
+pub(crate) fn parse_token(raw: &str) -> Result<Token, String> {
     lockbroker::domain::Token::parse(raw)
         .map(|token| Token::new(token.as_str()))
         .map_err(|e| e.0)
 }
 
 /// An owner label: at most 128 characters, no control characters.
-pub fn parse_owner(raw: &str) -> Result<String, String> {
+pub(crate) fn parse_owner(raw: &str) -> Result<String, String> {
     Owner::parse(raw)
         .map(|owner| owner.as_str().to_owned())
         .map_err(|e| e.0)
 }
 
 /// A request id: 1 to 64 characters from A-Z a-z 0-9 _ -.
-pub fn parse_request_id(raw: &str) -> Result<String, String> {
+pub(crate) fn parse_request_id(raw: &str) -> Result<String, String> {
     RequestId::parse(raw)
         .map(|id| id.as_str().to_owned())
         .map_err(|e| e.0)

@@ -44,7 +44,7 @@ const RETRY: Duration = Duration::from_secs(1);
 /// `lockbroker elect` flags.
 #[derive(Debug, Clone, Args)]
 #[command(after_help = ELECT_EXIT_CODES_HELP)]
-pub struct ElectArgs {
+pub(crate) struct ElectArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
     /// The election's lock: 1 to 200 characters from A-Z a-z 0-9 . _ - :
@@ -71,7 +71,7 @@ pub struct ElectArgs {
     pub command: Vec<OsString>,
 }
 
-pub const ELECT_EXIT_CODES_HELP: &str = "\
+pub(crate) const ELECT_EXIT_CODES_HELP: &str = "\
 Exit codes:
   N      the command ran and exited with status N (0 included), by itself or stopped by
          a SIGTERM or SIGINT sent to elect (then the leadership is released)
@@ -86,7 +86,7 @@ A leader whose lease is lost stops its command (SIGTERM, SIGKILL after --grace) 
 as a candidate again.";
 
 /// `lockbroker elect`.
-pub async fn elect(args: ElectArgs) -> ExitCode {
+pub(crate) async fn elect(args: ElectArgs) -> ExitCode {
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,

@@ -34,7 +34,7 @@ const WATCH_WAIT: Duration = Duration::from_secs(30);
 const RETRY: Duration = Duration::from_secs(1);
 
 /// `lockbroker status --watch`.
-pub async fn follow(args: &StatusArgs) -> ExitCode {
+pub(crate) async fn follow(args: &StatusArgs) -> ExitCode {
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,

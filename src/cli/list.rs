@@ -16,7 +16,7 @@ use super::{BrokerArgs, closed_stdout_ends_with, fail, format_ms, parse_prefix, 
   0    done (also when nothing is held)
   1    error: broker unreachable, request refused (400, 403), 5xx, unexpected answer
   2    usage error (bad flag, prefix or number)")]
-pub struct ListArgs {
+pub(crate) struct ListArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
     /// Only keys that start with this [default: every key].
@@ -43,7 +43,7 @@ pub struct ListArgs {
 
 /// `lockbroker list`: every held lock (or semaphore) under the prefix, following the broker's
 /// cursor from page to page until the last one or `--limit`.
-pub async fn list(args: ListArgs) -> ExitCode {
+pub(crate) async fn list(args: ListArgs) -> ExitCode {
     // A reader that stops reading (`| head -1`) took what it wanted: 0, table or JSON lines.
     closed_stdout_ends_with(0);
     let client = match args.broker.client() {
@@ -185,7 +185,7 @@ fn print_listing<const N: usize>(
 }
 
 /// Columns padded to their widest cell, two spaces apart; the last one is not padded.
-pub fn print_table<const N: usize>(indent: &str, header: [&str; N], rows: &[[String; N]]) {
+pub(crate) fn print_table<const N: usize>(indent: &str, header: [&str; N], rows: &[[String; N]]) {
     for line in table_lines(header, rows) {
         out!("{indent}{line}");
     }

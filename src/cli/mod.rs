@@ -12,30 +12,30 @@
 //! (`out!`) come from `lockbroker-cli-support`, which lockbroker-bench shares.
 
 mod args;
-pub mod commands;
+pub(crate) mod commands;
 #[cfg(unix)]
-pub mod elect;
-pub mod follow;
-pub mod list;
+pub(crate) mod elect;
+pub(crate) mod follow;
+pub(crate) mod list;
 #[cfg(unix)]
-pub mod run;
+pub(crate) mod run;
 #[cfg(unix)]
-pub mod supervise;
+pub(crate) mod supervise;
 
 use std::process::ExitCode;
 
 use clap::Args;
-pub use lockbroker_cli_support::{ConnectArgs, closed_stdout_ends_with, exit};
+pub(crate) use lockbroker_cli_support::{ConnectArgs, closed_stdout_ends_with, exit};
 use lockbroker_client::{Client, Error};
 use serde::Serialize;
 
-pub use self::args::{
+pub(crate) use self::args::{
     ClaimArgs, TargetArgs, format_ms, parse_duration, parse_key, parse_owner, parse_prefix,
     parse_request_id, parse_token, parse_ttl,
 };
 
 /// The exit-code table shown at the end of each client command's `--help`.
-pub const EXIT_CODES_HELP: &str = "\
+pub(crate) const EXIT_CODES_HELP: &str = "\
 Exit codes:
   0    done
   1    error: broker unreachable, request refused (400, 403, limit_mismatch), 5xx,
@@ -47,7 +47,7 @@ Exit codes:
        (not_held, not_owner)";
 
 /// The exit-code table at the end of `lockbroker run --help`.
-pub const RUN_EXIT_CODES_HELP: &str = "\
+pub(crate) const RUN_EXIT_CODES_HELP: &str = "\
 Exit codes:
   N      the command ran and exited with status N (0 included)
   128+S  the command died of signal S (143 for SIGTERM)
@@ -66,7 +66,7 @@ should not exit with those.";
 
 /// Where the broker is: shared by every client command.
 #[derive(Debug, Clone, Args)]
-pub struct BrokerArgs {
+pub(crate) struct BrokerArgs {
     /// The broker (or the load balancer in front of several).
     #[arg(
         long,
@@ -81,7 +81,7 @@ pub struct BrokerArgs {
 
 impl BrokerArgs {
     /// The client, or exit 1 with the reason the URL, the token or a TLS file is unusable.
-    pub fn client(&self) -> Result<Client, ExitCode> {
+    pub(crate) fn client(&self) -> Result<Client, ExitCode> {
         self.connect.client(&self.url).map_err(|why| {
             eprintln!("lockbroker: {why}");
             ExitCode::from(exit::ERROR)
@@ -90,7 +90,7 @@ impl BrokerArgs {
 }
 
 /// The exit code a command ends with after `e`.
-pub fn exit_code(e: &Error) -> u8 {
+pub(crate) fn exit_code(e: &Error) -> u8 {
     match e {
         Error::Locked { .. } => exit::LOCKED,
         Error::NotHeld { .. } | Error::NotOwner { .. } => exit::NOT_HELD,
@@ -99,7 +99,7 @@ pub fn exit_code(e: &Error) -> u8 {
 }
 
 /// `e` as one JSON object in the API's format, for `--json`.
-pub fn error_json(e: &Error) -> serde_json::Value {
+pub(crate) fn error_json(e: &Error) -> serde_json::Value {
     let mut body = serde_json::json!({ "error": e.code(), "message": e.to_string() });
     match e {
         Error::Locked {
@@ -115,7 +115,7 @@ pub fn error_json(e: &Error) -> serde_json::Value {
 }
 
 /// Reports an error on stderr (and as JSON on stdout with `--json`); returns its exit code.
-pub fn fail(doing: &str, e: &Error, json: bool) -> ExitCode {
+pub(crate) fn fail(doing: &str, e: &Error, json: bool) -> ExitCode {
     eprintln!("lockbroker: {doing}: {e}");
     closed_stdout_ends_with(exit_code(e));
     if json {
@@ -125,7 +125,7 @@ pub fn fail(doing: &str, e: &Error, json: bool) -> ExitCode {
 }
 
 /// What `status` and `release --force` say of a lock or semaphore nobody holds.
-pub fn not_held(resource: &lockbroker_client::Resource, json: bool) {
+pub(crate) fn not_held(resource: &lockbroker_client::Resource, json: bool) {
     closed_stdout_ends_with(exit::NOT_HELD);
     if json {
         print_json(&error_json(&Error::NotHeld {
@@ -137,7 +137,7 @@ pub fn not_held(resource: &lockbroker_client::Resource, json: bool) {
 }
 
 /// One JSON object on a line of stdout.
-pub fn print_json(value: &impl Serialize) {
+pub(crate) fn print_json(value: &impl Serialize) {
     out!(
         "{}",
         serde_json::to_string(value).expect("plain structs always serialize")

@@ -43,7 +43,7 @@ use lockbroker::domain::Owner;
 /// `lockbroker run` flags.
 #[derive(Debug, Clone, Args)]
 #[command(after_help = RUN_EXIT_CODES_HELP)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
     #[command(flatten)]
@@ -75,7 +75,7 @@ pub struct RunArgs {
 }
 
 /// `lockbroker run`.
-pub async fn run(args: RunArgs) -> ExitCode {
+pub(crate) async fn run(args: RunArgs) -> ExitCode {
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,

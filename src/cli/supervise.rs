@@ -208,7 +208,7 @@ pub(super) fn cannot_run(e: &io::Error) -> ExitCode {
 }
 
 #[cfg(target_os = "linux")]
-pub use self::helpers::{ExecArgs, SuperviseArgs, exec, supervise};
+pub(crate) use self::helpers::{ExecArgs, SuperviseArgs, exec, supervise};
 
 /// The hidden subcommands between a supervisor and its command. They run before `main` starts
 /// the async runtime: one thread, no signal handlers.
@@ -238,7 +238,7 @@ mod helpers {
 
     /// `lockbroker __exec`: the command's first process, until it `exec`s the command.
     #[derive(Debug, Args)]
-    pub struct ExecArgs {
+    pub(crate) struct ExecArgs {
         #[command(flatten)]
         watched: Watched,
         /// The command and its arguments.
@@ -249,7 +249,7 @@ mod helpers {
     /// `lockbroker __supervise`: starts the command, passes its status on, and kills its group
     /// if the supervisor dies.
     #[derive(Debug, Args)]
-    pub struct SuperviseArgs {
+    pub(crate) struct SuperviseArgs {
         #[command(flatten)]
         watched: Watched,
         /// The inherited descriptor to write the command's pid on.
@@ -284,7 +284,7 @@ mod helpers {
 
     /// Arms the parent-death signal (SIGKILL), checks the parent is still there, and runs the
     /// command in this process. Returns only if the command could not be run.
-    pub fn exec(args: ExecArgs) -> ExitCode {
+    pub(crate) fn exec(args: ExecArgs) -> ExitCode {
         let ExecArgs { watched, command } = args;
         if let Err(e) = prctl::set_pdeathsig(Signal::SIGKILL) {
             watched.say(format_args!(
@@ -314,7 +314,7 @@ mod helpers {
     /// Starts the command (through `__exec`) in a process group of its own, reports its pid,
     /// and waits: for its end (exits with its status) or for the supervisor's death (kills its
     /// group, reaps it and exits).
-    pub fn supervise(args: SuperviseArgs) -> ExitCode {
+    pub(crate) fn supervise(args: SuperviseArgs) -> ExitCode {
         let SuperviseArgs {
             watched,
             report_fd,

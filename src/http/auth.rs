@@ -25,7 +25,7 @@ use crate::reload::Reloadable;
 
 /// What the auth layer needs: the policy in force (swapped on reload) and where to count.
 #[derive(Clone)]
-pub struct Auth {
+pub(crate) struct Auth {
     pub policy: Arc<Reloadable<Policy>>,
     pub metrics: Arc<Metrics>,
 }

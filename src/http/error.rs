@@ -10,11 +10,11 @@ use crate::domain::InvalidValue;
 use crate::lock::LockError;
 use crate::store::{Hold, HoldReason, StoreError};
 
-pub mod responses;
+pub(crate) mod responses;
 
 /// An error response. Every error the broker sends, the router's own included, is one of these.
 #[derive(Debug)]
-pub struct ApiError {
+pub(crate) struct ApiError {
     status: StatusCode,
     code: ErrorCode,
     message: String,
@@ -38,7 +38,7 @@ pub struct ApiError {
 /// `request_header_fields_too_large` 431, `internal` 500 (not expected).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
-pub enum ErrorCode {
+pub(crate) enum ErrorCode {
     InvalidRequest,
     NotFound,
     NotHeld,
@@ -61,7 +61,7 @@ pub enum ErrorCode {
 /// (`PermitConflictError`).
 #[derive(Serialize, ToSchema)]
 #[schema(as = Error)]
-pub struct Body<'a> {
+pub(crate) struct Body<'a> {
     /// What went wrong, for programs.
     error: ErrorCode,
     /// One human sentence.
@@ -70,7 +70,7 @@ pub struct Body<'a> {
 
 /// The body of `409 locked`: the error body with the time until the current lease ends.
 #[derive(Serialize, ToSchema)]
-pub struct LockedError<'a> {
+pub(crate) struct LockedError<'a> {
     /// Always `locked`.
     error: ErrorCode,
     /// One human sentence.
@@ -84,7 +84,7 @@ pub struct LockedError<'a> {
 /// `limit_mismatch` with `limit`.
 // The broker sends a `locked` as a `LockedError` (the same JSON) and a `limit_mismatch` as this.
 #[derive(Serialize, ToSchema)]
-pub struct PermitConflictError<'a> {
+pub(crate) struct PermitConflictError<'a> {
     /// `locked` or `limit_mismatch`.
     error: ErrorCode,
     /// One human sentence.
@@ -102,7 +102,7 @@ pub struct PermitConflictError<'a> {
 /// The body of `404 not_held`; with `watch`, it adds `"fence": null` and `changed`.
 #[derive(Serialize, ToSchema)]
 #[schema(as = NotHeldError)]
-pub struct NotHeldBody {
+pub(crate) struct NotHeldBody {
     /// Always `not_held`.
     #[schema(value_type = ErrorCode)]
     error: &'static str,
@@ -152,11 +152,11 @@ impl ApiError {
         self
     }
 
-    pub fn invalid(message: impl Into<String>) -> Self {
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, ErrorCode::InvalidRequest, message)
     }
 
-    pub fn not_found() -> Self {
+    pub(crate) fn not_found() -> Self {
         Self::new(
             StatusCode::NOT_FOUND,
             ErrorCode::NotFound,
@@ -164,7 +164,7 @@ impl ApiError {
         )
     }
 
-    pub fn method_not_allowed() -> Self {
+    pub(crate) fn method_not_allowed() -> Self {
         Self::new(
             StatusCode::METHOD_NOT_ALLOWED,
             ErrorCode::MethodNotAllowed,
@@ -172,7 +172,7 @@ impl ApiError {
         )
     }
 
-    pub fn payload_too_large(limit: usize) -> Self {
+    pub(crate) fn payload_too_large(limit: usize) -> Self {
         Self::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             ErrorCode::PayloadTooLarge,
@@ -180,7 +180,7 @@ impl ApiError {
         )
     }
 
-    pub fn unsupported_media_type() -> Self {
+    pub(crate) fn unsupported_media_type() -> Self {
         Self::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ErrorCode::UnsupportedMediaType,
@@ -190,12 +190,12 @@ impl ApiError {
 
     /// `401 unauthorized`: no bearer token, a malformed one, or one the auth file does not have.
     /// The `WWW-Authenticate` header is the caller's to add.
-    pub fn unauthorized(message: impl Into<String>) -> Self {
+    pub(crate) fn unauthorized(message: impl Into<String>) -> Self {
         Self::new(StatusCode::UNAUTHORIZED, ErrorCode::Unauthorized, message)
     }
 
     /// `403 forbidden`: a known token that may not do this here.
-    pub fn forbidden(message: impl Into<String>) -> Self {
+    pub(crate) fn forbidden(message: impl Into<String>) -> Self {
         Self::new(StatusCode::FORBIDDEN, ErrorCode::Forbidden, message)
     }
 }
@@ -312,7 +312,7 @@ fn hold_message(hold: Hold) -> String {
 
 /// The JSON body of an answer hyper gives by itself, before any route runs, to a request it
 /// cannot parse (see `crate::server::io`): the same format as every other error.
-pub fn framework_rejection(status: u16) -> Vec<u8> {
+pub(crate) fn framework_rejection(status: u16) -> Vec<u8> {
     let (code, message) = match status {
         431 => (
             ErrorCode::RequestHeaderFieldsTooLarge,
@@ -343,7 +343,7 @@ pub fn framework_rejection(status: u16) -> Vec<u8> {
 /// them is the store's or the broker's state (an outage, a hold, a full wait queue, a
 /// shutdown), not a bug, and is not logged as an error. A 5xx without it is.
 #[derive(Debug, Clone, Copy)]
-pub struct Expected {
+pub(crate) struct Expected {
     /// `503 store_unavailable` because the store did not answer (not a hold): counted into the
     /// current outage.
     pub store_unavailable: bool,

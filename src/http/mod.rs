@@ -3,14 +3,14 @@
 //! `semaphores` (the semaphore routes) and `ops` (health, readiness, metrics, the OpenAPI
 //! document); this module puts them together.
 
-pub mod auth;
-pub mod error;
+pub(crate) mod auth;
+pub(crate) mod error;
 mod gate;
 mod leases;
 mod locks;
-pub mod openapi;
+pub(crate) mod openapi;
 mod ops;
-pub mod params;
+pub(crate) mod params;
 mod requests;
 mod semaphores;
 
@@ -21,8 +21,8 @@ use axum::middleware;
 
 use crate::lock::LockService;
 use crate::store::Store;
-pub use auth::Auth;
-pub use error::ApiError;
+pub(crate) use auth::Auth;
+pub(crate) use error::ApiError;
 
 /// Every route `router` serves, as (method, path in OpenAPI's syntax); a `GET` route also
 /// answers `HEAD`. `GET /openapi.json` documents exactly these. `tests/api/openapi.rs` checks
@@ -59,7 +59,7 @@ pub struct Limits {
 }
 
 /// What every handler shares.
-pub struct AppState<S> {
+pub(crate) struct AppState<S> {
     /// The lock service every lock route and readiness ask.
     pub locks: LockService<S>,
     /// The request parameters' defaults and bounds.
@@ -76,7 +76,7 @@ pub struct AppState<S> {
 pub(crate) type SharedState<S> = Arc<AppState<S>>;
 
 /// The whole API as a router; tests drive it directly or over a socket.
-pub fn router<S: Store>(state: AppState<S>) -> Router {
+pub(crate) fn router<S: Store>(state: AppState<S>) -> Router {
     let state = Arc::new(state);
     let operations_guard = state.auth.clone().filter(|_| state.auth_metrics);
     let document = openapi::document_json(&state.limits, state.locks.cursor_pattern());

@@ -12,12 +12,12 @@ use super::requests::{LOCK_TOKEN_HEADER, Parameters};
 use crate::domain::{LockKey, Token};
 
 /// Request bodies are small JSON objects; anything larger is refused.
-pub const BODY_LIMIT: usize = 16 * 1024;
+pub(crate) const BODY_LIMIT: usize = 16 * 1024;
 
 /// The `{key}` path segment, percent-decoded and validated: the lock's name.
 #[derive(IntoParams)]
 #[into_params(names("key"), parameter_in = Path)]
-pub struct KeyPath(
+pub(crate) struct KeyPath(
     /// 1 to 200 characters from `A-Z a-z 0-9 . _ - :`, compared after percent-decoding
     /// (`%41` is `A`; an escape that decodes to any other character, such as `%2F`, is `400`).
     #[param(
@@ -45,7 +45,7 @@ impl<S: Send + Sync> FromRequestParts<S> for KeyPath {
 /// A request's parameters `T`, from the query string and the JSON body together, and the
 /// `Lock-Token` header. A parameter may come in either; in both, only with the same value. A
 /// name `T` does not know, or a value it does not take, is refused with the name in the message.
-pub struct Params<T> {
+pub(crate) struct Params<T> {
     /// The parameters.
     pub values: T,
     /// The `Lock-Token` header, if sent.
@@ -55,7 +55,7 @@ pub struct Params<T> {
 /// The lease token, in a header (preferred: query strings end up in access logs).
 #[derive(IntoParams)]
 #[into_params(parameter_in = Header)]
-pub struct TokenHeader {
+pub(crate) struct TokenHeader {
     /// The token the acquire returned. Required here or in the `token` query parameter (if
     /// both, they must be equal); never in the body.
     #[param(
@@ -297,7 +297,7 @@ fn is_json_content_type(v: &str) -> bool {
 }
 
 /// The lease token: the `Lock-Token` header or the `token` query parameter (equal if both).
-pub fn token(header: Option<TokenHeader>, query: Option<String>) -> Result<Token, ApiError> {
+pub(crate) fn token(header: Option<TokenHeader>, query: Option<String>) -> Result<Token, ApiError> {
     let raw = match (header.map(|h| h.lock_token), query) {
         (Some(a), Some(b)) if a != b => {
             return Err(ApiError::invalid(

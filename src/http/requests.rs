@@ -24,7 +24,7 @@ use crate::lock::AcquireRequest;
 use crate::store::{ListQuery, MAX_LIST_LIMIT};
 
 /// A request's parameters, as parsed from the query string and a JSON body alike.
-pub trait Parameters: DeserializeOwned + Serialize + Default {
+pub(crate) trait Parameters: DeserializeOwned + Serialize + Default {
     /// Names accepted in the query string but never in a body (the token, `force`), each with
     /// the sentence that refuses it there.
     const QUERY_ONLY: &'static [(&'static str, &'static str)] = &[];
@@ -32,7 +32,7 @@ pub trait Parameters: DeserializeOwned + Serialize + Default {
 
 /// The name of the header a lease token may come in, as the parser reads it; the document's
 /// `TokenHeader` spells the same name (a unit test checks).
-pub const LOCK_TOKEN_HEADER: &str = "Lock-Token";
+pub(super) const LOCK_TOKEN_HEADER: &str = "Lock-Token";
 
 /// Why the token may not come in a body (bodies end up in logs and proxies' caches more often
 /// than headers).
@@ -52,7 +52,7 @@ const FORCE_NOT_IN_BODY: (&str, &str) = (
 /// shared holders).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
-pub enum ModeName {
+pub(super) enum ModeName {
     Exclusive,
     Shared,
 }
@@ -72,12 +72,12 @@ macro_rules! parameters {
         #[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
         #[into_params(parameter_in = Query)]
         #[serde(deny_unknown_fields)]
-        pub struct $name {$(
+        pub(crate) struct $name {$(
             $(#[$field_attr])*
             #[serde(default, deserialize_with = $read, skip_serializing_if = "Option::is_none")]
             #[schema(value_type = $type, required = false, $($bounds)*)]
             #[param(value_type = $type, required = false, $($bounds)*)]
-            pub $field: Option<$type>,
+            pub(crate) $field: Option<$type>,
         )+}
     )+};
 }
@@ -164,7 +164,7 @@ impl Parameters for ListQueryParams {}
 #[derive(Debug, Default, Serialize, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-pub struct ReleaseQuery {
+pub(super) struct ReleaseQuery {
     /// The token the acquire returned, if not sent in the `Lock-Token` header (if both, they
     /// must be equal). One of the two, or `force=true`, is required.
     #[serde(
@@ -197,7 +197,7 @@ impl Parameters for ReleaseQuery {
 #[derive(Debug, Default, Serialize, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-pub struct WatchQuery {
+pub(super) struct WatchQuery {
     /// Watch the key: the fence you last saw (the highest, for several holders), or 0 for
     /// "free". Answers at once if the key's holders differ from that, otherwise waits up to
     /// `wait_ms` for a change (a grant, a release, an expiry, a takeover, a force release) and
@@ -231,7 +231,7 @@ pub(super) struct WatchRequest {
 
 /// The highest `watch`: fences are signed 64-bit integers (`format: int64` in the API document),
 /// and no fence comes near it.
-pub const MAX_WATCH: u64 = i64::MAX as u64;
+pub(super) const MAX_WATCH: u64 = i64::MAX as u64;
 
 /// The watch an inspect asks for, if any; `wait_ms` without `watch` is refused (it would wait
 /// for nothing).
@@ -358,7 +358,7 @@ fn mode<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<ModeName>, 
 
 /// The one value of `force`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ForceTrue {
+pub(super) enum ForceTrue {
     #[serde(rename = "true")]
     True,
 }

@@ -112,7 +112,7 @@ pub(crate) struct HoldersView {
 }
 
 /// The service one broker runs. Cheap to clone.
-pub struct LockService<S> {
+pub(crate) struct LockService<S> {
     store: Arc<S>,
     settings: LockSettings,
     waiters: Arc<Waiters>,
@@ -211,7 +211,7 @@ impl<S: Store> LockService<S> {
 
 impl<S: Store> LockService<S> {
     /// The listing cursors the store takes (see [`Store::cursor_pattern`]).
-    pub fn cursor_pattern(&self) -> Option<&'static str> {
+    pub(crate) fn cursor_pattern(&self) -> Option<&'static str> {
         self.store.cursor_pattern()
     }
 
@@ -245,7 +245,7 @@ impl<S: Store> LockService<S> {
 
     /// Whether the store answers, as this service's store calls found; the HTTP layer counts
     /// the requests it refuses meanwhile.
-    pub fn outage(&self) -> &Arc<Outage> {
+    pub(crate) fn outage(&self) -> &Arc<Outage> {
         self.metrics.outage()
     }
 

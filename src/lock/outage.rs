@@ -24,7 +24,7 @@ const QUIET: Duration = Duration::from_secs(1);
 
 /// Whether the store is answering, from the results of the store calls the service makes.
 #[derive(Debug, Default)]
-pub struct Outage {
+pub(crate) struct Outage {
     /// A fast path for the usual case, a store that answers: no lock taken per call.
     down: AtomicBool,
     /// The current outage; `None` while the store answers.
@@ -48,7 +48,7 @@ impl Outage {
     /// Notes the result of one store call: the first failure begins an outage; it ends at the
     /// first answer once no call has failed for [`QUIET`]. A call refused for the client's own
     /// mistake (a bad cursor) says nothing about the store.
-    pub fn observe<T>(&self, result: &StoreResult<T>) {
+    pub(crate) fn observe<T>(&self, result: &StoreResult<T>) {
         match result {
             Ok(_) => {
                 if self.down.load(Ordering::Relaxed) {
@@ -61,14 +61,14 @@ impl Outage {
     }
 
     /// Counts one request answered `503 store_unavailable` because the store did not answer.
-    pub fn refused(&self) {
+    pub(crate) fn refused(&self) {
         self.refused.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts one cleanup that gave up because the store did not answer (`error`, its last
     /// failure): a lease nobody was told of that now ends at its TTL. A failed store call
     /// itself, so it begins an outage if none is in progress.
-    pub fn cleanup_failed(&self, error: &StoreError) {
+    pub(crate) fn cleanup_failed(&self, error: &StoreError) {
         self.failed(error);
         self.cleanups_failed.fetch_add(1, Ordering::Relaxed);
     }
@@ -129,7 +129,7 @@ impl Outage {
     }
 
     /// Whether an outage is in progress.
-    pub fn is_down(&self) -> bool {
+    pub(crate) fn is_down(&self) -> bool {
         self.down.load(Ordering::Relaxed)
     }
 }

@@ -42,7 +42,7 @@ impl<S: Store> PendingGrant<'_, S> {
     /// Ends the guard with the call's answer: a definite one disarms it (a grant goes back to
     /// the client; one that has left by now was granted at that instant, and its lease ends at
     /// its TTL); a failure leaves it armed, so dropping it cleans up.
-    pub fn settle<T>(mut self, answer: &StoreResult<T>) {
+    pub(super) fn settle<T>(mut self, answer: &StoreResult<T>) {
         if answer.is_ok() {
             self.store = None;
         }
@@ -108,7 +108,7 @@ pub(super) struct Spot<S: Store> {
 
 impl<S: Store> Spot<S> {
     /// Whether this is the spot of the bid with `token`.
-    pub fn is_for(&self, token: &Token) -> bool {
+    pub(super) fn is_for(&self, token: &Token) -> bool {
         self.token == *token
     }
 }

@@ -19,7 +19,7 @@ use crate::lock::Outage;
 
 mod labels;
 
-pub use self::labels::StoreOp;
+pub(crate) use self::labels::StoreOp;
 use self::labels::{
     ACQUIRE_RESULTS, AuthLabels, ByResult, FORCE_RESULTS, KindLabels, OpLabels, PassedOnLabels,
     QueueLabels, RELEASE_RESULTS, RENEW_RESULTS, SpaceLabels, by_space, kind_label, space_label,

@@ -17,7 +17,7 @@ async fn three_brokers(redis: &RedisServer) -> [TestApp; 3] {
 }
 
 /// Polls `/readyz` until it is 200, for at most `limit`. Returns how long it took.
-pub async fn wait_until_ready(app: &TestApp, limit: Duration) -> Duration {
+pub(crate) async fn wait_until_ready(app: &TestApp, limit: Duration) -> Duration {
     let started = Instant::now();
     loop {
         let answer = app.get("/readyz").await;

@@ -23,7 +23,7 @@ on_both_stores!(
 );
 
 /// Waits until `n` acquires wait on `app` (its `lockbroker_waiters` gauge), for at most 5 s.
-pub async fn until_waiting(app: &TestApp, n: u64) {
+pub(crate) async fn until_waiting(app: &TestApp, n: u64) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while metric(&app.address, "lockbroker_waiters").await < n as f64 {
         assert!(Instant::now() < deadline, "{n} acquires never waited");

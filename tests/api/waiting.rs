@@ -21,14 +21,14 @@ on_both_stores!(
 /// How soon a woken waiter must be granted. A waiter that missed the wake-up only looks again at
 /// its fallback poll, at least 750 ms after it started waiting (1 s less its jitter), so these
 /// tests release at least 550 ms before that; a wake-up by notice takes milliseconds.
-pub const PROMPTLY: Duration = Duration::from_millis(300);
+pub(crate) const PROMPTLY: Duration = Duration::from_millis(300);
 
 /// How long the tests give a waiter to reach the broker and find the lock held, when nothing
 /// over HTTP can tell that it has. Only an upper bound: the tests check it is still waiting.
-pub const SETTLE: Duration = Duration::from_millis(200);
+pub(crate) const SETTLE: Duration = Duration::from_millis(200);
 
 /// Awaits a waiter's answer, for at most `limit`.
-pub async fn answer_within(waiter: JoinHandle<Answer>, limit: Duration) -> Answer {
+pub(crate) async fn answer_within(waiter: JoinHandle<Answer>, limit: Duration) -> Answer {
     tokio::time::timeout(limit, waiter)
         .await
         .unwrap_or_else(|_| panic!("the waiter was not answered within {limit:?}"))
@@ -37,7 +37,7 @@ pub async fn answer_within(waiter: JoinHandle<Answer>, limit: Duration) -> Answe
 
 /// Starts an acquire of `key` on `app` that waits up to 10 s, and gives it [`SETTLE`] to reach
 /// the broker and find the lock held: it must still be waiting then.
-pub async fn parked(app: &TestApp, key: &str) -> JoinHandle<Answer> {
+pub(crate) async fn parked(app: &TestApp, key: &str) -> JoinHandle<Answer> {
     let waiter = app.spawn_acquire(key, "wait_ms=10000");
     tokio::time::sleep(SETTLE).await;
     assert!(!waiter.is_finished(), "the waiter must be waiting");
@@ -45,7 +45,7 @@ pub async fn parked(app: &TestApp, key: &str) -> JoinHandle<Answer> {
 }
 
 /// Releases the lock lease `token` holds on `key` (`204`), and says when.
-pub async fn released(app: &TestApp, key: &str, token: &str) -> Instant {
+pub(crate) async fn released(app: &TestApp, key: &str, token: &str) -> Instant {
     app.release(key, token)
         .await
         .expect_status(StatusCode::NO_CONTENT);
@@ -54,7 +54,7 @@ pub async fn released(app: &TestApp, key: &str, token: &str) -> Instant {
 
 /// Awaits `waiter`'s `201`, which must come within [`PROMPTLY`] of `since`: when what it
 /// waited for ended (a release, a shortened lease).
-pub async fn answered_promptly(waiter: JoinHandle<Answer>, since: Instant) -> Answer {
+pub(crate) async fn answered_promptly(waiter: JoinHandle<Answer>, since: Instant) -> Answer {
     let answer = answer_within(waiter, Duration::from_secs(3)).await;
     answer.expect_status(StatusCode::CREATED);
     assert!(
@@ -66,7 +66,7 @@ pub async fn answered_promptly(waiter: JoinHandle<Answer>, since: Instant) -> An
 }
 
 /// [`answered_promptly`], as the lock grant it must be.
-pub async fn granted_promptly(waiter: JoinHandle<Answer>, since: Instant) -> Grant {
+pub(crate) async fn granted_promptly(waiter: JoinHandle<Answer>, since: Instant) -> Grant {
     answered_promptly(waiter, since)
         .await
         .expect_grant(StatusCode::CREATED)

@@ -5,29 +5,29 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-pub use lockbroker_test_support::command::{Outcome, finish};
+pub(crate) use lockbroker_test_support::command::{Outcome, finish};
 use lockbroker_test_support::command::{command, run};
 use tokio::process::Command;
 
 /// The binary under test.
-pub const BIN: &str = env!("CARGO_BIN_EXE_lockbroker");
+pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_lockbroker");
 
 /// `lockbroker ARGS` aimed at `url` ([`command`]); `LB` names the binary, for commands that
 /// `run` starts.
-pub fn lockbroker_command(url: &str, args: &[&str]) -> Command {
+pub(crate) fn lockbroker_command(url: &str, args: &[&str]) -> Command {
     let mut command = command(BIN, url, args);
     command.env("LB", BIN);
     command
 }
 
 /// Runs `lockbroker ARGS` against `url` to the end.
-pub async fn lockbroker(url: &str, args: &[&str]) -> Outcome {
+pub(crate) async fn lockbroker(url: &str, args: &[&str]) -> Outcome {
     run(BIN, url, args).await
 }
 
 /// Waits until `path` holds at least one whole line (the writer ends it with a newline), and
 /// returns its text. Polls, since a file gives no event to await; bounded by `limit`.
-pub async fn wait_for_line(path: &Path, limit: Duration) -> String {
+pub(crate) async fn wait_for_line(path: &Path, limit: Duration) -> String {
     let deadline = Instant::now() + limit;
     loop {
         if let Ok(text) = std::fs::read_to_string(path)
@@ -46,12 +46,12 @@ pub async fn wait_for_line(path: &Path, limit: Duration) -> String {
 
 /// Whether process `pid` is still there, as `kill -0` sees it: running, or dead but not yet
 /// reaped by its parent (a zombie).
-pub fn is_there(pid: u32) -> bool {
+pub(crate) fn is_there(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// Whether process `pid` runs: it is there and not a zombie.
-pub fn is_running(pid: u32) -> bool {
+pub(crate) fn is_running(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
         // After the command's name in parentheses: the state.
         stat.rsplit_once(')')
@@ -63,7 +63,7 @@ pub fn is_running(pid: u32) -> bool {
 /// Waits until `still` holds for none of `pids` ([`is_there`]: each has died and been reaped;
 /// [`is_running`]: each has died), polling `/proc` (a process of no relation to the test gives
 /// no event to await); how long that took. Panics if one still is after `limit`.
-pub async fn until_none(pids: &[u32], still: fn(u32) -> bool, limit: Duration) -> Duration {
+pub(crate) async fn until_none(pids: &[u32], still: fn(u32) -> bool, limit: Duration) -> Duration {
     let started = Instant::now();
     loop {
         let left: Vec<u32> = pids.iter().copied().filter(|&p| still(p)).collect();
@@ -79,7 +79,7 @@ pub async fn until_none(pids: &[u32], still: fn(u32) -> bool, limit: Duration) -
 }
 
 /// Nanoseconds since the Unix epoch, on the clock that `date +%s%N` in a command reads.
-pub fn now_ns() -> u128 {
+pub(crate) fn now_ns() -> u128 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

@@ -10,7 +10,7 @@ use super::{RENEWED, Setup, Store, eventually};
 /// Long enough that nothing ends by itself during a test that does not wait for it.
 const LONG: Duration = Duration::from_secs(30);
 
-pub async fn grants_wait_and_answers_locked(store: Store) {
+pub(crate) async fn grants_wait_and_answers_locked(store: Store) {
     let setup = Setup::start(store).await;
     let client = &setup.client;
     let first = setup.hold("orders:1", LONG).await;
@@ -52,7 +52,7 @@ pub async fn grants_wait_and_answers_locked(store: Store) {
     second.release().await.unwrap();
 }
 
-pub async fn shared_leases_and_permits_hold_together_up_to_the_limit(store: Store) {
+pub(crate) async fn shared_leases_and_permits_hold_together_up_to_the_limit(store: Store) {
     let setup = Setup::start(store).await;
     let client = &setup.client;
     let shared = || LeaseOptions::new(LONG);
@@ -102,7 +102,7 @@ pub async fn shared_leases_and_permits_hold_together_up_to_the_limit(store: Stor
     }
 }
 
-pub async fn the_guard_holds_a_lease_for_three_times_its_ttl(store: Store) {
+pub(crate) async fn the_guard_holds_a_lease_for_three_times_its_ttl(store: Store) {
     let setup = Setup::start(store).await;
     let ttl = Duration::from_millis(900);
     let lease = setup.hold("long-job", ttl).await;
@@ -115,7 +115,7 @@ pub async fn the_guard_holds_a_lease_for_three_times_its_ttl(store: Store) {
     lease.release().await.unwrap();
 }
 
-pub async fn a_force_release_is_signalled_as_a_loss_within_the_ttl(store: Store) {
+pub(crate) async fn a_force_release_is_signalled_as_a_loss_within_the_ttl(store: Store) {
     let setup = Setup::start(store).await;
     let ttl = Duration::from_secs(2);
     let lease = setup.hold("taken-away", ttl).await;
@@ -139,7 +139,7 @@ pub async fn a_force_release_is_signalled_as_a_loss_within_the_ttl(store: Store)
     assert!(matches!(lease.release().await, Ok(Released::Gone(_))));
 }
 
-pub async fn a_stopped_broker_is_signalled_as_a_loss_within_the_ttl(store: Store) {
+pub(crate) async fn a_stopped_broker_is_signalled_as_a_loss_within_the_ttl(store: Store) {
     let mut setup = Setup::start(store).await;
     let ttl = Duration::from_secs(2);
     let lease = setup.hold("orphaned", ttl).await;
@@ -155,7 +155,7 @@ pub async fn a_stopped_broker_is_signalled_as_a_loss_within_the_ttl(store: Store
     assert!(matches!(lease.release().await, Ok(Released::Before)));
 }
 
-pub async fn no_renewal_is_sent_after_release_or_drop(store: Store) {
+pub(crate) async fn no_renewal_is_sent_after_release_or_drop(store: Store) {
     let setup = Setup::start(store).await;
     let ttl = Duration::from_millis(300);
     let lease = setup.hold("brief", ttl).await;
@@ -189,7 +189,7 @@ pub async fn no_renewal_is_sent_after_release_or_drop(store: Store) {
 /// Two brokers on one Redis; the lease's broker is killed. The holder learns of the loss
 /// before the other broker can grant the key to anyone else: the guard judges the lease's end
 /// from when its last confirmed renewal was sent, which is never later than the store's.
-pub async fn a_lease_is_lost_before_another_broker_can_grant_it() {
+pub(crate) async fn a_lease_is_lost_before_another_broker_can_grant_it() {
     let mut setup = Setup::start(Store::Redis).await;
     let (_other, other_client) = setup.another_broker().await;
     let ttl = Duration::from_secs(2);
@@ -224,7 +224,7 @@ pub async fn a_lease_is_lost_before_another_broker_can_grant_it() {
 /// A broker on a new Redis settles before its first grant, answering `503` with a
 /// `Retry-After`: an acquire waiting meanwhile keeps asking with its request id, and is granted
 /// exactly once when the broker starts granting.
-pub async fn an_acquire_answered_503_is_retried_and_grants_once() {
+pub(crate) async fn an_acquire_answered_503_is_retried_and_grants_once() {
     let setup = Setup::start_unready(Store::Redis).await;
     let granted = r#"lockbroker_acquisitions_total{kind="exclusive",result="granted"}"#;
     let ready = reqwest::get(format!("{}/readyz", setup.broker.address()))

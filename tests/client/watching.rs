@@ -28,7 +28,7 @@ async fn watching_client(setup: &Setup, store: Store) -> (Option<BrokerProcess>,
     }
 }
 
-pub async fn watch_sees_a_grant_and_a_release_and_times_out_unchanged(store: Store) {
+pub(crate) async fn watch_sees_a_grant_and_a_release_and_times_out_unchanged(store: Store) {
     let setup = Setup::start(store).await;
     let (_other, watcher) = watching_client(&setup, store).await;
 
@@ -115,7 +115,7 @@ pub async fn watch_sees_a_grant_and_a_release_and_times_out_unchanged(store: Sto
     assert_eq!(refused.code(), "invalid_request", "{refused}");
 }
 
-pub async fn a_follower_yields_each_change_once_in_order(store: Store) {
+pub(crate) async fn a_follower_yields_each_change_once_in_order(store: Store) {
     let setup = Setup::start(store).await;
     let (_other, watcher) = watching_client(&setup, store).await;
     let mut follower = watcher.follow("feed").wait(Duration::from_millis(500));
@@ -192,7 +192,7 @@ fn candidate_for(
         .start()
 }
 
-pub async fn two_candidates_one_leader_and_a_handover_on_close(store: Store) {
+pub(crate) async fn two_candidates_one_leader_and_a_handover_on_close(store: Store) {
     let setup = Setup::start(store).await;
     let (_other, other_client) = watching_client(&setup, store).await;
     let (events, mut fired) = mpsc::unbounded_channel();
@@ -252,7 +252,7 @@ pub async fn two_candidates_one_leader_and_a_handover_on_close(store: Store) {
     assert!(fired.try_recv().is_err(), "nothing else fired");
 }
 
-pub async fn a_lost_lease_is_revoked_before_the_campaign_goes_on(store: Store) {
+pub(crate) async fn a_lost_lease_is_revoked_before_the_campaign_goes_on(store: Store) {
     let setup = Setup::start(store).await;
     let (events, mut fired) = mpsc::unbounded_channel();
     let mut next = async || timeout(SOON, fired.recv()).await.unwrap().unwrap();

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 /// What the proxy does with traffic, switchable at run time with [`Proxy::set`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Mode {
+pub(crate) enum Mode {
     /// Forward everything as it comes.
     Pass,
     /// Forward every chunk this much later than it arrived, in order (a slow link: bytes
@@ -59,7 +59,7 @@ struct Shared {
 }
 
 /// A running proxy; stops (closing every connection) when dropped.
-pub struct Proxy {
+pub(crate) struct Proxy {
     addr: SocketAddr,
     shared: Arc<Shared>,
     accept: JoinHandle<()>,
@@ -67,12 +67,12 @@ pub struct Proxy {
 
 impl Proxy {
     /// A proxy to one upstream, in [`Mode::Pass`].
-    pub async fn start(upstream: SocketAddr) -> Self {
+    pub(crate) async fn start(upstream: SocketAddr) -> Self {
         Self::balance(vec![upstream]).await
     }
 
     /// A proxy spreading connections over `upstreams` in turn, in [`Mode::Pass`].
-    pub async fn balance(upstreams: Vec<SocketAddr>) -> Self {
+    pub(crate) async fn balance(upstreams: Vec<SocketAddr>) -> Self {
         assert!(!upstreams.is_empty());
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
@@ -93,22 +93,22 @@ impl Proxy {
     }
 
     /// `redis://127.0.0.1:PORT/`, for a broker to use as its Redis.
-    pub fn redis_url(&self) -> String {
+    pub(crate) fn redis_url(&self) -> String {
         format!("redis://{}/", self.addr)
     }
 
     /// `http://127.0.0.1:PORT`, for clients of the servers behind it.
-    pub fn http_url(&self) -> String {
+    pub(crate) fn http_url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
     /// Switches the mode; connections under way follow at once.
-    pub fn set(&self, mode: Mode) {
+    pub(crate) fn set(&self, mode: Mode) {
         self.shared.mode.send_replace(mode);
     }
 
     /// Blackholes every connection open now; new ones pass.
-    pub fn blackhole_existing(&self) {
+    pub(crate) fn blackhole_existing(&self) {
         let accepted = self.shared.accepted.load(Ordering::SeqCst);
         self.set(Mode::BlackholeOlderThan(accepted));
     }
@@ -122,7 +122,7 @@ impl Drop for Proxy {
 }
 
 /// The address in a `redis://HOST:PORT/` URL.
-pub fn redis_addr(url: &str) -> SocketAddr {
+pub(crate) fn redis_addr(url: &str) -> SocketAddr {
     url.trim_start_matches("redis://")
         .trim_end_matches('/')
         .parse()

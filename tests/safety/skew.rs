@@ -51,7 +51,9 @@ async fn faketime_really_shifts_a_process_clock() {
 /// Two brokers of `spec`, under `faketime` at +5 s and -5 s: ten seconds apart. Asserts that the
 /// skew is real, by each broker's own clock as it stamps its answers' Date header, and returns
 /// the offsets seen, in seconds, with the brokers.
-pub async fn skewed_five_seconds_each_way(spec: &BrokerSpec) -> ([BrokerProcess; 2], [i64; 2]) {
+pub(crate) async fn skewed_five_seconds_each_way(
+    spec: &BrokerSpec,
+) -> ([BrokerProcess; 2], [i64; 2]) {
     let ahead = BrokerProcess::start(spec.clone().skewed("+5s")).await;
     let behind = BrokerProcess::start(spec.clone().skewed("-5s")).await;
     let (ahead_s, behind_s) = (

@@ -29,10 +29,10 @@ use tokio::time::Instant;
 /// The brokers the clients use, by base URL. A fault test may swap one (a broker restarted on
 /// another port) while the clients run.
 #[derive(Clone)]
-pub struct Brokers(Arc<RwLock<Vec<String>>>);
+pub(crate) struct Brokers(Arc<RwLock<Vec<String>>>);
 
 impl Brokers {
-    pub fn new(urls: Vec<String>) -> Self {
+    pub(crate) fn new(urls: Vec<String>) -> Self {
         assert!(!urls.is_empty());
         Self(Arc::new(RwLock::new(urls)))
     }
@@ -45,7 +45,7 @@ impl Brokers {
 
 /// How the clients hammer the key.
 #[derive(Debug, Clone)]
-pub struct Plan {
+pub(crate) struct Plan {
     pub key: String,
     pub clients: usize,
     /// Critical sections each client goes for.
@@ -69,12 +69,12 @@ const SLACK: Duration = Duration::from_millis(1500);
 
 /// The bound every acquire of a run must be answered within: the contract's, `wait_ms` plus the
 /// store timeout, with [`SLACK`].
-pub fn answer_bound(wait_ms: u64, store_timeout_ms: u64) -> Duration {
+pub(crate) fn answer_bound(wait_ms: u64, store_timeout_ms: u64) -> Duration {
     Duration::from_millis(wait_ms + store_timeout_ms) + SLACK
 }
 
 impl Plan {
-    pub fn new(key: &str, clients: usize, rounds: usize) -> Self {
+    pub(crate) fn new(key: &str, clients: usize, rounds: usize) -> Self {
         Self {
             key: key.to_owned(),
             clients,
@@ -90,7 +90,7 @@ impl Plan {
 
     /// This plan with acquires that wait up to `wait_ms` on brokers whose store timeout is
     /// `store_timeout_ms`, each answered within [`answer_bound`] of the two.
-    pub fn waiting(self, wait_ms: u64, store_timeout_ms: u64) -> Self {
+    pub(crate) fn waiting(self, wait_ms: u64, store_timeout_ms: u64) -> Self {
         Self {
             wait_ms,
             answer_bound: answer_bound(wait_ms, store_timeout_ms),
@@ -101,7 +101,7 @@ impl Plan {
 
 /// One critical section, as its client saw it.
 #[derive(Debug, Clone)]
-pub struct Section {
+pub(crate) struct Section {
     pub client: usize,
     pub broker: String,
     /// When the acquire that granted it was sent.
@@ -118,7 +118,7 @@ pub struct Section {
 
 /// One acquire call.
 #[derive(Debug, Clone)]
-pub struct Call {
+pub(crate) struct Call {
     pub broker: String,
     pub sent: Instant,
     pub answered: Instant,
@@ -130,14 +130,14 @@ pub struct Call {
 }
 
 impl Call {
-    pub fn took(&self) -> Duration {
+    pub(crate) fn took(&self) -> Duration {
         self.answered - self.sent
     }
 }
 
 /// What a run did.
 #[derive(Debug, Default)]
-pub struct Report {
+pub(crate) struct Report {
     pub sections: Vec<Section>,
     pub acquires: Vec<Call>,
     pub counter: u64,
@@ -179,7 +179,7 @@ fn client(bound: Duration) -> Client {
 }
 
 /// A torture run under way: faults can be injected while it runs, and extra clients can join.
-pub struct Run {
+pub(crate) struct Run {
     shared: Arc<Shared>,
     http: Client,
     plan: Plan,
@@ -189,7 +189,7 @@ pub struct Run {
 
 /// Starts `plan` against `brokers`: the clients run until every one has its rounds or the
 /// plan's limit is reached.
-pub fn start(brokers: &Brokers, plan: &Plan) -> Run {
+pub(crate) fn start(brokers: &Brokers, plan: &Plan) -> Run {
     let shared = Arc::new(Shared::default());
     let http = client(plan.answer_bound);
     let started = Instant::now();
@@ -211,23 +211,23 @@ pub fn start(brokers: &Brokers, plan: &Plan) -> Run {
 }
 
 /// Runs `plan` against `brokers` to its end.
-pub async fn run(brokers: &Brokers, plan: &Plan) -> Report {
+pub(crate) async fn run(brokers: &Brokers, plan: &Plan) -> Report {
     start(brokers, plan).finish().await
 }
 
 impl Run {
     /// When the run started.
-    pub fn started(&self) -> Instant {
+    pub(crate) fn started(&self) -> Instant {
         self.started
     }
 
     /// Critical sections completed so far.
-    pub fn sections_so_far(&self) -> usize {
+    pub(crate) fn sections_so_far(&self) -> usize {
         self.shared.sections.lock().unwrap().len()
     }
 
     /// Polls until the run has completed `n` critical sections, for at most 10 s.
-    pub async fn until_sections(&self, n: usize) {
+    pub(crate) async fn until_sections(&self, n: usize) {
         let started = Instant::now();
         while self.sections_so_far() < n {
             assert!(
@@ -243,7 +243,7 @@ impl Run {
     /// to `wait_ms`), holds it for `hold` doing the same read-modify-write as the others, runs
     /// `during` meanwhile (a fault, say), and releases. Its section is checked with the others.
     /// Returns it, or `None` if it was not granted.
-    pub async fn hold_once(
+    pub(crate) async fn hold_once(
         &self,
         broker: &str,
         ttl_ms: u64,
@@ -301,12 +301,12 @@ impl Run {
     }
 
     /// Stops the run before its limit: the clients start no new attempt.
-    pub fn stop(&self) {
+    pub(crate) fn stop(&self) {
         self.shared.stopped.store(true, Ordering::SeqCst);
     }
 
     /// Waits for every client to finish and returns what happened.
-    pub async fn finish(self) -> Report {
+    pub(crate) async fn finish(self) -> Report {
         let bound = self.plan.limit + self.plan.answer_bound + Duration::from_secs(10);
         let left = (self.started + bound).saturating_duration_since(Instant::now());
         tokio::time::timeout(left, futures::future::join_all(self.tasks))
@@ -507,7 +507,7 @@ fn who(client: usize) -> String {
 }
 
 /// The client number of [`Run::hold_once`]'s client.
-pub const EXTRA: usize = usize::MAX;
+pub(crate) const EXTRA: usize = usize::MAX;
 
 fn transport_error(e: &reqwest::Error) -> String {
     if e.is_timeout() {
@@ -520,7 +520,7 @@ fn transport_error(e: &reqwest::Error) -> String {
 }
 
 /// What [`Report::check`] found, for the test's log.
-pub struct Summary {
+pub(crate) struct Summary {
     pub sections: usize,
     pub acquires: usize,
     pub unavailable: usize,
@@ -542,7 +542,7 @@ impl Report {
     /// Asserts mutual exclusion, no lost update, fences rising in the order the sections ran,
     /// and that no client saw anything the contract does not allow. Panics with every violation
     /// found (the first few of each kind).
-    pub fn check(&self) -> Summary {
+    pub(crate) fn check(&self) -> Summary {
         let mut violations: Vec<String> = self.problems.iter().take(10).cloned().collect();
         if self.problems.len() > 10 {
             violations.push(format!(
@@ -621,7 +621,7 @@ impl Report {
     }
 
     /// Sections that started in `[from, to)`.
-    pub fn sections_between(&self, from: Instant, to: Instant) -> Vec<&Section> {
+    pub(crate) fn sections_between(&self, from: Instant, to: Instant) -> Vec<&Section> {
         self.sections
             .iter()
             .filter(|s| s.start >= from && s.start < to)

@@ -17,7 +17,7 @@ use crate::LOCKBROKER;
 const READY_LIMIT: Duration = Duration::from_secs(5);
 
 /// Polls the broker's `/metrics` until `n` acquires wait on it.
-pub async fn until_waiting(app: &TestApp, n: u64) {
+pub(crate) async fn until_waiting(app: &TestApp, n: u64) {
     let wanted = format!("lockbroker_waiters {n}\n");
     let started = Instant::now();
     while !app.get("/metrics").await.text.contains(&wanted) {

@@ -22,7 +22,7 @@ use lockbroker_client::Token;
 /// `lockbroker acquire` flags.
 #[derive(Debug, Clone, Args)]
 #[command(after_help = EXIT_CODES_HELP)]
-pub struct AcquireArgs {
+pub(crate) struct AcquireArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
     #[command(flatten)]
@@ -50,7 +50,7 @@ pub struct AcquireArgs {
 /// `lockbroker release` flags.
 #[derive(Debug, Clone, Args)]
 #[command(after_help = EXIT_CODES_HELP)]
-pub struct ReleaseArgs {
+pub(crate) struct ReleaseArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
     #[command(flatten)]
@@ -78,7 +78,7 @@ pub struct ReleaseArgs {
 /// `lockbroker renew` flags.
 #[derive(Debug, Clone, Args)]
 #[command(after_help = EXIT_CODES_HELP)]
-pub struct RenewArgs {
+pub(crate) struct RenewArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
     #[command(flatten)]
@@ -97,7 +97,7 @@ pub struct RenewArgs {
 /// `lockbroker status` flags.
 #[derive(Debug, Clone, Args)]
 #[command(after_help = EXIT_CODES_HELP)]
-pub struct StatusArgs {
+pub(crate) struct StatusArgs {
     #[command(flatten)]
     pub broker: BrokerArgs,
     #[command(flatten)]
@@ -113,7 +113,7 @@ pub struct StatusArgs {
 }
 
 /// `lockbroker acquire`: prints the token and the fence.
-pub async fn acquire(args: AcquireArgs) -> ExitCode {
+pub(crate) async fn acquire(args: AcquireArgs) -> ExitCode {
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,
@@ -136,7 +136,7 @@ pub async fn acquire(args: AcquireArgs) -> ExitCode {
 }
 
 /// `lockbroker release`, and with `--force` the release of every lease without a token.
-pub async fn release(args: ReleaseArgs) -> ExitCode {
+pub(crate) async fn release(args: ReleaseArgs) -> ExitCode {
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,
@@ -194,7 +194,7 @@ pub async fn release(args: ReleaseArgs) -> ExitCode {
 }
 
 /// `lockbroker renew`: prints the grant again, with its new expiry.
-pub async fn renew(args: RenewArgs) -> ExitCode {
+pub(crate) async fn renew(args: RenewArgs) -> ExitCode {
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,
@@ -208,7 +208,7 @@ pub async fn renew(args: RenewArgs) -> ExitCode {
 
 /// `lockbroker status`: who holds the lock (or the semaphore's permits) and until when; exit 4
 /// when nobody does.
-pub async fn status(args: StatusArgs) -> ExitCode {
+pub(crate) async fn status(args: StatusArgs) -> ExitCode {
     // A reader that stops reading (`| head -1`) took what it wanted.
     super::closed_stdout_ends_with(0);
     if args.watch {

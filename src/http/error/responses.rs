@@ -24,7 +24,7 @@ macro_rules! error_responses {
     )*) => {$(
         $(#[doc = $type_doc])*
         $($(#[doc = $doc])*)+
-        pub struct $name;
+        pub(crate) struct $name;
 
         impl IntoResponses for $name {
             fn responses() -> BTreeMap<String, RefOr<Response>> {

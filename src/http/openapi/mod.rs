@@ -96,7 +96,7 @@ unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key
         (name = "operations", description = "Health, readiness, metrics and this document."),
     )
 )]
-pub struct ApiDoc;
+pub(crate) struct ApiDoc;
 
 /// Adds the `bearer` security scheme the operations refer to.
 struct BearerScheme;
@@ -121,7 +121,7 @@ impl Modify for BearerScheme {
 
 /// The document as served by a broker with these limits: the generated one with every bound
 /// that comes from the configuration or the store written in (see `bounds`).
-pub fn document(limits: &Limits, cursor_pattern: Option<&str>) -> Value {
+pub(crate) fn document(limits: &Limits, cursor_pattern: Option<&str>) -> Value {
     let mut doc = serde_json::to_value(ApiDoc::openapi()).expect("the document serializes");
     bounds(&mut doc, limits);
     if let Some(pattern) = cursor_pattern {
