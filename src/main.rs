@@ -122,7 +122,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     for warning in config.warnings() {
         tracing::warn!("{warning}");
     }
+    // Listening for the stop signals before the port is bound (see `shutdown_signal`).
+    let stop = shutdown_signal();
     let app = Application::build(&config).await?;
-    app.run_until_stopped(shutdown_signal()).await?;
+    app.run_until_stopped(stop).await?;
     Ok(())
 }

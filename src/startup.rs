@@ -193,31 +193,42 @@ async fn sweep(store: MemoryStore) {
     }
 }
 
-/// Completes on Ctrl-C or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
+/// Completes on Ctrl-C or SIGTERM. The handlers are installed when this is called, not when the
+/// future is first polled: called before the listener is bound, a SIGTERM that comes as soon as
+/// the port answers (an orchestrator's stop during start-up) is a graceful stop, not the
+/// default action's kill. Needs the async runtime.
+pub fn shutdown_signal() -> impl Future<Output = ()> + Send + 'static {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{Signal, SignalKind, signal};
+        let listen = |kind: SignalKind, name: &str| {
+            signal(kind)
+                .inspect_err(|e| tracing::error!(error = %e, "cannot listen for {name}"))
+                .ok()
+        };
+        let interrupt = listen(SignalKind::interrupt(), "Ctrl-C");
+        let terminate = listen(SignalKind::terminate(), "SIGTERM");
+        async fn received(signal: Option<Signal>) {
+            match signal {
+                Some(mut signal) => {
+                    signal.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        }
+        async move {
+            tokio::select! {
+                () = received(interrupt) => {}
+                () = received(terminate) => {}
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    async {
         if let Err(e) = tokio::signal::ctrl_c().await {
             tracing::error!(error = %e, "cannot listen for Ctrl-C");
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut sigterm) => {
-                sigterm.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = terminate => {}
     }
 }
 
