@@ -196,10 +196,9 @@ impl Ledger {
         self.ended.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Leaves the mark of an end (see the module's docs).
-    fn mark_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
+    /// Leaves the mark of an end (see the module's docs) in `ended`, the guard of the marks.
+    fn mark_ended(&self, ended: &mut EndMarks, space: Space, key: &str, fence: Fence, all: bool) {
         let until_ms = self.ms_after_base(Instant::now() + self.linger);
-        let mut ended = self.ended();
         let by_key = ended.of_mut(space);
         if !by_key.contains_key(key) {
             by_key.insert(key.into(), Marks::default());
@@ -213,10 +212,11 @@ impl Ledger {
         });
     }
 
-    /// Whether an end seen lately ended the lease of `kind` on `key` with `fence`.
-    fn was_ended(&self, key: &LockKey, kind: Kind, fence: Fence) -> bool {
+    /// Whether an end seen lately (a mark in `ended`) ended the lease of `kind` on `key` with
+    /// `fence`.
+    fn was_ended(&self, ended: &EndMarks, key: &LockKey, kind: Kind, fence: Fence) -> bool {
         let now_ms = self.ms_after_base(Instant::now());
-        self.ended()
+        ended
             .of(kind.space())
             .get(key.as_str())
             .is_some_and(|marks| {
@@ -268,7 +268,10 @@ impl Ledger {
     /// grant had (the store does not echo it). Returns `false`, remembering nothing, when an end
     /// seen lately already ended that lease (the renewal's answer came after the end's).
     pub(crate) fn record(&self, key: &LockKey, kind: Kind, lease: &Lease, ends: Instant) -> bool {
-        if self.was_ended(key, kind, lease.fence) {
+        // The marks stay locked until the lease is in: an end handled meanwhile on another
+        // thread either left its mark before the check, or finds the lease to drop after it.
+        let ended = self.ended();
+        if self.was_ended(&ended, key, kind, lease.fence) {
             return false;
         }
         let ends_ms = self.ms_after_base(ends);
@@ -357,7 +360,9 @@ impl Ledger {
     /// exclusive lease with a lower fence is over too: the released one came after it.
     /// The end leaves its mark (see the module's docs).
     pub(crate) fn forget_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
-        self.mark_ended(space, key, fence, all);
+        // Held until the lease is dropped: see `record`.
+        let mut ended = self.ended();
+        self.mark_ended(&mut ended, space, key, fence, all);
         if space == Space::Locks {
             self.forget_released(key, fence);
         }

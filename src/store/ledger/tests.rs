@@ -180,3 +180,35 @@ async fn an_end_seen_before_a_renewals_answer_keeps_the_renewal_out_until_its_ma
     ledger.sweep(Instant::now());
     assert!(ledger.record(&key, Kind::Shared, &lease(&renewed, 6, 30_000), ends));
 }
+
+/// A renewal's answer recorded on one thread while the end of the same lease is handled on
+/// another: whichever runs first, the ledger ends up without the lease. (The check for an end's
+/// mark and the insert are one step; were they two, an end handled between them would find
+/// nothing to drop and leave no bar to the insert that followed.)
+#[test]
+fn an_end_handled_while_a_renewal_is_recorded_never_leaves_the_lease_behind() {
+    let ledger = std::sync::Arc::new(Ledger::default());
+    let key = LockKey::parse("raced").unwrap();
+    let rounds: Fence = 20_000;
+    let start = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let recorder = {
+        let (ledger, key, start) = (ledger.clone(), key.clone(), start.clone());
+        std::thread::spawn(move || {
+            for fence in 1..=rounds {
+                let renewed = lease(&Token::generate(), fence, 60_000);
+                start.wait();
+                let ends = Instant::now() + Duration::from_secs(60);
+                ledger.record(&key, Kind::Exclusive, &renewed, ends);
+                start.wait();
+            }
+        })
+    };
+    for fence in 1..=rounds {
+        start.wait();
+        ledger.forget_ended(Space::Locks, key.as_str(), fence, true);
+        start.wait();
+        // Both steps of this round are done: the lease is gone either way.
+        assert_eq!(ledger.len(), 0, "round {fence}: the ended lease stayed");
+    }
+    recorder.join().unwrap();
+}
