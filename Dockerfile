@@ -20,7 +20,8 @@ RUN apt-get update \
 
 # 1. Dependencies only, cached until a manifest or Cargo.lock changes: build the real
 #    manifests against stub sources. Cargo loads the whole workspace to resolve it, so every
-#    member's manifest is copied (the broker; clients/rust, the client crate it builds on;
+#    member's manifest is copied (the broker; core/ and redis-store/, the crates it is built
+#    from; clients/rust, the client crate it builds on;
 #    cli-support/, what the broker's and the bench's command lines share; bench/, the
 #    benchmark; test-support/, the suites' fixtures, a dev-dependency never built here). A
 #    member added to the workspace without a line here fails this step, and CI
@@ -29,6 +30,8 @@ RUN apt-get update \
 #    an empty `main`), so cargo can read the manifest whatever targets it declares; only the
 #    two binaries, `lockbroker` and `lockbroker-bench`, and their dependencies are built.
 COPY Cargo.toml Cargo.lock ./
+COPY core/Cargo.toml ./core/
+COPY redis-store/Cargo.toml ./redis-store/
 COPY clients/rust/Cargo.toml ./clients/rust/
 COPY cli-support/Cargo.toml ./cli-support/
 COPY bench/Cargo.toml ./bench/
@@ -48,18 +51,20 @@ RUN set -eu; \
     done; \
     echo 'fn main() {}' > src/main.rs; \
     cargo build --release --locked -p lockbroker -p lockbroker-bench --bins; \
-    rm -rf src tests benches examples clients/rust/src cli-support/src bench/src
+    rm -rf src tests benches examples core/src redis-store/src clients/rust/src cli-support/src bench/src
 
 # 2. The real sources. Touch them so cargo sees them as newer than the stub build (COPY keeps
 #    the files' own modification times, which may be older), then build both binaries in one
 #    run (one build of the library serves both).
 COPY src ./src
+COPY core/src ./core/src
+COPY redis-store/src ./redis-store/src
 COPY clients/rust/src ./clients/rust/src
 COPY cli-support/src ./cli-support/src
 COPY bench/src ./bench/src
 COPY config ./config
 RUN set -eu; \
-    find src clients/rust/src cli-support/src bench/src -name '*.rs' -exec touch {} +; \
+    find src core/src redis-store/src clients/rust/src cli-support/src bench/src -name '*.rs' -exec touch {} +; \
     cargo build --release --locked -p lockbroker -p lockbroker-bench --bins; \
     install -D -m 0755 target/release/lockbroker /out/lockbroker; \
     install -D -m 0755 target/release/lockbroker-bench /out/lockbroker-bench

@@ -3,7 +3,7 @@
 for an uncontended exclusive lock, beside the minimal proxy's `SET NX PX` and compare-and-delete.
 
 Starts its own `redis-server` under valgrind's callgrind on a free loopback port, loads the
-scripts as the broker joins them (the file lists of `lua!` in src/store/redis/scripts/mod.rs),
+scripts as the broker joins them (the file lists of `lua!` in redis-store/src/scripts/mod.rs),
 sends each step as one pipelined batch of `--calls` commands on new keys (the arguments a plain
 lock's call writes, see scripts/grant.rs and holder.rs), and reads callgrind's instruction count
 between the steps. Instruction counts do not move with the machine's load, unlike timings, so
@@ -15,7 +15,9 @@ revision too. Needs valgrind (`apt-get install -y valgrind`) and redis-server.
 import argparse, glob, os, random, re, shutil, socket, subprocess, sys, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = 'src/store/redis/scripts'
+# Where the scripts are; a revision from before the Redis store had its own crate has them at
+# the second path.
+SCRIPTS = ('redis-store/src/scripts', 'src/store/redis/scripts')
 
 
 def source(rev, path):
@@ -26,10 +28,21 @@ def source(rev, path):
                           text=True, check=True).stdout
 
 
+def scripts_dir(rev):
+    for d in SCRIPTS:
+        try:
+            source(rev, f'{d}/mod.rs')
+            return d
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    sys.exit(f'no scripts at {" or ".join(SCRIPTS)} in {rev or "the work tree"}')
+
+
 def script(rev, name):
     """The script `name` as the broker sends it: its files joined, comment lines dropped."""
-    files = re.search(name + r': lua!\("' + name + r'": ([^)]*)\)', source(rev, f'{SCRIPTS}/mod.rs'))
-    text = ''.join(source(rev, f'{SCRIPTS}/{f}') for f in re.findall(r'"([^"]+)"', files.group(1)))
+    where = scripts_dir(rev)
+    files = re.search(name + r': lua!\("' + name + r'": ([^)]*)\)', source(rev, f'{where}/mod.rs'))
+    text = ''.join(source(rev, f'{where}/{f}') for f in re.findall(r'"([^"]+)"', files.group(1)))
     return ''.join(l + '\n' for l in text.splitlines() if not l.lstrip().startswith('--'))
 
 
@@ -91,7 +104,8 @@ def main():
             return total / len(commands)
 
         n = opts.calls
-        cas = 'if redis.call("GET", KEYS[1]) == ARGV[1] then return redis.call("DEL", KEYS[1]) else return 0 end'
+        # The minimal proxy's release (the bench's own script).
+        cas = source(None, 'bench/src/compare_and_delete.lua')
         rows = []
         for rev in ([opts.against] if opts.against else []) + [None]:
             claim = cli('script', 'load', script(rev, 'claim')).stdout.decode().strip()

@@ -8,7 +8,8 @@
 # `redis-server` and `faketime` are installed (on Debian/Ubuntu it installs them with apt) and then
 # runs `cargo test --workspace --all-targets`: the root package's unit tests and its api, cli,
 # client, safety and topologies suites, the unit tests of the workspace's other crates
-# (clients/rust, the lockbroker-client crate; cli-support/; test-support/, which holds the
+# (core/ and redis-store/, the broker's crates with the lock service's and the stores' unit
+# tests; clients/rust, the lockbroker-client crate; cli-support/; test-support/, which holds the
 # suites' fixtures), and bench/'s (lockbroker-bench) unit tests and suite;
 # then each client library's tests against the broker binary that built, which need a JDK (11+)
 # and python3 (3.9+) with pytest (installed with apt too when missing). Extra arguments go to

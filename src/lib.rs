@@ -2,6 +2,10 @@
 //! with its known races closed, behind a small HTTP API, on Redis or on an embedded in-memory
 //! store.
 //!
+//! The lease vocabulary, the lock service and the embedded store are `lockbroker-core`'s; the
+//! Redis store is `lockbroker-redis`'s; this crate is the server around them (configuration,
+//! HTTP, TLS, startup) and the command line.
+//!
 //! Its users outside this library are the `lockbroker` binary (`serve`), `lockbroker-bench`
 //! (`bench/`, which drives a [`store::RedisStore`] directly, and with the `bench` feature
 //! measures the lease ledger), the test suites and `test-support`: they reach the
@@ -11,10 +15,7 @@
 
 mod auth;
 pub mod config;
-pub mod domain;
 mod http;
-mod lock;
-mod metrics;
 mod reload;
 mod server;
 mod startup;
@@ -23,5 +24,7 @@ mod telemetry;
 
 pub use auth::sha256_hex;
 pub use http::ROUTES;
+pub use lockbroker_core::domain;
+use lockbroker_core::{lock, metrics};
 pub use startup::{Application, shutdown_signal};
 pub use telemetry::init as init_logging;

@@ -14,12 +14,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use axum::body::Bytes;
+use hyper::body::Bytes;
 use hyper::{Method, StatusCode};
 use serde::Serialize;
 
 use super::http::wait_until_granting;
-use super::lean::{LeanClient, plain_authority};
+use super::lean::{Granted, LeanClient, plain_authority};
 use super::redis_stats::{RedisCost, data_nodes};
 use super::{BenchArgs, BenchMode, Latency};
 use lockbroker::domain::Token;
@@ -107,12 +107,6 @@ struct ClientLog {
     errors: u64,
 }
 
-#[derive(serde::Deserialize)]
-struct Granted {
-    token: String,
-    fence: u64,
-}
-
 /// One client's connection to its broker: the lean HTTP/1.1 client on plain `http://`, the
 /// general one (reqwest) otherwise.
 enum Conn {
@@ -197,7 +191,8 @@ async fn client_loop(
             Ok(Ok((StatusCode::CREATED, body))) => serde_json::from_slice::<Granted>(&body).ok(),
             _ => None,
         };
-        let Some(granted) = granted else {
+        // A grant without a fence is not the broker's: an error too.
+        let Some((token, fence)) = granted.and_then(|g| Some((g.token, g.fence?))) else {
             log.errors += 1;
             // A broker that refuses must not be hammered by a tight loop.
             tokio::time::sleep(ERROR_PAUSE).await;
@@ -211,17 +206,14 @@ async fn client_loop(
         if !hold.is_zero() {
             tokio::time::sleep(hold).await;
         }
-        let released = match tokio::time::timeout(
-            limit,
-            conn.send(Method::DELETE, &path, Some(&granted.token)),
-        )
-        .await
-        {
-            Ok(Ok((StatusCode::NO_CONTENT, _))) => Some(Instant::now()),
-            _ => None,
-        };
+        let released =
+            match tokio::time::timeout(limit, conn.send(Method::DELETE, &path, Some(&token))).await
+            {
+                Ok(Ok((StatusCode::NO_CONTENT, _))) => Some(Instant::now()),
+                _ => None,
+            };
         log.grants.push(Grant {
-            fence: granted.fence,
+            fence,
             granted: at,
             released,
         });

@@ -1,6 +1,7 @@
 //! `lockbroker-bench floor-proxy`: the floor the broker is measured against — a minimal HTTP
-//! lock proxy in the broker's own stack (axum, hyper, the redis crate's multiplexed connection)
-//! that does the textbook Redis lock and nothing else. `POST /locks/{key}` is one
+//! lock proxy on the broker's own foundations (hyper's HTTP/1.1 server, the redis crate's
+//! multiplexed connection), without even a router, that does the textbook Redis lock and
+//! nothing else. `POST /locks/{key}` is one
 //! `SET key token NX PX ttl` (`201` with the token, `409` if taken); `DELETE /locks/{key}` with
 //! the token in the `Lock-Token` header or the `token` query parameter is one Lua
 //! compare-and-delete (`204`, or `409` if the token does not hold it). No fences, waiting,
@@ -9,16 +10,19 @@
 //! It runs as a process of its own (the bench's `--floor` starts it), so that its CPU time can
 //! be read from `/proc` as the broker's is. It is never part of `serve`.
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::Context;
-use axum::Router;
-use axum::extract::{Path, RawQuery, State};
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
 use clap::Args;
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
 use redis::aio::MultiplexedConnection;
 
 use lockbroker::domain::Token;
@@ -61,16 +65,33 @@ pub(crate) async fn serve(args: FloorProxyArgs) -> anyhow::Result<()> {
         release: redis::Script::new(COMPARE_AND_DELETE),
         key_prefix: args.key_prefix,
     });
-    let app = Router::new()
-        .route("/locks/{key}", post(acquire).delete(release))
-        .with_state(proxy);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     // The bench reads this line to learn the port.
     lockbroker_cli_support::out!("{}", listener.local_addr()?);
-    axum::serve(listener, app).await?;
-    Ok(())
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let proxy = proxy.clone();
+        tokio::spawn(async move {
+            let serve = service_fn(move |request| {
+                let proxy = proxy.clone();
+                async move { Ok::<_, Infallible>(proxy.answer(request).await) }
+            });
+            // A connection that breaks ends alone; the proxy goes on.
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), serve)
+                .await;
+        });
+    }
+}
+
+type Answer = Response<Full<Bytes>>;
+
+fn answer(status: StatusCode, body: impl Into<Bytes>) -> Answer {
+    let mut response = Response::new(Full::new(body.into()));
+    *response.status_mut() = status;
+    response
 }
 
 /// `name`'s value in a query string, undecoded (the bench's values need no decoding).
@@ -81,61 +102,75 @@ fn query_value<'q>(query: Option<&'q str>, name: &str) -> Option<&'q str> {
     })
 }
 
-async fn acquire(
-    State(proxy): State<Arc<Proxy>>,
-    Path(key): Path<String>,
-    RawQuery(query): RawQuery,
-) -> Response {
-    let ttl_ms = match query_value(query.as_deref(), "ttl_ms").map(str::parse::<u64>) {
-        None => DEFAULT_TTL_MS,
-        Some(Ok(ms)) if ms > 0 => ms,
-        Some(_) => return (StatusCode::BAD_REQUEST, "bad ttl_ms").into_response(),
-    };
-    let token = Token::generate();
-    let taken: redis::RedisResult<Option<String>> = redis::cmd("SET")
-        .arg(format!("{}{key}", proxy.key_prefix))
-        .arg(token.as_str())
-        .arg("NX")
-        .arg("PX")
-        .arg(ttl_ms)
-        .query_async(&mut proxy.redis.clone())
-        .await;
-    match taken {
-        Ok(Some(_)) => (
-            StatusCode::CREATED,
-            [("content-type", "application/json")],
-            format!(r#"{{"token":"{}"}}"#, token.as_str()),
-        )
-            .into_response(),
-        Ok(None) => StatusCode::CONFLICT.into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+impl Proxy {
+    /// `POST` and `DELETE` on `/locks/{key}`; anything else is 404 or 405.
+    async fn answer(&self, request: Request<Incoming>) -> Answer {
+        let Some(key) = request.uri().path().strip_prefix("/locks/") else {
+            return answer(StatusCode::NOT_FOUND, "");
+        };
+        if key.is_empty() || key.contains('/') {
+            return answer(StatusCode::NOT_FOUND, "");
+        }
+        let query = request.uri().query();
+        match *request.method() {
+            Method::POST => self.acquire(key, query).await,
+            Method::DELETE => {
+                let token = match request.headers().get("lock-token").map(|v| v.to_str()) {
+                    Some(Ok(token)) => token,
+                    Some(Err(_)) => return answer(StatusCode::BAD_REQUEST, "bad token"),
+                    None => match query_value(query, "token") {
+                        Some(token) => token,
+                        None => return answer(StatusCode::BAD_REQUEST, "no token"),
+                    },
+                };
+                self.release(key, token).await
+            }
+            _ => answer(StatusCode::METHOD_NOT_ALLOWED, ""),
+        }
     }
-}
 
-async fn release(
-    State(proxy): State<Arc<Proxy>>,
-    Path(key): Path<String>,
-    RawQuery(query): RawQuery,
-    headers: HeaderMap,
-) -> Response {
-    let token = match headers.get("lock-token").map(|v| v.to_str()) {
-        Some(Ok(token)) => token,
-        Some(Err(_)) => return (StatusCode::BAD_REQUEST, "bad token").into_response(),
-        None => match query_value(query.as_deref(), "token") {
-            Some(token) => token,
-            None => return (StatusCode::BAD_REQUEST, "no token").into_response(),
-        },
-    };
-    let deleted: redis::RedisResult<i64> = proxy
-        .release
-        .key(format!("{}{key}", proxy.key_prefix))
-        .arg(token)
-        .invoke_async(&mut proxy.redis.clone())
-        .await;
-    match deleted {
-        Ok(1) => StatusCode::NO_CONTENT.into_response(),
-        Ok(_) => StatusCode::CONFLICT.into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    async fn acquire(&self, key: &str, query: Option<&str>) -> Answer {
+        let ttl_ms = match query_value(query, "ttl_ms").map(str::parse::<u64>) {
+            None => DEFAULT_TTL_MS,
+            Some(Ok(ms)) if ms > 0 => ms,
+            Some(_) => return answer(StatusCode::BAD_REQUEST, "bad ttl_ms"),
+        };
+        let token = Token::generate();
+        let taken: redis::RedisResult<Option<String>> = redis::cmd("SET")
+            .arg(format!("{}{key}", self.key_prefix))
+            .arg(token.as_str())
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl_ms)
+            .query_async(&mut self.redis.clone())
+            .await;
+        match taken {
+            Ok(Some(_)) => {
+                let mut granted = answer(
+                    StatusCode::CREATED,
+                    format!(r#"{{"token":"{}"}}"#, token.as_str()),
+                );
+                (granted.headers_mut())
+                    .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                granted
+            }
+            Ok(None) => answer(StatusCode::CONFLICT, ""),
+            Err(e) => answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        }
+    }
+
+    async fn release(&self, key: &str, token: &str) -> Answer {
+        let deleted: redis::RedisResult<i64> = self
+            .release
+            .key(format!("{}{key}", self.key_prefix))
+            .arg(token)
+            .invoke_async(&mut self.redis.clone())
+            .await;
+        match deleted {
+            Ok(1) => answer(StatusCode::NO_CONTENT, ""),
+            Ok(_) => answer(StatusCode::CONFLICT, ""),
+            Err(e) => answer(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 
-use super::lean::{LeanClient, plain_authority};
+use super::lean::{Granted, LeanClient, plain_authority};
 use super::{BenchArgs, BenchMode, Latency, Phase};
 use lockbroker::domain::Token;
 
@@ -97,11 +97,6 @@ where
     Arc::into_inner(tally)
         .expect("every worker has finished")
         .into_phase(name, clients, elapsed)
-}
-
-#[derive(serde::Deserialize)]
-pub(super) struct Granted {
-    pub(super) token: String,
 }
 
 /// Where a phase's cycles take their lease, for the bench's `--mode`: the lease's URL (the

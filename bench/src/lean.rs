@@ -6,15 +6,21 @@
 //! terms. HTTPS, HTTP/2 and the other phases use the general client (`reqwest`).
 
 use anyhow::{Context, bail};
-use axum::body::Bytes;
 use http_body_util::{BodyExt, Empty};
+use hyper::body::Bytes;
 use hyper::client::conn::http1::SendRequest;
 use hyper::header::{AUTHORIZATION, HOST, HeaderValue};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use super::http::Granted;
+/// The part of a grant's JSON the bench reads (every HTTP phase, the lean client's and
+/// reqwest's alike): the broker's grants carry a fence, the minimal proxy's do not.
+#[derive(serde::Deserialize)]
+pub(super) struct Granted {
+    pub(super) token: String,
+    pub(super) fence: Option<u64>,
+}
 
 /// One kept-alive connection to the broker.
 pub(super) struct LeanClient {

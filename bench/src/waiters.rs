@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 
 use super::WaitersPhase;
-use super::http::{Granted, release};
+use super::http::release;
+use super::lean::Granted;
 
 /// Reads one unlabelled sample from the broker's /metrics.
 async fn scrape(http: &reqwest::Client, base: &str, name: &str) -> anyhow::Result<f64> {

@@ -256,7 +256,7 @@ impl From<LockError> for ApiError {
                 )
             },
             LockError::StoreUnavailable(e) => {
-                // Logged once per outage (see `crate::lock::Outage`), not once per request.
+                // Logged once per outage (see `crate::metrics::Outage`), not once per request.
                 tracing::debug!(error = %e, "store unavailable");
                 let message = match e {
                     StoreError::Timeout(ms) => {

@@ -28,7 +28,7 @@ use tower::{Layer, Service};
 
 use super::error::{ApiError, Expected};
 use super::params::BODY_LIMIT;
-use crate::lock::Outage;
+use crate::metrics::Outage;
 
 /// The layer: see the module's documentation.
 #[derive(Clone)]
@@ -178,7 +178,7 @@ fn request_span(request: &Request<Body>) -> tracing::Span {
 /// Logs each answer: at DEBUG; a 5xx that is not one of the API's answers (a bug) at ERROR. The
 /// API's own 503s (the store out or holding, a full wait queue, a shutdown) are expected: those
 /// of an outage are counted into it, which is logged once when it begins and once when it ends
-/// (see [`crate::lock::Outage`]), so a Redis restart pages nobody.
+/// (see [`crate::metrics::Outage`]), so a Redis restart pages nobody.
 fn log_answer(outage: &Outage, response: &Response, latency: Duration) {
     let status = response.status();
     let latency_ms = latency.as_millis();

@@ -4,10 +4,10 @@
 use tokio::sync::mpsc;
 
 use super::{
-    Bid, Fence, GrantAnswer, Hold, Holder, Join, ListQuery, LockKey, MemoryStore, Notice, Page,
-    Permits, Pool, RedisStore, Released, Snapshot, Space, Store, StoreResult, Token, Ttl,
+    Bid, GrantAnswer, Hold, Holder, Join, ListQuery, MemoryStore, Notice, Page, Permits,
+    RedisStore, Released, Snapshot, Store, StoreResult,
 };
-use crate::domain::Lease;
+use crate::domain::{Fence, Lease, LockKey, Pool, Space, Token, Ttl};
 
 /// The store a running broker uses: chosen at start from the configuration.
 // One value per broker, behind an Arc: the size difference costs nothing, a Box an indirection.

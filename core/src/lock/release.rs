@@ -1,0 +1,90 @@
+//! What a holder does with its lease — release it, renew it — and what an admin may do without
+//! the token: force release, which ends every lease on a key.
+
+use std::time::Duration;
+
+use super::{LockError, LockService};
+use crate::domain::{Fence, LockKey, Space, Token, Ttl};
+use crate::metrics::{HolderResult, StoreOp};
+use crate::store::{Holder, Lease, Store, StoreResult};
+
+impl<S: Store> LockService<S> {
+    /// Releases `token`'s live lease on `key` in `space`: the exclusive or a shared lease of a
+    /// lock, or a semaphore's permit.
+    pub async fn release(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> Result<(), LockError> {
+        let outcome = self
+            .timed(StoreOp::release, self.store.release(space, key, token))
+            .await;
+        let held = match &outcome {
+            Ok(Holder::Done(released)) => Some(Duration::from_millis(released.held_ms)),
+            _ => None,
+        };
+        self.metrics.released(space, holder_result(&outcome), held);
+        if held.is_some() {
+            self.watchers.changed(space, key);
+        }
+        outcome?.into_result().map(drop)
+    }
+
+    /// Moves the end of `token`'s live lease on `key` in `space` to `ttl` from now. Same token,
+    /// same fence.
+    pub async fn renew(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> Result<Lease, LockError> {
+        let outcome = self
+            .timed(StoreOp::renew, self.store.renew(space, key, token, ttl))
+            .await;
+        self.metrics.renewed(space, holder_result(&outcome));
+        if matches!(outcome, Ok(Holder::Done(_))) {
+            // Not a change of holders, but the lease may now end sooner than the watchers'
+            // keeper expects: it reads once and times the expiry again.
+            self.watchers.changed(space, key);
+        }
+        outcome?.into_result()
+    }
+
+    /// Ends every live lease on `key` in `space` without their tokens; the fences it ended.
+    /// Refused unless force release is allowed on this broker (see [`LockSettings`](super::LockSettings)).
+    pub async fn force_release(
+        &self,
+        space: Space,
+        key: &LockKey,
+    ) -> Result<Vec<Fence>, LockError> {
+        if !self.settings.allow_force_release {
+            return Err(LockError::ForceReleaseOff);
+        }
+        let outcome = self
+            .timed(StoreOp::force_release, self.store.force_release(space, key))
+            .await;
+        self.metrics.force_released(space, holder_result(&outcome));
+        let fences = outcome?.into_result()?;
+        self.watchers.changed(space, key);
+        tracing::warn!(
+            %key,
+            ?space,
+            ?fences,
+            "force release ended {} lease(s) without their tokens",
+            fences.len()
+        );
+        Ok(fences)
+    }
+}
+
+/// How a holder-checked store call ended, as the metrics count it.
+fn holder_result<T>(outcome: &StoreResult<Holder<T>>) -> HolderResult {
+    match outcome {
+        Ok(Holder::Done(_)) => HolderResult::Done,
+        Ok(Holder::NotHeld) => HolderResult::NotHeld,
+        Ok(Holder::NotOwner) => HolderResult::NotOwner,
+        Ok(Holder::OnHold(_)) | Err(_) => HolderResult::Error,
+    }
+}

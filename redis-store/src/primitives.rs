@@ -1,0 +1,287 @@
+//! The store's primitives on Redis: each one script call (`scripts/`), and what the broker does
+//! with its answer (the ledger, the replicas).
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::grant::{GrantScript, STORE_LAYOUT, newer_layout};
+use super::keys::Site;
+use super::replicas::Written;
+use super::scripts::{
+    Caller, Force, ForceReply, HolderKeys, Leave, NotGranted, Read, ReadPermits, Release,
+    ReleaseReply, Renew, RenewReply, Renewed,
+};
+use super::{RedisStore, listing, notices, sentinel};
+use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Pool, Space, Token, Ttl, millis};
+use lockbroker_core::store::{
+    Bid, GrantAnswer, Hold, HoldReason, Holder, Join, ListQuery, Notice, Page, Permits, Released,
+    Snapshot, Store, StoreError, StoreResult, WATCH_MARK,
+};
+
+/// The answer of CLAIM or TAKE_OVER.
+fn exclusive(granted: Result<Lease, NotGranted>) -> StoreResult<GrantAnswer> {
+    Ok(match granted {
+        Ok(lease) => GrantAnswer::Granted(lease),
+        Err(NotGranted::OnHold(hold)) => GrantAnswer::OnHold(hold),
+        Err(NotGranted::Refused) => GrantAnswer::Refused,
+        Err(NotGranted::Queued { retry_after_ms }) => GrantAnswer::Queued { retry_after_ms },
+        Err(NotGranted::NewerLayout { layout }) => return Err(newer_layout(layout)),
+        Err(NotGranted::Busy { .. } | NotGranted::LimitMismatch { .. }) => {
+            return Err(StoreError::Failed(
+                "Redis answered an exclusive claim as a pool's join".into(),
+            ));
+        }
+    })
+}
+
+impl RedisStore {
+    /// The epoch this broker knows for `slot`, as the holder scripts take it: '' while it puts
+    /// leases back (the key is then not handed on).
+    fn epoch_for(&self, slot: Option<u16>) -> String {
+        self.epoch.for_grant(slot).unwrap_or_default()
+    }
+
+    /// What a holder script on `site` takes.
+    fn holder_keys<'a>(
+        &'a self,
+        site: &'a Site<'_>,
+        caller: &'a Caller<'a>,
+        epoch: &'a str,
+    ) -> HolderKeys<'a> {
+        HolderKeys {
+            keys: &site.keys,
+            marker: &site.marker,
+            epoch,
+            caller,
+            channel: &self.channel,
+        }
+    }
+}
+
+impl Store for RedisStore {
+    async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
+        exclusive(self.grant(GrantScript::Claim, key, bid).await?)
+    }
+
+    async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
+        let keys = self.names(Space::Locks, key);
+        self.run(&Read { keys: &keys }).await.map(|reply| reply.0)
+    }
+
+    async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
+        exclusive(self.grant(GrantScript::TakeOver { seen }, key, bid).await?)
+    }
+
+    async fn release(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> StoreResult<Holder<Released>> {
+        let site = self.site(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
+        let release = Release {
+            on: self.holder_keys(&site, &caller, &epoch),
+            token,
+        };
+        let outcome = match self.run(&release).await? {
+            ReleaseReply::Released { held_ms, fence } => {
+                // The end's mark keeps a renewal answered after it out of the ledger.
+                self.ledger.forget_ended(space, key.as_str(), fence, false);
+                Holder::Done(Released { held_ms })
+            }
+            ReleaseReply::Refused(refusal) => refusal.answer(),
+        };
+        if !matches!(outcome, Holder::OnHold(_)) {
+            self.ledger.forget_any(space, key, token);
+        }
+        Ok(outcome)
+    }
+
+    async fn renew(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        ttl: Ttl,
+    ) -> StoreResult<Holder<Lease>> {
+        let told = if self.replicas.asked() {
+            // Boxed: see `Replicas::asked`.
+            Box::pin(self.replicas.before_renew(self, space, key, token)).await?
+        } else {
+            None
+        };
+        let site = self.site(space, key);
+        let (caller, known) = (self.broker.caller(), self.epoch_for(site.slot));
+        let renew = Renew {
+            on: self.holder_keys(&site, &caller, &known),
+            token,
+            ttl,
+        };
+        let (reply, generation) = self.run_tracked(&renew).await?;
+        let answered = Instant::now();
+        let (kind, renewed) = match (space, reply) {
+            (_, RenewReply::Refused(refusal)) => {
+                let outcome = refusal.answer();
+                if !matches!(outcome, Holder::OnHold(_)) {
+                    self.ledger.forget_any(space, key, token);
+                }
+                return Ok(outcome);
+            }
+            (Space::Locks, RenewReply::Exclusive(renewed)) => (Kind::Exclusive, renewed),
+            (Space::Locks, RenewReply::Pooled { renewed, .. }) => (Kind::Shared, renewed),
+            (Space::Semaphores, RenewReply::Pooled { renewed, limit }) => {
+                let limit = limit.ok_or_else(|| {
+                    StoreError::Failed(
+                        "Redis renewed a permit of a semaphore without a limit".into(),
+                    )
+                })?;
+                (Kind::Semaphore { limit }, renewed)
+            }
+            (Space::Semaphores, RenewReply::Exclusive(_)) => {
+                return Err(StoreError::Failed(
+                    "Redis renewed an exclusive lease on a semaphore".into(),
+                ));
+            }
+        };
+        let Renewed {
+            fence,
+            expires_at_ms,
+            owner,
+            epoch,
+        } = renewed;
+        let lease = Lease {
+            token: token.clone(),
+            fence,
+            expires_at_ms,
+            ttl_ms: ttl.as_ms(),
+            owner,
+            request_id: None,
+            limit: match kind {
+                Kind::Semaphore { limit } => Some(limit),
+                Kind::Exclusive | Kind::Shared => None,
+            },
+        };
+        if self.replicas.asked() {
+            Box::pin(self.replicas.confirm_renew(
+                self,
+                space,
+                key,
+                token,
+                told,
+                Written {
+                    lease: &lease,
+                    generation,
+                },
+            ))
+            .await?;
+        }
+        let ends = answered + Duration::from_millis(ttl.as_ms());
+        self.remember(key, kind, site.slot, &lease, ends, &epoch);
+        Ok(Holder::Done(lease))
+    }
+
+    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
+        Ok(match self.grant(GrantScript::Join(pool), key, bid).await? {
+            Ok(lease) => Join::Granted(lease),
+            Err(NotGranted::OnHold(hold)) => Join::OnHold(hold),
+            Err(NotGranted::Busy { retry_after_ms }) => Join::Busy { retry_after_ms },
+            Err(NotGranted::Queued { retry_after_ms }) => Join::Queued { retry_after_ms },
+            Err(NotGranted::LimitMismatch { limit }) => Join::LimitMismatch { limit },
+            Err(NotGranted::NewerLayout { layout }) => return Err(newer_layout(layout)),
+            Err(NotGranted::Refused) => {
+                return Err(StoreError::Failed("unexpected join reply".into()));
+            }
+        })
+    }
+
+    async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
+        let site = self.site(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
+        let leave = Leave {
+            on: self.holder_keys(&site, &caller, &epoch),
+            token,
+        };
+        self.run(&leave).await.map(|_| ())
+    }
+
+    async fn mark_watched(&self, space: Space, key: &LockKey) -> StoreResult<bool> {
+        let watched = self.names(space, key).watched;
+        let mark_ms = millis(WATCH_MARK);
+        self.with_link(async |conn| {
+            redis::cmd("SET")
+                .arg(&watched)
+                .arg("1")
+                .arg("PX")
+                .arg(mark_ms)
+                .query_async::<()>(conn)
+                .await
+        })
+        .await?;
+        Ok(true)
+    }
+
+    async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
+        let keys = self.names(Space::Semaphores, key);
+        self.run(&ReadPermits { keys: &keys })
+            .await
+            .map(|reply| reply.0)
+    }
+
+    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+        let site = self.site(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
+        let force = Force {
+            on: self.holder_keys(&site, &caller, &epoch),
+        };
+        let fences = match self.run(&force).await? {
+            ForceReply::Ended(fences) => fences,
+            ForceReply::Refused(refusal) => return Ok(refusal.answer()),
+        };
+        let Some(&top) = fences.iter().max() else {
+            return Ok(Holder::NotHeld);
+        };
+        self.ledger.forget_ended(space, key.as_str(), top, true);
+        Ok(Holder::Done(fences))
+    }
+
+    async fn list(&self, query: &ListQuery) -> StoreResult<Page> {
+        listing::page(self, query).await
+    }
+
+    fn cursor_pattern(&self) -> Option<&'static str> {
+        Some(listing::CURSOR_PATTERN)
+    }
+
+    async fn ready(&self) -> StoreResult<Option<Hold>> {
+        if self.epoch.putting_back_everywhere() {
+            return Ok(Some(Hold {
+                reason: HoldReason::PuttingBack,
+                retry_after_ms: 1_000,
+            }));
+        }
+        let hold = self.clone().catch_up_task().await?;
+        let layout = self.epoch.layout.load(std::sync::atomic::Ordering::Relaxed);
+        if layout > STORE_LAYOUT {
+            return Err(newer_layout(layout));
+        }
+        Ok(hold)
+    }
+
+    fn ledger_len(&self) -> usize {
+        self.ledger.len()
+    }
+
+    fn start(&self, notices: mpsc::Sender<Notice>) {
+        let _ = self.notices.set(notices.clone());
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("no runtime for the store's background work; waiters will poll");
+            return;
+        };
+        runtime.spawn(notices::watch_epoch(self.clone(), notices.clone()));
+        runtime.spawn(sentinel::follow_failovers(self.clone(), notices.clone()));
+        runtime.spawn(notices::listen(self.clone(), notices));
+    }
+}

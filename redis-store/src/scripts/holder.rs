@@ -1,0 +1,250 @@
+//! The calls of the scripts that act on held leases and queued bids — RELEASE (`release.lua`),
+//! RENEW (`renew.lua`), FORCE (`force.lua`) and LEAVE (`leave.lua`) — and their replies.
+
+use redis::{FromRedisValue, ParsingError, Value};
+
+use super::codes::HolderCode;
+use super::grant::{Caller, QueueContext, write_queue_keys};
+use super::{Fields, Writer, hold_in, unknown};
+use crate::keys::RedisKeys;
+use lockbroker_core::domain::{Fence, Owner, Token, Ttl};
+use lockbroker_core::store::{Hold, Holder};
+
+/// What every holder script takes (`holder_context` in `lib/queue.lua`): the key's queue keys,
+/// and as arguments the token, the epoch this broker knows (the key is handed on only in it),
+/// the caller's id and the queue context (with the client key, its space and the shared channel).
+pub(crate) struct HolderKeys<'a> {
+    pub keys: &'a RedisKeys,
+    pub marker: &'a str,
+    /// The epoch this broker knows for the key ('' while it knows none, or a hold is in force:
+    /// nothing is handed on then).
+    pub epoch: &'a str,
+    pub caller: &'a Caller<'a>,
+    /// The shared channel: ends of leases written by older brokers are told there.
+    pub channel: &'a str,
+}
+
+impl<'a> HolderKeys<'a> {
+    fn write(&self, call: &mut Writer<'_>, token: &str) {
+        write_queue_keys(call, self.keys, self.marker);
+        call.arg(token)
+            .arg(self.epoch)
+            .arg(self.caller.id)
+            .arg_fmt(QueueContext {
+                wait_ms: 0,
+                kind: "x",
+                caller: self.caller,
+                space: self.keys.space,
+                key: &self.keys.key,
+                shared: self.channel,
+            });
+    }
+}
+
+/// RELEASE's call: ends `token`'s lease and hands the key on.
+pub(crate) struct Release<'a> {
+    pub on: HolderKeys<'a>,
+    pub token: &'a Token,
+}
+
+script_call! {
+    Release<'_> => release,
+    type Reply = ReleaseReply;
+    |this, call| {
+        this.on.write(call, this.token.as_str());
+    }
+}
+
+/// RENEW's call: moves the end of `token`'s lease to `ttl` from now.
+pub(crate) struct Renew<'a> {
+    pub on: HolderKeys<'a>,
+    pub token: &'a Token,
+    pub ttl: Ttl,
+}
+
+script_call! {
+    Renew<'_> => renew,
+    type Reply = RenewReply;
+    |this, call| {
+        this.on.write(call, this.token.as_str());
+        call.arg(this.ttl.as_ms());
+    }
+}
+
+/// FORCE's call: ends every live lease on the key and hands it on.
+pub(crate) struct Force<'a> {
+    pub on: HolderKeys<'a>,
+}
+
+script_call! {
+    Force<'_> => force,
+    type Reply = ForceReply;
+    |this, call| {
+        this.on.write(call, "");
+    }
+}
+
+/// LEAVE's call: `token`'s queued bid stops waiting (an offer to it ends).
+pub(crate) struct Leave<'a> {
+    pub on: HolderKeys<'a>,
+    pub token: &'a Token,
+}
+
+script_call! {
+    Leave<'_> => leave,
+    /// Whether an offer to the token ended.
+    type Reply = bool;
+    |this, call| {
+        this.on.write(call, this.token.as_str());
+    }
+}
+
+/// A holder script's answers other than "done".
+pub(crate) enum Refusal {
+    /// [`HolderCode::NotHeld`]: absent or expired.
+    NotHeld,
+    /// [`HolderCode::NotOwner`]: another token's live lease.
+    NotOwner,
+    /// [`HolderCode::HoldInForce`]: not this token's, but a store-wide hold is in force.
+    OnHold(Hold),
+}
+
+/// A holder script's code, or which script answered a code it never answers.
+fn holder_code(fields: &mut Fields, script: &str) -> Result<HolderCode, ParsingError> {
+    HolderCode::try_from(fields.next::<i64>()?).map_err(|code| unknown(script, code))
+}
+
+impl Refusal {
+    /// The refusal that `code` stands for, with its fields; any other code is an error that names
+    /// `script`.
+    fn decode(code: HolderCode, fields: &mut Fields, script: &str) -> Result<Self, ParsingError> {
+        Ok(match code {
+            HolderCode::NotHeld => Refusal::NotHeld,
+            HolderCode::NotOwner => Refusal::NotOwner,
+            HolderCode::HoldInForce => Refusal::OnHold(hold_in(fields)?),
+            HolderCode::Held | HolderCode::HeldPooled => {
+                return Err(unknown(script, code as i64));
+            }
+        })
+    }
+
+    pub(crate) fn answer<T>(self) -> Holder<T> {
+        match self {
+            Refusal::NotHeld => Holder::NotHeld,
+            Refusal::NotOwner => Holder::NotOwner,
+            Refusal::OnHold(hold) => Holder::OnHold(hold),
+        }
+    }
+}
+
+/// RELEASE's reply.
+pub(crate) enum ReleaseReply {
+    /// [`HolderCode::Held`]: released after this long held, on Redis's clock; the lease's fence.
+    Released {
+        held_ms: u64,
+        fence: Fence,
+    },
+    Refused(Refusal),
+}
+
+impl FromRedisValue for ReleaseReply {
+    fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
+        let mut fields = Fields::of(reply)?;
+        let reply = match holder_code(&mut fields, "release")? {
+            HolderCode::Held => ReleaseReply::Released {
+                held_ms: fields.next()?,
+                fence: fields.next()?,
+            },
+            code => ReleaseReply::Refused(Refusal::decode(code, &mut fields, "release")?),
+        };
+        fields.finish()?;
+        Ok(reply)
+    }
+}
+
+/// A lease as RENEW left it.
+pub(crate) struct Renewed {
+    pub fence: Fence,
+    pub expires_at_ms: u64,
+    pub owner: Option<Owner>,
+    /// The epoch the store is in (empty without a marker).
+    pub epoch: String,
+}
+
+/// RENEW's reply.
+pub(crate) enum RenewReply {
+    /// [`HolderCode::Held`]: the exclusive lease.
+    Exclusive(Renewed),
+    /// [`HolderCode::HeldPooled`]: a shared lease (`limit` `None`) or a semaphore's permit.
+    Pooled {
+        renewed: Renewed,
+        limit: Option<u32>,
+    },
+    Refused(Refusal),
+}
+
+impl FromRedisValue for RenewReply {
+    fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
+        let mut fields = Fields::of(reply)?;
+        let code = holder_code(&mut fields, "renew")?;
+        let reply = match code {
+            HolderCode::Held | HolderCode::HeldPooled => {
+                let renewed = Renewed {
+                    fence: fields.next()?,
+                    expires_at_ms: fields.next()?,
+                    owner: fields
+                        .next::<Option<String>>()?
+                        .map(|o| {
+                            Owner::parse(&o).map_err(|_| ParsingError::from("a malformed owner"))
+                        })
+                        .transpose()?,
+                    epoch: fields.next()?,
+                };
+                if code == HolderCode::Held {
+                    RenewReply::Exclusive(renewed)
+                } else {
+                    let limit: String = fields.next()?;
+                    RenewReply::Pooled {
+                        renewed,
+                        limit: match limit.as_str() {
+                            "" => None,
+                            limit => Some(
+                                limit
+                                    .parse()
+                                    .map_err(|_| ParsingError::from("a malformed limit"))?,
+                            ),
+                        },
+                    }
+                }
+            }
+            code => RenewReply::Refused(Refusal::decode(code, &mut fields, "renew")?),
+        };
+        fields.finish()?;
+        Ok(reply)
+    }
+}
+
+/// FORCE's reply.
+pub(crate) enum ForceReply {
+    /// [`HolderCode::Held`]: the fences of the leases ended (none: nothing was live).
+    Ended(Vec<Fence>),
+    Refused(Refusal),
+}
+
+impl FromRedisValue for ForceReply {
+    fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
+        let mut fields = Fields::of(reply)?;
+        let reply = match holder_code(&mut fields, "force")? {
+            HolderCode::Held => {
+                let mut fences = Vec::new();
+                while !fields.is_empty() {
+                    fences.push(fields.next()?);
+                }
+                ForceReply::Ended(fences)
+            }
+            code => ForceReply::Refused(Refusal::decode(code, &mut fields, "force")?),
+        };
+        fields.finish()?;
+        Ok(reply)
+    }
+}
