@@ -4,7 +4,7 @@
 //! A server that restarted, or a replica that took over, is always reached through a new
 //! connection (the old one breaks with the old process; behind Sentinel, an old master that is
 //! still up is left on the sentinels' word, see `sentinel.rs`). So checking the store's epoch on every
-//! new connection before any request may use it (`RedisStore::check_on`) means no broker
+//! new connection before any request may use it (`EpochKeeper::link`) means no broker
 //! grants on a server whose losses it has not caught up with — whatever its timing. Requests
 //! that find no connection wait for the one being made (within their own time bound), or fail
 //! at once with the last error if the last attempt failed moments ago.
