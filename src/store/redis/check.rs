@@ -168,7 +168,7 @@ impl EpochKeeper {
             // A newer layout than this broker's: every grant is refused (and logged) by the
             // granting scripts, and the broker says it is not ready.
             self.epoch
-                .layout
+                .store_layout
                 .store(checked.layout, std::sync::atomic::Ordering::Relaxed);
             if known.as_deref() == Some(checked.id.as_str()) {
                 return Ok(checked);

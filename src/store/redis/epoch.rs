@@ -37,7 +37,7 @@ use tokio::sync::{Notify, mpsc};
 
 use super::Broker;
 use super::connection::RedisConnection;
-use super::keys::Layout;
+use super::keys::KeyLayout;
 use super::scripts::{Epoched, GrantReply, GrantedLease, NotGranted, Scripts};
 use super::shard::Shard;
 use crate::domain::millis;
@@ -77,7 +77,7 @@ pub(super) const CHECK_EVERY: Duration = Duration::from_secs(1);
 /// `check.rs` (`reconnect`): the compiler cannot see through a cycle of inferred future types.
 pub(super) struct EpochKeeper {
     /// Where the broker's keys are in Redis (shared with the store).
-    pub layout: Arc<Layout>,
+    pub layout: Arc<KeyLayout>,
     /// `<prefix>released`, the shared channel: where the check announces a new epoch.
     pub channel: Arc<str>,
     /// This broker on the store: the leases it puts back record its id.
@@ -188,7 +188,7 @@ pub(super) struct Epoch {
     pub loss_delay: Duration,
     /// The store layout the last epoch check found on a marker (see `STORE_LAYOUT`): a newer one
     /// than this broker's makes it not ready.
-    pub layout: std::sync::atomic::AtomicU32,
+    pub store_layout: std::sync::atomic::AtomicU32,
 }
 
 #[derive(Default)]
@@ -236,7 +236,7 @@ impl Epoch {
             wake: Notify::new(),
             settle,
             loss_delay,
-            layout: std::sync::atomic::AtomicU32::new(0),
+            store_layout: std::sync::atomic::AtomicU32::new(0),
         }
     }
 

@@ -16,8 +16,9 @@ pub(super) const LOCK_SPACE: &str = "L";
 /// A semaphore's space in those notices.
 pub(super) const SEMAPHORE_SPACE: &str = "S";
 
-/// Where every Redis key of the broker is.
-pub(super) struct Layout {
+/// Where every Redis key of the broker is: the key layout (`README.md`), apart from the store
+/// layout, the version of what brokers keep there (`STORE_LAYOUT`).
+pub(super) struct KeyLayout {
     /// Prepended to every Redis key the broker writes.
     pub prefix: String,
     /// `<prefix>epoch`: the store's epoch marker (see `epoch.rs`); on a cluster, one per slot.
@@ -56,7 +57,7 @@ pub(super) struct Site<'a> {
     pub marker: Cow<'a, str>,
 }
 
-impl Layout {
+impl KeyLayout {
     /// `key`'s exclusive lease and fence counter in the lock space.
     pub(super) fn keys(&self, key: &LockKey) -> [String; 2] {
         let prefix = &self.prefix;

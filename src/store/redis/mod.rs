@@ -8,7 +8,7 @@
 //! granting (`grant.rs`), the wait for replicas (`replicas.rs`), listing (`listing.rs`). Under
 //! it, the [`EpochKeeper`](epoch::EpochKeeper) owns the connection, the epoch and the ledger,
 //! and so every call on Redis (`calls.rs`), the epoch check (`epoch.rs`, `check.rs`) and the
-//! put-back (`put_back.rs`). Where the keys are: [`Layout`](keys::Layout) (`keys.rs`). The path
+//! put-back (`put_back.rs`). Where the keys are: [`KeyLayout`](keys::KeyLayout) (`keys.rs`). The path
 //! of an acquire, from the route to the Lua script: `README.md`.
 
 mod calls;
@@ -37,7 +37,7 @@ use redis::{ClientTlsConfig, TlsCertificates};
 
 use self::connection::{Connector, RedisConnection};
 use self::epoch::{Epoch, EpochKeeper};
-use self::keys::Layout;
+use self::keys::KeyLayout;
 use self::replicas::Replicas;
 use self::scripts::Scripts;
 pub use self::slots::slot_of;
@@ -171,7 +171,7 @@ impl Broker {
 #[derive(Clone)]
 pub struct RedisStore {
     /// Where the broker's keys are in Redis (`keys.rs`).
-    layout: Arc<Layout>,
+    layout: Arc<KeyLayout>,
     /// `<prefix>released`: the shared channel, which every broker reads: epoch announcements,
     /// and the ends of leases written by older brokers (`notices.rs`).
     channel: Arc<str>,
@@ -210,7 +210,7 @@ impl RedisStore {
         let connector = Connector::build(url, tcp, tls, settings.timeout)?;
         let cluster = url.topology == Topology::Cluster;
         let prefix = settings.key_prefix.as_str();
-        let layout = Arc::new(Layout {
+        let layout = Arc::new(KeyLayout {
             prefix: prefix.into(),
             marker: format!("{prefix}epoch"),
             cluster,

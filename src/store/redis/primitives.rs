@@ -73,7 +73,7 @@ impl Store for RedisStore {
         let site = self.layout.site(space, key);
         let (caller, known) = (self.broker.caller(), self.keeper.epoch_for(site.slot));
         let renew = Renew {
-            on: self.keeper.holder_keys(&site, &caller, &known),
+            on: self.keeper.holder_context(&site, &caller, &known),
             token,
             ttl,
         };
@@ -159,7 +159,7 @@ impl Store for RedisStore {
         let site = self.layout.site(space, key);
         let (caller, epoch) = (self.broker.caller(), self.keeper.epoch_for(site.slot));
         let leave = Leave {
-            on: self.keeper.holder_keys(&site, &caller, &epoch),
+            on: self.keeper.holder_context(&site, &caller, &epoch),
             token,
         };
         self.keeper.run(&leave).await.map(|_| ())
@@ -191,7 +191,7 @@ impl Store for RedisStore {
         let site = self.layout.site(space, key);
         let (caller, epoch) = (self.broker.caller(), self.keeper.epoch_for(site.slot));
         let force = Force {
-            on: self.keeper.holder_keys(&site, &caller, &epoch),
+            on: self.keeper.holder_context(&site, &caller, &epoch),
         };
         let fences = match self.keeper.run(&force).await? {
             ForceReply::Ended(fences) => fences,
@@ -225,7 +225,7 @@ impl Store for RedisStore {
         let layout = self
             .keeper
             .epoch
-            .layout
+            .store_layout
             .load(std::sync::atomic::Ordering::Relaxed);
         if layout > STORE_LAYOUT {
             return Err(newer_layout(layout));

@@ -14,7 +14,7 @@ use super::connection::Conn;
 use super::epoch::{EpochKeeper, MARK_CONCURRENCY};
 use super::keys::Site;
 use super::scripts::{
-    Caller, HolderKeys, LeaseBack, Placement, PutBack, PutBackReply, Release, ReleaseReply,
+    Caller, HolderContext, LeaseBack, Placement, PutBack, PutBackReply, Release, ReleaseReply,
 };
 use super::shard::Shard;
 use crate::domain::{Kind, Lease, LockKey, Space, Token, millis};
@@ -233,13 +233,13 @@ impl EpochKeeper {
     }
 
     /// What a holder script on `site` takes.
-    pub(super) fn holder_keys<'a>(
+    pub(super) fn holder_context<'a>(
         &'a self,
         site: &'a Site<'_>,
         caller: &'a Caller<'a>,
         epoch: &'a str,
-    ) -> HolderKeys<'a> {
-        HolderKeys {
+    ) -> HolderContext<'a> {
+        HolderContext {
             keys: &site.keys,
             marker: &site.marker,
             epoch,
@@ -259,7 +259,7 @@ impl EpochKeeper {
         let site = self.layout.site(space, key);
         let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
         let release = Release {
-            on: self.holder_keys(&site, &caller, &epoch),
+            on: self.holder_context(&site, &caller, &epoch),
             token,
         };
         let outcome = match self.run(&release).await? {

@@ -69,7 +69,7 @@ pub(crate) use self::grant::{
     Caller, Claim, Epoched, GrantReply, GrantedLease, JoinPool, NotGranted, TakeOver,
 };
 pub(crate) use self::holder::{
-    Force, ForceReply, HolderKeys, Leave, Release, ReleaseReply, Renew, RenewReply, Renewed,
+    Force, ForceReply, HolderContext, Leave, Release, ReleaseReply, Renew, RenewReply, Renewed,
 };
 pub(crate) use self::reads::{Read, ReadPermits};
 use crate::store::{Hold, HoldReason, StoreError, StoreResult};
