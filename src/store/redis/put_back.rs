@@ -17,7 +17,7 @@ use super::scripts::{
     Caller, HolderContext, LeaseBack, Placement, PutBack, PutBackReply, Release, ReleaseReply,
 };
 use super::shard::Shard;
-use crate::domain::{Kind, Lease, LockKey, Space, Token, millis};
+use crate::domain::{Fence, Kind, Lease, LockKey, Space, Token, millis};
 use crate::store::ledger::Entry;
 use crate::store::{Holder, Released, StoreError, StoreResult};
 
@@ -161,22 +161,14 @@ impl EpochKeeper {
                 Placement::AlreadyThere => report.already_there += 1,
                 Placement::OtherKept { fence: other } => {
                     report.double_claims += 1;
-                    tracing::error!(
-                        %key, kept_fence = other, dropped_fence = entry.fence,
-                        "a lock had two holders after a store loss; the lease with the higher \
-                         fence stays, the other holder's next renew answers not_owner"
-                    );
+                    double_claim(key, other, entry.fence);
                     self.ledger
                         .forget_any(entry.kind.space(), key, &entry.token);
                 }
                 Placement::OtherReplaced { fence: other } => {
                     report.double_claims += 1;
                     report.written += 1;
-                    tracing::error!(
-                        %key, kept_fence = entry.fence, dropped_fence = other,
-                        "a lock had two holders after a store loss; the lease with the higher \
-                         fence stays, the other holder's next renew answers not_owner"
-                    );
+                    double_claim(key, entry.fence, other);
                 }
             }
             if kept && !self.ledger.holds(key, entry.kind, &entry.token) {
@@ -331,4 +323,14 @@ impl EpochKeeper {
             }
         });
     }
+}
+
+/// Logs a lock that had two holders after a store loss: the lease with the higher fence, `kept`,
+/// stays.
+fn double_claim(key: &LockKey, kept: Fence, dropped: Fence) {
+    tracing::error!(
+        %key, kept_fence = kept, dropped_fence = dropped,
+        "a lock had two holders after a store loss; the lease with the higher fence stays, the \
+         other holder's next renew answers not_owner"
+    );
 }
