@@ -1,18 +1,19 @@
-//! Running calls on Redis: on the one verified connection (making it if needed), within the
-//! store's time bound, and scripts by SHA with the store's own handling of NOSCRIPT. Every
-//! script call goes through [`RedisStore::run_tracked`], [`RedisStore::run_unchecked`] or
-//! [`RedisStore::eval`], which log it at TRACE (script, key, duration).
+//! Running calls on Redis, for the [`EpochKeeper`] that owns the connection: on the one verified
+//! connection (making it if needed, see `check.rs`), within the store's time bound, and scripts
+//! by SHA with the store's own handling of NOSCRIPT. Every script call goes through
+//! [`EpochKeeper::run_tracked`], [`EpochKeeper::run_unchecked`] or [`EpochKeeper::eval`], which
+//! log it at TRACE (script, key, duration).
 
-use std::pin::Pin;
+use std::sync::Arc;
 
 use redis::{FromRedisValue, RedisError, Value};
 use tokio::time::Instant;
 
-use super::RedisStore;
 use super::connection::{Conn, Link, breaks_connection};
+use super::epoch::EpochKeeper;
 use super::scripts::{Call, ScriptCall};
 use lockbroker_core::domain::millis;
-use lockbroker_core::store::{Hold, StoreError, StoreResult};
+use lockbroker_core::store::{StoreError, StoreResult};
 
 /// When a script call began, if TRACE lines are on: otherwise nothing is measured, so a broker
 /// not tracing pays one check of the log filter per call (see `Call::trace`).
@@ -20,18 +21,18 @@ fn trace_start() -> Option<Instant> {
     tracing::enabled!(tracing::Level::TRACE).then(Instant::now)
 }
 
-impl RedisStore {
-    /// Runs a script on the verified connection (see [`RedisStore::with_link`]) and decodes
+impl EpochKeeper {
+    /// Runs a script on the verified connection (see [`EpochKeeper::with_link`]) and decodes
     /// its reply.
-    pub(super) async fn run<S: ScriptCall>(&self, script: &S) -> StoreResult<S::Reply> {
+    pub(super) async fn run<S: ScriptCall>(self: &Arc<Self>, script: &S) -> StoreResult<S::Reply> {
         self.run_tracked(script).await.map(|(reply, _)| reply)
     }
 
-    /// Runs a script as [`RedisStore::run`] does, and says which connection (its generation)
+    /// Runs a script as [`EpochKeeper::run`] does, and says which connection (its generation)
     /// carried it: replicas confirm a write only by a `WAIT` on that same connection, since
     /// `WAIT` counts the writes of its own connection alone (see `replicas.rs`).
     pub(super) async fn run_tracked<S: ScriptCall>(
-        &self,
+        self: &Arc<Self>,
         script: &S,
     ) -> StoreResult<(S::Reply, u64)> {
         let call = self.scripts.call(script);
@@ -47,7 +48,7 @@ impl RedisStore {
     /// Runs a script on `conn`, within the store's time bound, sending its source on NOSCRIPT
     /// without a check: for calls made within the check itself.
     pub(super) async fn run_unchecked<S: ScriptCall>(
-        &self,
+        self: &Arc<Self>,
         conn: &mut Conn,
         script: &S,
     ) -> StoreResult<S::Reply> {
@@ -78,7 +79,7 @@ impl RedisStore {
     /// connection the cluster client made unseen: the epoch is checked first (see `epoch.rs`),
     /// then the script sent with its source, to that server only.
     async fn invoke<T: FromRedisValue>(
-        &self,
+        self: &Arc<Self>,
         conn: &mut Conn,
         call: &Call<'_>,
     ) -> Result<T, RedisError> {
@@ -88,7 +89,7 @@ impl RedisStore {
     /// Runs a script call, sending its source on NOSCRIPT without a check: for calls made
     /// within the check itself.
     async fn invoke_unchecked<T: FromRedisValue>(
-        &self,
+        self: &Arc<Self>,
         conn: &mut Conn,
         call: &Call<'_>,
     ) -> Result<T, RedisError> {
@@ -96,14 +97,14 @@ impl RedisStore {
     }
 
     async fn run_script<T: FromRedisValue>(
-        &self,
+        self: &Arc<Self>,
         conn: &mut Conn,
         call: &Call<'_>,
         check_on_noscript: bool,
     ) -> Result<T, RedisError> {
         match call.by_sha().query_async(conn).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                if check_on_noscript && let Err(e) = self.clone().catch_up_task().await {
+                if check_on_noscript && let Err(e) = self.catch_up_task().await {
                     return Err(RedisError::from((
                         redis::ErrorKind::Io,
                         "epoch check failed",
@@ -114,78 +115,6 @@ impl RedisStore {
             }
             result => result,
         }
-    }
-
-    /// [`RedisStore::catch_up`] in a task of its own (a put-back must not stop halfway because
-    /// the request that started it gave up).
-    pub(super) fn catch_up_task(
-        self,
-    ) -> Pin<Box<dyn Future<Output = StoreResult<Option<Hold>>> + Send>> {
-        let store = self.clone();
-        self.spawned(async move { store.catch_up().await })
-    }
-
-    /// [`RedisStore::repair_slot`] in a task of its own, as [`RedisStore::catch_up_task`].
-    pub(super) fn repair_task(
-        self,
-        slot: u16,
-    ) -> Pin<Box<dyn Future<Output = StoreResult<()>> + Send>> {
-        let store = self.clone();
-        self.spawned(async move { store.repair_slot(slot).await })
-    }
-
-    /// Runs `work` in a task of its own, waiting for it at most the store's time bound. Boxed,
-    /// with its `Send` declared: catching up runs scripts, which can catch up — a cycle the
-    /// compiler cannot see through when the future's type is inferred.
-    fn spawned<T: Send + 'static>(
-        self,
-        work: impl Future<Output = StoreResult<T>> + Send + 'static,
-    ) -> Pin<Box<dyn Future<Output = StoreResult<T>> + Send>> {
-        Box::pin(async move {
-            match tokio::time::timeout(self.connection.timeout(), tokio::spawn(work)).await {
-                Ok(Ok(result)) => result,
-                _ => Err(StoreError::Timeout(millis(self.connection.timeout()))),
-            }
-        })
-    }
-
-    /// The verified connection, making one if there is none (see `connection.rs`).
-    pub(super) async fn link(&self) -> StoreResult<Link> {
-        self.connection
-            .get(|| {
-                tokio::spawn(self.clone().reconnect());
-            })
-            .await
-    }
-
-    /// Makes a new connection and runs the epoch check on it (putting leases back if the store
-    /// lost them) before anything else may use it.
-    ///
-    /// A boxed future with its `Send` declared: reconnecting can put leases back, which can
-    /// release through a connection, which can reconnect — a cycle the compiler cannot see
-    /// through when the future's type is inferred.
-    fn reconnect(self) -> Pin<Box<dyn Future<Output = ()> + Send>> {
-        Box::pin(async move {
-            let verified = async {
-                let mut conn = self.connection.open().await?;
-                if self.layout.cluster {
-                    self.check_cluster(&mut conn).await?;
-                } else {
-                    self.check_on(&mut conn).await?;
-                }
-                Ok::<_, StoreError>(conn)
-            };
-            match verified.await {
-                Ok(conn) => {
-                    tracing::debug!("connected to Redis");
-                    self.connection.up(conn);
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "cannot connect to Redis");
-                    self.connection.down(e);
-                }
-            }
-        })
     }
 
     /// Runs one call with the store's time bound, on a connection already in hand.
@@ -207,15 +136,15 @@ impl RedisStore {
     /// connection included). A call that fails in a way that condemns the connection, or times
     /// out, replaces it.
     pub(super) async fn with_link<T>(
-        &self,
+        self: &Arc<Self>,
         call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
     ) -> StoreResult<T> {
         self.with_link_tracked(call).await.map(|(v, _)| v)
     }
 
-    /// [`RedisStore::with_link`], which also says the generation of the connection it used.
+    /// [`EpochKeeper::with_link`], which also says the generation of the connection it used.
     pub(super) async fn with_link_tracked<T>(
-        &self,
+        self: &Arc<Self>,
         call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
     ) -> StoreResult<(T, u64)> {
         let deadline = Instant::now() + self.connection.timeout();

@@ -1,24 +1,63 @@
-//! Checking the store's epoch (see `epoch.rs`): on every new connection before it is used,
-//! once a second, when another broker announces a new epoch and when a grant meets another
-//! epoch; and catching up with a new one, which puts this broker's leases back (`put_back.rs`).
-//! On a cluster, each master's epoch is checked and copied to the markers of its slots.
+//! Checking the store's epoch (see `epoch.rs`), the [`EpochKeeper`]'s check: on every new
+//! connection before it is used ([`EpochKeeper::link`]), once a second, when another broker
+//! announces a new epoch and when a grant meets another epoch; and catching up with a new one,
+//! which puts this broker's leases back (`put_back.rs`). On a cluster, each master's epoch is
+//! checked and copied to the markers of its slots.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::pin::Pin;
+
 use futures_util::StreamExt;
 use tokio::time::Instant;
 
-use super::RedisStore;
-use super::connection::Conn;
-use super::epoch::{MARK_CONCURRENCY, PutBackReport, PuttingBack, SLOT_NOTICE, Shard, masters};
+use super::connection::{Conn, Link};
+use super::epoch::{EpochKeeper, MARK_CONCURRENCY, PuttingBack, SLOT_NOTICE};
+use super::put_back::PutBackReport;
 use super::scripts::{Check, Checked, Mark, Repair};
+use super::shard::{Shard, masters};
 use super::slots::SLOTS;
 use lockbroker_core::domain::millis;
 use lockbroker_core::store::{Hold, HoldReason, Notice, StoreError, StoreResult};
 
-impl RedisStore {
+impl EpochKeeper {
+    /// The verified connection, making one if there is none (see `connection.rs`).
+    pub(super) async fn link(self: &Arc<Self>) -> StoreResult<Link> {
+        self.connection
+            .get(|| {
+                tokio::spawn(Arc::clone(self).reconnect());
+            })
+            .await
+    }
+
+    /// Makes a new connection and runs the epoch check on it (putting leases back if the store
+    /// lost them) before anything else may use it.
+    ///
+    /// A boxed future with its `Send` declared: reconnecting can put leases back, which can
+    /// release through a connection, which can reconnect — a cycle the compiler cannot see
+    /// through when the future's type is inferred.
+    fn reconnect(self: Arc<Self>) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            let verified = async {
+                let mut conn = self.connection.open().await?;
+                self.check(&mut conn).await?;
+                Ok::<_, StoreError>(conn)
+            };
+            match verified.await {
+                Ok(conn) => {
+                    tracing::debug!("connected to Redis");
+                    self.connection.up(conn);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot connect to Redis");
+                    self.connection.down(e);
+                }
+            }
+        })
+    }
+
     /// Checks the epoch on the current connection (making and verifying one if needed) and
     /// catches up with a new one. Returns the store-wide hold in force, if any.
     ///
@@ -28,7 +67,7 @@ impl RedisStore {
     /// A connection that fails the check is replaced and the check made again at once (the new
     /// connection's verification is the check): after a restart, the old connection is usually
     /// the first thing that fails, and the put-back must not wait for another round.
-    pub(super) async fn catch_up(&self) -> StoreResult<Option<Hold>> {
+    pub(super) async fn catch_up(self: &Arc<Self>) -> StoreResult<Option<Hold>> {
         let deadline = Instant::now() + self.connection.timeout();
         let mut last = None;
         for _ in 0..2 {
@@ -39,12 +78,7 @@ impl RedisStore {
             let mut conn = link.conn.clone();
             // Unbounded here: a new epoch puts leases back (on a cluster, marks a master's
             // thousands of slots too), which must not stop halfway. Each call in it is bounded.
-            let checked = if self.layout.cluster {
-                self.check_cluster(&mut conn).await
-            } else {
-                self.check_on(&mut conn).await
-            };
-            match checked {
+            match self.check(&mut conn).await {
                 Ok(hold) => return Ok(hold),
                 Err(e) => {
                     self.connection.drop_link(link.generation, &e);
@@ -55,21 +89,28 @@ impl RedisStore {
         Err(last.expect("two failed tries"))
     }
 
-    /// The epoch check on `conn`, and the put-back if the epoch is not the one this broker
-    /// knows. Run on every new connection before it is used.
-    pub(super) async fn check_on(&self, conn: &mut Conn) -> StoreResult<Option<Hold>> {
+    /// The epoch check on `conn` — of every master, on a cluster — and the put-back if the
+    /// epoch is not the one this broker knows. Run on every new connection before it is used.
+    async fn check(self: &Arc<Self>, conn: &mut Conn) -> StoreResult<Option<Hold>> {
+        if self.layout.cluster {
+            self.check_cluster(conn).await
+        } else {
+            self.check_server(conn).await
+        }
+    }
+
+    /// The epoch check of one server.
+    async fn check_server(self: &Arc<Self>, conn: &mut Conn) -> StoreResult<Option<Hold>> {
         let _one = self.epoch.catching_up.lock().await;
         let checked = self.check_shard(conn, &Shard::whole()).await?;
         Ok(checked.hold())
     }
 
-    /// The epoch check of every master of a cluster, each caught up with as [`check_on`] does
-    /// for one server. Returns a hold only if every master holds: a master that settles alone
+    /// The epoch check of every master of a cluster, each caught up with as
+    /// [`EpochKeeper::check_server`] does for one server. Returns a hold only if every master holds: a master that settles alone
     /// holds only its own keys (its slots' markers say so to every script), and the broker stays
     /// ready for the others.
-    ///
-    /// [`check_on`]: RedisStore::check_on
-    pub(super) async fn check_cluster(&self, conn: &mut Conn) -> StoreResult<Option<Hold>> {
+    async fn check_cluster(self: &Arc<Self>, conn: &mut Conn) -> StoreResult<Option<Hold>> {
         let _one = self.epoch.catching_up.lock().await;
         let shards = self.bounded(masters(conn)).await?;
         // The hold that stops every grant: the shortest, if every master holds.
@@ -117,8 +158,8 @@ impl RedisStore {
 
     /// Checks one shard's epoch and catches up with it: puts this broker's leases on the shard
     /// back if the epoch is not the one it knew. Called with `catching_up` held.
-    async fn check_shard(&self, conn: &mut Conn, shard: &Shard) -> StoreResult<Checked> {
-        let marker = self.marker_of(shard.first);
+    async fn check_shard(self: &Arc<Self>, conn: &mut Conn, shard: &Shard) -> StoreResult<Checked> {
+        let marker = self.layout.marker_of(shard.first);
         // A put-back that finds the epoch moved again (a second loss meanwhile) starts over; a
         // put-back that went through checks once more, for the hold as the put-back left it.
         for _ in 0..4 {
@@ -127,7 +168,7 @@ impl RedisStore {
             // A newer layout than this broker's: every grant is refused (and logged) by the
             // granting scripts, and the broker says it is not ready.
             self.epoch
-                .layout
+                .store_layout
                 .store(checked.layout, std::sync::atomic::Ordering::Relaxed);
             if known.as_deref() == Some(checked.id.as_str()) {
                 return Ok(checked);
@@ -151,7 +192,7 @@ impl RedisStore {
                 self.ledger
                     .live(Instant::now())
                     .iter()
-                    .filter_map(|(key, _)| self.slot(key))
+                    .filter_map(|(key, _)| self.layout.slot(key))
                     .filter(|slot| shard.holds(*slot))
                     .collect()
             } else {
@@ -197,14 +238,14 @@ impl RedisStore {
             .slots()
             .filter(|s| *s != shard.first && which(*s))
             .map(|slot| {
-                let (store, mut conn, checked) = (self.clone(), conn.clone(), checked.clone());
+                let (mut conn, checked) = (conn.clone(), checked.clone());
                 async move {
-                    let marker = store.marker_of(slot);
+                    let marker = self.layout.marker_of(slot);
                     let mark = Mark {
                         marker: &marker,
                         checked: &checked,
                     };
-                    store.eval(&mut conn, &mark).await
+                    self.eval(&mut conn, &mark).await
                 }
             })
             .collect();
@@ -235,9 +276,9 @@ impl RedisStore {
     /// deleted or evicted on its own, and the slot's lock keys may have gone with it). The slot
     /// gets its marker back, in its master's epoch, with a hold of `store_settle_ms`, and the
     /// repair is announced (`!slot <n>`) so that every broker puts its leases on the slot back
-    /// ([`RedisStore::put_back_slot`]) before the hold ends. Logged as an error: Redis should
+    /// ([`EpochKeeper::put_back_slot`]) before the hold ends. Logged as an error: Redis should
     /// not evict keys.
-    pub(super) async fn repair_slot(&self, slot: u16) -> StoreResult<()> {
+    pub(super) async fn repair_slot(self: &Arc<Self>, slot: u16) -> StoreResult<()> {
         let Ok(epoch) = self.epoch.for_grant(Some(slot)) else {
             return Ok(());
         };
@@ -246,7 +287,7 @@ impl RedisStore {
         };
         let mut conn = link.conn.clone();
         let repair = Repair {
-            marker: &self.marker_of(slot),
+            marker: &self.layout.marker_of(slot),
             epoch: &epoch,
             hold_ms: millis(self.epoch.settle),
             channel: &self.channel,

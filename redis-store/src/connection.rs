@@ -4,7 +4,7 @@
 //! A server that restarted, or a replica that took over, is always reached through a new
 //! connection (the old one breaks with the old process; behind Sentinel, an old master that is
 //! still up is left on the sentinels' word, see `sentinel.rs`). So checking the store's epoch on every
-//! new connection before any request may use it (`RedisStore::check_on`) means no broker
+//! new connection before any request may use it (`EpochKeeper::link`) means no broker
 //! grants on a server whose losses it has not caught up with — whatever its timing. Requests
 //! that find no connection wait for the one being made (within their own time bound), or fail
 //! at once with the last error if the last attempt failed moments ago.
@@ -18,8 +18,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::{
-    AsyncConnectionConfig, Cmd, Pipeline, RedisError, RedisFuture, RedisResult, TlsCertificates,
-    TlsMode, Value,
+    AsyncConnectionConfig, Cmd, FromRedisValue, Pipeline, RedisError, RedisFuture, RedisResult,
+    TlsCertificates, TlsMode, Value,
 };
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -176,20 +176,10 @@ impl Conn {
     ) -> RedisResult<u64> {
         let mut wait = redis::cmd("WAIT");
         wait.arg(replicas).arg(timeout_ms);
-        match self {
-            Self::Single(conn) => wait.query_async(conn).await,
-            Self::Cluster(conn) => {
-                let node = Route::with_key(key, SlotAddr::Master);
-                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
-                Ok(redis::from_redis_value(
-                    conn.route_command(wait, routing).await?,
-                )?)
-            }
-        }
+        self.on_master(wait, || Route::with_key(key, SlotAddr::Master))
+            .await
     }
-}
 
-impl Conn {
     /// One `SCAN` step on the master whose slots start at `first_slot` (on one server: the
     /// server): the next cursor and the keys matching `pattern`.
     pub(super) async fn scan_step(
@@ -205,14 +195,24 @@ impl Conn {
             .arg(pattern)
             .arg("COUNT")
             .arg(count);
+        self.on_master(scan, || Route::new(first_slot, SlotAddr::Master))
+            .await
+    }
+
+    /// Runs `cmd` on one master: the server, or on a cluster the master of `route`'s slot.
+    async fn on_master<T: FromRedisValue>(
+        &mut self,
+        cmd: Cmd,
+        route: impl FnOnce() -> Route,
+    ) -> RedisResult<T> {
         match self {
-            Self::Single(conn) => scan.query_async(conn).await,
+            Self::Single(conn) => cmd.query_async(conn).await,
             Self::Cluster(conn) => {
-                let node = Route::new(first_slot, SlotAddr::Master);
-                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(node));
-                Ok(redis::from_redis_value(
-                    conn.route_command(scan, routing).await?,
-                )?)
+                let node = SingleNodeRoutingInfo::SpecificNode(route());
+                let reply = conn
+                    .route_command(cmd, RoutingInfo::SingleNode(node))
+                    .await?;
+                Ok(redis::from_redis_value(reply)?)
             }
         }
     }

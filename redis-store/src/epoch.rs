@@ -26,18 +26,24 @@
 //! cluster nodes are made by the `redis` crate, out of the broker's sight; what tells the broker
 //! that one reached a new server process is NOSCRIPT — Redis 7 neither replicates nor persists
 //! its script cache, so a restarted server or a promoted replica has none of the broker's
-//! scripts, and the broker checks the epoch before it runs one there (`RedisStore::invoke`).
+//! scripts, and the broker checks the epoch before it runs one there (`EpochKeeper::invoke`, `calls.rs`).
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use redis::Value;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, mpsc};
 
-use super::connection::Conn;
-use super::slots::SLOTS;
-use lockbroker_core::store::{Hold, HoldReason};
+use super::Broker;
+use super::connection::RedisConnection;
+use super::keys::KeyLayout;
+use super::scripts::{Epoched, GrantReply, GrantedLease, NotGranted, Scripts};
+use super::shard::Shard;
+use crate::ledger::Ledger;
+use lockbroker_core::domain::millis;
+use lockbroker_core::metrics::Metrics;
+use lockbroker_core::store::{Hold, HoldReason, Notice, StoreError, StoreResult};
 
 /// The payload that announces a repaired slot marker, followed by the slot.
 pub(super) const SLOT_NOTICE: &str = "!slot ";
@@ -48,6 +54,123 @@ pub(super) const MARK_CONCURRENCY: usize = 64;
 /// How often an idle broker checks the epoch, so it notices a flush (which breaks no
 /// connection) within this.
 pub(super) const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// Keeps this broker in the store's epoch: the one owner of the epoch check and the put-back,
+/// and of what they touch — the connection (no call goes over one whose epoch was not checked),
+/// the scripts run on it (`calls.rs`), what this broker knows of the epoch ([`Epoch`]) and the
+/// ledger of its live leases, which it puts back into a new epoch.
+///
+/// The path of a grant, in this type's methods: [`EpochKeeper::grant_in_epoch`] (below) runs
+/// the granting script in the epoch this broker knows; a script that finds the store in another
+/// epoch answers `OtherEpoch`, and the keeper catches up — [`EpochKeeper::catch_up`] in
+/// `check.rs`: the check script, which starts the new epoch and its hold (the settle time) if
+/// no broker did yet; then, the epoch being new to this broker, `put_back_all` in `put_back.rs`
+/// writes every live lease of the ledger back — and runs the script again in the new epoch,
+/// where it answers "on hold" until the settle time ends. The granted lease goes into the ledger
+/// ([`EpochKeeper::remember`], `put_back.rs`), or is put back on its own if its answer raced
+/// a loss.
+///
+/// Catching up runs scripts, and running a script can catch up (a NOSCRIPT on a cluster node;
+/// a new connection, verified by the check before use); putting a lease back can release one
+/// again, which runs a script. The futures of that cycle are boxed, with their `Send` declared,
+/// in this file ([`EpochKeeper::catch_up_task`], [`EpochKeeper::repair_task`]) and in
+/// `check.rs` (`reconnect`): the compiler cannot see through a cycle of inferred future types.
+pub(super) struct EpochKeeper {
+    /// Where the broker's keys are in Redis (shared with the store).
+    pub layout: Arc<KeyLayout>,
+    /// `<prefix>released`, the shared channel: where the check announces a new epoch.
+    pub channel: Arc<str>,
+    /// This broker on the store: the leases it puts back record its id.
+    pub broker: Arc<Broker>,
+    /// The one verified connection, and the store's time bound (`connection.rs`).
+    pub connection: RedisConnection,
+    pub scripts: Scripts,
+    /// What this broker knows of the store's epoch.
+    pub epoch: Epoch,
+    /// This broker's live leases: what it puts back after a loss.
+    pub ledger: Ledger,
+    /// Where the store's notices go, once started: a store loss tells every waiter to ask again
+    /// (the queues went with it).
+    pub notices: OnceLock<mpsc::Sender<Notice>>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl EpochKeeper {
+    /// Runs a granting script (`run`, given the epoch to run in) in the epoch this broker knows
+    /// for `slot`: its grant, with that epoch, or what it answered instead. A script that finds
+    /// the store in another epoch than this broker knows is answered by catching up (putting
+    /// this broker's leases back), then run again; on a cluster, a slot that moved here from a
+    /// master this broker has caught up with is adopted in that master's epoch, and a slot whose
+    /// marker alone is missing repaired.
+    pub(super) async fn grant_in_epoch<F: Future<Output = StoreResult<Epoched<GrantReply>>>>(
+        self: &Arc<Self>,
+        slot: Option<u16>,
+        run: impl Fn(String) -> F,
+    ) -> StoreResult<Result<(GrantedLease, String), NotGranted>> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let known = match self.epoch.for_grant(slot) {
+                Ok(known) => known,
+                Err(hold) => return Ok(Err(NotGranted::OnHold(hold))),
+            };
+            let marker = match run(known.clone()).await? {
+                Epoched::Answered(GrantReply::Granted(granted)) => return Ok(Ok((granted, known))),
+                Epoched::Answered(GrantReply::NotGranted(not)) => return Ok(Err(not)),
+                Epoched::OtherEpoch(marker) => marker,
+            };
+            match (tries, slot, marker) {
+                (1, Some(slot), Some(epoch)) if self.epoch.adopt(slot, &epoch) => {}
+                // Caught up and the slot's marker is still missing: it alone lost it.
+                (2, Some(slot), None) => self.repair_task(slot).await?,
+                (1 | 2, ..) => {
+                    if let Some(hold) = self.catch_up_task().await? {
+                        return Ok(Err(NotGranted::OnHold(hold)));
+                    }
+                }
+                _ => {
+                    return Ok(Err(NotGranted::OnHold(Hold {
+                        reason: HoldReason::PuttingBack,
+                        retry_after_ms: 1_000,
+                    })));
+                }
+            }
+        }
+    }
+
+    /// [`EpochKeeper::catch_up`] in a task of its own (a put-back must not stop halfway because
+    /// the request that started it gave up).
+    pub(super) fn catch_up_task(
+        self: &Arc<Self>,
+    ) -> Pin<Box<dyn Future<Output = StoreResult<Option<Hold>>> + Send>> {
+        let keeper = Arc::clone(self);
+        self.spawned(async move { keeper.catch_up().await })
+    }
+
+    /// [`EpochKeeper::repair_slot`] in a task of its own, as [`EpochKeeper::catch_up_task`].
+    pub(super) fn repair_task(
+        self: &Arc<Self>,
+        slot: u16,
+    ) -> Pin<Box<dyn Future<Output = StoreResult<()>> + Send>> {
+        let keeper = Arc::clone(self);
+        self.spawned(async move { keeper.repair_slot(slot).await })
+    }
+
+    /// Runs `work` in a task of its own, waiting for it at most the store's time bound. Boxed,
+    /// with its `Send` declared: catching up runs scripts, which can catch up.
+    fn spawned<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = StoreResult<T>> + Send + 'static,
+    ) -> Pin<Box<dyn Future<Output = StoreResult<T>> + Send>> {
+        let timeout = self.connection.timeout();
+        Box::pin(async move {
+            match tokio::time::timeout(timeout, tokio::spawn(work)).await {
+                Ok(Ok(result)) => result,
+                _ => Err(StoreError::Timeout(millis(timeout))),
+            }
+        })
+    }
+}
 
 /// What a broker knows of the store's epoch, and how long a new epoch holds grants.
 pub(super) struct Epoch {
@@ -65,7 +188,7 @@ pub(super) struct Epoch {
     pub loss_delay: Duration,
     /// The store layout the last epoch check found on a marker (see `STORE_LAYOUT`): a newer one
     /// than this broker's makes it not ready.
-    pub layout: std::sync::atomic::AtomicU32,
+    pub store_layout: std::sync::atomic::AtomicU32,
 }
 
 #[derive(Default)]
@@ -113,7 +236,7 @@ impl Epoch {
             wake: Notify::new(),
             settle,
             loss_delay,
-            layout: std::sync::atomic::AtomicU32::new(0),
+            store_layout: std::sync::atomic::AtomicU32::new(0),
         }
     }
 
@@ -201,98 +324,9 @@ impl Drop for PuttingBack<'_> {
     }
 }
 
-/// How a put-back went.
-#[derive(Default)]
-pub(super) struct PutBackReport {
-    pub written: usize,
-    pub already_there: usize,
-    pub double_claims: usize,
-    pub counters_raised: usize,
-}
-
-impl PutBackReport {
-    pub(super) fn add(&mut self, other: &PutBackReport) {
-        self.written += other.written;
-        self.already_there += other.already_there;
-        self.double_claims += other.double_claims;
-        self.counters_raised += other.counters_raised;
-    }
-}
-
-/// One shard of the store for the epoch: a cluster master's slots, or the whole store.
-#[derive(Debug, Clone)]
-pub(super) struct Shard {
-    /// The shard's first slot (0 for one server): its epoch is decided on this slot's marker.
-    pub first: u16,
-    /// Its slot ranges, inclusive (empty for one server: every key).
-    ranges: Vec<(u16, u16)>,
-}
-
-impl Shard {
-    pub(super) fn whole() -> Self {
-        Self {
-            first: 0,
-            ranges: Vec::new(),
-        }
-    }
-
-    pub(super) fn holds(&self, slot: u16) -> bool {
-        self.ranges.is_empty() || self.ranges.iter().any(|(a, b)| (*a..=*b).contains(&slot))
-    }
-
-    pub(super) fn slots(&self) -> impl Iterator<Item = u16> + '_ {
-        self.ranges.iter().flat_map(|(a, b)| *a..=*b)
-    }
-
-    /// Whether every key is on this shard: one server, or a cluster with one master.
-    fn is_everything(&self) -> bool {
-        // A master's ranges do not overlap.
-        let slots: usize = self
-            .ranges
-            .iter()
-            .map(|(a, b)| usize::from(b - a) + 1)
-            .sum();
-        self.ranges.is_empty() || slots == usize::from(SLOTS)
-    }
-}
-
-/// The cluster's masters and their slot ranges (`CLUSTER SLOTS`), ordered by first slot.
-pub(super) async fn masters(conn: &mut Conn) -> redis::RedisResult<Vec<Shard>> {
-    let ranges: Vec<Value> = redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await?;
-    let mut by_master: BTreeMap<(String, u16), Vec<(u16, u16)>> = BTreeMap::new();
-    for range in &ranges {
-        let Value::Array(parts) = range else { continue };
-        let (Some(start), Some(end), Some(Value::Array(master))) =
-            (parts.first(), parts.get(1), parts.get(2))
-        else {
-            continue;
-        };
-        let (Some(host), Some(port)) = (master.first(), master.get(1)) else {
-            continue;
-        };
-        let host: String = redis::from_redis_value_ref(host)?;
-        let port: u16 = redis::from_redis_value_ref(port)?;
-        by_master.entry((host, port)).or_default().push((
-            redis::from_redis_value_ref(start)?,
-            redis::from_redis_value_ref(end)?,
-        ));
-    }
-    let mut shards: Vec<Shard> = by_master
-        .into_values()
-        .map(|mut ranges| {
-            ranges.sort_unstable();
-            Shard {
-                first: ranges[0].0,
-                ranges,
-            }
-        })
-        .collect();
-    shards.sort_by_key(|s| s.first);
-    Ok(shards)
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::slots::SLOTS;
     use super::*;
 
     fn held(epoch: &Epoch, slot: Option<u16>) -> bool {

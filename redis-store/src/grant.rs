@@ -1,5 +1,6 @@
 //! Granting: CLAIM, TAKE_OVER or JOIN run in the epoch this broker knows (caught up with first
-//! when the store is in another), then the wait for replicas, then the ledger.
+//! when the store is in another: [`EpochKeeper::grant_in_epoch`](super::epoch::EpochKeeper::grant_in_epoch)),
+//! then the wait for replicas, then the ledger.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -9,9 +10,9 @@ use tokio::time::Instant;
 use super::RedisStore;
 use super::keys::Site;
 use super::replicas::Written;
-use super::scripts::{Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver};
+use super::scripts::{Claim, Epoched, GrantReply, GrantedLease, JoinPool, NotGranted, TakeOver};
 use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Pool, Token};
-use lockbroker_core::store::{Bid, Hold, HoldReason, StoreError, StoreResult};
+use lockbroker_core::store::{Bid, StoreError, StoreResult};
 
 /// The version of what this broker keeps in Redis: 2 added the queue per key (`LAYOUT` in
 /// `lib/prelude.lua`; see `README.md`, the key layout, and docs/failover.md, "Rolling upgrades").
@@ -49,17 +50,17 @@ impl RedisStore {
         bid: &Bid,
     ) -> StoreResult<Result<Lease, NotGranted>> {
         let kind = script.kind();
-        let site = self.site(kind.space(), key);
+        let site = self.layout.site(kind.space(), key);
         let at = &site;
         // The connection the granting write went over: its replicas are asked on that one.
         let carried = AtomicU64::new(0);
         let carried_by = &carried;
-        let attempt = |epoch: String| async move {
-            let (reply, generation) = self.attempt(script, at, bid, &epoch).await?;
+        let run_in = |epoch: String| async move {
+            let (reply, generation) = self.run_grant_script(script, at, bid, &epoch).await?;
             carried_by.store(generation, Ordering::Relaxed);
             Ok(reply)
         };
-        let (granted, epoch) = match self.in_epoch(site.slot, attempt).await? {
+        let (granted, epoch) = match self.keeper.grant_in_epoch(site.slot, run_in).await? {
             Ok(granted) => granted,
             Err(not) => return Ok(Err(not)),
         };
@@ -82,12 +83,14 @@ impl RedisStore {
             ))
             .await?;
         }
-        self.remember(key, kind, site.slot, &lease, answered + remaining, &epoch);
+        self.keeper
+            .remember(key, kind, site.slot, &lease, answered + remaining, &epoch);
         Ok(Ok(lease))
     }
 
-    /// One run of `script` in `epoch`, and the generation of the connection it went over.
-    async fn attempt(
+    /// Runs `script` once in `epoch`: its reply, and the generation of the connection it went
+    /// over.
+    async fn run_grant_script(
         &self,
         script: GrantScript,
         site: &Site<'_>,
@@ -103,73 +106,11 @@ impl RedisStore {
             epoch,
             caller: &caller,
         };
+        let keeper = &self.keeper;
         match script {
-            GrantScript::Claim => self.run_tracked(&claim).await,
-            GrantScript::TakeOver { seen } => self.run_tracked(&TakeOver { claim, seen }).await,
-            GrantScript::Join(pool) => self.run_tracked(&Join { claim, pool }).await,
-        }
-    }
-
-    /// Runs `attempt` in the epoch this broker knows for `slot`: its grant, with that epoch, or
-    /// what it answered instead. A script that finds the store in another epoch than this
-    /// broker knows is answered by catching up (putting this broker's leases back), then tried
-    /// again; on a cluster, a slot that moved here from a master this broker has caught up with
-    /// is adopted in that master's epoch, and a slot whose marker alone is missing repaired.
-    async fn in_epoch<F: Future<Output = StoreResult<Epoched<GrantReply>>>>(
-        &self,
-        slot: Option<u16>,
-        attempt: impl Fn(String) -> F,
-    ) -> StoreResult<Result<(Granted, String), NotGranted>> {
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            let known = match self.epoch.for_grant(slot) {
-                Ok(known) => known,
-                Err(hold) => return Ok(Err(NotGranted::OnHold(hold))),
-            };
-            let marker = match attempt(known.clone()).await? {
-                Epoched::Answered(GrantReply::Granted(granted)) => return Ok(Ok((granted, known))),
-                Epoched::Answered(GrantReply::NotGranted(NotGranted::NewerLayout { layout })) => {
-                    return Err(newer_layout(layout));
-                }
-                Epoched::Answered(GrantReply::NotGranted(not)) => return Ok(Err(not)),
-                Epoched::OtherEpoch(marker) => marker,
-            };
-            match (tries, slot, marker) {
-                (1, Some(slot), Some(epoch)) if self.epoch.adopt(slot, &epoch) => {}
-                // Caught up and the slot's marker is still missing: it alone lost it.
-                (2, Some(slot), None) => self.clone().repair_task(slot).await?,
-                (1 | 2, ..) => {
-                    if let Some(hold) = self.clone().catch_up_task().await? {
-                        return Ok(Err(NotGranted::OnHold(hold)));
-                    }
-                }
-                _ => {
-                    return Ok(Err(NotGranted::OnHold(Hold {
-                        reason: HoldReason::PuttingBack,
-                        retry_after_ms: 1_000,
-                    })));
-                }
-            }
-        }
-    }
-
-    /// Records a lease granted or renewed here in the ledger — unless an end of it reached the
-    /// ledger first (a release or force release that Redis ran after this call; see the
-    /// ledger's docs). If it was written in an epoch older than the newest one this broker has
-    /// seen, its answer raced a loss and the put-back may have missed it: it is put back on its
-    /// own.
-    pub(super) fn remember(
-        &self,
-        key: &LockKey,
-        kind: Kind,
-        slot: Option<u16>,
-        lease: &Lease,
-        ends: Instant,
-        epoch: &str,
-    ) {
-        if self.ledger.record(key, kind, lease, ends) && self.epoch.is_behind(slot, epoch) {
-            self.put_back_late(key.clone(), kind, lease.token.clone());
+            GrantScript::Claim => keeper.run_tracked(&claim).await,
+            GrantScript::TakeOver { seen } => keeper.run_tracked(&TakeOver { claim, seen }).await,
+            GrantScript::Join(pool) => keeper.run_tracked(&JoinPool { claim, pool }).await,
         }
     }
 }
@@ -201,7 +142,7 @@ pub(super) fn newer_layout(layout: u32) -> StoreError {
 }
 
 /// The lease `granted` is, for `bid`.
-fn lease_of(granted: Granted, bid: &Bid, kind: Kind) -> StoreResult<Lease> {
+fn lease_of(granted: GrantedLease, bid: &Bid, kind: Kind) -> StoreResult<Lease> {
     Ok(Lease {
         // The bid's own token, or the one of the earlier grant this repeats.
         token: if granted.token == bid.token.as_str() {

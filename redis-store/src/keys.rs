@@ -4,7 +4,6 @@
 
 use std::borrow::Cow;
 
-use super::RedisStore;
 use super::slots::{slot_of, tag_for};
 use lockbroker_core::domain::{LockKey, Space};
 
@@ -17,8 +16,9 @@ pub(super) const LOCK_SPACE: &str = "L";
 /// A semaphore's space in those notices.
 pub(super) const SEMAPHORE_SPACE: &str = "S";
 
-/// Where every Redis key of the broker is.
-pub(super) struct Layout {
+/// Where every Redis key of the broker is: the key layout (`README.md`), apart from the store
+/// layout, the version of what brokers keep there (`STORE_LAYOUT`).
+pub(super) struct KeyLayout {
     /// Prepended to every Redis key the broker writes.
     pub prefix: String,
     /// `<prefix>epoch`: the store's epoch marker (see `epoch.rs`); on a cluster, one per slot.
@@ -57,10 +57,10 @@ pub(super) struct Site<'a> {
     pub marker: Cow<'a, str>,
 }
 
-impl RedisStore {
+impl KeyLayout {
     /// `key`'s exclusive lease and fence counter in the lock space.
     pub(super) fn keys(&self, key: &LockKey) -> [String; 2] {
-        let prefix = &self.layout.prefix;
+        let prefix = &self.prefix;
         [
             format!("{prefix}{{{key}}}:lock"),
             format!("{prefix}{{{key}}}:fence"),
@@ -73,7 +73,7 @@ impl RedisStore {
     /// cycle build these names, and `format!` took about a tenth of the broker's instructions
     /// per cycle.
     pub(super) fn names(&self, space: Space, key: &LockKey) -> RedisKeys {
-        let prefix = self.layout.prefix.as_str();
+        let prefix = self.prefix.as_str();
         let mut base = String::with_capacity(prefix.len() + key.as_str().len() + 2);
         base.push_str(prefix);
         base.push('{');
@@ -125,25 +125,24 @@ impl RedisStore {
 
     /// On a cluster, the slot of `key`'s Redis keys.
     pub(super) fn slot(&self, key: &LockKey) -> Option<u16> {
-        self.layout
-            .cluster
-            .then(|| slot_of(format!("{}{{{}}}", self.layout.prefix, key).as_bytes()))
+        self.cluster
+            .then(|| slot_of(format!("{}{{{}}}", self.prefix, key).as_bytes()))
     }
 
     /// The epoch marker a script on `key` reads: the store's, or on a cluster its slot's.
     pub(super) fn marker_for(&self, key: &LockKey) -> Cow<'_, str> {
         match self.slot(key) {
             Some(slot) => Cow::Owned(self.marker_of(slot)),
-            None => Cow::Borrowed(&self.layout.marker),
+            None => Cow::Borrowed(&self.marker),
         }
     }
 
     /// The epoch marker of `slot` (on one server, the store's one marker).
     pub(super) fn marker_of(&self, slot: u16) -> String {
-        if self.layout.cluster {
-            format!("{}{{{}}}", self.layout.marker, tag_for(slot))
+        if self.cluster {
+            format!("{}{{{}}}", self.marker, tag_for(slot))
         } else {
-            self.layout.marker.clone()
+            self.marker.clone()
         }
     }
 }

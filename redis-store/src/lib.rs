@@ -1,15 +1,16 @@
 //! The Redis store: each primitive is one Lua script (`scripts/`), run by SHA over one
 //! multiplexed connection that is verified before use (`connection.rs`, `calls.rs`), reading
 //! the time from Redis's own `TIME`. The broker's live leases are kept in a ledger and put back
-//! when the store loses them (`epoch.rs`, `check.rs`, `put_back.rs`); release notices reach every
-//! broker's waiters (`notices.rs`); behind Sentinel, the broker follows the master's failovers
-//! (`sentinel.rs`).
+//! when the store loses them; release notices reach every broker's waiters (`notices.rs`);
+//! behind Sentinel, the broker follows the master's failovers (`sentinel.rs`).
 //!
-//! One file a concern, each with its own `impl RedisStore`: where the keys are (`keys.rs`),
-//! running calls on the connection (`calls.rs`), the store primitives (`primitives.rs`), granting
-//! (`grant.rs`), checking the epoch (`check.rs`), putting leases back (`put_back.rs`).
-//!
-//! The key layout, once: `README.md` beside this crate's manifest.
+//! Two owners. [`RedisStore`] is the `Store` on Redis: its primitives (`primitives.rs`),
+//! granting (`grant.rs`), the wait for replicas (`replicas.rs`), listing (`listing.rs`). Under
+//! it, the `EpochKeeper` (`epoch.rs`) owns the connection, the epoch and the ledger,
+//! and so every call on Redis (`calls.rs`), the epoch check (`epoch.rs`, `check.rs`) and the
+//! put-back (`put_back.rs`). Where the keys are: `KeyLayout` (`keys.rs`). The path
+//! of an acquire, from the route to the Lua script, and the key layout, once: `README.md` beside
+//! this crate's manifest.
 #![forbid(unsafe_code)]
 
 mod calls;
@@ -29,6 +30,7 @@ mod put_back;
 mod replicas;
 mod scripts;
 mod sentinel;
+mod shard;
 mod slots;
 pub(crate) mod url;
 
@@ -43,8 +45,8 @@ use redis::io::tcp::{TcpSettings, socket2};
 use redis::{ClientTlsConfig, TlsCertificates};
 
 use self::connection::{Connector, RedisConnection};
-use self::epoch::Epoch;
-use self::keys::Layout;
+use self::epoch::{Epoch, EpochKeeper};
+use self::keys::KeyLayout;
 use self::replicas::Replicas;
 use self::scripts::Scripts;
 pub use self::slots::slot_of;
@@ -178,24 +180,16 @@ impl Broker {
 #[derive(Clone)]
 pub struct RedisStore {
     /// Where the broker's keys are in Redis (`keys.rs`).
-    layout: Arc<Layout>,
+    layout: Arc<KeyLayout>,
     /// `<prefix>released`: the shared channel, which every broker reads: epoch announcements,
     /// and the ends of leases written by older brokers (`notices.rs`).
     channel: Arc<str>,
     /// This broker on the store: its id and its own channel, where the scripts tell it of
     /// offers to its queued bids and of ends of leases it remembers (`notices.rs`).
     broker: Arc<Broker>,
-    /// Where the store's notices go, once started: a store loss tells every waiter to ask again
-    /// (the queues went with it).
-    notices: Arc<std::sync::OnceLock<tokio::sync::mpsc::Sender<lockbroker_core::store::Notice>>>,
-    /// The one verified connection, and the store's time bound (`connection.rs`, `calls.rs`).
-    connection: Arc<RedisConnection>,
-    scripts: Arc<Scripts>,
-    /// What this broker knows of the store's epoch, and how long a new one holds grants
-    /// (`epoch.rs`, `check.rs`).
-    epoch: Arc<Epoch>,
-    /// This broker's live leases: what it puts back after a loss (`put_back.rs`).
-    ledger: Arc<Ledger>,
+    /// Every call on Redis, over the connection it owns, in the epoch it keeps; the ledger of
+    /// this broker's live leases, which it puts back after a loss (`epoch.rs`).
+    keeper: Arc<EpochKeeper>,
     /// The wait for replicas after each granting or renewing write (`replicas.rs`).
     replicas: Arc<Replicas>,
     metrics: Arc<Metrics>,
@@ -225,23 +219,31 @@ impl RedisStore {
         let connector = Connector::build(url, tcp, tls, settings.timeout)?;
         let cluster = url.topology == Topology::Cluster;
         let prefix = settings.key_prefix.as_str();
-        Ok(Self {
-            layout: Arc::new(Layout {
-                prefix: prefix.into(),
-                marker: format!("{prefix}epoch"),
-                cluster,
-            }),
-            channel: format!("{prefix}released").into(),
-            broker: Arc::new(Broker::new(prefix, settings.timeout)),
-            notices: Arc::default(),
-            connection: Arc::new(RedisConnection::new(connector, settings.timeout)),
-            scripts: Arc::new(Scripts::new()),
-            epoch: Arc::new(Epoch::new(settings.store_settle, settings.store_loss_delay)),
+        let layout = Arc::new(KeyLayout {
+            prefix: prefix.into(),
+            marker: format!("{prefix}epoch"),
+            cluster,
+        });
+        let channel: Arc<str> = format!("{prefix}released").into();
+        let broker = Arc::new(Broker::new(prefix, settings.timeout));
+        let keeper = EpochKeeper {
+            layout: layout.clone(),
+            channel: channel.clone(),
+            broker: broker.clone(),
+            connection: RedisConnection::new(connector, settings.timeout),
+            scripts: Scripts::new(),
+            epoch: Epoch::new(settings.store_settle, settings.store_loss_delay),
             // An end's mark outlasts the answer of a renewal Redis ran before it: that call's
             // time bound, and as much again for its replicas.
-            ledger: Arc::new(Ledger::with_linger(
-                settings.timeout * 2 + Duration::from_secs(1),
-            )),
+            ledger: Ledger::with_linger(settings.timeout * 2 + Duration::from_secs(1)),
+            notices: std::sync::OnceLock::new(),
+            metrics: metrics.clone(),
+        };
+        Ok(Self {
+            layout,
+            channel,
+            broker,
+            keeper: Arc::new(keeper),
             replicas: Arc::new(Replicas::new(settings.replica_acks, settings.timeout)),
             metrics,
         })

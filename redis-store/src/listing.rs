@@ -15,7 +15,7 @@
 use futures_util::{StreamExt, stream};
 
 use super::RedisStore;
-use super::epoch::masters;
+use super::shard::masters;
 use lockbroker_core::domain::{LockKey, Mode, Space};
 use lockbroker_core::store::{ListQuery, Listed, Page, Store, StoreError, StoreResult};
 
@@ -110,7 +110,10 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
     };
     // The masters by first slot; one server is one "master" at slot 0.
     let nodes: Vec<u16> = if store.layout.cluster {
-        let shards = store.with_link(async |conn| masters(conn).await).await?;
+        let shards = store
+            .keeper
+            .with_link(async |conn| masters(conn).await)
+            .await?;
         shards.iter().map(|s| s.first).collect()
     } else {
         vec![0]
@@ -150,6 +153,7 @@ pub(super) async fn page(store: &RedisStore, query: &ListQuery) -> StoreResult<P
         // A batch a page ended inside is run again with its own count.
         let count = within.as_ref().map_or(fresh_count, |w| w.count);
         let (next, keys) = store
+            .keeper
             .with_link(async |conn| conn.scan_step(node, scan, &pattern, count).await)
             .await?;
         let mut found: Vec<LockKey> = keys

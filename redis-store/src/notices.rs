@@ -49,7 +49,7 @@ pub(super) async fn watch_epoch(store: RedisStore, notices: mpsc::Sender<Notice>
         if notices.is_closed() {
             return;
         }
-        let checked = store.catch_up().await;
+        let checked = store.keeper.catch_up().await;
         // A broker with no requests still tells an outage in its logs (see `lockbroker_core::metrics::Outage`).
         store.metrics.outage().observe(&checked);
         let pause = match checked {
@@ -63,10 +63,10 @@ pub(super) async fn watch_epoch(store: RedisStore, notices: mpsc::Sender<Notice>
                 retry / 2
             }
         };
-        store.ledger.sweep(Instant::now());
+        store.keeper.ledger.sweep(Instant::now());
         tokio::select! {
             () = tokio::time::sleep(pause) => {}
-            () = store.epoch.wake.notified() => {}
+            () = store.keeper.epoch.wake.notified() => {}
         }
     }
 }
@@ -79,18 +79,18 @@ const RETRY_MIN: Duration = Duration::from_millis(100);
 /// ([`Notice::Missed`]), since notices published while disconnected are lost, and the epoch
 /// is checked (Redis may be back after a restart).
 pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
-    let (channel, timeout) = (&store.channel, store.connection.timeout());
+    let (channel, timeout) = (&store.channel, store.keeper.connection.timeout());
     let own = store.broker.channel.as_str();
     let changes = store.broker.changes.as_str();
     let mut backoff = Duration::from_millis(100);
     let mut attempt = 0;
     // A master switch the sentinels announced (`sentinel.rs`) moves the subscriber at once.
-    let mut switches = store.connection.switches();
+    let mut switches = store.keeper.connection.switches();
     loop {
         attempt += 1;
         switches.borrow_and_update();
         match subscribe(
-            &store.connection.connector,
+            &store.keeper.connection.connector,
             attempt,
             &[channel, own, changes],
             timeout,
@@ -100,7 +100,7 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
             Ok((mut sink, mut stream)) => {
                 tracing::debug!(%channel, "listening for release notices");
                 backoff = Duration::from_millis(100);
-                store.epoch.wake.notify_one();
+                store.keeper.epoch.wake.notify_one();
                 if !deliver(&notices, Notice::Missed) {
                     return;
                 }
@@ -124,7 +124,7 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                                 let notice = match told {
                                     Told::Notice(notice) => notice,
                                     Told::Ended { space, key, fence, all } => {
-                                        store.ledger.forget_ended(space, key.as_str(), fence, all);
+                                        store.keeper.ledger.forget_ended(space, key.as_str(), fence, all);
                                         continue;
                                     }
                                 };
@@ -132,20 +132,20 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
                                     return;
                                 }
                             } else if payload == EPOCH_NOTICE.as_bytes() {
-                                store.epoch.wake.notify_one();
+                                store.keeper.epoch.wake.notify_one();
                             } else if let Some(slot) = payload
                                 .strip_prefix(SLOT_NOTICE.as_bytes())
                                 .and_then(|s| std::str::from_utf8(s).ok()?.parse::<u16>().ok())
                             {
                                 let store = store.clone();
                                 tokio::spawn(async move {
-                                    if let Err(e) = store.put_back_slot(slot).await {
+                                    if let Err(e) = store.keeper.put_back_slot(slot).await {
                                         tracing::warn!(slot, error = %e, "cannot put leases back on a repaired slot");
                                     }
                                 });
                             } else if let Some(notice) = parse_notice(payload) {
                                 if let Some(fence) = notice.fence {
-                                    store.ledger.forget_ended(notice.space, notice.key.as_str(), fence, notice.all);
+                                    store.keeper.ledger.forget_ended(notice.space, notice.key.as_str(), fence, notice.all);
                                 }
                                 if !deliver(&notices, Notice::Look(notice.space, notice.key, 0)) {
                                     return;

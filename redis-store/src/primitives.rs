@@ -7,11 +7,9 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::grant::{GrantScript, STORE_LAYOUT, newer_layout};
-use super::keys::Site;
 use super::replicas::Written;
 use super::scripts::{
-    Caller, Force, ForceReply, HolderKeys, Leave, NotGranted, Read, ReadPermits, Release,
-    ReleaseReply, Renew, RenewReply, Renewed,
+    Force, ForceReply, Leave, NotGranted, Read, ReadPermits, Renew, RenewReply, Renewed,
 };
 use super::{RedisStore, listing, notices, sentinel};
 use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Pool, Space, Token, Ttl, millis};
@@ -36,38 +34,17 @@ fn exclusive(granted: Result<Lease, NotGranted>) -> StoreResult<GrantAnswer> {
     })
 }
 
-impl RedisStore {
-    /// The epoch this broker knows for `slot`, as the holder scripts take it: '' while it puts
-    /// leases back (the key is then not handed on).
-    fn epoch_for(&self, slot: Option<u16>) -> String {
-        self.epoch.for_grant(slot).unwrap_or_default()
-    }
-
-    /// What a holder script on `site` takes.
-    fn holder_keys<'a>(
-        &'a self,
-        site: &'a Site<'_>,
-        caller: &'a Caller<'a>,
-        epoch: &'a str,
-    ) -> HolderKeys<'a> {
-        HolderKeys {
-            keys: &site.keys,
-            marker: &site.marker,
-            epoch,
-            caller,
-            channel: &self.channel,
-        }
-    }
-}
-
 impl Store for RedisStore {
     async fn claim(&self, key: &LockKey, bid: &Bid) -> StoreResult<GrantAnswer> {
         exclusive(self.grant(GrantScript::Claim, key, bid).await?)
     }
 
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
-        let keys = self.names(Space::Locks, key);
-        self.run(&Read { keys: &keys }).await.map(|reply| reply.0)
+        let keys = self.layout.names(Space::Locks, key);
+        self.keeper
+            .run(&Read { keys: &keys })
+            .await
+            .map(|reply| reply.0)
     }
 
     async fn take_over(&self, key: &LockKey, seen: Fence, bid: &Bid) -> StoreResult<GrantAnswer> {
@@ -80,24 +57,7 @@ impl Store for RedisStore {
         key: &LockKey,
         token: &Token,
     ) -> StoreResult<Holder<Released>> {
-        let site = self.site(space, key);
-        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
-        let release = Release {
-            on: self.holder_keys(&site, &caller, &epoch),
-            token,
-        };
-        let outcome = match self.run(&release).await? {
-            ReleaseReply::Released { held_ms, fence } => {
-                // The end's mark keeps a renewal answered after it out of the ledger.
-                self.ledger.forget_ended(space, key.as_str(), fence, false);
-                Holder::Done(Released { held_ms })
-            }
-            ReleaseReply::Refused(refusal) => refusal.answer(),
-        };
-        if !matches!(outcome, Holder::OnHold(_)) {
-            self.ledger.forget_any(space, key, token);
-        }
-        Ok(outcome)
+        self.keeper.release(space, key, token).await
     }
 
     async fn renew(
@@ -113,20 +73,20 @@ impl Store for RedisStore {
         } else {
             None
         };
-        let site = self.site(space, key);
-        let (caller, known) = (self.broker.caller(), self.epoch_for(site.slot));
+        let site = self.layout.site(space, key);
+        let (caller, known) = (self.broker.caller(), self.keeper.epoch_for(site.slot));
         let renew = Renew {
-            on: self.holder_keys(&site, &caller, &known),
+            on: self.keeper.holder_context(&site, &caller, &known),
             token,
             ttl,
         };
-        let (reply, generation) = self.run_tracked(&renew).await?;
+        let (reply, generation) = self.keeper.run_tracked(&renew).await?;
         let answered = Instant::now();
         let (kind, renewed) = match (space, reply) {
             (_, RenewReply::Refused(refusal)) => {
                 let outcome = refusal.answer();
                 if !matches!(outcome, Holder::OnHold(_)) {
-                    self.ledger.forget_any(space, key, token);
+                    self.keeper.ledger.forget_any(space, key, token);
                 }
                 return Ok(outcome);
             }
@@ -179,7 +139,8 @@ impl Store for RedisStore {
             .await?;
         }
         let ends = answered + Duration::from_millis(ttl.as_ms());
-        self.remember(key, kind, site.slot, &lease, ends, &epoch);
+        self.keeper
+            .remember(key, kind, site.slot, &lease, ends, &epoch);
         Ok(Holder::Done(lease))
     }
 
@@ -198,52 +159,56 @@ impl Store for RedisStore {
     }
 
     async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
-        let site = self.site(space, key);
-        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
+        let site = self.layout.site(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.keeper.epoch_for(site.slot));
         let leave = Leave {
-            on: self.holder_keys(&site, &caller, &epoch),
+            on: self.keeper.holder_context(&site, &caller, &epoch),
             token,
         };
-        self.run(&leave).await.map(|_| ())
+        self.keeper.run(&leave).await.map(|_| ())
     }
 
     async fn mark_watched(&self, space: Space, key: &LockKey) -> StoreResult<bool> {
-        let watched = self.names(space, key).watched;
+        let watched = self.layout.names(space, key).watched;
         let mark_ms = millis(WATCH_MARK);
-        self.with_link(async |conn| {
-            redis::cmd("SET")
-                .arg(&watched)
-                .arg("1")
-                .arg("PX")
-                .arg(mark_ms)
-                .query_async::<()>(conn)
-                .await
-        })
-        .await?;
+        self.keeper
+            .with_link(async |conn| {
+                redis::cmd("SET")
+                    .arg(&watched)
+                    .arg("1")
+                    .arg("PX")
+                    .arg(mark_ms)
+                    .query_async::<()>(conn)
+                    .await
+            })
+            .await?;
         Ok(true)
     }
 
     async fn permits(&self, key: &LockKey) -> StoreResult<Permits> {
-        let keys = self.names(Space::Semaphores, key);
-        self.run(&ReadPermits { keys: &keys })
+        let keys = self.layout.names(Space::Semaphores, key);
+        self.keeper
+            .run(&ReadPermits { keys: &keys })
             .await
             .map(|reply| reply.0)
     }
 
     async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
-        let site = self.site(space, key);
-        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
+        let site = self.layout.site(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.keeper.epoch_for(site.slot));
         let force = Force {
-            on: self.holder_keys(&site, &caller, &epoch),
+            on: self.keeper.holder_context(&site, &caller, &epoch),
         };
-        let fences = match self.run(&force).await? {
+        let fences = match self.keeper.run(&force).await? {
             ForceReply::Ended(fences) => fences,
             ForceReply::Refused(refusal) => return Ok(refusal.answer()),
         };
         let Some(&top) = fences.iter().max() else {
             return Ok(Holder::NotHeld);
         };
-        self.ledger.forget_ended(space, key.as_str(), top, true);
+        self.keeper
+            .ledger
+            .forget_ended(space, key.as_str(), top, true);
         Ok(Holder::Done(fences))
     }
 
@@ -256,14 +221,18 @@ impl Store for RedisStore {
     }
 
     async fn ready(&self) -> StoreResult<Option<Hold>> {
-        if self.epoch.putting_back_everywhere() {
+        if self.keeper.epoch.putting_back_everywhere() {
             return Ok(Some(Hold {
                 reason: HoldReason::PuttingBack,
                 retry_after_ms: 1_000,
             }));
         }
-        let hold = self.clone().catch_up_task().await?;
-        let layout = self.epoch.layout.load(std::sync::atomic::Ordering::Relaxed);
+        let hold = self.keeper.catch_up_task().await?;
+        let layout = self
+            .keeper
+            .epoch
+            .store_layout
+            .load(std::sync::atomic::Ordering::Relaxed);
         if layout > STORE_LAYOUT {
             return Err(newer_layout(layout));
         }
@@ -271,11 +240,11 @@ impl Store for RedisStore {
     }
 
     fn ledger_len(&self) -> usize {
-        self.ledger.len()
+        self.keeper.ledger.len()
     }
 
     fn start(&self, notices: mpsc::Sender<Notice>) {
-        let _ = self.notices.set(notices.clone());
+        let _ = self.keeper.notices.set(notices.clone());
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!("no runtime for the store's background work; waiters will poll");
             return;

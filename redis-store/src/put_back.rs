@@ -1,6 +1,7 @@
-//! Putting leases back into a new epoch: every live lease of this broker's ledger (after a
-//! loss, `check.rs`), the leases of one slot (after its marker was repaired), or one lease whose
-//! answer raced a loss; and releasing again a lease released while it was being put back.
+//! The [`EpochKeeper`]'s ledger: recording a lease granted or renewed, and putting leases back
+//! into a new epoch — every live lease of this broker's ledger (after a loss, `check.rs`), the
+//! leases of one slot (after its marker was repaired), or one lease whose answer raced a loss;
+//! and releasing (also how a lease released while it was being put back is released again).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -9,25 +10,64 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tokio::time::Instant;
 
-use super::RedisStore;
 use super::connection::Conn;
-use super::epoch::{MARK_CONCURRENCY, PutBackReport, Shard};
-use super::scripts::{LeaseBack, Placement, PutBack, PutBackReply};
-use super::slots::slot_of;
+use super::epoch::{EpochKeeper, MARK_CONCURRENCY};
+use super::keys::Site;
+use super::scripts::{
+    Caller, HolderContext, LeaseBack, Placement, PutBack, PutBackReply, Release, ReleaseReply,
+};
+use super::shard::Shard;
 use crate::ledger::Entry;
-use lockbroker_core::domain::{Kind, LockKey, Space, Token, millis};
-use lockbroker_core::store::{Holder, StoreError, StoreResult};
+use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Space, Token, millis};
+use lockbroker_core::store::{Holder, Released, StoreError, StoreResult};
 
 /// How many leases one put-back script call carries. Bounded so that one call stays short for
 /// Redis (a script blocks the server while it runs).
 pub(super) const PUT_BACK_BATCH: usize = 100;
 
-impl RedisStore {
+/// How a put-back went.
+#[derive(Default)]
+pub(super) struct PutBackReport {
+    pub written: usize,
+    pub already_there: usize,
+    pub double_claims: usize,
+    pub counters_raised: usize,
+}
+
+impl PutBackReport {
+    pub(super) fn add(&mut self, other: &PutBackReport) {
+        self.written += other.written;
+        self.already_there += other.already_there;
+        self.double_claims += other.double_claims;
+        self.counters_raised += other.counters_raised;
+    }
+}
+
+impl EpochKeeper {
+    /// Records a lease granted or renewed here in the ledger — unless an end of it reached the
+    /// ledger first (a release or force release that Redis ran after this call; see the
+    /// ledger's docs). If it was written in an epoch older than the newest one this broker has
+    /// seen, its answer raced a loss and the put-back may have missed it: it is put back on its
+    /// own.
+    pub(super) fn remember(
+        self: &Arc<Self>,
+        key: &LockKey,
+        kind: Kind,
+        slot: Option<u16>,
+        lease: &Lease,
+        ends: Instant,
+        epoch: &str,
+    ) {
+        if self.ledger.record(key, kind, lease, ends) && self.epoch.is_behind(slot, epoch) {
+            self.put_back_late(key.clone(), kind, lease.token.clone());
+        }
+    }
+
     /// Puts every live lease of the ledger on `shard` back into epoch `epoch`. `None` if the
     /// epoch moved meanwhile. On a cluster, one script call per slot (a script's keys must
     /// share a slot), several at once.
     pub(super) async fn put_back_all(
-        &self,
+        self: &Arc<Self>,
         conn: &Conn,
         shard: &Shard,
         epoch: &str,
@@ -35,10 +75,7 @@ impl RedisStore {
         let leases = self.ledger.live(Instant::now());
         let mut by_slot: BTreeMap<Option<u16>, Vec<(LockKey, Entry)>> = BTreeMap::new();
         for (key, entry) in leases {
-            let slot = self
-                .layout
-                .cluster
-                .then(|| slot_of(self.keys(&key)[0].as_bytes()));
+            let slot = self.layout.slot(&key);
             if slot.is_none_or(|slot| shard.holds(slot)) {
                 by_slot.entry(slot).or_default().push((key, entry));
             }
@@ -47,18 +84,19 @@ impl RedisStore {
         let calls: Vec<_> = by_slot
             .into_iter()
             .flat_map(|(slot, leases)| {
-                let marker = slot.map_or_else(|| self.layout.marker.clone(), |s| self.marker_of(s));
+                let marker =
+                    slot.map_or_else(|| self.layout.marker.clone(), |s| self.layout.marker_of(s));
                 leases
                     .chunks(PUT_BACK_BATCH)
                     .map(|batch| (marker.clone(), batch.to_vec()))
                     .collect::<Vec<_>>()
             })
             .map(|(marker, batch)| {
-                let (store, mut conn, epoch) = (self.clone(), conn.clone(), epoch.clone());
+                let (mut conn, epoch) = (conn.clone(), epoch.clone());
                 async move {
                     let mut report = PutBackReport::default();
-                    let done = store
-                        .put_back(&mut conn, &marker, &epoch, &batch, &mut report)
+                    let done = self
+                        .put_batch(&mut conn, &marker, &epoch, &batch, &mut report)
                         .await?;
                     Ok::<_, StoreError>(done.then_some(report))
                 }
@@ -81,8 +119,8 @@ impl RedisStore {
     }
 
     /// Puts `batch` back; `false` if the store is no longer in `epoch`.
-    async fn put_back(
-        &self,
+    async fn put_batch(
+        self: &Arc<Self>,
         conn: &mut Conn,
         marker: &str,
         epoch: &str,
@@ -97,7 +135,7 @@ impl RedisStore {
             leases: batch
                 .iter()
                 .map(|(key, entry)| LeaseBack {
-                    keys: self.names(entry.kind.space(), key),
+                    keys: self.layout.names(entry.kind.space(), key),
                     entry,
                     remaining_ms: millis(entry.remaining(now)).max(1),
                 })
@@ -123,22 +161,14 @@ impl RedisStore {
                 Placement::AlreadyThere => report.already_there += 1,
                 Placement::OtherKept { fence: other } => {
                     report.double_claims += 1;
-                    tracing::error!(
-                        %key, kept_fence = other, dropped_fence = entry.fence,
-                        "a lock had two holders after a store loss; the lease with the higher \
-                         fence stays, the other holder's next renew answers not_owner"
-                    );
+                    double_claim(key, other, entry.fence);
                     self.ledger
                         .forget_any(entry.kind.space(), key, &entry.token);
                 }
                 Placement::OtherReplaced { fence: other } => {
                     report.double_claims += 1;
                     report.written += 1;
-                    tracing::error!(
-                        %key, kept_fence = entry.fence, dropped_fence = other,
-                        "a lock had two holders after a store loss; the lease with the higher \
-                         fence stays, the other holder's next renew answers not_owner"
-                    );
+                    double_claim(key, entry.fence, other);
                 }
             }
             if kept && !self.ledger.holds(key, entry.kind, &entry.token) {
@@ -156,7 +186,7 @@ impl RedisStore {
     }
 
     /// Cluster: puts this broker's live leases on `slot` back (after a repair of its marker).
-    pub(super) async fn put_back_slot(&self, slot: u16) -> StoreResult<()> {
+    pub(super) async fn put_back_slot(self: &Arc<Self>, slot: u16) -> StoreResult<()> {
         let _one = self.epoch.catching_up.lock().await;
         let Ok(epoch) = self.epoch.for_grant(Some(slot)) else {
             return Ok(());
@@ -165,16 +195,16 @@ impl RedisStore {
             return Ok(());
         };
         let mut conn = link.conn.clone();
-        let marker = self.marker_of(slot);
+        let marker = self.layout.marker_of(slot);
         let leases: Vec<(LockKey, Entry)> = self
             .ledger
             .live(Instant::now())
             .into_iter()
-            .filter(|(key, _)| self.slot(key) == Some(slot))
+            .filter(|(key, _)| self.layout.slot(key) == Some(slot))
             .collect();
         let mut report = PutBackReport::default();
         for batch in leases.chunks(PUT_BACK_BATCH) {
-            self.put_back(&mut conn, &marker, &epoch, batch, &mut report)
+            self.put_batch(&mut conn, &marker, &epoch, batch, &mut report)
                 .await?;
         }
         if report.written > 0 {
@@ -188,15 +218,71 @@ impl RedisStore {
         Ok(())
     }
 
+    /// The epoch this broker knows for `slot`, as the holder scripts take it: '' while it puts
+    /// leases back (the key is then not handed on).
+    pub(super) fn epoch_for(&self, slot: Option<u16>) -> String {
+        self.epoch.for_grant(slot).unwrap_or_default()
+    }
+
+    /// What a holder script on `site` takes.
+    pub(super) fn holder_context<'a>(
+        &'a self,
+        site: &'a Site<'_>,
+        caller: &'a Caller<'a>,
+        epoch: &'a str,
+    ) -> HolderContext<'a> {
+        HolderContext {
+            keys: &site.keys,
+            marker: &site.marker,
+            epoch,
+            caller,
+            channel: &self.channel,
+        }
+    }
+
+    /// Releases `token`'s lease on `key` (the store's release; here because a put-back
+    /// releases again a lease released while it ran), and drops it from the ledger.
+    pub(super) async fn release(
+        self: &Arc<Self>,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+    ) -> StoreResult<Holder<Released>> {
+        let site = self.layout.site(space, key);
+        let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
+        let release = Release {
+            on: self.holder_context(&site, &caller, &epoch),
+            token,
+        };
+        let outcome = match self.run(&release).await? {
+            ReleaseReply::Released { held_ms, fence } => {
+                // The end's mark keeps a renewal answered after it out of the ledger.
+                self.ledger.forget_ended(space, key.as_str(), fence, false);
+                Holder::Done(Released { held_ms })
+            }
+            ReleaseReply::Refused(refusal) => refusal.answer(),
+        };
+        if !matches!(outcome, Holder::OnHold(_)) {
+            self.ledger.forget_any(space, key, token);
+        }
+        Ok(outcome)
+    }
+
     /// Releases a lease put back after its holder had released it, retrying (the store may still
     /// be on its way back, or the hold in force) until a definite answer or the lease's end.
-    fn release_again(&self, space: Space, key: LockKey, token: Token, remaining: Duration) {
-        let store = self.clone();
+    fn release_again(
+        self: &Arc<Self>,
+        space: Space,
+        key: LockKey,
+        token: Token,
+        remaining: Duration,
+    ) {
+        let keeper = Arc::clone(self);
         tokio::spawn(async move {
             let give_up = Instant::now() + remaining;
             let mut pause = Duration::from_millis(50);
             loop {
-                match lockbroker_core::store::Store::release(&store, space, &key, &token).await {
+                match keeper.release(space, &key, &token).await {
                     Ok(Holder::OnHold(_)) | Err(_) if Instant::now() + pause < give_up => {
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(Duration::from_secs(1));
@@ -209,32 +295,42 @@ impl RedisStore {
 
     /// A lease recorded under an epoch older than the newest one seen may have missed the
     /// put-back (its answer raced the loss): put it back on its own.
-    pub(super) fn put_back_late(&self, key: LockKey, kind: Kind, token: Token) {
-        let store = self.clone();
+    fn put_back_late(self: &Arc<Self>, key: LockKey, kind: Kind, token: Token) {
+        let keeper = Arc::clone(self);
         tokio::spawn(async move {
-            let Some(link) = store.connection.current() else {
+            let Some(link) = keeper.connection.current() else {
                 // The next connection's check puts every lease back.
                 return;
             };
             let mut conn = link.conn.clone();
-            let _one = store.epoch.catching_up.lock().await;
-            let slot = store.slot(&key);
-            let Ok(epoch) = store.epoch.for_grant(slot) else {
+            let _one = keeper.epoch.catching_up.lock().await;
+            let slot = keeper.layout.slot(&key);
+            let Ok(epoch) = keeper.epoch.for_grant(slot) else {
                 return;
             };
-            let Some(entry) = store.ledger.get(&key, kind, &token) else {
+            let Some(entry) = keeper.ledger.get(&key, kind, &token) else {
                 return;
             };
             let mut report = PutBackReport::default();
-            let marker = store.marker_for(&key);
-            match store
-                .put_back(&mut conn, &marker, &epoch, &[(key, entry)], &mut report)
+            let marker = keeper.layout.marker_for(&key);
+            match keeper
+                .put_batch(&mut conn, &marker, &epoch, &[(key, entry)], &mut report)
                 .await
             {
-                Ok(true) => store.metrics.leases_put_back(report.written),
+                Ok(true) => keeper.metrics.leases_put_back(report.written),
                 // The epoch moved (or the call failed): a full check catches up.
-                _ => store.epoch.wake.notify_one(),
+                _ => keeper.epoch.wake.notify_one(),
             }
         });
     }
+}
+
+/// Logs a lock that had two holders after a store loss: the lease with the higher fence, `kept`,
+/// stays.
+fn double_claim(key: &LockKey, kept: Fence, dropped: Fence) {
+    tracing::error!(
+        %key, kept_fence = kept, dropped_fence = dropped,
+        "a lock had two holders after a store loss; the lease with the higher fence stays, the \
+         other holder's next renew answers not_owner"
+    );
 }

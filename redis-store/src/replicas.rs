@@ -252,7 +252,7 @@ impl Replicas {
         };
         let undone = match told {
             Some(told) => {
-                let names = store.names(space, key);
+                let names = store.layout.names(space, key);
                 let mut inv = if told.pooled {
                     let mut inv = self.restore_pooled.key(names.pool);
                     inv.key(names.ends);
@@ -268,6 +268,7 @@ impl Replicas {
                     .arg(&names.notice)
                     .arg(renewed.expires_at_ms);
                 store
+                    .keeper
                     .with_link(async |conn| inv.invoke_async::<u8>(conn).await)
                     .await
                     .map(drop)
@@ -291,10 +292,11 @@ impl Replicas {
         if self.acks == 0 {
             return Ok(());
         }
-        let [lock, _] = store.keys(key);
+        let [lock, _] = store.layout.keys(key);
         let (acks, wait_ms) = (self.acks, self.wait_ms);
         let wait = async || {
             store
+                .keeper
                 .with_link_on(generation, async |conn: &mut Conn| {
                     conn.wait_for_replicas(&lock, acks, wait_ms).await
                 })
@@ -303,7 +305,7 @@ impl Replicas {
         // The turn waits at most as long as the WAIT it waits for: a grant waits for two WAITs
         // at most, both within the store timeout (each WAIT waits half of it).
         let limit = Duration::from_millis(wait_ms);
-        let acked = match store.slot(key) {
+        let acked = match store.layout.slot(key) {
             None => self.single.acknowledged(limit, generation, wait).await,
             Some(slot) => {
                 let group = self

@@ -244,7 +244,7 @@ const RECONCILE_EVERY: Duration = Duration::from_secs(1);
 /// sentinel's announcements, and asks them once a second. Returns at once unless the store is
 /// reached through sentinels.
 pub(super) async fn follow_failovers(store: RedisStore, notices: mpsc::Sender<Notice>) {
-    let Connector::Sentinel(sentinels) = &store.connection.connector else {
+    let Connector::Sentinel(sentinels) = &store.keeper.connection.connector else {
         return;
     };
     let listening = futures_util::future::join_all(
@@ -266,7 +266,7 @@ async fn reconcile(store: &RedisStore, sentinels: &Sentinels, notices: &mpsc::Se
         if notices.is_closed() {
             return;
         }
-        if store.connection.current().is_none() {
+        if store.keeper.connection.current().is_none() {
             // No connection: the next one asks the sentinels anyway.
             continue;
         }
@@ -289,7 +289,7 @@ async fn listen(
         if notices.is_closed() {
             return;
         }
-        match subscribe(sentinel, store.connection.timeout()).await {
+        match subscribe(sentinel, store.keeper.connection.timeout()).await {
             Ok((mut sink, mut stream)) => {
                 tracing::debug!(sentinel = %addr, "listening for failovers");
                 backoff = RETRY_MIN;
@@ -309,7 +309,7 @@ async fn listen(
                                 return;
                             }
                             let pong = tokio::time::timeout(
-                                store.connection.timeout(),
+                                store.keeper.connection.timeout(),
                                 sink.ping::<redis::Value>(),
                             )
                             .await;
@@ -362,7 +362,7 @@ fn switched(store: &RedisStore, sentinels: &Sentinels, to: Addr) {
             .moving_to
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        let up = store.connection.current().is_some();
+        let up = store.keeper.connection.current().is_some();
         // Already there; or already on the way, on a connection begun after the move was
         // ordered (each sentinel announces the same switch, within milliseconds or seconds).
         if (up && sentinels.connected().as_ref() == Some(&to))
@@ -377,8 +377,8 @@ fn switched(store: &RedisStore, sentinels: &Sentinels, to: Addr) {
         "the sentinels name a new Redis master: reconnecting; leases are put back before grants \
          resume"
     );
-    store.connection.master_switched();
-    store.epoch.wake.notify_one();
+    store.keeper.connection.master_switched();
+    store.keeper.epoch.wake.notify_one();
 }
 
 #[cfg(test)]

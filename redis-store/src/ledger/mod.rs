@@ -23,8 +23,10 @@ use tokio::time::Instant;
 use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Owner, RequestId, Space, Token};
 
 mod kept_token;
+mod marks;
 
 use self::kept_token::KeptToken;
+use self::marks::EndMarks;
 
 /// One live lease as the granting broker remembers it (as handed out by [`Ledger::live`] and
 /// [`Ledger::get`]; the ledger itself keeps a compact form).
@@ -66,7 +68,7 @@ struct Kept {
 
 /// The pool leases (shared leases, permits) this broker holds on one key.
 #[derive(Debug)]
-struct Pool {
+struct PoolLeases {
     /// The semaphore's limit (0 for a lock's shared leases).
     limit: u32,
     members: Vec<Kept>,
@@ -79,7 +81,7 @@ pub(crate) struct Ledger {
     /// operation (or one pass over the map, once a second, to drop ended leases).
     leases: Mutex<HashMap<Box<str>, Kept>>,
     /// Shared leases and permits, by space and key; a few per key, usually.
-    pools: Mutex<BySpace<Pool>>,
+    pools: Mutex<BySpace<PoolLeases>>,
     /// The ends seen lately, by space and key (see the module's docs).
     ended: Mutex<EndMarks>,
     /// How long an end's mark is kept: longer than a renewal's answer can take to be recorded
@@ -88,9 +90,6 @@ pub(crate) struct Ledger {
     /// What `Kept::ends_ms` counts from.
     base: Instant,
 }
-
-/// The ends seen lately, by space and key.
-type EndMarks = BySpace<Marks>;
 
 /// A map by space, then by key: one map per space, so that a key is looked up as the `&str` it
 /// is, without building an owned key for every lookup.
@@ -140,37 +139,6 @@ impl<T> BySpace<T> {
     }
 }
 
-/// The end marks of one key, and the highest fence among them: a lease with a higher fence is
-/// covered by none of them (see [`Ended::covers`]), which a grant, whose fence is the newest,
-/// finds without going through the marks (a busy key has a mark for every release of the last
-/// few seconds).
-#[derive(Debug, Default)]
-struct Marks {
-    list: Vec<Ended>,
-    highest: Fence,
-}
-
-/// The mark of an end: the lease with `fence` on a key is over — and, with `all`, every lease on
-/// the key up to it; on a lock, an exclusive lease up to it either way.
-#[derive(Debug, Clone, Copy)]
-struct Ended {
-    fence: Fence,
-    all: bool,
-    /// Until when the mark is kept, as `Kept::ends_ms`.
-    until_ms: u64,
-}
-
-impl Ended {
-    /// Whether a lease of `kind` with `fence` is one this mark ended.
-    fn covers(&self, kind: Kind, fence: Fence) -> bool {
-        if kind == Kind::Exclusive || self.all {
-            fence <= self.fence
-        } else {
-            fence == self.fence
-        }
-    }
-}
-
 /// [`Ledger::linger`] when nothing else is said.
 const DEFAULT_LINGER: Duration = Duration::from_secs(10);
 
@@ -196,39 +164,6 @@ impl Ledger {
         self.ended.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Leaves the mark of an end (see the module's docs) in `ended`, the guard of the marks.
-    fn mark_ended(&self, ended: &mut EndMarks, space: Space, key: &str, fence: Fence, all: bool) {
-        let until_ms = self.ms_after_base(Instant::now() + self.linger);
-        let by_key = ended.of_mut(space);
-        if !by_key.contains_key(key) {
-            by_key.insert(key.into(), Marks::default());
-        }
-        let marks = by_key.get_mut(key).expect("inserted above");
-        marks.highest = marks.highest.max(fence);
-        marks.list.push(Ended {
-            fence,
-            all,
-            until_ms,
-        });
-    }
-
-    /// Whether an end seen lately (a mark in `ended`) ended the lease of `kind` on `key` with
-    /// `fence`.
-    fn was_ended(&self, ended: &EndMarks, key: &LockKey, kind: Kind, fence: Fence) -> bool {
-        let now_ms = self.ms_after_base(Instant::now());
-        ended
-            .of(kind.space())
-            .get(key.as_str())
-            .is_some_and(|marks| {
-                // No mark covers a fence above every mark's.
-                fence <= marks.highest
-                    && marks
-                        .list
-                        .iter()
-                        .any(|m| m.until_ms > now_ms && m.covers(kind, fence))
-            })
-    }
-
     fn leases(&self) -> MutexGuard<'_, HashMap<Box<str>, Kept>> {
         // Each write is one map operation, so a poisoned map is still consistent.
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
@@ -240,7 +175,7 @@ impl Ledger {
         u64::try_from(since.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
     }
 
-    fn pools(&self) -> MutexGuard<'_, BySpace<Pool>> {
+    fn pools(&self) -> MutexGuard<'_, BySpace<PoolLeases>> {
         self.pools.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -271,7 +206,8 @@ impl Ledger {
         // The marks stay locked until the lease is in: an end handled meanwhile on another
         // thread either left its mark before the check, or finds the lease to drop after it.
         let ended = self.ended();
-        if self.was_ended(&ended, key, kind, lease.fence) {
+        let now_ms = self.ms_after_base(Instant::now());
+        if ended.ended(key.as_str(), kind, lease.fence, now_ms) {
             return false;
         }
         let ends_ms = self.ms_after_base(ends);
@@ -293,7 +229,7 @@ impl Ledger {
             let pool = pools
                 .of_mut(kind.space())
                 .entry(key.as_str().into())
-                .or_insert(Pool {
+                .or_insert(PoolLeases {
                     limit,
                     members: Vec::new(),
                 });
@@ -320,17 +256,7 @@ impl Ledger {
             (Some(old), None) if old.token == token => old.request_id.clone(),
             _ => None,
         };
-        leases.insert(
-            key.as_str().into(),
-            Kept {
-                token,
-                fence: lease.fence,
-                ends_ms,
-                ttl_ms: u32::try_from(lease.ttl_ms).unwrap_or(u32::MAX),
-                owner: lease.owner.as_ref().map(|o| o.as_str().into()),
-                request_id,
-            },
-        );
+        leases.insert(key.as_str().into(), kept(request_id));
         true
     }
 
@@ -362,7 +288,8 @@ impl Ledger {
     pub(crate) fn forget_ended(&self, space: Space, key: &str, fence: Fence, all: bool) {
         // Held until the lease is dropped: see `record`.
         let mut ended = self.ended();
-        self.mark_ended(&mut ended, space, key, fence, all);
+        let until_ms = self.ms_after_base(Instant::now() + self.linger);
+        ended.mark(space, key, fence, all, until_ms);
         if space == Space::Locks {
             self.forget_released(key, fence);
         }
@@ -428,11 +355,7 @@ impl Ledger {
     /// how many leases.
     pub(crate) fn sweep(&self, now: Instant) -> usize {
         let now_ms = self.ms_after_base(now);
-        self.ended().retain(|marks| {
-            marks.list.retain(|m| m.until_ms > now_ms);
-            marks.highest = marks.list.iter().map(|m| m.fence).max().unwrap_or(0);
-            !marks.list.is_empty()
-        });
+        self.ended().sweep(now_ms);
         let mut dropped = {
             let mut leases = self.leases();
             let before = leases.len();

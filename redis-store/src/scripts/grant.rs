@@ -129,13 +129,13 @@ script_call! {
 }
 
 /// JOIN's call: a shared lease or a permit for the claim's bid in `pool`.
-pub(crate) struct Join<'a> {
+pub(crate) struct JoinPool<'a> {
     pub claim: Claim<'a>,
     pub pool: Pool,
 }
 
 script_call! {
-    Join<'_> => join,
+    JoinPool<'_> => join,
     type Reply = Epoched<GrantReply>;
     |this, call| {
         let kind = match this.pool {
@@ -158,7 +158,7 @@ pub(crate) enum Epoched<T> {
 /// What a granting script answered in the broker's epoch.
 pub(crate) enum GrantReply {
     /// [`GrantCode::Granted`].
-    Granted(Granted),
+    Granted(GrantedLease),
     NotGranted(NotGranted),
 }
 
@@ -182,7 +182,7 @@ pub(crate) enum NotGranted {
 }
 
 /// A grant as the script wrote it.
-pub(crate) struct Granted {
+pub(crate) struct GrantedLease {
     pub fence: Fence,
     pub expires_at_ms: u64,
     /// The bid's own token, or that of the earlier grant with the bid's request id, handed back.
@@ -200,7 +200,7 @@ impl FromRedisValue for Epoched<GrantReply> {
         let code = GrantCode::try_from(code).map_err(|code| unknown("granting", code))?;
         let reply = match code {
             GrantCode::Refused => not(NotGranted::Refused),
-            GrantCode::Granted => Epoched::Answered(GrantReply::Granted(Granted {
+            GrantCode::Granted => Epoched::Answered(GrantReply::Granted(GrantedLease {
                 fence: fields.next()?,
                 expires_at_ms: fields.next()?,
                 token: fields.next()?,

@@ -13,7 +13,7 @@ use lockbroker_core::store::{Hold, Holder};
 /// What every holder script takes (`holder_context` in `lib/queue.lua`): the key's queue keys,
 /// and as arguments the token, the epoch this broker knows (the key is handed on only in it),
 /// the caller's id and the queue context (with the client key, its space and the shared channel).
-pub(crate) struct HolderKeys<'a> {
+pub(crate) struct HolderContext<'a> {
     pub keys: &'a RedisKeys,
     pub marker: &'a str,
     /// The epoch this broker knows for the key ('' while it knows none, or a hold is in force:
@@ -24,7 +24,7 @@ pub(crate) struct HolderKeys<'a> {
     pub channel: &'a str,
 }
 
-impl<'a> HolderKeys<'a> {
+impl<'a> HolderContext<'a> {
     fn write(&self, call: &mut Writer<'_>, token: &str) {
         write_queue_keys(call, self.keys, self.marker);
         call.arg(token)
@@ -43,7 +43,7 @@ impl<'a> HolderKeys<'a> {
 
 /// RELEASE's call: ends `token`'s lease and hands the key on.
 pub(crate) struct Release<'a> {
-    pub on: HolderKeys<'a>,
+    pub on: HolderContext<'a>,
     pub token: &'a Token,
 }
 
@@ -57,7 +57,7 @@ script_call! {
 
 /// RENEW's call: moves the end of `token`'s lease to `ttl` from now.
 pub(crate) struct Renew<'a> {
-    pub on: HolderKeys<'a>,
+    pub on: HolderContext<'a>,
     pub token: &'a Token,
     pub ttl: Ttl,
 }
@@ -73,7 +73,7 @@ script_call! {
 
 /// FORCE's call: ends every live lease on the key and hands it on.
 pub(crate) struct Force<'a> {
-    pub on: HolderKeys<'a>,
+    pub on: HolderContext<'a>,
 }
 
 script_call! {
@@ -86,7 +86,7 @@ script_call! {
 
 /// LEAVE's call: `token`'s queued bid stops waiting (an offer to it ends).
 pub(crate) struct Leave<'a> {
-    pub on: HolderKeys<'a>,
+    pub on: HolderContext<'a>,
     pub token: &'a Token,
 }
 

@@ -2,7 +2,7 @@
 -- of it, and a waiting bid's turn in the key's queue (as CLAIM's, for shared bids and permits).
 --
 -- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua, lib/keys.lua and lib/queue.lua.
--- Its call: `Join` in scripts/grant.rs.
+-- Its call: `JoinPool` in scripts/grant.rs.
 -- KEYS: as lib/keys.lua's. ARGV: as `grant_context`'s (kind `s`, or the semaphore's limit).
 -- Replies as CLAIM's (never {REFUSED}), or {NO_ROOM, retry_after_ms} (the bid does not wait and
 -- there is no room: an exclusive lease or offer is live, bids are queued, or every permit is

@@ -66,10 +66,10 @@ pub(crate) use self::epoch::{
     Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
 };
 pub(crate) use self::grant::{
-    Caller, Claim, Epoched, GrantReply, Granted, Join, NotGranted, TakeOver,
+    Caller, Claim, Epoched, GrantReply, GrantedLease, JoinPool, NotGranted, TakeOver,
 };
 pub(crate) use self::holder::{
-    Force, ForceReply, HolderKeys, Leave, Release, ReleaseReply, Renew, RenewReply, Renewed,
+    Force, ForceReply, HolderContext, Leave, Release, ReleaseReply, Renew, RenewReply, Renewed,
 };
 pub(crate) use self::reads::{Read, ReadPermits};
 use lockbroker_core::store::{Hold, HoldReason, StoreError, StoreResult};

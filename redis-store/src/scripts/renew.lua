@@ -8,7 +8,7 @@
 -- Replies {HELD, fence, expires_at, owner, epoch} for the exclusive lease, {HELD_POOLED, fence,
 -- expires_at, owner, epoch, limit} for a pool lease (the semaphore's limit, or '' for a shared
 -- lease); {NOT_HELD}, {NOT_OWNER}; or {HOLD_IN_FORCE, hold_until, now, reason}. The epoch lets
--- the broker tell a renewal that raced a loss (see `RedisStore::remember`).
+-- the broker tell a renewal that raced a loss (see `EpochKeeper::remember`).
 local now = now_us()
 local c = holder_context(now)
 local now_ms = c.now_ms
