@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 

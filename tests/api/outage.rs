@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
 use lockbroker_test_support::broker::{self, BrokerProcess, BrokerSpec};
 use lockbroker_test_support::http::{Answer, http_client};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 

@@ -8,6 +8,7 @@ use reqwest::StatusCode;
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::http::{Answer, Grant};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 
 use crate::cross_broker::wait_until_ready;

@@ -8,8 +8,8 @@ use std::time::Duration;
 use lockbroker::domain::{Lease, LockKey, Pool, RequestId, Space, Token, Ttl};
 use lockbroker::store::redis::RedisStore;
 use lockbroker::store::{Bid, GrantAnswer, Holder, Join, Notice, Store, StoreError};
+use lockbroker_test_support::redis::{self, AsyncCommands};
 use lockbroker_test_support::redis_server::RedisServer;
-use redis::AsyncCommands;
 use tokio::sync::mpsc;
 
 /// A broker's store on `redis`, started, with its notices; its offers stay open `window`.

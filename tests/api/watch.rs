@@ -9,6 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use lockbroker_test_support::app::{Backend, TestApp, spawn_app, spawn_app_with};
 use lockbroker_test_support::http::metric;
 use lockbroker_test_support::on_both_stores;
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
 use serde_json::Value;

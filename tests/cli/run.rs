@@ -9,6 +9,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::spawn_app;
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use lockbroker_test_support::send_signal;
 use lockbroker_test_support::temp::TempDir;

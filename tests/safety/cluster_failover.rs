@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use redis::Value;
+use lockbroker_test_support::redis::{self, Value};
 use tokio::time::Instant;
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};

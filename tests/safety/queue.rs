@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::http::{Answer, Grant, http_client};
+use lockbroker_test_support::redis::AsyncCommands;
 use lockbroker_test_support::redis_server::RedisServer;
-use redis::AsyncCommands;
 use reqwest::StatusCode;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, listen_on, wait_until_ready};
 use lockbroker_test_support::http::{Answer, http_client};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
 

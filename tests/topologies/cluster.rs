@@ -15,6 +15,7 @@ use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::cluster::RedisCluster;
 use lockbroker_test_support::http::{Grant, metric};
+use lockbroker_test_support::redis;
 
 /// The settle time of a master's new epoch in these tests.
 const SETTLE_MS: u64 = 1000;

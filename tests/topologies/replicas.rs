@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::spawn_app_with;
 use lockbroker_test_support::broker::wait_until_ready;
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
 

@@ -14,6 +14,7 @@ use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
 use lockbroker_test_support::free_port;
 use lockbroker_test_support::http::{Answer, Grant, http_client, metric};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::listening;
 use lockbroker_test_support::sentinel::{MASTER_NAME, SentinelTopology};
 use reqwest::StatusCode;
