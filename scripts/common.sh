@@ -1,8 +1,8 @@
-# What the measuring scripts (bench-cluster.sh, measure-recovery.sh, measure-replica-acks.sh)
-# share, sourced by each after `set -euo pipefail` and the cd to the repository: builds the
-# release broker ($bin) and benchmark ($bench_bin), makes a scratch directory ($work), and on exit
-# stops every process in `pids` and every redis-server whose port is in `ports`, and removes
-# $work.
+# What the measuring scripts (bench-cluster.sh, bench-floor.sh, measure-recovery.sh,
+# measure-replica-acks.sh) share, sourced by each after `set -euo pipefail` and the cd to the
+# repository: builds the release broker ($bin) and benchmark ($bench_bin), makes a scratch
+# directory ($work), and on exit stops every process in `pids` and every redis-server whose port
+# is in `ports`, and removes $work.
 
 cargo build --release -q -p lockbroker -p lockbroker-bench
 bin=target/release/lockbroker

@@ -32,6 +32,24 @@ pub async fn spawn_app(redis_url: Option<String>) -> TestApp {
     spawn_app_with(redis_url, |_| {}).await
 }
 
+/// `n` brokers on Redis at `redis_url`, each with its settings adjusted by `tweak` (as
+/// [`spawn_app_with`]).
+pub async fn spawn_apps(redis_url: &str, n: usize, tweak: impl Fn(&mut Settings)) -> Vec<TestApp> {
+    let mut apps = Vec::with_capacity(n);
+    for _ in 0..n {
+        apps.push(spawn_app_with(Some(redis_url.to_owned()), &tweak).await);
+    }
+    apps
+}
+
+/// `N` brokers with the default settings on `redis`, once all `N` listen for its release
+/// notices.
+pub async fn listening_apps<const N: usize>(redis: &RedisServer) -> [TestApp; N] {
+    let apps = spawn_apps(&redis.url(), N, |_| {}).await;
+    redis.wait_until_listening(N as u64).await;
+    apps.try_into().unwrap_or_else(|_| unreachable!("N apps"))
+}
+
 /// As [`spawn_app`], with the settings adjusted by `tweak` first (as flags would give them:
 /// checked as a broker checks its own).
 pub async fn spawn_app_with(
@@ -84,13 +102,7 @@ impl TestApp {
 
     /// Sends a request and reads the whole answer.
     pub async fn send(&self, request: RequestBuilder) -> Answer {
-        Answer::read(
-            request
-                .send()
-                .await
-                .expect("the request must reach the broker"),
-        )
-        .await
+        Answer::send(request).await
     }
 
     pub async fn get(&self, path: &str) -> Answer {
@@ -132,6 +144,20 @@ impl TestApp {
             .await
     }
 
+    /// Releases and asserts `204`.
+    pub async fn release_ok(&self, key: &str, token: &str) {
+        self.release(key, token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+    }
+
+    /// Acquires and asserts `409` `locked`; the error body.
+    pub async fn expect_locked(&self, key: &str, query: &str) -> Value {
+        self.acquire(key, query)
+            .await
+            .expect_error(StatusCode::CONFLICT, "locked")
+    }
+
     /// `POST /locks/{key}/renew?{query}` with the token in the `Lock-Token` header.
     pub async fn renew(&self, key: &str, token: &str, query: &str) -> Answer {
         let path = lock_path(&format!("{key}/renew"), query);
@@ -158,6 +184,11 @@ impl TestApp {
     /// `GET /locks/{key}`.
     pub async fn inspect(&self, key: &str) -> Answer {
         self.get(&lock_path(key, "")).await
+    }
+
+    /// `GET /locks/{key}`, asserted `200`: the body that shows the key's holders.
+    pub async fn inspect_held(&self, key: &str) -> Value {
+        self.inspect(key).await.expect_status(StatusCode::OK).json()
     }
 
     /// Stops the broker gracefully and waits until it has stopped.
@@ -252,13 +283,7 @@ macro_rules! on_both_stores {
 /// Sends `request` as a task of its own, for a request that waits. Aborting the task drops the
 /// request: the client goes away and its connection closes.
 fn spawn(request: RequestBuilder) -> JoinHandle<Answer> {
-    tokio::spawn(async move {
-        let response = request
-            .send()
-            .await
-            .expect("the request must reach the broker");
-        Answer::read(response).await
-    })
+    tokio::spawn(Answer::send(request))
 }
 
 /// `/semaphores/{key}`, with `?{query}` unless it is empty.

@@ -1,14 +1,17 @@
 //! Speaking the API over HTTP: the test client, an answer read to its end with assertions on
 //! the API's formats ([`Answer`]), and the grant body ([`Grant`]). These follow the API's
 //! contract and do not reuse `lockbroker-client`'s types, so that a change to the API fails
-//! the tests even when the client changed along with it.
+//! the tests even when the client changed along with it. Also what tests wait for: a metric to
+//! reach a value ([`until_metric`], [`until_waiting`]), a waiter's grant soon after a release
+//! ([`granted_within`]).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use reqwest::header::HeaderMap;
-use reqwest::{Client, Response, StatusCode};
+use reqwest::{Client, RequestBuilder, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::Value;
+use tokio::task::JoinHandle;
 
 /// Bound on any one HTTP request from a test: above the longest wait a test asks for (30 s in
 /// the concurrency test) plus the store timeout, so only a hung broker trips it.
@@ -35,6 +38,19 @@ pub struct Grant {
     pub expires_at_ms: u64,
 }
 
+impl Grant {
+    /// Asserts that this grant's fence is above `earlier`'s, granted before `what` happened (a
+    /// restart, a loss of the store's data): fences never go back.
+    pub fn assert_fence_above(&self, earlier: &Grant, what: &str) {
+        assert!(
+            self.fence > earlier.fence,
+            "fence {} after {what}, {} before",
+            self.fence,
+            earlier.fence
+        );
+    }
+}
+
 /// A response read to the end: status, headers and the raw body.
 #[derive(Debug)]
 pub struct Answer {
@@ -44,6 +60,17 @@ pub struct Answer {
 }
 
 impl Answer {
+    /// Sends `request` (it must reach the server) and reads its whole answer.
+    pub async fn send(request: RequestBuilder) -> Self {
+        Self::read(
+            request
+                .send()
+                .await
+                .expect("the request must reach the broker"),
+        )
+        .await
+    }
+
     pub async fn read(response: Response) -> Self {
         let status = response.status();
         let headers = response.headers().clone();
@@ -154,4 +181,51 @@ pub async fn metric(address: &str, series: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or(0.0)
+}
+
+/// Waits until `series` on the broker at `address` reaches `at_least`, for at most `limit`.
+pub async fn until_metric(address: &str, series: &str, at_least: f64, limit: Duration) {
+    let started = Instant::now();
+    loop {
+        let value = metric(address, series).await;
+        if value >= at_least {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{series} was {value}, not {at_least}, after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits until `n` acquires wait on the broker at `address` (its `lockbroker_waiters`), for
+/// at most 5 s.
+pub async fn until_waiting(address: &str, n: u64) {
+    until_metric(
+        address,
+        "lockbroker_waiters",
+        n as f64,
+        Duration::from_secs(5),
+    )
+    .await;
+}
+
+/// A waiting acquire's grant (`201`), which must come within `limit` of `released` (the
+/// release notice woke it, not its own poll).
+pub async fn granted_within(
+    waiter: JoinHandle<Answer>,
+    released: Instant,
+    limit: Duration,
+) -> Grant {
+    let grant = waiter
+        .await
+        .expect("the waiter task")
+        .expect_grant(StatusCode::CREATED);
+    assert!(
+        released.elapsed() < limit,
+        "the waiter was granted {:?} after the release: the notice did not wake it",
+        released.elapsed()
+    );
+    grant
 }

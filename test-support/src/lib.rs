@@ -34,6 +34,10 @@ pub mod sentinel;
 pub mod temp;
 pub mod tls;
 
+/// The Redis client the fixtures use, for tests that talk to a `redis-server` directly: the
+/// broker's package does not depend on `redis`, so its tests reach it through here.
+pub use redis;
+
 use std::net::TcpListener;
 use std::process::Command;
 use std::sync::Once;

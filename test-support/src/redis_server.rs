@@ -3,6 +3,7 @@
 //! killed (and reaped) when dropped. Tests stop, restart, freeze and thaw it to stage a Redis
 //! that crashed, came back empty or hangs.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -114,17 +115,42 @@ impl RedisServer {
     /// How many times this server has run `command` (lower case, as `INFO commandstats` names
     /// it: `evalsha`, `wait`): a count of round trips, not a timing.
     pub async fn command_calls(&self, command: &str) -> u64 {
+        self.calls_by_command()
+            .await
+            .get(command)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// The calls this server has served, by command (lower case, as `INFO commandstats` names
+    /// them), `info` itself left out.
+    pub async fn calls_by_command(&self) -> BTreeMap<String, u64> {
         let mut conn = self.connection().await;
         let info: String = redis::cmd("INFO")
             .arg("commandstats")
             .query_async(&mut conn)
             .await
             .expect("INFO commandstats");
-        let prefix = format!("cmdstat_{command}:");
         info.lines()
-            .find_map(|line| line.strip_prefix(prefix.as_str()))
-            .and_then(|rest| rest.split(',').find_map(|f| f.strip_prefix("calls=")))
-            .map_or(0, |n| n.trim().parse().expect("calls= is a count"))
+            .filter_map(|line| {
+                let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+                let calls = stats.split(',').find_map(|f| f.strip_prefix("calls="))?;
+                let calls = calls.trim().parse().expect("calls= is a count");
+                (name != "info").then(|| (name.to_owned(), calls))
+            })
+            .collect()
+    }
+
+    /// `CONFIG SET name value`, at run time.
+    pub async fn config_set(&self, name: &str, value: impl redis::ToRedisArgs) {
+        let mut conn = self.connection().await;
+        let () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("CONFIG SET {name}: {e}"));
     }
 
     /// `FLUSHALL`: every key gone, the server process the same (as an operator's mistake, or a
@@ -320,15 +346,25 @@ pub async fn listening(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
 
 /// Polls until `brokers` brokers listen for release notices on the server `conn` reaches.
 pub async fn wait_until_listening_on(conn: &mut redis::aio::MultiplexedConnection, brokers: u64) {
+    until_listening(async || conn.clone(), brokers, "the server").await;
+}
+
+/// Polls, for at most 5 s, until `brokers` brokers listen for release notices on the server
+/// `connect` reaches, asked again before each look (`place` names it in the failure).
+pub async fn until_listening(
+    mut connect: impl AsyncFnMut() -> redis::aio::MultiplexedConnection,
+    brokers: u64,
+    place: &str,
+) {
     let started = Instant::now();
     loop {
-        let listening = listening(conn).await;
+        let listening = listening(&mut connect().await).await;
         if listening >= brokers {
             return;
         }
         assert!(
             started.elapsed() < Duration::from_secs(5),
-            "only {listening} of {brokers} brokers listen for release notices after 5 s"
+            "only {listening} of {brokers} brokers listen for release notices on {place} after 5 s"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{TestApp, spawn_app};
 use lockbroker_test_support::redis_server::RedisServer;
-use reqwest::StatusCode;
 
 /// One critical section as a client saw it: from the grant's arrival to just before its release.
 #[derive(Debug, Clone, Copy)]
@@ -44,9 +43,7 @@ async fn contend(brokers: Vec<Arc<TestApp>>, clients: usize, rounds: usize) -> D
                         end,
                         fence: grant.fence,
                     });
-                    app.release("hot", &grant.token)
-                        .await
-                        .expect_status(StatusCode::NO_CONTENT);
+                    app.release_ok("hot", &grant.token).await;
                 }
             })
         })

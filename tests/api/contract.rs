@@ -93,9 +93,7 @@ async fn every_grant_gets_a_different_url_safe_token(b: &Backend) {
         assert!((22..=128).contains(&grant.token.len()), "{:?}", grant.token);
         assert!(is_url_safe(&grant.token), "{:?}", grant.token);
         assert!(seen.insert(grant.token.clone()), "a token came twice");
-        app.release(&grant.key, &grant.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        app.release_ok(&grant.key, &grant.token).await;
     }
 }
 
@@ -106,13 +104,11 @@ async fn ttl_wait_and_owner_are_read_from_the_query_string(b: &Backend) {
     assert_eq!(grant.ttl_ms, 12_345);
     assert!(grant.expires_at_ms >= before + 12_345 - CLOCK_SLACK_MS);
     assert!(grant.expires_at_ms <= now_ms() + 12_345 + CLOCK_SLACK_MS);
-    let shown = app.inspect("q").await.expect_status(StatusCode::OK).json();
+    let shown = app.inspect_held("q").await;
     assert_eq!(shown["owner"], "worker 7");
     // wait_ms is read: the second acquire waits that long before its 409.
     let started = Instant::now();
-    app.acquire("q", "wait_ms=300")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    app.expect_locked("q", "wait_ms=300").await;
     assert!(started.elapsed() >= Duration::from_millis(300));
 }
 
@@ -125,7 +121,7 @@ async fn ttl_wait_and_owner_are_read_from_a_json_body(b: &Backend) {
         .expect_grant(StatusCode::CREATED);
     assert_eq!(grant.ttl_ms, 23_456);
     assert!(grant.expires_at_ms >= before + 23_456 - CLOCK_SLACK_MS);
-    let shown = app.inspect("j").await.expect_status(StatusCode::OK).json();
+    let shown = app.inspect_held("j").await;
     assert_eq!(shown["owner"], "büro — nightly");
     let started = Instant::now();
     app.acquire_json("j", "", json!({"wait_ms": 300}))
@@ -329,7 +325,7 @@ async fn owner_is_at_most_128_characters_without_control_characters(b: &Backend)
         app.acquire_json(key, "", json!({ "owner": owner }))
             .await
             .expect_status(StatusCode::CREATED);
-        let shown = app.inspect(key).await.expect_status(StatusCode::OK).json();
+        let shown = app.inspect_held(key).await;
         assert_eq!(shown["owner"], owner.as_str());
     }
 }
@@ -476,22 +472,16 @@ async fn keys_are_compared_after_percent_decoding(b: &Backend) {
     let app = &b.app;
     let grant = app.grant("%41", "").await;
     assert_eq!(grant.key, "A");
-    let shown = app.inspect("A").await.expect_status(StatusCode::OK).json();
+    let shown = app.inspect_held("A").await;
     assert_eq!(shown["key"], "A");
     assert_eq!(shown["fence"], grant.fence);
-    app.acquire("A", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    app.expect_locked("A", "").await;
     // An escape of an allowed character is that character.
     let colon = app.grant("a%3Ab", "").await;
     assert_eq!(colon.key, "a:b");
-    app.acquire("a:b", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    app.expect_locked("a:b", "").await;
     // Released under the plain spelling, what was taken under the escaped one.
-    app.release("A", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("A", &grant.token).await;
     app.inspect("%41")
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
@@ -584,10 +574,7 @@ async fn a_waiting_acquire_is_granted_when_the_holder_releases(b: &Backend) {
         "the waiter must wait while the lock is held"
     );
     let released_at = Instant::now();
-    b.app
-        .release("queue", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    b.app.release_ok("queue", &holder.token).await;
     let answer = tokio::time::timeout(Duration::from_secs(3), waiter)
         .await
         .expect("the waiter must be granted soon after the release")
@@ -647,15 +634,9 @@ async fn a_release_with_another_token_is_409_not_owner_and_keeps_the_lock(b: &Ba
     app.release("mine", "made-up-token_0123456789abcdef")
         .await
         .expect_error(StatusCode::CONFLICT, "not_owner");
-    let shown = app
-        .inspect("mine")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let shown = app.inspect_held("mine").await;
     assert_eq!(shown["fence"], holder.fence);
-    app.release("mine", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("mine", &holder.token).await;
 }
 
 async fn a_token_is_taken_from_the_header_or_the_query_but_never_from_the_body(b: &Backend) {
@@ -699,9 +680,7 @@ async fn a_token_is_taken_from_the_header_or_the_query_but_never_from_the_body(b
         .expect_error(StatusCode::NOT_FOUND, "not_held");
     // In the Lock-Token header (the helpers' way): works too.
     let again = app.grant("tok", "").await;
-    app.release("tok", &again.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("tok", &again.token).await;
 }
 
 async fn an_expired_lease_is_not_held_and_its_token_cannot_touch_the_next_lease(b: &Backend) {
@@ -727,11 +706,7 @@ async fn an_expired_lease_is_not_held_and_its_token_cannot_touch_the_next_lease(
     app.renew("exp", &old.token, "")
         .await
         .expect_error(StatusCode::CONFLICT, "not_owner");
-    let shown = app
-        .inspect("exp")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let shown = app.inspect_held("exp").await;
     assert_eq!(shown["fence"], new.fence);
     assert_eq!(shown["expires_at_ms"], new.expires_at_ms);
 }
@@ -750,11 +725,7 @@ async fn a_renewal_keeps_token_and_fence_and_moves_the_expiry(b: &Backend) {
     assert!(renewed.expires_at_ms > grant.expires_at_ms);
     assert!(renewed.expires_at_ms + CLOCK_SLACK_MS >= before + 30_000);
     assert!(renewed.expires_at_ms <= now_ms() + 30_000 + CLOCK_SLACK_MS);
-    let shown = app
-        .inspect("ren")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let shown = app.inspect_held("ren").await;
     assert_eq!(shown["expires_at_ms"], renewed.expires_at_ms);
     assert_eq!(shown["fence"], grant.fence);
     assert_eq!(shown["owner"], "cron", "a renewal keeps the owner");
@@ -782,18 +753,10 @@ async fn a_renewal_with_ttl_ms_outlives_the_original_lease(b: &Backend) {
     assert_eq!(renewed.ttl_ms, 5000);
     // Past the original lease's end, the renewed one is still held.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let shown = app
-        .inspect("keep")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let shown = app.inspect_held("keep").await;
     assert_eq!(shown["fence"], grant.fence);
-    app.acquire("keep", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
-    app.release("keep", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.expect_locked("keep", "").await;
+    app.release_ok("keep", &grant.token).await;
 }
 
 async fn a_renewal_is_refused_like_a_release(b: &Backend) {
@@ -811,9 +774,7 @@ async fn a_renewal_is_refused_like_a_release(b: &Backend) {
     app.renew("free", &grant.token, "")
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
-    app.release("rr", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("rr", &grant.token).await;
     app.renew("rr", &grant.token, "")
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
@@ -870,9 +831,7 @@ async fn inspecting_a_free_key_is_404_not_held(b: &Backend) {
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
     let released = app.grant("gone", "").await;
-    app.release("gone", &released.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("gone", &released.token).await;
     app.inspect("gone")
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
@@ -885,9 +844,7 @@ async fn fences_strictly_increase_across_grants_of_a_key(b: &Backend) {
         let grant = app.grant("fenced", "").await;
         assert!(grant.fence > last, "fence {} after {last}", grant.fence);
         last = grant.fence;
-        app.release("fenced", &grant.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        app.release_ok("fenced", &grant.token).await;
     }
     // A takeover of an expired lease, too.
     let expiring = app.grant("fenced", "ttl_ms=200").await;
@@ -897,28 +854,18 @@ async fn fences_strictly_increase_across_grants_of_a_key(b: &Backend) {
     assert!(taken_over.fence > expiring.fence);
     // Other keys have their own sequence; it does not matter to this one.
     app.grant("other-key", "").await;
-    app.release("fenced", &taken_over.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("fenced", &taken_over.token).await;
     assert!(app.grant("fenced", "").await.fence > taken_over.fence);
 }
 
 async fn a_new_broker_grants_fences_above_those_of_the_broker_before_it(b: &Backend) {
     let first = b.another_app(|_| {}).await;
     let grant = first.grant("restart", "").await;
-    first
-        .release("restart", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    first.release_ok("restart", &grant.token).await;
     first.shutdown().await;
     let second = b.another_app(|_| {}).await;
     let next = second.grant("restart", "").await;
-    assert!(
-        next.fence > grant.fence,
-        "fence {} after a broker restart, {} before",
-        next.fence,
-        grant.fence
-    );
+    next.assert_fence_above(&grant, "a broker restart");
 }
 
 async fn healthz_and_readyz_answer_200_while_the_store_answers(b: &Backend) {
@@ -940,16 +887,10 @@ async fn a_retried_acquire_with_the_same_request_id_gets_the_same_grant(b: &Back
         .expect_grant(StatusCode::CREATED);
     assert_eq!(from_body.token, first.token);
     // Another request id, or none, is an ordinary contender.
-    app.acquire("idem", "request_id=job-43")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
-    app.acquire("idem", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    app.expect_locked("idem", "request_id=job-43").await;
+    app.expect_locked("idem", "").await;
     // The id belongs to that lease only: once it is released, the id gets a new one.
-    app.release("idem", &first.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("idem", &first.token).await;
     let next = app.grant("idem", "request_id=job-42_a").await;
     assert_ne!(next.token, first.token);
     assert!(next.fence > first.fence);

@@ -3,6 +3,7 @@
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
@@ -39,18 +40,11 @@ async fn a_lock_taken_on_one_broker_is_refused_on_another_released_on_a_third_an
     let redis = RedisServer::start().await;
     let [one, two, three] = three_brokers(&redis).await;
     let grant = one.grant("shared", "").await;
-    two.acquire("shared", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
-    three
-        .release("shared", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    two.expect_locked("shared", "").await;
+    three.release_ok("shared", &grant.token).await;
     let next = two.grant("shared", "").await;
     assert!(next.fence > grant.fence);
-    one.acquire("shared", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    one.expect_locked("shared", "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -64,11 +58,7 @@ async fn a_token_works_on_any_broker_sharing_the_store() {
         .expect_grant(StatusCode::OK);
     assert_eq!(renewed.token, grant.token);
     assert_eq!(renewed.fence, grant.fence);
-    let shown = three
-        .inspect("roaming")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let shown = three.inspect_held("roaming").await;
     assert_eq!(shown["expires_at_ms"], renewed.expires_at_ms);
     // A wrong token is refused on every broker alike.
     let other = one.grant("elsewhere", "").await;
@@ -77,10 +67,7 @@ async fn a_token_works_on_any_broker_sharing_the_store() {
             .await
             .expect_error(StatusCode::CONFLICT, "not_owner");
     }
-    three
-        .release("roaming", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    three.release_ok("roaming", &grant.token).await;
     for app in [&one, &two, &three] {
         app.inspect("roaming")
             .await
@@ -94,19 +81,12 @@ async fn brokers_on_one_redis_report_the_same_expiry_for_a_lease() {
     let [one, two, three] = three_brokers(&redis).await;
     let grant = two.grant("clock", "ttl_ms=20000").await;
     for app in [&one, &two, &three] {
-        let shown = app
-            .inspect("clock")
-            .await
-            .expect_status(StatusCode::OK)
-            .json();
+        let shown = app.inspect_held("clock").await;
         assert_eq!(shown["expires_at_ms"], grant.expires_at_ms);
         assert_eq!(shown["fence"], grant.fence);
     }
     // A lock refused on another broker names the same end of lease.
-    let body = one
-        .acquire("clock", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    let body = one.expect_locked("clock", "").await;
     assert!(
         body["retry_after_ms"]
             .as_u64()
@@ -125,29 +105,18 @@ async fn fences_keep_rising_after_redis_restarts_without_its_data() {
         let grant = app.grant("durable", "").await;
         assert!(grant.fence > last);
         last = grant.fence;
-        app.release("durable", &grant.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        app.release_ok("durable", &grant.token).await;
     }
     let held = app.grant("durable", "ttl_ms=60000").await;
     redis.restart().await;
     wait_until_ready(&app, Duration::from_secs(5)).await;
     // Redis lost everything; the broker put the live lease back, and its holder releases it...
-    app.release("durable", &held.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("durable", &held.token).await;
     // ...and the next fence is above every fence granted before, though the counter was lost.
     let next = app.grant("durable", "").await;
-    assert!(
-        next.fence > held.fence,
-        "fence {} after Redis lost its data, {} before",
-        next.fence,
-        held.fence
-    );
+    next.assert_fence_above(&held, "Redis lost its data");
     // And it keeps rising from there.
-    app.release("durable", &next.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("durable", &next.token).await;
     assert!(app.grant("durable", "").await.fence > next.fence);
 }
 
@@ -181,9 +150,7 @@ async fn brokers_with_different_prefixes_do_not_share_locks() {
     let green = spawn_app_with(Some(redis.url()), |c| c.key_prefix = Some("green:".into())).await;
     blue.grant("deploy", "").await;
     green.grant("deploy", "").await;
-    blue.acquire("deploy", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    blue.expect_locked("deploy", "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

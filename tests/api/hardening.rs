@@ -166,39 +166,30 @@ async fn no_bearer_token_nor_lock_token_is_logged_even_at_trace_level() {
         .build()
         .unwrap();
     for client in [&h1, &h2] {
-        let grant = Answer::read(
+        let grant = Answer::send(
             client
                 .post(broker.url("/locks/secret-key?ttl_ms=30000"))
-                .bearer_auth(TOKEN)
-                .send()
-                .await
-                .unwrap(),
+                .bearer_auth(TOKEN),
         )
         .await
         .expect_grant(StatusCode::CREATED);
-        let renewed = client
-            .post(broker.url(&format!("/locks/secret-key/renew?token={}", grant.token)))
-            .bearer_auth(TOKEN)
-            .send()
+        let renew = broker.url(&format!("/locks/secret-key/renew?token={}", grant.token));
+        Answer::send(client.post(renew).bearer_auth(TOKEN))
             .await
-            .unwrap();
-        assert_eq!(renewed.status(), StatusCode::OK);
-        let released = client
-            .delete(broker.url("/locks/secret-key"))
-            .header("Lock-Token", &grant.token)
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(released.status(), StatusCode::NO_CONTENT);
+            .expect_status(StatusCode::OK);
+        let release = client.delete(broker.url("/locks/secret-key"));
+        Answer::send(
+            release
+                .header("Lock-Token", &grant.token)
+                .bearer_auth(TOKEN),
+        )
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
         // Refusals too: a wrong bearer, and a lock token sent without one.
-        let refused = client
-            .delete(broker.url(&format!("/locks/secret-key?token={}", grant.token)))
-            .bearer_auth(format!("{TOKEN}-wrong"))
-            .send()
+        let release = broker.url(&format!("/locks/secret-key?token={}", grant.token));
+        Answer::send(client.delete(release).bearer_auth(format!("{TOKEN}-wrong")))
             .await
-            .unwrap();
-        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+            .expect_status(StatusCode::UNAUTHORIZED);
         lock_tokens.push(grant.token);
     }
     assert!(broker.terminate(Duration::from_secs(5)).await.success());

@@ -144,9 +144,7 @@ async fn known_traffic(app: &TestApp) -> Grant {
     let b = app.grant("m:b", "ttl_ms=30000").await;
     let c = app.grant("m:c", "ttl_ms=30000").await;
     for _ in 0..2 {
-        app.acquire("m:a", "wait_ms=0")
-            .await
-            .expect_error(StatusCode::CONFLICT, "locked");
+        app.expect_locked("m:a", "wait_ms=0").await;
     }
 
     // Renewals: renewed, not_owner (someone else's live lease), not_held (a free key).
@@ -164,9 +162,7 @@ async fn known_traffic(app: &TestApp) -> Grant {
     app.release("m:b", &c.token)
         .await
         .expect_error(StatusCode::CONFLICT, "not_owner");
-    app.release("m:b", &b.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("m:b", &b.token).await;
     app.release("m:b", &b.token)
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
@@ -199,9 +195,7 @@ async fn known_traffic(app: &TestApp) -> Grant {
         5.0,
     );
     tokio::time::sleep(Duration::from_millis(100)).await;
-    app.release("m:a", &a.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("m:a", &a.token).await;
     let next = answer_within(waiter, Duration::from_secs(5))
         .await
         .expect_grant(StatusCode::CREATED);

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use lockbroker::ROUTES;
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
-use lockbroker_test_support::http::{Answer, lock_path};
+use lockbroker_test_support::http::{Answer, lock_path, until_waiting};
 use lockbroker_test_support::redis_server::RedisServer;
 use lockbroker_test_support::temp::temp_file;
 use reqwest::header::CONTENT_TYPE;
@@ -313,24 +313,6 @@ impl Coverage {
             undocumented.is_empty(),
             "got, but not documented: {undocumented:?}"
         );
-    }
-}
-
-/// Polls `/metrics` until `n` acquires wait on `app`.
-async fn until_waiting(app: &TestApp, n: usize) {
-    let line = format!("lockbroker_waiters {n}");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let metrics = app.get("/metrics").await;
-        if metrics.text.lines().any(|l| l.trim() == line) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{n} acquires never waited; metrics:\n{}",
-            metrics.text
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -862,7 +844,7 @@ async fn waiting_scenarios(cov: &mut Coverage) {
     cov.record("POST", LOCK, &holder);
     holder.expect_grant(StatusCode::CREATED);
     let waiter = app.spawn_acquire(key, "wait_ms=20000");
-    until_waiting(&app, 1).await;
+    until_waiting(&app.address, 1).await;
 
     let answer = app.acquire(key, "wait_ms=20000").await;
     cov.record("POST", LOCK, &answer);

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
 use lockbroker_test_support::broker::{self, BrokerProcess, BrokerSpec};
 use lockbroker_test_support::http::{Answer, http_client};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
@@ -75,9 +76,7 @@ async fn a_broker_whose_redis_is_down_answers_503_and_recovers_when_redis_return
     eprintln!("ready again {took:?} after Redis restarted");
     let grant = app.grant("new", "").await;
     assert!(grant.fence > 0);
-    app.release("new", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("new", &grant.token).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -211,9 +210,7 @@ async fn fences_keep_rising_when_redis_rolls_its_fence_counter_back() {
     let redis = RedisServer::start().await;
     let app = spawn_app(Some(redis.url())).await;
     let first = app.grant("k", "").await;
-    app.release("k", &first.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("k", &first.token).await;
     // As a restart from an older snapshot, or a failover to a lagging replica, would leave it.
     let mut conn = redis.connection().await;
     let _: () = redis::cmd("SET")
@@ -223,12 +220,7 @@ async fn fences_keep_rising_when_redis_rolls_its_fence_counter_back() {
         .await
         .expect("SET");
     let second = app.grant("k", "").await;
-    assert!(
-        second.fence > first.fence,
-        "fence {} after {}",
-        second.fence,
-        first.fence
-    );
+    second.assert_fence_above(&first, "the fence counter went back");
 }
 
 /// Redis's clock in microseconds, as the scripts read it.
@@ -255,9 +247,7 @@ async fn cycle_above(app: &TestApp, key: &str, params: &str, last: u64, what: &s
         "{what}: fence {} after {last}",
         held.fence
     );
-    app.release(key, &held.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok(key, &held.token).await;
     held.fence
 }
 
@@ -272,9 +262,7 @@ async fn a_released_lock_leaves_no_key_in_redis() {
             exists(&mut conn, "lockbroker:{gone}:lock").await,
             "round {round}"
         );
-        app.release("gone", &held.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        app.release_ok("gone", &held.token).await;
         let left: Vec<String> = redis::cmd("KEYS")
             .arg("*{gone}*")
             .query_async(&mut conn)
@@ -360,9 +348,7 @@ async fn fences_keep_rising_when_redis_clock_steps_back_under_a_lease() {
             .query_async(&mut conn)
             .await
             .expect("HSET");
-        app.release("stepped", &held.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        app.release_ok("stepped", &held.token).await;
         last = cycle_above(&app, "stepped", "", ahead, &format!("round {round}")).await;
     }
 }
@@ -435,8 +421,7 @@ async fn a_redis_restart_under_load_is_logged_as_two_warnings_and_no_error() {
                 let client = http_client();
                 let mut seen = Answers::default();
                 while !*stopped.borrow_and_update() {
-                    let answer =
-                        Answer::read(client.post(&acquire).send().await.expect("acquire")).await;
+                    let answer = Answer::send(client.post(&acquire)).await;
                     let answer = match answer.status {
                         StatusCode::CREATED => {
                             if seen.granted == 0 {

@@ -21,11 +21,11 @@ const BINARY: &str = env!("CARGO_BIN_EXE_lockbroker");
 async fn sigterm_answers_waiting_requests_with_503_shutting_down_and_exits_0() {
     let mut broker = BrokerProcess::start(BrokerCommand::new(BINARY)).await;
     let client = http_client();
-    let held = Answer::read(client.post(broker.url("/locks/job")).send().await.unwrap()).await;
+    let held = Answer::send(client.post(broker.url("/locks/job"))).await;
     held.expect_grant(StatusCode::CREATED);
     let waiter = {
         let request = client.post(broker.url("/locks/job?wait_ms=20000"));
-        tokio::spawn(async move { Answer::read(request.send().await.expect("the waiter")).await })
+        tokio::spawn(async move { Answer::send(request).await })
     };
     // Let the waiter find the lock held and start waiting.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -264,15 +264,9 @@ async fn at_trace_level_each_redis_script_call_is_logged_with_its_key_and_durati
     }))
     .await;
     let client = http_client();
-    let grant = Answer::read(
-        client
-            .post(broker.url("/locks/traced?ttl_ms=30000"))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await
-    .expect_grant(StatusCode::CREATED);
+    let grant = Answer::send(client.post(broker.url("/locks/traced?ttl_ms=30000")))
+        .await
+        .expect_grant(StatusCode::CREATED);
     let released = client
         .delete(broker.url("/locks/traced"))
         .header("Lock-Token", &grant.token)

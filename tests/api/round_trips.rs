@@ -24,17 +24,13 @@ async fn warmed_up() -> (RedisServer, TestApp) {
         .await
         .expect_status(StatusCode::OK);
     app.inspect("warm-up").await.expect_status(StatusCode::OK);
-    app.release("warm-up", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("warm-up", &grant.token).await;
     // Expired, then taken over: loads the takeover script.
     let short = app.grant("warm-up", "ttl_ms=1").await;
     tokio::time::sleep(Duration::from_millis(5)).await;
     let taken = app.grant("warm-up", "").await;
     assert!(taken.fence > short.fence);
-    app.release("warm-up", &taken.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("warm-up", &taken.token).await;
     (redis, app)
 }
 
@@ -50,18 +46,14 @@ async fn an_uncontended_acquire_release_renew_and_inspect_cost_one_round_trip_ea
     assert_eq!(script_calls(&redis).await - before, 2, "renew");
     app.inspect("k").await.expect_status(StatusCode::OK);
     assert_eq!(script_calls(&redis).await - before, 3, "inspect");
-    app.release("k", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("k", &grant.token).await;
     assert_eq!(script_calls(&redis).await - before, 4, "release");
 
     let before = script_calls(&redis).await;
     for i in 0..25 {
         let key = format!("cycle-{i}");
         let grant = app.grant(&key, "").await;
-        app.release(&key, &grant.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        app.release_ok(&key, &grant.token).await;
     }
     assert_eq!(script_calls(&redis).await - before, 50);
 }
@@ -81,9 +73,7 @@ async fn an_acquire_that_waits_costs_a_handful_of_round_trips_however_long_it_wa
         (2..=6).contains(&waiting),
         "{waiting} round trips while waiting 3.5 s"
     );
-    app.release("held", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("held", &holder.token).await;
     let grant = waiter
         .await
         .expect("the waiter task")

@@ -6,15 +6,14 @@
 use std::time::Instant;
 
 use lockbroker::store::MAX_SEMAPHORE_LIMIT;
-use lockbroker_test_support::app::{Backend, TestApp, semaphore_path, spawn_app};
+use lockbroker_test_support::app::{Backend, TestApp, listening_apps, semaphore_path};
 use lockbroker_test_support::http::Answer;
-use lockbroker_test_support::http::assert_fields;
+use lockbroker_test_support::http::{assert_fields, until_waiting};
 use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
 
-use crate::shared::until_waiting;
 use crate::waiting::answered_promptly;
 
 on_both_stores!(
@@ -132,18 +131,19 @@ async fn permits_renew_release_and_repeat_by_request_id_as_leases_do(b: &Backend
     assert_eq!(renewed["fence"], first["fence"]);
     assert_eq!(renewed["ttl_ms"], 60_000);
     assert_eq!(renewed["limit"], 2);
-    give_back(app, "renewed", token(&first))
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    give_back(app, "renewed", token(&first))
-        .await
-        .expect_error(StatusCode::CONFLICT, "not_owner");
-    give_back(app, "renewed", token(&other))
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    give_back(app, "renewed", token(&other))
-        .await
-        .expect_error(StatusCode::NOT_FOUND, "not_held");
+    // Each permit given back twice: the second time, another permit holds (`not_owner`), then
+    // none does (`not_held`).
+    for (permit, status, again) in [
+        (&first, StatusCode::CONFLICT, "not_owner"),
+        (&other, StatusCode::NOT_FOUND, "not_held"),
+    ] {
+        give_back(app, "renewed", token(permit))
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
+        give_back(app, "renewed", token(permit))
+            .await
+            .expect_error(status, again);
+    }
     app.get("/semaphores/renewed")
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
@@ -153,7 +153,7 @@ async fn a_waiting_request_gets_a_permit_when_one_is_released(b: &Backend) {
     let app = &b.app;
     let held = permit(app, "queue", "limit=1&ttl_ms=30000").await;
     let waiter = app.spawn_take("queue", "limit=1&wait_ms=10000");
-    until_waiting(app, 1).await;
+    until_waiting(&app.address, 1).await;
     give_back(app, "queue", token(&held))
         .await
         .expect_status(StatusCode::NO_CONTENT);
@@ -173,9 +173,7 @@ async fn a_semaphore_and_a_lock_of_one_name_are_unrelated(b: &Backend) {
     app.release("twin", token(&sem))
         .await
         .expect_error(StatusCode::CONFLICT, "not_owner");
-    app.release("twin", &lock.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("twin", &lock.token).await;
     app.get("/semaphores/twin")
         .await
         .expect_status(StatusCode::OK);
@@ -207,11 +205,7 @@ async fn force_release_ends_every_permit_where_it_is_allowed(b: &Backend) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_semaphores_limit_holds_across_brokers_and_a_release_on_one_wakes_a_waiter_on_another() {
     let redis = RedisServer::start().await;
-    let (a, b) = (
-        spawn_app(Some(redis.url())).await,
-        spawn_app(Some(redis.url())).await,
-    );
-    redis.wait_until_listening(2).await;
+    let [a, b] = listening_apps(&redis).await;
     let one = permit(&a, "shared-pool", "limit=2&ttl_ms=30000").await;
     permit(&b, "shared-pool", "limit=2&ttl_ms=30000").await;
     for app in [&a, &b] {
@@ -225,7 +219,7 @@ async fn a_semaphores_limit_holds_across_brokers_and_a_release_on_one_wakes_a_wa
         assert_eq!(body["limit"], 2);
     }
     let waiter = b.spawn_take("shared-pool", "limit=2&wait_ms=10000");
-    until_waiting(&b, 1).await;
+    until_waiting(&b.address, 1).await;
     give_back(&a, "shared-pool", token(&one))
         .await
         .expect_status(StatusCode::NO_CONTENT);

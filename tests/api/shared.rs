@@ -3,10 +3,10 @@
 //! release. Written once, run on the embedded store and on Redis; the cross-broker checks run on
 //! two brokers sharing one Redis.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use lockbroker_test_support::app::{Backend, TestApp, spawn_app};
-use lockbroker_test_support::http::metric;
+use lockbroker_test_support::app::{Backend, TestApp, listening_apps};
+use lockbroker_test_support::http::{metric, until_waiting};
 use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
@@ -22,15 +22,6 @@ on_both_stores!(
     force_release_ends_every_shared_lease_only_where_it_is_allowed,
 );
 
-/// Waits until `n` acquires wait on `app` (its `lockbroker_waiters` gauge), for at most 5 s.
-pub(crate) async fn until_waiting(app: &TestApp, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while metric(&app.address, "lockbroker_waiters").await < n as f64 {
-        assert!(Instant::now() < deadline, "{n} acquires never waited");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 async fn shared_leases_are_held_together_each_with_its_own_token_fence_and_lease(b: &Backend) {
     let app = &b.app;
     let one = app.grant("reads", "mode=shared&ttl_ms=30000").await;
@@ -38,27 +29,19 @@ async fn shared_leases_are_held_together_each_with_its_own_token_fence_and_lease
     assert_ne!(one.token, two.token);
     assert!(two.fence > one.fence);
     assert_eq!(two.ttl_ms, 1000);
-    app.acquire("reads", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    app.expect_locked("reads", "").await;
     // Each holder renews and releases its own lease.
     let renewed = app
         .renew("reads", &two.token, "ttl_ms=60000")
         .await
         .expect_grant(StatusCode::OK);
     assert_eq!((renewed.fence, renewed.ttl_ms), (two.fence, 60_000));
-    app.release("reads", &one.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("reads", &one.token).await;
     app.release("reads", &one.token)
         .await
         .expect_error(StatusCode::CONFLICT, "not_owner");
-    app.acquire("reads", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
-    app.release("reads", &two.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.expect_locked("reads", "").await;
+    app.release_ok("reads", &two.token).await;
     let writer = app.grant("reads", "").await;
     assert!(writer.fence > two.fence, "fences rise across both modes");
 }
@@ -71,11 +54,7 @@ async fn inspecting_a_shared_lock_shows_every_holder_and_the_highest_fence_and_l
         .grant("shown", "mode=shared&ttl_ms=60000&owner=reader-a")
         .await;
     let short = app.grant("shown", "mode=shared&ttl_ms=20000").await;
-    let body = app
-        .inspect("shown")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let body = app.inspect_held("shown").await;
     assert_eq!(body["mode"], "shared");
     assert_eq!(body["fence"], short.fence);
     assert_eq!(body["expires_at_ms"], long.expires_at_ms);
@@ -93,16 +72,9 @@ async fn inspecting_a_shared_lock_shows_every_holder_and_the_highest_fence_and_l
 async fn an_exclusive_lock_refuses_shared_requests_and_mode_is_validated(b: &Backend) {
     let app = &b.app;
     let writer = app.grant("solo", "mode=exclusive&owner=w").await;
-    let body = app
-        .acquire("solo", "mode=shared")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    let body = app.expect_locked("solo", "mode=shared").await;
     assert!(body["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0));
-    let shown = app
-        .inspect("solo")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let shown = app.inspect_held("solo").await;
     assert_eq!(shown["mode"], "exclusive");
     assert_eq!(shown["fence"], writer.fence);
     assert_eq!(shown["owner"], "w");
@@ -123,24 +95,20 @@ async fn a_waiting_exclusive_acquire_is_not_starved_by_new_shared_ones(b: &Backe
     let app = &b.app;
     let reader = app.grant("busy", "mode=shared&ttl_ms=30000").await;
     let writer = app.spawn_acquire("busy", "wait_ms=10000");
-    until_waiting(app, 1).await;
+    until_waiting(&app.address, 1).await;
     // New shared requests wait behind the writer; one that may not wait is refused.
     for _ in 0..3 {
-        app.acquire("busy", "mode=shared")
-            .await
-            .expect_error(StatusCode::CONFLICT, "locked");
+        app.expect_locked("busy", "mode=shared").await;
     }
     let late_reader = app.spawn_acquire("busy", "mode=shared&wait_ms=10000");
-    until_waiting(app, 2).await;
+    until_waiting(&app.address, 2).await;
     let since = released(app, "busy", &reader.token).await;
     let granted = granted_promptly(writer, since).await;
     assert!(
         !late_reader.is_finished(),
         "the later reader waits for the writer"
     );
-    app.release("busy", &granted.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("busy", &granted.token).await;
     let read = answer_within(late_reader, Duration::from_secs(3))
         .await
         .expect_grant(StatusCode::CREATED);
@@ -153,7 +121,7 @@ async fn waiting_shared_requests_are_all_granted_when_the_exclusive_holder_relea
     let readers: Vec<_> = (0..3)
         .map(|_| app.spawn_acquire("fan-out", "mode=shared&wait_ms=10000"))
         .collect();
-    until_waiting(app, 3).await;
+    until_waiting(&app.address, 3).await;
     let since = released(app, "fan-out", &writer.token).await;
     for reader in readers {
         granted_promptly(reader, since).await;
@@ -217,25 +185,15 @@ async fn force_release_ends_every_shared_lease_only_where_it_is_allowed(b: &Back
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_lease_on_one_broker_blocks_an_exclusive_acquire_on_another_until_released() {
     let redis = RedisServer::start().await;
-    let (a, b) = (
-        spawn_app(Some(redis.url())).await,
-        spawn_app(Some(redis.url())).await,
-    );
-    redis.wait_until_listening(2).await;
+    let [a, b] = listening_apps(&redis).await;
     let reader = a.grant("across", "mode=shared&ttl_ms=30000").await;
-    b.acquire("across", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    b.expect_locked("across", "").await;
     let writer = b.spawn_acquire("across", "wait_ms=10000");
-    until_waiting(&b, 1).await;
+    until_waiting(&b.address, 1).await;
     // The writer's intent holds new shared leases back on the other broker too.
-    a.acquire("across", "mode=shared")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    a.expect_locked("across", "mode=shared").await;
     let since = released(&a, "across", &reader.token).await;
     let granted = granted_promptly(writer, since).await;
     assert!(granted.fence > reader.fence);
-    a.acquire("across", "mode=shared")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    a.expect_locked("across", "mode=shared").await;
 }

@@ -90,7 +90,7 @@ async fn expect_put_back(apps: &[&TestApp], key: &str, held: &Grant) {
             "retry_after_ms {retry} for a lease of {} ms",
             held.ttl_ms
         );
-        let shown = app.inspect(key).await.expect_status(StatusCode::OK).json();
+        let shown = app.inspect_held(key).await;
         assert_eq!(
             shown["fence"], held.fence,
             "the lease was put back with its fence"
@@ -101,17 +101,9 @@ async fn expect_put_back(apps: &[&TestApp], key: &str, held: &Grant) {
         .await
         .expect_grant(StatusCode::OK);
     assert_eq!(renewed.fence, held.fence);
-    apps[0]
-        .release(key, &held.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    apps[0].release_ok(key, &held.token).await;
     let next = apps[apps.len() - 1].grant(key, "ttl_ms=1000").await;
-    assert!(
-        next.fence > held.fence,
-        "fence {} after the loss, {} before",
-        next.fence,
-        held.fence
-    );
+    next.assert_fence_above(held, "the loss");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,14 +154,7 @@ async fn after_a_restart_from_the_append_only_file_the_new_server_counts_as_a_lo
     let held = one.grant("kept", "ttl_ms=30000").await;
     // A lease the file never got: written while the AOF was off, as writes of a server's last
     // second are lost with `appendfsync everysec`.
-    let mut conn = redis.connection().await;
-    let () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("appendonly")
-        .arg("no")
-        .query_async(&mut conn)
-        .await
-        .expect("CONFIG SET appendonly no");
+    redis.config_set("appendonly", "no").await;
     let lost = one.grant("lost", "ttl_ms=30000").await;
     redis.restart().await;
     let back = Instant::now();
@@ -329,9 +314,7 @@ async fn a_lease_released_through_another_broker_is_not_put_back_after_a_loss() 
     metric_until(&one, "lockbroker_ledger_leases", "1.0", |v| v == 1.0).await;
     // Behind a load balancer, the release may reach another broker; its notice tells the one
     // that granted the lease.
-    two.release("moved-on", &released.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    two.release_ok("moved-on", &released.token).await;
     metric_until(&one, "lockbroker_ledger_leases", "0.0", |v| v == 0.0).await;
     // And a newer lease, granted by the other broker, is the one that comes back after a loss.
     let newer = two.grant("moved-on", "ttl_ms=60000").await;

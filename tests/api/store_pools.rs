@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lockbroker::domain::{LockKey, Mode, Pool, RequestId, Space, Token, Ttl};
+use lockbroker::domain::{LockKey, Mode, Pool, RequestId, Space, Ttl};
 use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
 use lockbroker::store::{Bid, GrantAnswer, Holder, Join, ListQuery, Notice, Store, StoreError};
 use lockbroker_test_support::redis_server::RedisServer;
@@ -40,22 +40,17 @@ pub(crate) fn store_on(
     (store, rx)
 }
 
-fn key(k: &str) -> LockKey {
+pub(crate) fn key(k: &str) -> LockKey {
     LockKey::parse(k).unwrap()
 }
 
+/// A bid that does not wait.
 fn bid(ttl_ms: u64) -> Bid {
-    Bid {
-        token: Token::generate(),
-        ttl: Ttl::from_ms(ttl_ms),
-        owner: None,
-        request_id: None,
-        wait_ms: 0,
-    }
+    crate::store_queue::bid(ttl_ms, 0)
 }
 
 /// Joins until granted, riding out the settle hold of a new store.
-async fn join(store: &RedisStore, k: &LockKey, pool: Pool, bid: &Bid) -> Join {
+pub(crate) async fn join(store: &RedisStore, k: &LockKey, pool: Pool, bid: &Bid) -> Join {
     for _ in 0..100 {
         match store.join(k, pool, bid).await.unwrap() {
             Join::OnHold(hold) => {

@@ -8,20 +8,18 @@ use std::time::Duration;
 use lockbroker::domain::{Lease, LockKey, Pool, RequestId, Space, Token, Ttl};
 use lockbroker::store::redis::RedisStore;
 use lockbroker::store::{Bid, GrantAnswer, Holder, Join, Notice, Store, StoreError};
+use lockbroker_test_support::redis::{self, AsyncCommands};
 use lockbroker_test_support::redis_server::RedisServer;
-use redis::AsyncCommands;
 use tokio::sync::mpsc;
+
+use crate::store_pools::{join, key, store_on};
 
 /// A broker's store on `redis`, started, with its notices; its offers stay open `window`.
 fn broker(redis: &RedisServer, window: Duration) -> (RedisStore, mpsc::Receiver<Notice>) {
-    crate::store_pools::store_on(redis, "q:", window)
+    store_on(redis, "q:", window)
 }
 
-fn key(k: &str) -> LockKey {
-    LockKey::parse(k).unwrap()
-}
-
-fn bid(ttl_ms: u64, wait_ms: u64) -> Bid {
+pub(crate) fn bid(ttl_ms: u64, wait_ms: u64) -> Bid {
     Bid {
         token: Token::generate(),
         ttl: Ttl::from_ms(ttl_ms),
@@ -36,19 +34,6 @@ async fn claim(store: &RedisStore, k: &LockKey, bid: &Bid) -> GrantAnswer {
     for _ in 0..100 {
         match store.claim(k, bid).await.unwrap() {
             GrantAnswer::OnHold(hold) => {
-                tokio::time::sleep(Duration::from_millis(hold.retry_after_ms.min(100))).await
-            }
-            other => return other,
-        }
-    }
-    panic!("the store stayed held");
-}
-
-/// JOIN, riding out the settle hold of a new store.
-async fn join(store: &RedisStore, k: &LockKey, pool: Pool, bid: &Bid) -> Join {
-    for _ in 0..100 {
-        match store.join(k, pool, bid).await.unwrap() {
-            Join::OnHold(hold) => {
                 tokio::time::sleep(Duration::from_millis(hold.retry_after_ms.min(100))).await
             }
             other => return other,

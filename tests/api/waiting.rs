@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{Backend, TestApp};
-use lockbroker_test_support::http::{Answer, Grant, metric};
+use lockbroker_test_support::http::{Answer, Grant, until_waiting};
 use lockbroker_test_support::on_both_stores;
 use reqwest::StatusCode;
 use tokio::task::JoinHandle;
@@ -46,9 +46,7 @@ pub(crate) async fn parked(app: &TestApp, key: &str) -> JoinHandle<Answer> {
 
 /// Releases the lock lease `token` holds on `key` (`204`), and says when.
 pub(crate) async fn released(app: &TestApp, key: &str, token: &str) -> Instant {
-    app.release(key, token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok(key, token).await;
     Instant::now()
 }
 
@@ -120,19 +118,10 @@ async fn waiters_on_one_broker_are_served_in_arrival_order(b: &Backend) {
     for arrived in 1..=4 {
         takers.push(spawn_taker(app, "fifo"));
         // Each waits before the next arrives, so their order is certain.
-        let started = Instant::now();
-        while metric(&app.address, "lockbroker_waiters").await < f64::from(arrived) {
-            assert!(
-                started.elapsed() < Duration::from_secs(5),
-                "waiter {arrived} is not waiting after 5 s"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        until_waiting(&app.address, arrived).await;
     }
     assert!(takers.iter().all(|t| !t.is_finished()), "all must wait");
-    app.release("fifo", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("fifo", &holder.token).await;
     let mut fences = Vec::new();
     for taker in takers {
         let fence = tokio::time::timeout(Duration::from_secs(5), taker)
@@ -183,9 +172,7 @@ async fn an_abandoned_waiter_stops_waiting_and_leaves_no_lease_behind(b: &Backen
 
     // When the holder releases, nobody takes the lock on the abandoned waiter's behalf. (A
     // waiter still running would take it within milliseconds of the release.)
-    app.release("left", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("left", &holder.token).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     app.inspect("left")
         .await
@@ -213,11 +200,7 @@ async fn an_abandoned_waiter_hands_its_place_to_the_next_in_line(b: &Backend) {
     // ...and the second is next: a release reaches it at once.
     let since = released(&app, "line", &holder.token).await;
     let grant = granted_promptly(second, since).await;
-    let shown = app
-        .inspect("line")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let shown = app.inspect_held("line").await;
     assert_eq!(shown["fence"], grant.fence);
 }
 
@@ -236,9 +219,7 @@ async fn a_waiter_past_max_waiters_is_refused_at_once_with_503_too_many_waiters(
         started.elapsed()
     );
     // A request that would not wait is not a waiter: it gets the ordinary 409.
-    app.acquire("crowded", "wait_ms=0")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    app.expect_locked("crowded", "wait_ms=0").await;
     // The cap is per broker, across keys.
     app.grant("elsewhere", "ttl_ms=30000").await;
     app.acquire("elsewhere", "wait_ms=5000")
@@ -247,9 +228,7 @@ async fn a_waiter_past_max_waiters_is_refused_at_once_with_503_too_many_waiters(
     // A free key is granted even with every waiting place taken: it needs no wait.
     app.grant("free", "wait_ms=5000").await;
 
-    app.release("crowded", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("crowded", &holder.token).await;
     let granted = answer_within(first, Duration::from_secs(3))
         .await
         .expect_grant(StatusCode::CREATED);

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lockbroker_test_support::app::{Backend, TestApp, spawn_app, spawn_app_with};
-use lockbroker_test_support::http::metric;
+use lockbroker_test_support::http::{metric, until_metric};
 use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
@@ -133,15 +133,13 @@ async fn next(seen: &mut mpsc::UnboundedReceiver<Seen>, limit: Duration, what: &
 /// Waits until `n` watches are parked on `app` (its `lockbroker_watchers` gauge), for at most
 /// a minute (a thousand connections to open on a loaded machine).
 async fn until_parked(app: &TestApp, n: usize) {
-    let started = Instant::now();
-    while metric(&app.address, "lockbroker_watchers").await < n as f64 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "{n} watches were not parked within 60 s ({} were)",
-            metric(&app.address, "lockbroker_watchers").await
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_metric(
+        &app.address,
+        "lockbroker_watchers",
+        n as f64,
+        Duration::from_secs(60),
+    )
+    .await;
 }
 
 /// A grant, a release, an expiry and a force release made on `changes`, as a follower on
@@ -169,10 +167,7 @@ async fn grant_release_expiry_force_release(
     assert!(took < latency, "the grant was seen {took:?} after it");
 
     // A release.
-    changes
-        .release(key, &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    changes.release_ok(key, &grant.token).await;
     let done = Instant::now();
     let change = next(&mut seen, limit, "the release").await;
     assert_eq!(change.fence, None, "the release: free");
@@ -304,9 +299,7 @@ async fn a_watch_answers_at_once_when_the_holders_differ_from_the_fence_seen(bac
         assert_eq!(body["owner"], "now");
         assert!(started.elapsed() < Duration::from_secs(5), "at once");
     }
-    app.release("moved", &second.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("moved", &second.token).await;
     let (status, body) = watch(&remote(app), "/locks/moved", second.fence, 10_000).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(
@@ -317,57 +310,40 @@ async fn a_watch_answers_at_once_when_the_holders_differ_from_the_fence_seen(bac
 
 async fn a_semaphore_watch_sees_permits_taken_and_given_back(backend: &Backend) {
     let app = &backend.app;
-    let take = |owner: &'static str| {
-        app.send(app.request(
-            Method::POST,
-            &format!("/semaphores/pool?limit=2&owner={owner}"),
-        ))
+    let take = async |owner: &str| {
+        let permit = app
+            .take("pool", &format!("limit=2&owner={owner}"))
+            .await
+            .expect_status(StatusCode::CREATED)
+            .json();
+        (
+            permit["fence"].as_u64(),
+            permit["token"].as_str().unwrap().to_owned(),
+        )
+    };
+    let give_back = async |token: &str| {
+        app.with_token(Method::DELETE, "/semaphores/pool", token)
+            .await
+            .expect_status(StatusCode::NO_CONTENT);
     };
     let (status, _) = watch(&remote(app), "/semaphores/pool", 0, 0).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     let mut seen = follow(app, "/semaphores/pool");
+    let mut next_fence = async || {
+        next(&mut seen, Duration::from_secs(5), "a permit change")
+            .await
+            .fence
+    };
     until_parked(app, 1).await;
-    let a = take("a").await.expect_status(StatusCode::CREATED).json();
-    let (a_fence, a_token) = (a["fence"].as_u64(), a["token"].as_str().unwrap().to_owned());
-    assert_eq!(
-        next(&mut seen, Duration::from_secs(5), "a permit change")
-            .await
-            .fence,
-        a_fence
-    );
-    let b = take("b").await.expect_status(StatusCode::CREATED).json();
-    let (b_fence, b_token) = (b["fence"].as_u64(), b["token"].as_str().unwrap().to_owned());
-    assert_eq!(
-        next(&mut seen, Duration::from_secs(5), "a permit change")
-            .await
-            .fence,
-        b_fence
-    );
+    let (a_fence, a_token) = take("a").await;
+    assert_eq!(next_fence().await, a_fence);
+    let (b_fence, b_token) = take("b").await;
+    assert_eq!(next_fence().await, b_fence);
     // Giving back the newest permit: the highest fence is the first's again.
-    app.send(
-        app.request(Method::DELETE, "/semaphores/pool")
-            .header("Lock-Token", &b_token),
-    )
-    .await
-    .expect_status(StatusCode::NO_CONTENT);
-    assert_eq!(
-        next(&mut seen, Duration::from_secs(5), "a permit change")
-            .await
-            .fence,
-        a_fence
-    );
-    app.send(
-        app.request(Method::DELETE, "/semaphores/pool")
-            .header("Lock-Token", &a_token),
-    )
-    .await
-    .expect_status(StatusCode::NO_CONTENT);
-    assert_eq!(
-        next(&mut seen, Duration::from_secs(5), "a permit change")
-            .await
-            .fence,
-        None
-    );
+    give_back(&b_token).await;
+    assert_eq!(next_fence().await, a_fence);
+    give_back(&a_token).await;
+    assert_eq!(next_fence().await, None);
 }
 
 async fn watches_count_against_max_waiters_and_bad_watches_are_refused(backend: &Backend) {
@@ -419,27 +395,7 @@ async fn watches_count_against_max_waiters_and_bad_watches_are_refused(backend: 
         );
     }
     assert_eq!(metric(&app.address, "lockbroker_watchers").await, 0.0);
-    app.release("busy", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-}
-
-/// The store calls Redis has served, all commands together.
-/// The calls Redis has served, by command (INFO itself left out).
-async fn redis_calls_by_command(redis: &RedisServer) -> std::collections::BTreeMap<String, u64> {
-    let mut conn = redis.connection().await;
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(&mut conn)
-        .await
-        .expect("INFO commandstats");
-    info.lines()
-        .filter_map(|line| {
-            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-            let calls = stats.split(',').find_map(|f| f.strip_prefix("calls="))?;
-            (name != "info").then(|| (name.to_owned(), calls.trim().parse().expect("a count")))
-        })
-        .collect()
+    app.release_ok("busy", &holder.token).await;
 }
 
 /// Store reads the broker made (its own count).
@@ -486,14 +442,14 @@ async fn thousand_parked_watches(redis: Option<&RedisServer>) {
     until_parked(&app, WATCHES).await;
     let reads_before = broker_reads(&app).await;
     let calls_before = match redis {
-        Some(redis) => redis_calls_by_command(redis).await,
+        Some(redis) => redis.calls_by_command().await,
         None => Default::default(),
     };
     tokio::time::sleep(QUIET).await;
     let reads = broker_reads(&app).await - reads_before;
     match redis {
         Some(redis) => {
-            let after = redis_calls_by_command(redis).await;
+            let after = redis.calls_by_command().await;
             let by_command: Vec<_> = after
                 .iter()
                 .map(|(name, n)| (name, n - calls_before.get(name).copied().unwrap_or(0)))
@@ -524,9 +480,7 @@ async fn thousand_parked_watches(redis: Option<&RedisServer>) {
     // A change: the key's 100 watches all answer it, and the broker read the key once for them
     // (on Redis, fallback reads of the other keys may come in between).
     let before = broker_reads(&app).await;
-    app.release("quiet-0", &tokens[0])
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok("quiet-0", &tokens[0]).await;
     for (i, watch) in watches.into_iter().enumerate() {
         if i % KEYS == 0 {
             let (status, body) = watch.await.expect("the watch task");
@@ -580,6 +534,18 @@ fn crowd(
         .collect()
 }
 
+/// Each of `watches` answered `200`, changed, with `fence`.
+async fn all_changed_to(watches: Vec<tokio::task::JoinHandle<(StatusCode, Value)>>, fence: u64) {
+    for watch in watches {
+        let (status, body) = watch.await.expect("the watch task");
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(
+            (&body["fence"], &body["changed"]),
+            (&fence.into(), &true.into())
+        );
+    }
+}
+
 /// Watches of one key arriving together (each the first its client sends) share the key's
 /// reads: a handful for all of them, not one each — whether each is answered at once (the key is
 /// held, they saw it free) or they all park until a grant. And each is answered what the key
@@ -591,14 +557,7 @@ async fn concurrent_first_watches_of_a_key_share_its_reads() {
 
     let held = app.grant("crowd", "ttl_ms=60000").await;
     let before = broker_reads(&app).await;
-    for watch in crowd(&app, "/locks/crowd", 0, 10_000) {
-        let (status, body) = watch.await.expect("the watch task");
-        assert_eq!(status, StatusCode::OK, "{body}");
-        assert_eq!(
-            (&body["fence"], &body["changed"]),
-            (&held.fence.into(), &true.into())
-        );
-    }
+    all_changed_to(crowd(&app, "/locks/crowd", 0, 10_000), held.fence).await;
     let reads_held = broker_reads(&app).await - before;
 
     let before = broker_reads(&app).await;
@@ -606,14 +565,7 @@ async fn concurrent_first_watches_of_a_key_share_its_reads() {
     until_parked(&app, CROWD).await;
     let reads_parking = broker_reads(&app).await - before;
     let grant = app.grant("crowd-free", "ttl_ms=60000").await;
-    for watch in watches {
-        let (status, body) = watch.await.expect("the watch task");
-        assert_eq!(status, StatusCode::OK, "{body}");
-        assert_eq!(
-            (&body["fence"], &body["changed"]),
-            (&grant.fence.into(), &true.into())
-        );
-    }
+    all_changed_to(watches, grant.fence).await;
     let reads_free = broker_reads(&app).await - before;
     println!(
         "{CROWD} watches of a held key: {reads_held} reads; of a free key: {reads_parking} reads \

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
-use lockbroker_test_support::http::metric;
+use lockbroker_test_support::http::until_metric;
 use lockbroker_test_support::redis_server::RedisServer;
 use lockbroker_test_support::send_signal;
 use lockbroker_test_support::temp::TempDir;
@@ -327,14 +327,9 @@ async fn status_watch_shows_a_handed_on_leases_own_ttl_not_the_offer_window() {
     let now = next_json(&mut lines).await;
     assert_eq!(now["fence"], first.fence);
     let waiter = app.spawn_acquire("handed", "ttl_ms=10000&wait_ms=10000");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while metric(&app.address, "lockbroker_waiters").await < 1.0 {
-        assert!(Instant::now() < deadline, "the waiter never parked");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    app.release("handed", &first.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    let parking = Duration::from_secs(10);
+    until_metric(&app.address, "lockbroker_waiters", 1.0, parking).await;
+    app.release_ok("handed", &first.token).await;
     let granted = waiter.await.unwrap().expect_grant(StatusCode::CREATED);
     let line = next_json(&mut lines).await;
     assert_eq!(line["fence"], granted.fence, "{line}");

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{Backend, spawn_app};
 use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, listen_on};
-use lockbroker_test_support::http::metric;
+use lockbroker_test_support::http::until_metric;
 use lockbroker_test_support::on_both_stores;
 use lockbroker_test_support::temp::TempDir;
 use reqwest::StatusCode;
@@ -43,18 +43,6 @@ fn start_run(
         .env("ID", id.to_string())
         .spawn()
         .expect("cannot start lockbroker run")
-}
-
-/// Waits until the broker reports at least `n` waiting acquires (its `lockbroker_waiters`).
-async fn wait_for_waiters(address: &str, n: f64) {
-    let deadline = Instant::now() + MARKER_LIMIT;
-    while metric(address, "lockbroker_waiters").await < n {
-        assert!(
-            Instant::now() < deadline,
-            "the broker did not report {n} waiters within {MARKER_LIMIT:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// Stdout as JSON lines, one object each.
@@ -123,7 +111,7 @@ rm "$OUT/inside-$ID""#;
         r#"ls "$OUT"/inside-* > /dev/null 2>&1 && echo overlap > "$OUT/overlap"
 echo ran > "$OUT/exclusive""#,
     );
-    wait_for_waiters(url, 1.0).await;
+    until_metric(url, "lockbroker_waiters", 1.0, MARKER_LIMIT).await;
     assert!(
         !scratch.path("exclusive").exists(),
         "the exclusive run did not wait"
@@ -168,7 +156,7 @@ rm "$OUT/inside-$ID""#;
         .collect();
 
     // Two get a permit and wait for `go`; the third waits for a permit.
-    wait_for_waiters(url, 1.0).await;
+    until_metric(url, "lockbroker_waiters", 1.0, MARKER_LIMIT).await;
     let entered = || {
         (0..3)
             .filter(|id| scratch.path(&format!("entered-{id}")).exists())

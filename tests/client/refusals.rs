@@ -42,13 +42,7 @@ impl StandIn {
                 },
             )
             .with_state(bodies.clone());
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("a loopback port");
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        let server = tokio::spawn(async move {
-            axum::serve(listener, router).await.expect("it serves");
-        });
+        let (url, server) = serve(router).await;
         Self {
             url,
             bodies,
@@ -285,6 +279,12 @@ async fn failing_renewals_in_front_of(app: &TestApp) -> (String, Arc<Mutex<u32>>
             (status, answer.text().await.unwrap())
         },
     );
+    let (url, server) = serve(router).await;
+    (url, renewals, server)
+}
+
+/// Serves `router` on a free loopback port: its URL, and the task serving it.
+async fn serve(router: Router) -> (String, JoinHandle<()>) {
     let listener = TcpListener::bind("127.0.0.1:0")
         .await
         .expect("a loopback port");
@@ -292,7 +292,7 @@ async fn failing_renewals_in_front_of(app: &TestApp) -> (String, Arc<Mutex<u32>>
     let server = tokio::spawn(async move {
         axum::serve(listener, router).await.expect("it serves");
     });
-    (url, renewals, server)
+    (url, server)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

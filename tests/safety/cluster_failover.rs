@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use redis::Value;
+use lockbroker_test_support::redis::{self, Value};
 use tokio::time::Instant;
 
-use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::app::{TestApp, spawn_apps};
 use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::cluster::RedisCluster;
 
@@ -18,17 +18,12 @@ const STORE_TIMEOUT_MS: u64 = 1000;
 const RESUME_LIMIT: Duration = Duration::from_secs(10);
 
 async fn brokers(cluster: &RedisCluster, n: usize) -> Vec<TestApp> {
-    let mut apps = Vec::new();
-    for _ in 0..n {
-        apps.push(
-            spawn_app_with(Some(cluster.url()), |c| {
-                c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
-                // The default: every broker must catch up within it, under the suite's load.
-                c.store_settle_ms = Some(3000);
-            })
-            .await,
-        );
-    }
+    let apps = spawn_apps(&cluster.url(), n, |c| {
+        c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
+        // The default: every broker must catch up within it, under the suite's load.
+        c.store_settle_ms = Some(3000);
+    })
+    .await;
     for app in &apps {
         wait_until_ready(&app.address, Duration::from_secs(15)).await;
     }

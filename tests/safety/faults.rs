@@ -4,11 +4,13 @@
 
 use std::time::Duration;
 
-use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::app::{TestApp, spawn_app_with, spawn_apps};
 use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
 use lockbroker_test_support::http::{Answer, Grant, http_client};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::proxy::{Mode, Proxy, redis_addr};
@@ -19,31 +21,32 @@ use crate::torture::{self, Brokers, Plan};
 const STORE_TIMEOUT_MS: u64 = 300;
 
 async fn post(url: &str) -> Answer {
-    Answer::read(
-        http_client()
-            .post(url)
-            .send()
-            .await
-            .expect("the broker answers"),
-    )
-    .await
+    Answer::send(http_client().post(url)).await
 }
 
 async fn in_process_brokers(redis_url: &str, n: usize, max_ttl_ms: u64) -> Vec<TestApp> {
     let default_ttl_ms = lockbroker::config::Config::default().limits.default_ttl_ms;
-    let mut apps = Vec::new();
-    for _ in 0..n {
-        apps.push(
-            spawn_app_with(Some(redis_url.to_owned()), |c| {
-                c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
-                c.max_ttl_ms = Some(max_ttl_ms);
-                c.default_ttl_ms = Some(default_ttl_ms.min(max_ttl_ms));
-                c.store_loss_delay_ms = Some(max_ttl_ms);
-            })
-            .await,
+    spawn_apps(redis_url, n, |c| {
+        c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
+        c.max_ttl_ms = Some(max_ttl_ms);
+        c.default_ttl_ms = Some(default_ttl_ms.min(max_ttl_ms));
+        c.store_loss_delay_ms = Some(max_ttl_ms);
+    })
+    .await
+}
+
+/// Requests that were waiting on a broker just killed: each ends at once, with no answer.
+pub(crate) async fn cut_off(waiters: Vec<JoinHandle<reqwest::Result<StatusCode>>>) {
+    for waiter in waiters {
+        let outcome = tokio::time::timeout(Duration::from_secs(2), waiter)
+            .await
+            .expect("a request waiting on a killed broker must end at once")
+            .expect("the waiter task");
+        assert!(
+            outcome.is_err(),
+            "a killed broker cannot answer, yet a waiter got {outcome:?}"
         );
     }
-    apps
 }
 
 /// Three broker processes on `redis` with this store timeout, each ready and listening for
@@ -103,7 +106,7 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
             "{}/locks/orphaned?wait_ms=10000&ttl_ms=2000",
             two.address()
         ));
-        tokio::spawn(async move { Answer::read(request.send().await.expect("two answers")).await })
+        tokio::spawn(async move { Answer::send(request).await })
     };
     run.until_sections(20).await;
     assert!(
@@ -113,27 +116,12 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
 
     let killed = Instant::now();
     doomed.kill();
-    for waiter in waiting_on_doomed {
-        let outcome = tokio::time::timeout(Duration::from_secs(2), waiter)
-            .await
-            .expect("a request waiting on a killed broker must end at once")
-            .expect("the waiter task");
-        assert!(
-            outcome.is_err(),
-            "a killed broker cannot answer, yet a waiter got {outcome:?}"
-        );
-    }
+    cut_off(waiting_on_doomed).await;
     // The lease it granted is still there, on every other broker, until its TTL.
-    let shown = Answer::read(
-        http_client()
-            .get(format!("{}/locks/orphaned", three.address()))
-            .send()
-            .await
-            .expect("three answers"),
-    )
-    .await
-    .expect_status(StatusCode::OK)
-    .json();
+    let shown = Answer::send(http_client().get(format!("{}/locks/orphaned", three.address())))
+        .await
+        .expect_status(StatusCode::OK)
+        .json();
     assert_eq!(shown["fence"], orphan.fence);
     let next = tokio::time::timeout(Duration::from_secs(5), successor)
         .await
@@ -239,16 +227,10 @@ async fn a_holder_paused_past_its_ttl_loses_the_lock_to_a_larger_fence_and_its_r
         "the resource must refuse the paused holder's stale fence"
     );
     // Its attempts changed nothing: the successor still holds, with its expiry.
-    let shown = two
-        .inspect("report")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let shown = two.inspect_held("report").await;
     assert_eq!(shown["fence"], next.fence);
     assert_eq!(shown["expires_at_ms"], next.expires_at_ms);
-    one.release("report", &next.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    one.release_ok("report", &next.token).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -24,7 +24,7 @@ use reqwest::{Client, StatusCode};
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use lockbroker_test_support::app::{TestApp, spawn_app_with};
+use lockbroker_test_support::app::{TestApp, spawn_app_with, spawn_apps};
 use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::http::metric;
 use lockbroker_test_support::redis_server::RedisServer;
@@ -87,10 +87,7 @@ impl Counter {
 }
 
 async fn brokers_on_redis(redis: &RedisServer, n: usize) -> Vec<TestApp> {
-    let mut apps = Vec::new();
-    for _ in 0..n {
-        apps.push(spawn_app_with(Some(redis.url()), |_| {}).await);
-    }
+    let apps = spawn_apps(&redis.url(), n, |_| {}).await;
     redis.wait_until_listening(n as u64).await;
     apps
 }
@@ -103,6 +100,18 @@ async fn hammer(
     kind_for: fn(usize, &mut rand::rngs::ThreadRng) -> Kind,
 ) -> (Record, u64) {
     hammer_for(urls, path, query, kind_for, RUN_FOR, false).await
+}
+
+/// As [`hammer`], through three brokers on one Redis of their own.
+async fn hammer_three_brokers_on_one_redis(
+    path: &'static str,
+    query: &'static str,
+    kind_for: fn(usize, &mut rand::rngs::ThreadRng) -> Kind,
+) -> (Record, u64) {
+    let redis = RedisServer::start().await;
+    let apps = brokers_on_redis(&redis, 3).await;
+    let urls = apps.iter().map(|a| a.address.clone()).collect();
+    hammer(urls, path, query, kind_for).await
 }
 
 /// As [`hammer`], for `run_for`; with `store_trouble`, `503 store_unavailable` is an allowed
@@ -367,10 +376,7 @@ fn permit(_client: usize, _rng: &mut rand::rngs::ThreadRng) -> Kind {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_write_locks_across_three_brokers_on_one_redis_never_let_a_writer_overlap() {
-    let redis = RedisServer::start().await;
-    let apps = brokers_on_redis(&redis, 3).await;
-    let urls = apps.iter().map(|a| a.address.clone()).collect();
-    let (record, counter) = hammer(urls, "locks", "", mostly_readers).await;
+    let (record, counter) = hammer_three_brokers_on_one_redis("locks", "", mostly_readers).await;
     check_read_write(&record, counter);
 }
 
@@ -383,10 +389,7 @@ async fn read_write_locks_on_the_embedded_store_never_let_a_writer_overlap() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_semaphore_across_three_brokers_on_one_redis_never_grants_more_than_its_limit() {
-    let redis = RedisServer::start().await;
-    let apps = brokers_on_redis(&redis, 3).await;
-    let urls = apps.iter().map(|a| a.address.clone()).collect();
-    let (record, _) = hammer(urls, "semaphores", "&limit=3", permit).await;
+    let (record, _) = hammer_three_brokers_on_one_redis("semaphores", "&limit=3", permit).await;
     check_semaphore(&record, 3);
 }
 

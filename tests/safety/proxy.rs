@@ -160,19 +160,10 @@ async fn serve(client: TcpStream, shared: Arc<Shared>) {
     let blackholed = Arc::new(AtomicBool::new(false));
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let up = pump(
-        client_read,
-        server_write,
-        shared.mode.subscribe(),
-        born,
-        blackholed.clone(),
-    );
-    let down = pump(
-        server_read,
-        client_write,
-        shared.mode.subscribe(),
-        born,
-        blackholed.clone(),
+    let pipe = |from, to| pump(from, to, shared.mode.subscribe(), born, blackholed.clone());
+    let (up, down) = (
+        pipe(client_read, server_write),
+        pipe(server_read, client_write),
     );
     let cut = async {
         loop {

@@ -80,29 +80,19 @@ async fn brokers_whose_host_clocks_are_ten_seconds_apart_never_let_two_clients_h
     // Both report a lease's expiry on the store's clock, the real one, whatever their own say.
     let http = http_client();
     let before = now_ms();
-    let grant = Answer::read(
-        http.post(format!("{}/locks/shown?ttl_ms=2000", ahead.address()))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await
-    .expect_grant(StatusCode::CREATED);
+    let grant = Answer::send(http.post(format!("{}/locks/shown?ttl_ms=2000", ahead.address())))
+        .await
+        .expect_grant(StatusCode::CREATED);
     assert!(
         grant.expires_at_ms >= before + 2000 && grant.expires_at_ms < now_ms() + 2000 + 500,
         "the expiry {} is not on the real clock (now {})",
         grant.expires_at_ms,
         now_ms()
     );
-    let shown = Answer::read(
-        http.get(format!("{}/locks/shown", behind.address()))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await
-    .expect_status(StatusCode::OK)
-    .json();
+    let shown = Answer::send(http.get(format!("{}/locks/shown", behind.address())))
+        .await
+        .expect_status(StatusCode::OK)
+        .json();
     assert_eq!(shown["expires_at_ms"], grant.expires_at_ms);
 
     // Leases of 2 s, held up to 20 ms: a broker judging expiry on its own clock would see the

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
-use lockbroker_test_support::http::{Answer, Grant, http_client, metric};
+use lockbroker_test_support::http::{Answer, Grant, http_client, metric, until_metric};
 use lockbroker_test_support::redis_server::RedisServer;
 
 use crate::proxy::{Mode, Proxy, redis_addr};
@@ -68,14 +68,8 @@ async fn a_broker_cut_off_during_a_loss_finds_its_key_granted_again_keeps_the_hi
     // The broker comes back and puts its lease back: the key already holds a lease with a
     // higher fence, which stays; the double claim is logged and counted.
     proxy.set(Mode::Pass);
-    let started = Instant::now();
-    while metric(&away.address, "lockbroker_double_claims_total").await < 1.0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the returning broker did not report the double claim"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let double_claims = "lockbroker_double_claims_total";
+    until_metric(&away.address, double_claims, 1.0, Duration::from_secs(5)).await;
     // Once the hold its put-back extended is over (until then "not yours" would be a guess, and
     // the answer is 503), the old token's renew is refused.
     let started = Instant::now();
@@ -118,21 +112,12 @@ async fn a_broker_back_within_the_settle_time_puts_its_lease_back_before_anyone_
         metric(&away.address, "lockbroker_double_claims_total").await,
         0.0
     );
-    away.release("kept", &held.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    away.release_ok("kept", &held.token).await;
     drop(other);
 }
 
 async fn acquire_on(url: &str, key: &str) -> Answer {
-    Answer::read(
-        http_client()
-            .post(format!("{url}/locks/{key}?ttl_ms=20000"))
-            .send()
-            .await
-            .expect("the broker answers"),
-    )
-    .await
+    Answer::send(http_client().post(format!("{url}/locks/{key}?ttl_ms=20000"))).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

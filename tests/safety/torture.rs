@@ -116,6 +116,30 @@ pub(crate) struct Section {
     pub released: Option<StatusCode>,
 }
 
+impl Section {
+    /// What `client` held through `broker` under `grant`, from `start` to `end` (its acquire sent
+    /// at `sent`), and how its release was answered.
+    fn of(
+        client: usize,
+        broker: String,
+        grant: &Grant,
+        sent: Instant,
+        (start, end): (Instant, Instant),
+        released: Option<StatusCode>,
+    ) -> Self {
+        Self {
+            client,
+            broker,
+            sent,
+            start,
+            end,
+            fence: grant.fence,
+            ttl_ms: grant.ttl_ms,
+            released,
+        }
+    }
+}
+
 /// One acquire call.
 #[derive(Debug, Clone)]
 pub(crate) struct Call {
@@ -286,16 +310,14 @@ impl Run {
             .await
             .ok()
             .map(|r| r.status());
-        let section = Section {
-            client: EXTRA,
-            broker: broker.to_owned(),
+        let section = Section::of(
+            EXTRA,
+            broker.to_owned(),
+            &grant,
             sent,
-            start,
-            end,
-            fence: grant.fence,
-            ttl_ms: grant.ttl_ms,
+            (start, end),
             released,
-        };
+        );
         self.shared.sections.lock().unwrap().push(section.clone());
         Some(section)
     }
@@ -445,16 +467,8 @@ async fn hammer(
             lease_end,
         )
         .await;
-        shared.sections.lock().unwrap().push(Section {
-            client: me,
-            broker,
-            sent,
-            start,
-            end,
-            fence: grant.fence,
-            ttl_ms: grant.ttl_ms,
-            released,
-        });
+        let section = Section::of(me, broker, &grant, sent, (start, end), released);
+        shared.sections.lock().unwrap().push(section);
         done += 1;
     }
 }

@@ -7,12 +7,11 @@
 
 use std::time::{Duration, Instant};
 
-use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, listen_on, wait_until_ready};
-use lockbroker_test_support::http::{Answer, http_client};
+use lockbroker_test_support::broker::{BrokerProcess, wait_until_ready};
+use lockbroker_test_support::http::{Answer, granted_within, http_client, until_waiting};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
-
-use crate::LOCKBROKER;
 
 const PASSWORD: &str = "Pa55-w0rd-n3ver-l0gged";
 const WRONG_PASSWORD: &str = "Wr0ng-pa55-n3ver-l0gged";
@@ -40,16 +39,22 @@ fn documented_acl_line() -> String {
 /// A broker process running as `user:password`, logging everything at debug level.
 async fn broker_as(redis: &RedisServer, password: &str) -> BrokerProcess {
     let url = format!("redis://lockbroker:{password}@127.0.0.1:{}/", redis.port());
-    BrokerProcess::start(BrokerCommand::configured(
-        LOCKBROKER,
-        move |command, port| {
-            listen_on(command, port);
-            command
-                .args(["--redis-url", &url, "--store-timeout-ms", "1000"])
-                .args(["--store-settle-ms", "500", "--log-level", "debug"]);
-        },
-    ))
-    .await
+    let flags = [
+        "--store-timeout-ms",
+        "1000",
+        "--store-settle-ms",
+        "500",
+        "--log-level",
+        "debug",
+    ];
+    crate::broker_on(&url, &flags).await
+}
+
+/// `DELETE path` on `broker` with `token` in the `Lock-Token` header, answered `204`.
+async fn released_on(broker: &BrokerProcess, path: &str, token: &str) {
+    send(Method::DELETE, broker.url(path), Some(token))
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
 }
 
 async fn send(method: Method, url: String, token: Option<&str>) -> Answer {
@@ -57,21 +62,7 @@ async fn send(method: Method, url: String, token: Option<&str>) -> Answer {
     if let Some(token) = token {
         request = request.header("Lock-Token", token);
     }
-    Answer::read(request.send().await.expect("the broker answers")).await
-}
-
-/// Polls `broker`'s `/metrics` until `n` acquires wait on it.
-async fn until_waiting(broker: &BrokerProcess, n: u64) {
-    let wanted = format!("lockbroker_waiters {n}\n");
-    let started = Instant::now();
-    while !send(Method::GET, broker.url("/metrics"), None)
-        .await
-        .text
-        .contains(&wanted)
-    {
-        assert!(started.elapsed() < Duration::from_secs(5), "nobody waits");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    Answer::send(request).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -103,7 +94,7 @@ async fn brokers_run_as_the_documented_acl_user_and_never_show_its_password() {
         two.url("/locks/acl?ttl_ms=20000&wait_ms=10000"),
         None,
     ));
-    until_waiting(&two, 1).await;
+    until_waiting(&two.address(), 1).await;
     send(
         Method::POST,
         one.url("/locks/acl/renew"),
@@ -111,18 +102,8 @@ async fn brokers_run_as_the_documented_acl_user_and_never_show_its_password() {
     )
     .await
     .expect_status(StatusCode::OK);
-    send(Method::DELETE, one.url("/locks/acl"), Some(&holder.token))
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    let next = waiter
-        .await
-        .expect("the waiter task")
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        released.elapsed() < Duration::from_millis(500),
-        "the release notice did not wake the waiter"
-    );
+    released_on(&one, "/locks/acl", &holder.token).await;
+    let next = granted_within(waiter, Instant::now(), Duration::from_millis(500)).await;
 
     // The store is flushed: the brokers start a new epoch and put the live lease back.
     let () = redis::cmd("FLUSHALL")
@@ -144,9 +125,7 @@ async fn brokers_run_as_the_documented_acl_user_and_never_show_its_password() {
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     wait_until_ready(&one.address(), Duration::from_secs(5)).await;
-    send(Method::DELETE, two.url("/locks/acl"), Some(&next.token))
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    released_on(&two, "/locks/acl", &next.token).await;
 
     // Shared leases, a semaphore permit and the listings use their own commands too.
     let reader = send(Method::POST, one.url("/locks/acl-rw?mode=shared"), None)
@@ -168,20 +147,9 @@ async fn brokers_run_as_the_documented_acl_user_and_never_show_its_password() {
     send(Method::GET, one.url("/semaphores"), None)
         .await
         .expect_status(StatusCode::OK);
-    send(
-        Method::DELETE,
-        two.url("/locks/acl-rw"),
-        Some(&reader.token),
-    )
-    .await
-    .expect_status(StatusCode::NO_CONTENT);
-    send(
-        Method::DELETE,
-        one.url("/semaphores/acl-pool"),
-        permit.json()["token"].as_str(),
-    )
-    .await
-    .expect_status(StatusCode::NO_CONTENT);
+    released_on(&two, "/locks/acl-rw", &reader.token).await;
+    let permit_token = permit.json()["token"].as_str().expect("a token").to_owned();
+    released_on(&one, "/semaphores/acl-pool", &permit_token).await;
 
     // Every command the brokers sent was allowed.
     let denied: Vec<redis::Value> = redis::cmd("ACL")

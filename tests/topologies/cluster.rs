@@ -14,7 +14,8 @@ use reqwest::{Method, StatusCode};
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::cluster::RedisCluster;
-use lockbroker_test_support::http::{Grant, metric};
+use lockbroker_test_support::http::{Grant, metric, until_metric};
+use lockbroker_test_support::redis;
 
 /// The settle time of a master's new epoch in these tests.
 const SETTLE_MS: u64 = 1000;
@@ -30,18 +31,6 @@ async fn broker(cluster: &RedisCluster) -> TestApp {
 /// The Redis key of a lock (default prefix), whose slot decides its master.
 fn lock_key(key: &str) -> String {
     format!("lockbroker:{{{key}}}:lock")
-}
-
-/// Polls `app`'s metric until it reaches `at_least`.
-async fn wait_for_metric(app: &TestApp, series: &str, at_least: f64, limit: Duration) {
-    let started = Instant::now();
-    while metric(&app.address, series).await < at_least {
-        assert!(
-            started.elapsed() < limit,
-            "{series} did not reach {at_least} within {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -101,9 +90,7 @@ async fn locks_spread_over_every_master(cluster: &RedisCluster, one: &TestApp, t
         let key = format!("spread-{i}");
         let grant = one.grant(&key, "ttl_ms=30000").await;
         // Held: another broker sees it.
-        two.acquire(&key, "")
-            .await
-            .expect_error(StatusCode::CONFLICT, "locked");
+        two.expect_locked(&key, "").await;
         masters.insert(cluster.master_of(&lock_key(&key)).await);
         grants.push((key, grant));
     }
@@ -113,14 +100,10 @@ async fn locks_spread_over_every_master(cluster: &RedisCluster, one: &TestApp, t
         "24 locks landed on masters {masters:?} only"
     );
     for (key, grant) in &grants {
-        two.release(key, &grant.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        two.release_ok(key, &grant.token).await;
         let again = one.grant(key, "ttl_ms=1000").await;
         assert!(again.fence > grant.fence, "fences rise on {key}");
-        one.release(key, &again.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        one.release_ok(key, &again.token).await;
     }
 }
 
@@ -139,9 +122,7 @@ async fn shared_leases_permits_and_listings_work_on_every_master(
         masters.insert(cluster.master_of(&lock_key(&key)).await);
         let first = one.grant(&key, "mode=shared&ttl_ms=30000").await;
         let second = two.grant(&key, "mode=shared&ttl_ms=30000").await;
-        two.acquire(&key, "")
-            .await
-            .expect_error(StatusCode::CONFLICT, "locked");
+        two.expect_locked(&key, "").await;
         let permit = one
             .send(one.request(Method::POST, &format!("/semaphores/sem-{i:02}?limit=1")))
             .await;
@@ -195,12 +176,8 @@ async fn shared_leases_permits_and_listings_work_on_every_master(
     }
 
     for (key, first, second, permit) in held {
-        one.release(&key, &second.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
-        two.release(&key, &first.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        one.release_ok(&key, &second.token).await;
+        two.release_ok(&key, &first.token).await;
         let semaphore = key.replace("rw-", "sem-");
         two.send(
             two.request(Method::DELETE, &format!("/semaphores/{semaphore}"))
@@ -218,16 +195,14 @@ async fn a_release_wakes_a_waiter_on_another_broker_within_100_ms(one: &TestApp,
         let holder = one.grant(&key, "ttl_ms=30000").await;
         let waiters_before = metric(&two.address, "lockbroker_waiters").await;
         let waiter = two.spawn_acquire(&key, "wait_ms=10000");
-        wait_for_metric(
-            two,
+        until_metric(
+            &two.address,
             "lockbroker_waiters",
             waiters_before + 1.0,
             Duration::from_secs(5),
         )
         .await;
-        one.release(&key, &holder.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        one.release_ok(&key, &holder.token).await;
         let released = Instant::now();
         let grant = tokio::time::timeout(Duration::from_secs(5), waiter)
             .await
@@ -236,9 +211,7 @@ async fn a_release_wakes_a_waiter_on_another_broker_within_100_ms(one: &TestApp,
             .expect_grant(StatusCode::CREATED);
         delays.push(released.elapsed());
         assert!(grant.fence > holder.fence);
-        two.release(&key, &grant.token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        two.release_ok(&key, &grant.token).await;
     }
     delays.sort();
     // The median: one slow wake on a loaded 2-core machine is not the broker's doing; the
@@ -386,7 +359,5 @@ async fn renew_and_release(app: &TestApp, key: &str, lease: &Grant) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(renewed.fence, lease.fence);
-    app.release(key, &lease.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    app.release_ok(key, &lease.token).await;
 }

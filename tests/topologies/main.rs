@@ -21,20 +21,25 @@ use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, listen_on};
 /// What the warning about replica acks 0 on Sentinel or Cluster starts with.
 const NO_ACKS_WARNING: &str = "redis_replica_acks is 0 on";
 
+/// A broker process on `redis_url`, with `flags` after that, started on a free loopback port.
+async fn broker_on(redis_url: &str, flags: &[&str]) -> BrokerProcess {
+    let mut args = vec!["--redis-url".to_owned(), redis_url.to_owned()];
+    args.extend(flags.iter().map(|flag| (*flag).to_owned()));
+    BrokerProcess::start(BrokerCommand::configured(
+        LOCKBROKER,
+        move |command, port| {
+            listen_on(command, port);
+            command.args(&args);
+        },
+    ))
+    .await
+}
+
 /// Starts a broker process on `redis_url` with `--redis-replica-acks acks`, waits until it
 /// serves (its start-up warnings are written before it listens), and returns the lines of its
 /// log that carry the warning about replica acks 0.
 async fn replica_acks_warnings(redis_url: String, acks: u32) -> Vec<String> {
-    let command = BrokerCommand::configured(LOCKBROKER, move |command, port| {
-        listen_on(command, port);
-        command.args([
-            "--redis-url",
-            &redis_url,
-            "--redis-replica-acks",
-            &acks.to_string(),
-        ]);
-    });
-    let broker = BrokerProcess::start(command).await;
+    let broker = broker_on(&redis_url, &["--redis-replica-acks", &acks.to_string()]).await;
     let output = broker.output();
     let lines: Vec<String> = output
         .lines()

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::spawn_app_with;
 use lockbroker_test_support::broker::wait_until_ready;
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::{Method, StatusCode};
 
@@ -22,27 +23,14 @@ const STORE_TIMEOUT_MS: u64 = 1500;
 
 /// Makes `replica` a replica of `master` and waits until it is in sync.
 async fn replicate(master: &RedisServer, replica: &RedisServer) {
-    let mut master_conn = master.connection().await;
     // The first sync streams the data set without touching the disk, after a delay (5 s by
     // default) that waits for more replicas to join: there are no more.
-    let () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("repl-diskless-sync-delay")
-        .arg(0)
-        .query_async(&mut master_conn)
-        .await
-        .expect("CONFIG SET");
+    master.config_set("repl-diskless-sync-delay", 0).await;
     // A replica writes a full sync to dump.rdb in its directory, the temp directory that every
     // test's redis-server loads at start (`dir` cannot be changed at run time): it loads syncs
     // from the socket instead, always.
+    replica.config_set("repl-diskless-load", "swapdb").await;
     let mut conn = replica.connection().await;
-    let () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("repl-diskless-load")
-        .arg("swapdb")
-        .query_async(&mut conn)
-        .await
-        .expect("CONFIG SET");
     let () = redis::cmd("REPLICAOF")
         .arg("127.0.0.1")
         .arg(master.port())
@@ -176,10 +164,7 @@ async fn grants_and_renewals_wait_for_the_replica_and_leave_nothing_when_it_stal
     until_in_sync(&master).await;
     let granted = acked.grant("stalled", "ttl_ms=20000").await;
     assert!(lock_exists(&replica, "stalled").await);
-    acked
-        .release("stalled", &granted.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    acked.release_ok("stalled", &granted.token).await;
     acked
         .renew("acked", &held.token, "ttl_ms=5000")
         .await

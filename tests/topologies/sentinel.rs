@@ -13,8 +13,11 @@ use std::time::Duration;
 use lockbroker_test_support::app::{TestApp, spawn_app_with};
 use lockbroker_test_support::broker::{BrokerProcess, BrokerSpec, wait_until_ready};
 use lockbroker_test_support::free_port;
-use lockbroker_test_support::http::{Answer, Grant, http_client, metric};
-use lockbroker_test_support::redis_server::listening;
+use lockbroker_test_support::http::{
+    Answer, Grant, granted_within, http_client, metric, until_waiting,
+};
+use lockbroker_test_support::redis;
+use lockbroker_test_support::redis_server::until_listening;
 use lockbroker_test_support::sentinel::{MASTER_NAME, SentinelTopology};
 use reqwest::StatusCode;
 use tokio::time::Instant;
@@ -112,19 +115,8 @@ async fn two_brokers(topology: &SentinelTopology) -> [TestApp; 2] {
 
 /// Polls `PUBSUB NUMSUB` on the master until `n` brokers listen for release notices there.
 async fn wait_until_listening_on_master(topology: &SentinelTopology, n: u64) {
-    let started = Instant::now();
-    loop {
-        let mut conn = topology.connection(topology.master_port().await).await;
-        let listening = listening(&mut conn).await;
-        if listening >= n {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "{listening} of {n} brokers listen for release notices on the master after 5 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let master = async || topology.connection(topology.master_port().await).await;
+    until_listening(master, n, "the master").await;
 }
 
 /// The fence field of key `key`'s lock on the server on `port`, read directly.
@@ -150,36 +142,15 @@ async fn brokers_on_the_sentinel_url_grant_and_release_on_the_master(
         fence_on(topology, master, "s:basic").await,
         Some(grant.fence)
     );
-    b.acquire("s:basic", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    b.expect_locked("s:basic", "").await;
     // A waiter on the other broker is woken by the release notice, through the master.
     let waiting = b.spawn_acquire("s:basic", "wait_ms=5000");
-    let parked = Instant::now();
-    while metric(&b.address, "lockbroker_waiters").await < 1.0 {
-        assert!(
-            parked.elapsed() < Duration::from_secs(5),
-            "the waiter never parked"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_waiting(&b.address, 1).await;
     let released = Instant::now();
-    a.release("s:basic", &grant.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let next = waiting
-        .await
-        .expect("the waiter")
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        released.elapsed() < Duration::from_millis(900),
-        "the waiter was woken {:?} after the release: by its poll, not the notice",
-        released.elapsed()
-    );
+    a.release_ok("s:basic", &grant.token).await;
+    let next = granted_within(waiting, released.into_std(), Duration::from_millis(900)).await;
     assert!(next.fence > grant.fence);
-    b.release("s:basic", &next.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    b.release_ok("s:basic", &next.token).await;
 
     // The master is the one a majority of the URL's sentinels name: two of three will do, one
     // will not (it might be a sentinel that has not heard of a failover yet).
@@ -241,17 +212,13 @@ async fn a_failover_asked_of_the_sentinels_moves_every_broker_to_the_new_master(
     );
     assert!(resumed.saturating_duration_since(promoted) < RESUME_BOUND);
     // The lease granted before the failover is held on the new master.
-    b.acquire("s:manual", "")
-        .await
-        .expect_error(StatusCode::CONFLICT, "locked");
+    b.expect_locked("s:manual", "").await;
     assert_eq!(fence_on(topology, new, "s:manual").await, Some(held.fence));
     for (app, key, token) in [
         (a, "s:manual", &held.token),
         (b, "s:manual-after", &other.token),
     ] {
-        app.release(key, token)
-            .await
-            .expect_status(StatusCode::NO_CONTENT);
+        app.release_ok(key, token).await;
     }
 }
 
@@ -260,14 +227,8 @@ async fn first_grant(broker: &str, limit: Duration) -> Instant {
     let client = http_client();
     let started = Instant::now();
     for n in 0.. {
-        let answer = Answer::read(
-            client
-                .post(format!("{broker}/locks/s:free-{n}?ttl_ms=1000"))
-                .send()
-                .await
-                .expect("the broker answers"),
-        )
-        .await;
+        let answer =
+            Answer::send(client.post(format!("{broker}/locks/s:free-{n}?ttl_ms=1000"))).await;
         match answer.status {
             StatusCode::CREATED => return Instant::now(),
             StatusCode::SERVICE_UNAVAILABLE => {}
@@ -283,14 +244,20 @@ async fn first_grant(broker: &str, limit: Duration) -> Instant {
     unreachable!()
 }
 
-/// Cuts the replicas off, runs `write` (it reaches the master only), writes [`PROBE`], kills the
-/// master and resumes the replicas. Returns the old master's port and when it died.
+/// Cuts the replicas off, runs `write` (it reaches the master only), then as
+/// [`probe_and_kill_master`]. Returns the old master's port and when it died.
 async fn lose_writes(
     topology: &mut SentinelTopology,
     write: impl Future<Output = ()>,
 ) -> (u16, Instant) {
     topology.cut_off_replicas().await;
     write.await;
+    probe_and_kill_master(topology).await
+}
+
+/// With the replicas cut off: writes [`PROBE`] (it reaches the master only), kills the master
+/// and resumes the replicas. Returns the old master's port and when it died.
+async fn probe_and_kill_master(topology: &mut SentinelTopology) -> (u16, Instant) {
     let mut conn = topology.connection(topology.master_port().await).await;
     let () = redis::cmd("SET")
         .arg(PROBE)
@@ -345,11 +312,7 @@ async fn a_lease_lost_in_a_failover_is_put_back_for_its_holder_and_grants_resume
     let refused = b.acquire("s:kept", "").await;
     let body = refused.expect_error(StatusCode::CONFLICT, "locked");
     assert!(body["retry_after_ms"].as_u64().unwrap() > 20_000, "{body}");
-    let shown = b
-        .inspect("s:kept")
-        .await
-        .expect_status(StatusCode::OK)
-        .json();
+    let shown = b.inspect_held("s:kept").await;
     assert_eq!(shown["fence"].as_u64(), Some(kept.fence));
     assert_eq!(shown["owner"], "holder");
     // ...because the broker that granted it put it back, not because a replica had it.
@@ -361,19 +324,19 @@ async fn a_lease_lost_in_a_failover_is_put_back_for_its_holder_and_grants_resume
         .await
         .expect_grant(StatusCode::OK);
     assert_eq!(renewed.fence, kept.fence);
-    b.release("s:kept", &kept.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    b.release_ok("s:kept", &kept.token).await;
     let after = b.grant("s:kept", "ttl_ms=1000").await;
     assert!(after.fence > kept.fence, "fences rise across the failover");
 }
 
 /// Three broker processes on `topology` with `spec`, ready and listening for notices on the
-/// master, and their addresses.
-async fn three_brokers(
+/// master, and a torture run of `plan` on them that has got going (20 sections in): the
+/// processes (they run while kept), their addresses, and the run.
+async fn torture_on_three_brokers(
     topology: &SentinelTopology,
     spec: BrokerSpec,
-) -> ([BrokerProcess; 3], Vec<String>) {
+    plan: &Plan,
+) -> ([BrokerProcess; 3], Vec<String>, torture::Run) {
     let processes = [
         BrokerProcess::start(spec.clone()).await,
         BrokerProcess::start(spec.clone()).await,
@@ -383,8 +346,10 @@ async fn three_brokers(
         wait_until_ready(&broker.address(), Duration::from_secs(10)).await;
     }
     wait_until_listening_on_master(topology, 3).await;
-    let addresses = processes.iter().map(BrokerProcess::address).collect();
-    (processes, addresses)
+    let addresses: Vec<String> = processes.iter().map(BrokerProcess::address).collect();
+    let run = torture::start(&Brokers::new(addresses.clone()), plan);
+    run.until_sections(20).await;
+    (processes, addresses, run)
 }
 
 async fn the_torture_check_holds_across_a_failover_that_loses_writes(
@@ -398,15 +363,12 @@ async fn the_torture_check_holds_across_a_failover_that_loses_writes(
         store_settle_ms: SETTLE_MS,
         ..BrokerSpec::on(crate::LOCKBROKER, topology.url())
     };
-    let (_processes, addresses) = three_brokers(topology, spec).await;
-    let brokers = Brokers::new(addresses.clone());
     let plan = Plan {
         ttl_ms: 2000,
         limit: Duration::from_secs(16),
         ..Plan::new("hot", 12, 10_000).waiting(1000, STORE_TIMEOUT_MS)
     };
-    let run = torture::start(&brokers, &plan);
-    run.until_sections(20).await;
+    let (_processes, addresses, run) = torture_on_three_brokers(topology, spec, &plan).await;
 
     // An extra client takes the hot key while the replicas are cut off (so the new master will
     // not have its lease) and works through the failover, until well after grants resume: had
@@ -415,15 +377,7 @@ async fn the_torture_check_holds_across_a_failover_that_loses_writes(
     let mut timeline = None;
     let long = run
         .hold_once(&addresses[0], LONG_TTL_MS, 3000, Duration::ZERO, async {
-            let mut conn = topology.connection(topology.master_port().await).await;
-            let () = redis::cmd("SET")
-                .arg(PROBE)
-                .arg(1)
-                .query_async(&mut conn)
-                .await
-                .expect("SET on the master");
-            let (old, killed) = topology.kill_master().await;
-            topology.resume_replicas(old);
+            let (old, killed) = probe_and_kill_master(topology).await;
             let (_, promoted) = promoted_without_the_last_writes(topology, old).await;
             let resumed = first_grant(&addresses[1], RESUME_BOUND).await;
             timeline = Some((killed, promoted, resumed));
@@ -481,8 +435,6 @@ async fn a_master_that_stops_answering_without_refusing_is_left_for_the_promoted
         replica_acks: Some(1),
         ..BrokerSpec::on(crate::LOCKBROKER, topology.url())
     };
-    let (_processes, addresses) = three_brokers(topology, spec).await;
-    let brokers = Brokers::new(addresses.clone());
     // A wait on the frozen master that its bound does not end fails the run.
     let plan = Plan {
         ttl_ms: 3000,
@@ -490,8 +442,7 @@ async fn a_master_that_stops_answering_without_refusing_is_left_for_the_promoted
         limit: Duration::from_secs(90),
         ..Plan::new("frozen", 12, 100_000).waiting(1000, TIMEOUT_MS)
     };
-    let run = torture::start(&brokers, &plan);
-    run.until_sections(20).await;
+    let (_processes, addresses, run) = torture_on_three_brokers(topology, spec, &plan).await;
 
     // An extra client holds the hot key across the freeze, the failover and the thaw: a client
     // of the run granted the key meanwhile would overlap it.

@@ -4,45 +4,22 @@
 
 use std::time::{Duration, Instant};
 
-use lockbroker_test_support::app::{TestApp, spawn_app_with};
-use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, listen_on, wait_until_ready};
-use lockbroker_test_support::http::http_client;
+use lockbroker_test_support::app::spawn_app_with;
+use lockbroker_test_support::broker::{BrokerProcess, wait_until_ready};
+use lockbroker_test_support::http::{granted_within, http_client, until_waiting};
 use lockbroker_test_support::redis_server::wait_until_listening_on;
 use lockbroker_test_support::tls::{Certificates, ClientCertificates, TlsRedis};
 use reqwest::StatusCode;
 
-use crate::LOCKBROKER;
-
 /// Longer than any TLS handshake on loopback, far shorter than a hang.
 const READY_LIMIT: Duration = Duration::from_secs(5);
-
-/// Polls the broker's `/metrics` until `n` acquires wait on it.
-pub(crate) async fn until_waiting(app: &TestApp, n: u64) {
-    let wanted = format!("lockbroker_waiters {n}\n");
-    let started = Instant::now();
-    while !app.get("/metrics").await.text.contains(&wanted) {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "{n} waiters were not waiting after 5 s"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
 
 /// A broker process on `url` with these extra flags, logging at the default level (`info`):
 /// what an operator sees.
 async fn broker_process(url: String, flags: Vec<String>) -> BrokerProcess {
-    BrokerProcess::start(BrokerCommand::configured(
-        LOCKBROKER,
-        move |command, port| {
-            listen_on(command, port);
-            command
-                .args(["--redis-url", &url, "--store-timeout-ms", "1000"])
-                .args(["--store-settle-ms", "0"])
-                .args(&flags);
-        },
-    ))
-    .await
+    let mut all = vec!["--store-timeout-ms", "1000", "--store-settle-ms", "0"];
+    all.extend(flags.iter().map(String::as_str));
+    crate::broker_on(&url, &all).await
 }
 
 /// `/readyz` answers 503 `store_unavailable` promptly, and the broker's log names `why`.
@@ -88,27 +65,14 @@ async fn a_broker_over_tls_grants_releases_and_wakes_waiters() {
 
     let holder = one.grant("tls-key", "ttl_ms=20000").await;
     let waiter = two.spawn_acquire("tls-key", "wait_ms=10000");
-    until_waiting(&two, 1).await;
-    one.release("tls-key", &holder.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
-    let released = Instant::now();
-    let next = waiter
-        .await
-        .expect("the waiter task")
-        .expect_grant(StatusCode::CREATED);
-    assert!(
-        released.elapsed() < Duration::from_millis(500),
-        "the waiter was granted {:?} after the release: the notice did not wake it",
-        released.elapsed()
-    );
+    until_waiting(&two.address, 1).await;
+    one.release_ok("tls-key", &holder.token).await;
+    let next = granted_within(waiter, Instant::now(), Duration::from_millis(500)).await;
     assert!(next.fence > holder.fence);
     two.renew("tls-key", &next.token, "ttl_ms=5000")
         .await
         .expect_status(StatusCode::OK);
-    two.release("tls-key", &next.token)
-        .await
-        .expect_status(StatusCode::NO_CONTENT);
+    two.release_ok("tls-key", &next.token).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

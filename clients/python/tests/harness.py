@@ -59,6 +59,13 @@ def threads_since(before: "set[threading.Thread]") -> List[threading.Thread]:
     return [t for t in threading.enumerate() if t not in before]
 
 
+def lost_signal(lease: Any) -> threading.Event:
+    """An event set when ``lease`` (a ``Lease`` or an ``AsyncLease``) is lost."""
+    fired = threading.Event()
+    lease.on_lost(fired.set)
+    return fired
+
+
 def http_call(
     base: str,
     method: str,

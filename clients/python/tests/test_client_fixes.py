@@ -11,7 +11,7 @@ from typing import Iterator, List, Optional
 import pytest
 
 from conftest import embedded_only
-from harness import BrokerProcess, Proxy, threads_since, wait_until
+from harness import BrokerProcess, Proxy, lost_signal, threads_since, wait_until
 from lockbroker import Broker, BrokerError, Leadership, Unavailable
 
 SECRET = "orders-secret-0123456789"
@@ -46,8 +46,7 @@ def test_three_hundred_leases_are_renewed_by_one_thread(broker: BrokerProcess, k
 def test_a_revoked_token_loses_the_lease_as_unauthorized(auth_broker: BrokerProcess, key: str) -> None:
     with Broker(auth_broker.url, token=SECRET) as client:
         lease = client.acquire(key, ttl=1.5)
-        lost = threading.Event()
-        lease.on_lost(lost.set)
+        lost = lost_signal(lease)
         auth_broker.auth_file.write_text(AUTH % "another-secret-0123456789")  # type: ignore[attr-defined]
         auth_broker.proc.send_signal(signal.SIGHUP)
         assert lost.wait(1.5)
@@ -216,8 +215,7 @@ def test_inspect_list_and_force_release(broker: BrokerProcess, key: str) -> None
         rest = client.list(f"{key}-", limit=2, cursor=first.next_cursor)
         assert sorted(v.key for v in first.locks + rest.locks) == [f"{key}-{i}" for i in range(3)]
         assert rest.next_cursor is None
-        lost = threading.Event()
-        leases[0].on_lost(lost.set)
+        lost = lost_signal(leases[0])
         assert client.force_release(f"{key}-0") is True
         assert client.force_release(f"{key}-0") is False
         assert lost.wait(5) and leases[0].lost_reason == "not_held"

@@ -2,21 +2,16 @@
 (the broker answers 503), an answer lost on the way back. Each test has brokers of its own."""
 
 import concurrent.futures
+import contextlib
 import threading
 import time
+from typing import Any, Iterator, Tuple
 
 import pytest
 
 from conftest import Spawner
-from harness import Exchange, wait_until
+from harness import Exchange, lost_signal, wait_until
 from lockbroker import Broker, Lease, Unavailable
-
-
-def lost_signal(lease: Lease) -> threading.Event:
-    """An event set when ``lease`` is lost."""
-    fired = threading.Event()
-    lease.on_lost(fired.set)
-    return fired
 
 
 def posts_to(key: str, space: str = "locks"):
@@ -199,12 +194,20 @@ def test_a_redis_outage_is_unavailable_at_once_and_waited_out_within_the_wait(
         lease.release()
 
 
-def test_renewals_answered_503_are_retried_and_the_lease_kept(redis_spawn: Spawner, key: str) -> None:
-    ttl = 4.0
-    redis, broker, proxy = redis_spawn.on_redis_behind_proxy()
+@contextlib.contextmanager
+def leased_behind_proxy(
+    redis_spawn: Spawner, key: str, ttl: float
+) -> Iterator[Tuple[Any, Any, Lease, threading.Event]]:
+    """A lease on ``key`` taken through a recording proxy in front of a broker on a Redis of the
+    test's own: the Redis, the proxy, the lease and its lost signal."""
+    redis, _, proxy = redis_spawn.on_redis_behind_proxy()
     with Broker(proxy.url) as client:
         lease = client.acquire(key, ttl=ttl)
-        fired = lost_signal(lease)
+        yield redis, proxy, lease, lost_signal(lease)
+
+
+def test_renewals_answered_503_are_retried_and_the_lease_kept(redis_spawn: Spawner, key: str) -> None:
+    with leased_behind_proxy(redis_spawn, key, ttl=4.0) as (redis, proxy, lease, fired):
         proxy.wait_for(lambda e: renewals_of(key)(e) and e.status == 200)
         redis.pause()
         try:
@@ -220,10 +223,7 @@ def test_renewals_answered_503_are_retried_and_the_lease_kept(redis_spawn: Spawn
 
 def test_lost_within_the_ttl_when_renewals_keep_answering_503(redis_spawn: Spawner, key: str) -> None:
     ttl = 2.0
-    redis, broker, proxy = redis_spawn.on_redis_behind_proxy()
-    with Broker(proxy.url) as client:
-        lease = client.acquire(key, ttl=ttl)
-        fired = lost_signal(lease)
+    with leased_behind_proxy(redis_spawn, key, ttl) as (redis, proxy, lease, fired):
         redis.pause()
         paused = time.monotonic()
         try:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from harness import BrokerProcess, Proxy, wait_until
+from harness import BrokerProcess, Proxy, lost_signal, wait_until
 from lockbroker import Broker, BrokerError, LimitMismatch, Locked, Unavailable
 
 
@@ -91,8 +91,7 @@ def test_auto_renew_holds_a_lease_for_more_than_three_ttls(broker: BrokerProcess
     ttl = 1.0
     with Broker(broker.url) as client:
         lease = client.acquire(key, ttl=ttl)
-        lost = threading.Event()
-        lease.on_lost(lost.set)
+        lost = lost_signal(lease)
         start = time.monotonic()
         first_end = broker.holders(key)[0]["expires_at_ms"]
         # The broker's own record of the lease moves on, renewal after renewal, until it ends
@@ -180,8 +179,7 @@ def test_lost_after_a_force_release_within_the_ttl(broker: BrokerProcess, key: s
 def test_lost_with_not_owner_when_someone_else_took_the_key(broker: BrokerProcess, key: str) -> None:
     with Broker(broker.url) as client:
         lease = client.acquire(key, ttl=2.0)
-        fired = threading.Event()
-        lease.on_lost(fired.set)
+        fired = lost_signal(lease)
         assert broker.call("DELETE", f"/locks/{key}?force=true")[0] == 204
         taker = client.acquire(key, ttl=10)
         assert fired.wait(2.0)
@@ -289,8 +287,7 @@ def test_the_token_is_never_shown(broker: BrokerProcess, key: str, caplog: pytes
     with Broker(broker.url) as client:
         lease = client.acquire(key, ttl=0.6)
         token = lease._token
-        fired = threading.Event()
-        lease.on_lost(fired.set)
+        fired = lost_signal(lease)
         broker.call("DELETE", f"/locks/{key}?force=true")
         assert fired.wait(5)
         lease.release()

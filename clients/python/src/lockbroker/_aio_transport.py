@@ -115,6 +115,14 @@ class AsyncTransport(Endpoint):
             except _Stale:
                 raise NoAnswer("the broker closed the connection", sent=True) from None
 
+    async def attempt(self, method: str, path: str, **request: Any) -> Tuple[Optional[Answer], str]:
+        """As the sync transport's ``attempt``: :meth:`request`'s answer and ``""``, or ``None``
+        and why no answer came (a cancellation still raises)."""
+        try:
+            return await self.request(method, path, **request), ""
+        except NoAnswer as e:
+            return None, str(e)
+
     async def close(self) -> None:
         self._closed = True
         idle, self._idle = self._idle, []

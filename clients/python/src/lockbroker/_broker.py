@@ -25,7 +25,7 @@ from ._calls import (
 )
 from ._errors import BrokerError, Locked
 from ._lease import _GONE, _RENEWED, Lease, Renewer
-from ._transport import NoAnswer, Transport
+from ._transport import ClosedOnExit, NoAnswer, Transport
 from ._watch import Follower, KeyView, watch_once
 
 __version__ = "0.1.0"
@@ -140,7 +140,7 @@ class ClientBase:
         return f"<{type(self).__name__} url={self.url!r}>"
 
 
-class Broker(ClientBase):
+class Broker(ClientBase, ClosedOnExit):
     """A client of the broker at ``url``. Thread-safe: share one per process.
 
     ``token`` is the bearer token of the broker's auth file, if it has one (never shown).
@@ -353,12 +353,6 @@ class Broker(ClientBase):
                             lease.key, lease.fence, e)
         self._core.renewer.stop()
         self._core.transport.close()
-
-    def __enter__(self) -> "Broker":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # -- the acquire loop -----------------------------------------------------------------------
 

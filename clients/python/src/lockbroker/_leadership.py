@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 from ._calls import inspect_request, inspect_view
 from ._errors import BrokerError, Locked, Unavailable, error_from
 from ._lease import Backoff, Lease, _takes_an_argument, ttl_ms
-from ._transport import RETRYABLE, Answer, NoAnswer
+from ._transport import RETRYABLE, Answer, ClosedOnExit, NoAnswer
 from ._watch import KeyView
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lockbroker")
 
 
-class Leadership:
+class Leadership(ClosedOnExit):
     """Campaigns for the lock ``key`` as ``name`` (the lease's ``owner`` label) with leases of
     ``ttl`` seconds, from construction until :meth:`close`.
 
@@ -132,12 +132,6 @@ class Leadership:
 
     def resign(self) -> None:
         """The same as :meth:`close`."""
-        self.close()
-
-    def __enter__(self) -> "Leadership":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
         self.close()
 
     def __repr__(self) -> str:

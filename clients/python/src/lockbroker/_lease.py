@@ -21,7 +21,7 @@ import urllib.parse
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._errors import BrokerError, Unavailable, error_from, where
-from ._transport import RETRYABLE, Answer, NoAnswer
+from ._transport import RETRYABLE, Answer
 
 log = logging.getLogger("lockbroker")
 
@@ -422,13 +422,9 @@ class Lease(LeaseState):
             while self._in_flight:
                 self._cond.wait()
         while True:
-            try:
-                answer: Optional[Answer] = self._core.transport.request(
-                    "DELETE", self._path, headers={"Lock-Token": self._token},
-                    timeout=max(give_up - time.monotonic(), 0.05))
-                problem = ""
-            except NoAnswer as e:
-                answer, problem = None, str(e)
+            answer, problem = self._core.transport.attempt(
+                "DELETE", self._path, headers={"Lock-Token": self._token},
+                timeout=max(give_up - time.monotonic(), 0.05))
             done, pause = self._deleted(answer, problem, give_up)
             if done:
                 break
@@ -490,12 +486,9 @@ class Lease(LeaseState):
             # the others (at least half a second, or the lease's own bound if shorter).
             timeout = min(timeout, max(self._core.horizon(self) - now, 0.5))
         try:
-            answer: Optional[Answer] = self._core.transport.request(
+            answer, problem = self._core.transport.attempt(
                 "POST", self._path + "/renew", body={"ttl_ms": ttl_ms(ttl)},
                 headers={"Lock-Token": self._token}, timeout=timeout)
-            problem = ""
-        except NoAnswer as e:
-            answer, problem = None, str(e)
         finally:
             with self._cond:
                 self._in_flight -= 1

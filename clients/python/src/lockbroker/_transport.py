@@ -10,7 +10,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, TypeVar
 
 #: How long a kept-alive connection may sit idle before it is dropped rather than reused. The
 #: broker disconnects a connection idle for its header timeout (10 s by default); dropping ours
@@ -118,6 +118,22 @@ class Answer:
         return None
 
 
+_C = TypeVar("_C", bound="ClosedOnExit")
+
+
+class ClosedOnExit:
+    """An object a ``with`` block closes at its end (a Broker, a Leadership, a Follower)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 class Endpoint:
     """What both transports know of the broker at ``url`` (which may carry a path prefix: a
     broker behind a reverse proxy under ``/lockbroker``): host, port, TLS, the headers of every
@@ -145,13 +161,8 @@ class Endpoint:
 class Transport(Endpoint):
     """Requests to the broker at ``url``, thread-safe."""
 
-    def __init__(
-        self,
-        url: str,
-        bearer: Optional[str],
-        ssl_context: Optional[ssl.SSLContext],
-        user_agent: str,
-    ):
+    def __init__(self, url: str, bearer: Optional[str], ssl_context: Optional[ssl.SSLContext],
+                 user_agent: str):
         super().__init__(url, bearer, ssl_context, user_agent)
         self._idle: List[Tuple[http.client.HTTPConnection, float]] = []
         self._lock = threading.Lock()
@@ -190,6 +201,13 @@ class Transport(Endpoint):
                 return self._exchange(conn, method, target, payload, all_headers, timeout)
             except _Stale as e:
                 raise NoAnswer(f"the broker closed the connection ({e.__cause__})", sent=True) from None
+
+    def attempt(self, method: str, path: str, **request: Any) -> Tuple[Optional[Answer], str]:
+        """:meth:`request`'s answer and ``""``, or ``None`` and why no answer came."""
+        try:
+            return self.request(method, path, **request), ""
+        except NoAnswer as e:
+            return None, str(e)
 
     def close(self) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optiona
 
 from ._errors import BrokerError, Unavailable, error_from, where
 from ._lease import Backoff, key_path
-from ._transport import RETRYABLE, Answer, NoAnswer
+from ._transport import RETRYABLE, Answer, ClosedOnExit
 
 if TYPE_CHECKING:
     from ._broker import _Core
@@ -171,11 +171,7 @@ def watch_once(core: "_Core", max_wait: float, space: str, key: str, seen_fence:
         if core.closed:
             raise BrokerError("this Broker is closed", code="closed")
         target, timeout = run.request()
-        try:
-            answer: Optional[Answer] = core.transport.request("GET", target, timeout=timeout)
-            problem = ""
-        except NoAnswer as e:
-            answer, problem = None, str(e)
+        answer, problem = core.transport.attempt("GET", target, timeout=timeout)
         view, pause = run.answered(answer, problem)
         if view is not None:
             return view
@@ -183,7 +179,7 @@ def watch_once(core: "_Core", max_wait: float, space: str, key: str, seen_fence:
             time.sleep(pause)
 
 
-class Follower:
+class Follower(ClosedOnExit):
     """Every change of one key, in order: iterate it for :class:`KeyView` s (each with
     ``changed`` true). Made by ``Broker.follow``.
 
@@ -222,12 +218,6 @@ class Follower:
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
-
-    def __enter__(self) -> "Follower":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<Follower key={self.key!r} fence={self.fence}>"

@@ -51,7 +51,7 @@ from ._lease import (
 )
 from ._aio_leadership import AsyncLeadership
 from ._aio_transport import AsyncTransport
-from ._transport import RETRYABLE, Answer, NoAnswer
+from ._transport import RETRYABLE, NoAnswer
 from ._watch import KeyView, WatchRun, check_fence, check_wait
 
 __all__ = [
@@ -168,13 +168,9 @@ class AsyncLease(LeaseState):
             task.cancel()
             await asyncio.wait({task})
         while True:
-            try:
-                answer: Optional[Answer] = await self._core.transport.request(
-                    "DELETE", self._path, headers={"Lock-Token": self._token},
-                    timeout=max(give_up - time.monotonic(), 0.05))
-                problem = ""
-            except NoAnswer as e:
-                answer, problem = None, str(e)
+            answer, problem = await self._core.transport.attempt(
+                "DELETE", self._path, headers={"Lock-Token": self._token},
+                timeout=max(give_up - time.monotonic(), 0.05))
             done, pause = self._deleted(answer, problem, give_up)
             if done:
                 break
@@ -219,13 +215,9 @@ class AsyncLease(LeaseState):
         if begun is None:
             return _STOPPED, None, "released"
         ttl, timeout = begun
-        try:
-            answer: Optional[Answer] = await self._core.transport.request(
-                "POST", self._path + "/renew", body={"ttl_ms": ttl_ms(ttl)},
-                headers={"Lock-Token": self._token}, timeout=timeout)
-            problem = ""
-        except NoAnswer as e:
-            answer, problem = None, str(e)
+        answer, problem = await self._core.transport.attempt(
+            "POST", self._path + "/renew", body={"ttl_ms": ttl_ms(ttl)},
+            headers={"Lock-Token": self._token}, timeout=timeout)
         outcome, reason, problem = self._settle(now, ttl, answer, problem, confirming)
         if reason is not None:
             self._lose(reason, problem)
@@ -348,12 +340,7 @@ class AsyncBroker(ClientBase):
         while True:
             self._check_open()
             target, timeout = run.request()
-            try:
-                answer: Optional[Answer] = await self._core.transport.request(
-                    "GET", target, timeout=timeout)
-                problem = ""
-            except NoAnswer as e:
-                answer, problem = None, str(e)
+            answer, problem = await self._core.transport.attempt("GET", target, timeout=timeout)
             view, pause = run.answered(answer, problem)
             if view is not None:
                 return view
@@ -502,13 +489,9 @@ class AsyncBroker(ClientBase):
         give_up = time.monotonic() + self._core.timeout
         backoff = Backoff()
         while True:
-            try:
-                answer: Optional[Answer] = await self._core.transport.request(
-                    "POST", run.path, body=body, timeout=max(give_up - time.monotonic(), 0.05),
-                    ordered=True)
-                problem = ""
-            except NoAnswer as e:
-                answer, problem = None, str(e)
+            answer, problem = await self._core.transport.attempt(
+                "POST", run.path, body=body, timeout=max(give_up - time.monotonic(), 0.05),
+                ordered=True)
             if answer is not None:
                 if answer.status == 201:
                     try:

@@ -101,51 +101,59 @@ final class Json {
 
     private Map<String, Object> object() {
         Map<String, Object> map = new LinkedHashMap<>();
-        at++;
-        space();
-        if (peek('}')) {
-            at++;
-            return map;
+        if (opens('}')) {
+            do {
+                space();
+                if (!peek('"')) {
+                    throw error("expected a field name");
+                }
+                String name = string();
+                space();
+                expect(':');
+                space();
+                map.put(name, value());
+            } while (another('}'));
         }
-        while (true) {
-            space();
-            if (!peek('"')) {
-                throw error("expected a field name");
-            }
-            String name = string();
-            space();
-            expect(':');
-            space();
-            map.put(name, value());
-            space();
-            if (peek(',')) {
-                at++;
-            } else {
-                expect('}');
-                return map;
-            }
-        }
+        return map;
     }
 
     private List<Object> array() {
         List<Object> list = new ArrayList<>();
+        if (opens(']')) {
+            do {
+                space();
+                list.add(value());
+            } while (another(']'));
+        }
+        return list;
+    }
+
+    /**
+     * Steps over an object's or array's opening bracket and the space after it. False when
+     * {@code close} follows at once (an empty one; stepped over too).
+     */
+    private boolean opens(char close) {
         at++;
         space();
-        if (peek(']')) {
+        if (peek(close)) {
             at++;
-            return list;
+            return false;
         }
-        while (true) {
-            space();
-            list.add(value());
-            space();
-            if (peek(',')) {
-                at++;
-            } else {
-                expect(']');
-                return list;
-            }
+        return true;
+    }
+
+    /**
+     * After a member: true when a comma follows (stepped over), false at {@code close} (stepped
+     * over too; anything else is an error).
+     */
+    private boolean another(char close) {
+        space();
+        if (peek(',')) {
+            at++;
+            return true;
         }
+        expect(close);
+        return false;
     }
 
     private String string() {

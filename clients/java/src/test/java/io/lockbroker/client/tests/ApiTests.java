@@ -44,23 +44,13 @@ final class ApiTests {
                     () -> fenceOf(get(env.url() + "/locks/" + key).body()));
             check(fence > 0, "the work ran while the broker showed the lease");
             equal(404, get(env.url() + "/locks/" + key).statusCode(), "released after the work");
-            try {
-                broker.withLease(key, Duration.ofSeconds(10), Duration.ZERO, () -> {
-                    throw new IllegalStateException("boom");
-                });
-                throw new AssertionError("the work's exception was swallowed");
-            } catch (IllegalStateException e) {
-                equal("boom", e.getMessage(), "an unchecked exception is thrown as it is");
-            }
+            RuntimeException unchecked = thrownByWithLease(broker, key, new IllegalStateException("boom"));
+            check(unchecked instanceof IllegalStateException, "an unchecked exception is thrown as it is: " + unchecked);
+            equal("boom", unchecked.getMessage(), "an unchecked exception is thrown as it is");
             equal(404, get(env.url() + "/locks/" + key).statusCode(), "released after an unchecked exception");
-            try {
-                broker.withLease(key, Duration.ofSeconds(10), Duration.ZERO, () -> {
-                    throw new IOException("disk");
-                });
-                throw new AssertionError("the work's exception was swallowed");
-            } catch (CompletionException e) {
-                check(e.getCause() instanceof IOException, "a checked exception is the cause: " + e.getCause());
-            }
+            RuntimeException checked = thrownByWithLease(broker, key, new IOException("disk"));
+            check(checked instanceof CompletionException, "a checked exception is wrapped: " + checked);
+            check(checked.getCause() instanceof IOException, "a checked exception is the cause: " + checked.getCause());
             equal(404, get(env.url() + "/locks/" + key).statusCode(), "released after a checked exception");
             try (Lease held = other.acquire(key, Duration.ofSeconds(10), Duration.ZERO)) {
                 boolean[] ran = {false};
@@ -72,6 +62,18 @@ final class ApiTests {
                 }
             }
         }
+    }
+
+    /** What {@code withLease} throws when its work throws {@code thrown}: it must throw. */
+    private static RuntimeException thrownByWithLease(LockBroker broker, String key, Exception thrown) {
+        try {
+            broker.withLease(key, Duration.ofSeconds(10), Duration.ZERO, () -> {
+                throw thrown;
+            });
+        } catch (RuntimeException e) {
+            return e;
+        }
+        throw new AssertionError("the work's exception was swallowed");
     }
 
     /** A lease lost while the work runs interrupts the work's thread; the call says the lease was lost. */
