@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::http::drive;
 use super::{BenchArgs, Phase};
 use lockbroker::domain::{LockKey, Space, Token, Ttl};
-use lockbroker::store::{Bid, GrantAnswer, Holder, RedisStore, Store};
+use lockbroker::store::{AsHolder, Bid, GrantAnswer, RedisStore, Store};
 
 pub(super) async fn uncontended_direct(
     store: Arc<RedisStore>,
@@ -39,7 +39,7 @@ pub(super) async fn uncontended_direct(
                         Ok(GrantAnswer::Granted(_)) => {
                             matches!(
                                 store.release(Space::Locks, &key, &bid.token).await,
-                                Ok(Holder::Done(_))
+                                Ok(AsHolder::Done(_))
                             )
                         }
                         _ => false,

@@ -38,7 +38,7 @@ use tokio::sync::{Notify, mpsc};
 use super::Broker;
 use super::connection::RedisConnection;
 use super::keys::KeyLayout;
-use super::scripts::{Epoched, GrantReply, GrantedLease, NotGranted, Scripts};
+use super::scripts::{Epoched, GrantReply, GrantedLease, NoGrant, Scripts};
 use super::shard::Shard;
 use crate::ledger::Ledger;
 use lockbroker_core::domain::millis;
@@ -106,17 +106,17 @@ impl EpochKeeper {
         self: &Arc<Self>,
         slot: Option<u16>,
         run: impl Fn(String) -> F,
-    ) -> StoreResult<Result<(GrantedLease, String), NotGranted>> {
+    ) -> StoreResult<Result<(GrantedLease, String), NoGrant>> {
         let mut tries = 0;
         loop {
             tries += 1;
             let known = match self.epoch.for_grant(slot) {
                 Ok(known) => known,
-                Err(hold) => return Ok(Err(NotGranted::OnHold(hold))),
+                Err(hold) => return Ok(Err(NoGrant::OnHold(hold))),
             };
             let marker = match run(known.clone()).await? {
                 Epoched::Answered(GrantReply::Granted(granted)) => return Ok(Ok((granted, known))),
-                Epoched::Answered(GrantReply::NotGranted(not)) => return Ok(Err(not)),
+                Epoched::Answered(GrantReply::NoGrant(not)) => return Ok(Err(not)),
                 Epoched::OtherEpoch(marker) => marker,
             };
             match (tries, slot, marker) {
@@ -125,11 +125,11 @@ impl EpochKeeper {
                 (2, Some(slot), None) => self.repair_task(slot).await?,
                 (1 | 2, ..) => {
                     if let Some(hold) = self.catch_up_task().await? {
-                        return Ok(Err(NotGranted::OnHold(hold)));
+                        return Ok(Err(NoGrant::OnHold(hold)));
                     }
                 }
                 _ => {
-                    return Ok(Err(NotGranted::OnHold(Hold {
+                    return Ok(Err(NoGrant::OnHold(Hold {
                         reason: HoldReason::PuttingBack,
                         retry_after_ms: 1_000,
                     })));

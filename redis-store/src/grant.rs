@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::RedisStore;
 use super::keys::Site;
 use super::replicas::Written;
-use super::scripts::{Claim, Epoched, GrantReply, GrantedLease, JoinPool, NotGranted, TakeOver};
+use super::scripts::{Claim, Epoched, GrantReply, GrantedLease, JoinPool, NoGrant, TakeOver};
 use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Pool, Token};
 use lockbroker_core::store::{Bid, StoreError, StoreResult};
 
@@ -48,7 +48,7 @@ impl RedisStore {
         script: GrantScript,
         key: &LockKey,
         bid: &Bid,
-    ) -> StoreResult<Result<Lease, NotGranted>> {
+    ) -> StoreResult<Result<Lease, NoGrant>> {
         let kind = script.kind();
         let site = self.layout.site(kind.space(), key);
         let at = &site;

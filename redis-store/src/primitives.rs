@@ -9,24 +9,24 @@ use tokio::time::Instant;
 use super::grant::{GrantScript, STORE_LAYOUT, newer_layout};
 use super::replicas::Written;
 use super::scripts::{
-    Force, ForceReply, Leave, NotGranted, Read, ReadPermits, Renew, RenewReply, Renewed,
+    Force, ForceReply, Leave, NoGrant, Read, ReadPermits, Renew, RenewReply, Renewed,
 };
 use super::{RedisStore, listing, notices, sentinel};
 use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Pool, Space, Token, Ttl, millis};
 use lockbroker_core::store::{
-    Bid, GrantAnswer, Hold, HoldReason, Holder, Join, ListQuery, Notice, Page, Permits, Released,
+    AsHolder, Bid, GrantAnswer, Hold, HoldReason, Join, ListQuery, Notice, Page, Permits, Released,
     Snapshot, Store, StoreError, StoreResult, WATCH_MARK,
 };
 
 /// The answer of CLAIM or TAKE_OVER.
-fn exclusive(granted: Result<Lease, NotGranted>) -> StoreResult<GrantAnswer> {
+fn exclusive(granted: Result<Lease, NoGrant>) -> StoreResult<GrantAnswer> {
     Ok(match granted {
         Ok(lease) => GrantAnswer::Granted(lease),
-        Err(NotGranted::OnHold(hold)) => GrantAnswer::OnHold(hold),
-        Err(NotGranted::Refused) => GrantAnswer::Refused,
-        Err(NotGranted::Queued { retry_after_ms }) => GrantAnswer::Queued { retry_after_ms },
-        Err(NotGranted::NewerLayout { layout }) => return Err(newer_layout(layout)),
-        Err(NotGranted::Busy { .. } | NotGranted::LimitMismatch { .. }) => {
+        Err(NoGrant::OnHold(hold)) => GrantAnswer::OnHold(hold),
+        Err(NoGrant::Refused) => GrantAnswer::Refused,
+        Err(NoGrant::Queued { retry_after_ms }) => GrantAnswer::Queued { retry_after_ms },
+        Err(NoGrant::NewerLayout { layout }) => return Err(newer_layout(layout)),
+        Err(NoGrant::Busy { .. } | NoGrant::LimitMismatch { .. }) => {
             return Err(StoreError::Failed(
                 "Redis answered an exclusive claim as a pool's join".into(),
             ));
@@ -56,7 +56,7 @@ impl Store for RedisStore {
         space: Space,
         key: &LockKey,
         token: &Token,
-    ) -> StoreResult<Holder<Released>> {
+    ) -> StoreResult<AsHolder<Released>> {
         self.keeper.release(space, key, token).await
     }
 
@@ -66,7 +66,7 @@ impl Store for RedisStore {
         key: &LockKey,
         token: &Token,
         ttl: Ttl,
-    ) -> StoreResult<Holder<Lease>> {
+    ) -> StoreResult<AsHolder<Lease>> {
         let told = if self.replicas.asked() {
             // Boxed: see `Replicas::asked`.
             Box::pin(self.replicas.before_renew(self, space, key, token)).await?
@@ -85,7 +85,7 @@ impl Store for RedisStore {
         let (kind, renewed) = match (space, reply) {
             (_, RenewReply::Refused(refusal)) => {
                 let outcome = refusal.answer();
-                if !matches!(outcome, Holder::OnHold(_)) {
+                if !matches!(outcome, AsHolder::OnHold(_)) {
                     self.keeper.ledger.forget_any(space, key, token);
                 }
                 return Ok(outcome);
@@ -141,18 +141,18 @@ impl Store for RedisStore {
         let ends = answered + Duration::from_millis(ttl.as_ms());
         self.keeper
             .remember(key, kind, site.slot, &lease, ends, &epoch);
-        Ok(Holder::Done(lease))
+        Ok(AsHolder::Done(lease))
     }
 
     async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
         Ok(match self.grant(GrantScript::Join(pool), key, bid).await? {
             Ok(lease) => Join::Granted(lease),
-            Err(NotGranted::OnHold(hold)) => Join::OnHold(hold),
-            Err(NotGranted::Busy { retry_after_ms }) => Join::Busy { retry_after_ms },
-            Err(NotGranted::Queued { retry_after_ms }) => Join::Queued { retry_after_ms },
-            Err(NotGranted::LimitMismatch { limit }) => Join::LimitMismatch { limit },
-            Err(NotGranted::NewerLayout { layout }) => return Err(newer_layout(layout)),
-            Err(NotGranted::Refused) => {
+            Err(NoGrant::OnHold(hold)) => Join::OnHold(hold),
+            Err(NoGrant::Busy { retry_after_ms }) => Join::Busy { retry_after_ms },
+            Err(NoGrant::Queued { retry_after_ms }) => Join::Queued { retry_after_ms },
+            Err(NoGrant::LimitMismatch { limit }) => Join::LimitMismatch { limit },
+            Err(NoGrant::NewerLayout { layout }) => return Err(newer_layout(layout)),
+            Err(NoGrant::Refused) => {
                 return Err(StoreError::Failed("unexpected join reply".into()));
             }
         })
@@ -193,7 +193,11 @@ impl Store for RedisStore {
             .map(|reply| reply.0)
     }
 
-    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+    async fn force_release(
+        &self,
+        space: Space,
+        key: &LockKey,
+    ) -> StoreResult<AsHolder<Vec<Fence>>> {
         let site = self.layout.site(space, key);
         let (caller, epoch) = (self.broker.caller(), self.keeper.epoch_for(site.slot));
         let force = Force {
@@ -204,12 +208,12 @@ impl Store for RedisStore {
             ForceReply::Refused(refusal) => return Ok(refusal.answer()),
         };
         let Some(&top) = fences.iter().max() else {
-            return Ok(Holder::NotHeld);
+            return Ok(AsHolder::NotHeld);
         };
         self.keeper
             .ledger
             .forget_ended(space, key.as_str(), top, true);
-        Ok(Holder::Done(fences))
+        Ok(AsHolder::Done(fences))
     }
 
     async fn list(&self, query: &ListQuery) -> StoreResult<Page> {

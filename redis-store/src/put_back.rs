@@ -19,7 +19,7 @@ use super::scripts::{
 use super::shard::Shard;
 use crate::ledger::Entry;
 use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Space, Token, millis};
-use lockbroker_core::store::{Holder, Released, StoreError, StoreResult};
+use lockbroker_core::store::{AsHolder, Released, StoreError, StoreResult};
 
 /// How many leases one put-back script call carries. Bounded so that one call stays short for
 /// Redis (a script blocks the server while it runs).
@@ -247,7 +247,7 @@ impl EpochKeeper {
         space: Space,
         key: &LockKey,
         token: &Token,
-    ) -> StoreResult<Holder<Released>> {
+    ) -> StoreResult<AsHolder<Released>> {
         let site = self.layout.site(space, key);
         let (caller, epoch) = (self.broker.caller(), self.epoch_for(site.slot));
         let release = Release {
@@ -258,11 +258,11 @@ impl EpochKeeper {
             ReleaseReply::Released { held_ms, fence } => {
                 // The end's mark keeps a renewal answered after it out of the ledger.
                 self.ledger.forget_ended(space, key.as_str(), fence, false);
-                Holder::Done(Released { held_ms })
+                AsHolder::Done(Released { held_ms })
             }
             ReleaseReply::Refused(refusal) => refusal.answer(),
         };
-        if !matches!(outcome, Holder::OnHold(_)) {
+        if !matches!(outcome, AsHolder::OnHold(_)) {
             self.ledger.forget_any(space, key, token);
         }
         Ok(outcome)
@@ -283,7 +283,7 @@ impl EpochKeeper {
             let mut pause = Duration::from_millis(50);
             loop {
                 match keeper.release(space, &key, &token).await {
-                    Ok(Holder::OnHold(_)) | Err(_) if Instant::now() + pause < give_up => {
+                    Ok(AsHolder::OnHold(_)) | Err(_) if Instant::now() + pause < give_up => {
                         tokio::time::sleep(pause).await;
                         pause = (pause * 2).min(Duration::from_secs(1));
                     }

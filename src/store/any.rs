@@ -4,7 +4,7 @@
 use tokio::sync::mpsc;
 
 use super::{
-    Bid, GrantAnswer, Hold, Holder, Join, ListQuery, MemoryStore, Notice, Page, Permits,
+    AsHolder, Bid, GrantAnswer, Hold, Join, ListQuery, MemoryStore, Notice, Page, Permits,
     RedisStore, Released, Snapshot, Store, StoreResult,
 };
 use crate::domain::{Fence, Lease, LockKey, Pool, Space, Token, Ttl};
@@ -44,7 +44,7 @@ impl Store for AnyStore {
         space: Space,
         key: &LockKey,
         token: &Token,
-    ) -> StoreResult<Holder<Released>> {
+    ) -> StoreResult<AsHolder<Released>> {
         delegate!(self, s => s.release(space, key, token))
     }
 
@@ -54,7 +54,7 @@ impl Store for AnyStore {
         key: &LockKey,
         token: &Token,
         ttl: Ttl,
-    ) -> StoreResult<Holder<Lease>> {
+    ) -> StoreResult<AsHolder<Lease>> {
         delegate!(self, s => s.renew(space, key, token, ttl))
     }
 
@@ -70,7 +70,11 @@ impl Store for AnyStore {
         delegate!(self, s => s.leave(space, key, token))
     }
 
-    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+    async fn force_release(
+        &self,
+        space: Space,
+        key: &LockKey,
+    ) -> StoreResult<AsHolder<Vec<Fence>>> {
         delegate!(self, s => s.force_release(space, key))
     }
 

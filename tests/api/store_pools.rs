@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use lockbroker::domain::{LockKey, Mode, Pool, RequestId, Space, Ttl};
 use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
-use lockbroker::store::{Bid, GrantAnswer, Holder, Join, ListQuery, Notice, Store, StoreError};
+use lockbroker::store::{AsHolder, Bid, GrantAnswer, Join, ListQuery, Notice, Store, StoreError};
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
 
@@ -114,11 +114,11 @@ async fn shared_leases_exclude_exclusive_ones_and_a_queued_exclusive_holds_new_s
     // writer, which takes it by asking again.
     assert!(matches!(
         store.release(Space::Locks, &k, &r1.token).await.unwrap(),
-        Holder::Done(_)
+        AsHolder::Done(_)
     ));
     assert_eq!(
         store.release(Space::Locks, &k, &r1.token).await.unwrap(),
-        Holder::NotOwner,
+        AsHolder::NotOwner,
         "r2 still holds the key"
     );
     let renewed = match store
@@ -126,7 +126,7 @@ async fn shared_leases_exclude_exclusive_ones_and_a_queued_exclusive_holds_new_s
         .await
         .unwrap()
     {
-        Holder::Done(lease) => lease,
+        AsHolder::Done(lease) => lease,
         other => panic!("{other:?}"),
     };
     assert_eq!(renewed.fence, r2.fence);
@@ -153,7 +153,7 @@ async fn shared_leases_exclude_exclusive_ones_and_a_queued_exclusive_holds_new_s
     }
     assert_eq!(
         store.release(Space::Locks, &k, &r2.token).await.unwrap(),
-        Holder::NotOwner
+        AsHolder::NotOwner
     );
 }
 
@@ -201,7 +201,7 @@ async fn semaphores_grant_up_to_their_limit_refuse_another_limit_and_repeat_by_r
     );
     assert_eq!(
         store.release(Space::Locks, &k, &a.token).await.unwrap(),
-        Holder::NotOwner,
+        AsHolder::NotOwner,
         "a permit's token means nothing on the lock"
     );
     assert!(matches!(
@@ -209,20 +209,21 @@ async fn semaphores_grant_up_to_their_limit_refuse_another_limit_and_repeat_by_r
             .release(Space::Semaphores, &k, &a.token)
             .await
             .unwrap(),
-        Holder::Done(_)
+        AsHolder::Done(_)
     ));
     let c = granted(join(&store, &k, two, &bid(10_000)).await);
     assert!(c.fence > b.fence);
 
     // Force release ends every permit; the limit goes with the holders.
-    let Holder::Done(mut ended) = store.force_release(Space::Semaphores, &k).await.unwrap() else {
+    let AsHolder::Done(mut ended) = store.force_release(Space::Semaphores, &k).await.unwrap()
+    else {
         panic!("two permits were live");
     };
     ended.sort_unstable();
     assert_eq!(ended, [b.fence, c.fence]);
     assert_eq!(
         store.force_release(Space::Semaphores, &k).await.unwrap(),
-        Holder::NotHeld
+        AsHolder::NotHeld
     );
     assert!(matches!(
         join(&store, &k, Pool::Semaphore { limit: 5 }, &bid(1_000)).await,
@@ -241,7 +242,7 @@ async fn expired_permits_free_their_places_and_renewals_move_their_ends() {
         join(&store, &k, one, &bid(1_000)).await,
         Join::Busy { .. }
     ));
-    let Holder::Done(renewed) = store
+    let AsHolder::Done(renewed) = store
         .renew(Space::Semaphores, &k, &short.token, Ttl::from_ms(300))
         .await
         .unwrap()
@@ -255,7 +256,7 @@ async fn expired_permits_free_their_places_and_renewals_move_their_ends() {
             .renew(Space::Semaphores, &k, &short.token, Ttl::from_ms(300))
             .await
             .unwrap(),
-        Holder::NotHeld
+        AsHolder::NotHeld
     );
     let next = granted(join(&store, &k, one, &bid(1_000)).await);
     assert!(next.fence > short.fence);
@@ -397,9 +398,9 @@ async fn shared_leases_and_permits_are_put_back_after_a_flush_with_their_tokens(
     ));
     assert!(matches!(
         store.release(Space::Locks, &lock, &r.token).await.unwrap(),
-        Holder::Done(_)
+        AsHolder::Done(_)
     ));
-    let Holder::Done(renewed) = store
+    let AsHolder::Done(renewed) = store
         .renew(Space::Semaphores, &sem, &p.token, Ttl::from_ms(5_000))
         .await
         .unwrap()

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use lockbroker::domain::{Lease, LockKey, Pool, RequestId, Space, Token, Ttl};
 use lockbroker::store::redis::RedisStore;
-use lockbroker::store::{Bid, GrantAnswer, Holder, Join, Notice, Store, StoreError};
+use lockbroker::store::{AsHolder, Bid, GrantAnswer, Join, Notice, Store, StoreError};
 use lockbroker_test_support::redis::{self, AsyncCommands};
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
@@ -133,7 +133,7 @@ async fn waiters_on_two_brokers_are_served_in_arrival_order_with_rising_fences()
     // line is told to look when the offer's window ends.
     assert!(matches!(
         a.release(Space::Locks, &k, &holder.token).await.unwrap(),
-        Holder::Done(_)
+        AsHolder::Done(_)
     ));
     told(&mut a_told, &offered(&k, &a1.token)).await;
     told(&mut b_told, &Notice::Look(Space::Locks, k.clone(), 2_000)).await;
@@ -142,7 +142,7 @@ async fn waiters_on_two_brokers_are_served_in_arrival_order_with_rising_fences()
     assert_eq!(seen.lease.as_ref().map(|l| &l.token), Some(&a1.token));
     assert_eq!(
         a.release(Space::Locks, &k, &a1.token).await.unwrap(),
-        Holder::NotOwner
+        AsHolder::NotOwner
     );
     let first = granted(claim(&a, &k, &a1).await);
     assert!(first.fence > holder.fence);
@@ -478,7 +478,7 @@ async fn a_lease_an_older_broker_wrote_is_released_with_the_notice_older_brokers
     let mut messages = pubsub.on_message();
     assert!(matches!(
         a.release(Space::Locks, &k, &old).await.unwrap(),
-        Holder::Done(_)
+        AsHolder::Done(_)
     ));
     use futures_util::StreamExt;
     let message = tokio::time::timeout(Duration::from_secs(5), messages.next())
@@ -546,9 +546,9 @@ async fn force_releases_racing_renewals_leave_nothing_in_the_ledger_to_put_back(
         let (renewed, forced) = (renewal.await.unwrap(), force.await.unwrap());
         assert!(matches!(
             renewed.unwrap(),
-            Holder::Done(_) | Holder::NotHeld
+            AsHolder::Done(_) | AsHolder::NotHeld
         ));
-        assert_eq!(forced.unwrap(), Holder::Done(vec![lease.fence]));
+        assert_eq!(forced.unwrap(), AsHolder::Done(vec![lease.fence]));
         assert!(
             ledger_empties(&a).await,
             "round {round}: the force-released lease stayed in the ledger"
@@ -633,7 +633,7 @@ async fn brokers_of_layouts_1_and_2_on_one_store_never_both_grant_a_key() {
     // Layout 2 releases the layout 1 lease (by its token) and hands the key on.
     assert!(matches!(
         a.release(Space::Locks, &k, &old).await.unwrap(),
-        Holder::Done(_)
+        AsHolder::Done(_)
     ));
     told(&mut a_told, &offered(&k, &next.token)).await;
     assert!(granted(claim(&a, &k, &next).await).fence > old_fence);

@@ -19,7 +19,7 @@ use crate::metrics::{AcquireResult, StoreOp};
 use crate::store::{Bid, GrantAnswer, Join, Lease, Store, StoreError, StoreResult};
 
 /// The outcome of one pass of the lock recipe, or of one try to join a pool.
-enum Attempt {
+enum PassOutcome {
     Granted(Lease),
     /// The bid waits in the key's queue; the lease (or offer) blocking it ends in this many ms
     /// at the latest (store clock).
@@ -35,7 +35,7 @@ enum Attempt {
     Again,
 }
 
-/// How many passes in a row may end in [`Attempt::Again`] before the acquire naps anyway,
+/// How many passes in a row may end in [`PassOutcome::Again`] before the acquire naps anyway,
 /// so a key that churns very fast costs a bounded burst of store calls, not a spin.
 const MAX_IMMEDIATE_RETRIES: u32 = 8;
 
@@ -157,12 +157,12 @@ impl<S: Store> LockService<S> {
                     }
                     // Boxed: the store call's future lives on the heap only while the call runs,
                     // instead of its whole size being reserved in every parked waiter's future.
-                    let attempt = match Box::pin(self.attempt(kind, key, &bid)).await {
+                    let outcome = match Box::pin(self.pass(kind, key, &bid)).await {
                         // A store-wide hold lasts a few seconds: a request that may still wait
                         // waits it out, as it would a holder.
                         Err(LockError::OnHold(hold)) if now < deadline => {
                             trouble = Some(LockError::OnHold(hold));
-                            Attempt::Busy {
+                            PassOutcome::Busy {
                                 retry_after_ms: hold.retry_after_ms,
                             }
                         }
@@ -192,13 +192,13 @@ impl<S: Store> LockService<S> {
                             }
                             continue;
                         }
-                        attempt => {
+                        outcome => {
                             trouble = None;
-                            attempt?
+                            outcome?
                         }
                     };
-                    let ends_in = match attempt {
-                        Attempt::Granted(lease) => {
+                    let ends_in = match outcome {
+                        PassOutcome::Granted(lease) => {
                             if let Some(mut spot) = spot.take() {
                                 // Nothing of the bid waits any more.
                                 spot.store = None;
@@ -208,16 +208,16 @@ impl<S: Store> LockService<S> {
                             }
                             return Ok(lease);
                         }
-                        Attempt::Again if immediate < MAX_IMMEDIATE_RETRIES => {
+                        PassOutcome::Again if immediate < MAX_IMMEDIATE_RETRIES => {
                             immediate += 1;
                             continue;
                         }
-                        Attempt::Again => 0,
-                        Attempt::Queued { retry_after_ms } => {
+                        PassOutcome::Again => 0,
+                        PassOutcome::Queued { retry_after_ms } => {
                             queued = true;
                             retry_after_ms
                         }
-                        Attempt::Busy { retry_after_ms } => retry_after_ms,
+                        PassOutcome::Busy { retry_after_ms } => retry_after_ms,
                     };
                     immediate = 0;
                     retry_after_ms = ends_in;
@@ -275,7 +275,7 @@ impl<S: Store> LockService<S> {
     }
 
     /// One try of the acquire: a pass of the lock recipe, or a try to join a pool.
-    async fn attempt(&self, kind: Kind, key: &LockKey, bid: &Bid) -> Result<Attempt, LockError> {
+    async fn pass(&self, kind: Kind, key: &LockKey, bid: &Bid) -> Result<PassOutcome, LockError> {
         match kind.pool() {
             None => self.claim_or_take_over(key, bid).await,
             Some(pool) => self.join(key, pool, bid).await,
@@ -283,27 +283,27 @@ impl<S: Store> LockService<S> {
     }
 
     /// One try to join a pool: a shared lease, or a permit. One store call.
-    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> Result<Attempt, LockError> {
+    async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> Result<PassOutcome, LockError> {
         let join = self.timed(StoreOp::join, self.store.join(key, pool, bid));
         match self.guarded(pool.space(), key, bid, join).await? {
-            Join::Granted(lease) => Ok(Attempt::Granted(lease)),
-            Join::Busy { retry_after_ms } => Ok(Attempt::Busy { retry_after_ms }),
-            Join::Queued { retry_after_ms } => Ok(Attempt::Queued { retry_after_ms }),
+            Join::Granted(lease) => Ok(PassOutcome::Granted(lease)),
+            Join::Busy { retry_after_ms } => Ok(PassOutcome::Busy { retry_after_ms }),
+            Join::Queued { retry_after_ms } => Ok(PassOutcome::Queued { retry_after_ms }),
             Join::LimitMismatch { limit } => Err(LockError::LimitMismatch { limit }),
             Join::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
     }
 
     /// One pass of the lock recipe.
-    async fn claim_or_take_over(&self, key: &LockKey, bid: &Bid) -> Result<Attempt, LockError> {
+    async fn claim_or_take_over(&self, key: &LockKey, bid: &Bid) -> Result<PassOutcome, LockError> {
         // 1. SETNX: a free key is ours in one round trip.
         let claim = self.timed(StoreOp::claim, self.store.claim(key, bid));
         match self.guarded(Space::Locks, key, bid, claim).await? {
-            GrantAnswer::Granted(lease) => return Ok(Attempt::Granted(lease)),
+            GrantAnswer::Granted(lease) => return Ok(PassOutcome::Granted(lease)),
             GrantAnswer::OnHold(hold) => return Err(LockError::OnHold(hold)),
             // A bid that waits is in the key's queue now: the key will be offered to it.
             GrantAnswer::Queued { retry_after_ms } => {
-                return Ok(Attempt::Queued { retry_after_ms });
+                return Ok(PassOutcome::Queued { retry_after_ms });
             }
             GrantAnswer::Refused => {}
         }
@@ -317,17 +317,17 @@ impl<S: Store> LockService<S> {
             // Shared holders: the claim was refused for them. The key is free for an exclusive
             // lease when the last of them ends.
             let last = snapshot.shared.iter().map(|l| l.expires_at_ms).max();
-            return Ok(Attempt::Busy {
+            return Ok(PassOutcome::Busy {
                 retry_after_ms: last.map_or(0, |end| end.saturating_sub(snapshot.now_ms)),
             });
         }
         let Some(current) = snapshot.lease else {
             // GET returned nil: the lock was released between our SETNX and GET. It is free,
             // not expired: go straight back to SETNX.
-            return Ok(Attempt::Again);
+            return Ok(PassOutcome::Again);
         };
         if current.is_live_at(snapshot.now_ms) {
-            return Ok(Attempt::Busy {
+            return Ok(PassOutcome::Busy {
                 retry_after_ms: current.expires_at_ms - snapshot.now_ms,
             });
         }
@@ -339,12 +339,12 @@ impl<S: Store> LockService<S> {
         match self.guarded(Space::Locks, key, bid, take_over).await? {
             GrantAnswer::Granted(lease) => {
                 self.metrics.took_over();
-                Ok(Attempt::Granted(lease))
+                Ok(PassOutcome::Granted(lease))
             }
             // Another contender won it (or its holder renewed it, or bids wait in the queue,
             // which the key went to): look again.
-            GrantAnswer::Refused => Ok(Attempt::Again),
-            GrantAnswer::Queued { retry_after_ms } => Ok(Attempt::Queued { retry_after_ms }),
+            GrantAnswer::Refused => Ok(PassOutcome::Again),
+            GrantAnswer::Queued { retry_after_ms } => Ok(PassOutcome::Queued { retry_after_ms }),
             GrantAnswer::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
     }

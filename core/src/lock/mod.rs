@@ -31,7 +31,7 @@ use self::waiters::{OnGone, Waiters};
 use self::watchers::Watchers;
 use crate::domain::{Kind, Mode, Owner, RequestId, Space, Ttl, WaitFor};
 use crate::metrics::{Metrics, Outage, PassedOn, StoreOp};
-use crate::store::{Hold, Holder, Lease, NOTICE_BUFFER, Notice, Store, StoreError, StoreResult};
+use crate::store::{AsHolder, Hold, Lease, NOTICE_BUFFER, Notice, Store, StoreError, StoreResult};
 
 /// Limits and defaults the service applies; validated by the configuration.
 #[derive(Debug, Clone)]
@@ -287,14 +287,14 @@ async fn tee_notices(
     }
 }
 
-impl<T> Holder<T> {
+impl<T> AsHolder<T> {
     /// The value of a holder-checked operation that was done, or why it was not.
     fn into_result(self) -> Result<T, LockError> {
         match self {
-            Holder::Done(v) => Ok(v),
-            Holder::NotHeld => Err(LockError::NotHeld),
-            Holder::NotOwner => Err(LockError::NotOwner),
-            Holder::OnHold(hold) => Err(LockError::OnHold(hold)),
+            AsHolder::Done(v) => Ok(v),
+            AsHolder::NotHeld => Err(LockError::NotHeld),
+            AsHolder::NotOwner => Err(LockError::NotOwner),
+            AsHolder::OnHold(hold) => Err(LockError::OnHold(hold)),
         }
     }
 }

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use crate::domain::{LockKey, Space, Token, Ttl};
 use crate::metrics::Outage;
-use crate::store::{Holder, Store, StoreResult};
+use crate::store::{AsHolder, Store, StoreResult};
 
 /// A store call that may be granting a lease and has not given a definite answer yet.
 ///
@@ -68,12 +68,12 @@ impl<S: Store> Drop for PendingGrant<'_, S> {
                 let retry = Instant::now() + pause < give_up;
                 match result {
                     // DEBUG too: a frozen store's outage leaves one per refused acquire.
-                    Ok(Holder::Done(_)) => {
+                    Ok(AsHolder::Done(_)) => {
                         tracing::debug!(%key, "released a lease granted to a request that failed or went away");
                         return;
                     }
                     // A store-wide hold refuses releases too, for a few seconds: wait it out.
-                    Ok(Holder::OnHold(_)) if retry => {}
+                    Ok(AsHolder::OnHold(_)) if retry => {}
                     Ok(_) => return,
                     Err(e) if retry => {
                         tracing::debug!(%key, error = %e, "cleanup of an unanswered grant failed; retrying");

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::{LockError, LockService};
 use crate::domain::{Fence, LockKey, Space, Token, Ttl};
 use crate::metrics::{HolderResult, StoreOp};
-use crate::store::{Holder, Lease, Store, StoreResult};
+use crate::store::{AsHolder, Lease, Store, StoreResult};
 
 impl<S: Store> LockService<S> {
     /// Releases `token`'s live lease on `key` in `space`: the exclusive or a shared lease of a
@@ -21,7 +21,7 @@ impl<S: Store> LockService<S> {
             .timed(StoreOp::release, self.store.release(space, key, token))
             .await;
         let held = match &outcome {
-            Ok(Holder::Done(released)) => Some(Duration::from_millis(released.held_ms)),
+            Ok(AsHolder::Done(released)) => Some(Duration::from_millis(released.held_ms)),
             _ => None,
         };
         self.metrics.released(space, holder_result(&outcome), held);
@@ -44,7 +44,7 @@ impl<S: Store> LockService<S> {
             .timed(StoreOp::renew, self.store.renew(space, key, token, ttl))
             .await;
         self.metrics.renewed(space, holder_result(&outcome));
-        if matches!(outcome, Ok(Holder::Done(_))) {
+        if matches!(outcome, Ok(AsHolder::Done(_))) {
             // Not a change of holders, but the lease may now end sooner than the watchers'
             // keeper expects: it reads once and times the expiry again.
             self.watchers.changed(space, key);
@@ -80,11 +80,11 @@ impl<S: Store> LockService<S> {
 }
 
 /// How a holder-checked store call ended, as the metrics count it.
-fn holder_result<T>(outcome: &StoreResult<Holder<T>>) -> HolderResult {
+fn holder_result<T>(outcome: &StoreResult<AsHolder<T>>) -> HolderResult {
     match outcome {
-        Ok(Holder::Done(_)) => HolderResult::Done,
-        Ok(Holder::NotHeld) => HolderResult::NotHeld,
-        Ok(Holder::NotOwner) => HolderResult::NotOwner,
-        Ok(Holder::OnHold(_)) | Err(_) => HolderResult::Error,
+        Ok(AsHolder::Done(_)) => HolderResult::Done,
+        Ok(AsHolder::NotHeld) => HolderResult::NotHeld,
+        Ok(AsHolder::NotOwner) => HolderResult::NotOwner,
+        Ok(AsHolder::OnHold(_)) | Err(_) => HolderResult::Error,
     }
 }

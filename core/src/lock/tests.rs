@@ -111,7 +111,7 @@ impl Store for Scripted {
         space: Space,
         key: &LockKey,
         token: &Token,
-    ) -> StoreResult<Holder<crate::store::Released>> {
+    ) -> StoreResult<AsHolder<crate::store::Released>> {
         self.calls.release.fetch_add(1, Ordering::SeqCst);
         self.inner.release(space, key, token).await
     }
@@ -122,7 +122,7 @@ impl Store for Scripted {
         key: &LockKey,
         token: &Token,
         ttl: Ttl,
-    ) -> StoreResult<Holder<Lease>> {
+    ) -> StoreResult<AsHolder<Lease>> {
         self.inner.renew(space, key, token, ttl).await
     }
 
@@ -138,7 +138,11 @@ impl Store for Scripted {
         self.inner.leave(space, key, token).await
     }
 
-    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+    async fn force_release(
+        &self,
+        space: Space,
+        key: &LockKey,
+    ) -> StoreResult<AsHolder<Vec<Fence>>> {
         self.inner.force_release(space, key).await
     }
 
@@ -242,7 +246,7 @@ async fn get_returning_nil_after_a_failed_setnx_goes_back_to_setnx_not_to_takeov
     h.store.before_next_read(move |store| {
         assert!(matches!(
             block_on(store.release(Space::Locks, &key, &token)).unwrap(),
-            Holder::Done(_)
+            AsHolder::Done(_)
         ));
     });
     let second = h.locks.acquire(&h.key, request(10_000, 0)).await.unwrap();

@@ -173,7 +173,7 @@ pub struct Released {
 
 /// The answer to a holder-checked operation (release, renew).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Holder<T> {
+pub enum AsHolder<T> {
     /// The token holds a live lease, and the operation was done.
     Done(T),
     /// Nobody holds the key: it is absent or its lease expired.
@@ -280,7 +280,7 @@ pub trait Store: Send + Sync + 'static {
         space: Space,
         key: &LockKey,
         token: &Token,
-    ) -> impl Future<Output = StoreResult<Holder<Released>>> + Send;
+    ) -> impl Future<Output = StoreResult<AsHolder<Released>>> + Send;
 
     /// Moves the expiry of `token`'s live lease on `key` in `space` to `ttl` after now.
     fn renew(
@@ -289,7 +289,7 @@ pub trait Store: Send + Sync + 'static {
         key: &LockKey,
         token: &Token,
         ttl: Ttl,
-    ) -> impl Future<Output = StoreResult<Holder<Lease>>> + Send;
+    ) -> impl Future<Output = StoreResult<AsHolder<Lease>>> + Send;
 
     /// Grants the bid a shared lease on a lock, or a semaphore permit, if the pool has room and
     /// nobody waits ahead of it in the queue: one atomic step, expired holders dropped on the way,
@@ -324,7 +324,7 @@ pub trait Store: Send + Sync + 'static {
         &self,
         space: Space,
         key: &LockKey,
-    ) -> impl Future<Output = StoreResult<Holder<Vec<Fence>>>> + Send;
+    ) -> impl Future<Output = StoreResult<AsHolder<Vec<Fence>>>> + Send;
 
     /// A page of the keys in `query.space` that have live leases and start with the prefix.
     fn list(&self, query: &ListQuery) -> impl Future<Output = StoreResult<Page>> + Send;

@@ -159,11 +159,11 @@ pub(crate) enum Epoched<T> {
 pub(crate) enum GrantReply {
     /// [`GrantCode::Granted`].
     Granted(GrantedLease),
-    NotGranted(NotGranted),
+    NoGrant(NoGrant),
 }
 
 /// A granting script's answers other than a grant.
-pub(crate) enum NotGranted {
+pub(crate) enum NoGrant {
     /// [`GrantCode::Refused`] (CLAIM, TAKE_OVER): the key holds a lease, or another contender
     /// won it.
     Refused,
@@ -195,11 +195,11 @@ pub(crate) struct GrantedLease {
 impl FromRedisValue for Epoched<GrantReply> {
     fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
         let mut fields = Fields::of(reply)?;
-        let not = |not| Epoched::Answered(GrantReply::NotGranted(not));
+        let not = |not| Epoched::Answered(GrantReply::NoGrant(not));
         let code = fields.next::<i64>()?;
         let code = GrantCode::try_from(code).map_err(|code| unknown("granting", code))?;
         let reply = match code {
-            GrantCode::Refused => not(NotGranted::Refused),
+            GrantCode::Refused => not(NoGrant::Refused),
             GrantCode::Granted => Epoched::Answered(GrantReply::Granted(GrantedLease {
                 fence: fields.next()?,
                 expires_at_ms: fields.next()?,
@@ -207,18 +207,18 @@ impl FromRedisValue for Epoched<GrantReply> {
                 ttl_ms: fields.next()?,
                 now_ms: fields.next()?,
             })),
-            GrantCode::OnHold => not(NotGranted::OnHold(hold_in(&mut fields)?)),
+            GrantCode::OnHold => not(NoGrant::OnHold(hold_in(&mut fields)?)),
             GrantCode::OtherEpoch => Epoched::OtherEpoch(fields.next()?),
-            GrantCode::NoRoom => not(NotGranted::Busy {
+            GrantCode::NoRoom => not(NoGrant::Busy {
                 retry_after_ms: fields.next()?,
             }),
-            GrantCode::OtherLimit => not(NotGranted::LimitMismatch {
+            GrantCode::OtherLimit => not(NoGrant::LimitMismatch {
                 limit: fields.next()?,
             }),
-            GrantCode::NewerLayout => not(NotGranted::NewerLayout {
+            GrantCode::NewerLayout => not(NoGrant::NewerLayout {
                 layout: fields.next()?,
             }),
-            GrantCode::Queued => not(NotGranted::Queued {
+            GrantCode::Queued => not(NoGrant::Queued {
                 retry_after_ms: fields.next()?,
             }),
         };

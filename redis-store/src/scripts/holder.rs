@@ -8,7 +8,7 @@ use super::grant::{Caller, QueueContext, write_queue_keys};
 use super::{Fields, Writer, hold_in, unknown};
 use crate::keys::RedisKeys;
 use lockbroker_core::domain::{Fence, Owner, Token, Ttl};
-use lockbroker_core::store::{Hold, Holder};
+use lockbroker_core::store::{AsHolder, Hold};
 
 /// What every holder script takes (`holder_context` in `lib/queue.lua`): the key's queue keys,
 /// and as arguments the token, the epoch this broker knows (the key is handed on only in it),
@@ -128,11 +128,11 @@ impl Refusal {
         })
     }
 
-    pub(crate) fn answer<T>(self) -> Holder<T> {
+    pub(crate) fn answer<T>(self) -> AsHolder<T> {
         match self {
-            Refusal::NotHeld => Holder::NotHeld,
-            Refusal::NotOwner => Holder::NotOwner,
-            Refusal::OnHold(hold) => Holder::OnHold(hold),
+            Refusal::NotHeld => AsHolder::NotHeld,
+            Refusal::NotOwner => AsHolder::NotOwner,
+            Refusal::OnHold(hold) => AsHolder::OnHold(hold),
         }
     }
 }

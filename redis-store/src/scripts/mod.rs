@@ -66,7 +66,7 @@ pub(crate) use self::epoch::{
     Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
 };
 pub(crate) use self::grant::{
-    Caller, Claim, Epoched, GrantReply, GrantedLease, JoinPool, NotGranted, TakeOver,
+    Caller, Claim, Epoched, GrantReply, GrantedLease, JoinPool, NoGrant, TakeOver,
 };
 pub(crate) use self::holder::{
     Force, ForceReply, HolderContext, Leave, Release, ReleaseReply, Renew, RenewReply, Renewed,

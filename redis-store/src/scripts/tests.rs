@@ -165,16 +165,14 @@ fn the_queue_context_puts_its_free_text_last_with_lengths_first() {
 fn queued_and_newer_layout_replies_decode_by_their_code() {
     assert!(matches!(
         Epoched::<GrantReply>::from_redis_value(reply(vec![int(7), int(250)])),
-        Ok(Epoched::Answered(GrantReply::NotGranted(
-            NotGranted::Queued {
-                retry_after_ms: 250
-            }
-        )))
+        Ok(Epoched::Answered(GrantReply::NoGrant(NoGrant::Queued {
+            retry_after_ms: 250
+        })))
     ));
     assert!(matches!(
         Epoched::<GrantReply>::from_redis_value(reply(vec![int(6), int(3)])),
-        Ok(Epoched::Answered(GrantReply::NotGranted(
-            NotGranted::NewerLayout { layout: 3 }
+        Ok(Epoched::Answered(GrantReply::NoGrant(
+            NoGrant::NewerLayout { layout: 3 }
         )))
     ));
     assert!(Epoched::<GrantReply>::from_redis_value(reply(vec![int(7)])).is_err());
@@ -232,7 +230,7 @@ fn a_grant_reply_decodes_by_its_code_and_nothing_may_be_missing_or_left_over() {
     ));
     assert!(matches!(
         Epoched::<GrantReply>::from_redis_value(reply(vec![int(2), int(900), int(400), text("loss")])),
-        Ok(Epoched::Answered(GrantReply::NotGranted(NotGranted::OnHold(hold))))
+        Ok(Epoched::Answered(GrantReply::NoGrant(NoGrant::OnHold(hold))))
             if hold.retry_after_ms == 500 && hold.reason == lockbroker_core::store::HoldReason::Loss
     ));
     assert!(Epoched::<GrantReply>::from_redis_value(reply(vec![int(8)])).is_err());

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use self::clock::{Clock, SystemClock};
 use self::slot::Slot;
 use super::{
-    Bid, GrantAnswer, Hold, Holder, Join, Kind, Lease, ListQuery, Listed, Mode, Notice, Page,
+    AsHolder, Bid, GrantAnswer, Hold, Join, Kind, Lease, ListQuery, Listed, Mode, Notice, Page,
     Permits, Pool, Released, Snapshot, Space, Store, StoreResult,
 };
 use crate::domain::{Fence, LockKey, Token, Ttl};
@@ -258,7 +258,7 @@ impl Store for MemoryStore {
         space: Space,
         key: &LockKey,
         token: &Token,
-    ) -> StoreResult<Holder<Released>> {
+    ) -> StoreResult<AsHolder<Released>> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
         Ok(self.step("release", space, key, |slot, tell| {
@@ -275,7 +275,7 @@ impl Store for MemoryStore {
         key: &LockKey,
         token: &Token,
         ttl: Ttl,
-    ) -> StoreResult<Holder<Lease>> {
+    ) -> StoreResult<AsHolder<Lease>> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
         Ok(self.step("renew", space, key, |slot, tell| {
@@ -353,7 +353,11 @@ impl Store for MemoryStore {
         })
     }
 
-    async fn force_release(&self, space: Space, key: &LockKey) -> StoreResult<Holder<Vec<Fence>>> {
+    async fn force_release(
+        &self,
+        space: Space,
+        key: &LockKey,
+    ) -> StoreResult<AsHolder<Vec<Fence>>> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
         let ended = self.step("force", space, key, |slot, tell| {
@@ -364,9 +368,9 @@ impl Store for MemoryStore {
             ended
         });
         if ended.is_empty() {
-            return Ok(Holder::NotHeld);
+            return Ok(AsHolder::NotHeld);
         }
-        Ok(Holder::Done(ended))
+        Ok(AsHolder::Done(ended))
     }
 
     /// A cursor is the last key of the page before.

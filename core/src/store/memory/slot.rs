@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::domain::{Fence, Kind, Token, Ttl};
-use crate::store::{Bid, EXPIRY_SLACK_MS, Holder, Lease, Released};
+use crate::store::{AsHolder, Bid, EXPIRY_SLACK_MS, Lease, Released};
 
 /// A lease with when it was granted (for the hold time reported on release).
 #[derive(Debug, Clone)]
@@ -116,27 +116,32 @@ impl Slot {
 
     /// Ends `token`'s live lease (exclusive or among the holders). An offer its token has not
     /// taken is not its lease: "not owner", as for anyone else's (only `leave` ends it).
-    pub(super) fn release(&mut self, token: &Token, now_ms: u64) -> Holder<Released> {
+    pub(super) fn release(&mut self, token: &Token, now_ms: u64) -> AsHolder<Released> {
         let held_ms = |h: &StoredLease| Released {
             held_ms: now_ms.saturating_sub(h.granted_at_ms),
         };
         if let Some(held) = self.live_exclusive(now_ms) {
             if !held.held_by(token, now_ms) {
-                return Holder::NotOwner;
+                return AsHolder::NotOwner;
             }
             let done = held_ms(held);
             self.lease = None;
-            return Holder::Done(done);
+            return AsHolder::Done(done);
         }
         match self.holders.iter().position(|h| h.held_by(token, now_ms)) {
-            Some(i) => Holder::Done(held_ms(&self.holders.remove(i))),
-            None if self.holders.is_empty() => Holder::NotHeld,
-            None => Holder::NotOwner,
+            Some(i) => AsHolder::Done(held_ms(&self.holders.remove(i))),
+            None if self.holders.is_empty() => AsHolder::NotHeld,
+            None => AsHolder::NotOwner,
         }
     }
 
     /// Moves the end of `token`'s live lease; the outcome, and whether it now ends sooner.
-    pub(super) fn renew(&mut self, token: &Token, ttl: Ttl, now_ms: u64) -> (Holder<Lease>, bool) {
+    pub(super) fn renew(
+        &mut self,
+        token: &Token,
+        ttl: Ttl,
+        now_ms: u64,
+    ) -> (AsHolder<Lease>, bool) {
         let exclusive = self.live_exclusive(now_ms).is_some();
         let held = if exclusive {
             self.lease.as_mut().filter(|h| h.held_by(token, now_ms))
@@ -147,9 +152,9 @@ impl Slot {
             let anyone = exclusive || !self.holders.is_empty();
             return (
                 if anyone {
-                    Holder::NotOwner
+                    AsHolder::NotOwner
                 } else {
-                    Holder::NotHeld
+                    AsHolder::NotHeld
                 },
                 false,
             );
@@ -160,7 +165,7 @@ impl Slot {
         lease.ttl_ms = ttl.as_ms();
         let renewed = lease.clone();
         self.keep_until(renewed.expires_at_ms);
-        (Holder::Done(renewed), shortened)
+        (AsHolder::Done(renewed), shortened)
     }
 
     /// Ends every live lease, offers included; their fences.

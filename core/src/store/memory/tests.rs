@@ -62,7 +62,7 @@ impl Fixture {
         granted(self.claim(&bid(ttl_ms)).await)
     }
 
-    pub(super) async fn release(&self, space: Space, token: &Token) -> Holder<Released> {
+    pub(super) async fn release(&self, space: Space, token: &Token) -> AsHolder<Released> {
         self.store.release(space, &self.key, token).await.unwrap()
     }
 
@@ -174,7 +174,7 @@ async fn a_release_offers_the_key_to_the_head_which_takes_it_by_asking_again() {
     assert_eq!(granted(f.claim(&head).await), taken);
     assert!(matches!(
         f.release(Space::Locks, &head.token).await,
-        Holder::Done(_)
+        AsHolder::Done(_)
     ));
 }
 
@@ -377,10 +377,10 @@ async fn an_offer_is_not_its_tokens_to_release_or_renew() {
     f.offered(Space::Locks);
     let ttl = Ttl::from_ms(30_000);
     let renewed = f.store.renew(Space::Locks, &f.key, &head.token, ttl).await;
-    assert!(matches!(renewed.unwrap(), Holder::NotOwner));
+    assert!(matches!(renewed.unwrap(), AsHolder::NotOwner));
     assert!(matches!(
         f.release(Space::Locks, &head.token).await,
-        Holder::NotOwner
+        AsHolder::NotOwner
     ));
     assert!(granted(f.claim(&head).await).token == head.token);
 }
@@ -393,11 +393,11 @@ async fn a_force_release_ends_offers_too_and_hands_the_key_on() {
     queued(f.claim(&a).await);
     queued(f.claim(&b).await);
     let forced = f.store.force_release(Space::Locks, &f.key).await.unwrap();
-    assert_eq!(forced, Holder::Done(vec![holder.fence]));
+    assert_eq!(forced, AsHolder::Done(vec![holder.fence]));
     assert!(f.offered(Space::Locks) == vec![a.token.clone()]);
     let offer = f.lease_in_key().await.unwrap();
     let forced = f.store.force_release(Space::Locks, &f.key).await.unwrap();
-    assert_eq!(forced, Holder::Done(vec![offer.fence]));
+    assert_eq!(forced, AsHolder::Done(vec![offer.fence]));
     assert!(f.offered(Space::Locks) == vec![b.token.clone()]);
     // The first bid's offer is gone: asking again, it queues.
     queued(f.claim(&a).await);

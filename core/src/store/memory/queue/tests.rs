@@ -7,7 +7,7 @@ use crate::domain::{Pool, RequestId, Space};
 use crate::store::memory::clock::Clock;
 use crate::store::memory::queue::OFFER_WINDOW_MS;
 use crate::store::memory::tests::{Fixture, bid, granted, queued, waiting};
-use crate::store::{Bid, GrantAnswer, Holder, Join, Lease, Store};
+use crate::store::{AsHolder, Bid, GrantAnswer, Join, Lease, Store};
 
 #[track_caller]
 fn joined(answer: Join) -> Lease {
@@ -114,7 +114,7 @@ async fn permits_go_to_the_queues_heads_while_there_is_room() {
     f.release(Space::Semaphores, &first.token).await;
     assert!(f.offered(Space::Semaphores) == vec![bids[0].token.clone()]);
     let forced = f.store.force_release(Space::Semaphores, &f.key).await;
-    assert!(matches!(forced.unwrap(), Holder::Done(ended) if ended.len() == 2));
+    assert!(matches!(forced.unwrap(), AsHolder::Done(ended) if ended.len() == 2));
     // Room for two: the next two heads, and the third waits.
     assert!(f.offered(Space::Semaphores) == vec![bids[1].token.clone(), bids[2].token.clone()]);
     let taken = joined(f.join(SEM, &bids[1]).await);
@@ -343,7 +343,7 @@ async fn concurrent_waiters_of_every_kind_never_overlap_and_fences_rise() {
                     .release(Space::Locks, &key, &lease.token)
                     .await
                     .unwrap();
-                assert!(matches!(released, Holder::Done(_)));
+                assert!(matches!(released, AsHolder::Done(_)));
             }
         })
     });
