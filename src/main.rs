@@ -105,6 +105,7 @@ async fn execute(command: Command) -> ExitCode {
         Command::Acquire(args) => commands::acquire(args).await,
         Command::Release(args) => commands::release(args).await,
         Command::Renew(args) => commands::renew(args).await,
+        Command::Status(args) if args.watch => cli::follow::follow(&args).await,
         Command::Status(args) => commands::status(args).await,
         Command::List(args) => list::list(args).await,
         #[cfg(unix)]

@@ -3,7 +3,7 @@
 //!
 //! A server that restarted, or a replica that took over, is always reached through a new
 //! connection (the old one breaks with the old process; behind Sentinel, an old master that is
-//! still up is left on the sentinels' word, see `sentinel.rs`). So checking the store's epoch on every
+//! still up is left on the sentinels' word, see `failovers.rs`). So checking the store's epoch on every
 //! new connection before any request may use it (`EpochKeeper::link`) means no broker
 //! grants on a server whose losses it has not caught up with — whatever its timing. Requests
 //! that find no connection wait for the one being made (within their own time bound), or fail
@@ -253,7 +253,7 @@ pub(super) struct RedisConnection {
     timeout: Duration,
     state: watch::Sender<State>,
     generations: AtomicU64,
-    /// Counts the master switches the sentinels made known (see `sentinel.rs`). The notice
+    /// Counts the master switches the sentinels made known (see `failovers.rs`). The notice
     /// subscriber watches it to move to the new master.
     switches: watch::Sender<u64>,
     /// `switches` when the connection being made was started: if a switch came meanwhile, that

@@ -2,7 +2,7 @@
 //! multiplexed connection that is verified before use (`connection.rs`, `calls.rs`), reading
 //! the time from Redis's own `TIME`. The broker's live leases are kept in a ledger and put back
 //! when the store loses them; release notices reach every broker's waiters (`notices.rs`);
-//! behind Sentinel, the broker follows the master's failovers (`sentinel.rs`).
+//! behind Sentinel, the broker follows the master's failovers (`sentinel.rs` finds the master, `failovers.rs` follows it).
 //!
 //! Two owners. [`RedisStore`] is the `Store` on Redis: its primitives (`primitives.rs`),
 //! granting (`grant.rs`), the wait for replicas (`replicas.rs`), listing (`listing.rs`). Under
@@ -21,6 +21,7 @@ mod grant;
 mod keys;
 mod ledger;
 // Only for lockbroker-bench (the `bench` feature): the ledger itself stays private.
+mod failovers;
 #[cfg(feature = "bench")]
 mod ledger_cost;
 mod listing;

@@ -84,7 +84,7 @@ pub(super) async fn listen(store: RedisStore, notices: mpsc::Sender<Notice>) {
     let changes = store.broker.changes.as_str();
     let mut backoff = Duration::from_millis(100);
     let mut attempt = 0;
-    // A master switch the sentinels announced (`sentinel.rs`) moves the subscriber at once.
+    // A master switch the sentinels announced (`failovers.rs`) moves the subscriber at once.
     let mut switches = store.keeper.connection.switches();
     loop {
         attempt += 1;

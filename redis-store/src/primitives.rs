@@ -11,7 +11,7 @@ use super::replicas::Written;
 use super::scripts::{
     Force, ForceReply, Leave, NoGrant, Read, ReadPermits, Renew, RenewReply, Renewed,
 };
-use super::{RedisStore, listing, notices, sentinel};
+use super::{RedisStore, failovers, listing, notices};
 use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Pool, Space, Token, Ttl, millis};
 use lockbroker_core::store::{
     AsHolder, Bid, GrantAnswer, Hold, HoldReason, Join, ListQuery, Notice, Page, Permits, Released,
@@ -254,7 +254,7 @@ impl Store for RedisStore {
             return;
         };
         runtime.spawn(notices::watch_epoch(self.clone(), notices.clone()));
-        runtime.spawn(sentinel::follow_failovers(self.clone(), notices.clone()));
+        runtime.spawn(failovers::follow_failovers(self.clone(), notices.clone()));
         runtime.spawn(notices::listen(self.clone(), notices));
     }
 }

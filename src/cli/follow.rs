@@ -35,6 +35,8 @@ const RETRY: Duration = Duration::from_secs(1);
 
 /// `lockbroker status --watch`.
 pub(crate) async fn follow(args: &StatusArgs) -> ExitCode {
+    // A reader that stops reading (`| head -1`) took what it wanted.
+    super::closed_stdout_ends_with(0);
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,

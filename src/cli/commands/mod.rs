@@ -207,13 +207,10 @@ pub(crate) async fn renew(args: RenewArgs) -> ExitCode {
 }
 
 /// `lockbroker status`: who holds the lock (or the semaphore's permits) and until when; exit 4
-/// when nobody does.
+/// when nobody does. (`status --watch` is `follow::follow`.)
 pub(crate) async fn status(args: StatusArgs) -> ExitCode {
     // A reader that stops reading (`| head -1`) took what it wanted.
     super::closed_stdout_ends_with(0);
-    if args.watch {
-        return super::follow::follow(&args).await;
-    }
     let client = match args.broker.client() {
         Ok(client) => client,
         Err(code) => return code,
