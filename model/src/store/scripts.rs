@@ -1,0 +1,493 @@
+//! The scripts, one function each, named after `src/store/redis/scripts/<name>.lua`.
+
+use super::queue::{
+    Ctx, busy_for, drop_holder, ended, exclusive_end, hand_on, kept_fence, live_count, requeue,
+    settle, wait_turn, write_lease,
+};
+use super::{
+    Answer, Back, BackCode, Bid, Call, Effects, Fence, Key, KeyState, Kind, Lease, Marker, Op,
+    Params, Store, Token,
+};
+
+/// Known-bad variants of the protocol: each a mistake someone could make in the scripts. The
+/// checker must find a counterexample for each (`scripts/model-check.sh --bug NAME`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Bug {
+    /// `checked` does not compare the epoch: a broker grants into an emptied store before the
+    /// others put their leases back.
+    NoEpochCheck,
+    /// The hand-on writes an offer without taking a fence; the take keeps the record's (stale)
+    /// fence.
+    OfferWithoutFence,
+    /// RELEASE drops the lease record without `kept_fence`: after the clock steps back, the
+    /// fast path's clock fence is below the released one.
+    ReleaseDropsKeptFence,
+    /// A lapsed offer's broker keeps its other bids in the queue (`requeue` only tells it).
+    LapseKeepsQueue,
+    /// RELEASE does not hand the key on: the queue's head is left waiting on a free key.
+    ReleaseWithoutHandOn,
+}
+
+impl Bug {
+    pub const ALL: [Bug; 5] = [
+        Bug::NoEpochCheck,
+        Bug::OfferWithoutFence,
+        Bug::ReleaseDropsKeptFence,
+        Bug::LapseKeepsQueue,
+        Bug::ReleaseWithoutHandOn,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Bug::NoEpochCheck => "no-epoch-check",
+            Bug::OfferWithoutFence => "offer-without-fence",
+            Bug::ReleaseDropsKeptFence => "release-drops-kept-fence",
+            Bug::LapseKeepsQueue => "lapse-keeps-queue",
+            Bug::ReleaseWithoutHandOn => "release-without-hand-on",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Bug> {
+        Bug::ALL.into_iter().find(|b| b.name() == name)
+    }
+}
+
+pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> Answer {
+    let ctx = |key: Key, hand: bool| Ctx {
+        key,
+        broker: call.broker,
+        hand,
+        requeued: 0,
+        p,
+    };
+    match &call.op {
+        Op::Claim { key, bid, wait } => match checked(s, p, call.known) {
+            Some(no) => no,
+            None => claim(s, &mut ctx(*key, true), fx, bid, *wait),
+        },
+        Op::TakeOver { key, bid, seen } => match checked(s, p, call.known) {
+            Some(no) => no,
+            None => take_over(s, &mut ctx(*key, true), fx, bid, *seen),
+        },
+        Op::Join { key, bid, wait } => match checked(s, p, call.known) {
+            Some(no) => no,
+            None => join(s, &mut ctx(*key, true), fx, bid, *wait),
+        },
+        Op::Release { key, token } => release(s, &mut ctx(*key, s.hand(call.known)), fx, *token),
+        Op::Renew { key, token, ttl } => renew(s, &mut ctx(*key, s.hand(call.known)), *token, *ttl),
+        Op::Force { key } => force(s, &mut ctx(*key, s.hand(call.known)), fx),
+        Op::Leave { key, token } => leave(s, &mut ctx(*key, s.hand(call.known)), fx, *token),
+        Op::Read { key } => {
+            let l = s.keys[*key as usize].lock.as_ref();
+            Answer::Record(l.map(|l| (l.token, l.fence, l.live())))
+        }
+        Op::PutBack { epoch, leases } => put_back(s, p, call.broker, *epoch, leases),
+        Op::Check => check(s, p),
+        Op::Tick => {
+            tick(s);
+            Answer::Done
+        }
+        Op::Flush => {
+            let n = s.keys.len();
+            s.keys = vec![KeyState::default(); n];
+            s.marker = None;
+            Answer::Done
+        }
+        Op::Slack { key } => {
+            s.keys[*key as usize] = KeyState::default();
+            Answer::Done
+        }
+    }
+}
+
+/// One tick of the lease clock: every end and the hold come one tick nearer.
+fn tick(s: &mut Store) {
+    for k in &mut s.keys {
+        if let Some(l) = &mut k.lock {
+            l.left = l.left.saturating_sub(1);
+        }
+        for l in &mut k.pool {
+            l.left = l.left.saturating_sub(1);
+        }
+    }
+    if let Some(m) = &mut s.marker {
+        m.hold = m.hold.saturating_sub(1);
+    }
+}
+
+/// `checked` (lib/grant.lua): another epoch, or a hold in force.
+fn checked(s: &Store, p: &Params, known: Option<u8>) -> Option<Answer> {
+    let id = s.marker.map(|m| m.id);
+    if id != known && p.bug != Some(Bug::NoEpochCheck) {
+        return Some(Answer::OtherEpoch);
+    }
+    match s.marker {
+        Some(Marker { hold, .. }) if hold > 0 => Some(Answer::OnHold { left: hold }),
+        _ => None,
+    }
+}
+
+fn granted(bid: &Bid, (fence, left): (Fence, u8)) -> Answer {
+    Answer::Granted {
+        token: bid.token,
+        fence,
+        left,
+    }
+}
+
+/// claim.lua (with fast/claim.lua in front).
+fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) -> Answer {
+    let k = &mut s.keys[c.key as usize];
+    // fast/claim.lua: no record, queue, pool, counter: the clock is the fence, no counter kept.
+    if k.lock.is_none() && k.queue.is_empty() && k.pool.is_empty() && k.counter.is_none() {
+        let fence = s.us;
+        k.lock = Some(Lease {
+            token: bid.token,
+            fence,
+            left: bid.ttl,
+            offered: false,
+            by: 1 << c.broker,
+        });
+        fx.fences.push((c.key, fence));
+        return granted(bid, (fence, bid.ttl));
+    }
+    if let Some(cur) = k.lock.as_mut().filter(|l| l.live() && l.token == bid.token) {
+        if cur.offered {
+            cur.left = bid.ttl;
+            cur.offered = false;
+            cur.by = 1 << c.broker;
+        }
+        return Answer::Granted {
+            token: bid.token,
+            fence: cur.fence,
+            left: cur.left,
+        };
+    }
+    if !wait {
+        if !s.keys[c.key as usize].queue.is_empty() {
+            hand_on(s, c, fx, None);
+            if !s.keys[c.key as usize].queue.is_empty() {
+                return Answer::Refused;
+            }
+        }
+        let k = &s.keys[c.key as usize];
+        if k.lock.is_some() || busy_for(k, Kind::Exclusive).is_some() {
+            return Answer::Refused;
+        }
+        return granted(bid, write_lease(s, c, fx, bid, false));
+    }
+    if s.keys[c.key as usize].queue.is_empty() {
+        settle(s, c, fx);
+        if busy_for(&s.keys[c.key as usize], Kind::Exclusive).is_none() {
+            return granted(bid, write_lease(s, c, fx, bid, false));
+        }
+    }
+    wait_turn(s, c, fx, bid)
+}
+
+/// take_over.lua: GETSET made safe.
+fn take_over(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, seen: Fence) -> Answer {
+    if !s.keys[c.key as usize].queue.is_empty() {
+        hand_on(s, c, fx, None);
+        if !s.keys[c.key as usize].queue.is_empty() {
+            return Answer::Refused;
+        }
+    }
+    if let Some(cur) = s.keys[c.key as usize].lock.clone() {
+        if cur.fence != seen || cur.live() {
+            return Answer::Refused;
+        }
+        if cur.offered {
+            for b in 0..8 {
+                if cur.by & (1 << b) != 0 {
+                    requeue(s, c, fx, b);
+                }
+            }
+        }
+        fx.freed.push(c.key);
+    }
+    if live_count(&s.keys[c.key as usize]) > 0 {
+        return Answer::Refused;
+    }
+    granted(bid, write_lease(s, c, fx, bid, false))
+}
+
+/// join.lua: a shared lease or a permit.
+fn join(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) -> Answer {
+    settle(s, c, fx);
+    let k = &mut s.keys[c.key as usize];
+    if let Some(l) = k.pool.iter_mut().find(|l| l.token == bid.token && l.live()) {
+        if l.offered {
+            l.left = bid.ttl;
+            l.offered = false;
+            l.by = 1 << c.broker;
+        }
+        return Answer::Granted {
+            token: bid.token,
+            fence: l.fence,
+            left: l.left,
+        };
+    }
+    if !wait {
+        if !s.keys[c.key as usize].queue.is_empty() {
+            hand_on(s, c, fx, None);
+            if !s.keys[c.key as usize].queue.is_empty() {
+                return Answer::NoRoom;
+            }
+        }
+        if busy_for(&s.keys[c.key as usize], bid.kind).is_some() {
+            return Answer::NoRoom;
+        }
+        return granted(bid, write_lease(s, c, fx, bid, false));
+    }
+    let k = &s.keys[c.key as usize];
+    if k.queue.is_empty() && busy_for(k, bid.kind).is_none() {
+        return granted(bid, write_lease(s, c, fx, bid, false));
+    }
+    wait_turn(s, c, fx, bid)
+}
+
+/// `holder` (lib/holder.lua).
+enum Holder {
+    Held(Lease),
+    HeldPooled(Lease),
+    Code(Answer),
+}
+
+fn holder(s: &Store, key: Key, token: Token) -> Holder {
+    let k = &s.keys[key as usize];
+    if let Some(l) = k
+        .lock
+        .as_ref()
+        .filter(|l| l.token == token && l.live() && !l.offered)
+    {
+        return Holder::Held(l.clone());
+    }
+    if let Some(l) = k
+        .pool
+        .iter()
+        .find(|l| l.token == token && !l.offered && l.live())
+    {
+        return Holder::HeldPooled(l.clone());
+    }
+    match s.marker {
+        None => return Holder::Code(Answer::HoldInForce),
+        Some(m) if m.hold > 0 => return Holder::Code(Answer::HoldInForce),
+        _ => {}
+    }
+    if exclusive_end(k).is_none() && live_count(k) == 0 {
+        return Holder::Code(Answer::NotHeld);
+    }
+    Holder::Code(Answer::NotOwner)
+}
+
+/// release.lua (fast/release.lua is the same step on a key with nothing else in it).
+fn release(s: &mut Store, c: &mut Ctx, fx: &mut Effects, token: Token) -> Answer {
+    let us = s.us;
+    let lease = match holder(s, c.key, token) {
+        Holder::Code(answer) => return answer,
+        Holder::HeldPooled(l) => {
+            drop_holder(&mut s.keys[c.key as usize], token);
+            l
+        }
+        Holder::Held(l) => {
+            let k = &mut s.keys[c.key as usize];
+            if !c.bug(super::Bug::ReleaseDropsKeptFence) {
+                kept_fence(k, Some(l.fence), us);
+            }
+            k.lock = None;
+            l
+        }
+    };
+    ended(c, fx, lease.by, lease.fence, false);
+    fx.freed.push(c.key);
+    if !c.bug(super::Bug::ReleaseWithoutHandOn) {
+        hand_on(s, c, fx, None);
+    }
+    Answer::Held { fence: lease.fence }
+}
+
+/// renew.lua: the end moves to `ttl` from now; this broker joins the ones that answer it. (Its
+/// `sooner` look is never needed here: every renewal is by the full TTL.)
+fn renew(s: &mut Store, c: &mut Ctx, token: Token, ttl: u8) -> Answer {
+    let found = holder(s, c.key, token);
+    let k = &mut s.keys[c.key as usize];
+    let l = match found {
+        Holder::Code(answer) => return answer,
+        Holder::Held(_) => k.lock.as_mut(),
+        Holder::HeldPooled(_) => k.pool.iter_mut().find(|l| l.token == token),
+    };
+    let l = l.expect("the holder's lease");
+    l.left = ttl;
+    l.by |= 1 << c.broker;
+    Answer::Held { fence: l.fence }
+}
+
+/// force.lua: ends every live lease (offers included) without a token.
+fn force(s: &mut Store, c: &mut Ctx, fx: &mut Effects) -> Answer {
+    let us = s.us;
+    if matches!(s.marker, None | Some(Marker { hold: 1.., .. })) {
+        return Answer::HoldInForce;
+    }
+    let k = &mut s.keys[c.key as usize];
+    let mut out = Vec::new();
+    let mut tops = [0 as Fence; 8];
+    let mut note = |by: u8, f: Fence| {
+        for (b, top) in tops.iter_mut().enumerate() {
+            if by & (1 << b) != 0 && *top < f {
+                *top = f;
+            }
+        }
+    };
+    if let Some(l) = k.lock.take() {
+        if l.live() {
+            out.push(l.fence);
+            note(l.by, l.fence);
+        }
+        kept_fence(k, Some(l.fence), us);
+    }
+    for l in k.pool.drain(..).filter(|l| l.live()) {
+        out.push(l.fence);
+        note(l.by, l.fence);
+    }
+    k.limit = None;
+    for (b, top) in tops.into_iter().enumerate() {
+        if top > 0 {
+            ended(c, fx, 1 << b, top, true);
+        }
+    }
+    fx.freed.push(c.key);
+    hand_on(s, c, fx, None);
+    Answer::Forced(out)
+}
+
+/// leave.lua: a queued bid stops waiting; an offer to it not taken ends.
+fn leave(s: &mut Store, c: &mut Ctx, fx: &mut Effects, token: Token) -> Answer {
+    let us = s.us;
+    let k = &mut s.keys[c.key as usize];
+    let before = k.queue.len();
+    k.queue.retain(|b| b.token != token);
+    let queued = k.queue.len() != before;
+    let mut offer = false;
+    if let Some(l) = k.lock.clone().filter(|l| l.token == token && l.offered) {
+        kept_fence(k, Some(l.fence), us);
+        k.lock = None;
+        offer = true;
+    }
+    if !offer && k.pool.iter().any(|l| l.token == token && l.offered) {
+        drop_holder(k, token);
+        offer = true;
+    }
+    if offer || queued {
+        if offer {
+            fx.freed.push(c.key);
+        }
+        hand_on(s, c, fx, None);
+    }
+    Answer::Left(offer)
+}
+
+/// check.lua: a missing marker begins a new epoch with the settle hold.
+fn check(s: &mut Store, p: &Params) -> Answer {
+    let m = *s.marker.get_or_insert_with(|| {
+        let id = s.next_epoch;
+        s.next_epoch += 1;
+        Marker { id, hold: p.settle }
+    });
+    Answer::Epoch(m.id)
+}
+
+/// put_back.lua: a broker's live leases back into a new epoch.
+fn put_back(s: &mut Store, p: &Params, broker: u8, epoch: u8, leases: &[Back]) -> Answer {
+    let us = s.us;
+    let Some(m) = s.marker.as_mut().filter(|m| m.id == epoch) else {
+        return Answer::EpochMoved;
+    };
+    m.hold = m.hold.max(p.put_back_hold);
+    let me = 1u8 << broker;
+    let mut out = Vec::new();
+    for back in leases {
+        let k = &mut s.keys[back.key as usize];
+        if k.counter.unwrap_or(0) < back.fence {
+            k.counter = Some(back.fence);
+        }
+        let mine = Lease {
+            token: back.token,
+            fence: back.fence,
+            left: back.left,
+            offered: false,
+            by: me,
+        };
+        let mut code = BackCode::Written;
+        if back.kind == Kind::Exclusive {
+            let cur = k.lock.clone();
+            kept_fence(k, cur.as_ref().map(|l| l.fence), us);
+            if let Some(cur) = cur.filter(Lease::live) {
+                if cur.token == back.token {
+                    code = BackCode::AlreadyThere;
+                    let l = k.lock.as_mut().expect("the lease");
+                    l.by |= me;
+                    l.left = l.left.max(back.left);
+                } else if cur.fence > back.fence {
+                    code = BackCode::OtherKept;
+                } else {
+                    code = BackCode::OtherReplaced;
+                }
+            }
+            if matches!(code, BackCode::Written | BackCode::OtherReplaced) {
+                let live: Vec<Fence> = k
+                    .pool
+                    .iter()
+                    .filter(|l| l.live())
+                    .map(|l| l.fence)
+                    .collect();
+                if live.iter().any(|f| *f > back.fence) {
+                    code = BackCode::OtherKept;
+                } else if !live.is_empty() {
+                    code = BackCode::OtherReplaced;
+                    k.pool.clear();
+                    k.limit = None;
+                }
+            }
+            if matches!(code, BackCode::Written | BackCode::OtherReplaced) {
+                k.lock = Some(mine);
+            }
+        } else {
+            if let Some(l) = k
+                .pool
+                .iter_mut()
+                .find(|l| l.token == back.token && l.live())
+            {
+                code = BackCode::AlreadyThere;
+                l.by |= me;
+                l.left = l.left.max(back.left);
+            }
+            if code == BackCode::Written && back.kind == Kind::Shared {
+                let cur = k.lock.clone();
+                kept_fence(k, cur.as_ref().map(|l| l.fence), us);
+                if let Some(cur) = cur {
+                    if cur.live() && cur.fence > back.fence {
+                        code = BackCode::OtherKept;
+                    } else {
+                        if cur.live() {
+                            code = BackCode::OtherReplaced;
+                        }
+                        k.lock = None;
+                    }
+                }
+            }
+            if code != BackCode::AlreadyThere && code != BackCode::OtherKept {
+                if let Kind::Permit(n) = back.kind
+                    && live_count(k) == 0
+                {
+                    k.limit = Some(n);
+                }
+                drop_holder(k, back.token);
+                k.pool.push(mine);
+                k.pool.sort();
+            }
+        }
+        out.push(code);
+    }
+    Answer::PutBack(out)
+}
