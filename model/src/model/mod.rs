@@ -5,6 +5,7 @@
 //! ledger).
 
 mod actions;
+mod broker;
 mod props;
 
 use crate::store::{Bug, Fence, Key, Kind, Notice, Params, Store, Token};

@@ -3,7 +3,7 @@
 use stateright::{Model, Property};
 
 use super::{Action, LockModel, Phase, State, canonical};
-use crate::store::Kind;
+use crate::store::{Effects, Key, Kind};
 
 /// The properties' names, as the check prints them.
 const MUTUAL_EXCLUSION: &str = "never two holders of an exclusive lease";
@@ -13,6 +13,49 @@ const SERVED: &str = "a key a live waiter waits for is granted within the bound 
 const DEAD_BROKER: &str = "a dead broker's entries hold a key back at most one offer window";
 
 impl LockModel {
+    /// The ghost state a step updates: the fences it took (each above the key's highest so
+    /// far), the keys it freed (the queue's head must not fit them now), the notices it told.
+    pub(super) fn effects(&self, s: &mut State, fx: Effects) {
+        for (k, f) in &fx.fences {
+            if *f <= s.top[*k as usize] {
+                s.fence_fault = true;
+            }
+            s.top[*k as usize] = s.top[*k as usize].max(*f);
+        }
+        for k in fx.freed {
+            if self.head_fits(s, k) {
+                s.lost_offer = true;
+            }
+        }
+        for (b, n) in fx.notices {
+            let br = &mut s.brokers[b as usize];
+            let inbox = &mut br.inbox;
+            if br.alive && !inbox.contains(&n) {
+                inbox.push(n);
+                inbox.sort();
+            }
+        }
+    }
+
+    /// After a step that freed key `k`: whether the queue's head could be granted now and the
+    /// store may hand on (a lost offer).
+    pub(super) fn head_fits(&self, s: &State, k: Key) -> bool {
+        let ks = &s.store.keys[k as usize];
+        let Some(head) = ks.queue.first() else {
+            return false;
+        };
+        if !matches!(s.store.marker, Some(m) if m.hold == 0) {
+            return false;
+        }
+        let xlive = ks.lock.as_ref().is_some_and(|l| l.live());
+        let live = ks.pool.iter().filter(|l| l.live()).count();
+        match head.kind {
+            Kind::Exclusive => !xlive && live == 0,
+            Kind::Shared => !xlive,
+            Kind::Permit(n) => (live as u8) < n,
+        }
+    }
+
     /// Whether the live holders of each key respect its kind: one exclusive holder and nobody
     /// else, or shared holders only, or at most `limit` permits.
     pub fn exclusive_ok(&self, s: &State) -> bool {

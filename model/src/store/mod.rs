@@ -15,10 +15,12 @@
 //!   broker does too); a dead broker's bids stay until the queue drops them (requeue).
 //! - Request ids, owners, watches (`changed`) and the layout check are left out.
 
+mod bugs;
+mod epoch;
 mod queue;
 mod scripts;
 
-pub use scripts::Bug;
+pub use bugs::Bug;
 
 /// A fence; the checker renumbers them (order kept) so that states stay few.
 pub type Fence = u64;

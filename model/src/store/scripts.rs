@@ -1,56 +1,13 @@
 //! The scripts, one function each, named after `src/store/redis/scripts/<name>.lua`.
 
+use super::bugs::Bug;
 use super::queue::{
     Ctx, busy_for, drop_holder, ended, exclusive_end, hand_on, kept_fence, live_count, requeue,
     settle, wait_turn, write_lease,
 };
 use super::{
-    Answer, Back, BackCode, Bid, Call, Effects, Fence, Key, KeyState, Kind, Lease, Marker, Op,
-    Params, Store, Token,
+    Answer, Bid, Call, Effects, Fence, Key, KeyState, Kind, Lease, Marker, Op, Params, Store, Token,
 };
-
-/// Known-bad variants of the protocol: each a mistake someone could make in the scripts. The
-/// checker must find a counterexample for each (`scripts/model-check.sh --bug NAME`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Bug {
-    /// `checked` does not compare the epoch: a broker grants into an emptied store before the
-    /// others put their leases back.
-    NoEpochCheck,
-    /// The hand-on writes an offer without taking a fence; the take keeps the record's (stale)
-    /// fence.
-    OfferWithoutFence,
-    /// RELEASE drops the lease record without `kept_fence`: after the clock steps back, the
-    /// fast path's clock fence is below the released one.
-    ReleaseDropsKeptFence,
-    /// A lapsed offer's broker keeps its other bids in the queue (`requeue` only tells it).
-    LapseKeepsQueue,
-    /// RELEASE does not hand the key on: the queue's head is left waiting on a free key.
-    ReleaseWithoutHandOn,
-}
-
-impl Bug {
-    pub const ALL: [Bug; 5] = [
-        Bug::NoEpochCheck,
-        Bug::OfferWithoutFence,
-        Bug::ReleaseDropsKeptFence,
-        Bug::LapseKeepsQueue,
-        Bug::ReleaseWithoutHandOn,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Bug::NoEpochCheck => "no-epoch-check",
-            Bug::OfferWithoutFence => "offer-without-fence",
-            Bug::ReleaseDropsKeptFence => "release-drops-kept-fence",
-            Bug::LapseKeepsQueue => "lapse-keeps-queue",
-            Bug::ReleaseWithoutHandOn => "release-without-hand-on",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<Bug> {
-        Bug::ALL.into_iter().find(|b| b.name() == name)
-    }
-}
 
 pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> Answer {
     let ctx = |key: Key, hand: bool| Ctx {
@@ -81,8 +38,8 @@ pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> A
             let l = s.keys[*key as usize].lock.as_ref();
             Answer::Record(l.map(|l| (l.token, l.fence, l.live())))
         }
-        Op::PutBack { epoch, leases } => put_back(s, p, call.broker, *epoch, leases),
-        Op::Check => check(s, p),
+        Op::PutBack { epoch, leases } => super::epoch::put_back(s, p, call.broker, *epoch, leases),
+        Op::Check => super::epoch::check(s, p),
         Op::Tick => {
             tick(s);
             Answer::Done
@@ -385,109 +342,4 @@ fn leave(s: &mut Store, c: &mut Ctx, fx: &mut Effects, token: Token) -> Answer {
         hand_on(s, c, fx, None);
     }
     Answer::Left(offer)
-}
-
-/// check.lua: a missing marker begins a new epoch with the settle hold.
-fn check(s: &mut Store, p: &Params) -> Answer {
-    let m = *s.marker.get_or_insert_with(|| {
-        let id = s.next_epoch;
-        s.next_epoch += 1;
-        Marker { id, hold: p.settle }
-    });
-    Answer::Epoch(m.id)
-}
-
-/// put_back.lua: a broker's live leases back into a new epoch.
-fn put_back(s: &mut Store, p: &Params, broker: u8, epoch: u8, leases: &[Back]) -> Answer {
-    let us = s.us;
-    let Some(m) = s.marker.as_mut().filter(|m| m.id == epoch) else {
-        return Answer::EpochMoved;
-    };
-    m.hold = m.hold.max(p.put_back_hold);
-    let me = 1u8 << broker;
-    let mut out = Vec::new();
-    for back in leases {
-        let k = &mut s.keys[back.key as usize];
-        if k.counter.unwrap_or(0) < back.fence {
-            k.counter = Some(back.fence);
-        }
-        let mine = Lease {
-            token: back.token,
-            fence: back.fence,
-            left: back.left,
-            offered: false,
-            by: me,
-        };
-        let mut code = BackCode::Written;
-        if back.kind == Kind::Exclusive {
-            let cur = k.lock.clone();
-            kept_fence(k, cur.as_ref().map(|l| l.fence), us);
-            if let Some(cur) = cur.filter(Lease::live) {
-                if cur.token == back.token {
-                    code = BackCode::AlreadyThere;
-                    let l = k.lock.as_mut().expect("the lease");
-                    l.by |= me;
-                    l.left = l.left.max(back.left);
-                } else if cur.fence > back.fence {
-                    code = BackCode::OtherKept;
-                } else {
-                    code = BackCode::OtherReplaced;
-                }
-            }
-            if matches!(code, BackCode::Written | BackCode::OtherReplaced) {
-                let live: Vec<Fence> = k
-                    .pool
-                    .iter()
-                    .filter(|l| l.live())
-                    .map(|l| l.fence)
-                    .collect();
-                if live.iter().any(|f| *f > back.fence) {
-                    code = BackCode::OtherKept;
-                } else if !live.is_empty() {
-                    code = BackCode::OtherReplaced;
-                    k.pool.clear();
-                    k.limit = None;
-                }
-            }
-            if matches!(code, BackCode::Written | BackCode::OtherReplaced) {
-                k.lock = Some(mine);
-            }
-        } else {
-            if let Some(l) = k
-                .pool
-                .iter_mut()
-                .find(|l| l.token == back.token && l.live())
-            {
-                code = BackCode::AlreadyThere;
-                l.by |= me;
-                l.left = l.left.max(back.left);
-            }
-            if code == BackCode::Written && back.kind == Kind::Shared {
-                let cur = k.lock.clone();
-                kept_fence(k, cur.as_ref().map(|l| l.fence), us);
-                if let Some(cur) = cur {
-                    if cur.live() && cur.fence > back.fence {
-                        code = BackCode::OtherKept;
-                    } else {
-                        if cur.live() {
-                            code = BackCode::OtherReplaced;
-                        }
-                        k.lock = None;
-                    }
-                }
-            }
-            if code != BackCode::AlreadyThere && code != BackCode::OtherKept {
-                if let Kind::Permit(n) = back.kind
-                    && live_count(k) == 0
-                {
-                    k.limit = Some(n);
-                }
-                drop_holder(k, back.token);
-                k.pool.push(mine);
-                k.pool.sort();
-            }
-        }
-        out.push(code);
-    }
-    Answer::PutBack(out)
 }
