@@ -15,14 +15,18 @@ use rand::{RngExt, SeedableRng};
 pub(crate) use real::{Outcome, run_steps};
 
 /// The keys (lock keys `d0`, `d1`) and brokers of a run.
-pub(crate) const KEYS: u8 = 2;
+pub(crate) const KEYS: u8 = 3;
+/// The last key is a semaphore of `LIMIT` permits (`d2` in the semaphores' space).
+pub(crate) const SEMAPHORE: u8 = 2;
+pub(crate) const LIMIT: u8 = 2;
 /// A long lease, in ticks: it never ends in a run.
 pub(crate) const LONG: u8 = 250;
 
 /// One step. A token is a number; the real side makes one `Token` per number.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Step {
-    /// CLAIM (exclusive) or JOIN (shared) — a token seen before asks again with its bid.
+    /// CLAIM (exclusive) or JOIN (shared; a permit on the semaphore) — a token seen before asks
+    /// again with its bid.
     Claim {
         broker: u8,
         key: u8,
@@ -145,7 +149,9 @@ impl ModelSide {
                 long,
                 wait,
             } => {
-                let kind = if shared {
+                let kind = if key == SEMAPHORE {
+                    Kind::Permit(LIMIT)
+                } else if shared {
                     Kind::Shared
                 } else {
                     Kind::Exclusive
@@ -161,7 +167,7 @@ impl ModelSide {
                         ttl,
                     })
                     .clone();
-                let op = if shared {
+                let op = if kind != Kind::Exclusive {
                     Op::Join {
                         key,
                         bid: bid.clone(),
@@ -330,7 +336,7 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
                     broker: b.broker,
                     key: key_of(&model, token).unwrap_or(key),
                     token,
-                    shared: b.kind == Kind::Shared,
+                    shared: b.kind != Kind::Exclusive,
                     long: b.ttl == LONG,
                     wait: true,
                 },
@@ -344,9 +350,10 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
                 },
             }
         } else if roll < 45 {
+            // TAKE_OVER is for lock keys.
             Step::TakeOver {
                 broker,
-                key,
+                key: key % SEMAPHORE,
                 token: next_token,
                 long: rng.random_bool(0.3),
             }

@@ -14,7 +14,7 @@ use lockbroker_model::store::{Answer, Fence};
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
 
-use super::{KEYS, ModelSide, Step};
+use super::{KEYS, LIMIT, ModelSide, SEMAPHORE, Step};
 
 /// A short lease, offer window and renewal, in ms: one tick of the model.
 const SHORT_MS: u64 = 150;
@@ -74,6 +74,14 @@ fn now_ms() -> u64 {
 
 fn lock_key(k: u8) -> LockKey {
     LockKey::parse(&format!("d{k}")).unwrap()
+}
+
+fn space_of(key: u8) -> Space {
+    if key == SEMAPHORE {
+        Space::Semaphores
+    } else {
+        Space::Locks
+    }
 }
 
 fn ttl(long: bool) -> Ttl {
@@ -204,7 +212,13 @@ impl Real {
     }
 
     async fn step(&mut self, step: &Step, seen: Fence) -> StoreResult<Said> {
-        let space = Space::Locks;
+        let space = match step {
+            Step::Release { key, .. }
+            | Step::Renew { key, .. }
+            | Step::Leave { key, .. }
+            | Step::Force { key, .. } => space_of(*key),
+            _ => Space::Locks,
+        };
         Ok(match *step {
             Step::Claim {
                 broker,
@@ -216,8 +230,15 @@ impl Real {
             } => {
                 let bid = self.bid(token, long, wait);
                 let s = &self.stores[broker as usize];
-                if shared {
-                    match s.join(&lock_key(key), Pool::Shared, &bid).await? {
+                let pool = if key == SEMAPHORE {
+                    Some(Pool::Semaphore {
+                        limit: LIMIT.into(),
+                    })
+                } else {
+                    shared.then_some(Pool::Shared)
+                };
+                if let Some(pool) = pool {
+                    match s.join(&lock_key(key), pool, &bid).await? {
                         Join::Granted(l) => self.granted(&l),
                         Join::Busy { .. } | Join::LimitMismatch { .. } => Said::Refused,
                         Join::Queued { .. } => Said::Queued,
@@ -294,11 +315,20 @@ impl Real {
         }
     }
 
-    /// The key's lease record (token, fence, live) and live shared holders, as READ says.
+    /// The key's lease record (token, fence, live) and live shared holders, as READ says (a
+    /// semaphore's live permits, as PERMITS says).
     async fn holders(
         &self,
         key: u8,
     ) -> StoreResult<(Option<(usize, Fence, bool)>, BTreeSet<(usize, Fence)>)> {
+        if key == SEMAPHORE {
+            let permits = self.stores[0].permits(&lock_key(key)).await?;
+            let held = permits
+                .holders
+                .iter()
+                .map(|l| (self.index_of(&l.token), l.fence));
+            return Ok((None, held.collect()));
+        }
         let snap = self.stores[0].read(&lock_key(key)).await?;
         let lease = snap
             .lease
