@@ -111,19 +111,6 @@ pub fn semaphore(bug: Option<Bug>) -> Config {
             (1, 0, Kind::Permit(2)),
             (2, 0, Kind::Permit(2)),
         ],
-        keys: 1,
-        ttl: 2,
-        window: 2,
-        settle: 2,
-        put_back_hold: 1,
-        poll: 3,
-        attempts: vec![1, 1, 1],
-        renews: 1,
-        deaths: 1,
-        losses: 1,
-        forces: 0,
-        clock_backs: 0,
-        slacks: 0,
-        bug,
+        ..locks(bug)
     }
 }

@@ -199,16 +199,16 @@ impl LockModel {
                     ended: false,
                 };
                 s.stall[key as usize] = 0;
-                let ledger = &mut s.brokers[b as usize].ledger;
-                ledger.retain(|e| e.token != token);
-                ledger.push(Entry {
-                    key,
-                    token,
-                    kind,
-                    fence,
-                    left,
-                });
-                ledger.sort();
+                super::remember(
+                    &mut s.brokers[b as usize].ledger,
+                    Entry {
+                        key,
+                        token,
+                        kind,
+                        fence,
+                        left,
+                    },
+                );
             }
             Answer::Queued { retry } => {
                 let timer = retry.min(self.cfg.poll).max(1);

@@ -32,16 +32,16 @@ impl LockModel {
                     *left = ttl;
                     *renewed += 1;
                 }
-                let ledger = &mut s.brokers[b as usize].ledger;
-                ledger.retain(|e| e.token != token);
-                ledger.push(Entry {
-                    key,
-                    token,
-                    kind,
-                    fence,
-                    left: ttl,
-                });
-                ledger.sort();
+                super::remember(
+                    &mut s.brokers[b as usize].ledger,
+                    Entry {
+                        key,
+                        token,
+                        kind,
+                        fence,
+                        left: ttl,
+                    },
+                );
             }
             Answer::HoldInForce => {}
             _ => {

@@ -101,6 +101,13 @@ pub struct Entry {
     pub left: u8,
 }
 
+/// Records a lease in a ledger (a grant or a renewal), replacing its token's entry.
+pub(crate) fn remember(ledger: &mut Vec<Entry>, entry: Entry) {
+    ledger.retain(|e| e.token != entry.token);
+    ledger.push(entry);
+    ledger.sort();
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct BrokerState {
     pub alive: bool,

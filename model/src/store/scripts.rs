@@ -92,6 +92,31 @@ fn granted(bid: &Bid, (fence, left): (Fence, u8)) -> Answer {
     }
 }
 
+/// The bid's own live lease: an offer it takes now (its lease for its whole TTL from now), or
+/// its lease again.
+fn taken(l: &mut Lease, bid: &Bid, broker: u8) -> Answer {
+    if l.offered {
+        l.left = bid.ttl;
+        l.offered = false;
+        l.by = 1 << broker;
+    }
+    Answer::Granted {
+        token: bid.token,
+        fence: l.fence,
+        left: l.left,
+    }
+}
+
+/// A bid that does not wait never goes ahead of the queue: with bids queued, the key is handed
+/// on first; whether bids are still queued then.
+fn still_queued(s: &mut Store, c: &mut Ctx, fx: &mut Effects) -> bool {
+    if s.keys[c.key as usize].queue.is_empty() {
+        return false;
+    }
+    hand_on(s, c, fx, None);
+    !s.keys[c.key as usize].queue.is_empty()
+}
+
 /// claim.lua (with fast/claim.lua in front).
 fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) -> Answer {
     let k = &mut s.keys[c.key as usize];
@@ -109,23 +134,11 @@ fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) ->
         return granted(bid, (fence, bid.ttl));
     }
     if let Some(cur) = k.lock.as_mut().filter(|l| l.live() && l.token == bid.token) {
-        if cur.offered {
-            cur.left = bid.ttl;
-            cur.offered = false;
-            cur.by = 1 << c.broker;
-        }
-        return Answer::Granted {
-            token: bid.token,
-            fence: cur.fence,
-            left: cur.left,
-        };
+        return taken(cur, bid, c.broker);
     }
     if !wait {
-        if !s.keys[c.key as usize].queue.is_empty() {
-            hand_on(s, c, fx, None);
-            if !s.keys[c.key as usize].queue.is_empty() {
-                return Answer::Refused;
-            }
+        if still_queued(s, c, fx) {
+            return Answer::Refused;
         }
         let k = &s.keys[c.key as usize];
         if k.lock.is_some() || busy_for(k, Kind::Exclusive).is_some() {
@@ -144,11 +157,8 @@ fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) ->
 
 /// take_over.lua: GETSET made safe.
 fn take_over(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, seen: Fence) -> Answer {
-    if !s.keys[c.key as usize].queue.is_empty() {
-        hand_on(s, c, fx, None);
-        if !s.keys[c.key as usize].queue.is_empty() {
-            return Answer::Refused;
-        }
+    if still_queued(s, c, fx) {
+        return Answer::Refused;
     }
     if let Some(cur) = s.keys[c.key as usize].lock.clone() {
         if cur.fence != seen || cur.live() {
@@ -174,23 +184,11 @@ fn join(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) -> 
     settle(s, c, fx);
     let k = &mut s.keys[c.key as usize];
     if let Some(l) = k.pool.iter_mut().find(|l| l.token == bid.token && l.live()) {
-        if l.offered {
-            l.left = bid.ttl;
-            l.offered = false;
-            l.by = 1 << c.broker;
-        }
-        return Answer::Granted {
-            token: bid.token,
-            fence: l.fence,
-            left: l.left,
-        };
+        return taken(l, bid, c.broker);
     }
     if !wait {
-        if !s.keys[c.key as usize].queue.is_empty() {
-            hand_on(s, c, fx, None);
-            if !s.keys[c.key as usize].queue.is_empty() {
-                return Answer::NoRoom;
-            }
+        if still_queued(s, c, fx) {
+            return Answer::NoRoom;
         }
         if busy_for(&s.keys[c.key as usize], bid.kind).is_some() {
             return Answer::NoRoom;
