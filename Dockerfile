@@ -23,7 +23,8 @@ RUN apt-get update \
 #    member's manifest is copied (the broker; core/ and redis-store/, the crates it is built
 #    from; clients/rust, the client crate it builds on;
 #    cli-support/, what the broker's and the bench's command lines share; bench/, the
-#    benchmark; test-support/, the suites' fixtures, a dev-dependency never built here). A
+#    benchmark; test-support/, the suites' fixtures, a dev-dependency never built here;
+#    model/, the checked model of the store protocol, never built here). A
 #    member added to the workspace without a line here fails this step, and CI
 #    (scripts/container-check.sh) builds this image on every run. Every target path a manifest
 #    names (lib, bins, and any [[test]]/[[bench]]/[[example]] entries) gets a stub (`main.rs`
@@ -36,6 +37,7 @@ COPY clients/rust/Cargo.toml ./clients/rust/
 COPY cli-support/Cargo.toml ./cli-support/
 COPY bench/Cargo.toml ./bench/
 COPY test-support/Cargo.toml ./test-support/
+COPY model/Cargo.toml ./model/
 RUN set -eu; \
     members=$(sed -n '/^members *=/,/]/p' Cargo.toml | grep -o '"[^"]*"' | tr -d '"'); \
     for m in $members; do \

@@ -1,0 +1,116 @@
+//! The bounds of the exhaustive check (docs/model.md says why these).
+
+use crate::model::Config;
+use crate::store::{Bug, Kind};
+
+/// The configurations `scripts/model-check.sh` checks, each exhaustively.
+pub fn all(bug: Option<Bug>) -> Vec<Config> {
+    vec![
+        locks(bug),
+        dead_broker(bug),
+        two_keys(bug),
+        clock(bug),
+        semaphore(bug),
+    ]
+}
+
+/// Three brokers; one lock key with two exclusive clients and a shared one (the shared one
+/// on the second exclusive one's broker, so that a broker has two bids in one queue). A broker may die, the store may be lost once (or the clock step back once), one
+/// force release, one slack expiry.
+pub fn locks(bug: Option<Bug>) -> Config {
+    Config {
+        name: "locks",
+        brokers: 3,
+        clients: vec![
+            (0, 0, Kind::Exclusive),
+            (1, 0, Kind::Exclusive),
+            (1, 0, Kind::Shared),
+        ],
+        keys: 1,
+        attempts: vec![1, 1, 1],
+        ttl: 2,
+        window: 2,
+        settle: 2,
+        put_back_hold: 1,
+        poll: 3,
+        renews: 1,
+        deaths: 1,
+        losses: 1,
+        forces: 0,
+        clock_backs: 0,
+        slacks: 0,
+        bug,
+    }
+}
+
+/// A broker with two bids in one queue dies: two brokers, the second with two exclusive
+/// clients; the first client acquires twice, so that it can wait behind the dead broker's bids.
+pub fn dead_broker(bug: Option<Bug>) -> Config {
+    Config {
+        name: "dead-broker",
+        brokers: 2,
+        clients: vec![
+            (0, 0, Kind::Exclusive),
+            (1, 0, Kind::Exclusive),
+            (1, 0, Kind::Exclusive),
+        ],
+        keys: 1,
+        attempts: vec![2, 1, 1],
+        renews: 0,
+        losses: 0,
+        ..locks(bug)
+    }
+}
+
+/// Two brokers, two exclusive clients on one lock key; the clock may step back once (never in
+/// a run with a store loss: fences after a loss rely on the clock), one slack expiry, one force
+/// release.
+pub fn clock(bug: Option<Bug>) -> Config {
+    Config {
+        name: "clock",
+        brokers: 2,
+        clients: vec![(0, 0, Kind::Exclusive), (1, 0, Kind::Exclusive)],
+        keys: 1,
+        attempts: vec![1, 1],
+        deaths: 0,
+        losses: 0,
+        forces: 1,
+        clock_backs: 1,
+        slacks: 1,
+        ..locks(bug)
+    }
+}
+
+/// Two lock keys on two brokers: two exclusive clients on the first key, one on the second,
+/// so that a store loss, a death and the epoch meet several keys.
+pub fn two_keys(bug: Option<Bug>) -> Config {
+    Config {
+        name: "two-keys",
+        brokers: 2,
+        clients: vec![
+            (0, 0, Kind::Exclusive),
+            (1, 0, Kind::Exclusive),
+            (1, 1, Kind::Exclusive),
+        ],
+        keys: 2,
+        attempts: vec![1, 1, 1],
+        renews: 0,
+        deaths: 1,
+        forces: 1,
+        ..locks(bug)
+    }
+}
+
+/// A semaphore of two permits and three clients on three brokers.
+pub fn semaphore(bug: Option<Bug>) -> Config {
+    Config {
+        name: "semaphore",
+        brokers: 3,
+        clients: vec![
+            (0, 0, Kind::Permit(2)),
+            (1, 0, Kind::Permit(2)),
+            (2, 0, Kind::Permit(2)),
+        ],
+        ..locks(bug)
+    }
+}

@@ -1,0 +1,232 @@
+//! The system around the store: brokers with their waiters and ledgers, the clients they
+//! answer, the notices between them (delayed, duplicated or lost), brokers that die, time, and
+//! store losses. The store's steps are `crate::store`'s; what the brokers do with the answers
+//! follows `core/src/lock/` (waiters, acquire, release) and `redis-store/src/` (epoch, put-back,
+//! ledger).
+
+mod actions;
+mod broker;
+mod props;
+
+use crate::store::{Bug, Fence, Key, Kind, Notice, Params, Store, Token};
+
+/// The bounds of one exhaustive check.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub name: &'static str,
+    pub brokers: u8,
+    /// Each client's broker, key and kind (a semaphore key takes only `Permit`s of one limit).
+    pub clients: Vec<(u8, Key, Kind)>,
+    pub keys: u8,
+    /// Ticks (a tick stands for about a second): a lease's TTL, the offer window, the settle
+    /// hold, PUT_BACK's hold, a waiter's fallback poll.
+    pub ttl: u8,
+    pub window: u8,
+    pub settle: u8,
+    pub put_back_hold: u8,
+    pub poll: u8,
+    /// Acquires of each client (one token each), renewals per lease.
+    pub attempts: Vec<u8>,
+    pub renews: u8,
+    /// How many brokers may die, store losses, force releases, clock steps back, slack expiries.
+    pub deaths: u8,
+    pub losses: u8,
+    pub forces: u8,
+    pub clock_backs: u8,
+    pub slacks: u8,
+    pub bug: Option<Bug>,
+}
+
+impl Config {
+    pub fn params(&self) -> Params {
+        Params {
+            window: self.window,
+            settle: self.settle,
+            put_back_hold: self.put_back_hold,
+            bug: self.bug,
+        }
+    }
+
+    /// The bounded-progress bound (ticks): how long a key with a live broker's waiter may go
+    /// without a grant — a holder's TTL and renewals, an offer to a dead broker lapsing, an
+    /// offer whose notice was lost lapsing, a fallback poll, and a store loss's holds.
+    pub fn max_stall(&self) -> u8 {
+        self.ttl * (1 + self.renews)
+            + 2 * self.window
+            + self.poll
+            + self.losses * (self.settle + self.put_back_hold)
+    }
+}
+
+/// Where a client is.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    Idle,
+    /// Its acquire waits: its bid is queued (or about to ask again). `timer`: ticks until its
+    /// broker's timer asks again; `due`: it asks before time passes (an offer, a requeue).
+    Waiting {
+        token: Token,
+        timer: u8,
+        due: bool,
+    },
+    /// A SETNX refused on an expired lease with this fence: it may take it over.
+    Seen {
+        token: Token,
+        fence: Fence,
+    },
+    /// It holds a lease: until `left` ticks pass, unless `ended` (force-released, or lost with
+    /// every broker that remembered it — the documented limit of put-back).
+    Holding {
+        token: Token,
+        fence: Fence,
+        left: u8,
+        renewed: u8,
+        ended: bool,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Client {
+    pub phase: Phase,
+    pub attempt: u8,
+}
+
+/// A ledger entry: a live lease this broker granted or renewed.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Entry {
+    pub key: Key,
+    pub token: Token,
+    pub kind: Kind,
+    pub fence: Fence,
+    pub left: u8,
+}
+
+/// Records a lease in a ledger (a grant or a renewal), replacing its token's entry.
+pub(crate) fn remember(ledger: &mut Vec<Entry>, entry: Entry) {
+    ledger.retain(|e| e.token != entry.token);
+    ledger.push(entry);
+    ledger.sort();
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BrokerState {
+    pub alive: bool,
+    pub known: Option<u8>,
+    /// The epoch a CHECK found, to put the ledger back into.
+    pub catching: Option<u8>,
+    pub ledger: Vec<Entry>,
+    /// Notices sent to it and not delivered yet (a set: a duplicate is a delivery that keeps it).
+    pub inbox: Vec<Notice>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct State {
+    pub store: Store,
+    pub clients: Vec<Client>,
+    pub brokers: Vec<BrokerState>,
+    /// Used up of each bounded event: deaths, losses, forces, clock steps back, slack expiries.
+    pub used: [u8; 5],
+    /// Per key: the highest fence ever granted (ghost state for the fence property).
+    pub top: Vec<Fence>,
+    /// Per key: ticks since its last grant while a live broker's waiter waited for it (capped at
+    /// `max_stall + 1`).
+    pub stall: Vec<u8>,
+    /// Per key: ticks in a row in which the key was held back only by an offer to a dead broker
+    /// while a live broker's waiter waited for it.
+    pub dead_block: Vec<u8>,
+    pub fence_fault: bool,
+    pub lost_offer: bool,
+}
+
+/// The model: a configuration.
+#[derive(Clone, Debug)]
+pub struct LockModel {
+    pub cfg: Config,
+}
+
+pub use actions::Action;
+
+impl LockModel {
+    pub fn init(&self) -> State {
+        let c = &self.cfg;
+        State {
+            store: Store::new(c.keys as usize),
+            clients: c
+                .clients
+                .iter()
+                .map(|_| Client {
+                    phase: Phase::Idle,
+                    attempt: 0,
+                })
+                .collect(),
+            brokers: (0..c.brokers)
+                .map(|_| BrokerState {
+                    alive: true,
+                    known: Some(0),
+                    catching: None,
+                    ledger: Vec::new(),
+                    inbox: Vec::new(),
+                })
+                .collect(),
+            used: [0; 5],
+            top: vec![0; c.keys as usize],
+            stall: vec![0; c.keys as usize],
+            dead_block: vec![0; c.keys as usize],
+            fence_fault: false,
+            lost_offer: false,
+        }
+    }
+}
+
+/// Renumbers every fence in the state (order and equality kept) to multiples of `US_STEP`,
+/// so that states that differ only in the fences' absolute values are one.
+pub fn canonical(s: &mut State) {
+    use crate::store::US_STEP;
+    let mut all: Vec<Fence> = Vec::new();
+    visit_fences(s, &mut |f| {
+        if *f != 0 {
+            all.push(*f)
+        }
+    });
+    all.sort_unstable();
+    all.dedup();
+    visit_fences(s, &mut |f| {
+        if *f != 0 {
+            *f = (all.binary_search(f).expect("a fence seen") as Fence + 1) * US_STEP;
+        }
+    });
+}
+
+fn visit_fences(s: &mut State, f: &mut impl FnMut(&mut Fence)) {
+    f(&mut s.store.us);
+    for k in &mut s.store.keys {
+        if let Some(c) = &mut k.counter {
+            f(c);
+        }
+        if let Some(l) = &mut k.lock {
+            f(&mut l.fence);
+        }
+        for l in &mut k.pool {
+            f(&mut l.fence);
+        }
+    }
+    for b in &mut s.brokers {
+        for e in &mut b.ledger {
+            f(&mut e.fence);
+        }
+        for n in &mut b.inbox {
+            if let Notice::Ended(_, fence, _) = n {
+                f(fence);
+            }
+        }
+    }
+    for c in &mut s.clients {
+        match &mut c.phase {
+            Phase::Seen { fence, .. } | Phase::Holding { fence, .. } => f(fence),
+            _ => {}
+        }
+    }
+    for t in &mut s.top {
+        f(t);
+    }
+}

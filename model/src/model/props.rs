@@ -1,0 +1,147 @@
+//! The properties checked in every reachable state, and the `stateright::Model` impl.
+
+use stateright::{Model, Property};
+
+use super::{Action, LockModel, Phase, State, canonical};
+use crate::store::{Effects, Key, Kind};
+
+/// The properties' names, as the check prints them.
+const MUTUAL_EXCLUSION: &str = "never two holders of an exclusive lease";
+const FENCES_RISE: &str = "fences per key strictly rise in grant order, across store loss";
+const NO_LOST_OFFER: &str = "a freed key goes to its queue's head or stays free";
+const SERVED: &str = "a key a live waiter waits for is granted within the bound (bounded progress)";
+const DEAD_BROKER: &str = "a dead broker's entries hold a key back at most one offer window";
+
+impl LockModel {
+    /// The ghost state a step updates: the fences it took (each above the key's highest so
+    /// far), the keys it freed (the queue's head must not fit them now), the notices it told.
+    pub(super) fn effects(&self, s: &mut State, fx: Effects) {
+        for (k, f) in &fx.fences {
+            if *f <= s.top[*k as usize] {
+                s.fence_fault = true;
+            }
+            s.top[*k as usize] = s.top[*k as usize].max(*f);
+        }
+        for k in fx.freed {
+            if self.head_fits(s, k) {
+                s.lost_offer = true;
+            }
+        }
+        for (b, n) in fx.notices {
+            let br = &mut s.brokers[b as usize];
+            let inbox = &mut br.inbox;
+            if br.alive && !inbox.contains(&n) {
+                inbox.push(n);
+                inbox.sort();
+            }
+        }
+    }
+
+    /// After a step that freed key `k`: whether the queue's head could be granted now and the
+    /// store may hand on (a lost offer).
+    pub(super) fn head_fits(&self, s: &State, k: Key) -> bool {
+        let ks = &s.store.keys[k as usize];
+        let Some(head) = ks.queue.first() else {
+            return false;
+        };
+        if !matches!(s.store.marker, Some(m) if m.hold == 0) {
+            return false;
+        }
+        let xlive = ks.lock.as_ref().is_some_and(|l| l.live());
+        let live = ks.pool.iter().filter(|l| l.live()).count();
+        match head.kind {
+            Kind::Exclusive => !xlive && live == 0,
+            Kind::Shared => !xlive,
+            Kind::Permit(n) => (live as u8) < n,
+        }
+    }
+
+    /// Whether the live holders of each key respect its kind: one exclusive holder and nobody
+    /// else, or shared holders only, or at most `limit` permits.
+    pub fn exclusive_ok(&self, s: &State) -> bool {
+        for k in 0..self.cfg.keys {
+            let (mut x, mut shared, mut permits, mut limit) = (0, 0, 0u8, u8::MAX);
+            for (j, cl) in s.clients.iter().enumerate() {
+                let (_, ck, kind) = self.cfg.clients[j];
+                if ck != k {
+                    continue;
+                }
+                if let Phase::Holding {
+                    left, ended: false, ..
+                } = cl.phase
+                    && left > 0
+                {
+                    match kind {
+                        Kind::Exclusive => x += 1,
+                        Kind::Shared => shared += 1,
+                        Kind::Permit(n) => {
+                            permits += 1;
+                            limit = n;
+                        }
+                    }
+                }
+            }
+            if x > 1 || (x == 1 && shared > 0) || permits > limit {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+impl Model for LockModel {
+    type State = State;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State> {
+        vec![self.init()]
+    }
+
+    fn actions(&self, state: &State, actions: &mut Vec<Action>) {
+        self.actions_of(state, actions);
+    }
+
+    fn next_state(&self, last: &State, action: Action) -> Option<State> {
+        let mut next = last.clone();
+        self.step(&mut next, &action);
+        canonical(&mut next);
+        Some(next)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        let mut all = vec![
+            Property::always(MUTUAL_EXCLUSION, |m: &LockModel, s| m.exclusive_ok(s)),
+            Property::always(FENCES_RISE, |_, s: &State| !s.fence_fault),
+            Property::always(NO_LOST_OFFER, |_, s: &State| !s.lost_offer),
+            Property::always(SERVED, |m: &LockModel, s: &State| {
+                s.stall.iter().all(|t| *t <= m.cfg.max_stall())
+            }),
+            Property::always(DEAD_BROKER, |m: &LockModel, s: &State| {
+                let bound = m.cfg.window * s.used[0];
+                s.dead_block.iter().all(|d| *d <= bound)
+            }),
+            Property::sometimes("a key is offered to a queued waiter", |_, s: &State| {
+                s.store.keys.iter().any(|k| {
+                    k.lock
+                        .iter()
+                        .chain(k.pool.iter())
+                        .any(|l| l.live() && l.offered)
+                })
+            }),
+        ];
+        if self.cfg.losses == 0 {
+            return all;
+        }
+        all.push(Property::sometimes(
+            "a lease is put back after a loss",
+            |_, s: &State| {
+                s.used[1] > 0
+                    && s.store
+                        .keys
+                        .iter()
+                        .any(|k| k.lock.iter().chain(k.pool.iter()).any(|l| l.live()))
+            },
+        ));
+        all
+    }
+}

@@ -1,0 +1,44 @@
+//! The known-bad variants of the scripts (`scripts/model-check.sh --bug NAME`).
+
+/// Known-bad variants of the protocol: each a mistake someone could make in the scripts. The
+/// checker must find a counterexample for each (`scripts/model-check.sh --bug NAME`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Bug {
+    /// `checked` does not compare the epoch: a broker grants into an emptied store before the
+    /// others put their leases back.
+    NoEpochCheck,
+    /// The hand-on writes an offer without taking a fence; the take keeps the record's (stale)
+    /// fence.
+    OfferWithoutFence,
+    /// RELEASE drops the lease record without `kept_fence`: after the clock steps back, the
+    /// fast path's clock fence is below the released one.
+    ReleaseDropsKeptFence,
+    /// A lapsed offer's broker keeps its other bids in the queue (`requeue` only tells it).
+    LapseKeepsQueue,
+    /// RELEASE does not hand the key on: the queue's head is left waiting on a free key.
+    ReleaseWithoutHandOn,
+}
+
+impl Bug {
+    pub const ALL: [Bug; 5] = [
+        Bug::NoEpochCheck,
+        Bug::OfferWithoutFence,
+        Bug::ReleaseDropsKeptFence,
+        Bug::LapseKeepsQueue,
+        Bug::ReleaseWithoutHandOn,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Bug::NoEpochCheck => "no-epoch-check",
+            Bug::OfferWithoutFence => "offer-without-fence",
+            Bug::ReleaseDropsKeptFence => "release-drops-kept-fence",
+            Bug::LapseKeepsQueue => "lapse-keeps-queue",
+            Bug::ReleaseWithoutHandOn => "release-without-hand-on",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Bug> {
+        Bug::ALL.into_iter().find(|b| b.name() == name)
+    }
+}

@@ -1,0 +1,426 @@
+//! The steps of a differential run, their generation from a seed (guided by the model's state,
+//! so that asks again, releases and renewals name tokens that are queued or hold), the model's
+//! side of a run, and the shrinking of a failing sequence.
+
+mod real;
+
+use std::collections::HashMap;
+
+use lockbroker_model::store::{
+    Answer, Back, Bid, Call, Fence, Kind, Notice, Op, Params, Store, Token,
+};
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+
+pub(crate) use real::{Outcome, run_steps};
+
+/// The keys (lock keys `d0`, `d1`) and brokers of a run.
+pub(crate) const KEYS: u8 = 3;
+/// The last key is a semaphore of `LIMIT` permits (`d2` in the semaphores' space).
+pub(crate) const SEMAPHORE: u8 = 2;
+pub(crate) const LIMIT: u8 = 2;
+/// A long lease, in ticks: it never ends in a run.
+pub(crate) const LONG: u8 = 250;
+
+/// One step. A token is a number; the real side makes one `Token` per number.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// CLAIM (exclusive) or JOIN (shared; a permit on the semaphore) — a token seen before asks
+    /// again with its bid.
+    Claim {
+        broker: u8,
+        key: u8,
+        token: usize,
+        shared: bool,
+        long: bool,
+        wait: bool,
+    },
+    /// READ, then TAKE_OVER of the lease record seen.
+    TakeOver {
+        broker: u8,
+        key: u8,
+        token: usize,
+        long: bool,
+    },
+    Release {
+        broker: u8,
+        key: u8,
+        token: usize,
+    },
+    Renew {
+        broker: u8,
+        key: u8,
+        token: usize,
+        long: bool,
+    },
+    Leave {
+        broker: u8,
+        key: u8,
+        token: usize,
+    },
+    Force {
+        broker: u8,
+        key: u8,
+    },
+    /// Every short end passes.
+    Tick,
+    /// A tick, FLUSHALL, then both brokers catch up.
+    Flush,
+}
+
+pub(crate) fn token_of(t: usize) -> Token {
+    Token {
+        client: (t % 256) as u8,
+        attempt: (t / 256) as u8,
+    }
+}
+
+/// The model's side of a run: the store, the brokers' ledgers, the notices told since the
+/// last tick.
+pub(crate) struct ModelSide {
+    pub store: Store,
+    pub params: Params,
+    pub ledgers: [Vec<Back>; 2],
+    /// Each token's bid (its broker, key and kind), once it asked.
+    pub bids: HashMap<usize, Bid>,
+    /// Each token's key, once it asked.
+    pub keys_of: HashMap<usize, u8>,
+    pub told: Vec<(u8, Notice)>,
+}
+
+impl ModelSide {
+    pub(crate) fn new() -> Self {
+        ModelSide {
+            store: Store::new(KEYS as usize),
+            params: Params {
+                window: 1,
+                settle: 1,
+                put_back_hold: 1,
+                bug: None,
+            },
+            ledgers: [Vec::new(), Vec::new()],
+            bids: HashMap::new(),
+            keys_of: HashMap::new(),
+            told: Vec::new(),
+        }
+    }
+
+    fn call(&mut self, broker: u8, op: Op) -> Answer {
+        let known = self.store.marker.map(|m| m.id);
+        let (answer, fx) = self.store.apply(&self.params, &Call { broker, known, op });
+        for (b, n) in fx.notices {
+            match n {
+                Notice::Ended(key, fence, all) => {
+                    forget(&mut self.ledgers[b as usize], key, fence, all)
+                }
+                Notice::Look(..) => {}
+                other => self.told.push((b, other)),
+            }
+        }
+        answer
+    }
+
+    fn remember(&mut self, broker: u8, key: u8, kind: Kind, token: Token, answer: &Answer) {
+        if let Answer::Granted { fence, left, .. } = *answer {
+            let ledger = &mut self.ledgers[broker as usize];
+            ledger.retain(|e| e.token != token);
+            ledger.push(Back {
+                key,
+                kind,
+                token,
+                fence,
+                left,
+            });
+        }
+    }
+
+    /// Runs one step (not `Flush`'s catching up, see `flush`); the answer, and for TAKE_OVER the
+    /// fence it saw.
+    pub(crate) fn step(&mut self, step: &Step) -> Answer {
+        if let Step::Claim { token, key, .. } | Step::TakeOver { token, key, .. } = *step {
+            self.keys_of.entry(token).or_insert(key);
+        }
+        match *step {
+            Step::Claim {
+                broker,
+                key,
+                token,
+                shared,
+                long,
+                wait,
+            } => {
+                let kind = if key == SEMAPHORE {
+                    Kind::Permit(LIMIT)
+                } else if shared {
+                    Kind::Shared
+                } else {
+                    Kind::Exclusive
+                };
+                let ttl = if long { LONG } else { 1 };
+                let bid = self
+                    .bids
+                    .entry(token)
+                    .or_insert(Bid {
+                        token: token_of(token),
+                        broker,
+                        kind,
+                        ttl,
+                    })
+                    .clone();
+                let op = if kind != Kind::Exclusive {
+                    Op::Join {
+                        key,
+                        bid: bid.clone(),
+                        wait,
+                    }
+                } else {
+                    Op::Claim {
+                        key,
+                        bid: bid.clone(),
+                        wait,
+                    }
+                };
+                let answer = self.call(broker, op);
+                self.remember(broker, key, kind, bid.token, &answer);
+                answer
+            }
+            Step::TakeOver {
+                broker,
+                key,
+                token,
+                long,
+            } => {
+                let seen = self.store.keys[key as usize]
+                    .lock
+                    .as_ref()
+                    .map_or(0, |l| l.fence);
+                let ttl = if long { LONG } else { 1 };
+                let bid = Bid {
+                    token: token_of(token),
+                    broker,
+                    kind: Kind::Exclusive,
+                    ttl,
+                };
+                self.bids.entry(token).or_insert(bid.clone());
+                let answer = self.call(broker, Op::TakeOver { key, bid, seen });
+                self.remember(broker, key, Kind::Exclusive, token_of(token), &answer);
+                answer
+            }
+            Step::Release { broker, key, token } => {
+                let answer = self.call(
+                    broker,
+                    Op::Release {
+                        key,
+                        token: token_of(token),
+                    },
+                );
+                self.ledgers[broker as usize].retain(|e| e.token != token_of(token));
+                answer
+            }
+            Step::Renew {
+                broker,
+                key,
+                token,
+                long,
+            } => {
+                let ttl = if long { LONG } else { 1 };
+                let t = token_of(token);
+                let answer = self.call(broker, Op::Renew { key, token: t, ttl });
+                let ledger = &mut self.ledgers[broker as usize];
+                let kind = self.bids.get(&token).map_or(Kind::Exclusive, |b| b.kind);
+                ledger.retain(|e| e.token != t);
+                if let Answer::Held { fence } = answer {
+                    ledger.push(Back {
+                        key,
+                        kind,
+                        token: t,
+                        fence,
+                        left: ttl,
+                    });
+                }
+                answer
+            }
+            Step::Leave { broker, key, token } => self.call(
+                broker,
+                Op::Leave {
+                    key,
+                    token: token_of(token),
+                },
+            ),
+            Step::Force { broker, key } => {
+                let answer = self.call(broker, Op::Force { key });
+                if let Answer::Forced(fences) = &answer
+                    && let Some(top) = fences.iter().max()
+                {
+                    forget(&mut self.ledgers[broker as usize], key, *top, true);
+                }
+                answer
+            }
+            Step::Tick => {
+                self.call(0, Op::Tick);
+                for ledger in &mut self.ledgers {
+                    for e in ledger.iter_mut() {
+                        e.left -= 1;
+                    }
+                    ledger.retain(|e| e.left > 0);
+                }
+                Answer::Done
+            }
+            Step::Flush => {
+                self.step(&Step::Tick);
+                self.flush();
+                Answer::Done
+            }
+        }
+    }
+
+    /// FLUSHALL, then each broker's CHECK and PUT_BACK, and the hold ticked out.
+    pub(crate) fn flush(&mut self) {
+        self.call(0, Op::Flush);
+        for b in 0..2u8 {
+            let Answer::Epoch(epoch) = self.call(b, Op::Check) else {
+                unreachable!()
+            };
+            let leases = self.ledgers[b as usize].clone();
+            let op = Op::PutBack { epoch, leases };
+            self.store.apply(
+                &self.params,
+                &Call {
+                    broker: b,
+                    known: Some(epoch),
+                    op,
+                },
+            );
+        }
+        while self.store.marker.is_some_and(|m| m.hold > 0) {
+            self.step(&Step::Tick);
+        }
+        self.told.clear();
+    }
+}
+
+fn forget(ledger: &mut Vec<Back>, key: u8, fence: Fence, all: bool) {
+    ledger.retain(|e| e.key != key || !(e.fence == fence || (all && e.fence <= fence)));
+}
+
+/// A sequence of `n` steps from `seed`, each chosen from what the model's state offers.
+pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut model = ModelSide::new();
+    let mut steps = Vec::with_capacity(n);
+    let mut next_token = 0usize;
+    let mut since_tick = 0;
+    while steps.len() < n {
+        let broker = rng.random_range(0..2u8);
+        let key = rng.random_range(0..KEYS);
+        // Tokens queued or holding on some key, by the model.
+        let mut known: Vec<usize> = model.bids.keys().copied().collect();
+        known.sort_unstable();
+        let pick = |rng: &mut StdRng, known: &[usize], fresh: usize| {
+            if known.is_empty() || rng.random_bool(0.1) {
+                fresh
+            } else {
+                known[rng.random_range(known.len().saturating_sub(8)..known.len())]
+            }
+        };
+        let roll = rng.random_range(0..100);
+        let step = if since_tick >= 16 || roll < 2 {
+            Step::Tick
+        } else if rng.random_bool(0.003) {
+            Step::Flush
+        } else if roll < 40 {
+            let token = pick(&mut rng, &known, next_token);
+            match model.bids.get(&token) {
+                // The same bid asks again through its broker.
+                Some(b) => Step::Claim {
+                    broker: b.broker,
+                    key: key_of(&model, token).unwrap_or(key),
+                    token,
+                    shared: b.kind != Kind::Exclusive,
+                    long: b.ttl == LONG,
+                    wait: true,
+                },
+                None => Step::Claim {
+                    broker,
+                    key,
+                    token,
+                    shared: rng.random_bool(0.3),
+                    long: rng.random_bool(0.3),
+                    wait: rng.random_bool(0.7),
+                },
+            }
+        } else if roll < 45 {
+            // TAKE_OVER is for lock keys.
+            Step::TakeOver {
+                broker,
+                key: key % SEMAPHORE,
+                token: next_token,
+                long: rng.random_bool(0.3),
+            }
+        } else if roll < 65 {
+            let token = pick(&mut rng, &known, next_token);
+            let (broker, key) = home(&model, token).unwrap_or((broker, key));
+            Step::Release { broker, key, token }
+        } else if roll < 78 {
+            let token = pick(&mut rng, &known, next_token);
+            let (broker, key) = home(&model, token).unwrap_or((broker, key));
+            Step::Renew {
+                broker,
+                key,
+                token,
+                long: rng.random_bool(0.3),
+            }
+        } else if roll < 94 {
+            let token = pick(&mut rng, &known, next_token);
+            let (broker, key) = home(&model, token).unwrap_or((broker, key));
+            Step::Leave { broker, key, token }
+        } else {
+            Step::Force { broker, key }
+        };
+        if let Step::Claim { token, .. } | Step::TakeOver { token, .. } = step
+            && token == next_token
+        {
+            next_token += 1;
+        }
+        since_tick = if matches!(step, Step::Tick | Step::Flush) {
+            0
+        } else {
+            since_tick + 1
+        };
+        model.step(&step);
+        steps.push(step);
+    }
+    steps
+}
+
+fn key_of(model: &ModelSide, token: usize) -> Option<u8> {
+    model.keys_of.get(&token).copied()
+}
+
+fn home(model: &ModelSide, token: usize) -> Option<(u8, u8)> {
+    Some((model.bids.get(&token)?.broker, key_of(model, token)?))
+}
+
+/// Drops steps from a failing sequence while it still fails (chunks halving down to single
+/// steps), within a time budget: the shortest failing sequence found, and its disagreement.
+pub(crate) async fn shrink(mut steps: Vec<Step>, mut what: String) -> (Vec<Step>, String) {
+    let budget = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let mut chunk = steps.len() / 2;
+    while chunk >= 1 && std::time::Instant::now() < budget {
+        let mut i = 0;
+        while i < steps.len() && std::time::Instant::now() < budget {
+            let mut trial = steps.clone();
+            trial.drain(i..(i + chunk).min(steps.len()));
+            match run_steps(&trial).await {
+                Outcome::Disagreed { at, what: w } => {
+                    trial.truncate(at + 1);
+                    steps = trial;
+                    what = w;
+                }
+                _ => i += chunk,
+            }
+        }
+        chunk /= 2;
+    }
+    (steps, what)
+}

@@ -1,0 +1,540 @@
+//! The real side of a run: two `RedisStore`s (brokers 0 and 1) on a fresh `redis-server`, each
+//! step run on both sides and the answers, fences, holders and notices compared.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lockbroker_core::domain::{LockKey, Pool, Space, Token, Ttl};
+use lockbroker_core::store::{AsHolder, Bid, GrantAnswer, Join, Notice, Store, StoreError};
+use lockbroker_redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
+
+type StoreResult<T> = Result<T, StoreError>;
+use lockbroker_model::store::{Answer, Fence};
+use lockbroker_test_support::redis_server::RedisServer;
+use tokio::sync::mpsc;
+
+use super::{KEYS, LIMIT, ModelSide, SEMAPHORE, Step};
+
+/// A short lease, offer window and renewal, in ms: one tick of the model.
+const SHORT_MS: u64 = 150;
+/// A long one: it never ends in a run.
+const LONG_MS: u64 = 600_000;
+/// The steps between two ticks must end this long before the first short end among them.
+const MARGIN_MS: u64 = 20;
+
+pub(crate) enum Outcome {
+    Agreed {
+        ticks: usize,
+        flushes: usize,
+    },
+    /// The machine stalled: a short end may have passed between two ticks, at this step.
+    Spoiled(usize),
+    Disagreed {
+        at: usize,
+        what: String,
+    },
+}
+
+/// An answer as both sides can say it: fences are the side's own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Said {
+    Granted(usize, Fence),
+    Queued,
+    Refused,
+    OnHold,
+    Held(Fence),
+    NotHeld,
+    NotOwner,
+    Forced(Vec<Fence>),
+    Done,
+}
+
+fn model_said(a: &Answer, token: usize) -> Said {
+    match a {
+        Answer::Granted { fence, .. } => Said::Granted(token, *fence),
+        Answer::Queued { .. } => Said::Queued,
+        Answer::Refused | Answer::NoRoom => Said::Refused,
+        Answer::OnHold { .. } | Answer::HoldInForce | Answer::OtherEpoch => Said::OnHold,
+        Answer::Held { fence } => Said::Held(*fence),
+        Answer::NotHeld => Said::NotHeld,
+        Answer::NotOwner => Said::NotOwner,
+        Answer::Forced(f) if f.is_empty() => Said::NotHeld,
+        Answer::Forced(f) => Said::Forced(f.clone()),
+        _ => Said::Done,
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn lock_key(k: u8) -> LockKey {
+    LockKey::parse(&format!("d{k}")).unwrap()
+}
+
+fn space_of(key: u8) -> Space {
+    if key == SEMAPHORE {
+        Space::Semaphores
+    } else {
+        Space::Locks
+    }
+}
+
+fn ttl(long: bool) -> Ttl {
+    Ttl::from_ms(if long { LONG_MS } else { SHORT_MS })
+}
+
+/// Per key, the model's fences and the real ones: one renaming that keeps their order.
+#[derive(Default)]
+struct Fences(Vec<BTreeMap<Fence, Fence>>);
+
+impl Fences {
+    fn pair(&mut self, key: u8, model: Fence, real: Fence) -> Result<(), String> {
+        let map = &mut self.0[key as usize];
+        if let Some(r) = map.get(&model) {
+            return if *r == real {
+                Ok(())
+            } else {
+                Err(format!("model fence {model} was real {r}, now {real}"))
+            };
+        }
+        let below = map.range(..model).next_back().map(|(_, r)| *r);
+        let above = map.range(model..).next().map(|(_, r)| *r);
+        if below.is_some_and(|b| b >= real) || above.is_some_and(|a| a <= real) {
+            return Err(format!(
+                "fence order differs: model {model} ↔ real {real} on key d{key}"
+            ));
+        }
+        map.insert(model, real);
+        Ok(())
+    }
+
+    fn same(&mut self, key: u8, model: &Said, real: &Said) -> Result<(), String> {
+        let err = || Err(format!("model {model:?}, real {real:?}"));
+        match (model, real) {
+            (Said::Granted(a, f), Said::Granted(b, g)) if a == b => self.pair(key, *f, *g),
+            (Said::Held(f), Said::Held(g)) => self.pair(key, *f, *g),
+            (Said::Forced(f), Said::Forced(g)) if f.len() == g.len() => {
+                let (mut f, mut g) = (f.clone(), g.clone());
+                f.sort_unstable();
+                g.sort_unstable();
+                f.iter()
+                    .zip(&g)
+                    .try_for_each(|(f, g)| self.pair(key, *f, *g))
+            }
+            (a, b)
+                if a == b && !matches!(a, Said::Granted(..) | Said::Held(_) | Said::Forced(_)) =>
+            {
+                Ok(())
+            }
+            _ => err(),
+        }
+    }
+}
+
+struct Real {
+    redis: RedisServer,
+    stores: [RedisStore; 2],
+    notices: [mpsc::Receiver<Notice>; 2],
+    tokens: HashMap<usize, Token>,
+}
+
+impl Real {
+    async fn start() -> Self {
+        let redis = RedisServer::start().await;
+        let store = || {
+            let s = RedisStore::connect(
+                &RedisSettings {
+                    url: RedisUrl::parse(&redis.url()).unwrap(),
+                    key_prefix: "m:".into(),
+                    timeout: Duration::from_millis(SHORT_MS),
+                    store_loss_delay: Duration::ZERO,
+                    store_settle: Duration::from_millis(200),
+                    tls: RedisTls::default(),
+                    replica_acks: 0,
+                },
+                Arc::default(),
+            )
+            .unwrap();
+            let (tx, rx) = mpsc::channel(4096);
+            s.start(tx);
+            (s, rx)
+        };
+        let ((a, ra), (b, rb)) = (store(), store());
+        let real = Real {
+            redis,
+            stores: [a, b],
+            notices: [ra, rb],
+            tokens: HashMap::new(),
+        };
+        real.caught_up().await;
+        real
+    }
+
+    /// Waits until both brokers grant (their epoch checks and put-backs done, the hold over).
+    async fn caught_up(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for store in &self.stores {
+            while let Some(hold) = store.ready().await.expect("the store answers") {
+                assert!(Instant::now() < deadline, "the store stayed held");
+                tokio::time::sleep(Duration::from_millis(hold.retry_after_ms.clamp(5, 100))).await;
+            }
+        }
+    }
+
+    fn token(&mut self, t: usize) -> Token {
+        self.tokens.entry(t).or_insert_with(Token::generate).clone()
+    }
+
+    fn bid(&mut self, t: usize, long: bool, wait: bool) -> Bid {
+        Bid {
+            token: self.token(t),
+            ttl: ttl(long),
+            owner: None,
+            request_id: None,
+            wait_ms: if wait { LONG_MS } else { 0 },
+        }
+    }
+
+    fn index_of(&self, token: &Token) -> usize {
+        self.tokens
+            .iter()
+            .find(|(_, v)| *v == token)
+            .map_or(usize::MAX, |(k, _)| *k)
+    }
+
+    fn granted(&self, lease: &lockbroker_core::domain::Lease) -> Said {
+        Said::Granted(self.index_of(&lease.token), lease.fence)
+    }
+
+    async fn step(&mut self, step: &Step, seen: Fence) -> StoreResult<Said> {
+        let space = match step {
+            Step::Release { key, .. }
+            | Step::Renew { key, .. }
+            | Step::Leave { key, .. }
+            | Step::Force { key, .. } => space_of(*key),
+            _ => Space::Locks,
+        };
+        Ok(match *step {
+            Step::Claim {
+                broker,
+                key,
+                token,
+                shared,
+                long,
+                wait,
+            } => {
+                let bid = self.bid(token, long, wait);
+                let s = &self.stores[broker as usize];
+                let pool = if key == SEMAPHORE {
+                    Some(Pool::Semaphore {
+                        limit: LIMIT.into(),
+                    })
+                } else {
+                    shared.then_some(Pool::Shared)
+                };
+                if let Some(pool) = pool {
+                    match s.join(&lock_key(key), pool, &bid).await? {
+                        Join::Granted(l) => self.granted(&l),
+                        Join::Busy { .. } | Join::LimitMismatch { .. } => Said::Refused,
+                        Join::Queued { .. } => Said::Queued,
+                        Join::OnHold(_) => Said::OnHold,
+                    }
+                } else {
+                    let a = s.claim(&lock_key(key), &bid).await?;
+                    self.grant(a)
+                }
+            }
+            Step::TakeOver {
+                broker,
+                key,
+                token,
+                long,
+            } => {
+                let bid = self.bid(token, long, false);
+                let a = self.stores[broker as usize]
+                    .take_over(&lock_key(key), seen, &bid)
+                    .await?;
+                self.grant(a)
+            }
+            Step::Release { broker, key, token } => {
+                let t = self.token(token);
+                match self.stores[broker as usize]
+                    .release(space, &lock_key(key), &t)
+                    .await?
+                {
+                    AsHolder::Done(_) => Said::Held(0),
+                    other => holder(other),
+                }
+            }
+            Step::Renew {
+                broker,
+                key,
+                token,
+                long,
+            } => {
+                let t = self.token(token);
+                match self.stores[broker as usize]
+                    .renew(space, &lock_key(key), &t, ttl(long))
+                    .await?
+                {
+                    AsHolder::Done(l) => Said::Held(l.fence),
+                    other => holder(other),
+                }
+            }
+            Step::Leave { broker, key, token } => {
+                let t = self.token(token);
+                self.stores[broker as usize]
+                    .leave(space, &lock_key(key), &t)
+                    .await?;
+                Said::Done
+            }
+            Step::Force { broker, key } => {
+                match self.stores[broker as usize]
+                    .force_release(space, &lock_key(key))
+                    .await?
+                {
+                    AsHolder::Done(f) => Said::Forced(f),
+                    other => holder(other),
+                }
+            }
+            Step::Tick | Step::Flush => Said::Done,
+        })
+    }
+
+    fn grant(&self, a: GrantAnswer) -> Said {
+        match a {
+            GrantAnswer::Granted(l) => self.granted(&l),
+            GrantAnswer::Refused => Said::Refused,
+            GrantAnswer::OnHold(_) => Said::OnHold,
+            GrantAnswer::Queued { .. } => Said::Queued,
+        }
+    }
+
+    /// The key's lease record (token, fence, live) and live shared holders, as READ says (a
+    /// semaphore's live permits, as PERMITS says).
+    async fn holders(
+        &self,
+        key: u8,
+    ) -> StoreResult<(Option<(usize, Fence, bool)>, BTreeSet<(usize, Fence)>)> {
+        if key == SEMAPHORE {
+            let permits = self.stores[0].permits(&lock_key(key)).await?;
+            let held = permits
+                .holders
+                .iter()
+                .map(|l| (self.index_of(&l.token), l.fence));
+            return Ok((None, held.collect()));
+        }
+        let snap = self.stores[0].read(&lock_key(key)).await?;
+        let lease = snap
+            .lease
+            .as_ref()
+            .map(|l| (self.index_of(&l.token), l.fence, l.is_live_at(snap.now_ms)));
+        let shared = snap
+            .shared
+            .iter()
+            .map(|l| (self.index_of(&l.token), l.fence))
+            .collect();
+        Ok((lease, shared))
+    }
+
+    /// The offers and requeues told to each broker since the last drain.
+    fn drain(&mut self) -> BTreeSet<(u8, String)> {
+        let mut out = BTreeSet::new();
+        for b in 0..2 {
+            while let Ok(n) = self.notices[b].try_recv() {
+                match n {
+                    Notice::Offered(_, k, t) => {
+                        out.insert((
+                            b as u8,
+                            format!("offered {} to {}", k.as_str(), self.index_of(&t)),
+                        ));
+                    }
+                    Notice::Requeue(_, k) => {
+                        out.insert((b as u8, format!("requeue {}", k.as_str())));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        out
+    }
+}
+
+fn holder<T>(h: AsHolder<T>) -> Said {
+    match h {
+        AsHolder::Done(_) => Said::Done,
+        AsHolder::NotHeld => Said::NotHeld,
+        AsHolder::NotOwner => Said::NotOwner,
+        AsHolder::OnHold(_) => Said::OnHold,
+    }
+}
+
+/// Runs `steps` on a fresh Redis and on the model.
+pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
+    let mut real = Real::start().await;
+    let mut model = ModelSide::new();
+    let mut fences = Fences(vec![BTreeMap::new(); KEYS as usize]);
+    let (mut ticks, mut flushes) = (0, 0);
+    // The first real step since the last tick began then (ms), and the last one ended then.
+    let mut segment: Option<u64> = None;
+    let mut last_end = now_ms();
+    for (at, step) in steps.iter().enumerate() {
+        let disagree = |what: String| Outcome::Disagreed {
+            at,
+            what: format!("{step:?}: {what}"),
+        };
+        match step {
+            Step::Tick | Step::Flush => {
+                // Every short end passes (and what the brokers told each other arrives).
+                let until = last_end + SHORT_MS + 5;
+                let wait = until.saturating_sub(now_ms());
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+                model.step(&Step::Tick);
+                ticks += 1;
+                segment = None;
+                let told: BTreeSet<(u8, String)> = model
+                    .told
+                    .drain(..)
+                    .filter_map(|(b, n)| match n {
+                        lockbroker_model::store::Notice::Offered(k, t) => Some((
+                            b,
+                            format!(
+                                "offered d{k} to {}",
+                                t.client as usize + 256 * t.attempt as usize
+                            ),
+                        )),
+                        lockbroker_model::store::Notice::Requeue(k) => {
+                            Some((b, format!("requeue d{k}")))
+                        }
+                        _ => None,
+                    })
+                    .collect();
+                let heard = real.drain();
+                if told != heard {
+                    return disagree(format!(
+                        "notices: model told {told:?}, brokers heard {heard:?}"
+                    ));
+                }
+                if *step == Step::Flush {
+                    real.redis.flushall().await;
+                    real.caught_up().await;
+                    model.flush();
+                    flushes += 1;
+                    let _ = real.drain();
+                    model.told.clear();
+                    last_end = now_ms();
+                }
+                for k in 0..KEYS {
+                    match compare_holders(&real, &model, &mut fences, k).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => return disagree(e),
+                        Err(_) => return Outcome::Spoiled(at),
+                    }
+                }
+                continue;
+            }
+            _ => {}
+        }
+        let started = now_ms();
+        let first = *segment.get_or_insert(started);
+        let key = match *step {
+            Step::Claim { key, .. } | Step::TakeOver { key, .. } | Step::Release { key, .. } => key,
+            Step::Renew { key, .. } | Step::Leave { key, .. } | Step::Force { key, .. } => key,
+            Step::Tick | Step::Flush => unreachable!(),
+        };
+        let token = match *step {
+            Step::Claim { token, .. } | Step::TakeOver { token, .. } => token,
+            _ => usize::MAX,
+        };
+        // TAKE_OVER names the record each side sees.
+        let seen = match step {
+            Step::TakeOver { .. } => match real.holders(key).await {
+                Ok(h) => h.0.map_or(0, |(_, f, _)| f),
+                Err(_) => return Outcome::Spoiled(at),
+            },
+            _ => 0,
+        };
+        // A store call that timed out (the timeout is the short window) is a stalled machine.
+        let Ok(said_real) = real.step(step, seen).await else {
+            return Outcome::Spoiled(at);
+        };
+        let answer = model.step(step);
+        last_end = now_ms();
+        if last_end + MARGIN_MS >= first + SHORT_MS {
+            return Outcome::Spoiled(at);
+        }
+        let mut said_model = model_said(&answer, token);
+        // RELEASE answers no fence on the store interface.
+        if let (Said::Held(_), Step::Release { .. }) = (&said_model, step) {
+            said_model = Said::Held(0);
+        }
+        let fenced = !matches!(step, Step::Release { .. });
+        let same = if fenced {
+            fences.same(key, &said_model, &said_real)
+        } else if said_model == said_real {
+            Ok(())
+        } else {
+            Err(format!("model {said_model:?}, real {said_real:?}"))
+        };
+        if let Err(e) = same {
+            return disagree(e);
+        }
+        match compare_holders(&real, &model, &mut fences, key).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return disagree(e),
+            Err(_) => return Outcome::Spoiled(at),
+        }
+    }
+    Outcome::Agreed { ticks, flushes }
+}
+
+/// The key's holders on both sides: a disagreement, or the real store's error.
+async fn compare_holders(
+    real: &Real,
+    model: &ModelSide,
+    fences: &mut Fences,
+    key: u8,
+) -> StoreResult<Result<(), String>> {
+    let (lease, shared) = real.holders(key).await?;
+    Ok(same_holders(model, fences, key, lease, shared))
+}
+
+fn same_holders(
+    model: &ModelSide,
+    fences: &mut Fences,
+    key: u8,
+    lease: Option<(usize, Fence, bool)>,
+    shared: BTreeSet<(usize, Fence)>,
+) -> Result<(), String> {
+    let k = &model.store.keys[key as usize];
+    let ix = |t: lockbroker_model::store::Token| t.client as usize + 256 * t.attempt as usize;
+    let m_lease = k.lock.as_ref().map(|l| (ix(l.token), l.fence, l.live()));
+    match (m_lease, lease) {
+        (None, None) => {}
+        (Some((a, f, x)), Some((b, g, y))) if a == b && x == y => fences.pair(key, f, g)?,
+        (m, r) => return Err(format!("d{key}'s lease record: model {m:?}, real {r:?}")),
+    }
+    if k.lock.is_none() {
+        let mut m: Vec<(usize, Fence)> = k
+            .pool
+            .iter()
+            .filter(|l| l.live())
+            .map(|l| (ix(l.token), l.fence))
+            .collect();
+        m.sort_unstable();
+        if m.len() != shared.len() || m.iter().zip(&shared).any(|(a, b)| a.0 != b.0) {
+            return Err(format!(
+                "d{key}'s shared holders: model {m:?}, real {shared:?}"
+            ));
+        }
+        for (a, b) in m.iter().zip(&shared) {
+            fences.pair(key, a.1, b.1)?;
+        }
+    }
+    Ok(())
+}
