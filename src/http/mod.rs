@@ -8,6 +8,7 @@ pub(crate) mod auth;
 mod bodies;
 pub(crate) mod error;
 mod gate;
+mod layers;
 mod leases;
 mod locks;
 pub(crate) mod openapi;
@@ -26,6 +27,7 @@ use crate::lock::LockService;
 use crate::store::AnyStore;
 pub(crate) use auth::Auth;
 pub(crate) use error::ApiError;
+pub(crate) use layers::{Api, ApiBody};
 
 /// Every route `router` serves, as (method, path in OpenAPI's syntax); a `GET` route also
 /// answers `HEAD`. `GET /openapi.json` documents exactly these. `tests/api/openapi.rs` checks
@@ -71,15 +73,28 @@ pub(crate) struct AppState {
     pub auth: Option<Auth>,
     /// Whether `/metrics` and `/openapi.json` need a token too (with `auth` only).
     pub auth_metrics: bool,
+    /// Tests only: serve [`PANIC_ROUTE`].
+    pub panic_route: bool,
 }
+
+/// A route whose handler panics, served only when [`AppState::panic_route`] is set: how the
+/// tests check that a panic answers `500 internal` and leaves its connection serving.
+const PANIC_ROUTE: &str = "/_test/panic";
 
 /// The state the router hands each request: the [`AppState`] behind one `Arc`, so that a
 /// request (which axum hands a clone of it, and whose handler holds one while it waits) costs
 /// one reference count and eight bytes, not a copy of every field and a count per `Arc` in it.
 pub(crate) type SharedState = Arc<AppState>;
 
-/// The whole API as a router; tests drive it directly or over a socket.
-pub(crate) fn router(state: AppState) -> Router {
+/// The whole API as the server serves it: [`router`] behind the layers every request goes
+/// through (`layers`: token headers marked sensitive, the gate, panics caught).
+pub(crate) fn api(state: AppState) -> Api {
+    let outage = state.locks.outage().clone();
+    layers::around(router(state), outage)
+}
+
+/// Every route and its handler.
+fn router(state: AppState) -> Router {
     let state = Arc::new(state);
     let operations_guard = state.auth.clone().filter(|_| state.auth_metrics);
     let document = openapi::document_json(&state.limits, state.locks.cursor_pattern());
@@ -100,14 +115,22 @@ pub(crate) fn router(state: AppState) -> Router {
                 .get(semaphores::inspect_semaphore),
         )
         .route("/semaphores/{key}/renew", post(semaphores::renew_permit));
-    Router::new()
+    let routes = Router::new()
         .merge(guard_lock_routes(lease_routes, state.auth.clone()))
-        .merge(ops::ops_router(operations_guard, document))
+        .merge(ops::ops_router(operations_guard, document));
+    let routes = match state.panic_route {
+        true => routes.route(PANIC_ROUTE, get(panics)),
+        false => routes,
+    };
+    routes
         .fallback(|| async { ApiError::not_found() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
-        // Refuses oversized bodies, keeps each request in its span and logs each answer.
-        .layer(gate::Gate::new(state.locks.outage().clone()))
         .with_state(state)
+}
+
+/// The handler of [`PANIC_ROUTE`].
+async fn panics() -> ApiError {
+    panic!("the test route panics")
 }
 
 /// The lock routes' own layer: auth, as `routes.route_layer(…)`, so that it guards the lock
