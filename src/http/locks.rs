@@ -12,8 +12,7 @@ use super::SharedState;
 use super::bodies::{GrantBody, LockBody, LockListBody};
 use super::error::ApiError;
 use super::error::responses::{
-    Forbidden, ForceRefused, InspectNotHeld, InspectUnavailable, Locked, NotGranted, NotHeld,
-    NotOwner, RequestRefused, StoreUnavailable, Unauthorized,
+    AcquireRefused, InspectRefused, ListRefused, Locked, ReleaseRefused, RenewRefused,
 };
 use super::leases::{self, grant_response};
 use super::params::{KeyPath, Params, TokenHeader};
@@ -41,11 +40,8 @@ use crate::domain::{Kind, Space};
     ),
     responses(
         (status = 201, description = "Granted: the lease is held.", body = GrantBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
         Locked,
-        NotGranted,
+        AcquireRefused,
     ),
     security((), ("bearer" = []))
 )]
@@ -91,12 +87,7 @@ pub(super) async fn acquire_lock(
             status = 204,
             description = "Released (with `force=true`: every lease on the key ended)."
         ),
-        RequestRefused,
-        Unauthorized,
-        ForceRefused,
-        NotHeld,
-        NotOwner,
-        StoreUnavailable,
+        ReleaseRefused,
     ),
     security((), ("bearer" = []))
 )]
@@ -126,12 +117,7 @@ pub(super) async fn release_lock(
     ),
     responses(
         (status = 200, description = "Renewed: the grant again, with the new expiry.", body = GrantBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        NotHeld,
-        NotOwner,
-        StoreUnavailable,
+        RenewRefused,
     ),
     security((), ("bearer" = []))
 )]
@@ -164,11 +150,7 @@ pub(super) async fn renew_lock(
     params(KeyPath, WatchQuery),
     responses(
         (status = 200, description = "Held: the live lease.", body = LockBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        InspectNotHeld,
-        InspectUnavailable,
+        InspectRefused,
     ),
     security((), ("bearer" = []))
 )]
@@ -201,10 +183,7 @@ pub(super) async fn inspect_lock(
     params(ListQueryParams),
     responses(
         (status = 200, description = "A page of held locks.", body = LockListBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        StoreUnavailable,
+        ListRefused,
     ),
     security((), ("bearer" = []))
 )]

@@ -15,8 +15,7 @@ use super::SharedState;
 use super::bodies::{PermitBody, SemaphoreBody, SemaphoreListBody};
 use super::error::ApiError;
 use super::error::responses::{
-    Forbidden, ForceRefused, InspectNotHeld, InspectUnavailable, NotGranted, NotHeld, NotOwner,
-    PermitRefused, RequestRefused, StoreUnavailable, Unauthorized,
+    AcquireRefused, InspectRefused, ListRefused, PermitRefused, ReleaseRefused, RenewRefused,
 };
 use super::leases::{self, grant_response};
 use super::params::{KeyPath, Params, TokenHeader};
@@ -44,11 +43,8 @@ use crate::store::MAX_SEMAPHORE_LIMIT;
     ),
     responses(
         (status = 201, description = "Granted: the permit is held.", body = PermitBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
         PermitRefused,
-        NotGranted,
+        AcquireRefused,
     ),
     security((), ("bearer" = []))
 )]
@@ -99,12 +95,7 @@ pub(super) async fn acquire_permit(
     params(KeyPath, TokenHeader, ReleaseQuery),
     responses(
         (status = 204, description = "Released (with `force=true`: every permit ended)."),
-        RequestRefused,
-        Unauthorized,
-        ForceRefused,
-        NotHeld,
-        NotOwner,
-        StoreUnavailable,
+        ReleaseRefused,
     ),
     security((), ("bearer" = []))
 )]
@@ -134,12 +125,7 @@ pub(super) async fn release_permit(
     ),
     responses(
         (status = 200, description = "Renewed: the grant again, with the new expiry.", body = PermitBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        NotHeld,
-        NotOwner,
-        StoreUnavailable,
+        RenewRefused,
     ),
     security((), ("bearer" = []))
 )]
@@ -170,11 +156,7 @@ pub(super) async fn renew_permit(
     params(KeyPath, WatchQuery),
     responses(
         (status = 200, description = "Held: the live permits.", body = SemaphoreBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        InspectNotHeld,
-        InspectUnavailable,
+        InspectRefused,
     ),
     security((), ("bearer" = []))
 )]
@@ -205,10 +187,7 @@ pub(super) async fn inspect_semaphore(
     params(ListQueryParams),
     responses(
         (status = 200, description = "A page of held semaphores.", body = SemaphoreListBody),
-        RequestRefused,
-        Unauthorized,
-        Forbidden,
-        StoreUnavailable,
+        ListRefused,
     ),
     security((), ("bearer" = []))
 )]
