@@ -2,7 +2,8 @@
 //! and the lock service, nothing of Redis. [`router`] lists every route and its handler: the
 //! lock routes' in `locks`, the semaphore routes' in `semaphores` (what both do alike in
 //! `leases`, the JSON they answer with in `bodies`), and the operations routes' (health,
-//! readiness, metrics, the OpenAPI document) in `ops`.
+//! readiness, metrics, the OpenAPI document) in `ops`. [`api`] is the router behind the layers
+//! every request goes through (`layers`, the `gate` among them): what the server serves.
 
 pub(crate) mod auth;
 mod bodies;
