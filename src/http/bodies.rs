@@ -113,20 +113,26 @@ impl<'a> LockBody<'a> {
     /// The body of an inspect of `key`; `changed`: a watch's answer.
     pub(super) fn new(key: &'a LockKey, view: &'a HoldersView, changed: Option<bool>) -> Self {
         let (fence, expires_at_ms) = aggregate(&view.holders).unwrap_or_default();
-        let shared = view.mode == Some(Mode::Shared);
+        let mode = view.mode.unwrap_or(Mode::Exclusive);
         Self {
             key: key.as_str(),
-            mode: mode_name(view.mode.unwrap_or(Mode::Exclusive)),
+            mode: mode_name(mode),
             fence,
             expires_at_ms,
             ttl_remaining_ms: expires_at_ms.saturating_sub(view.now_ms),
-            owner: match view.holders.as_slice() {
-                [only] if !shared => only.owner.as_ref().map(Owner::as_str),
-                _ => None,
-            },
-            holders: shared.then(|| holder_bodies(view.now_ms, &view.holders)),
+            owner: exclusive_owner(mode, &view.holders),
+            holders: (mode == Mode::Shared).then(|| holder_bodies(view.now_ms, &view.holders)),
             changed,
         }
+    }
+}
+
+/// The `owner` label of a lock's one exclusive holder; `None` for shared holders (each has its
+/// own, in `holders`).
+fn exclusive_owner(mode: Mode, holders: &[Lease]) -> Option<&str> {
+    match (mode, holders) {
+        (Mode::Exclusive, [only]) => only.owner.as_ref().map(Owner::as_str),
+        _ => None,
     }
 }
 
@@ -229,10 +235,7 @@ fn listed_lock(now_ms: u64, entry: &Listed) -> Option<ListedLockBody<'_>> {
         fence,
         expires_at_ms,
         ttl_remaining_ms: expires_at_ms.saturating_sub(now_ms),
-        owner: match (mode, entry.holders.as_slice()) {
-            (Mode::Exclusive, [only]) => only.owner.as_ref().map(Owner::as_str),
-            _ => None,
-        },
+        owner: exclusive_owner(mode, &entry.holders),
     })
 }
 
