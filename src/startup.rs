@@ -1,5 +1,5 @@
 //! Building and running a broker: the store chosen from the configuration, the auth file and the
-//! TLS files (reloaded while it runs), the router, the listener and graceful shutdown. `main` and
+//! TLS files (reloaded while it runs), the API (`crate::http::api`), the listener and graceful shutdown. `main` and
 //! the tests both go through [`Application`].
 
 use std::future::Future;
@@ -13,7 +13,7 @@ use tokio::sync::{Notify, watch};
 
 use crate::auth::Policy;
 use crate::config::{Config, StoreBackend};
-use crate::http::{AppState, Auth, router};
+use crate::http::{Api, AppState, Auth, api};
 use crate::lock::LockService;
 use crate::metrics::Metrics;
 use crate::reload::{Reloadable, Reloader};
@@ -26,7 +26,7 @@ const SWEEP_EVERY: Duration = Duration::from_secs(10);
 /// A broker, bound and ready to serve.
 pub struct Application {
     listener: TcpListener,
-    router: axum::Router,
+    api: Api,
     shutdown: watch::Sender<bool>,
     store: Arc<AnyStore>,
     serve: ServeSettings,
@@ -38,6 +38,18 @@ impl Application {
     /// Redis: a broker whose Redis is down starts, says so on `/readyz`, and connects when
     /// Redis comes.
     pub async fn build(config: &Config) -> anyhow::Result<Self> {
+        Self::assemble(config, false).await
+    }
+
+    /// Tests only: as [`build`](Self::build), and the broker also serves `GET /_test/panic`,
+    /// whose handler panics (how the API tests check that a panic answers `500 internal` and
+    /// leaves its connection serving). No flag, variable or file reaches it.
+    #[doc(hidden)]
+    pub async fn build_with_panic_route(config: &Config) -> anyhow::Result<Self> {
+        Self::assemble(config, true).await
+    }
+
+    async fn assemble(config: &Config, panic_route: bool) -> anyhow::Result<Self> {
         let metrics = Arc::new(Metrics::default());
         let store = match &config.store {
             StoreBackend::Redis(settings) => {
@@ -105,11 +117,12 @@ impl Application {
             .with_context(|| format!("cannot listen on {}", serving.listen))?;
         Ok(Self {
             listener,
-            router: router(AppState {
+            api: api(AppState {
                 locks,
                 limits: config.limits,
                 auth,
                 auth_metrics: serving.auth_metrics,
+                panic_route,
             }),
             shutdown,
             store,
@@ -151,7 +164,7 @@ impl Application {
     ) -> std::io::Result<()> {
         let Self {
             listener,
-            router,
+            api,
             shutdown,
             store,
             serve: settings,
@@ -170,7 +183,7 @@ impl Application {
         );
         // Waiters see the shutdown and answer at once; the server meanwhile stops accepting and
         // waits for the requests under way.
-        let result = serve(listener, router, settings, stop, move || {
+        let result = serve(listener, api, settings, stop, move || {
             let _ = shutdown.send(true);
         })
         .await;

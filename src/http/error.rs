@@ -200,6 +200,22 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// `500 internal`: a bug (a handler panicked). Not one of the API's expected answers, so the
+    /// gate logs it at `ERROR`.
+    pub(super) fn internal() -> Response {
+        let mut response = Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::Internal,
+            "The broker failed to handle the request; its log has the details, under the \
+             request's x-request-id.",
+        )
+        .into_response();
+        response.extensions_mut().remove::<Expected>();
+        response
+    }
+}
+
 impl From<InvalidValue> for ApiError {
     fn from(e: InvalidValue) -> Self {
         Self::invalid(e.0)

@@ -1,6 +1,8 @@
 //! The layer in front of every route: a body announced larger than the limit is refused before
 //! the routes see it (waiting for a `Content-Length` of a terabyte would hold the request open
-//! for ever), and every answer is logged in the request's span ([`log_answer`]).
+//! for ever), every request has its id (`x-request-id`, taken or made: see
+//! [`super::layers::request_id`]) in its span and on its answer, and every answer is logged in
+//! the request's span ([`log_answer`]).
 //!
 //! An oversized body of up to [`DRAIN_LIMIT`] is read and dropped before the refusal: answering
 //! with the client's bytes still unread makes the connection close with data in its receive
@@ -11,7 +13,11 @@
 //! Written by hand rather than with tower-http's `TraceLayer` and an axum `from_fn` middleware:
 //! those do the same per request plus what the broker does not use (a response classifier, a
 //! wrapped response body, a boxed future and a clone of the inner service), and this layer runs
-//! on every request.
+//! on every request. The request id is kept here too rather than with tower-http's
+//! `SetRequestId` and `PropagateRequestId`, which look the header up five times per request and
+//! put the id in the request's and the answer's extensions, where nothing reads it (see
+//! docs/benchmarks.md). The layers it sits among, tower-http's, are in `super::layers`: by the
+//! time a request gets here its token headers are marked sensitive.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -21,12 +27,14 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use axum::http::{Request, header};
+use axum::http::{HeaderValue, Request};
 use axum::response::{IntoResponse, Response};
-use http_body_util::BodyExt;
+use http_body::Body as _;
+use http_body_util::{BodyExt, Either};
 use tower::{Layer, Service};
 
 use super::error::{ApiError, Expected};
+use super::layers::{REQUEST_ID, request_id};
 use super::params::BODY_LIMIT;
 use crate::metrics::Outage;
 
@@ -55,17 +63,17 @@ impl<S> Layer<S> for Gate {
 
 /// [`Gate`] around one service.
 #[derive(Clone)]
-pub(super) struct GateService<S> {
+pub(crate) struct GateService<S> {
     inner: S,
     outage: Arc<Outage>,
 }
 
-impl<S> Service<Request<Body>> for GateService<S>
+impl<S, B> Service<Request<Body>> for GateService<S>
 where
-    S: Service<Request<Body>, Response = Response, Error = Infallible>,
+    S: Service<Request<Body>, Response = Response<B>, Error = Infallible>,
     S::Future: Unpin,
 {
-    type Response = Response;
+    type Response = Response<Either<B, Body>>;
     type Error = Infallible;
     type Future = GateFuture<S::Future>;
 
@@ -74,10 +82,14 @@ where
     }
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
-        let started = Instant::now();
-        let span = request_span(&request);
+        // The latency is logged at DEBUG only: below it, no clock is read.
+        let started = tracing::enabled!(tracing::Level::DEBUG).then(Instant::now);
+        let id = request_id(request.headers());
+        let span = request_span(&request, &id);
         let _entered = span.enter();
         tracing::debug!("started processing request");
+        // `Authorization` and `Lock-Token` print as `Sensitive` (see `super::layers`).
+        tracing::trace!(headers = ?request.headers(), "request headers");
         let inner = match announced_length(&request) {
             Some(len) if len > BODY_LIMIT as u64 && len <= DRAIN_LIMIT => {
                 Inner::Refusing(Box::pin(refuse_after_draining(request.into_body())))
@@ -91,6 +103,7 @@ where
         GateFuture {
             inner,
             span,
+            id: Some(id),
             started,
             outage: self.outage.clone(),
         }
@@ -120,68 +133,88 @@ enum Inner<F> {
 }
 
 /// The answer of a [`GateService`]: the inner service's, or the refusal of an oversized body.
-pub(super) struct GateFuture<F> {
+pub(crate) struct GateFuture<F> {
     inner: Inner<F>,
     span: tracing::Span,
-    started: Instant,
+    /// The request's id, for its answer (taken when the answer is ready).
+    id: Option<HeaderValue>,
+    started: Option<Instant>,
     outage: Arc<Outage>,
 }
 
-impl<F> Future for GateFuture<F>
+impl<F, B> Future for GateFuture<F>
 where
-    F: Future<Output = Result<Response, Infallible>> + Unpin,
+    F: Future<Output = Result<Response<B>, Infallible>> + Unpin,
 {
-    type Output = Result<Response, Infallible>;
+    type Output = Result<Response<Either<B, Body>>, Infallible>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = &mut *self;
         let _entered = this.span.enter();
-        let response = match &mut this.inner {
+        let mut response = match &mut this.inner {
             Inner::Called(inner) => match Pin::new(inner).poll(cx) {
-                Poll::Ready(Ok(response)) => response,
+                Poll::Ready(Ok(response)) => response.map(Either::Left),
                 Poll::Ready(Err(never)) => match never {},
                 Poll::Pending => return Poll::Pending,
             },
             Inner::Refused(ready) => ready
                 .take()
-                .expect("a future is not polled after it completed"),
+                .expect("a future is not polled after it completed")
+                .map(Either::Right),
             Inner::Refusing(refusal) => match refusal.as_mut().poll(cx) {
-                Poll::Ready(response) => response,
+                Poll::Ready(response) => response.map(Either::Right),
                 Poll::Pending => return Poll::Pending,
             },
         };
-        log_answer(&this.outage, &response, this.started.elapsed());
+        let id = this
+            .id
+            .take()
+            .expect("a future is not polled after it completed");
+        let latency = this.started.map(|started| started.elapsed());
+        log_answer(&this.outage, &response, latency, &id);
+        response.headers_mut().insert(REQUEST_ID, id);
         Poll::Ready(Ok(response))
     }
 }
 
-/// The request's `Content-Length`, if it has a readable one.
+/// The body's length as the request announced it (`Content-Length`), as the HTTP library read
+/// it (no header lookup, no second parse).
 fn announced_length(request: &Request<Body>) -> Option<u64> {
-    request
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
+    request.body().size_hint().exact()
 }
 
 /// The span of one request: method and path, never the query string, which may carry a token;
-/// with auth, the name of the token that sent it (recorded by the auth layer), never the token.
-fn request_span(request: &Request<Body>) -> tracing::Span {
+/// its request id; with auth, the name of the token that sent it (recorded by the auth layer),
+/// never the token. (Its fields are read only when the span is enabled, at `DEBUG`.)
+fn request_span(request: &Request<Body>, id: &HeaderValue) -> tracing::Span {
     tracing::debug_span!(
         "request",
         method = %request.method(),
         path = %request.uri().path(),
+        request_id = %text(id),
         token = tracing::field::Empty,
     )
 }
 
-/// Logs each answer: at DEBUG; a 5xx that is not one of the API's answers (a bug) at ERROR. The
+/// A request id as text (every one the gate keeps or makes is ASCII).
+fn text(id: &HeaderValue) -> &str {
+    id.to_str().unwrap_or_default()
+}
+
+/// Logs each answer: at DEBUG; a 5xx that is not one of the API's answers (a bug) at ERROR, with
+/// the request id (the request's span, at DEBUG, is not there at the default level); the
+/// latency only at DEBUG, where the clock is read (`latency`). The
 /// API's own 503s (the store out or holding, a full wait queue, a shutdown) are expected: those
 /// of an outage are counted into it, which is logged once when it begins and once when it ends
 /// (see [`crate::metrics::Outage`]), so a Redis restart pages nobody.
-fn log_answer(outage: &Outage, response: &Response, latency: Duration) {
+fn log_answer<B>(
+    outage: &Outage,
+    response: &Response<B>,
+    latency: Option<Duration>,
+    id: &HeaderValue,
+) {
     let status = response.status();
-    let latency_ms = latency.as_millis();
+    let latency_ms = latency.map(|latency| latency.as_millis());
     match response.extensions().get::<Expected>() {
         Some(expected) => {
             // Counted into the outage in progress; outside one there is nothing to count
@@ -192,7 +225,8 @@ fn log_answer(outage: &Outage, response: &Response, latency: Duration) {
             tracing::debug!(%status, latency_ms, "answered");
         }
         None if status.is_server_error() => {
-            tracing::error!(%status, latency_ms, "answered with a server error");
+            let request_id = text(id);
+            tracing::error!(%status, latency_ms, %request_id, "answered with a server error");
         }
         None => tracing::debug!(%status, latency_ms, "answered"),
     }

@@ -14,14 +14,13 @@ use utoipa::ToSchema;
 use super::error::ApiError;
 use super::error::responses::{Forbidden, StoreUnavailable, Unauthorized};
 use super::{Auth, SharedState};
-use crate::store::Store;
 
 /// The operations routes, without their state. `/healthz` and `/readyz` are always open;
 /// `/metrics` and `/openapi.json` (which answers `document`, the OpenAPI document as built once
 /// for this router) are guarded by `guard` when there is one (`auth_metrics`).
-pub(super) fn ops_router<S: Store>(guard: Option<Auth>, document: Bytes) -> Router<SharedState<S>> {
+pub(super) fn ops_router(guard: Option<Auth>, document: Bytes) -> Router<SharedState> {
     let readable = Router::new()
-        .route("/metrics", get(metrics::<S>))
+        .route("/metrics", get(metrics))
         .route("/openapi.json", get(move || openapi_json(document.clone())));
     let readable = match guard {
         Some(auth) => readable.route_layer(axum::middleware::from_fn_with_state(
@@ -32,7 +31,7 @@ pub(super) fn ops_router<S: Store>(guard: Option<Auth>, document: Bytes) -> Rout
     };
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz::<S>))
+        .route("/readyz", get(readyz))
         .merge(readable)
 }
 
@@ -78,7 +77,7 @@ pub(super) async fn healthz() -> Json<StatusBody> {
     ),
     security((), ("bearer" = []))
 )]
-pub(super) async fn metrics<S: Store>(State(state): State<SharedState<S>>) -> Response {
+pub(super) async fn metrics(State(state): State<SharedState>) -> Response {
     (
         [(
             axum::http::header::CONTENT_TYPE,
@@ -104,9 +103,7 @@ pub(super) async fn metrics<S: Store>(State(state): State<SharedState<S>>) -> Re
         StoreUnavailable,
     )
 )]
-pub(super) async fn readyz<S: Store>(
-    State(state): State<SharedState<S>>,
-) -> Result<Json<StatusBody>, ApiError> {
+pub(super) async fn readyz(State(state): State<SharedState>) -> Result<Json<StatusBody>, ApiError> {
     // The broker looks at the store again within a second (its epoch check).
     state
         .locks

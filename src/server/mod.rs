@@ -1,4 +1,4 @@
-//! Serving the router on a listener, connection by connection: the accept loop, HTTPS
+//! Serving the API (`crate::http::Api`: the router behind its layers) on a listener, connection by connection: the accept loop, HTTPS
 //! ([`tls`]), the connection limits, and graceful shutdown. Written by hand on hyper (rather
 //! than `axum::serve`) for what the API promises about connections:
 //!
@@ -18,6 +18,7 @@
 pub(crate) mod io;
 pub(crate) mod tls;
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -39,6 +40,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::ServerConfig;
 use tower::ServiceExt;
 
+use crate::http::{Api, ApiBody};
 use crate::reload::Reloadable;
 
 /// Largest request head (request line and header fields): over it, `431`.
@@ -69,11 +71,11 @@ pub(crate) struct ServeSettings {
     pub tls: Option<Arc<Reloadable<ServerConfig>>>,
 }
 
-/// Serves `router` on `listener` until `stop` completes, then shuts down gracefully;
+/// Serves `api` on `listener` until `stop` completes, then shuts down gracefully;
 /// `on_stop` runs first (the lock service answers its waiters).
 pub(crate) async fn serve(
     listener: TcpListener,
-    router: axum::Router,
+    api: Api,
     settings: ServeSettings,
     stop: impl Future<Output = ()> + Send + 'static,
     on_stop: impl FnOnce() + Send,
@@ -106,7 +108,7 @@ pub(crate) async fn serve(
             .as_ref()
             .map(|config| TlsAcceptor::from(config.current()));
         let connection = Connection {
-            router: router.clone(),
+            api: api.clone(),
             header_timeout: settings.header_timeout,
             closing: closing_rx.clone(),
         };
@@ -133,7 +135,7 @@ pub(crate) async fn serve(
 
 /// One accepted connection's settings.
 struct Connection {
-    router: axum::Router,
+    api: Api,
     header_timeout: Duration,
     closing: watch::Receiver<bool>,
 }
@@ -224,7 +226,7 @@ impl Connection {
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let Self {
-            router,
+            api,
             header_timeout,
             mut closing,
         } = self;
@@ -234,19 +236,12 @@ impl Connection {
             let counter = activity.clone();
             let service = hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
                 let guard = UnderWay::new(counter.clone());
-                // A combinator, not an `async` block: the block would keep the router's future
-                // twice (as captured, and as awaited), for as long as the request waits.
-                router
-                    .clone()
-                    .oneshot(request.map(Body::new))
-                    .map(move |response| {
-                        Ok::<_, std::convert::Infallible>(response?.map(|body| {
-                            Body::new(CountedBody {
-                                body,
-                                _guard: guard,
-                            })
-                        }))
-                    })
+                // A future of its own, not an `async` block: the block would keep the API's
+                // future twice (as captured, and as awaited), for as long as the request waits.
+                Answer {
+                    future: api.clone().oneshot(request.map(Body::new)),
+                    guard: Some(guard),
+                }
             });
             // On shutdown, a connection with no request under way is idle or has sent part of a
             // head at most: it is closed at once. (Hyper alone would wait for the rest of a
@@ -374,15 +369,40 @@ impl Drop for UnderWay {
     }
 }
 
+/// A request's answer from the API, its body then counted as under way ([`CountedBody`]).
+struct Answer<F> {
+    future: F,
+    guard: Option<UnderWay>,
+}
+
+impl<F> Future for Answer<F>
+where
+    F: Future<Output = Result<hyper::Response<ApiBody>, Infallible>> + Unpin,
+{
+    type Output = Result<hyper::Response<CountedBody>, Infallible>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let response = std::task::ready!(Pin::new(&mut self.future).poll(cx))?;
+        let guard = self
+            .guard
+            .take()
+            .expect("a future is not polled after it completed");
+        Poll::Ready(Ok(response.map(|body| CountedBody {
+            body,
+            _guard: guard,
+        })))
+    }
+}
+
 /// A response body that keeps its request counted as under way until it is sent (dropped).
 struct CountedBody {
-    body: Body,
+    body: ApiBody,
     _guard: UnderWay,
 }
 
 impl http_body::Body for CountedBody {
     type Data = axum::body::Bytes;
-    type Error = axum::Error;
+    type Error = <ApiBody as http_body::Body>::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,

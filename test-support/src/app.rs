@@ -56,6 +56,20 @@ pub async fn spawn_app_with(
     redis_url: Option<String>,
     tweak: impl FnOnce(&mut Settings),
 ) -> TestApp {
+    start(redis_url, tweak, false).await
+}
+
+/// A broker on the embedded store that also serves `GET /_test/panic`, whose handler panics
+/// (see `Application::build_with_panic_route`).
+pub async fn spawn_app_with_panic_route() -> TestApp {
+    start(None, |_| {}, true).await
+}
+
+async fn start(
+    redis_url: Option<String>,
+    tweak: impl FnOnce(&mut Settings),
+    panic_route: bool,
+) -> TestApp {
     init_test_log();
     let mut settings = Settings {
         listen: Some("127.0.0.1:0".into()),
@@ -68,9 +82,11 @@ pub async fn spawn_app_with(
     tweak(&mut settings);
     let config =
         Config::resolve(settings, Settings::default()).expect("the settings must be valid");
-    let app = Application::build(&config)
-        .await
-        .expect("the broker must build");
+    let app = match panic_route {
+        false => Application::build(&config).await,
+        true => Application::build_with_panic_route(&config).await,
+    }
+    .expect("the broker must build");
     let address = format!("{}://{}", app.scheme(), app.local_addr());
     let reload = app.reload_trigger();
     let (stop, stopped) = oneshot::channel::<()>();

@@ -11,7 +11,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-async fn connect(app: &TestApp) -> TcpStream {
+pub(crate) async fn connect(app: &TestApp) -> TcpStream {
     let addr = app.address.trim_start_matches("http://");
     TcpStream::connect(addr)
         .await
@@ -33,6 +33,13 @@ async fn read_to_close(stream: &mut TcpStream, limit: Duration) -> Vec<u8> {
 async fn raw_answer(app: &TestApp, request: &[u8]) -> (u16, Value) {
     let mut stream = connect(app).await;
     stream.write_all(request).await.expect("send the request");
+    let (status, _head, json) = read_answer(&mut stream).await;
+    (status, json)
+}
+
+/// Reads one answer from `stream`: its status, its head (status line and header fields) and its
+/// JSON body, complete by its `Content-Length` or by the broker closing the connection.
+pub(crate) async fn read_answer(stream: &mut TcpStream) -> (u16, String, Value) {
     let mut out = Vec::new();
     let mut buf = [0u8; 4096];
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -53,7 +60,7 @@ async fn raw_answer(app: &TestApp, request: &[u8]) -> (u16, Value) {
                 let status = head[9..12].parse().expect("a status");
                 let json = serde_json::from_str(body)
                     .unwrap_or_else(|e| panic!("not a JSON body ({e}): {text:?}"));
-                return (status, json);
+                return (status, head.to_owned(), json);
             }
         }
         assert!(n > 0, "the connection closed before an answer: {text:?}");

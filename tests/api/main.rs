@@ -7,6 +7,7 @@ mod contract;
 mod cross_broker;
 mod dashboard;
 mod hardening;
+mod layers;
 mod limits;
 mod listing;
 mod metrics;

@@ -180,3 +180,40 @@ error_responses! {
             hold: seconds to wait before trying again.";
     }
 }
+
+/// Declares the error responses an operation of the lock and of the semaphore routes answers
+/// alike: for each, a unit type whose [`IntoResponses`] gives every response of the types it
+/// lists.
+macro_rules! response_sets {
+    ($(
+        $(#[doc = $doc:literal])*
+        pub struct $name:ident = $($part:ident)|+;
+    )*) => {$(
+        $(#[doc = $doc])*
+        pub(crate) struct $name;
+
+        impl IntoResponses for $name {
+            fn responses() -> BTreeMap<String, RefOr<Response>> {
+                let mut responses = BTreeMap::new();
+                $(responses.extend($part::responses());)+
+                responses
+            }
+        }
+    )*};
+}
+
+response_sets! {
+    /// What an acquire refuses but its conflict (`Locked`, `PermitRefused`).
+    pub struct AcquireRefused = RequestRefused | Unauthorized | Forbidden | NotGranted;
+    /// What a release refuses.
+    pub struct ReleaseRefused =
+        RequestRefused | Unauthorized | ForceRefused | NotHeld | NotOwner | StoreUnavailable;
+    /// What a renewal refuses.
+    pub struct RenewRefused =
+        RequestRefused | Unauthorized | Forbidden | NotHeld | NotOwner | StoreUnavailable;
+    /// What an inspect or a watch refuses.
+    pub struct InspectRefused =
+        RequestRefused | Unauthorized | Forbidden | InspectNotHeld | InspectUnavailable;
+    /// What a listing refuses.
+    pub struct ListRefused = RequestRefused | Unauthorized | Forbidden | StoreUnavailable;
+}
