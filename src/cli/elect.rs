@@ -22,17 +22,15 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
-use lockbroker_client::{
-    AcquireParams, Claim, Client, Error, Grant, Lease, LeaseOptions, Trouble, new_request_id,
-};
+use lockbroker_client::{AcquireParams, Claim, Client, Error, Grant, Lease, new_request_id};
 use nix::sys::signal::Signal;
 use tokio::time::Instant;
 
-use super::run::{Signals, bound_again, default_owner, exit_code_of, release, spawn, terminate};
-use super::supervise::cannot_run;
-use super::{
-    BrokerArgs, exit, exit_code, format_ms, parse_duration, parse_key, parse_owner, parse_ttl,
+use super::holding::{
+    Signals, bound_again, client_and_signals, default_owner, exit_code_of, release,
+    renewal_options, spawn, terminate,
 };
+use super::{BrokerArgs, exit, exit_code, parse_duration, parse_key, parse_owner, parse_ttl};
 
 /// How long one candidate request waits for the lock before it asks again (at most; a
 /// broker whose `max_wait_ms` is lower refuses it, and the candidate then asks with that).
@@ -87,16 +85,9 @@ as a candidate again.";
 
 /// `lockbroker elect`.
 pub(crate) async fn elect(args: ElectArgs) -> ExitCode {
-    let client = match args.broker.client() {
-        Ok(client) => client,
+    let (client, mut signals) = match client_and_signals(&args.broker, say) {
+        Ok(started) => started,
         Err(code) => return code,
-    };
-    let mut signals = match Signals::listen() {
-        Ok(signals) => signals,
-        Err(e) => {
-            say(format_args!("cannot listen for signals: {e}"));
-            return ExitCode::from(exit::ERROR);
-        }
     };
     let claim = Claim::Exclusive(args.key.clone());
     let owner = args.owner.clone().unwrap_or_else(default_owner);
@@ -210,44 +201,27 @@ async fn lead(
         "leading {resource} (fence {}); starting the command",
         grant.fence
     ));
-    let mut options = LeaseOptions::new(Duration::from_millis(grant.ttl_ms.max(1)));
-    let renewing = resource.clone();
-    options.on_trouble = Some(std::sync::Arc::new(
-        move |trouble: &Trouble| match trouble {
-            Trouble::Failing { error, ends_in } => say(format_args!(
-                "cannot renew the lease on {renewing} ({error}); retrying until it ends in {}",
-                format_ms(u64::try_from(ends_in.as_millis()).unwrap_or(0))
-            )),
-            Trouble::Recovered => say(format_args!("renewed the lease on {renewing} again")),
-        },
-    ));
+    let options = renewal_options(&grant, &resource, say);
     let lease = Lease::hold(client.clone(), claim, &grant, sent_at, options);
-    let mut child = match spawn("elect", &args.command, &lease, client, claim.mode()).await {
+    let mut child = match spawn(("elect", say), &args.command, &lease, client, claim.mode()).await {
         Ok(child) => child,
-        Err(e) => {
-            say(format_args!(
-                "cannot run {:?}: {e}",
-                args.command[0].to_string_lossy()
-            ));
-            release(&lease).await;
-            return Led::Ended(cannot_run(&e));
-        }
+        Err(code) => return Led::Ended(code),
     };
     let lost = loop {
         tokio::select! {
             biased;
             status = child.wait() => {
                 say(format_args!("the command ended; handing {resource} over"));
-                release(&lease).await;
-                return Led::Ended(exit_code_of(status));
+                release(say, &lease).await;
+                return Led::Ended(exit_code_of(say, status));
             }
             signal = signals.recv() => {
                 if matches!(signal, Signal::SIGTERM | Signal::SIGINT) {
                     // Stop first, then hand over: never two leaders' commands at once.
                     say(format_args!("got {signal}: stopping the command, then handing {resource} over"));
-                    let status = terminate(&mut child, args.grace, signals).await;
-                    release(&lease).await;
-                    return Led::Ended(exit_code_of(status));
+                    let status = terminate(say, &mut child, args.grace, signals).await;
+                    release(say, &lease).await;
+                    return Led::Ended(exit_code_of(say, status));
                 }
                 child.signal(signal);
             }
@@ -258,7 +232,7 @@ async fn lead(
         "lost the lead on {resource}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
         humantime::format_duration(args.grace)
     ));
-    match terminate(&mut child, args.grace, signals).await {
+    match terminate(say, &mut child, args.grace, signals).await {
         Ok(status) => say(format_args!(
             "the command stopped ({status}); standing again"
         )),

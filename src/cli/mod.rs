@@ -16,6 +16,7 @@ pub(crate) mod commands;
 #[cfg(unix)]
 pub(crate) mod elect;
 pub(crate) mod follow;
+mod holding;
 pub(crate) mod list;
 #[cfg(unix)]
 pub(crate) mod run;

@@ -16,6 +16,7 @@ use super::acquire::POLL_MIN;
 use super::*;
 use crate::domain::{Fence, LockKey, Mode, Pool, RequestId, Space, Token};
 use crate::store::memory::clock::ManualClock;
+use crate::store::memory::tests::bid;
 use crate::store::{
     Bid, GrantAnswer, Join, ListQuery, MemoryStore, Notice, Page, Permits, Snapshot,
 };
@@ -206,16 +207,6 @@ fn request(ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
         wait: WaitFor::from_ms(wait_ms),
         owner: None,
         request_id: None,
-    }
-}
-
-fn bid(ttl_ms: u64) -> Bid {
-    Bid {
-        token: Token::generate(),
-        ttl: Ttl::from_ms(ttl_ms),
-        owner: None,
-        request_id: None,
-        wait_ms: 0,
     }
 }
 

@@ -443,5 +443,6 @@ impl Store for MemoryStore {
     }
 }
 
+// The lock service's tests take their bids from here too.
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

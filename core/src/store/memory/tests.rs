@@ -72,7 +72,7 @@ impl Fixture {
 }
 
 /// A bid that does not wait.
-pub(super) fn bid(ttl_ms: u64) -> Bid {
+pub(crate) fn bid(ttl_ms: u64) -> Bid {
     Bid {
         token: Token::generate(),
         ttl: Ttl::from_ms(ttl_ms),
