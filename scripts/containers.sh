@@ -8,6 +8,8 @@
 # so podman is told to use runc there. Idempotent; needs root. Prints the DOCKER_HOST to use.
 #
 #   scripts/containers.sh && export DOCKER_HOST=unix:///run/lockbroker-podman.sock
+#
+# `--restart` stops the engine's API service first, so that the setup starts it anew.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -39,6 +41,10 @@ fi
 # The engine's API service does not outlive the session that started it, but its socket file
 # does, and the setup starts the service only when the socket is missing.
 sock=/run/lockbroker-podman.sock
+if [[ ${1:-} == --restart ]]; then
+    pkill -f "podman system service.*$sock" || true
+    rm -f "$sock"
+fi
 if [[ -S "$sock" ]] && ! curl -s --max-time 5 --unix-socket "$sock" http://engine/_ping >/dev/null; then
     rm -f "$sock"
 fi
