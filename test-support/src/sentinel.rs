@@ -14,7 +14,6 @@
 //! Timings (redis-server 7.0 on loopback, with the settings below): the sentinels find each other
 //! within 2–5 s; a replica is promoted 1.5–4.5 s after its master is killed.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -22,6 +21,10 @@ use tokio::time::Instant;
 
 use crate::redis_server::{RedisServer, ServerOptions};
 use crate::temp::TempDir;
+
+mod probe;
+
+use probe::{connect, query, role};
 
 /// The master's name the sentinels monitor, the last part of the broker's URL.
 pub const MASTER_NAME: &str = "lockbroker";
@@ -77,29 +80,6 @@ fn replica_of(port: u16) -> Vec<String> {
     let mut args = data_args();
     args.extend(["--replicaof".into(), "127.0.0.1".into(), port.to_string()]);
     args
-}
-
-/// A connection to the server (or sentinel) on `port`.
-async fn connect(port: u16) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
-    let config = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(1)))
-        .set_response_timeout(Some(Duration::from_secs(1)));
-    client
-        .get_multiplexed_async_connection_with_config(&config)
-        .await
-}
-
-/// `cmd` on the server on `port`, through a connection of its own.
-async fn query<T: redis::FromRedisValue>(port: u16, cmd: &redis::Cmd) -> redis::RedisResult<T> {
-    let mut conn = connect(port).await?;
-    cmd.query_async(&mut conn).await
-}
-
-/// The first element of `ROLE` on the server on `port`: `master`, `slave` or `sentinel`.
-async fn role(port: u16) -> Option<String> {
-    let reply: Vec<redis::Value> = query(port, &redis::cmd("ROLE")).await.ok()?;
-    redis::from_redis_value(reply.into_iter().next()?).ok()
 }
 
 impl SentinelTopology {
@@ -335,133 +315,6 @@ impl SentinelTopology {
             }
         }
         self.wait_until_healthy().await;
-    }
-
-    async fn wait_until_healthy(&self) {
-        self.wait_until(HEALTHY_LIMIT, Self::replicas_in_sync).await;
-        self.wait_until(HEALTHY_LIMIT, Self::sentinels_ready).await;
-    }
-
-    /// Polls `check` until it answers `Ok`, for at most `limit`; the last answer says what is
-    /// missing when it gives up.
-    async fn wait_until<'a, F>(&'a self, limit: Duration, check: F)
-    where
-        F: AsyncFn(&'a Self) -> Result<(), String>,
-    {
-        let started = Instant::now();
-        loop {
-            let missing = match check(self).await {
-                Ok(()) => return,
-                Err(missing) => missing,
-            };
-            assert!(
-                started.elapsed() < limit,
-                "the Sentinel deployment was not ready within {limit:?}: {missing}\n{}",
-                self.sentinel_logs()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// Whether both replicas are linked to the master and in sync with it.
-    async fn replicas_in_sync(&self) -> Result<(), String> {
-        let master = match self.sentinels.is_empty() {
-            // Before the sentinels start, the first server is the master.
-            true => self.data[0].server.port(),
-            false => self
-                .named_master()
-                .await
-                .ok_or("no master named by the sentinels")?,
-        };
-        let info = |port| async move {
-            query::<String>(port, redis::cmd("INFO").arg("replication"))
-                .await
-                .map(|text| {
-                    text.lines()
-                        .filter_map(|l| l.trim().split_once(':'))
-                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-                        .collect::<HashMap<String, String>>()
-                })
-                .map_err(|e| format!("INFO replication on {port}: {e}"))
-        };
-        let master_info = info(master).await?;
-        for node in self.replicas(master) {
-            let port = node.server.port();
-            let replica = info(port).await?;
-            let field = |k: &str| replica.get(k).map(String::as_str).unwrap_or_default();
-            if field("role") != "slave"
-                || field("master_port") != master.to_string()
-                || field("master_link_status") != "up"
-                || field("master_sync_in_progress") != "0"
-                || replica.get("slave_repl_offset") != master_info.get("master_repl_offset")
-            {
-                return Err(format!(
-                    "the replica on {port} is not in sync with the master on {master} \
-                     (role {}, master port {}, link {})",
-                    field("role"),
-                    field("master_port"),
-                    field("master_link_status")
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether every sentinel names the same master, sees both replicas up and both other
-    /// sentinels, and can authorise a failover (`SENTINEL ckquorum`). (Not whether it sees the
-    /// replicas' links up: it reads that from their `INFO`, which it asks for only every 10 s.)
-    async fn sentinels_ready(&self) -> Result<(), String> {
-        let master = self.named_master().await.ok_or("no master")?;
-        for sentinel in self.sentinel_ports() {
-            let fail = |what: String| format!("sentinel on {sentinel}: {what}");
-            let named: Option<(String, u16)> = query(
-                sentinel,
-                redis::cmd("SENTINEL")
-                    .arg("get-master-addr-by-name")
-                    .arg(MASTER_NAME),
-            )
-            .await
-            .map_err(|e| fail(e.to_string()))?;
-            if named.as_ref().map(|(_, port)| *port) != Some(master) {
-                return Err(fail(format!("names {named:?}, not the master on {master}")));
-            }
-            let state: HashMap<String, String> = query(
-                sentinel,
-                redis::cmd("SENTINEL").arg("master").arg(MASTER_NAME),
-            )
-            .await
-            .map_err(|e| fail(e.to_string()))?;
-            let others = state.get("num-other-sentinels").map(String::as_str);
-            if state.get("flags").map(String::as_str) != Some("master") || others != Some("2") {
-                return Err(fail(format!(
-                    "sees the master as {:?} with {others:?} other sentinels",
-                    state.get("flags")
-                )));
-            }
-            let replicas: Vec<HashMap<String, String>> = query(
-                sentinel,
-                redis::cmd("SENTINEL").arg("replicas").arg(MASTER_NAME),
-            )
-            .await
-            .map_err(|e| fail(e.to_string()))?;
-            let up = replicas
-                .iter()
-                .filter(|r| r.get("flags").map(String::as_str) == Some("slave"))
-                .count();
-            if up != 2 {
-                return Err(fail(format!("sees {up} replicas up, not 2: {replicas:?}")));
-            }
-            let quorum: String = query(
-                sentinel,
-                redis::cmd("SENTINEL").arg("ckquorum").arg(MASTER_NAME),
-            )
-            .await
-            .map_err(|e| fail(format!("ckquorum: {e}")))?;
-            if !quorum.starts_with("OK") {
-                return Err(fail(format!("ckquorum: {quorum}")));
-            }
-        }
-        Ok(())
     }
 
     /// Every sentinel's log, for a failure message.

@@ -8,7 +8,8 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde::Serialize;
 
-use crate::error::{Error, asked, error_chain, error_from, excerpt};
+use crate::error::Error;
+use crate::request::{expect_json, expect_no_content};
 use crate::types::{
     AcquireParams, Claim, Grant, LockEntry, LockStatus, Page, Resource, SemaphoreEntry,
     SemaphoreStatus, Space, Token, millis,
@@ -44,7 +45,7 @@ pub struct BuildError(pub String);
 pub struct Client {
     pub(crate) http: reqwest::Client,
     /// The URL without a trailing `/`.
-    base: String,
+    pub(crate) base: String,
 }
 
 impl fmt::Debug for Client {
@@ -173,28 +174,6 @@ impl Client {
         &self.base
     }
 
-    /// `{base}/{space}/{key}`, the key percent-encoded as one path segment (a valid key needs
-    /// no encoding; an invalid one reaches the broker intact and is refused with `400`). An
-    /// empty key is refused here: it would name the space's listing, not a key.
-    pub(crate) fn resource_url(&self, resource: &Resource) -> Result<String, Error> {
-        if resource.key.is_empty() {
-            return Err(Error::Invalid(
-                match resource.space {
-                    Space::Locks => "a key is required: an empty key names no lock",
-                    Space::Semaphores => "a name is required: an empty name names no semaphore",
-                }
-                .to_owned(),
-            ));
-        }
-        let mut url = reqwest::Url::parse(&self.base).expect("checked by Client::builder");
-        url.path_segments_mut()
-            .expect("an http(s) URL has a path")
-            .pop_if_empty()
-            .push(resource.space.path())
-            .push(&resource.key);
-        Ok(url.into())
-    }
-
     /// `POST /locks/{key}` (`?mode=shared` for a shared lease) or
     /// `POST /semaphores/{key}?limit=N`: one request, no retry. Waits up to `params.wait` (the
     /// broker's default when `None`) for a holder to let go. [`Client::acquire`] is the
@@ -280,15 +259,6 @@ impl Client {
         self.read(&Resource::semaphore(key)).await
     }
 
-    async fn read<T: serde::de::DeserializeOwned>(&self, resource: &Resource) -> Result<T, Error> {
-        let request = self
-            .http
-            .get(self.resource_url(resource)?)
-            .timeout(REQUEST_TIMEOUT);
-        let response = self.send(request).await?;
-        expect_json(response, StatusCode::OK, resource.space).await
-    }
-
     /// `GET /locks?prefix=&limit=&cursor=`: one page of the held locks whose key starts with
     /// `prefix`, at most `limit` (1 ..= [`crate::MAX_PAGE`]) of them.
     pub async fn list_locks(
@@ -309,69 +279,6 @@ impl Client {
         cursor: Option<&str>,
     ) -> Result<Page<SemaphoreEntry>, Error> {
         self.list(Space::Semaphores, prefix, limit, cursor).await
-    }
-
-    async fn list<T: serde::de::DeserializeOwned>(
-        &self,
-        space: Space,
-        prefix: &str,
-        limit: u32,
-        cursor: Option<&str>,
-    ) -> Result<Page<T>, Error> {
-        let mut query = vec![("limit", limit.to_string())];
-        if !prefix.is_empty() {
-            query.push(("prefix", prefix.to_owned()));
-        }
-        if let Some(cursor) = cursor {
-            query.push(("cursor", cursor.to_owned()));
-        }
-        let request = self
-            .http
-            .get(format!("{}/{}", self.base, space.path()))
-            .query(&query)
-            .timeout(REQUEST_TIMEOUT);
-        let response = self.send(request).await?;
-        expect_json(response, StatusCode::OK, space).await
-    }
-
-    pub(crate) async fn send(
-        &self,
-        request: reqwest::RequestBuilder,
-    ) -> Result<reqwest::Response, Error> {
-        request.send().await.map_err(|e| Error::Transport {
-            url: e.url().map_or_else(|| self.base.clone(), asked),
-            // The URL is said once, in `url`.
-            reason: error_chain(&e.without_url()),
-        })
-    }
-}
-
-/// Reads a success body of type `T` if the status is `expected`, the error otherwise.
-async fn expect_json<T: serde::de::DeserializeOwned>(
-    response: reqwest::Response,
-    expected: StatusCode,
-    space: Space,
-) -> Result<T, Error> {
-    if response.status() != expected {
-        return Err(error_from(response, space).await);
-    }
-    let url = asked(response.url());
-    let text = response.text().await.map_err(|e| Error::BadResponse {
-        url: url.clone(),
-        reason: error_chain(&e.without_url()),
-    })?;
-    serde_json::from_str(&text).map_err(|e| Error::BadResponse {
-        url,
-        reason: format!("{e} in {}", excerpt(&text)),
-    })
-}
-
-/// `Ok` for `204 No Content`, the error otherwise.
-async fn expect_no_content(response: reqwest::Response, space: Space) -> Result<(), Error> {
-    if response.status() == StatusCode::NO_CONTENT {
-        Ok(())
-    } else {
-        Err(error_from(response, space).await)
     }
 }
 

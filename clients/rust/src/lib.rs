@@ -38,6 +38,7 @@ mod client;
 mod error;
 mod leadership;
 mod lease;
+mod request;
 mod types;
 mod watch;
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 from ._calls import inspect_request
 from ._errors import BrokerError, Locked, Unavailable
 from ._leadership import check_campaign, check_look
-from ._lease import Backoff, _takes_an_argument
+from ._lease_state import Backoff, _takes_an_argument
 from ._transport import NoAnswer
 from ._watch import KeyView
 

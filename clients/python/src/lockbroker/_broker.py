@@ -24,7 +24,8 @@ from ._calls import (
     list_request,
 )
 from ._errors import BrokerError, Locked
-from ._lease import _GONE, _RENEWED, Lease, Renewer
+from ._lease import Lease, Renewer
+from ._lease_state import _GONE, _RENEWED
 from ._transport import ClosedOnExit, NoAnswer, Transport
 from ._watch import Follower, KeyView, watch_once
 

@@ -17,7 +17,7 @@ import urllib.parse
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ._errors import BrokerError, Locked, Unavailable, error_from, where
-from ._lease import Backoff, key_path, margin_for, ttl_ms
+from ._lease_state import Backoff, key_path, margin_for, ttl_ms
 from ._transport import RETRYABLE, Answer, NoAnswer
 from ._watch import KeyView, check_wait
 

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from ._calls import inspect_request, inspect_view
 from ._errors import BrokerError, Locked, Unavailable, error_from
-from ._lease import Backoff, Lease, _takes_an_argument, ttl_ms
+from ._lease import Lease
+from ._lease_state import Backoff, _takes_an_argument, ttl_ms
 from ._transport import RETRYABLE, Answer, ClosedOnExit, NoAnswer
 from ._watch import KeyView
 

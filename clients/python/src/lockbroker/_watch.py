@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from ._errors import BrokerError, Unavailable, error_from, where
-from ._lease import Backoff, key_path
+from ._lease_state import Backoff, key_path
 from ._transport import RETRYABLE, Answer, ClosedOnExit
 
 if TYPE_CHECKING:

@@ -40,6 +40,18 @@ final class Json {
         }
     }
 
+    /** The string field {@code field} of an answer; null when it is missing or not a string. */
+    static String stringField(Map<String, Object> map, String field) {
+        Object value = map.get(field);
+        return value instanceof String ? (String) value : null;
+    }
+
+    /** The number field {@code field} of an answer, as a long; null when it is missing or not a number. */
+    static Long numberField(Map<String, Object> map, String field) {
+        Object value = map.get(field);
+        return value instanceof Number ? ((Number) value).longValue() : null;
+    }
+
     /** Writes a flat object; {@code null} values are left out. */
     static String object(Map<String, ?> fields) {
         StringBuilder out = new StringBuilder("{");

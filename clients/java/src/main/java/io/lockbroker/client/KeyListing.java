@@ -4,8 +4,8 @@ import java.util.List;
 import java.util.Optional;
 
 /**
- * One page of a listing ({@link LockBroker#listLocks(String, int, String)},
- * {@link LockBroker#listSemaphores(String, int, String)}): the held keys on it, in key order, and
+ * One page of a listing ({@link LockBroker#listLocks(String, int, String) listLocks},
+ * {@link LockBroker#listSemaphores(String, int, String) listSemaphores}): the held keys on it, in key order, and
  * the cursor of the next page.
  */
 public final class KeyListing {

@@ -44,8 +44,8 @@ public final class KeyView {
         if (!held) {
             return new KeyView(key, false, 0, null, null, null, 0, 0, changed);
         }
-        Long fence = LockBroker.number(body, "fence");
-        Long expires = LockBroker.number(body, "expires_at_ms");
+        Long fence = Json.numberField(body, "fence");
+        Long expires = Json.numberField(body, "expires_at_ms");
         Object list = body.get("holders");
         int count = 1;
         if (list instanceof List) {
@@ -54,16 +54,16 @@ public final class KeyView {
                 if (holder instanceof Map) {
                     @SuppressWarnings("unchecked")
                     Map<String, Object> h = (Map<String, Object>) holder;
-                    fence = max(fence, LockBroker.number(h, "fence"));
-                    expires = max(expires, LockBroker.number(h, "expires_at_ms"));
+                    fence = max(fence, Json.numberField(h, "fence"));
+                    expires = max(expires, Json.numberField(h, "expires_at_ms"));
                 }
             }
         } else if (list instanceof Number) {
             count = ((Number) list).intValue(); // a listed semaphore: its permits taken
         }
-        Long limit = LockBroker.number(body, "limit");
-        return new KeyView(key, true, fence == null ? 0 : fence, LockBroker.string(body, "owner"),
-                expires == null ? null : Instant.ofEpochMilli(expires), LockBroker.string(body, "mode"),
+        Long limit = Json.numberField(body, "limit");
+        return new KeyView(key, true, fence == null ? 0 : fence, Json.stringField(body, "owner"),
+                expires == null ? null : Instant.ofEpochMilli(expires), Json.stringField(body, "mode"),
                 count, limit == null ? 0 : limit.intValue(), changed);
     }
 

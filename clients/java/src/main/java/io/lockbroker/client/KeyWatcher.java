@@ -6,17 +6,17 @@ import java.util.function.Consumer;
 /**
  * Follows one key: a thread of its own that watches it again with each answer's fence and hands
  * each changed view to a callback, in order, until {@link #close()}. Made by
- * {@link LockBroker#follow(String, Consumer)}.
+ * {@link LockBroker#follow(String, Consumer) follow}.
  */
 public final class KeyWatcher implements AutoCloseable {
-    private final LockBroker broker;
+    private final KeyCalls broker;
     private final String space;
     private final String key;
     private final Consumer<KeyView> onView;
     private final Thread thread;
     private volatile boolean closed;
 
-    KeyWatcher(LockBroker broker, String space, String key, KeyView first, Consumer<KeyView> onView) {
+    KeyWatcher(KeyCalls broker, String space, String key, KeyView first, Consumer<KeyView> onView) {
         this.broker = broker;
         this.space = space;
         this.key = key;
@@ -83,7 +83,7 @@ public final class KeyWatcher implements AutoCloseable {
         }
         thread.interrupt();
         try {
-            thread.join(broker.requestTimeout.toMillis());
+            thread.join(broker.http.requestTimeout.toMillis());
         } catch (InterruptedException e) {
             Thread.currentThread().interrupt();
         }

@@ -386,7 +386,7 @@ public final class Leadership implements AutoCloseable {
         // From a callback, the campaign thread may be waiting for that very callback to return.
         if (Thread.currentThread() != campaign && Thread.currentThread() != callbackThread) {
             try {
-                campaign.join(broker.releaseTimeout.plus(broker.requestTimeout).toMillis());
+                campaign.join(broker.releaseTimeout.plus(broker.http.requestTimeout).toMillis());
             } catch (InterruptedException e) {
                 Thread.currentThread().interrupt();
             }
