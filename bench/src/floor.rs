@@ -16,7 +16,7 @@ use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use super::http::uncontended_http;
+use super::http::{HttpRun, uncontended_http};
 use super::redis_stats::RedisCost;
 use super::{BenchArgs, BenchMode, Summary, breakdown};
 use lockbroker::store::redis::{ParsedUrl, Topology};
@@ -190,7 +190,14 @@ async fn run_once(
     let cost = RedisCost::start(redis).await?;
     let server_before = process_cpu_us(pid, ticks)?;
     let bench_before = process_cpu_us(std::process::id(), ticks)?;
-    let phase = uncontended_http(http, base, args, run_id, progress).await;
+    let phase = uncontended_http(HttpRun {
+        http,
+        base,
+        args,
+        run_id,
+        progress,
+    })
+    .await;
     let server_after = process_cpu_us(pid, ticks)?;
     let bench_after = process_cpu_us(std::process::id(), ticks)?;
     let redis_cost = cost.per(phase.cycles).await?;

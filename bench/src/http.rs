@@ -138,13 +138,19 @@ impl Target {
     }
 }
 
-pub(super) async fn uncontended_http(
-    http: &reqwest::Client,
-    base: &str,
-    args: &BenchArgs,
-    run_id: &str,
-    progress: bool,
-) -> Phase {
+/// What every HTTP phase runs with: the client, the broker's base URL, the flags, this run's id
+/// (in the phase's keys) and whether progress is shown.
+#[derive(Clone, Copy)]
+pub(super) struct HttpRun<'a> {
+    pub(super) http: &'a reqwest::Client,
+    pub(super) base: &'a str,
+    pub(super) args: &'a BenchArgs,
+    pub(super) run_id: &'a str,
+    pub(super) progress: bool,
+}
+
+pub(super) async fn uncontended_http(run: HttpRun<'_>) -> Phase {
+    let (http, base, args, run_id) = (run.http, run.base, run.args, run.run_id);
     let name = match args.mode {
         BenchMode::Exclusive => "uncontended (HTTP)",
         BenchMode::Shared => "uncontended shared (HTTP)",
@@ -152,7 +158,7 @@ pub(super) async fn uncontended_http(
     };
     // A plain http:// broker gets the lean client (`lean.rs`); HTTPS the general one.
     let lean = plain_authority(base).map(|a| (a.to_owned(), args.connect.auth_token.clone()));
-    drive(name, args.clients, args, progress, |i, tally| {
+    drive(name, args.clients, args, run.progress, |i, tally| {
         let http = http.clone();
         let target = Target::new(base, args, &format!("bench-{run_id}-u{i}"));
         let lean = lean.clone();
@@ -220,13 +226,8 @@ pub(super) async fn release(http: &reqwest::Client, url: &str, token: &str) -> a
     Ok(())
 }
 
-pub(super) async fn hot_key_http(
-    http: &reqwest::Client,
-    base: &str,
-    args: &BenchArgs,
-    run_id: &str,
-    progress: bool,
-) -> Phase {
+pub(super) async fn hot_key_http(run: HttpRun<'_>) -> Phase {
+    let (http, base, args, run_id) = (run.http, run.base, run.args, run.run_id);
     let target = Arc::new(Target::new(base, args, &format!("bench-{run_id}-hot")));
     let name = match args.mode {
         BenchMode::Exclusive => "hot key (HTTP)",
@@ -236,7 +237,7 @@ pub(super) async fn hot_key_http(
     // Handoff, from one release to the next grant, means something only while one holder
     // follows another.
     let handoff = args.mode == BenchMode::Exclusive;
-    drive(name, args.contenders, args, progress, |_, tally| {
+    drive(name, args.contenders, args, run.progress, |_, tally| {
         let (http, target) = (http.clone(), target.clone());
         async move {
             let mut local = Vec::new();

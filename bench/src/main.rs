@@ -48,7 +48,7 @@ use serde::Serialize;
 use self::args::{BenchArgs, BenchMode, BenchTool};
 use self::direct::uncontended_direct;
 use self::floor::run_floor;
-use self::http::{check_mode, hot_key_http, uncontended_http, wait_until_granting};
+use self::http::{HttpRun, check_mode, hot_key_http, uncontended_http, wait_until_granting};
 use self::raw::uncontended_raw;
 use self::redis_stats::{RedisCost, data_nodes};
 use self::table::print_table;
@@ -242,13 +242,20 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
     }
 
     let mut phases = Vec::new();
+    let run = HttpRun {
+        http: &http,
+        base: &base,
+        args: &args,
+        run_id: &run_id,
+        progress,
+    };
     let cost = RedisCost::start(&redis).await?;
-    let mut uncontended = uncontended_http(&http, &base, &args, &run_id, progress).await;
+    let mut uncontended = uncontended_http(run).await;
     uncontended.set_redis_cost(cost.per(uncontended.cycles).await?);
     phases.push(uncontended);
 
     let cost = RedisCost::start(&redis).await?;
-    let mut hot = hot_key_http(&http, &base, &args, &run_id, progress).await;
+    let mut hot = hot_key_http(run).await;
     hot.set_redis_cost(cost.per(hot.cycles).await?);
     phases.push(hot);
 

@@ -3,7 +3,7 @@
 //! ledger and put-back of `redis-store/src/`).
 
 use super::{Client, Entry, LockModel, Phase, State};
-use crate::store::{Answer, Bid, Call, Key, Kind, Notice, Op, Token};
+use crate::store::{Answer, Bid, Call, Fence, Key, Kind, Notice, Op, Token};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
@@ -186,8 +186,29 @@ impl LockModel {
     }
 
     /// What a broker does with a granting script's answer for client `i`.
-    fn on_grant(&self, s: &mut State, i: u8, token: Token, answer: Answer) {
+    /// Records client `i`'s lease, granted or renewed through its broker, in that broker's
+    /// ledger.
+    pub(super) fn remember_client(
+        &self,
+        s: &mut State,
+        i: u8,
+        token: Token,
+        fence: Fence,
+        left: u8,
+    ) {
         let (b, key, kind) = self.cfg.clients[i as usize];
+        let entry = Entry {
+            key,
+            token,
+            kind,
+            fence,
+            left,
+        };
+        super::remember(&mut s.brokers[b as usize].ledger, entry);
+    }
+
+    fn on_grant(&self, s: &mut State, i: u8, token: Token, answer: Answer) {
+        let (_, key, _) = self.cfg.clients[i as usize];
         let cl = &mut s.clients[i as usize];
         match answer {
             Answer::Granted { fence, left, .. } => {
@@ -199,16 +220,7 @@ impl LockModel {
                     ended: false,
                 };
                 s.stall[key as usize] = 0;
-                super::remember(
-                    &mut s.brokers[b as usize].ledger,
-                    Entry {
-                        key,
-                        token,
-                        kind,
-                        fence,
-                        left,
-                    },
-                );
+                self.remember_client(s, i, token, fence, left);
             }
             Answer::Queued { retry } => {
                 let timer = retry.min(self.cfg.poll).max(1);

@@ -2,7 +2,7 @@
 //! notices it receives, and what a tick does to its waiters' timers and its ledger.
 
 use super::actions::finish;
-use super::{Entry, LockModel, Phase, State};
+use super::{LockModel, Phase, State};
 use crate::store::{Answer, Back, Key, Notice, Op};
 
 impl LockModel {
@@ -24,7 +24,7 @@ impl LockModel {
         let Phase::Holding { token, .. } = s.clients[i as usize].phase else {
             return;
         };
-        let (b, key, kind) = self.cfg.clients[i as usize];
+        let (b, key, _) = self.cfg.clients[i as usize];
         let ttl = self.cfg.ttl;
         match self.run(s, b, Op::Renew { key, token, ttl }) {
             Answer::Held { fence } => {
@@ -32,16 +32,7 @@ impl LockModel {
                     *left = ttl;
                     *renewed += 1;
                 }
-                super::remember(
-                    &mut s.brokers[b as usize].ledger,
-                    Entry {
-                        key,
-                        token,
-                        kind,
-                        fence,
-                        left: ttl,
-                    },
-                );
+                self.remember_client(s, i, token, fence, ttl);
             }
             Answer::HoldInForce => {}
             _ => {
