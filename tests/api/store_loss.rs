@@ -106,18 +106,43 @@ async fn expect_put_back(apps: &[&TestApp], key: &str, held: &Grant) {
     next.assert_fence_above(held, "the loss");
 }
 
+/// How Redis loses every key in [`live_leases_come_back_after`].
+enum Loss {
+    /// A restart without persistence: the connection breaks, a new server answers.
+    RestartEmpty,
+    /// FLUSHALL: no connection breaks; the brokers notice it by themselves (the grant scripts
+    /// refuse to grant without the store's epoch, and an idle broker checks every second).
+    Flushall,
+}
+
+/// Broker one holds `kept` (only it knows the lease); Redis loses every key; broker two grants
+/// another key within ten seconds, and both brokers refuse `kept`, put back. The Redis and the
+/// brokers, still running.
+async fn live_leases_come_back_after(loss: Loss) -> (RedisServer, [TestApp; 2]) {
+    let mut redis = RedisServer::start().await;
+    let [one, two] = brokers::<2>(&redis).await;
+    let held = one.grant("kept", "ttl_ms=30000&owner=batch").await;
+    let what = match loss {
+        Loss::RestartEmpty => {
+            redis.restart().await;
+            "restart without persistence"
+        }
+        Loss::Flushall => {
+            redis.flushall().await;
+            "FLUSHALL"
+        }
+    };
+    let lost = Instant::now();
+    let recovery = first_grant(&two, "free", lost).await;
+    eprintln!("{what}: first grant {recovery:?} after Redis answered");
+    expect_put_back(&[&two, &one], "kept", &held).await;
+    (redis, [one, two])
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_redis_restarts_empty_live_leases_are_put_back_and_other_keys_are_granted_within_ten_seconds()
  {
-    let mut redis = RedisServer::start().await;
-    let [one, two] = brokers::<2>(&redis).await;
-    // Only broker one knows this lease; broker two must refuse the key after the loss too.
-    let held = one.grant("kept", "ttl_ms=30000&owner=batch").await;
-    redis.restart().await;
-    let back = Instant::now();
-    let recovery = first_grant(&two, "free", back).await;
-    eprintln!("restart without persistence: first grant {recovery:?} after Redis answered");
-    expect_put_back(&[&two, &one], "kept", &held).await;
+    let (_redis, [one, _two]) = live_leases_come_back_after(Loss::RestartEmpty).await;
     metric_until(
         &one,
         "lockbroker_leases_put_back_total",
@@ -133,16 +158,7 @@ async fn after_redis_restarts_empty_live_leases_are_put_back_and_other_keys_are_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_flushall_live_leases_are_put_back_and_other_keys_are_granted_within_ten_seconds() {
-    let redis = RedisServer::start().await;
-    let [one, two] = brokers::<2>(&redis).await;
-    let held = one.grant("kept", "ttl_ms=30000").await;
-    redis.flushall().await;
-    let flushed = Instant::now();
-    // A flush breaks no connection: the brokers notice it by themselves (the grant scripts
-    // refuse to grant without the store's epoch, and an idle broker checks every second).
-    let recovery = first_grant(&two, "free", flushed).await;
-    eprintln!("FLUSHALL: first grant {recovery:?} after the flush");
-    expect_put_back(&[&two, &one], "kept", &held).await;
+    live_leases_come_back_after(Loss::Flushall).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
