@@ -115,7 +115,7 @@ impl RedisServer {
     /// How many times this server has run `command` (lower case, as `INFO commandstats` names
     /// it: `evalsha`, `wait`): a count of round trips, not a timing.
     pub async fn command_calls(&self, command: &str) -> u64 {
-        self.calls_by_command()
+        self.command_counts()
             .await
             .get(command)
             .copied()
@@ -124,7 +124,7 @@ impl RedisServer {
 
     /// The calls this server has served, by command (lower case, as `INFO commandstats` names
     /// them), `info` itself left out.
-    pub async fn calls_by_command(&self) -> BTreeMap<String, u64> {
+    pub async fn command_counts(&self) -> BTreeMap<String, u64> {
         let mut conn = self.connection().await;
         let info: String = redis::cmd("INFO")
             .arg("commandstats")

@@ -442,14 +442,14 @@ async fn thousand_parked_watches(redis: Option<&RedisServer>) {
     until_parked(&app, WATCHES).await;
     let reads_before = broker_reads(&app).await;
     let calls_before = match redis {
-        Some(redis) => redis.calls_by_command().await,
+        Some(redis) => redis.command_counts().await,
         None => Default::default(),
     };
     tokio::time::sleep(QUIET).await;
     let reads = broker_reads(&app).await - reads_before;
     match redis {
         Some(redis) => {
-            let after = redis.calls_by_command().await;
+            let after = redis.command_counts().await;
             let by_command: Vec<_> = after
                 .iter()
                 .map(|(name, n)| (name, n - calls_before.get(name).copied().unwrap_or(0)))
