@@ -34,6 +34,7 @@ pub(super) async fn uncontended_direct(
                         owner: None,
                         request_id: None,
                         wait_ms: 0,
+                        ends: None,
                     };
                     let ok = match store.claim(&key, &bid).await {
                         Ok(GrantAnswer::Granted(_)) => {

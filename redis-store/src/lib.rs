@@ -31,6 +31,7 @@ mod put_back;
 mod replicas;
 mod scripts;
 mod sentinel;
+mod sessions;
 mod shard;
 mod slots;
 pub(crate) mod url;

@@ -12,10 +12,10 @@ use super::scripts::{
     Force, ForceReply, Leave, NoGrant, Read, ReadPermits, Renew, RenewReply, Renewed,
 };
 use super::{RedisStore, failovers, listing, notices};
-use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Pool, Space, Token, Ttl, millis};
+use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Pool, Space, Token, millis};
 use lockbroker_core::store::{
     AsHolder, Bid, GrantAnswer, Hold, HoldReason, Join, ListQuery, Notice, Page, Permits, Released,
-    Snapshot, Store, StoreError, StoreResult, WATCH_MARK,
+    Renewal, SessionOp, SessionRecord, Snapshot, Store, StoreError, StoreResult, WATCH_MARK,
 };
 
 /// The answer of CLAIM or TAKE_OVER.
@@ -65,7 +65,7 @@ impl Store for RedisStore {
         space: Space,
         key: &LockKey,
         token: &Token,
-        ttl: Ttl,
+        how: Renewal,
     ) -> StoreResult<AsHolder<Lease>> {
         let told = if self.replicas.asked() {
             // Boxed: see `Replicas::asked`.
@@ -78,7 +78,7 @@ impl Store for RedisStore {
         let renew = Renew {
             on: self.keeper.holder_context(&site, &caller, &known),
             token,
-            ttl,
+            how,
         };
         let (reply, generation) = self.keeper.run_tracked(&renew).await?;
         let answered = Instant::now();
@@ -109,6 +109,7 @@ impl Store for RedisStore {
         let Renewed {
             fence,
             expires_at_ms,
+            ttl_ms,
             owner,
             epoch,
         } = renewed;
@@ -116,7 +117,7 @@ impl Store for RedisStore {
             token: token.clone(),
             fence,
             expires_at_ms,
-            ttl_ms: ttl.as_ms(),
+            ttl_ms,
             owner,
             request_id: None,
             limit: match kind {
@@ -138,7 +139,7 @@ impl Store for RedisStore {
             ))
             .await?;
         }
-        let ends = answered + Duration::from_millis(ttl.as_ms());
+        let ends = answered + Duration::from_millis(ttl_ms);
         self.keeper
             .remember(key, kind, site.slot, &lease, ends, &epoch);
         Ok(AsHolder::Done(lease))
@@ -166,6 +167,10 @@ impl Store for RedisStore {
             token,
         };
         self.keeper.run(&leave).await.map(|_| ())
+    }
+
+    async fn session(&self, id: &Token, op: SessionOp<'_>) -> StoreResult<Option<SessionRecord>> {
+        self.session_call(id, op).await
     }
 
     async fn mark_watched(&self, space: Space, key: &LockKey) -> StoreResult<bool> {

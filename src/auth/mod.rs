@@ -43,6 +43,9 @@ pub(crate) enum Action<'a> {
     /// Listing the held keys that start with this prefix: `read` or `lock` on a prefix of it,
     /// so that every key the listing could show is one the token may inspect.
     List(&'a str),
+    /// Opening, keeping, reading or closing a session (`/sessions…`): `lock` on at least one
+    /// prefix; each acquire under the session is checked against its own key.
+    Session,
     /// `/metrics` and `/openapi.json` under `auth_metrics`.
     Operations,
     /// A request the layer has no rule for: only `admin` passes, so a route added without a rule
@@ -116,6 +119,7 @@ impl Client {
             Action::List(prefix) => {
                 (self.lock || self.read) && self.prefixes.iter().any(|p| prefix.starts_with(p))
             }
+            Action::Session => self.lock && !self.prefixes.is_empty(),
             Action::Operations => self.read && self.prefixes.iter().any(String::is_empty),
             Action::ForceRelease(_) | Action::Unlisted => false,
         }

@@ -56,6 +56,14 @@ fn lock_action<'k>(parts: &Parts, key: &'k LockKey) -> Action<'k> {
     }
 }
 
+/// Whether the matched route is one of the sessions' (`/sessions`, `/sessions/{session}…`).
+fn is_session_route(parts: &Parts) -> bool {
+    parts
+        .extensions
+        .get::<MatchedPath>()
+        .is_some_and(|route| route.as_str().starts_with("/sessions"))
+}
+
 /// Whether the matched route is a listing (`GET /locks`, `GET /semaphores`), which has no key.
 fn is_listing(parts: &Parts) -> bool {
     parts
@@ -155,6 +163,17 @@ pub(super) async fn guard_lock_route(
         Ok(client) => client,
         Err(refusal) => return refusal.into_response(&auth),
     };
+    if is_session_route(&parts) {
+        if !client.allows(Action::Session) {
+            return forbid(
+                &auth,
+                client.name(),
+                forbidden_message(client, Action::Session),
+            );
+        }
+        auth.metrics.authorized(client.name(), "allowed");
+        return next.run(Request::from_parts(parts, body)).await;
+    }
     if is_listing(&parts) {
         let (prefix, body) = match listing_prefix(&parts, body).await {
             Ok(read) => read,
@@ -225,6 +244,10 @@ fn forbidden_message(client: &Client, action: Action<'_>) -> String {
             "The token {name:?} may not list keys under the prefix {prefix:?}: it needs \"read\" \
              or \"lock\" on a prefix of it (a token for orders: lists with prefix=orders: or \
              longer)."
+        ),
+        Action::Session => format!(
+            "The token {name:?} may not open or keep sessions: it needs the \"lock\" \
+             permission on at least one prefix."
         ),
         Action::Operations | Action::Unlisted => {
             format!("The token {name:?} may not do this: it needs \"admin\".")

@@ -39,6 +39,11 @@ pub(super) struct GrantBody<'a> {
     ttl_ms: u64,
     /// When the lease ends, Unix epoch ms on the store's clock.
     expires_at_ms: u64,
+    /// Only for a lease under a session: when the session ends if not kept alive (the lease
+    /// lives as long as the session; `expires_at_ms` is the same).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = u64, required = false)]
+    session_expires_at_ms: Option<u64>,
 }
 
 impl<'a> GrantBody<'a> {
@@ -49,8 +54,18 @@ impl<'a> GrantBody<'a> {
             fence: lease.fence,
             ttl_ms: lease.ttl_ms,
             expires_at_ms: lease.expires_at_ms,
+            session_expires_at_ms: under_session(lease).then_some(lease.expires_at_ms),
         }
     }
+}
+
+/// Whether `lease` is held under a session.
+pub(super) fn under_session(lease: &Lease) -> bool {
+    lease
+        .owner
+        .as_ref()
+        .and_then(Owner::session_delay_ms)
+        .is_some()
 }
 
 impl GrantJson for GrantBody<'_> {
@@ -74,6 +89,10 @@ impl GrantJson for GrantBody<'_> {
         out.extend_from_slice(number.format(self.ttl_ms).as_bytes());
         out.extend_from_slice(b",\"expires_at_ms\":");
         out.extend_from_slice(number.format(self.expires_at_ms).as_bytes());
+        if let Some(ends) = self.session_expires_at_ms {
+            out.extend_from_slice(b",\"session_expires_at_ms\":");
+            out.extend_from_slice(number.format(ends).as_bytes());
+        }
         out.push(b'}');
     }
 }
@@ -99,6 +118,10 @@ pub(super) struct LockBody<'a> {
     /// in `holders`).
     #[schema(required = true)]
     owner: Option<&'a str>,
+    /// Only for an exclusive lease under a session: `true` (shared holders say it each).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    #[schema(required = false)]
+    session: bool,
     /// Only for `shared`: every shared holder, by fence.
     #[serde(skip_serializing_if = "Option::is_none")]
     holders: Option<Vec<HolderBody<'a>>>,
@@ -121,6 +144,7 @@ impl<'a> LockBody<'a> {
             expires_at_ms,
             ttl_remaining_ms: expires_at_ms.saturating_sub(view.now_ms),
             owner: exclusive_owner(mode, &view.holders),
+            session: exclusive_under_session(mode, &view.holders),
             holders: (mode == Mode::Shared).then(|| holder_bodies(view.now_ms, &view.holders)),
             changed,
         }
@@ -131,9 +155,14 @@ impl<'a> LockBody<'a> {
 /// own, in `holders`).
 fn exclusive_owner(mode: Mode, holders: &[Lease]) -> Option<&str> {
     match (mode, holders) {
-        (Mode::Exclusive, [only]) => only.owner.as_ref().map(Owner::as_str),
+        (Mode::Exclusive, [only]) => only.owner.as_ref().and_then(Owner::label),
         _ => None,
     }
+}
+
+/// Whether a lock's one exclusive holder holds it under a session.
+fn exclusive_under_session(mode: Mode, holders: &[Lease]) -> bool {
+    mode == Mode::Exclusive && holders.iter().any(under_session)
 }
 
 fn mode_name(mode: Mode) -> &'static str {
@@ -154,9 +183,13 @@ pub(super) struct HolderBody<'a> {
     expires_at_ms: u64,
     /// Milliseconds until this lease ends.
     ttl_remaining_ms: u64,
-    /// The `owner` label its acquire gave, or null.
+    /// The `owner` label its acquire gave (or its session's), or null.
     #[schema(required = true)]
     owner: Option<&'a str>,
+    /// Only for a lease under a session: `true`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    #[schema(required = false)]
+    session: bool,
 }
 
 /// The holders of a key, one body each, by fence.
@@ -167,7 +200,8 @@ pub(super) fn holder_bodies(now_ms: u64, holders: &[Lease]) -> Vec<HolderBody<'_
             fence: lease.fence,
             expires_at_ms: lease.expires_at_ms,
             ttl_remaining_ms: lease.expires_at_ms.saturating_sub(now_ms),
-            owner: lease.owner.as_ref().map(Owner::as_str),
+            owner: lease.owner.as_ref().and_then(Owner::label),
+            session: under_session(lease),
         })
         .collect()
 }
@@ -199,6 +233,10 @@ struct ListedLockBody<'a> {
     /// The exclusive holder's `owner` label, or null (always null for shared holders).
     #[schema(required = true)]
     owner: Option<&'a str>,
+    /// Only for an exclusive lease under a session: `true`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    #[schema(required = false)]
+    session: bool,
 }
 
 /// A page of held locks.
@@ -236,6 +274,7 @@ fn listed_lock(now_ms: u64, entry: &Listed) -> Option<ListedLockBody<'_>> {
         expires_at_ms,
         ttl_remaining_ms: expires_at_ms.saturating_sub(now_ms),
         owner: exclusive_owner(mode, &entry.holders),
+        session: exclusive_under_session(mode, &entry.holders),
     })
 }
 
@@ -260,6 +299,10 @@ pub(super) struct PermitBody<'a> {
     /// How many permits the semaphore has.
     #[schema(minimum = 1)]
     limit: u32,
+    /// Only for a permit under a session: when the session ends if not kept alive.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = u64, required = false)]
+    session_expires_at_ms: Option<u64>,
 }
 
 impl<'a> PermitBody<'a> {
@@ -272,6 +315,7 @@ impl<'a> PermitBody<'a> {
             ttl_ms: lease.ttl_ms,
             expires_at_ms: lease.expires_at_ms,
             limit,
+            session_expires_at_ms: under_session(lease).then_some(lease.expires_at_ms),
         }
     }
 }
@@ -389,13 +433,18 @@ mod tests {
             "</script>",
         ];
         for key in keys {
-            for token in ["d23f5ce94ec844df830f8f01820348ae", "to\"ken"] {
+            let tokens = ["d23f5ce94ec844df830f8f01820348ae", "to\"ken"];
+            let sessions = [None, Some(7)];
+            for (token, session_expires_at_ms) in
+                tokens.into_iter().flat_map(|t| sessions.map(|s| (t, s)))
+            {
                 let body = GrantBody {
                     key,
                     token,
                     fence: 1_795_302_504_036_625,
                     ttl_ms: 30_000,
                     expires_at_ms: u64::MAX,
+                    session_expires_at_ms,
                 };
                 let mut written = Vec::new();
                 body.write_json(&mut written);

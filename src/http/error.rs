@@ -54,6 +54,7 @@ pub(crate) enum ErrorCode {
     Forbidden,
     LimitMismatch,
     RequestHeaderFieldsTooLarge,
+    NoSession,
     Internal,
 }
 
@@ -156,6 +157,16 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, ErrorCode::InvalidRequest, message)
     }
 
+    /// `404 not_held` for a session: it has ended (or never existed), and every lease under it
+    /// is gone.
+    pub(super) fn session_ended() -> Self {
+        Self::new(
+            StatusCode::NOT_FOUND,
+            ErrorCode::NotHeld,
+            "The session has ended (or never existed); every lease under it is gone.",
+        )
+    }
+
     pub(crate) fn not_found() -> Self {
         Self::new(
             StatusCode::NOT_FOUND,
@@ -256,6 +267,11 @@ impl From<LockError> for ApiError {
                 StatusCode::NOT_FOUND,
                 ErrorCode::NotHeld,
                 "Nobody holds this lock (it was released, or its lease expired).",
+            ),
+            LockError::NoSession => Self::new(
+                StatusCode::NOT_FOUND,
+                ErrorCode::NoSession,
+                "The session does not exist or has ended: open a new one.",
             ),
             LockError::NotOwner => Self::new(
                 StatusCode::CONFLICT,

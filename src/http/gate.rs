@@ -190,10 +190,22 @@ fn request_span(request: &Request<Body>, id: &HeaderValue) -> tracing::Span {
     tracing::debug_span!(
         "request",
         method = %request.method(),
-        path = %request.uri().path(),
+        path = %loggable_path(request.uri().path()),
         request_id = %text(id),
         token = tracing::field::Empty,
     )
+}
+
+/// A request's path as the log shows it: a session's id is a secret, so `/sessions/<id>…`
+/// shows as `/sessions/…` and the rest of the path.
+fn loggable_path(path: &str) -> std::borrow::Cow<'_, str> {
+    match path.strip_prefix("/sessions/") {
+        Some(rest) => {
+            let after = rest.find('/').map_or("", |i| &rest[i..]);
+            format!("/sessions/…{after}").into()
+        }
+        None => path.into(),
+    }
 }
 
 /// A request id as text (every one the gate keeps or makes is ASCII).

@@ -17,6 +17,7 @@ mod ops;
 pub(crate) mod params;
 mod requests;
 mod semaphores;
+mod sessions;
 
 use std::sync::Arc;
 
@@ -45,6 +46,10 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/semaphores/{key}"),
     ("POST", "/semaphores/{key}/renew"),
     ("GET", "/semaphores"),
+    ("POST", "/sessions"),
+    ("DELETE", "/sessions/{session}"),
+    ("GET", "/sessions/{session}"),
+    ("POST", "/sessions/{session}/renew"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
     ("GET", "/metrics"),
@@ -115,7 +120,13 @@ fn router(state: AppState) -> Router {
                 .delete(semaphores::release_permit)
                 .get(semaphores::inspect_semaphore),
         )
-        .route("/semaphores/{key}/renew", post(semaphores::renew_permit));
+        .route("/semaphores/{key}/renew", post(semaphores::renew_permit))
+        .route("/sessions", post(sessions::open_session))
+        .route(
+            "/sessions/{session}",
+            get(sessions::read_session).delete(sessions::close_session),
+        )
+        .route("/sessions/{session}/renew", post(sessions::keep_alive));
     let routes = Router::new()
         .merge(guard_lock_routes(lease_routes, state.auth.clone()))
         .merge(ops::ops_router(operations_guard, document));

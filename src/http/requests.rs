@@ -19,7 +19,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::Limits;
 use super::error::ApiError;
-use crate::domain::{Kind, LockKey, Owner, RequestId, Space, Ttl, WaitFor};
+use crate::domain::{Kind, LockKey, Owner, RequestId, Space, Token, Ttl, WaitFor};
 use crate::lock::AcquireRequest;
 use crate::store::{ListQuery, MAX_LIST_LIMIT};
 
@@ -104,6 +104,10 @@ parameters! {
         /// `exclusive` (the default: one holder) or `shared` (any number of shared holders, never
         /// with an exclusive one).
         mode: ModeName, "mode", ();
+        /// Takes the lease under this session (the `session` that `POST /sessions` answered):
+        /// it lives as long as the session, so `ttl_ms` may not come with it.
+        session: String, "text",
+            (min_length = 1, max_length = 128, pattern = r"^[A-Za-z0-9._~-]{1,128}$");
     }
 
     /// The parameters of a semaphore acquire: `limit` is required; the others are as for a lock's
@@ -121,6 +125,31 @@ parameters! {
         /// Makes a retried acquire safe, as for locks.
         request_id: String, "text",
             (min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$");
+        /// Takes the permit under this session, as for locks.
+        session: String, "text",
+            (min_length = 1, max_length = 128, pattern = r"^[A-Za-z0-9._~-]{1,128}$");
+    }
+
+    /// The parameters of `POST /sessions`, in the query string or a JSON object body; all
+    /// optional.
+    pub struct SessionBody {
+        /// The session's length in ms, counted from each keep-alive: as a lease's `ttl_ms`.
+        ttl_ms: u64, "int", (minimum = 1);
+        /// A label for people, shown for the session and for its leases that have none.
+        owner: String, "text", (max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$");
+        /// How long, in ms, the keys of a session that ends by expiry stay held after its end
+        /// (0 to 60000, default 0). A close or a release has no delay.
+        lock_delay_ms: u64, "int", (minimum = 0, maximum = 60000);
+        /// Makes a retried open safe: the same `request_id` while the session it opened lives
+        /// answers that session again.
+        request_id: String, "text",
+            (min_length = 1, max_length = 64, pattern = r"^[A-Za-z0-9_-]{1,64}$");
+    }
+
+    /// The parameters of a keep-alive, in the query string or a JSON object body.
+    pub struct SessionRenewBody {
+        /// The session's new length in ms (it stays its length from then on). Default: its own.
+        ttl_ms: u64, "int", (minimum = 1);
     }
 
     /// The parameters of a renewal: `ttl_ms` in the query string or a JSON object body, optional;
@@ -152,6 +181,10 @@ parameters! {
 impl Parameters for AcquireBody {}
 
 impl Parameters for SemaphoreAcquireBody {}
+
+impl Parameters for SessionBody {}
+
+impl Parameters for SessionRenewBody {}
 
 impl Parameters for RenewBody {
     const QUERY_ONLY: &'static [(&'static str, &'static str)] = &[TOKEN_NOT_IN_BODY];
@@ -276,17 +309,34 @@ pub(super) fn acquire_request(
     wait_ms: Option<u64>,
     owner: Option<String>,
     request_id: Option<String>,
+    session: Option<String>,
     limits: &Limits,
 ) -> Result<AcquireRequest, ApiError> {
+    if session.is_some() && ttl_ms.is_some() {
+        return Err(ApiError::invalid(
+            "ttl_ms cannot come with session: a lease under a session lives as long as the \
+             session.",
+        ));
+    }
     Ok(AcquireRequest {
         kind,
         ttl: ttl_param(ttl_ms, limits)?,
+        session: session.map(|s| session_id(&s)).transpose()?,
         wait: WaitFor::parse(
             wait_ms.unwrap_or(limits.default_wait_ms),
             limits.max_wait_ms,
         )?,
         owner: owner.map(|o| Owner::parse(&o)).transpose()?,
         request_id: request_id.map(|r| RequestId::parse(&r)).transpose()?,
+    })
+}
+
+/// A session's id as a client sent it (any token-shaped string; the store decides if it is one).
+pub(super) fn session_id(raw: &str) -> Result<Token, ApiError> {
+    Token::parse(raw).map_err(|_| {
+        ApiError::invalid(
+            "session is not a session id: 1 to 128 characters of A-Z a-z 0-9 . _ ~ -.",
+        )
     })
 }
 

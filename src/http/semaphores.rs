@@ -74,6 +74,7 @@ pub(super) async fn acquire_permit(
         values.wait_ms,
         values.owner,
         values.request_id,
+        values.session,
         &state.limits,
     )?;
     let lease = state.locks.acquire(&key, request).await?;

@@ -5,9 +5,9 @@ use tokio::sync::mpsc;
 
 use super::{
     AsHolder, Bid, GrantAnswer, Hold, Join, ListQuery, MemoryStore, Notice, Page, Permits,
-    RedisStore, Released, Snapshot, Store, StoreResult,
+    RedisStore, Released, Renewal, SessionOp, SessionRecord, Snapshot, Store, StoreResult,
 };
-use crate::domain::{Fence, Lease, LockKey, Pool, Space, Token, Ttl};
+use crate::domain::{Fence, Lease, LockKey, Pool, Space, Token};
 
 /// The store a running broker uses: chosen at start from the configuration.
 // One value per broker, behind an Arc: the size difference costs nothing, a Box an indirection.
@@ -53,9 +53,13 @@ impl Store for AnyStore {
         space: Space,
         key: &LockKey,
         token: &Token,
-        ttl: Ttl,
+        how: Renewal,
     ) -> StoreResult<AsHolder<Lease>> {
-        delegate!(self, s => s.renew(space, key, token, ttl))
+        delegate!(self, s => s.renew(space, key, token, how))
+    }
+
+    async fn session(&self, id: &Token, op: SessionOp<'_>) -> StoreResult<Option<SessionRecord>> {
+        delegate!(self, s => s.session(id, op))
     }
 
     async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use lockbroker::domain::{LockKey, Mode, Pool, RequestId, Space, Ttl};
 use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
-use lockbroker::store::{AsHolder, Bid, GrantAnswer, Join, ListQuery, Notice, Store, StoreError};
+use lockbroker::store::{
+    AsHolder, Bid, GrantAnswer, Join, ListQuery, Notice, Renewal, Store, StoreError,
+};
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
 
@@ -122,7 +124,12 @@ async fn shared_leases_exclude_exclusive_ones_and_a_queued_exclusive_holds_new_s
         "r2 still holds the key"
     );
     let renewed = match store
-        .renew(Space::Locks, &k, &r2.token, Ttl::from_ms(20_000))
+        .renew(
+            Space::Locks,
+            &k,
+            &r2.token,
+            Renewal::For(Ttl::from_ms(20_000)),
+        )
         .await
         .unwrap()
     {
@@ -243,7 +250,12 @@ async fn expired_permits_free_their_places_and_renewals_move_their_ends() {
         Join::Busy { .. }
     ));
     let AsHolder::Done(renewed) = store
-        .renew(Space::Semaphores, &k, &short.token, Ttl::from_ms(300))
+        .renew(
+            Space::Semaphores,
+            &k,
+            &short.token,
+            Renewal::For(Ttl::from_ms(300)),
+        )
         .await
         .unwrap()
     else {
@@ -253,7 +265,12 @@ async fn expired_permits_free_their_places_and_renewals_move_their_ends() {
     tokio::time::sleep(Duration::from_millis(350)).await;
     assert_eq!(
         store
-            .renew(Space::Semaphores, &k, &short.token, Ttl::from_ms(300))
+            .renew(
+                Space::Semaphores,
+                &k,
+                &short.token,
+                Renewal::For(Ttl::from_ms(300))
+            )
             .await
             .unwrap(),
         AsHolder::NotHeld
@@ -401,7 +418,12 @@ async fn shared_leases_and_permits_are_put_back_after_a_flush_with_their_tokens(
         AsHolder::Done(_)
     ));
     let AsHolder::Done(renewed) = store
-        .renew(Space::Semaphores, &sem, &p.token, Ttl::from_ms(5_000))
+        .renew(
+            Space::Semaphores,
+            &sem,
+            &p.token,
+            Renewal::For(Ttl::from_ms(5_000)),
+        )
         .await
         .unwrap()
     else {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use lockbroker::domain::{Lease, LockKey, Pool, RequestId, Space, Token, Ttl};
 use lockbroker::store::redis::RedisStore;
-use lockbroker::store::{AsHolder, Bid, GrantAnswer, Join, Notice, Store, StoreError};
+use lockbroker::store::{AsHolder, Bid, GrantAnswer, Join, Notice, Renewal, Store, StoreError};
 use lockbroker_test_support::redis::{self, AsyncCommands};
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
@@ -26,6 +26,7 @@ pub(crate) fn bid(ttl_ms: u64, wait_ms: u64) -> Bid {
         owner: None,
         request_id: None,
         wait_ms,
+        ends: None,
     }
 }
 
@@ -535,7 +536,7 @@ async fn force_releases_racing_renewals_leave_nothing_in_the_ledger_to_put_back(
         let renewal = {
             let (a, k, token) = (a.clone(), k.clone(), lease.token.clone());
             tokio::spawn(async move {
-                a.renew(Space::Locks, &k, &token, Ttl::from_ms(60_000))
+                a.renew(Space::Locks, &k, &token, Renewal::For(Ttl::from_ms(60_000)))
                     .await
             })
         };

@@ -211,10 +211,64 @@ impl Owner {
         Ok(Self(raw.to_owned()))
     }
 
+    /// The label as stored: for a lease held under a session, the session's mark, its lock
+    /// delay and then the label (see [`Owner::for_session`]). What a store keeps and hands back.
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The stored form of a lease's label when the lease is held under a session with the lock
+    /// delay `lock_delay_ms`: a control character no client label may contain, the delay, the
+    /// same character, then the label (empty for none). Every store keeps the label as it keeps
+    /// any other, so "held under a session" and the delay travel with the lease without a field
+    /// of their own: inspect and list show `"session": true`, and a renewal by token leaves the
+    /// lease's end (the session's, plus the delay) alone.
+    pub fn for_session(label: Option<&Owner>, lock_delay_ms: u64) -> Self {
+        let label = label.map_or("", Owner::as_str);
+        Self(format!(
+            "{SESSION_MARK}{lock_delay_ms}{SESSION_MARK}{label}"
+        ))
+    }
+
+    /// A label as a store kept it: a client's label, or [`Owner::for_session`]'s form.
+    pub fn from_stored(raw: &str) -> Result<Self, InvalidValue> {
+        match raw.strip_prefix(SESSION_MARK) {
+            Some(rest) => {
+                let (delay, label) = rest
+                    .split_once(SESSION_MARK)
+                    .ok_or_else(|| invalid("a session lease's label without its delay."))?;
+                let delay = delay
+                    .parse()
+                    .map_err(|_| invalid("a session lease's label with a malformed delay."))?;
+                let label = (!label.is_empty())
+                    .then(|| Owner::parse(label))
+                    .transpose()?;
+                Ok(Self::for_session(label.as_ref(), delay))
+            }
+            None => Self::parse(raw),
+        }
+    }
+
+    /// The label for people (`None` for a session lease without one).
+    pub fn label(&self) -> Option<&str> {
+        match self.0.strip_prefix(SESSION_MARK) {
+            Some(rest) => rest
+                .split_once(SESSION_MARK)
+                .map(|(_, label)| label)
+                .filter(|l| !l.is_empty()),
+            None => Some(&self.0),
+        }
+    }
+
+    /// The lock delay of a lease held under a session; `None` for any other lease.
+    pub fn session_delay_ms(&self) -> Option<u64> {
+        let rest = self.0.strip_prefix(SESSION_MARK)?;
+        rest.split_once(SESSION_MARK)?.0.parse().ok()
+    }
 }
+
+/// Marks the stored label of a lease held under a session (see [`Owner::for_session`]).
+const SESSION_MARK: char = '\u{1e}';
 
 /// A client-chosen id that makes an acquire safe to repeat: 1 to 64 characters of
 /// `A-Z a-z 0-9 _ -`. Repeating an acquire of the same key with the same id while the lease it

@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use futures_util::future::Either;
 use rand::RngExt;
 use tokio::time::Instant;
 
@@ -66,16 +67,32 @@ impl<S: Store> LockService<S> {
     pub fn acquire<'a>(
         &'a self,
         key: &'a LockKey,
+        mut req: AcquireRequest,
+    ) -> impl Future<Output = Result<Lease, LockError>> + 'a {
+        match req.session.take() {
+            None => Either::Left(self.acquire_as(key, req, Token::generate(), None)),
+            Some(session) => Either::Right(Box::pin(self.acquire_in_session(key, req, session))),
+        }
+    }
+
+    /// [`LockService::acquire`] with the bid's token, and for a bid under a session the time its
+    /// lease must end by (see [`Bid::ends`]).
+    pub(super) fn acquire_as<'a>(
+        &'a self,
+        key: &'a LockKey,
         req: AcquireRequest,
+        token: Token,
+        ends: Option<Instant>,
     ) -> impl Future<Output = Result<Lease, LockError>> + 'a {
         let kind = req.kind;
         let wait = req.wait.as_duration();
         let bid = Bid {
-            token: Token::generate(),
+            token,
             ttl: req.ttl,
             owner: req.owner,
             request_id: req.request_id,
             wait_ms: millis(wait),
+            ends,
         };
         let bound = wait + self.settings.store_timeout;
         let arrived = Instant::now();

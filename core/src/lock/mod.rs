@@ -16,6 +16,9 @@ mod acquire;
 mod inspect;
 mod pending;
 mod release;
+mod sessions;
+
+pub use self::sessions::SessionLease;
 mod waiters;
 mod watchers;
 mod watching;
@@ -29,7 +32,7 @@ use tokio::time::Instant;
 
 use self::waiters::{OnGone, Waiters};
 use self::watchers::Watchers;
-use crate::domain::{Kind, Mode, Owner, RequestId, Space, Ttl, WaitFor};
+use crate::domain::{Kind, Mode, Owner, RequestId, Space, Token, Ttl, WaitFor};
 use crate::metrics::{Metrics, Outage, PassedOn, StoreOp};
 use crate::store::{AsHolder, Hold, Lease, NOTICE_BUFFER, Notice, Store, StoreError, StoreResult};
 
@@ -69,6 +72,9 @@ pub enum LockError {
     TooManyWaiters { limit: usize },
     #[error(transparent)]
     StoreUnavailable(StoreError),
+    /// The session named on an acquire does not exist or has ended (or ended while it waited).
+    #[error("the session does not exist or has ended")]
+    NoSession,
     #[error("the broker is shutting down")]
     ShuttingDown,
     /// A store-wide hold is in force (the store is new or lost writes; see [`Hold`]).
@@ -94,6 +100,9 @@ pub struct AcquireRequest {
     pub wait: WaitFor,
     pub owner: Option<Owner>,
     pub request_id: Option<RequestId>,
+    /// The session to take the lease under (its id): the lease then lives as long as the
+    /// session, and `ttl` is not used.
+    pub session: Option<Token>,
 }
 
 /// The live leases on a lock or a semaphore, with the store's clock when they were read.

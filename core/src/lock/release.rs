@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use super::{LockError, LockService};
-use crate::domain::{Fence, LockKey, Space, Token, Ttl};
+use crate::domain::{Fence, LockKey, Owner, Space, Token, Ttl};
 use crate::metrics::{HolderResult, StoreOp};
-use crate::store::{AsHolder, Lease, Store, StoreResult};
+use crate::store::{AsHolder, Lease, Renewal, Store, StoreResult};
 
 impl<S: Store> LockService<S> {
     /// Releases `token`'s live lease on `key` in `space`: the exclusive or a shared lease of a
@@ -32,7 +32,8 @@ impl<S: Store> LockService<S> {
     }
 
     /// Moves the end of `token`'s live lease on `key` in `space` to `ttl` from now. Same token,
-    /// same fence.
+    /// same fence. A lease held under a session keeps its end, which is its session's: the
+    /// answer says when the session ends (without the lock delay the lease's end adds).
     pub async fn renew(
         &self,
         space: Space,
@@ -40,8 +41,9 @@ impl<S: Store> LockService<S> {
         token: &Token,
         ttl: Ttl,
     ) -> Result<Lease, LockError> {
+        let how = Renewal::For(ttl);
         let outcome = self
-            .timed(StoreOp::renew, self.store.renew(space, key, token, ttl))
+            .timed(StoreOp::renew, self.store.renew(space, key, token, how))
             .await;
         self.metrics.renewed(space, holder_result(&outcome));
         if matches!(outcome, Ok(AsHolder::Done(_))) {
@@ -49,7 +51,11 @@ impl<S: Store> LockService<S> {
             // keeper expects: it reads once and times the expiry again.
             self.watchers.changed(space, key);
         }
-        outcome?.into_result()
+        let mut lease = outcome?.into_result()?;
+        if let Some(delay) = lease.owner.as_ref().and_then(Owner::session_delay_ms) {
+            lease.expires_at_ms = lease.expires_at_ms.saturating_sub(delay);
+        }
+        Ok(lease)
     }
 
     /// Ends every live lease on `key` in `space` without their tokens; the fences it ended.

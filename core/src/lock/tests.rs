@@ -122,9 +122,17 @@ impl Store for Scripted {
         space: Space,
         key: &LockKey,
         token: &Token,
-        ttl: Ttl,
+        how: crate::store::Renewal,
     ) -> StoreResult<AsHolder<Lease>> {
-        self.inner.renew(space, key, token, ttl).await
+        self.inner.renew(space, key, token, how).await
+    }
+
+    async fn session(
+        &self,
+        id: &Token,
+        op: crate::store::SessionOp<'_>,
+    ) -> StoreResult<Option<crate::store::SessionRecord>> {
+        self.inner.session(id, op).await
     }
 
     async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {
@@ -207,6 +215,7 @@ fn request(ttl_ms: u64, wait_ms: u64) -> AcquireRequest {
         wait: WaitFor::from_ms(wait_ms),
         owner: None,
         request_id: None,
+        session: None,
     }
 }
 

@@ -23,10 +23,11 @@ pub enum StoreOp {
     permits,
     force_release,
     list,
+    session,
 }
 
 impl StoreOp {
-    pub(super) const ALL: [Self; 10] = [
+    pub(super) const ALL: [Self; 11] = [
         Self::claim,
         Self::read,
         Self::take_over,
@@ -37,6 +38,7 @@ impl StoreOp {
         Self::permits,
         Self::force_release,
         Self::list,
+        Self::session,
     ];
 }
 
@@ -51,6 +53,12 @@ pub(super) struct OpLabels {
 pub(super) struct AuthLabels {
     pub(super) token: String,
     pub(super) result: &'static str,
+}
+
+/// A session call's outcome.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct SessionLabels {
+    pub(super) event: &'static str,
 }
 
 /// A kind of acquire, as a label value.

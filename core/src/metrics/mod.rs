@@ -23,7 +23,8 @@ mod outage;
 pub use self::labels::StoreOp;
 use self::labels::{
     ACQUIRE_RESULTS, AuthLabels, ByResult, FORCE_RESULTS, KindLabels, OpLabels, PassedOnLabels,
-    QueueLabels, RELEASE_RESULTS, RENEW_RESULTS, SpaceLabels, by_space, kind_label, space_label,
+    QueueLabels, RELEASE_RESULTS, RENEW_RESULTS, SessionLabels, SpaceLabels, by_space, kind_label,
+    space_label,
 };
 pub use self::outage::Outage;
 
@@ -59,6 +60,7 @@ pub struct Metrics {
     double_claims: Counter,
     store_hold_seconds: Counter<f64, AtomicU64>,
     auth: Family<AuthLabels, Counter>,
+    sessions: Family<SessionLabels, Counter>,
     /// Store outages as the logs tell them: shared here because the lock service, the HTTP
     /// layer and the store all count into the one in progress.
     outage: Arc<Outage>,
@@ -265,6 +267,13 @@ impl Default for Metrics {
              and result: allowed, unauthorized, forbidden",
             auth.clone(),
         );
+        let sessions = Family::<SessionLabels, Counter>::default();
+        registry.register(
+            "lockbroker_sessions",
+            "Session calls by what came of them: opened, kept (a keep-alive), closed, ended (a \
+             call found the session ended or unknown), error (the store failed)",
+            sessions.clone(),
+        );
         let resident_memory = Gauge::default();
         registry.register(
             "process_resident_memory_bytes",
@@ -295,6 +304,7 @@ impl Default for Metrics {
             double_claims,
             store_hold_seconds,
             auth,
+            sessions,
             outage: Arc::default(),
         }
     }
@@ -394,6 +404,11 @@ impl Metrics {
                 result,
             })
             .inc();
+    }
+
+    /// A session call's outcome (`event`: opened, kept, closed, ended, error).
+    pub fn session(&self, event: &'static str) {
+        self.sessions.get_or_create(&SessionLabels { event }).inc();
     }
 
     pub fn leases_put_back(&self, n: usize) {

@@ -8,12 +8,14 @@
 //! store measures leases on one clock whatever its host's clock says.
 
 pub mod memory;
+mod session;
 
 use std::future::Future;
 
 use tokio::sync::mpsc;
 
 pub use memory::MemoryStore;
+pub use session::{MAX_LOCK_DELAY_MS, SessionEntry, SessionOp, SessionRecord, SessionSpec};
 
 pub use crate::domain::Lease;
 use crate::domain::{Fence, Kind, LockKey, Mode, Owner, Pool, RequestId, Space, Token, Ttl};
@@ -34,6 +36,10 @@ pub struct Bid {
     /// [`Notice::Offered`]); the bid takes the offer by asking again with the same token. A
     /// queued exclusive bid holds later shared ones back: nobody is granted ahead of the queue.
     pub wait_ms: u64,
+    /// For a bid under a session: when the lease it gets must end, so that a grant after a wait
+    /// ends with the session, not a whole session TTL after the grant. `ttl` is then the time
+    /// left at `since`.
+    pub ends: Option<tokio::time::Instant>,
 }
 
 impl Bid {
@@ -41,6 +47,30 @@ impl Bid {
     pub fn waits(&self) -> bool {
         self.wait_ms > 0
     }
+
+    /// The lease length a grant made now gives: `ttl`, or for a bid under a session the time
+    /// left until the session's end as this broker measures it (at least 1 ms; a grant that
+    /// ends too soon is extended to the session's end once the broker has it).
+    pub fn lease_ttl(&self) -> Ttl {
+        match self.ends {
+            None => self.ttl,
+            Some(ends) => {
+                let left = ends.saturating_duration_since(tokio::time::Instant::now());
+                Ttl::from_ms(u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1))
+            }
+        }
+    }
+}
+
+/// How a renewal moves a lease's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// To `ttl` after now — a holder's renewal. A lease held under a session keeps its end (its
+    /// session's keep-alive moves it).
+    For(Ttl),
+    /// To this time on the store's clock, or leaves it where it is if it ends later already: a
+    /// session's keep-alive, which never shortens a lease.
+    Until(u64),
 }
 
 /// The largest semaphore limit.
@@ -282,13 +312,13 @@ pub trait Store: Send + Sync + 'static {
         token: &Token,
     ) -> impl Future<Output = StoreResult<AsHolder<Released>>> + Send;
 
-    /// Moves the expiry of `token`'s live lease on `key` in `space` to `ttl` after now.
+    /// Moves the expiry of `token`'s live lease on `key` in `space` as `how` says.
     fn renew(
         &self,
         space: Space,
         key: &LockKey,
         token: &Token,
-        ttl: Ttl,
+        how: Renewal,
     ) -> impl Future<Output = StoreResult<AsHolder<Lease>>> + Send;
 
     /// Grants the bid a shared lease on a lock, or a semaphore permit, if the pool has room and
@@ -366,6 +396,14 @@ pub trait Store: Send + Sync + 'static {
     ) -> impl Future<Output = StoreResult<bool>> + Send {
         std::future::ready(Ok(self.sees_every_change()))
     }
+
+    /// One call on the session `id`'s record (see [`SessionOp`]): the record after it, or
+    /// `None` when the session does not exist or has ended.
+    fn session(
+        &self,
+        id: &Token,
+        op: SessionOp<'_>,
+    ) -> impl Future<Output = StoreResult<Option<SessionRecord>>> + Send;
 
     /// How many live leases this broker remembers to put back after a store loss (0 for a store
     /// that cannot lose them).

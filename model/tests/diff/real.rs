@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lockbroker_core::domain::{LockKey, Pool, Space, Token, Ttl};
-use lockbroker_core::store::{AsHolder, Bid, GrantAnswer, Join, Notice, Store, StoreError};
+use lockbroker_core::store::{
+    AsHolder, Bid, GrantAnswer, Join, Notice, Renewal, Store, StoreError,
+};
 use lockbroker_redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
 
 type StoreResult<T> = Result<T, StoreError>;
@@ -197,6 +199,7 @@ impl Real {
             owner: None,
             request_id: None,
             wait_ms: if wait { LONG_MS } else { 0 },
+            ends: None,
         }
     }
 
@@ -279,7 +282,7 @@ impl Real {
             } => {
                 let t = self.token(token);
                 match self.stores[broker as usize]
-                    .renew(space, &lock_key(key), &t, ttl(long))
+                    .renew(space, &lock_key(key), &t, Renewal::For(ttl(long)))
                     .await?
                 {
                     AsHolder::Done(l) => Said::Held(l.fence),

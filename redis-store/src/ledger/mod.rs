@@ -186,7 +186,10 @@ impl Ledger {
             fence: kept.fence,
             ends: self.base + Duration::from_millis(kept.ends_ms),
             ttl_ms: u64::from(kept.ttl_ms),
-            owner: kept.owner.as_deref().and_then(|o| Owner::parse(o).ok()),
+            owner: kept
+                .owner
+                .as_deref()
+                .and_then(|o| Owner::from_stored(o).ok()),
             request_id: kept
                 .request_id
                 .as_deref()

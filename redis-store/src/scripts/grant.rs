@@ -84,7 +84,7 @@ impl Claim<'_> {
         let (keys, bid, caller) = (self.keys, self.bid, self.caller);
         write_queue_keys(call, keys, self.marker);
         call.arg(bid.token.as_str())
-            .arg(bid.ttl.as_ms())
+            .arg(bid.lease_ttl().as_ms())
             // An owner label as the scripts take it: '' for none, else '=' and the label.
             .arg(
                 bid.owner

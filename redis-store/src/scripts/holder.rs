@@ -7,8 +7,8 @@ use super::codes::HolderCode;
 use super::grant::{Caller, QueueContext, write_queue_keys};
 use super::{Fields, Writer, hold_in, unknown};
 use crate::keys::RedisKeys;
-use lockbroker_core::domain::{Fence, Owner, Token, Ttl};
-use lockbroker_core::store::{AsHolder, Hold};
+use lockbroker_core::domain::{Fence, Owner, Token};
+use lockbroker_core::store::{AsHolder, Hold, Renewal};
 
 /// What every holder script takes (`holder_context` in `lib/queue.lua`): the key's queue keys,
 /// and as arguments the token, the epoch this broker knows (the key is handed on only in it),
@@ -55,11 +55,11 @@ script_call! {
     }
 }
 
-/// RENEW's call: moves the end of `token`'s lease to `ttl` from now.
+/// RENEW's call: moves the end of `token`'s lease as `how` says.
 pub(crate) struct Renew<'a> {
     pub on: HolderContext<'a>,
     pub token: &'a Token,
-    pub ttl: Ttl,
+    pub how: Renewal,
 }
 
 script_call! {
@@ -67,7 +67,10 @@ script_call! {
     type Reply = RenewReply;
     |this, call| {
         this.on.write(call, this.token.as_str());
-        call.arg(this.ttl.as_ms());
+        match this.how {
+            Renewal::For(ttl) => call.arg(ttl.as_ms()).arg(""),
+            Renewal::Until(ends) => call.arg(0).arg(ends),
+        };
     }
 }
 
@@ -166,6 +169,8 @@ impl FromRedisValue for ReleaseReply {
 pub(crate) struct Renewed {
     pub fence: Fence,
     pub expires_at_ms: u64,
+    /// Its length from the renewal on.
+    pub ttl_ms: u64,
     pub owner: Option<Owner>,
     /// The epoch the store is in (empty without a marker).
     pub epoch: String,
@@ -192,10 +197,12 @@ impl FromRedisValue for RenewReply {
                 let renewed = Renewed {
                     fence: fields.next()?,
                     expires_at_ms: fields.next()?,
+                    ttl_ms: fields.next()?,
                     owner: fields
                         .next::<Option<String>>()?
                         .map(|o| {
-                            Owner::parse(&o).map_err(|_| ParsingError::from("a malformed owner"))
+                            Owner::from_stored(&o)
+                                .map_err(|_| ParsingError::from("a malformed owner"))
                         })
                         .transpose()?,
                     epoch: fields.next()?,

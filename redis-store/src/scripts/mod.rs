@@ -56,6 +56,7 @@ mod epoch;
 mod grant;
 mod holder;
 mod reads;
+mod session;
 
 use std::borrow::Cow;
 
@@ -72,6 +73,7 @@ pub(crate) use self::holder::{
     Force, ForceReply, HolderContext, Leave, Release, ReleaseReply, Renew, RenewReply, Renewed,
 };
 pub(crate) use self::reads::{Read, ReadPermits};
+pub(crate) use self::session::{SessionAct, SessionCall};
 use lockbroker_core::store::{Hold, HoldReason, StoreError, StoreResult};
 
 /// One script: its name (for errors), its source, and its SHA1 (from the `redis` crate's
@@ -277,6 +279,7 @@ pub(crate) struct Scripts {
     /// Plain EVAL, on the rare slot whose marker alone went missing.
     repair: Lua,
     put_back: Lua,
+    session: Lua,
 }
 
 impl Scripts {
@@ -300,6 +303,7 @@ impl Scripts {
             mark: lua!("mark": "mark.lua"),
             repair: lua!("repair": "repair.lua"),
             put_back: lua!("put_back": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "put_back.lua"),
+            session: lua!("session": "lib/prelude.lua", "session.lua"),
         }
     }
 

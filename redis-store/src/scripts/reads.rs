@@ -95,7 +95,7 @@ fn lease(fields: &mut Fields) -> Result<Option<Lease>, ParsingError> {
         expires_at_ms: expires_at_ms.ok_or_else(missing)?,
         ttl_ms: ttl_ms.ok_or_else(missing)?,
         owner: owner
-            .map(|o| Owner::parse(&o).map_err(|_| ParsingError::from("a malformed owner")))
+            .map(|o| Owner::from_stored(&o).map_err(|_| ParsingError::from("a malformed owner")))
             .transpose()?,
         request_id: request_id.and_then(|r| RequestId::parse(&r).ok()),
         limit: None,

@@ -1,22 +1,36 @@
--- RENEW: moves the end of the token's live lease to ttl_ms from now; this broker is added to
--- the ones that answer its holder. A renew that makes the lease end sooner tells the broker of
--- the queue's first bid to look when it now ends: it timed its wait for the old end.
+-- RENEW: moves the end of the token's live lease to ttl_ms from now — or, with `until` given,
+-- to that time (store clock, ms) unless the lease ends later already (a session's keep-alive,
+-- which never shortens a lease); this broker is added to the ones that answer its holder. A
+-- lease held under a session (its owner label starts with the session mark, "\30") keeps its
+-- end on a renewal without `until`: it ends with its session. A renew that makes the lease end
+-- sooner tells the broker of the queue's first bid to look when it now ends: it timed its wait
+-- for the old end.
 --
 -- Joined after lib/prelude.lua, lib/pools.lua, lib/grant.lua, lib/keys.lua, lib/queue.lua and
 -- lib/holder.lua. Its call: `Renew` in scripts/holder.rs.
--- KEYS: as lib/keys.lua's. ARGV: as `holder_context`'s, then ttl_ms.
--- Replies {HELD, fence, expires_at, owner, epoch} for the exclusive lease, {HELD_POOLED, fence,
--- expires_at, owner, epoch, limit} for a pool lease (the semaphore's limit, or '' for a shared
--- lease); {NOT_HELD}, {NOT_OWNER}; or {HOLD_IN_FORCE, hold_until, now, reason}. The epoch lets
--- the broker tell a renewal that raced a loss (see `EpochKeeper::remember`).
+-- KEYS: as lib/keys.lua's. ARGV: as `holder_context`'s, then ttl_ms and until ('' for none).
+-- Replies {HELD, fence, expires_at, ttl, owner, epoch} for the exclusive lease, {HELD_POOLED,
+-- fence, expires_at, ttl, owner, epoch, limit} for a pool lease (the semaphore's limit, or ''
+-- for a shared lease); {NOT_HELD}, {NOT_OWNER}; or {HOLD_IN_FORCE, hold_until, now, reason}.
+-- The epoch lets the broker tell a renewal that raced a loss (see `EpochKeeper::remember`).
 local now = now_us()
 local c = holder_context(now)
 local now_ms = c.now_ms
 local h, expires, reason = holder(now_ms)
 if h == HOLD_IN_FORCE then return {HOLD_IN_FORCE, expires, now_ms, reason} end
-local ttl = tonumber(ARGV[5])
-local function sooner()
-  if now_ms + ttl >= expires then return end
+local until_ms = tonumber(ARGV[6])
+-- The lease's new end and length; `o` its owner label (false for none).
+local function target(o)
+  if until_ms then
+    local ends = math.max(expires, until_ms)
+    return ends, ends - now_ms
+  end
+  if string.sub(o or '', 1, 1) == '\30' then return expires, expires - now_ms end
+  local ttl = tonumber(ARGV[5])
+  return now_ms + ttl, ttl
+end
+local function sooner(ends, ttl)
+  if ends >= expires then return end
   local first = redis.call('ZRANGE', QUEUE, 0, 0)[1]
   local rec = first and redis.call('HGET', BIDS, first)
   local b = rec and string.match(rec, '^([^|]*)|')
@@ -24,22 +38,24 @@ local function sooner()
 end
 if h == HELD_POOLED then
   local f, _, _, g, r, o = record(reason)
-  redis.call('HSET', POOL, c.token, int(f) .. '|' .. int(now_ms + ttl) .. '|' .. int(ttl) .. '|' .. int(g) .. '|' .. r .. '|' .. o)
+  local ends, ttl = target(string.sub(o, 2))
+  redis.call('HSET', POOL, c.token, int(f) .. '|' .. int(ends) .. '|' .. int(ttl) .. '|' .. int(g) .. '|' .. r .. '|' .. o)
   local by = redis.call('HGET', POOL, '@' .. c.token)
   local now_by = by_with(by, c.broker)
   if now_by ~= by then redis.call('HSET', POOL, '@' .. c.token, now_by) end
-  redis.call('ZADD', ENDS, int(now_ms + ttl), c.token)
-  sooner()
+  redis.call('ZADD', ENDS, int(ends), c.token)
+  sooner(ends, ttl)
   keep(POOL, ttl + c.slack)
   keep(ENDS, ttl + c.slack)
-  return {HELD_POOLED, f, now_ms + ttl, (o ~= '' and string.sub(o, 2)) or false, redis.call('HGET', MARKER, 'id') or '', redis.call('HGET', POOL, '#limit') or ''}
+  return {HELD_POOLED, f, ends, ttl, (o ~= '' and string.sub(o, 2)) or false, redis.call('HGET', MARKER, 'id') or '', redis.call('HGET', POOL, '#limit') or ''}
 end
 if h ~= HELD then return {h} end
-redis.call('HSET', LOCK, 'expires_at', int(now_ms + ttl), 'ttl', int(ttl))
+local v = redis.call('HMGET', LOCK, 'fence', 'owner')
+local ends, ttl = target(v[2])
+redis.call('HSET', LOCK, 'expires_at', int(ends), 'ttl', int(ttl))
 local by = redis.call('HGET', LOCK, 'by')
 local now_by = by_with(by, c.broker)
 if now_by ~= by then redis.call('HSET', LOCK, 'by', now_by) end
-sooner()
+sooner(ends, ttl)
 redis.call('PEXPIRE', LOCK, ttl + c.slack)
-local v = redis.call('HMGET', LOCK, 'fence', 'owner')
-return {HELD, v[1], now_ms + ttl, v[2] or false, redis.call('HGET', MARKER, 'id') or ''}
+return {HELD, v[1], ends, ttl, v[2] or false, redis.call('HGET', MARKER, 'id') or ''}

@@ -239,12 +239,19 @@ fn a_grant_reply_decodes_by_its_code_and_nothing_may_be_missing_or_left_over() {
 #[test]
 fn a_renewal_says_which_lease_it_renewed_by_its_code() {
     let renewed = |code, limit: Option<&str>| {
-        let mut fields = vec![int(code), text("9"), int(2000), Value::Nil, text("e1")];
+        let mut fields = vec![
+            int(code),
+            text("9"),
+            int(2000),
+            int(700),
+            Value::Nil,
+            text("e1"),
+        ];
         fields.extend(limit.map(text));
         RenewReply::from_redis_value(reply(fields))
     };
     assert!(
-        matches!(renewed(1, None), Ok(RenewReply::Exclusive(r)) if r.fence == 9 && r.epoch == "e1")
+        matches!(renewed(1, None), Ok(RenewReply::Exclusive(r)) if r.fence == 9 && r.ttl_ms == 700 && r.epoch == "e1")
     );
     assert!(matches!(
         renewed(4, Some("")),

@@ -134,6 +134,17 @@ error_responses! {
         404 => ErrorBody;
     }
 
+    pub struct NoSession {
+        /// `no_session`: the `session` named does not exist or has ended — also when it ended
+        /// while the acquire waited (nothing is left queued or held).
+        404 => ErrorBody;
+    }
+
+    pub struct SessionEnded {
+        /// `not_held`: the session has ended (or never existed): every lease under it is gone.
+        404 => ErrorBody;
+    }
+
     pub struct InspectNotHeld {
         /// `not_held`: nobody holds the key (it is free, it was released, or the lease expired).
         /// With `watch`, the body adds `"fence": null` and `changed`.
@@ -204,7 +215,13 @@ macro_rules! response_sets {
 
 response_sets! {
     /// What an acquire refuses but its conflict (`Locked`, `PermitRefused`).
-    pub struct AcquireRefused = RequestRefused | Unauthorized | Forbidden | NotGranted;
+    pub struct AcquireRefused =
+        RequestRefused | Unauthorized | Forbidden | NoSession | NotGranted;
+    /// What opening a session refuses.
+    pub struct OpenRefused = RequestRefused | Unauthorized | Forbidden | StoreUnavailable;
+    /// What a keep-alive, a read or a close of a session refuses.
+    pub struct SessionRefused =
+        RequestRefused | Unauthorized | Forbidden | SessionEnded | StoreUnavailable;
     /// What a release refuses.
     pub struct ReleaseRefused =
         RequestRefused | Unauthorized | ForceRefused | NotHeld | NotOwner | StoreUnavailable;

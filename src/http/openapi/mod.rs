@@ -17,7 +17,9 @@ use utoipa::{Modify, OpenApi};
 
 use super::Limits;
 use super::error::{Body as ErrorBody, ErrorCode, LockedError, NotHeldBody, PermitConflictError};
-use super::requests::{AcquireBody, MAX_WATCH, RenewBody, SemaphoreAcquireBody};
+use super::requests::{
+    AcquireBody, MAX_WATCH, RenewBody, SemaphoreAcquireBody, SessionBody, SessionRenewBody,
+};
 use crate::store::{MAX_LIST_LIMIT, MAX_SEMAPHORE_LIMIT};
 
 /// What the document says about the API as a whole: its conventions.
@@ -51,7 +53,8 @@ Auth: off unless the broker runs with an auth file. Then every lock route needs 
 `401 unauthorized` with `WWW-Authenticate: Bearer`; a known token whose prefixes do not cover \
 the key, or that lacks the permission, is `403 forbidden` (`lock`: acquire, renew, release, \
 inspect and list; `read`: inspect and list; `admin`: everything on every key, force release \
-included). A listing needs `read` or `lock` on a prefix of its `prefix`. Neither grants, waits or changes \
+included). Sessions need `lock` on at least one prefix; each acquire under one is checked \
+against its own key. A listing needs `read` or `lock` on a prefix of its `prefix`. Neither grants, waits or changes \
 anything. `/healthz` and `/readyz` are always open; `/metrics` and `/openapi.json` are open \
 unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key).";
 
@@ -70,6 +73,10 @@ unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key
         super::semaphores::renew_permit,
         super::semaphores::inspect_semaphore,
         super::semaphores::list_semaphores,
+        super::sessions::open_session,
+        super::sessions::keep_alive,
+        super::sessions::close_session,
+        super::sessions::read_session,
         super::ops::healthz,
         super::ops::readyz,
         super::ops::metrics,
@@ -87,12 +94,15 @@ unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key
         AcquireBody,
         SemaphoreAcquireBody,
         RenewBody,
+        SessionBody,
+        SessionRenewBody,
         NotHeldBody
     )),
     modifiers(&BearerScheme),
     tags(
         (name = "locks", description = "Acquire, release, renew, inspect and list leases on locks."),
         (name = "semaphores", description = "Take, give back, renew, inspect and list semaphore permits."),
+        (name = "sessions", description = "Open, keep alive, read and close sessions: one heartbeat for many leases."),
         (name = "operations", description = "Health, readiness, metrics and this document."),
     )
 )]

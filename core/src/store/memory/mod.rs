@@ -11,6 +11,7 @@
 
 pub mod clock;
 mod queue;
+mod sessions;
 mod slot;
 
 use std::collections::HashMap;
@@ -22,9 +23,10 @@ use self::clock::{Clock, SystemClock};
 use self::slot::Slot;
 use super::{
     AsHolder, Bid, GrantAnswer, Hold, Join, Kind, Lease, ListQuery, Listed, Mode, Notice, Page,
-    Permits, Pool, Released, Snapshot, Space, Store, StoreResult,
+    Permits, Pool, Released, Renewal, SessionOp, SessionRecord, Snapshot, Space, Store,
+    StoreResult,
 };
-use crate::domain::{Fence, LockKey, Token, Ttl};
+use crate::domain::{Fence, LockKey, Token};
 
 /// The in-memory store.
 #[derive(Clone)]
@@ -32,6 +34,7 @@ pub struct MemoryStore {
     /// A std Mutex, not a tokio one: nothing awaits while holding it, and every critical section
     /// is a few map operations.
     slots: Arc<Mutex<HashMap<(Space, LockKey), Slot>>>,
+    sessions: Arc<Mutex<sessions::Sessions>>,
     clock: Arc<dyn Clock>,
     /// Where the queue's notices go: the one broker's lock service.
     notices: Arc<OnceLock<mpsc::Sender<Notice>>>,
@@ -47,6 +50,7 @@ impl MemoryStore {
     pub fn new(clock: Arc<dyn Clock>) -> Self {
         Self {
             slots: Arc::default(),
+            sessions: Arc::default(),
             clock,
             notices: Arc::default(),
         }
@@ -56,6 +60,11 @@ impl MemoryStore {
         // A panic while holding the lock cannot leave a slot half-written (each write is one
         // assignment), so a poisoned map is still consistent.
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn sessions(&self) -> MutexGuard<'_, sessions::Sessions> {
+        // As for `slots`: every write is one assignment.
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Runs `f` on the slot of `key` in `space`, made if missing (an empty slot is dropped by the
@@ -71,7 +80,8 @@ impl MemoryStore {
         let mut slots = self.slots();
         let before = slots.len();
         slots.retain(|_, slot| slot.drop_at_ms > now);
-        before - slots.len()
+        let sessions = self.sessions().sweep(now);
+        before - slots.len() + sessions
     }
 
     /// Deletes the lock `key` outright, as Redis does when the key's own expiry passes or
@@ -274,18 +284,20 @@ impl Store for MemoryStore {
         space: Space,
         key: &LockKey,
         token: &Token,
-        ttl: Ttl,
+        how: Renewal,
     ) -> StoreResult<AsHolder<Lease>> {
         let now_us = self.clock.now_us();
         let now_ms = now_us / 1000;
         Ok(self.step("renew", space, key, |slot, tell| {
             slot.prune(now_ms);
-            let (outcome, shortened) = slot.renew(token, ttl, now_ms);
+            let (outcome, shortened) = slot.renew(token, how, now_ms);
             // A renewal frees nothing, but the prune may have ended a lapsed offer.
             slot.hand_on(now_us, None, &mut tell.offered);
             if shortened && !slot.queue.is_empty() {
                 // The queue's waiters were told the old end: they ask again at the new one.
-                tell.look_ms = Some(ttl.as_ms());
+                if let AsHolder::Done(lease) = &outcome {
+                    tell.look_ms = Some(lease.ttl_ms);
+                }
             }
             outcome
         }))
@@ -440,6 +452,10 @@ impl Store for MemoryStore {
 
     fn start(&self, notices: mpsc::Sender<Notice>) {
         let _ = self.notices.set(notices);
+    }
+
+    async fn session(&self, id: &Token, op: SessionOp<'_>) -> StoreResult<Option<SessionRecord>> {
+        Ok(self.sessions().call(id, op, self.clock.now_ms()))
     }
 }
 

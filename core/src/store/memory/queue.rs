@@ -41,8 +41,9 @@ impl Slot {
         }
         held.offered = false;
         held.granted_at_ms = now_ms;
-        held.lease.expires_at_ms = now_ms + bid.ttl.as_ms();
-        held.lease.ttl_ms = bid.ttl.as_ms();
+        let ttl_ms = bid.lease_ttl().as_ms();
+        held.lease.expires_at_ms = now_ms + ttl_ms;
+        held.lease.ttl_ms = ttl_ms;
         let taken = held.lease.clone();
         self.keep_until(taken.expires_at_ms);
         Some(taken)

@@ -5,8 +5,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::domain::{Fence, Kind, Token, Ttl};
-use crate::store::{AsHolder, Bid, EXPIRY_SLACK_MS, Lease, Released};
+use crate::domain::{Fence, Kind, Token};
+use crate::store::{AsHolder, Bid, EXPIRY_SLACK_MS, Lease, Released, Renewal};
 
 /// A lease with when it was granted (for the hold time reported on release).
 #[derive(Debug, Clone)]
@@ -91,11 +91,12 @@ impl Slot {
     ) -> StoredLease {
         let now_ms = now_us / 1000;
         self.fence = next_fence((self.fence > 0).then_some(self.fence), now_us);
+        let ttl_ms = bid.lease_ttl().as_ms();
         let lease = Lease {
             token: bid.token.clone(),
             fence: self.fence,
-            expires_at_ms: now_ms + offer_ms.unwrap_or(bid.ttl.as_ms()),
-            ttl_ms: bid.ttl.as_ms(),
+            expires_at_ms: now_ms + offer_ms.unwrap_or(ttl_ms),
+            ttl_ms,
             owner: bid.owner.clone(),
             request_id: bid.request_id.clone(),
             limit: None,
@@ -139,7 +140,7 @@ impl Slot {
     pub(super) fn renew(
         &mut self,
         token: &Token,
-        ttl: Ttl,
+        how: Renewal,
         now_ms: u64,
     ) -> (AsHolder<Lease>, bool) {
         let exclusive = self.live_exclusive(now_ms).is_some();
@@ -160,9 +161,21 @@ impl Slot {
             );
         };
         let lease = &mut held.lease;
-        let shortened = now_ms + ttl.as_ms() < lease.expires_at_ms;
-        lease.expires_at_ms = now_ms + ttl.as_ms();
-        lease.ttl_ms = ttl.as_ms();
+        let under_session = lease
+            .owner
+            .as_ref()
+            .is_some_and(|o| o.session_delay_ms().is_some());
+        let ends = match how {
+            // A lease under a session ends with its session: a renewal by token leaves it.
+            Renewal::For(_) if under_session => lease.expires_at_ms,
+            Renewal::For(ttl) => now_ms + ttl.as_ms(),
+            Renewal::Until(ends) => ends.max(lease.expires_at_ms),
+        };
+        let shortened = ends < lease.expires_at_ms;
+        if ends != lease.expires_at_ms || !under_session {
+            lease.ttl_ms = ends - now_ms;
+        }
+        lease.expires_at_ms = ends;
         let renewed = lease.clone();
         self.keep_until(renewed.expires_at_ms);
         (AsHolder::Done(renewed), shortened)

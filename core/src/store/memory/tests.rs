@@ -8,6 +8,7 @@ use tokio::sync::mpsc;
 use super::clock::ManualClock;
 use super::queue::OFFER_WINDOW_MS;
 use super::*;
+use crate::domain::Ttl;
 use crate::store::EXPIRY_SLACK_MS;
 
 /// A store on a manual clock, with the notices it sends.
@@ -79,6 +80,7 @@ pub(crate) fn bid(ttl_ms: u64) -> Bid {
         owner: None,
         request_id: None,
         wait_ms: 0,
+        ends: None,
     }
 }
 
@@ -376,7 +378,10 @@ async fn an_offer_is_not_its_tokens_to_release_or_renew() {
     f.release(Space::Locks, &holder.token).await;
     f.offered(Space::Locks);
     let ttl = Ttl::from_ms(30_000);
-    let renewed = f.store.renew(Space::Locks, &f.key, &head.token, ttl).await;
+    let renewed = f
+        .store
+        .renew(Space::Locks, &f.key, &head.token, Renewal::For(ttl))
+        .await;
     assert!(matches!(renewed.unwrap(), AsHolder::NotOwner));
     assert!(matches!(
         f.release(Space::Locks, &head.token).await,
@@ -409,7 +414,7 @@ async fn a_renewal_that_shortens_a_lease_tells_the_queue_to_look_again() {
     let holder = f.hold(60_000).await;
     let short = Ttl::from_ms(500);
     f.store
-        .renew(Space::Locks, &f.key, &holder.token, short)
+        .renew(Space::Locks, &f.key, &holder.token, Renewal::For(short))
         .await
         .unwrap();
     // Nobody queued: nobody to tell.
@@ -417,7 +422,7 @@ async fn a_renewal_that_shortens_a_lease_tells_the_queue_to_look_again() {
     queued(f.claim(&waiting(1_000, 60_000)).await);
     let shorter = Ttl::from_ms(200);
     f.store
-        .renew(Space::Locks, &f.key, &holder.token, shorter)
+        .renew(Space::Locks, &f.key, &holder.token, Renewal::For(shorter))
         .await
         .unwrap();
     assert_eq!(
@@ -426,7 +431,7 @@ async fn a_renewal_that_shortens_a_lease_tells_the_queue_to_look_again() {
     );
     // Lengthening tells nobody.
     f.store
-        .renew(Space::Locks, &f.key, &holder.token, short)
+        .renew(Space::Locks, &f.key, &holder.token, Renewal::For(short))
         .await
         .unwrap();
     assert!(f.notices().is_empty());

@@ -1,0 +1,81 @@
+//! Sessions in the store: one record per session — its end on the store's clock, its TTL, label
+//! and lock delay, and the leases taken under it — kept by one keep-alive for all of them.
+//!
+//! The record is one store key of its own (on Redis Cluster, a slot of its own), and a lease
+//! under a session is an ordinary lease in its key's record whose end is the session's (plus
+//! the lock delay) and whose label says "under a session" ([`Owner::for_session`]). So every
+//! script that grants, hands on, expires or lists a lease works on session leases unchanged,
+//! and a session call never touches a lease's key: the lock service keeps them in step — an
+//! acquire under a session enters its lease in the record before the grant and confirms it
+//! after; a keep-alive moves the record's end and then every entered lease's end to it
+//! ([`Renewal::Until`](super::Renewal::Until), which never shortens one); a close ends the
+//! record and then releases every entered lease.
+//!
+//! [`Owner::for_session`]: crate::domain::Owner::for_session
+
+use crate::domain::{LockKey, Owner, RequestId, Space, Token, Ttl};
+
+/// What `POST /sessions` asks for.
+#[derive(Debug, Clone)]
+pub struct SessionSpec {
+    pub ttl: Ttl,
+    pub owner: Option<Owner>,
+    /// How long the keys of a session that ended by expiry stay held after its end.
+    pub lock_delay_ms: u64,
+    /// Opening again with the same id while the session it opened lives answers that session.
+    pub request_id: Option<RequestId>,
+}
+
+/// The longest lock delay.
+pub const MAX_LOCK_DELAY_MS: u64 = 60_000;
+
+/// A lease entered in a session's record: where it is, and its token (kept in the store, as
+/// every lease's token is; never shown).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionEntry {
+    pub space: Space,
+    pub key: LockKey,
+    pub token: Token,
+}
+
+/// A live session as the store has it, with the store's clock.
+#[derive(Debug, Clone)]
+pub struct SessionRecord {
+    pub id: Token,
+    pub now_ms: u64,
+    pub ttl_ms: u64,
+    /// On the store's clock.
+    pub expires_at_ms: u64,
+    pub owner: Option<Owner>,
+    pub lock_delay_ms: u64,
+    /// The leases entered under it, in no particular order. An entry whose lease has ended
+    /// (released by its token, force-released, or a grant that never came) stays until a
+    /// keep-alive finds it gone.
+    pub entries: Vec<SessionEntry>,
+}
+
+impl SessionRecord {
+    /// When the leases under the session end on the store's clock: the session's end plus its
+    /// lock delay (a close or a release ends them sooner, without the delay).
+    pub fn leases_end_ms(&self) -> u64 {
+        self.expires_at_ms + self.lock_delay_ms
+    }
+}
+
+/// One call on a session's record. Every call but `Open` answers `None` when the session does
+/// not exist or has ended (its end passed on the store's clock), and writes nothing then.
+#[derive(Debug, Clone, Copy)]
+pub enum SessionOp<'a> {
+    /// Makes the session with the call's id — or, when the spec's request id opened a session
+    /// that still lives, answers that one (with its own id).
+    Open(&'a SessionSpec),
+    /// Moves the session's end to its TTL (or this one, which becomes its TTL) from now.
+    Renew(Option<Ttl>),
+    Read,
+    /// Ends the session now; answers the record as it was, entries and all.
+    Close,
+    /// Enters a lease under the session (again is harmless).
+    Enter(&'a SessionEntry),
+    /// Takes an entry out.
+    Drop(&'a SessionEntry),
+}
