@@ -36,6 +36,9 @@ pub struct Grant {
     pub fence: u64,
     pub ttl_ms: u64,
     pub expires_at_ms: u64,
+    /// A lease under a session: when the session ends (equal to `expires_at_ms`).
+    #[serde(default)]
+    pub session_expires_at_ms: Option<u64>,
 }
 
 impl Grant {

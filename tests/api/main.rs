@@ -16,6 +16,7 @@ mod outage;
 mod process;
 mod round_trips;
 mod semaphores;
+mod sessions;
 mod shared;
 mod store_loss;
 mod store_pools;

@@ -88,8 +88,10 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
     let run = torture::start(&brokers, &plan);
 
     // On another key: a lease the doomed broker grants, requests waiting for it on the doomed
-    // broker, and one waiting on another broker.
-    let orphan = post(&format!("{}/locks/orphaned?ttl_ms=2000", doomed.address()))
+    // broker, and one waiting on another broker. The lease outlives the wait for the torture's
+    // first sections below (2 s did not, once, on a loaded machine: a waiter was granted
+    // before the kill).
+    let orphan = post(&format!("{}/locks/orphaned?ttl_ms=5000", doomed.address()))
         .await
         .expect_grant(StatusCode::CREATED);
     let waiting_on_doomed: Vec<_> = (0..4)
@@ -123,7 +125,7 @@ async fn a_broker_killed_with_sigkill_leaves_the_others_serving_and_the_leases_i
         .expect_status(StatusCode::OK)
         .json();
     assert_eq!(shown["fence"], orphan.fence);
-    let next = tokio::time::timeout(Duration::from_secs(5), successor)
+    let next = tokio::time::timeout(Duration::from_secs(8), successor)
         .await
         .expect("the waiter on a surviving broker must get the lock when the lease ends")
         .expect("the waiter task")
