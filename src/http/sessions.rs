@@ -15,7 +15,7 @@ use super::SharedState;
 use super::error::ApiError;
 use super::error::responses::{OpenRefused, SessionRefused};
 use super::params::Params;
-use super::requests::{SessionBody, SessionRenewBody, session_id, ttl_param};
+use super::requests::{Parameters, SessionBody, SessionRenewBody, session_id, ttl_param};
 use crate::domain::{Owner, RequestId, Space, Token, Ttl};
 use crate::lock::{LockError, SessionLease};
 use crate::store::{MAX_LOCK_DELAY_MS, SessionRecord, SessionSpec};
@@ -44,6 +44,13 @@ impl<S: Send + Sync> FromRequestParts<S> for SessionPath {
         Ok(Self(session_id(&raw)?))
     }
 }
+
+/// What a close or a read takes: nothing (an unknown parameter is `400`, as everywhere).
+#[derive(Debug, Default, Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct NoParams {}
+
+impl Parameters for NoParams {}
 
 /// A session as opened. The id is shown here and nowhere else.
 #[derive(Serialize, ToSchema)]
@@ -239,6 +246,7 @@ pub(super) async fn keep_alive(
 pub(super) async fn close_session(
     State(state): State<SharedState>,
     SessionPath(id): SessionPath,
+    _none: Params<NoParams>,
 ) -> Result<StatusCode, ApiError> {
     state
         .locks
@@ -267,6 +275,7 @@ pub(super) async fn close_session(
 pub(super) async fn read_session(
     State(state): State<SharedState>,
     SessionPath(id): SessionPath,
+    _none: Params<NoParams>,
 ) -> Result<Response, ApiError> {
     let (record, leases) = state.locks.session(&id).await.map_err(session_error)?;
     let body = SessionViewBody {

@@ -22,6 +22,9 @@ const LOCKS: &str = "/locks";
 const SEMAPHORE: &str = "/semaphores/{key}";
 const SEMAPHORE_RENEW: &str = "/semaphores/{key}/renew";
 const SEMAPHORES: &str = "/semaphores";
+const SESSIONS: &str = "/sessions";
+const SESSION: &str = "/sessions/{session}";
+const SESSION_RENEW: &str = "/sessions/{session}/renew";
 
 /// The methods a probe tries on every documented path.
 const METHODS: &[&str] = &[
@@ -45,6 +48,7 @@ const ERROR_CODES: &[&str] = &[
     "too_many_waiters",
     "store_unavailable",
     "shutting_down",
+    "no_session",
     "internal",
 ];
 
@@ -530,6 +534,7 @@ async fn every_documented_status_is_one_a_request_gets_and_no_other() {
     let mut cov = Coverage::new(fetch_document(&app).await);
     lock_scenarios(&app, &mut cov).await;
     shared_and_semaphore_scenarios(&app, &mut cov).await;
+    session_scenarios(&app, &mut cov).await;
     operations_scenarios(&app, &mut cov).await;
     waiting_scenarios(&mut cov).await;
     dead_store_scenarios(&mut cov).await;
@@ -544,7 +549,9 @@ async fn auth_scenarios(cov: &mut Coverage) {
     std::fs::write(
         &file,
         "[[tokens]]\nname = \"narrow\"\ntoken = \"narrow-secret-0123456789\"\n\
-         prefixes = [\"mine:\"]\npermissions = [\"lock\"]\n",
+         prefixes = [\"mine:\"]\npermissions = [\"lock\"]\n\
+         [[tokens]]\nname = \"reader\"\ntoken = \"reader-secret-0123456789\"\n\
+         prefixes = [\"\"]\npermissions = [\"read\"]\n",
     )
     .unwrap();
     let path = file.clone();
@@ -583,7 +590,112 @@ async fn auth_scenarios(cov: &mut Coverage) {
         answer.expect_error(StatusCode::FORBIDDEN, "forbidden");
         cov.record(method.as_str(), documented, &answer);
     }
+    // Sessions need `lock` on some prefix: a reader is refused.
+    let cases = [
+        ("POST", SESSIONS, "/sessions"),
+        ("POST", SESSION_RENEW, "/sessions/some-session/renew"),
+        ("DELETE", SESSION, "/sessions/some-session"),
+        ("GET", SESSION, "/sessions/some-session"),
+    ];
+    for (method, documented, path) in cases {
+        let method = Method::from_bytes(method.as_bytes()).unwrap();
+        let answer = app.send(app.request(method.clone(), path)).await;
+        answer.expect_error(StatusCode::UNAUTHORIZED, "unauthorized");
+        cov.record(method.as_str(), documented, &answer);
+        let request = app
+            .request(method.clone(), path)
+            .bearer_auth("reader-secret-0123456789");
+        let answer = app.send(request).await;
+        answer.expect_error(StatusCode::FORBIDDEN, "forbidden");
+        cov.record(method.as_str(), documented, &answer);
+    }
     let _ = std::fs::remove_file(&file);
+}
+
+/// Sessions on the embedded store: open, keep alive, read and close, an acquire under one, and
+/// what each refuses (every status but 401, 403 and 503).
+async fn session_scenarios(app: &TestApp, cov: &mut Coverage) {
+    let body = json!({"ttl_ms": 20000, "owner": "doc", "lock_delay_ms": 0, "request_id": "oa-s-1"});
+    cov.check_request("POST", SESSIONS, &body);
+    let answer = app
+        .send(app.request(Method::POST, "/sessions").json(&body))
+        .await;
+    cov.record("POST", SESSIONS, &answer);
+    let id = answer.expect_status(StatusCode::CREATED).json()["session"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let answer = app
+        .send(app.request(Method::POST, "/sessions?lock_delay_ms=60001"))
+        .await;
+    cov.record("POST", SESSIONS, &answer);
+    answer.expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+    refusals(app, cov, "POST", SESSIONS, "/sessions").await;
+
+    let answer = app.acquire("oa-s-lock", &format!("session={id}")).await;
+    cov.record("POST", LOCK, &answer);
+    answer.expect_grant(StatusCode::CREATED);
+    let answer = app.take("oa-s-sem", &format!("session={id}&limit=2")).await;
+    cov.record("POST", SEMAPHORE, &answer);
+    answer.expect_status(StatusCode::CREATED);
+    for (documented, path) in [
+        (LOCK, "/locks/oa-s-none?session=no-such-session"),
+        (
+            SEMAPHORE,
+            "/semaphores/oa-s-none?session=no-such-session&limit=2",
+        ),
+    ] {
+        let answer = app.send(app.request(Method::POST, path)).await;
+        cov.record("POST", documented, &answer);
+        answer.expect_error(StatusCode::NOT_FOUND, "no_session");
+    }
+
+    let renew = format!("/sessions/{id}/renew");
+    let body = json!({"ttl_ms": 25000});
+    cov.check_request("POST", SESSION_RENEW, &body);
+    let answer = app
+        .send(app.request(Method::POST, &renew).json(&body))
+        .await;
+    cov.record("POST", SESSION_RENEW, &answer);
+    assert_eq!(answer.expect_status(StatusCode::OK).json()["ttl_ms"], 25000);
+    refusals(app, cov, "POST", SESSION_RENEW, &renew).await;
+    let path = format!("/sessions/{id}");
+    let answer = app.get(&path).await;
+    cov.record("GET", SESSION, &answer);
+    assert_eq!(
+        answer.expect_status(StatusCode::OK).json()["leases"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    refusals(app, cov, "GET", SESSION, &path).await;
+    refusals(app, cov, "DELETE", SESSION, &path).await;
+    for (method, documented, path) in [
+        ("POST", SESSION_RENEW, "/sessions/not%20one/renew"),
+        ("GET", SESSION, "/sessions/not%20one"),
+        ("DELETE", SESSION, "/sessions/not%20one"),
+    ] {
+        let answer = app
+            .send(app.request(Method::from_bytes(method.as_bytes()).unwrap(), path))
+            .await;
+        cov.record(method, documented, &answer);
+        answer.expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+    }
+    let answer = app.send(app.request(Method::DELETE, &path)).await;
+    cov.record("DELETE", SESSION, &answer);
+    answer.expect_status(StatusCode::NO_CONTENT);
+    for (method, documented, path) in [
+        ("POST", SESSION_RENEW, renew.as_str()),
+        ("GET", SESSION, path.as_str()),
+        ("DELETE", SESSION, path.as_str()),
+    ] {
+        let answer = app
+            .send(app.request(Method::from_bytes(method.as_bytes()).unwrap(), path))
+            .await;
+        cov.record(method, documented, &answer);
+        answer.expect_error(StatusCode::NOT_FOUND, "not_held");
+    }
 }
 
 /// Acquire, renew, inspect and release on the embedded store: every status but 503.
@@ -885,6 +997,23 @@ async fn dead_store_scenarios(cov: &mut Coverage) {
         ),
         ("GET", SEMAPHORE, app.get(sem).await),
         ("GET", SEMAPHORES, app.get("/semaphores").await),
+        (
+            "POST",
+            SESSIONS,
+            app.send(app.request(Method::POST, "/sessions")).await,
+        ),
+        (
+            "POST",
+            SESSION_RENEW,
+            app.send(app.request(Method::POST, "/sessions/s/renew"))
+                .await,
+        ),
+        ("GET", SESSION, app.get("/sessions/s").await),
+        (
+            "DELETE",
+            SESSION,
+            app.send(app.request(Method::DELETE, "/sessions/s")).await,
+        ),
         ("GET", "/readyz", app.get("/readyz").await),
     ];
     for (method, path, answer) in &answers {

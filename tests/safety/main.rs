@@ -17,6 +17,7 @@ mod faults;
 mod kinds;
 mod proxy;
 mod queue;
+mod sessions;
 mod skew;
 mod soak;
 mod store_loss;
