@@ -325,13 +325,7 @@ abstract class LeaseRenewal {
         } else {
             broker.open.remove(this);
         }
-        for (Runnable callback : toRun) {
-            try {
-                broker.workers.callbacks.execute(() -> runCallback(callback));
-            } catch (java.util.concurrent.RejectedExecutionException e) {
-                runCallback(callback); // the client is closed: run it here rather than never
-            }
-        }
+        broker.workers.runLostCallbacks(toRun, this::runCallback);
     }
 
     /** Its session was lost: so is the lease (nothing to release: the session's end ends it). */

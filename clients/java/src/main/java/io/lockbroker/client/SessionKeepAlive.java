@@ -9,7 +9,6 @@ import java.util.List;
 import java.util.Map;
 import java.util.Set;
 import java.util.concurrent.CompletableFuture;
-import java.util.concurrent.RejectedExecutionException;
 import java.util.concurrent.ScheduledFuture;
 import java.util.concurrent.TimeUnit;
 
@@ -211,13 +210,7 @@ abstract class SessionKeepAlive {
             // The broker may still count it alive: if it comes back in time, let the keys go.
             broker.workers.inBackground(this::close);
         }
-        for (Runnable callback : toRun) {
-            try {
-                broker.workers.callbacks.execute(() -> runCallback(callback));
-            } catch (RejectedExecutionException e) {
-                runCallback(callback); // the client is closed: run it here rather than never
-            }
-        }
+        broker.workers.runLostCallbacks(toRun, this::runCallback);
     }
 
     void runCallback(Runnable callback) {
