@@ -51,7 +51,8 @@ public final class Session extends SessionKeepAlive implements AutoCloseable {
     /**
      * Opens a session ({@code POST /sessions} with a generated {@code request_id}), retrying
      * {@code 503}s and failed connections with the same {@code request_id} for up to the request
-     * timeout, and starts its keep-alive.
+     * timeout, and starts its keep-alive. A session made by a try whose answer never came holds
+     * nothing and ends by its ttl.
      */
     static Session open(LockBroker broker, Duration ttl, Duration lockDelay) {
         long ttlMs = KeyCalls.millis(ttl, "ttl", 1);
