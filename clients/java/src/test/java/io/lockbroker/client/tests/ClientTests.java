@@ -111,6 +111,8 @@ public final class ClientTests {
         own.put("session_ended_at_broker_lost_on_404_and_no_session", SessionTests::endedAtBroker);
         own.put("session_secret_never_shown", SessionTests::secretNeverShown);
         own.put("session_close_never_throws", SessionTests::closeNeverThrows);
+        own.put("session_open_retried_with_one_request_id", SessionTests::openRetriedWithOneRequestId);
+        own.put("session_lease_force_released_seen_by_its_renew", SessionTests::forceReleasedLeaseSeenByItsRenew);
 
         List<String> filters = List.of(args);
         int[] tally = new int[2];

@@ -11,6 +11,7 @@ import static io.lockbroker.client.tests.ClientTests.metric;
 import static io.lockbroker.client.tests.ClientTests.send;
 
 import io.lockbroker.client.Lease;
+import io.lockbroker.client.LeaseLostException;
 import io.lockbroker.client.LockBroker;
 import io.lockbroker.client.LockBrokerException;
 import io.lockbroker.client.Session;
@@ -346,6 +347,65 @@ final class SessionTests {
             check(ms < 3000, "close returned after " + ms + " ms");
             check(!session.isAlive() && !lease.isHeld(), "closed");
             session.close();
+        }
+    }
+
+    /**
+     * An open whose answer was lost (a 503 after the broker made it) is retried with the same
+     * request_id and returns the one session made; an acquire under it likewise.
+     */
+    static void openRetriedWithOneRequestId(ClientTests.Env env) throws Exception {
+        try (RecordingProxy proxy = new RecordingProxy(env.url());
+                LockBroker broker = LockBroker.create(proxy.url());
+                LockBroker other = LockBroker.create(env.url())) {
+            String key = env.key("s-retry");
+            Predicate<RecordingProxy.Call> open = c -> "POST".equals(c.method) && c.path.equals("/sessions");
+            proxy.fault(open, RecordingProxy.Fault.FORWARD_THEN_503, 1);
+            proxy.fault(c -> c.isAcquire() && c.path.endsWith("/" + key), RecordingProxy.Fault.FORWARD_THEN_503, 1);
+            try (Session session = broker.openSession(Duration.ofSeconds(10))) {
+                List<RecordingProxy.Call> opens = new ArrayList<>();
+                proxy.calls().stream().filter(open).forEach(opens::add);
+                equal(2, opens.size(), "one retry: " + opens);
+                equal(ClientTests.requestId(opens.get(0).body), ClientTests.requestId(opens.get(1).body),
+                        "the retry kept the request_id");
+                equal(201, opens.get(0).upstreamStatus, "the first try made the session");
+                String secret = secretOf(proxy);
+                check(opens.get(0).upstreamBody.contains(secret), "the session returned is the one the first try made");
+                Lease lease = session.acquire(key, Duration.ofSeconds(5));
+                equal(lease.fence(), fenceOf(get(env.url() + "/locks/" + key).body()), "the one grant, under the session");
+                check(other.tryAcquire(key, Duration.ofSeconds(1)).isEmpty(), "held");
+                HttpResponse<String> shown = get(env.url() + "/sessions/" + secret);
+                equal(1, holders(shown.body()), "one lease under the session: " + shown.body());
+            }
+            equal(404, get(env.url() + "/locks/" + key).statusCode(), "released with the session");
+        }
+    }
+
+    /**
+     * A lease under a session renews to the session's end; force-released, its renew() says so
+     * and it is lost, while the session and its other leases go on.
+     */
+    static void forceReleasedLeaseSeenByItsRenew(ClientTests.Env env) throws Exception {
+        try (LockBroker broker = LockBroker.create(env.url())) {
+            String k1 = env.key("s-forced");
+            String k2 = env.key("s-forced");
+            Session session = broker.openSession(Duration.ofSeconds(10));
+            Lease a = session.acquire(k1, Duration.ZERO);
+            Lease b = session.acquire(k2, Duration.ZERO);
+            a.renew();
+            check(a.isHeld(), "renewed");
+            CompletableFuture<String> lost = new CompletableFuture<>();
+            a.onLost(() -> lost.complete(a.lostReason().orElse("")));
+            check(broker.forceRelease(k1), "force-released");
+            try {
+                a.renew();
+                throw new AssertionError("renewed a force-released lease");
+            } catch (LeaseLostException e) {
+                check(lost.get(5, TimeUnit.SECONDS).contains("404"), "lost, by the 404: " + e.getMessage());
+            }
+            check(!a.isHeld() && session.isAlive() && b.isHeld(), "the session and its other lease go on");
+            session.close();
+            check(!b.isHeld(), "closed");
         }
     }
 
