@@ -31,6 +31,9 @@ final class Acquisition {
         if (broker.isClosed()) {
             throw new IllegalStateException("this LockBroker is closed");
         }
+        if (r.session != null) {
+            r.session.checkAlive("acquire '" + r.key + "'");
+        }
         String path = r.path();
         long ttlMs = KeyCalls.millis(r.ttl, "ttl", 1);
         // Past a year, a wait is "for ever" (and nanoTime arithmetic stays clear of overflow).
@@ -88,6 +91,13 @@ final class Acquisition {
                                 + ": the broker granted it but did not confirm it with a renewal", 0, null, null);
                         unsure = false;
                         requestId = newRequestId();
+                    } else if (r.session != null) {
+                        if (!r.session.adopt(lease)) {
+                            // The session ended or was closed meanwhile, and the lease with it.
+                            lease.releasedWithSession();
+                            throw r.session.notAlive("acquire '" + r.key + "'");
+                        }
+                        return lease;
                     } else {
                         broker.open.add(lease);
                         lease.start();
@@ -112,6 +122,9 @@ final class Acquisition {
                     // the broker never sends (a proxy's) leaves even this one's outcome unknown.
                     if (retried || status >= 500) {
                         cleanUpAfter(path, body, unsureSince, ttlMs, System.nanoTime());
+                    }
+                    if (r.session != null && status == 404 && "no_session".equals(code)) {
+                        r.session.ended(Session.answered(response, answer));
                     }
                     throw http.refusal("acquire '" + r.key + "'", response, answer);
                 }
@@ -191,7 +204,7 @@ final class Acquisition {
     }
 
     /** 22 URL-safe characters: 128 random bits, as the broker's request_id allows (1 to 64). */
-    private static String newRequestId() {
+    static String newRequestId() {
         byte[] bytes = new byte[16];
         RANDOM.nextBytes(bytes);
         return Base64.getUrlEncoder().withoutPadding().encodeToString(bytes);

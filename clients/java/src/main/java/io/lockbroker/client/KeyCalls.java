@@ -319,6 +319,13 @@ abstract class KeyCalls {
         return http.call(method, path, what);
     }
 
+    static Duration positive(Duration d, String name) {
+        if (d == null || d.isZero() || d.isNegative()) {
+            throw new IllegalArgumentException(name + " must be positive, not " + d);
+        }
+        return d;
+    }
+
     static long millis(Duration d, String name, long min) {
         if (d == null) {
             throw new IllegalArgumentException(name + " is required");

@@ -26,6 +26,11 @@ import java.util.function.Consumer;
  * is lost must stop writing; the {@link #fence()} it passed along with each write lets the
  * resource refuse the writes that were already on their way.
  *
+ * <p>A lease taken under a {@link Session} is not renewed by itself: the session's keep-alive
+ * keeps it, and it is lost when the session is ({@link Session#onLost(Runnable)}), or when a
+ * {@link #renew()} finds it force-released. Releasing it releases that lease only; closing the
+ * session releases it too.
+ *
  * <p>Ownership is this object (it holds the token), not a thread: any thread may release it.
  * The token is never shown by {@link #toString()} nor logged.
  */
@@ -81,7 +86,7 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
     }
 
     /**
-     * The ttl each renewal asks for.
+     * The ttl each renewal asks for (under a session: the session's ttl).
      *
      * @return the ttl
      */
@@ -90,22 +95,36 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
     }
 
     /**
-     * When the lease ends by the broker's latest answer, on the store's clock.
+     * When the lease ends by the broker's latest answer, on the store's clock (under a session:
+     * the session's end).
      *
      * @return the end, as of the last confirmed acquire or renewal
      */
-    public synchronized Instant expiresAt() {
-        return Instant.ofEpochMilli(expiresAtMs);
+    public Instant expiresAt() {
+        if (session != null) {
+            return session.expiresAt();
+        }
+        synchronized (this) {
+            return Instant.ofEpochMilli(expiresAtMs);
+        }
     }
 
     /**
      * True while the lease is held: not released, not lost, and its end (as this client counts
-     * it, conservatively) not passed.
+     * it, conservatively) not passed; under a session, while the session {@link Session#isAlive()
+     * is alive} too.
      *
      * @return true while held
      */
     @Override
     public boolean isHeld() {
+        if (session != null) {
+            // A session found ended loses its leases, this one too.
+            boolean alive = session.isAlive();
+            synchronized (this) {
+                return alive && state == State.HELD;
+            }
+        }
         String reason;
         synchronized (this) {
             if (state != State.HELD) {
@@ -254,6 +273,9 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
             inFlight = renewing;
         }
         broker.open.remove(this);
+        if (session != null) {
+            session.forget(this);
+        }
         if (inFlight != null) {
             // No renewal may reach the broker after the release does.
             try {
@@ -282,6 +304,6 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
             s = state == State.HELD ? "held" : state == State.LOST ? "lost" : "released";
         }
         return "Lease[key=" + key + ", kind=" + kind + (kind == Kind.PERMIT ? ", limit=" + limit : "")
-                + ", fence=" + fence + ", " + s + "]";
+                + ", fence=" + fence + (session != null ? ", under a session" : "") + ", " + s + "]";
     }
 }

@@ -29,6 +29,8 @@ abstract class LeaseRenewal {
     final long ttlMs;
     final boolean autoRenew;
     final long marginNanos;
+    /** The session the lease is under (kept by its keep-alive, lost with it); null for a lease of its own. */
+    final Session session;
 
     // Guarded by this.
     State state = State.HELD;
@@ -54,6 +56,7 @@ abstract class LeaseRenewal {
         this.kind = r.kind;
         this.path = r.path();
         this.autoRenew = r.autoRenew;
+        this.session = r.session;
         String t = Json.stringField(answer, "token");
         Long f = Json.numberField(answer, "fence");
         if (t == null || f == null) {
@@ -87,7 +90,7 @@ abstract class LeaseRenewal {
     /** Starts the background renewal and the loss timer; called once the lease is returned. */
     void start() {
         synchronized (this) {
-            if (state != State.HELD) {
+            if (state != State.HELD || session != null) {
                 return;
             }
             scheduleLossCheck();
@@ -103,7 +106,7 @@ abstract class LeaseRenewal {
      * Such a lease is renewed before it is returned, to learn a safe end.
      */
     synchronized boolean needsConfirmation() {
-        return lostAt() - System.nanoTime() < renewEvery();
+        return session == null && lostAt() - System.nanoTime() < renewEvery();
     }
 
     /**
@@ -164,8 +167,9 @@ abstract class LeaseRenewal {
         return TimeUnit.MILLISECONDS.toNanos(Math.max(1, (long) (ttlMs * broker.renewFraction)));
     }
 
+    /** A renewal's body: the ttl again; none under a session (the answer is the session's end). */
     String renewBody() {
-        return "{\"ttl_ms\":" + ttlMs + "}";
+        return session != null ? null : "{\"ttl_ms\":" + ttlMs + "}";
     }
 
     // Called with this locked.
@@ -182,7 +186,7 @@ abstract class LeaseRenewal {
         if (lossTask != null) {
             lossTask.cancel(false);
         }
-        if (broker.workers.timer.isShutdown()) {
+        if (session != null || broker.workers.timer.isShutdown()) {
             return;
         }
         lossTask = broker.workers.timer.schedule(this::checkLoss, Math.max(0, lostAt() - System.nanoTime()),
@@ -311,6 +315,9 @@ abstract class LeaseRenewal {
             onLost.clear();
             onTrouble.clear();
         }
+        if (session != null) {
+            session.forget((Lease) this);
+        }
         if (!forSure) {
             // The broker may still count it held; if it comes back in time, let the key go.
             broker.open.remove(this);
@@ -318,12 +325,22 @@ abstract class LeaseRenewal {
         } else {
             broker.open.remove(this);
         }
-        for (Runnable callback : toRun) {
-            try {
-                broker.workers.callbacks.execute(() -> runCallback(callback));
-            } catch (java.util.concurrent.RejectedExecutionException e) {
-                runCallback(callback); // the client is closed: run it here rather than never
+        broker.workers.runLostCallbacks(toRun, this::runCallback);
+    }
+
+    /** Its session was lost: so is the lease (nothing to release: the session's end ends it). */
+    void lostWithSession(String reason) {
+        lost(reason, true);
+    }
+
+    /** Its session was closed, which released the lease at the broker. */
+    void releasedWithSession() {
+        synchronized (this) {
+            if (state == State.HELD) {
+                state = State.RELEASED;
             }
+            releaseSent = true;
+            cancelTimers();
         }
     }
 

@@ -38,6 +38,8 @@ public final class LockBroker extends KeyCalls implements AutoCloseable {
     final Workers workers = new Workers();
     /** The leases acquired and not yet released, to release them on {@link #close()}. */
     final Set<Lease> open = ConcurrentHashMap.newKeySet();
+    /** The sessions open and not lost, to close them on {@link #close()}. */
+    final Set<Session> sessions = ConcurrentHashMap.newKeySet();
 
     private LockBroker(Builder b) {
         super(new Http(b.url, b.authToken, b.connectTimeout, b.requestTimeout), b.maxWaitPerRequest);
@@ -331,6 +333,38 @@ public final class LockBroker extends KeyCalls implements AutoCloseable {
     }
 
     // ---------------------------------------------------------------------------------------
+    // Sessions
+
+    /**
+     * Opens a session ({@code POST /sessions}) with no lock delay: one keep-alive, every
+     * {@code ttl}/3 on this client's renewal timer, for every lease taken under it with
+     * {@link Session#acquire(String, Duration)}. See {@link Session}.
+     *
+     * @param ttl how long the session (and every lease under it) lives after its last keep-alive
+     * @return the session, alive and kept alive until closed or lost
+     * @throws BrokerUnavailableException when the broker could not be reached or kept answering 503
+     * @throws LockBrokerException for any other refusal (auth, a ttl over the broker's bound)
+     */
+    public Session openSession(Duration ttl) {
+        return openSession(ttl, Duration.ZERO);
+    }
+
+    /**
+     * Opens a session whose keys stay locked for {@code lockDelay} after it ends by expiry (its
+     * keep-alives stopped: the node died, or lost the broker), so that a node that learnt of its
+     * loss late does not overlap the next holder. A {@link Session#close()} has no delay.
+     *
+     * @param ttl how long the session lives after its last keep-alive
+     * @param lockDelay 0 to 60 s
+     * @return the session
+     * @throws BrokerUnavailableException when the broker could not be reached or kept answering 503
+     * @throws LockBrokerException for any other refusal
+     */
+    public Session openSession(Duration ttl, Duration lockDelay) {
+        return Session.open(this, ttl, lockDelay);
+    }
+
+    // ---------------------------------------------------------------------------------------
     // Work under a lease
 
     /**
@@ -370,13 +404,6 @@ public final class LockBroker extends KeyCalls implements AutoCloseable {
         LOG.log(System.Logger.Level.WARNING, message);
     }
 
-    private static Duration positive(Duration d, String name) {
-        if (d == null || d.isZero() || d.isNegative()) {
-            throw new IllegalArgumentException(name + " must be positive, not " + d);
-        }
-        return d;
-    }
-
     /**
      * The base URL this client talks to.
      *
@@ -387,8 +414,8 @@ public final class LockBroker extends KeyCalls implements AutoCloseable {
     }
 
     /**
-     * Stops every background renewal for good and releases the leases still open (each
-     * release bounded by the release timeout). Idempotent.
+     * Stops every background renewal and keep-alive for good, releases the leases still open
+     * and closes the sessions (each bounded by the release timeout). Idempotent.
      */
     @Override
     public void close() {
@@ -399,6 +426,9 @@ public final class LockBroker extends KeyCalls implements AutoCloseable {
         List<CompletableFuture<Void>> releases = new ArrayList<>();
         for (Lease lease : open) {
             releases.add(CompletableFuture.runAsync(lease::release, workers.background));
+        }
+        for (Session session : sessions) {
+            releases.add(CompletableFuture.runAsync(session::close, workers.background));
         }
         try {
             CompletableFuture.allOf(releases.toArray(new CompletableFuture<?>[0]))

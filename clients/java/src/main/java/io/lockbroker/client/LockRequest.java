@@ -16,22 +16,36 @@ import java.util.Optional;
  * broker's {@code Retry-After} or a short backoff, until the wait has run out. A grant that came
  * back only on a retry is confirmed with a renewal before it is returned; one the client could
  * not confirm, or an outcome it never learnt, is released in the background.
+ *
+ * <p>A request made by a {@link Session} ({@link Session#lock(String)}) takes the lease under
+ * that session: no ttl of its own, no renewal of its own.
  */
 public final class LockRequest {
     final LockBroker broker;
     final String key;
     final Lease.Kind kind;
     final int limit;
+    /** The session the lease is taken under; null for a lease of its own. */
+    final Session session;
     Duration ttl = Duration.ofSeconds(30);
     Duration wait = Duration.ZERO;
     String owner;
     boolean autoRenew = true;
 
     LockRequest(LockBroker broker, String key, Lease.Kind kind, int limit) {
+        this(broker, key, kind, limit, null);
+    }
+
+    LockRequest(LockBroker broker, String key, Lease.Kind kind, int limit, Session session) {
         this.broker = broker;
         this.key = Keys.check(key);
         this.kind = kind;
         this.limit = limit;
+        this.session = session;
+        if (session != null) {
+            this.ttl = Duration.ofMillis(session.ttlMillis());
+            this.autoRenew = false;
+        }
     }
 
     /**
@@ -39,8 +53,12 @@ public final class LockRequest {
      *
      * @param ttl the lease's length
      * @return this request
+     * @throws IllegalStateException for a request under a session (its lease lives as long as the session)
      */
     public LockRequest ttl(Duration ttl) {
+        if (session != null) {
+            throw new IllegalStateException("a lease under a session has no ttl of its own");
+        }
         this.ttl = ttl;
         return this;
     }
@@ -65,7 +83,7 @@ public final class LockRequest {
         if (kind == Lease.Kind.PERMIT) {
             throw new IllegalStateException("a semaphore permit has no shared mode");
         }
-        return new LockRequest(broker, key, Lease.Kind.SHARED, 0).copy(this);
+        return new LockRequest(broker, key, Lease.Kind.SHARED, 0, session).copy(this);
     }
 
     /**
@@ -84,8 +102,12 @@ public final class LockRequest {
      *
      * @param autoRenew whether the lease is renewed in the background (default true)
      * @return this request
+     * @throws IllegalStateException for a request under a session (the session's keep-alive keeps its leases)
      */
     public LockRequest autoRenew(boolean autoRenew) {
+        if (session != null) {
+            throw new IllegalStateException("a lease under a session is kept by the session's keep-alive");
+        }
         this.autoRenew = autoRenew;
         return this;
     }
@@ -135,7 +157,11 @@ public final class LockRequest {
 
     Map<String, Object> body(long ttlMs, long waitMs, String requestId, String defaultOwner) {
         Map<String, Object> body = new LinkedHashMap<>();
-        body.put("ttl_ms", ttlMs);
+        if (session == null) {
+            body.put("ttl_ms", ttlMs);
+        } else {
+            body.put("session", session.secret()); // in the body: never in a URL, where logs would show it
+        }
         body.put("wait_ms", waitMs);
         body.put("request_id", requestId);
         body.put("owner", owner != null ? owner : defaultOwner);

@@ -1,11 +1,13 @@
 package io.lockbroker.client;
 
+import java.util.List;
 import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
 import java.util.concurrent.RejectedExecutionException;
 import java.util.concurrent.ScheduledThreadPoolExecutor;
 import java.util.concurrent.ThreadFactory;
 import java.util.concurrent.atomic.AtomicInteger;
+import java.util.function.Consumer;
 
 /** The background threads of a {@link LockBroker}, all daemons, stopped by its {@code close()}. */
 final class Workers {
@@ -29,6 +31,20 @@ final class Workers {
             background.execute(work);
         } catch (RejectedExecutionException e) {
             // closed meanwhile: close() released what it could
+        }
+    }
+
+    /**
+     * Runs the lost callbacks in order on the callback thread, each through {@code run} (which
+     * catches what it throws); here, when the client is closed, rather than never.
+     */
+    void runLostCallbacks(List<Runnable> toRun, Consumer<Runnable> run) {
+        for (Runnable callback : toRun) {
+            try {
+                callbacks.execute(() -> run.accept(callback));
+            } catch (RejectedExecutionException e) {
+                run.accept(callback);
+            }
         }
     }
 

@@ -87,6 +87,11 @@ public final class ClientTests {
         perStore.put("leadership_one_leader_then_handover_on_close", WatchTests::oneLeaderThenHandover);
         perStore.put("leadership_revoked_when_lease_lost_then_reelected", WatchTests::revokedWhenLeaseLost);
         perStore.put("leadership_revoked_when_its_client_closes", WatchTests::revokedWhenClientCloses);
+        perStore.put("session_leases_live_past_3_ttls_on_keep_alives_alone", SessionTests::leasesLivePastThreeTtls);
+        perStore.put("session_close_releases_at_once", SessionTests::closeReleasesAtOnce);
+        perStore.put("session_of_a_killed_node_its_keys_to_waiters_within_ttl_plus_1s",
+                SessionTests::abandonedSessionLeasesGoToWaiters);
+        perStore.put("session_lock_delay_after_expiry_only", SessionTests::lockDelayAfterExpiryOnly);
         Map<String, Body> redisOnly = new LinkedHashMap<>();
         redisOnly.put("store_down_503s_retried_without_double_grant", ClientTests::storeDown);
         Map<String, Body> own = new LinkedHashMap<>();
@@ -102,6 +107,12 @@ public final class ClientTests {
         own.put("inspect_list_and_force_release", ApiTests::inspectListAndForceRelease);
         own.put("from_env_reads_url_and_auth_token", ApiTests::fromEnvReadsUrlAndAuthToken);
         own.put("jars_versioned_with_sources_and_javadoc", ApiTests::jarsVersionedWithSourcesAndJavadoc);
+        own.put("session_lost_when_keep_alives_fail_with_every_lease", SessionTests::lostWhenKeepAlivesFail);
+        own.put("session_ended_at_broker_lost_on_404_and_no_session", SessionTests::endedAtBroker);
+        own.put("session_secret_never_shown", SessionTests::secretNeverShown);
+        own.put("session_close_never_throws", SessionTests::closeNeverThrows);
+        own.put("session_open_retried_with_one_request_id", SessionTests::openRetriedWithOneRequestId);
+        own.put("session_lease_force_released_seen_by_its_renew", SessionTests::forceReleasedLeaseSeenByItsRenew);
 
         List<String> filters = List.of(args);
         int[] tally = new int[2];
