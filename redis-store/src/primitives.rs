@@ -15,7 +15,8 @@ use super::{RedisStore, failovers, listing, notices};
 use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Pool, Space, Token, millis};
 use lockbroker_core::store::{
     AsHolder, Bid, GrantAnswer, Hold, HoldReason, Join, ListQuery, Notice, Page, Permits, Released,
-    Renewal, SessionOp, SessionRecord, Snapshot, Store, StoreError, StoreResult, WATCH_MARK,
+    Renewal, SessionEntry, SessionOp, SessionRecord, Snapshot, Store, StoreError, StoreResult,
+    WATCH_MARK,
 };
 
 /// The answer of CLAIM or TAKE_OVER.
@@ -82,48 +83,9 @@ impl Store for RedisStore {
         };
         let (reply, generation) = self.keeper.run_tracked(&renew).await?;
         let answered = Instant::now();
-        let (kind, renewed) = match (space, reply) {
-            (_, RenewReply::Refused(refusal)) => {
-                let outcome = refusal.answer();
-                if !matches!(outcome, AsHolder::OnHold(_)) {
-                    self.keeper.ledger.forget_any(space, key, token);
-                }
-                return Ok(outcome);
-            }
-            (Space::Locks, RenewReply::Exclusive(renewed)) => (Kind::Exclusive, renewed),
-            (Space::Locks, RenewReply::Pooled { renewed, .. }) => (Kind::Shared, renewed),
-            (Space::Semaphores, RenewReply::Pooled { renewed, limit }) => {
-                let limit = limit.ok_or_else(|| {
-                    StoreError::Failed(
-                        "Redis renewed a permit of a semaphore without a limit".into(),
-                    )
-                })?;
-                (Kind::Semaphore { limit }, renewed)
-            }
-            (Space::Semaphores, RenewReply::Exclusive(_)) => {
-                return Err(StoreError::Failed(
-                    "Redis renewed an exclusive lease on a semaphore".into(),
-                ));
-            }
-        };
-        let Renewed {
-            fence,
-            expires_at_ms,
-            ttl_ms,
-            owner,
-            epoch,
-        } = renewed;
-        let lease = Lease {
-            token: token.clone(),
-            fence,
-            expires_at_ms,
-            ttl_ms,
-            owner,
-            request_id: None,
-            limit: match kind {
-                Kind::Semaphore { limit } => Some(limit),
-                Kind::Exclusive | Kind::Shared => None,
-            },
+        let (kind, lease, epoch) = match self.renewal(space, key, token, reply)? {
+            Ok(renewed) => renewed,
+            Err(refused) => return Ok(refused),
         };
         if self.replicas.asked() {
             Box::pin(self.replicas.confirm_renew(
@@ -139,7 +101,7 @@ impl Store for RedisStore {
             ))
             .await?;
         }
-        let ends = answered + Duration::from_millis(ttl_ms);
+        let ends = answered + Duration::from_millis(lease.ttl_ms);
         self.keeper
             .remember(key, kind, site.slot, &lease, ends, &epoch);
         Ok(AsHolder::Done(lease))
@@ -171,6 +133,14 @@ impl Store for RedisStore {
 
     async fn session(&self, id: &Token, op: SessionOp<'_>) -> StoreResult<Option<SessionRecord>> {
         self.session_call(id, op).await
+    }
+
+    async fn renew_all(
+        &self,
+        entries: &[SessionEntry],
+        until_ms: u64,
+    ) -> Vec<StoreResult<AsHolder<Lease>>> {
+        self.keep_leases(entries, until_ms).await
     }
 
     async fn mark_watched(&self, space: Space, key: &LockKey) -> StoreResult<bool> {
@@ -261,5 +231,63 @@ impl Store for RedisStore {
         runtime.spawn(notices::watch_epoch(self.clone(), notices.clone()));
         runtime.spawn(failovers::follow_failovers(self.clone(), notices.clone()));
         runtime.spawn(notices::listen(self.clone(), notices));
+    }
+}
+
+impl RedisStore {
+    /// What RENEW's `reply` on `token`'s lease on `key` in `space` says: the lease renewed, its
+    /// kind and the store's epoch; or the refusal to answer (a lease the store says is not held
+    /// is forgotten by the ledger).
+    pub(crate) fn renewal(
+        &self,
+        space: Space,
+        key: &LockKey,
+        token: &Token,
+        reply: RenewReply,
+    ) -> StoreResult<Result<(Kind, Lease, String), AsHolder<Lease>>> {
+        let (kind, renewed) = match (space, reply) {
+            (_, RenewReply::Refused(refusal)) => {
+                let outcome = refusal.answer();
+                if !matches!(outcome, AsHolder::OnHold(_)) {
+                    self.keeper.ledger.forget_any(space, key, token);
+                }
+                return Ok(Err(outcome));
+            }
+            (Space::Locks, RenewReply::Exclusive(renewed)) => (Kind::Exclusive, renewed),
+            (Space::Locks, RenewReply::Pooled { renewed, .. }) => (Kind::Shared, renewed),
+            (Space::Semaphores, RenewReply::Pooled { renewed, limit }) => {
+                let limit = limit.ok_or_else(|| {
+                    StoreError::Failed(
+                        "Redis renewed a permit of a semaphore without a limit".into(),
+                    )
+                })?;
+                (Kind::Semaphore { limit }, renewed)
+            }
+            (Space::Semaphores, RenewReply::Exclusive(_)) => {
+                return Err(StoreError::Failed(
+                    "Redis renewed an exclusive lease on a semaphore".into(),
+                ));
+            }
+        };
+        let Renewed {
+            fence,
+            expires_at_ms,
+            ttl_ms,
+            owner,
+            epoch,
+        } = renewed;
+        let lease = Lease {
+            token: token.clone(),
+            fence,
+            expires_at_ms,
+            ttl_ms,
+            owner,
+            request_id: None,
+            limit: match kind {
+                Kind::Semaphore { limit } => Some(limit),
+                Kind::Exclusive | Kind::Shared => None,
+            },
+        };
+        Ok(Ok((kind, lease, epoch)))
     }
 }

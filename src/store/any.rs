@@ -5,7 +5,8 @@ use tokio::sync::mpsc;
 
 use super::{
     AsHolder, Bid, GrantAnswer, Hold, Join, ListQuery, MemoryStore, Notice, Page, Permits,
-    RedisStore, Released, Renewal, SessionOp, SessionRecord, Snapshot, Store, StoreResult,
+    RedisStore, Released, Renewal, SessionEntry, SessionOp, SessionRecord, Snapshot, Store,
+    StoreResult,
 };
 use crate::domain::{Fence, Lease, LockKey, Pool, Space, Token};
 
@@ -60,6 +61,14 @@ impl Store for AnyStore {
 
     async fn session(&self, id: &Token, op: SessionOp<'_>) -> StoreResult<Option<SessionRecord>> {
         delegate!(self, s => s.session(id, op))
+    }
+
+    async fn renew_all(
+        &self,
+        entries: &[SessionEntry],
+        until_ms: u64,
+    ) -> Vec<StoreResult<AsHolder<Lease>>> {
+        delegate!(self, s => s.renew_all(entries, until_ms))
     }
 
     async fn join(&self, key: &LockKey, pool: Pool, bid: &Bid) -> StoreResult<Join> {

@@ -363,3 +363,36 @@ async fn one_session_serves_every_broker_on_the_store() {
         .await
         .expect_error(StatusCode::NOT_FOUND, "not_held");
 }
+
+/// On one Redis a keep-alive costs the store two script calls — the session's record, then
+/// every lease under it in one KEEP — whatever the number of leases; each lease still ends with
+/// the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keep_alive_costs_one_redis_two_script_calls_whatever_the_number_of_leases() {
+    let b = Backend::start(lockbroker_test_support::app::StoreKind::Redis).await;
+    let (app, redis) = (&b.app, b.redis.as_ref().unwrap());
+    let (id, _) = open(app, "ttl_ms=20000").await;
+    for leases in [1, 10, 60] {
+        for i in 0..leases {
+            app.grant(&format!("k-{leases}-{i}"), &format!("session={id}"))
+                .await;
+        }
+        // Once first, so that every script is cached: a script's first call may be an `EVALSHA`
+        // answered NOSCRIPT and an `EVAL`.
+        keep_alive(app, &id).await.expect_status(StatusCode::OK);
+        let before = redis.command_counts().await;
+        let kept = keep_alive(app, &id)
+            .await
+            .expect_status(StatusCode::OK)
+            .json();
+        let after = redis.command_counts().await;
+        // Script calls (the broker's background epoch check runs with plain `EVAL`).
+        let calls = after["evalsha"] - before["evalsha"];
+        assert_eq!(
+            calls, 2,
+            "a keep-alive with {leases} more leases: {after:?}"
+        );
+        let shown = app.inspect_held(&format!("k-{leases}-0")).await;
+        assert_eq!(shown["expires_at_ms"], kept["expires_at_ms"]);
+    }
+}

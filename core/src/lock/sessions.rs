@@ -82,17 +82,17 @@ impl<S: Store> LockService<S> {
             self.metrics.session("ended");
             return Err(LockError::NotHeld);
         };
-        let until = Renewal::Until(record.leases_end_ms());
-        let renewals = record.entries.iter().map(|entry| {
-            self.timed(
-                StoreOp::renew,
-                self.store
-                    .renew(entry.space, &entry.key, &entry.token, until),
-            )
-        });
+        let started = Instant::now();
+        let kept = self
+            .store
+            .renew_all(&record.entries, record.leases_end_ms())
+            .await;
+        let failed_any = kept.iter().any(Result::is_err);
+        self.metrics
+            .store_call(StoreOp::keep, started.elapsed(), failed_any);
         let mut gone = Vec::new();
         let mut failed = None;
-        for (entry, outcome) in record.entries.iter().zip(join_all(renewals).await) {
+        for (entry, outcome) in record.entries.iter().zip(kept) {
             match outcome {
                 Ok(AsHolder::Done(_)) => {}
                 Ok(AsHolder::NotHeld | AsHolder::NotOwner) => gone.push(entry),

@@ -24,10 +24,12 @@ pub enum StoreOp {
     force_release,
     list,
     session,
+    /// A session's keep-alive on its leases (one call or several, see `Store::renew_all`).
+    keep,
 }
 
 impl StoreOp {
-    pub(super) const ALL: [Self; 11] = [
+    pub(super) const ALL: [Self; 12] = [
         Self::claim,
         Self::read,
         Self::take_over,
@@ -39,6 +41,7 @@ impl StoreOp {
         Self::force_release,
         Self::list,
         Self::session,
+        Self::keep,
     ];
 }
 

@@ -405,6 +405,23 @@ pub trait Store: Send + Sync + 'static {
         op: SessionOp<'_>,
     ) -> impl Future<Output = StoreResult<Option<SessionRecord>>> + Send;
 
+    /// A session's keep-alive on its leases: each entry's lease moved to end at `until_ms`
+    /// unless it ends later already ([`Renewal::Until`]), answered entry by entry, in order.
+    /// Here one [`Store::renew`] per lease, all at once; a store may do them in fewer calls
+    /// (Redis: one script call for all of them on one server).
+    fn renew_all(
+        &self,
+        entries: &[SessionEntry],
+        until_ms: u64,
+    ) -> impl Future<Output = Vec<StoreResult<AsHolder<Lease>>>> + Send {
+        let until = Renewal::Until(until_ms);
+        futures_util::future::join_all(
+            entries
+                .iter()
+                .map(move |e| self.renew(e.space, &e.key, &e.token, until)),
+        )
+    }
+
     /// How many live leases this broker remembers to put back after a store loss (0 for a store
     /// that cannot lose them).
     fn ledger_len(&self) -> usize {

@@ -30,14 +30,19 @@ impl<'a> HolderContext<'a> {
         call.arg(token)
             .arg(self.epoch)
             .arg(self.caller.id)
-            .arg_fmt(QueueContext {
-                wait_ms: 0,
-                kind: "x",
-                caller: self.caller,
-                space: self.keys.space,
-                key: &self.keys.key,
-                shared: self.channel,
-            });
+            .arg_fmt(self.queue_context());
+    }
+
+    /// The context string of the key's queue (a holder script's last argument).
+    fn queue_context(&self) -> QueueContext<'_> {
+        QueueContext {
+            wait_ms: 0,
+            kind: "x",
+            caller: self.caller,
+            space: self.keys.space,
+            key: &self.keys.key,
+            shared: self.channel,
+        }
     }
 }
 
@@ -71,6 +76,45 @@ script_call! {
             Renewal::For(ttl) => call.arg(ttl.as_ms()).arg(""),
             Renewal::Until(ends) => call.arg(0).arg(ends),
         };
+    }
+}
+
+/// KEEP's call: RENEW's `until` form on each of `leases` (their contexts must share the epoch
+/// and the caller: one store, or one slot of a cluster), each lease with its token.
+pub(crate) struct Keep<'a> {
+    pub leases: Vec<(HolderContext<'a>, &'a Token)>,
+    pub until_ms: u64,
+}
+
+script_call! {
+    Keep<'_> => keep,
+    type Reply = KeepReply;
+    |this, call| {
+        for (on, _) in &this.leases {
+            write_queue_keys(call, on.keys, on.marker);
+        }
+        if let Some((first, _)) = this.leases.first() {
+            call.arg(first.epoch).arg(first.caller.id).arg(this.until_ms);
+        }
+        for (on, token) in &this.leases {
+            call.arg(token.as_str()).arg_fmt(on.queue_context());
+        }
+    }
+}
+
+/// KEEP's reply: RENEW's reply for each lease, in order.
+pub(crate) struct KeepReply(pub Vec<RenewReply>);
+
+impl FromRedisValue for KeepReply {
+    fn from_redis_value(reply: Value) -> Result<Self, ParsingError> {
+        match reply {
+            Value::Array(items) => items
+                .into_iter()
+                .map(RenewReply::from_redis_value)
+                .collect::<Result<_, _>>()
+                .map(KeepReply),
+            other => Err(format!("expected an array, got {other:?}").into()),
+        }
     }
 }
 

@@ -70,7 +70,8 @@ pub(crate) use self::grant::{
     Caller, Claim, Epoched, GrantReply, GrantedLease, JoinPool, NoGrant, TakeOver,
 };
 pub(crate) use self::holder::{
-    Force, ForceReply, HolderContext, Leave, Release, ReleaseReply, Renew, RenewReply, Renewed,
+    Force, ForceReply, HolderContext, Keep, KeepReply, Leave, Release, ReleaseReply, Renew,
+    RenewReply, Renewed,
 };
 pub(crate) use self::reads::{Read, ReadPermits};
 pub(crate) use self::session::{SessionAct, SessionCall};
@@ -269,6 +270,7 @@ pub(crate) struct Scripts {
     permits: Lua,
     release: Lua,
     renew: Lua,
+    keep: Lua,
     force: Lua,
     leave: Lua,
     /// The epoch check, run with plain EVAL: this background check, once a second, then shows
@@ -296,7 +298,8 @@ impl Scripts {
             read: lua!("read": "lib/prelude.lua", "lib/pools.lua", "read.lua"),
             permits: lua!("permits": "lib/prelude.lua", "lib/pools.lua", "permits.lua"),
             release: lua!("release": "lib/prelude.lua", "lib/keys.lua", "fast/release.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
-            renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "renew.lua"),
+            renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "lib/renewal.lua", "renew.lua"),
+            keep: lua!("keep": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "lib/renewal.lua", "keep.lua"),
             force: lua!("force": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "force.lua"),
             leave: lua!("leave": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "leave.lua"),
             check: lua!("check": "lib/prelude.lua", "check.lua"),

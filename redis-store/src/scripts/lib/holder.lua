@@ -12,9 +12,9 @@
 -- The check and the write are one step: the classic GET-then-DEL lets a client whose lease
 -- expired between the two delete its successor's lease.
 -- `cur`: the exclusive lease's token, expires_at and offered (then anything), if the caller has
--- read them already.
-local function holder(now_ms, cur)
-  local token = ARGV[1]
+-- read them already; `token`: the token asked about, if not ARGV[1] (KEEP asks for many).
+local function holder(now_ms, cur, token)
+  token = token or ARGV[1]
   if not cur then
     cur = {}
     if EXCL then cur = redis.call('HMGET', LOCK, 'token', 'expires_at', 'offered') end

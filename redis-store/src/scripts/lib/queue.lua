@@ -239,11 +239,12 @@ local function grant_context(now)
   return c, bid
 end
 -- The context of a holder script (RELEASE, RENEW, FORCE, LEAVE): ARGV token ('' for FORCE),
--- the epoch this broker knows, broker id, and the context string above.
-local function holder_context(now)
-  local c = context_of(now, ARGV[4])
-  c.token, c.broker = ARGV[1], ARGV[3]
+-- the epoch this broker knows, broker id, and the context string above — or these four given
+-- (KEEP, one lease after another).
+local function holder_context(now, token, known, broker, ctx)
+  local c = context_of(now, ctx or ARGV[4])
+  c.token, c.broker = token or ARGV[1], broker or ARGV[3]
   local id, hold, _, layout = epoch(MARKER)
-  c.hand = id == ARGV[2] and c.now_ms >= hold and layout <= LAYOUT
+  c.hand = id == (known or ARGV[2]) and c.now_ms >= hold and layout <= LAYOUT
   return c
 end
