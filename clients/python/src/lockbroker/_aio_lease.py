@@ -26,6 +26,7 @@ class _AsyncCore:
         self.timeout = timeout
         self.renew_fraction = renew_fraction
         self.leases: Set["AsyncLease"] = set()
+        self.sessions: Set[Any] = set()
         self.closed = False
         #: Clean-ups of cancelled acquires under way (``close`` waits for them).
         self.cleanups: Set["asyncio.Future[None]"] = set()
@@ -34,6 +35,9 @@ class _AsyncCore:
 
     def forget(self, lease: "AsyncLease") -> None:
         self.leases.discard(lease)
+
+    def forget_session(self, session: Any) -> None:
+        self.sessions.discard(session)
 
     def call(self, callback: Callable[..., Any], args: tuple, what: str) -> None:
         """Runs a plain callback now, or a coroutine one as a task on the loop."""
@@ -164,6 +168,19 @@ class AsyncLease(LeaseState):
         if reason is not None:
             self._lose(reason, problem)
         return outcome, answer, problem
+
+    async def _confirm(self) -> str:
+        """The renewal that fixes the end of a lease granted after a wait (see
+        ``AsyncBroker._grant``): its outcome."""
+        return (await self._renew_once(time.monotonic(), confirming=True))[0]
+
+    async def _drop(self) -> None:
+        """Ends a lease that is not handed out, quietly."""
+        try:
+            await self.release()
+        except BrokerError as e:
+            log.warning("could not release the lease on %r (fence %d): %s",
+                        self.key, self.fence, e)
 
     def _lose(self, reason: str, problem: Optional[str]) -> None:
         for callback in self._mark_lost(reason, problem) or ():

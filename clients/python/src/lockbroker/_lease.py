@@ -8,12 +8,15 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
 
 from ._errors import BrokerError
 from ._lease_state import (_GONE, _RENEWED, _STOPPED, _WAIT, EXPIRED, LeaseState,
                            _takes_an_argument, ttl_ms)
 from ._transport import Answer
+
+if TYPE_CHECKING:
+    from ._transport import Transport
 
 log = logging.getLogger("lockbroker")
 
@@ -152,6 +155,19 @@ class Lease(LeaseState):
             self._lose(reason, problem)
         return outcome, answer, problem
 
+    def _confirm(self) -> str:
+        """The renewal that fixes the end of a lease granted after a wait (see
+        ``Broker._grant``): its outcome."""
+        return self._renew_once(time.monotonic(), confirming=True)[0]
+
+    def _drop(self) -> None:
+        """Ends a lease that is not handed out, quietly."""
+        try:
+            self.release()
+        except BrokerError as e:
+            log.warning("could not release the lease on %r (fence %d): %s",
+                        self.key, self.fence, e)
+
     def _lose(self, reason: str, problem: Optional[str]) -> None:
         callbacks = self._mark_lost(reason, problem)
         for callback in callbacks or ():
@@ -175,10 +191,48 @@ class Lease(LeaseState):
             log.exception("the on_trouble hook of the lease on %r raised", self.key)
 
 
+class _Core:
+    """What a broker's leases and sessions share with it: the transport, the settings, the open
+    leases and sessions, and the thread that renews them all."""
+
+    def __init__(self, transport: "Transport", timeout: float, renew_fraction: float):
+        self.transport = transport
+        self.url = transport.url
+        self.timeout = timeout
+        self.renew_fraction = renew_fraction
+        self.lock = threading.Lock()
+        self.leases: Set[Lease] = set()
+        self.sessions: Set[Any] = set()
+        self.renewer = Renewer()
+        self.closed = False
+
+    def forget(self, lease: Lease) -> None:
+        with self.lock:
+            self.leases.discard(lease)
+
+    def forget_session(self, session: Any) -> None:
+        with self.lock:
+            self.sessions.discard(session)
+
+    def horizon(self, renewing: Any) -> float:
+        """The earliest end among the other live leases and sessions: a renewal on the one
+        renewal thread must not keep them from theirs (a request stuck on a dead connection)
+        past it."""
+        with self.lock:
+            others = [other for other in self.leases if other is not renewing]
+            sessions = [other for other in self.sessions if other is not renewing]
+        ends = [other._end for other in others
+                if not other._released and other._lost_reason is None]
+        ends += [other._end for other in sessions if other.alive]
+        return min(ends, default=float("inf"))
+
+
 class Renewer:
-    """The one thread that renews every lease of one :class:`~lockbroker.Broker`: a heap of the
-    instants at which a lease needs a look (a renewal due, or its end), and a condition variable
-    to sleep on until the first. Started with the first lease, stopped by ``close``."""
+    """The one thread that renews every lease of one :class:`~lockbroker.Broker` and keeps its
+    sessions alive: a heap of the instants at which a lease (or a session: anything with
+    ``_scheduled`` and ``_step``) needs a look (a renewal due, or its end), and a condition
+    variable to sleep on until the first. Started with the first lease or session, stopped by
+    ``close``."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -234,7 +288,7 @@ class Renewer:
             try:
                 following = lease._step()
             except Exception:
-                log.exception("the renewal of the lease on %r failed", lease.key)
+                log.exception("the renewal of %r failed", lease)
                 following = None
             if following is not None:
                 self.schedule(lease, following)

@@ -346,6 +346,9 @@ class LeaseState:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _still_live(self) -> bool:
+        return self.held
+
     def _live_locked(self, now: float) -> bool:
         return not self._released and self._lost_reason is None and now < self._end
 
