@@ -126,34 +126,7 @@ class AsyncLease(LeaseState):
     # -- the renewal task ---------------------------------------------------------------------
 
     def _start(self) -> None:
-        self._task = asyncio.ensure_future(self._keep())
-
-    async def _keep(self) -> None:
-        while True:
-            now = time.monotonic()
-            action, when = self._next_step(now)
-            if action == _STOPPED:
-                return
-            if action == EXPIRED:
-                self._lose(EXPIRED, None)
-                return
-            if action == _WAIT:
-                self._sleeping = True
-                try:
-                    await asyncio.sleep(when - now)
-                finally:
-                    self._sleeping = False
-                continue
-            outcome, answer, problem = await self._renew_once(now)
-            if outcome == _RENEWED:
-                if self._recovered():
-                    self._report_trouble(None)
-                continue
-            if outcome in (_GONE, _STOPPED):
-                return
-            trouble = self._failed(answer, problem)
-            if trouble is not None:
-                self._report_trouble(trouble)
+        self._task = asyncio.ensure_future(keep(self))
 
     async def _renew_once(self, now: float, confirming: bool = False):
         with self._lock:
@@ -194,3 +167,33 @@ class AsyncLease(LeaseState):
         if self._on_trouble is not None:
             self._core.call(self._on_trouble, (trouble,),
                             f"the on_trouble hook of the lease on {self.key!r}")
+
+
+async def keep(kept: Any) -> None:
+    """The renewal task of a lease or a session (``kept``): renews it when due (its
+    ``_renew_once``), loses it when its end came, until it is released, closed or lost."""
+    while True:
+        now = time.monotonic()
+        action, when = kept._next_step(now)
+        if action == _STOPPED:
+            return
+        if action == EXPIRED:
+            kept._lose(EXPIRED, None)
+            return
+        if action == _WAIT:
+            kept._sleeping = True
+            try:
+                await asyncio.sleep(when - now)
+            finally:
+                kept._sleeping = False
+            continue
+        outcome, answer, problem = await kept._renew_once(now)
+        if outcome == _RENEWED:
+            if kept._recovered():
+                kept._report_trouble(None)
+            continue
+        if outcome in (_GONE, _STOPPED):
+            return
+        trouble = kept._failed(answer, problem)
+        if trouble is not None:
+            kept._report_trouble(trouble)

@@ -6,9 +6,9 @@ import asyncio
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ._aio_lease import AsyncLease
+from ._aio_lease import AsyncLease, keep
 from ._errors import BrokerError, Locked
-from ._lease_state import _GONE, _RENEWED, _STOPPED, _WAIT, EXPIRED, NOT_HELD, _takes_an_argument
+from ._lease_state import _STOPPED, NOT_HELD, _takes_an_argument
 from ._session_state import SessionBound, SessionState
 from ._transport import Answer
 
@@ -44,6 +44,7 @@ class AsyncSession(SessionState):
     def __init__(self, client: Any, core: Any, **kwargs: Any):
         super().__init__(client, core, **kwargs)
         self._task: Optional["asyncio.Task[None]"] = None
+        self._sleeping = False
 
     # -- leases under it ------------------------------------------------------------------------
 
@@ -133,29 +134,9 @@ class AsyncSession(SessionState):
     # -- the keep-alive task --------------------------------------------------------------------
 
     def _start(self) -> None:
-        self._task = asyncio.ensure_future(self._keep())
+        self._task = asyncio.ensure_future(keep(self))
 
-    async def _keep(self) -> None:
-        while True:
-            now = time.monotonic()
-            action, when = self._next_step(now)
-            if action == _STOPPED:
-                return
-            if action == EXPIRED:
-                self._lose(EXPIRED, None)
-                return
-            if action == _WAIT:
-                await asyncio.sleep(when - now)
-                continue
-            outcome, answer, problem = await self._keep_alive_once(now)
-            if outcome == _RENEWED:
-                self._recovered()
-            elif outcome in (_GONE, _STOPPED):
-                return
-            else:
-                self._failed(answer, problem)
-
-    async def _keep_alive_once(self, now: float, confirming: bool = False
+    async def _renew_once(self, now: float, confirming: bool = False
                                ) -> Tuple[str, Optional[Answer], str]:
         timeout = self._begin_keep_alive(now, confirming)
         if timeout is None:
@@ -168,17 +149,6 @@ class AsyncSession(SessionState):
             self._lose(reason, problem)
         return outcome, answer, problem
 
-    def _lose(self, reason: str, problem: Optional[str]) -> None:
-        marked = self._mark_lost(reason, problem)
-        if marked is None:
-            return
-        self._core.forget_session(self)
-        callbacks, leases = marked
-        for callback in callbacks:
-            self._run_callback(callback)
-        for lease in leases:
-            lease._lose(reason, "its session was lost")
-
     def _run_callback(self, callback: Callable[..., Any]) -> None:
         args = (self,) if _takes_an_argument(callback) else ()
         self._core.call(callback, args, f"an on_lost callback of a session at {self._core.url}")
@@ -186,7 +156,7 @@ class AsyncSession(SessionState):
     # -- as a grant (see AsyncBroker._grant) ----------------------------------------------------
 
     async def _confirm(self) -> str:
-        return (await self._keep_alive_once(time.monotonic(), confirming=True))[0]
+        return (await self._renew_once(time.monotonic(), confirming=True))[0]
 
     async def _drop(self) -> None:
         await self.close()

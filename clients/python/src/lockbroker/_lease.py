@@ -107,28 +107,7 @@ class Lease(LeaseState):
         self._core.renewer.schedule(self, self._next_due())
 
     def _step(self) -> Optional[float]:
-        """One look by the renewal thread: renews when due, loses the lease when its end came.
-        Returns when to look next, or ``None`` for never."""
-        now = time.monotonic()
-        action, when = self._next_step(now)
-        if action == _STOPPED:
-            return None
-        if action == EXPIRED:
-            self._lose(EXPIRED, None)
-            return None
-        if action == _WAIT:
-            return when
-        outcome, answer, problem = self._renew_once(now)
-        if outcome == _RENEWED:
-            if self._recovered():
-                self._report_trouble(None)
-            return self._next_due()
-        if outcome in (_GONE, _STOPPED):
-            return None
-        trouble = self._failed(answer, problem)
-        if trouble is not None:
-            self._report_trouble(trouble)
-        return self._next_due()
+        return step(self)
 
     def _renew_once(self, now: float, confirming: bool = False) -> Tuple[str, Optional[Answer], str]:
         """One renewal request, sent at ``now``. Returns (outcome, answer or None, problem)."""
@@ -174,13 +153,7 @@ class Lease(LeaseState):
             self._run_callback(callback)
 
     def _run_callback(self, callback: Callable[..., Any]) -> None:
-        try:
-            if _takes_an_argument(callback):
-                callback(self)
-            else:
-                callback()
-        except Exception:
-            log.exception("an on_lost callback of the lease on %r raised", self.key)
+        call_back(callback, self, f"an on_lost callback of the lease on {self.key!r}")
 
     def _report_trouble(self, trouble: Optional[str]) -> None:
         if self._on_trouble is None:
@@ -189,6 +162,44 @@ class Lease(LeaseState):
             self._on_trouble(trouble)
         except Exception:
             log.exception("the on_trouble hook of the lease on %r raised", self.key)
+
+
+def call_back(callback: Callable[..., Any], subject: Any, what: str) -> None:
+    """Runs a lost callback with ``subject`` (a lease or a session) if it takes an argument,
+    else with none; logs what it raises."""
+    try:
+        if _takes_an_argument(callback):
+            callback(subject)
+        else:
+            callback()
+    except Exception:
+        log.exception("%s raised", what)
+
+
+def step(kept: Any) -> Optional[float]:
+    """One look by the renewal thread at a lease or a session (``kept``): renews it when due
+    (its ``_renew_once``), loses it when its end came. Returns when to look next, or ``None``
+    for never."""
+    now = time.monotonic()
+    action, when = kept._next_step(now)
+    if action == _STOPPED:
+        return None
+    if action == EXPIRED:
+        kept._lose(EXPIRED, None)
+        return None
+    if action == _WAIT:
+        return when
+    outcome, answer, problem = kept._renew_once(now)
+    if outcome == _RENEWED:
+        if kept._recovered():
+            kept._report_trouble(None)
+        return kept._next_due()
+    if outcome in (_GONE, _STOPPED):
+        return None
+    trouble = kept._failed(answer, problem)
+    if trouble is not None:
+        kept._report_trouble(trouble)
+    return kept._next_due()
 
 
 class _Core:

@@ -8,9 +8,8 @@ import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ._errors import BrokerError, Locked
-from ._lease import Lease
-from ._lease_state import (_GONE, _RENEWED, _STOPPED, _WAIT, EXPIRED, NOT_HELD,
-                           _takes_an_argument)
+from ._lease import Lease, call_back, step
+from ._lease_state import _STOPPED, NOT_HELD
 from ._session_state import SessionBound, SessionState
 from ._transport import Answer
 
@@ -155,27 +154,9 @@ class Session(SessionState):
         self._core.renewer.schedule(self, self._next_due())
 
     def _step(self) -> Optional[float]:
-        """One look by the renewal thread: keeps the session alive when due, loses it when its
-        end came. Returns when to look next, or ``None`` for never."""
-        now = time.monotonic()
-        action, when = self._next_step(now)
-        if action == _STOPPED:
-            return None
-        if action == EXPIRED:
-            self._lose(EXPIRED, None)
-            return None
-        if action == _WAIT:
-            return when
-        outcome, answer, problem = self._keep_alive_once(now)
-        if outcome == _RENEWED:
-            self._recovered()
-            return self._next_due()
-        if outcome in (_GONE, _STOPPED):
-            return None
-        self._failed(answer, problem)
-        return self._next_due()
+        return step(self)
 
-    def _keep_alive_once(self, now: float, confirming: bool = False
+    def _renew_once(self, now: float, confirming: bool = False
                          ) -> Tuple[str, Optional[Answer], str]:
         timeout = self._begin_keep_alive(now, confirming)
         if timeout is None:
@@ -192,30 +173,13 @@ class Session(SessionState):
             self._lose(reason, problem)
         return outcome, answer, problem
 
-    def _lose(self, reason: str, problem: Optional[str]) -> None:
-        marked = self._mark_lost(reason, problem)
-        if marked is None:
-            return
-        self._core.forget_session(self)
-        callbacks, leases = marked
-        for callback in callbacks:
-            self._run_callback(callback)
-        for lease in leases:
-            lease._lose(reason, "its session was lost")
-
     def _run_callback(self, callback: Callable[..., Any]) -> None:
-        try:
-            if _takes_an_argument(callback):
-                callback(self)
-            else:
-                callback()
-        except Exception:
-            log.exception("an on_lost callback of a session at %s raised", self._core.url)
+        call_back(callback, self, f"an on_lost callback of a session at {self._core.url}")
 
     # -- as a grant (see Broker._grant) ---------------------------------------------------------
 
     def _confirm(self) -> str:
-        return self._keep_alive_once(time.monotonic(), confirming=True)[0]
+        return self._renew_once(time.monotonic(), confirming=True)[0]
 
     def _drop(self) -> None:
         self.close()

@@ -15,13 +15,13 @@ import logging
 import threading
 import time
 import urllib.parse
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._calls import AcquireRun, GrantRun
-from ._errors import BrokerError
+from ._errors import BrokerError, Unavailable
 from ._lease_state import (_GONE, _RENEW, _RENEWED, _RETRY, _STOPPED, _WAIT, EXPIRED, FORBIDDEN,
                            NOT_HELD, NOT_OWNER, UNAUTHORIZED, Backoff, _expires_at, margin_for,
-                           ttl_ms)
+                           state_word, ttl_ms)
 from ._transport import RETRYABLE, Answer
 
 log = logging.getLogger("lockbroker")
@@ -58,6 +58,13 @@ class OpenRun(GrantRun):
         return dict(body=body, ttl=self.ttl, lock_delay=self.body["lock_delay_ms"] / 1000.0,
                     owner=self.body.get("owner"), sent_at=self._sent_at(sent_at))
 
+    def grant_gone(self) -> None:
+        """The session ended before its first keep-alive confirmed it: opened again while the
+        time lasts, else :class:`Unavailable`."""
+        if time.monotonic() >= self.deadline:
+            raise Unavailable(f"{self.context}: the session ended before it could be confirmed",
+                              code="unreachable")
+
 
 class SessionState:
     """What every session keeps, sync or async; ``lockbroker.Session`` and
@@ -84,7 +91,8 @@ class SessionState:
         self._lost_reason: Optional[str] = None
         self._closed = False
         self._callbacks: List[Callable[..., Any]] = []
-        self._leases: Set[Any] = set()
+        #: The leases under it, in the order they were granted (a dict as an ordered set).
+        self._leases: Dict[Any, None] = {}
         self._backoff = Backoff()
         self._trouble: Optional[str] = None
 
@@ -113,14 +121,8 @@ class SessionState:
 
     def __repr__(self) -> str:
         with self._lock:
-            if self._live_locked(time.monotonic()):
-                state = "alive"
-            elif self._closed:
-                state = "closed"
-            elif self._lost_reason is not None:
-                state = f"lost ({self._lost_reason})"
-            else:
-                state = "ended"
+            state = state_word(self._live_locked(time.monotonic()), "alive",
+                               "closed" if self._closed else None, self._lost_reason)
             count = len(self._leases)
         owner = f" owner={self.owner!r}" if self.owner is not None else ""
         return (f"<{type(self).__name__} ttl={self.ttl:g} lock_delay={self.lock_delay:g}{owner}"
@@ -151,7 +153,7 @@ class SessionState:
         lease) when the session was closed or lost meanwhile."""
         with self._lock:
             if self._live_locked(time.monotonic()):
-                self._leases.add(lease)
+                self._leases[lease] = None
                 return None
         try:
             self._check_usable()
@@ -161,7 +163,7 @@ class SessionState:
 
     def _forget(self, lease: Any) -> None:
         with self._lock:
-            self._leases.discard(lease)
+            self._leases.pop(lease, None)
 
     # -- the keep-alive's decisions -----------------------------------------------------------
 
@@ -214,7 +216,7 @@ class SessionState:
 
     def _failed(self, answer: Optional[Answer], problem: str) -> None:
         """Books a keep-alive that failed without ending the session: the next try after a
-        backoff (or the broker's Retry-After)."""
+        backoff (or the broker's Retry-After). Logged here (a session has no trouble hook)."""
         delay = self._backoff.delay(answer.retry_after() if answer is not None else None)
         now = time.monotonic()
         with self._lock:
@@ -226,10 +228,12 @@ class SessionState:
         log.log(level, "keep-alive of a session at %s not confirmed: %s; again in %.2f s "
                 "(lost in %.1f s unless one gets through)", self._core.url, problem, delay, ends_in)
 
-    def _recovered(self) -> None:
+    def _recovered(self) -> bool:
+        """Books a confirmed keep-alive (``False``: there is no trouble hook to tell)."""
         self._backoff.reset()
         with self._lock:
             self._trouble = None
+        return False
 
     def _next_due(self) -> float:
         with self._lock:
@@ -246,7 +250,7 @@ class SessionState:
                 problem = self._trouble
             self._lost_reason = reason
             callbacks, self._callbacks = self._callbacks, []
-            leases, self._leases = list(self._leases), set()
+            leases, self._leases = list(self._leases), {}
         detail = f" ({problem})" if problem else ""
         level = logging.WARNING if reason in (UNAUTHORIZED, FORBIDDEN) else logging.INFO
         log.log(level, "session at %s lost with its %d leases: %s%s", self._core.url,
@@ -262,9 +266,25 @@ class SessionState:
             self._closed = True
             standing = self._lost_reason != NOT_HELD and \
                 time.monotonic() < self._end + margin_for(self.ttl)
-            leases, self._leases = list(self._leases), set()
+            leases, self._leases = list(self._leases), {}
             self._callbacks = []
         return standing, leases
+
+    def _lose(self, reason: str, problem: Optional[str]) -> None:
+        """Loses the session (once), then every lease under it: the session's callbacks run
+        first, then each lease's."""
+        marked = self._mark_lost(reason, problem)
+        if marked is None:
+            return
+        self._core.forget_session(self)
+        callbacks, leases = marked
+        for callback in callbacks:
+            self._run_callback(callback)
+        for lease in leases:
+            lease._lose(reason, "its session was lost")
+
+    def _run_callback(self, callback: Callable[..., Any]) -> None:
+        raise NotImplementedError
 
     def _closed_answer(self, answer: Optional[Answer], problem: str, give_up: float
                        ) -> Optional[float]:
