@@ -137,7 +137,7 @@ class AsyncSession(SessionState):
         self._task = asyncio.ensure_future(keep(self))
 
     async def _renew_once(self, now: float, confirming: bool = False
-                               ) -> Tuple[str, Optional[Answer], str]:
+                          ) -> Tuple[str, Optional[Answer], str]:
         timeout = self._begin_keep_alive(now, confirming)
         if timeout is None:
             return _STOPPED, None, "closed"

@@ -1,6 +1,7 @@
 """A sync lease (:class:`Lease`): its renewal, its lost signal and its release, on top of the
 :class:`~lockbroker._lease_state.LeaseState` it shares with the asyncio client; and the one
-thread that renews every lease of a sync :class:`~lockbroker.Broker` (:class:`Renewer`).
+thread that renews every lease and keeps every session of a sync :class:`~lockbroker.Broker`
+(:class:`Renewer`), and what they share with it (:class:`_Core`).
 """
 
 import heapq

@@ -157,7 +157,7 @@ class Session(SessionState):
         return step(self)
 
     def _renew_once(self, now: float, confirming: bool = False
-                         ) -> Tuple[str, Optional[Answer], str]:
+                    ) -> Tuple[str, Optional[Answer], str]:
         timeout = self._begin_keep_alive(now, confirming)
         if timeout is None:
             return _STOPPED, None, "closed"
