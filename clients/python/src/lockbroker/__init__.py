@@ -15,6 +15,7 @@ from ._calls import Page
 from ._errors import BrokerError, LeaseLost, LimitMismatch, Locked, Unavailable
 from ._lease import Lease
 from ._leadership import Leadership
+from ._session import Session, SessionLease
 from ._watch import Follower, Holder, KeyView
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "LimitMismatch",
     "Locked",
     "Page",
+    "Session",
+    "SessionLease",
     "Unavailable",
     "__version__",
 ]

@@ -26,6 +26,7 @@ class _AsyncCore:
         self.timeout = timeout
         self.renew_fraction = renew_fraction
         self.leases: Set["AsyncLease"] = set()
+        self.sessions: Set[Any] = set()
         self.closed = False
         #: Clean-ups of cancelled acquires under way (``close`` waits for them).
         self.cleanups: Set["asyncio.Future[None]"] = set()
@@ -34,6 +35,9 @@ class _AsyncCore:
 
     def forget(self, lease: "AsyncLease") -> None:
         self.leases.discard(lease)
+
+    def forget_session(self, session: Any) -> None:
+        self.sessions.discard(session)
 
     def call(self, callback: Callable[..., Any], args: tuple, what: str) -> None:
         """Runs a plain callback now, or a coroutine one as a task on the loop."""
@@ -122,34 +126,7 @@ class AsyncLease(LeaseState):
     # -- the renewal task ---------------------------------------------------------------------
 
     def _start(self) -> None:
-        self._task = asyncio.ensure_future(self._keep())
-
-    async def _keep(self) -> None:
-        while True:
-            now = time.monotonic()
-            action, when = self._next_step(now)
-            if action == _STOPPED:
-                return
-            if action == EXPIRED:
-                self._lose(EXPIRED, None)
-                return
-            if action == _WAIT:
-                self._sleeping = True
-                try:
-                    await asyncio.sleep(when - now)
-                finally:
-                    self._sleeping = False
-                continue
-            outcome, answer, problem = await self._renew_once(now)
-            if outcome == _RENEWED:
-                if self._recovered():
-                    self._report_trouble(None)
-                continue
-            if outcome in (_GONE, _STOPPED):
-                return
-            trouble = self._failed(answer, problem)
-            if trouble is not None:
-                self._report_trouble(trouble)
+        self._task = asyncio.ensure_future(keep(self))
 
     async def _renew_once(self, now: float, confirming: bool = False):
         with self._lock:
@@ -165,6 +142,19 @@ class AsyncLease(LeaseState):
             self._lose(reason, problem)
         return outcome, answer, problem
 
+    async def _confirm(self) -> str:
+        """The renewal that fixes the end of a lease granted after a wait (see
+        ``AsyncBroker._grant``): its outcome."""
+        return (await self._renew_once(time.monotonic(), confirming=True))[0]
+
+    async def _drop(self) -> None:
+        """Ends a lease that is not handed out, quietly."""
+        try:
+            await self.release()
+        except BrokerError as e:
+            log.warning("could not release the lease on %r (fence %d): %s",
+                        self.key, self.fence, e)
+
     def _lose(self, reason: str, problem: Optional[str]) -> None:
         for callback in self._mark_lost(reason, problem) or ():
             self._run_callback(callback)
@@ -177,3 +167,33 @@ class AsyncLease(LeaseState):
         if self._on_trouble is not None:
             self._core.call(self._on_trouble, (trouble,),
                             f"the on_trouble hook of the lease on {self.key!r}")
+
+
+async def keep(kept: Any) -> None:
+    """The renewal task of a lease or a session (``kept``): renews it when due (its
+    ``_renew_once``), loses it when its end came, until it is released, closed or lost."""
+    while True:
+        now = time.monotonic()
+        action, when = kept._next_step(now)
+        if action == _STOPPED:
+            return
+        if action == EXPIRED:
+            kept._lose(EXPIRED, None)
+            return
+        if action == _WAIT:
+            kept._sleeping = True
+            try:
+                await asyncio.sleep(when - now)
+            finally:
+                kept._sleeping = False
+            continue
+        outcome, answer, problem = await kept._renew_once(now)
+        if outcome == _RENEWED:
+            if kept._recovered():
+                kept._report_trouble(None)
+            continue
+        if outcome in (_GONE, _STOPPED):
+            return
+        trouble = kept._failed(answer, problem)
+        if trouble is not None:
+            kept._report_trouble(trouble)

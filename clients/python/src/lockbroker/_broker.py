@@ -6,15 +6,15 @@ of the leases it handed out so that :meth:`Broker.close` ends them. How an acqui
 import logging
 import os
 import ssl
-import threading
 import time
-from typing import Any, Callable, Dict, Optional, Set, Type, TypeVar
+from typing import Any, Callable, Dict, Optional, Type, TypeVar
 
 from ._calls import (
     AGAIN,
     GRANTED,
     AcquireRun,
     CallRun,
+    GrantRun,
     Page,
     force_request,
     forced,
@@ -24,8 +24,10 @@ from ._calls import (
     list_request,
 )
 from ._errors import BrokerError, Locked
-from ._lease import Lease, Renewer
+from ._lease import Lease, _Core
 from ._lease_state import _GONE, _RENEWED
+from ._session import Session
+from ._session_state import OpenRun
 from ._transport import ClosedOnExit, NoAnswer, Transport
 from ._watch import Follower, KeyView, watch_once
 
@@ -45,6 +47,7 @@ TOKEN_VARIABLE = "LOCKBROKER_AUTH_TOKEN"
 DEFAULT_URL = "http://127.0.0.1:8080"
 
 T = TypeVar("T")
+G = TypeVar("G")
 C = TypeVar("C", bound="ClientBase")
 
 
@@ -62,34 +65,6 @@ def check_settings(timeout: float, renew_fraction: float, max_wait: float) -> No
         raise ValueError("timeout must be a positive number of seconds")
     if not max_wait >= 0.001:
         raise ValueError("max_wait must be at least 0.001 s")
-
-
-class _Core:
-    """What a broker's leases share with it: the transport, the settings, the open leases and
-    the thread that renews them."""
-
-    def __init__(self, transport: Transport, timeout: float, renew_fraction: float):
-        self.transport = transport
-        self.url = transport.url
-        self.timeout = timeout
-        self.renew_fraction = renew_fraction
-        self.lock = threading.Lock()
-        self.leases: Set[Lease] = set()
-        self.renewer = Renewer()
-        self.closed = False
-
-    def forget(self, lease: Lease) -> None:
-        with self.lock:
-            self.leases.discard(lease)
-
-    def horizon(self, lease: Lease) -> float:
-        """The earliest end among the other live leases: a renewal on the one renewal thread
-        must not keep them from theirs (a request stuck on a dead connection) past it."""
-        with self.lock:
-            others = [other for other in self.leases if other is not lease]
-        ends = [other._end for other in others
-                if not other._released and other._lost_reason is None]
-        return min(ends, default=float("inf"))
 
 
 class ClientBase:
@@ -270,6 +245,22 @@ class Broker(ClientBase, ClosedOnExit):
         with self.acquire(key, ttl, wait, **options) as lease:
             return work(lease)
 
+    # -- sessions -------------------------------------------------------------------------------
+
+    def open_session(self, ttl: float = 15.0, lock_delay: float = 0.0, *,
+                     owner: Optional[str] = None) -> Session:
+        """Opens a session (``POST /sessions``): one keep-alive, every ``ttl/3`` on the renewal
+        thread, keeps every lease taken under it (``session.acquire(key, wait)``, ...), and when
+        it is lost (no keep-alive confirmed for ``ttl``, or the broker says it ended), all of
+        them are. ``lock_delay`` (0 to 60 s): after the session *expires*, its keys are granted
+        to nobody for that long (a close or a release has no delay). Retries ``503``s and
+        network errors with one ``request_id`` for up to ``timeout``; raises
+        :class:`Unavailable` then."""
+        run = OpenRun(self.url, ttl, lock_delay, owner if owner is not None else self._owner,
+                      self._max_wait, self._core.timeout)
+        return self._grant(run, lambda args: Session(self, self._core, **args),
+                           self._register_session)
+
     # -- looking and force release --------------------------------------------------------------
 
     def inspect(self, key: str, *, semaphore: bool = False) -> KeyView:
@@ -343,8 +334,11 @@ class Broker(ClientBase, ClosedOnExit):
         with self._core.lock:
             self._core.closed = True
             leases = list(self._core.leases)
+            sessions = list(self._core.sessions)
         # One deadline for them all: a broker that cannot be reached costs `timeout` once.
         give_up = time.monotonic() + self._core.timeout
+        for session in sessions:
+            session._close(give_up)
         for lease in leases:
             try:
                 lease._release(give_up)
@@ -372,6 +366,13 @@ class Broker(ClientBase, ClosedOnExit):
     ) -> Lease:
         run = self._acquire_run(space, key, ttl, wait, params, mode, owner, auto_renew,
                                 renew_every, on_trouble)
+        return self._grant(run, lambda args: Lease(self._core, **args), self._register_lease)
+
+    def _grant(self, run: GrantRun, make: Callable[[Dict[str, Any]], G],
+               register: Callable[[G], Optional[BrokerError]]) -> G:
+        """The attempts of ``run`` (an acquire, opening a session) until granted: ``make``
+        builds what a ``201`` granted, and ``register`` takes it in (or says why it cannot:
+        then it is ended and that error raised)."""
         while True:
             if self._core.closed:
                 raise BrokerError("this Broker is closed", code="closed")
@@ -383,36 +384,37 @@ class Broker(ClientBase, ClosedOnExit):
             else:
                 action, delay = run.answered(answer)
             if action == GRANTED:
-                lease = self._granted(run, answer.body)
-                if lease is not None:
-                    return lease
-                run.grant_gone()
-                continue
+                made = make(run.args(answer.body))
+                if run.needs_confirming():
+                    # Granted after a wait, or found again: its end made sure of first.
+                    outcome = made._confirm()
+                    if outcome == _GONE:
+                        run.grant_gone()
+                        continue
+                    if outcome != _RENEWED and not made._still_live():
+                        made._drop()
+                        raise run.unconfirmed()
+                refusal = register(made)
+                if refusal is not None:
+                    made._drop()
+                    raise refusal
+                return made
             if action == AGAIN:
                 continue
             time.sleep(run.pause(delay))
 
-    def _granted(self, run: AcquireRun, body: Dict[str, Any]) -> Optional[Lease]:
-        """The lease a 201 answered, made sure of: ``None`` if it turned out to be gone."""
-        lease = Lease(self._core, **run.lease_args(body))
-        if run.needs_confirming():
-            outcome, _, _ = lease._renew_once(time.monotonic(), confirming=True)
-            if outcome == _GONE:
-                return None
-            if outcome != _RENEWED and not lease.held:
-                # Sure of neither its end nor that it still stands: not returned, and ended
-                # if the broker can be reached.
-                try:
-                    lease.release()
-                except BrokerError:
-                    pass
-                raise run.unconfirmed()
+    def _register_lease(self, lease: Lease) -> Optional[BrokerError]:
         with self._core.lock:
-            closed = self._core.closed
-            if not closed:
-                self._core.leases.add(lease)
-        if closed:
-            lease.release()
-            raise BrokerError("this Broker is closed", code="closed")
+            if self._core.closed:
+                return BrokerError("this Broker is closed", code="closed")
+            self._core.leases.add(lease)
         lease._start()
-        return lease
+        return None
+
+    def _register_session(self, session: Session) -> Optional[BrokerError]:
+        with self._core.lock:
+            if self._core.closed:
+                return BrokerError("this Broker is closed", code="closed")
+            self._core.sessions.add(session)
+        session._start()
+        return None

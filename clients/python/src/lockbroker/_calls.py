@@ -29,39 +29,32 @@ AGAIN = "again"
 PAUSE = "pause"
 
 
-class AcquireRun:
-    """The attempts of one acquire of ``key`` in ``space`` (``locks`` or ``semaphores``)."""
+class GrantRun:
+    """The attempts of one call that grants something (an acquire, opening a session): one
+    ``request_id`` for them all, the caller's deadline, the backoff between attempts, and
+    whether an attempt may have reached the broker (then it may have granted). ``waits``: the
+    call asks the broker to wait (``wait_ms``, in parts of at most ``max_wait``); else each
+    attempt may take what is left of the deadline."""
 
-    def __init__(self, url: str, space: str, key: str, ttl: float, wait: float,
-                 params: Dict[str, Any], mode: str, owner: Optional[str],
-                 renew_every: Optional[float], auto_renew: bool, on_trouble: Any,
-                 max_wait: float, timeout: float):
-        self.path = key_path(space, key)
-        self.key = key
-        self.context = where("acquire of", key, url)
-        body: Dict[str, Any] = dict(params)
-        body["ttl_ms"] = ttl_ms(ttl)
-        self.ttl = body["ttl_ms"] / 1000.0
-        wait = check_wait(wait)
-        if renew_every is not None:
-            ttl_ms(renew_every, "renew_every")
-            if renew_every >= self.ttl - margin_for(self.ttl):
-                raise ValueError("renew_every must be shorter than the ttl (less a tenth)")
-        if owner is not None:
-            body["owner"] = owner
-        # One id for every attempt of this acquire: a repeat of an attempt the broker granted
-        # answers that same lease (while it is held), never a second one.
+    #: Acquires of one path leave in call order (see the asyncio transport); opening does not.
+    ordered = True
+
+    def __init__(self, path: str, context: str, body: Dict[str, Any], ttl: float, wait: float,
+                 waits: bool, max_wait: float, timeout: float):
+        self.path = path
+        self.context = context
+        self.ttl = ttl
+        # One id for every attempt: a repeat of an attempt the broker granted answers that same
+        # grant (while it stands), never a second one.
         body["request_id"] = secrets.token_urlsafe(18)
         self.body = body
-        self._lease_args = dict(space=space, key=key, mode=mode, ttl=self.ttl,
-                                renew_every=renew_every, auto_renew=auto_renew,
-                                on_trouble=on_trouble)
+        self._waits = waits
         self._max_wait = max_wait
         self._timeout = timeout
-        self.deadline = time.monotonic() + wait
+        self.deadline = time.monotonic() + check_wait(wait)
         self._backoff = Backoff()
-        #: When the first attempt that may have reached the broker left: no lease this acquire
-        #: produced can have begun earlier.
+        #: When the first attempt that may have reached the broker left: nothing this call
+        #: was granted can have begun earlier.
         self.first_sent: Optional[float] = None
         # Whether an attempt reached the broker, or may have (then it may have granted), and
         # whether one is under way (its fate unknown).
@@ -73,17 +66,24 @@ class AcquireRun:
         self._problem = "no attempt made"
 
     def request(self) -> Tuple[Dict[str, Any], float]:
-        """The next attempt's body and timeout (the wait asked for plus the client's timeout)."""
+        """The next attempt's body and timeout (the wait asked for plus the client's timeout;
+        for a call that does not wait, what is left of the deadline)."""
         now = time.monotonic()
-        self._asked = min(max(self.deadline - now, 0.0), self._max_wait)
         self._asked_at = now
-        self.body["wait_ms"] = int(self._asked * 1000)
         self._in_flight = True
+        if not self._waits:
+            return self.body, max(self.deadline - now, 0.05)
+        self._asked = min(max(self.deadline - now, 0.0), self._max_wait)
+        self.body["wait_ms"] = int(self._asked * 1000)
         return self.body, self._asked + self._timeout
+
+    def again_body(self) -> Dict[str, Any]:
+        """The body that asks again, without waiting, whether this call was granted."""
+        return dict(self.body, wait_ms=0) if self._waits else dict(self.body)
 
     @property
     def may_have_reached(self) -> bool:
-        """Whether the broker may have granted this acquire: an attempt reached it, may have
+        """Whether the broker may have granted this call: an attempt reached it, may have
         (no answer after sending), or is under way."""
         return self._reached or self._in_flight
 
@@ -99,14 +99,14 @@ class AcquireRun:
 
     def answered(self, answer: Answer) -> Tuple[str, float]:
         """What to do after ``answer``: (GRANTED, 0), (AGAIN, 0) or (PAUSE, delay). Raises the
-        error an answer that ends the acquire stands for."""
+        error an answer that ends the call stands for."""
         self._in_flight = False
         self._reached = True
         if self.first_sent is None:
             self.first_sent = self._asked_at
         if answer.status == 201:
             return GRANTED, 0.0
-        if answer.status == 409 and answer.code == "locked" and \
+        if self._waits and answer.status == 409 and answer.code == "locked" and \
                 time.monotonic() < self.deadline - 0.001 and \
                 self._asked < self.deadline - self._asked_at:
             return AGAIN, 0.0  # a wait longer than the broker's longest, asked for in parts
@@ -128,7 +128,7 @@ class AcquireRun:
                 code=answer.code if answer is not None else "unreachable",
             )
         pause = min(delay, self.deadline - now)
-        log.debug("acquire of %r not answered: %s; again in %.2f s", self.key, self._problem, pause)
+        log.debug("%s not answered: %s; again in %.2f s", self.context, self._problem, pause)
         return pause
 
     def grant_gone(self) -> None:
@@ -136,17 +136,6 @@ class AcquireRun:
         lasts, else :class:`Locked`."""
         if time.monotonic() >= self.deadline:
             raise Locked(f"{self.context}: the grant ended before it could be confirmed")
-
-    def lease_args(self, body: Dict[str, Any], sent_at: Optional[float] = None) -> Dict[str, Any]:
-        """The arguments of the lease a ``201`` answered (sent at ``first_sent`` unless
-        ``sent_at`` is given)."""
-        if not isinstance(body.get("token"), str) or not isinstance(body.get("fence"), int):
-            raise BrokerError(f"{self.context}: the broker's grant has no token or fence",
-                              status=201, code="bad_response")
-        if sent_at is None:
-            assert self.first_sent is not None
-            sent_at = self.first_sent
-        return dict(self._lease_args, body=body, sent_at=sent_at)
 
     def needs_confirming(self) -> bool:
         """Granted after a wait, or found again by a retry: the grant happened at some instant
@@ -158,6 +147,54 @@ class AcquireRun:
     def unconfirmed(self) -> Unavailable:
         return Unavailable(f"{self.context}: could not confirm the grant in time",
                            code="unreachable")
+
+    def _sent_at(self, sent_at: Optional[float]) -> float:
+        if sent_at is not None:
+            return sent_at
+        assert self.first_sent is not None
+        return self.first_sent
+
+
+class AcquireRun(GrantRun):
+    """The attempts of one acquire of ``key`` in ``space`` (``locks`` or ``semaphores``).
+    Under a session (``session``: its secret), no ``ttl_ms`` is sent: the lease lives as long
+    as the session (whose ttl ``ttl`` is), is not renewed on its own, and needs no
+    confirming."""
+
+    def __init__(self, url: str, space: str, key: str, ttl: float, wait: float,
+                 params: Dict[str, Any], mode: str, owner: Optional[str],
+                 renew_every: Optional[float], auto_renew: bool, on_trouble: Any,
+                 max_wait: float, timeout: float, session: Optional[str] = None):
+        body: Dict[str, Any] = dict(params)
+        if session is None:
+            body["ttl_ms"] = ttl_ms(ttl)
+            ttl = body["ttl_ms"] / 1000.0
+        else:
+            body["session"] = session
+        if renew_every is not None:
+            ttl_ms(renew_every, "renew_every")
+            if renew_every >= ttl - margin_for(ttl):
+                raise ValueError("renew_every must be shorter than the ttl (less a tenth)")
+        if owner is not None:
+            body["owner"] = owner
+        super().__init__(key_path(space, key), where("acquire of", key, url), body, ttl, wait,
+                         True, max_wait, timeout)
+        self.key = key
+        self._session = session is not None
+        self._lease_args = dict(space=space, key=key, mode=mode, ttl=self.ttl,
+                                renew_every=renew_every, auto_renew=auto_renew,
+                                on_trouble=on_trouble)
+
+    def args(self, body: Dict[str, Any], sent_at: Optional[float] = None) -> Dict[str, Any]:
+        """The arguments of the lease a ``201`` answered (sent at ``first_sent`` unless
+        ``sent_at`` is given)."""
+        if not isinstance(body.get("token"), str) or not isinstance(body.get("fence"), int):
+            raise BrokerError(f"{self.context}: the broker's grant has no token or fence",
+                              status=201, code="bad_response")
+        return dict(self._lease_args, body=body, sent_at=self._sent_at(sent_at))
+
+    def needs_confirming(self) -> bool:
+        return not self._session and super().needs_confirming()
 
 
 class Page(NamedTuple):

@@ -1,6 +1,7 @@
 """A sync lease (:class:`Lease`): its renewal, its lost signal and its release, on top of the
 :class:`~lockbroker._lease_state.LeaseState` it shares with the asyncio client; and the one
-thread that renews every lease of a sync :class:`~lockbroker.Broker` (:class:`Renewer`).
+thread that renews every lease and keeps every session of a sync :class:`~lockbroker.Broker`
+(:class:`Renewer`), and what they share with it (:class:`_Core`).
 """
 
 import heapq
@@ -8,12 +9,15 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
 
 from ._errors import BrokerError
 from ._lease_state import (_GONE, _RENEWED, _STOPPED, _WAIT, EXPIRED, LeaseState,
                            _takes_an_argument, ttl_ms)
 from ._transport import Answer
+
+if TYPE_CHECKING:
+    from ._transport import Transport
 
 log = logging.getLogger("lockbroker")
 
@@ -104,28 +108,7 @@ class Lease(LeaseState):
         self._core.renewer.schedule(self, self._next_due())
 
     def _step(self) -> Optional[float]:
-        """One look by the renewal thread: renews when due, loses the lease when its end came.
-        Returns when to look next, or ``None`` for never."""
-        now = time.monotonic()
-        action, when = self._next_step(now)
-        if action == _STOPPED:
-            return None
-        if action == EXPIRED:
-            self._lose(EXPIRED, None)
-            return None
-        if action == _WAIT:
-            return when
-        outcome, answer, problem = self._renew_once(now)
-        if outcome == _RENEWED:
-            if self._recovered():
-                self._report_trouble(None)
-            return self._next_due()
-        if outcome in (_GONE, _STOPPED):
-            return None
-        trouble = self._failed(answer, problem)
-        if trouble is not None:
-            self._report_trouble(trouble)
-        return self._next_due()
+        return step(self)
 
     def _renew_once(self, now: float, confirming: bool = False) -> Tuple[str, Optional[Answer], str]:
         """One renewal request, sent at ``now``. Returns (outcome, answer or None, problem)."""
@@ -152,19 +135,26 @@ class Lease(LeaseState):
             self._lose(reason, problem)
         return outcome, answer, problem
 
+    def _confirm(self) -> str:
+        """The renewal that fixes the end of a lease granted after a wait (see
+        ``Broker._grant``): its outcome."""
+        return self._renew_once(time.monotonic(), confirming=True)[0]
+
+    def _drop(self) -> None:
+        """Ends a lease that is not handed out, quietly."""
+        try:
+            self.release()
+        except BrokerError as e:
+            log.warning("could not release the lease on %r (fence %d): %s",
+                        self.key, self.fence, e)
+
     def _lose(self, reason: str, problem: Optional[str]) -> None:
         callbacks = self._mark_lost(reason, problem)
         for callback in callbacks or ():
             self._run_callback(callback)
 
     def _run_callback(self, callback: Callable[..., Any]) -> None:
-        try:
-            if _takes_an_argument(callback):
-                callback(self)
-            else:
-                callback()
-        except Exception:
-            log.exception("an on_lost callback of the lease on %r raised", self.key)
+        call_back(callback, self, f"an on_lost callback of the lease on {self.key!r}")
 
     def _report_trouble(self, trouble: Optional[str]) -> None:
         if self._on_trouble is None:
@@ -175,10 +165,86 @@ class Lease(LeaseState):
             log.exception("the on_trouble hook of the lease on %r raised", self.key)
 
 
+def call_back(callback: Callable[..., Any], subject: Any, what: str) -> None:
+    """Runs a lost callback with ``subject`` (a lease or a session) if it takes an argument,
+    else with none; logs what it raises."""
+    try:
+        if _takes_an_argument(callback):
+            callback(subject)
+        else:
+            callback()
+    except Exception:
+        log.exception("%s raised", what)
+
+
+def step(kept: Any) -> Optional[float]:
+    """One look by the renewal thread at a lease or a session (``kept``): renews it when due
+    (its ``_renew_once``), loses it when its end came. Returns when to look next, or ``None``
+    for never."""
+    now = time.monotonic()
+    action, when = kept._next_step(now)
+    if action == _STOPPED:
+        return None
+    if action == EXPIRED:
+        kept._lose(EXPIRED, None)
+        return None
+    if action == _WAIT:
+        return when
+    outcome, answer, problem = kept._renew_once(now)
+    if outcome == _RENEWED:
+        if kept._recovered():
+            kept._report_trouble(None)
+        return kept._next_due()
+    if outcome in (_GONE, _STOPPED):
+        return None
+    trouble = kept._failed(answer, problem)
+    if trouble is not None:
+        kept._report_trouble(trouble)
+    return kept._next_due()
+
+
+class _Core:
+    """What a broker's leases and sessions share with it: the transport, the settings, the open
+    leases and sessions, and the thread that renews them all."""
+
+    def __init__(self, transport: "Transport", timeout: float, renew_fraction: float):
+        self.transport = transport
+        self.url = transport.url
+        self.timeout = timeout
+        self.renew_fraction = renew_fraction
+        self.lock = threading.Lock()
+        self.leases: Set[Lease] = set()
+        self.sessions: Set[Any] = set()
+        self.renewer = Renewer()
+        self.closed = False
+
+    def forget(self, lease: Lease) -> None:
+        with self.lock:
+            self.leases.discard(lease)
+
+    def forget_session(self, session: Any) -> None:
+        with self.lock:
+            self.sessions.discard(session)
+
+    def horizon(self, renewing: Any) -> float:
+        """The earliest end among the other live leases and sessions: a renewal on the one
+        renewal thread must not keep them from theirs (a request stuck on a dead connection)
+        past it."""
+        with self.lock:
+            others = [other for other in self.leases if other is not renewing]
+            sessions = [other for other in self.sessions if other is not renewing]
+        ends = [other._end for other in others
+                if not other._released and other._lost_reason is None]
+        ends += [other._end for other in sessions if other.alive]
+        return min(ends, default=float("inf"))
+
+
 class Renewer:
-    """The one thread that renews every lease of one :class:`~lockbroker.Broker`: a heap of the
-    instants at which a lease needs a look (a renewal due, or its end), and a condition variable
-    to sleep on until the first. Started with the first lease, stopped by ``close``."""
+    """The one thread that renews every lease of one :class:`~lockbroker.Broker` and keeps its
+    sessions alive: a heap of the instants at which a lease (or a session: anything with
+    ``_scheduled`` and ``_step``) needs a look (a renewal due, or its end), and a condition
+    variable to sleep on until the first. Started with the first lease or session, stopped by
+    ``close``."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -234,7 +300,7 @@ class Renewer:
             try:
                 following = lease._step()
             except Exception:
-                log.exception("the renewal of the lease on %r failed", lease.key)
+                log.exception("the renewal of %r failed", lease)
                 following = None
             if following is not None:
                 self.schedule(lease, following)

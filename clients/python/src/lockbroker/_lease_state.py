@@ -155,14 +155,8 @@ class LeaseState:
 
     def __repr__(self) -> str:
         with self._lock:
-            if self._live_locked(time.monotonic()):
-                state = "held"
-            elif self._released:
-                state = "released"
-            elif self._lost_reason is not None:
-                state = f"lost ({self._lost_reason})"
-            else:
-                state = "ended"
+            state = state_word(self._live_locked(time.monotonic()), "held",
+                               "released" if self._released else None, self._lost_reason)
         return (
             f"<{type(self).__name__} key={self.key!r} fence={self.fence} mode={self.mode!r}"
             + (f" limit={self.limit}" if self.limit is not None else "")
@@ -346,6 +340,9 @@ class LeaseState:
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _still_live(self) -> bool:
+        return self.held
+
     def _live_locked(self, now: float) -> bool:
         return not self._released and self._lost_reason is None and now < self._end
 
@@ -359,6 +356,18 @@ class LeaseState:
         client keeps, has passed) or is known gone."""
         with self._lock:
             return self._lost_reason in (NOT_HELD, NOT_OWNER) or now >= self._end + margin_for(self.ttl)
+
+
+def state_word(live: bool, live_word: str, ended_by_caller: Optional[str],
+               lost_reason: Optional[str]) -> str:
+    """How ``repr`` says where a lease or a session stands."""
+    if live:
+        return live_word
+    if ended_by_caller is not None:
+        return ended_by_caller
+    if lost_reason is not None:
+        return f"lost ({lost_reason})"
+    return "ended"
 
 
 def _expires_at(body: Dict[str, Any]) -> Optional[float]:

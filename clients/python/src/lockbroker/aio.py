@@ -26,8 +26,8 @@ from ._calls import (
     AGAIN,
     GRANTED,
     PAUSE,
-    AcquireRun,
     CallRun,
+    GrantRun,
     Page,
     force_request,
     forced,
@@ -40,7 +40,9 @@ from ._errors import BrokerError, LeaseLost, LimitMismatch, Locked, Unavailable,
 from ._lease_state import _GONE, _RENEWED, Backoff
 from ._aio_leadership import AsyncLeadership
 from ._aio_lease import AsyncLease, _AsyncCore
+from ._aio_session import AsyncSession, AsyncSessionLease
 from ._aio_transport import AsyncTransport
+from ._session_state import OpenRun
 from ._transport import RETRYABLE, NoAnswer
 from ._watch import KeyView, WatchRun, check_fence, check_wait
 
@@ -48,6 +50,8 @@ __all__ = [
     "AsyncBroker",
     "AsyncLeadership",
     "AsyncLease",
+    "AsyncSession",
+    "AsyncSessionLease",
     "BrokerError",
     "KeyView",
     "LeaseLost",
@@ -60,6 +64,7 @@ __all__ = [
 log = logging.getLogger("lockbroker")
 
 T = TypeVar("T")
+G = TypeVar("G")
 
 #: How long a cancelled acquire waits for its clean-up before the cancellation goes on.
 _CLEAN_UP_WAIT = 2.0
@@ -137,6 +142,18 @@ class AsyncBroker(ClientBase):
                                 reason=lease.lost_reason)
             return task.result()
 
+    # -- sessions -------------------------------------------------------------------------------
+
+    async def open_session(self, ttl: float = 15.0, lock_delay: float = 0.0, *,
+                           owner: Optional[str] = None) -> AsyncSession:
+        """As :meth:`lockbroker.Broker.open_session`; the keep-alive is a task on this loop.
+        Cancelled while it waits, it leaves nothing behind (a session opened meanwhile is
+        closed)."""
+        run = OpenRun(self.url, ttl, lock_delay, owner if owner is not None else self._owner,
+                      self._max_wait, self._core.timeout)
+        return await self._grant(run, lambda args: AsyncSession(self, self._core, **args),
+                                 self._register_session)
+
     # -- watching -------------------------------------------------------------------------------
 
     async def watch(self, key: str, seen_fence: int = 0, wait: float = 30.0) -> KeyView:
@@ -198,11 +215,13 @@ class AsyncBroker(ClientBase):
     # -- the client's life ----------------------------------------------------------------------
 
     async def close(self) -> None:
-        """Releases every lease still open (their renewal tasks stop first), waits for the
-        clean-ups of cancelled acquires, and closes the connections. Idempotent."""
+        """Closes every session and releases every lease still open (their renewal tasks stop
+        first), waits for the clean-ups of cancelled acquires, and closes the connections.
+        Idempotent."""
         self._core.closed = True
-        leases = list(self._core.leases)
+        sessions, leases = list(self._core.sessions), list(self._core.leases)
         give_up = time.monotonic() + self._core.timeout
+        await asyncio.gather(*(session._close(give_up) for session in sessions))
         results = await asyncio.gather(*(lease._release(give_up) for lease in leases),
                                        return_exceptions=True)
         for lease, result in zip(leases, results):
@@ -247,52 +266,72 @@ class AsyncBroker(ClientBase):
                        on_trouble: Optional[Callable[[Optional[str]], Any]]) -> AsyncLease:
         run = self._acquire_run(space, key, ttl, wait, params, mode, owner, auto_renew,
                                 renew_every, on_trouble)
-        lease: Optional[AsyncLease] = None
+        return await self._grant(run, lambda args: AsyncLease(self._core, **args),
+                                 self._register_lease)
+
+    async def _grant(self, run: GrantRun, make: Callable[[Dict[str, Any]], G],
+                     register: Callable[[G], Optional[BrokerError]]) -> G:
+        """As ``Broker._grant``; cancelled, it leaves nothing behind (see ``_abandon``)."""
+        made: Any = None
         try:
             while True:
                 self._check_open()
                 body, timeout = run.request()
                 try:
                     answer = await self._core.transport.request(
-                        "POST", run.path, body=body, timeout=timeout, ordered=True)
+                        "POST", run.path, body=body, timeout=timeout, ordered=run.ordered)
                 except NoAnswer as e:
                     action, delay = PAUSE, run.no_answer(e)
                 else:
                     action, delay = run.answered(answer)
                 if action == GRANTED:
-                    lease = AsyncLease(self._core, **run.lease_args(answer.body))
+                    made = make(run.args(answer.body))
                     if run.needs_confirming():
-                        outcome, _, _ = await lease._renew_once(time.monotonic(), confirming=True)
+                        outcome = await made._confirm()
                         if outcome == _GONE:
-                            lease = None
+                            made = None
                             run.grant_gone()
                             continue
-                        if outcome != _RENEWED and not lease.held:
-                            await _release_quietly(lease)
-                            lease = None
+                        if outcome != _RENEWED and not made._still_live():
+                            await made._drop()
+                            made = None
                             raise run.unconfirmed()
-                    if self._core.closed:
-                        await _release_quietly(lease)
-                        lease = None
-                        self._check_open()
                     # From here to the return nothing awaits: a cancellation cannot come between.
-                    self._core.leases.add(lease)
-                    lease._start()
-                    return lease
+                    refusal = register(made)
+                    if refusal is not None:
+                        await made._drop()
+                        made = None
+                        raise refusal
+                    return made
                 if action == AGAIN:
                     continue
                 await asyncio.sleep(run.pause(delay))
         except asyncio.CancelledError:
-            if lease is not None or run.may_have_reached:
-                await self._abandon(run, lease)
+            if made is not None or run.may_have_reached:
+                await self._abandon(run, made, make)
             raise
 
-    async def _abandon(self, run: AcquireRun, lease: Optional[AsyncLease]) -> None:
-        """After the cancellation of an acquire: ends what it may have been granted, before the
-        cancellation goes on. A broker that does not answer within :data:`_CLEAN_UP_WAIT` (or a
-        second cancellation) leaves the clean-up to go on in the background (``close`` waits
-        for it)."""
-        task = asyncio.ensure_future(self._clean_up(run, lease))
+    def _register_lease(self, lease: AsyncLease) -> Optional[BrokerError]:
+        if self._core.closed:
+            return BrokerError("this AsyncBroker is closed", code="closed")
+        self._core.leases.add(lease)
+        lease._start()
+        return None
+
+    def _register_session(self, session: AsyncSession) -> Optional[BrokerError]:
+        if self._core.closed:
+            return BrokerError("this AsyncBroker is closed", code="closed")
+        self._core.sessions.add(session)
+        session._start()
+        return None
+
+    async def _abandon(self, run: GrantRun, made: Any, make: Callable[[Dict[str, Any]], Any]
+                       ) -> None:
+        """After the cancellation of an acquire (or of opening a session): ends what it may
+        have been granted, before the cancellation goes on. A broker that does not answer
+        within :data:`_CLEAN_UP_WAIT` (or a second cancellation) leaves the clean-up to go on
+        in the background (``close`` waits for it)."""
+        task = asyncio.ensure_future(self._clean_up(run, made, make))
         self._core.cleanups.add(task)
         task.add_done_callback(self._core.cleanups.discard)
         try:
@@ -300,31 +339,30 @@ class AsyncBroker(ClientBase):
         except asyncio.CancelledError:
             pass  # cancelled again: the clean-up goes on by itself
 
-    async def _clean_up(self, run: AcquireRun, lease: Optional[AsyncLease]) -> None:
-        if lease is None:
-            lease = await self._find_grant(run)
-            if lease is None:
+    async def _clean_up(self, run: GrantRun, made: Any,
+                        make: Callable[[Dict[str, Any]], Any]) -> None:
+        if made is None:
+            made = await self._find_grant(run, make)
+            if made is None:
                 return
-            log.info("acquire of %r was cancelled after its grant (fence %d): releasing it",
-                     run.key, lease.fence)
-        await _release_quietly(lease)
+            log.info("%s was cancelled after its grant: ending %r", run.context, made)
+        await made._drop()
 
-    async def _find_grant(self, run: AcquireRun) -> Optional[AsyncLease]:
-        """Asks again with the cancelled acquire's ``request_id`` without waiting: the lease it
-        was granted (or, the key being free, is granted now), to release; ``None`` when it holds
+    async def _find_grant(self, run: GrantRun, make: Callable[[Dict[str, Any]], Any]) -> Any:
+        """Asks again with the cancelled call's ``request_id`` without waiting: what it was
+        granted (or, the key being free, is granted now), to end; ``None`` when it holds
         nothing."""
-        body = dict(run.body, wait_ms=0)
+        body = run.again_body()
         give_up = time.monotonic() + self._core.timeout
         backoff = Backoff()
         while True:
             answer, problem = await self._core.transport.attempt(
                 "POST", run.path, body=body, timeout=max(give_up - time.monotonic(), 0.05),
-                ordered=True)
+                ordered=run.ordered)
             if answer is not None:
                 if answer.status == 201:
                     try:
-                        return AsyncLease(self._core, **run.lease_args(
-                            answer.body, sent_at=time.monotonic()))
+                        return make(run.args(answer.body, sent_at=time.monotonic()))
                     except BrokerError:
                         return None
                 if answer.status not in RETRYABLE:
@@ -333,15 +371,8 @@ class AsyncBroker(ClientBase):
             now = time.monotonic()
             if now >= give_up:
                 log.warning("%s was cancelled, and whether it was granted could not be learnt "
-                            "(%s): a lease it may have been granted ends by its ttl",
+                            "(%s): what it may have been granted ends by its ttl",
                             run.context, problem)
                 return None
             await asyncio.sleep(min(backoff.delay(answer.retry_after() if answer else None),
                                     give_up - now))
-
-
-async def _release_quietly(lease: AsyncLease) -> None:
-    try:
-        await lease.release()
-    except BrokerError as e:
-        log.warning("could not release the lease on %r (fence %d): %s", lease.key, lease.fence, e)
