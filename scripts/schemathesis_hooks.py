@@ -1,7 +1,7 @@
 """The rules of the lockbroker API that OpenAPI 3.1 cannot state, for schemathesis.
 
-`/openapi.json` states every rule it can (types, bounds, patterns, required parameters). Three
-rules tie parameters in different places together, and OpenAPI has no way to say that:
+`/openapi.json` states every rule it can (types, bounds, patterns, required parameters). Some
+rules tie parameters together, and OpenAPI has no way to say that:
 
 1. A parameter may come in the query string or in the JSON body; in both, only with the same
    value (api.md: otherwise `400`).
@@ -11,6 +11,8 @@ rules tie parameters in different places together, and OpenAPI has no way to say
    token; one given with it is refused as a mistake).
 4. A semaphore acquire needs `limit`, in the query string or the body.
 5. An inspect takes `wait_ms` only with `watch` (it is how long the watch waits).
+6. An acquire under a session (`session`) takes no `ttl_ms`: the lease lives as long as the
+   session.
 
 Each request generated to be valid is made to keep these rules, and nothing else is changed, so that
 schemathesis checks everything the document says and nothing it cannot say.
@@ -26,6 +28,11 @@ TOKEN_OPERATIONS = {
     ("DELETE", "/semaphores/{key}"),
     ("POST", "/locks/{key}/renew"),
     ("POST", "/semaphores/{key}/renew"),
+}
+
+ACQUIRE_OPERATIONS = {
+    ("POST", "/locks/{key}"),
+    ("POST", "/semaphores/{key}"),
 }
 
 WATCH_OPERATIONS = {
@@ -51,6 +58,13 @@ def map_case(context, case):
             query = query if query is not None else {}
             query["limit"] = 1
             case.query = query
+    if (case.method.upper(), case.path) in ACQUIRE_OPERATIONS:
+        body = case.body if isinstance(case.body, dict) else {}
+        if "session" in (query or {}) or "session" in body:
+            # Rule 6: a session's lease has no ttl_ms.
+            if query:
+                query.pop("ttl_ms", None)
+            body.pop("ttl_ms", None)
     if (case.method.upper(), case.path) in WATCH_OPERATIONS:
         body = case.body if isinstance(case.body, dict) else {}
         if "watch" not in (query or {}) and "watch" not in body:

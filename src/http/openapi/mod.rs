@@ -198,7 +198,11 @@ fn bounds(doc: &mut Value, limits: &Limits) {
         for (schema, body) in schemas {
             let is_request = matches!(
                 schema.as_str(),
-                "AcquireBody" | "SemaphoreAcquireBody" | "RenewBody"
+                "AcquireBody"
+                    | "SemaphoreAcquireBody"
+                    | "RenewBody"
+                    | "SessionBody"
+                    | "SessionRenewBody"
             );
             let Some(properties) = body.get_mut("properties").and_then(Value::as_object_mut) else {
                 continue;
