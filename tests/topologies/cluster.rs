@@ -50,6 +50,10 @@ async fn on_a_cluster_locks_spread_over_the_masters_wake_across_brokers_and_surv
     a_release_wakes_a_waiter_on_another_broker_within_100_ms(&one, &two).await;
     a_flushed_master_gets_its_leases_back_while_the_others_grant(&cluster, &one, &two).await;
     a_slot_that_lost_its_marker_and_keys_gets_its_leases_back(&cluster, &one, &two).await;
+    a_sessions_leases_on_every_master_live_and_end_with_it_across_a_flushed_master(
+        &cluster, &one, &two,
+    )
+    .await;
     crate::replica_acks_0_warns_once_at_start(cluster.url()).await;
 }
 
@@ -360,4 +364,99 @@ async fn renew_and_release(app: &TestApp, key: &str, lease: &Grant) {
     };
     assert_eq!(renewed.fence, lease.fence);
     app.release_ok(key, &lease.token).await;
+}
+
+/// A session opened on one broker with leases on keys of every master, kept alive from the other
+/// broker past three TTLs (each keep-alive: the session's record, then one KEEP per slot); while
+/// one master is flushed no key of it is granted to anyone else as long as a keep-alive promised
+/// it; when the keep-alives stop, every key goes to waiters within the TTL and a second.
+async fn a_sessions_leases_on_every_master_live_and_end_with_it_across_a_flushed_master(
+    cluster: &RedisCluster,
+    one: &TestApp,
+    two: &TestApp,
+) {
+    const TTL_MS: u64 = 1500;
+    let opened = one
+        .send(one.request(Method::POST, &format!("/sessions?ttl_ms={TTL_MS}")))
+        .await;
+    let id = opened.expect_status(StatusCode::CREATED).json()["session"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let keep_alive = || async {
+        let sent = Instant::now();
+        let answer = two
+            .send(two.request(Method::POST, &format!("/sessions/{id}/renew")))
+            .await;
+        (sent, answer.status)
+    };
+    let mut masters = BTreeSet::new();
+    let mut keys = Vec::new();
+    for i in 0..12 {
+        let key = format!("sess-{i}");
+        two.grant(&key, &format!("session={id}")).await;
+        masters.insert(cluster.master_of(&lock_key(&key)).await);
+        keys.push(key);
+    }
+    assert_eq!(
+        masters.len(),
+        3,
+        "the session's leases are on masters {masters:?}"
+    );
+    let mut promised = Instant::now() + Duration::from_millis(TTL_MS);
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(3 * TTL_MS + 500) {
+        tokio::time::sleep(Duration::from_millis(TTL_MS / 4)).await;
+        let (sent, status) = keep_alive().await;
+        assert_eq!(status, StatusCode::OK);
+        promised = sent + Duration::from_millis(TTL_MS);
+    }
+    for key in &keys {
+        one.expect_locked(key, "").await;
+    }
+    // One master loses its data: its leases are put back by the broker that kept them; the
+    // session's record may be gone (its keep-alive then says so). No key is granted to anyone
+    // while a keep-alive's promise stands.
+    let flushed = cluster.master_of(&lock_key(&keys[0])).await;
+    let mut node = cluster.nodes[flushed].connection().await;
+    let () = redis::cmd("FLUSHALL")
+        .query_async(&mut node)
+        .await
+        .expect("FLUSHALL on one master");
+    let flushed_at = Instant::now();
+    let mut session_lost = false;
+    while flushed_at.elapsed() < Duration::from_millis(2 * TTL_MS) && !session_lost {
+        for key in &keys {
+            let answer = one.acquire(key, "ttl_ms=100").await;
+            assert!(
+                answer.status != StatusCode::CREATED || Instant::now() > promised,
+                "{key} was granted to another client while the session's keep-alive promised it"
+            );
+        }
+        let (sent, status) = keep_alive().await;
+        match status {
+            StatusCode::OK => promised = sent + Duration::from_millis(TTL_MS),
+            StatusCode::NOT_FOUND => session_lost = true,
+            status => assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE),
+        }
+        tokio::time::sleep(Duration::from_millis(TTL_MS / 4)).await;
+    }
+    // The keep-alives stop: every key ends with the session (or, lost with its record, at the
+    // end its leases were put back with) and goes to the waiters.
+    let stopped = Instant::now();
+    let waiters: Vec<_> = keys
+        .iter()
+        .map(|key| one.spawn_acquire(key, "wait_ms=10000&ttl_ms=1000"))
+        .collect();
+    for waiter in waiters {
+        waiter
+            .await
+            .expect("the waiter task")
+            .expect_grant(StatusCode::CREATED);
+    }
+    assert!(
+        stopped.elapsed() < Duration::from_millis(TTL_MS + 1000 + SETTLE_MS),
+        "the session's keys ended {:?} after its last keep-alive",
+        stopped.elapsed()
+    );
 }
