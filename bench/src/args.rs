@@ -105,6 +105,15 @@ pub struct BenchArgs {
     /// skip).
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     pub leftover_duration: Duration,
+    /// Instead of the phases: what a session's keep-alive costs with this many leases under it
+    /// (`1,10,100`): for each, a session with that many locks, then --keep-alives keep-alives
+    /// one after another — their latency, and with --redis-url the Redis script calls and
+    /// Redis CPU per keep-alive (on every data node of a cluster).
+    #[arg(long, value_delimiter = ',', value_name = "LEASES,...")]
+    pub sessions: Vec<usize>,
+    /// With --sessions: keep-alives per session.
+    #[arg(long, default_value_t = 500)]
+    pub keep_alives: u32,
 }
 
 /// The tools `lockbroker-bench` runs as processes of their own.

@@ -32,6 +32,7 @@ mod http;
 mod lean;
 mod raw;
 mod redis_stats;
+mod sessions;
 mod table;
 mod waiters;
 
@@ -160,7 +161,7 @@ impl Phase {
 }
 
 /// The whole run.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Default, Serialize)]
 pub struct Summary {
     /// The lease the HTTP phases took; absent for exclusive leases, whose summary is as it
     /// always was.
@@ -235,6 +236,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
     let run_id = Token::generate().as_str()[..8].to_owned();
     if args.mode != BenchMode::Exclusive {
         check_mode(&http, &base, &args, &run_id).await?;
+    }
+    if !args.sessions.is_empty() {
+        sessions::keep_alive_costs(&http, &base, &redis, &args, &run_id).await?;
+        return Ok(Summary::default());
     }
     let progress = std::io::stderr().is_terminal() && !args.json;
     if args.floor || args.breakdown {

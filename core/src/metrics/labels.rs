@@ -1,6 +1,7 @@
 //! The metrics' labels: the store primitives, kinds and key spaces as label values, the label
 //! sets, and the counters by result that are created up front so every series shows from the
-//! first scrape.
+//! first scrape; and the outcomes the service counts by (an acquire's, a holder's call's, an offer
+//! passed on).
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -175,3 +176,41 @@ pub(super) const RENEW_RESULTS: &[&str] = &["renewed", "not_held", "not_owner", 
 pub(super) const RELEASE_RESULTS: &[&str] = &["released", "not_held", "not_owner", "error"];
 /// Force release knows no owner: a `not_owner` from the store would be a bug, counted as error.
 pub(super) const FORCE_RESULTS: &[&str] = &["released", "not_held", "error"];
+
+/// An acquire's outcome, for `lockbroker_acquisitions_total`.
+#[derive(Debug, Clone, Copy)]
+pub enum AcquireResult {
+    Granted,
+    Locked,
+    Error,
+    /// A semaphore acquire whose limit differs from the holders'.
+    LimitMismatch,
+}
+
+/// Why an offer to one of this broker's waiters passed on to the next in line.
+#[derive(Debug, Clone, Copy)]
+pub enum PassedOn {
+    /// The waiter had left (its wait ran out, its client went away): the offer was ended at once.
+    Gone,
+    /// The offer was not taken within the store's offer window, and the store dropped this
+    /// broker's entries from the key's queue (its waiters joined again).
+    Lapsed,
+}
+
+impl PassedOn {
+    pub(super) fn label(self) -> &'static str {
+        match self {
+            PassedOn::Gone => "gone",
+            PassedOn::Lapsed => "lapsed",
+        }
+    }
+}
+
+/// A release's or renewal's outcome.
+#[derive(Debug, Clone, Copy)]
+pub enum HolderResult {
+    Done,
+    NotHeld,
+    NotOwner,
+    Error,
+}

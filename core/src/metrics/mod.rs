@@ -20,12 +20,12 @@ use crate::domain::{Kind, Space};
 mod labels;
 mod outage;
 
-pub use self::labels::StoreOp;
 use self::labels::{
     ACQUIRE_RESULTS, AuthLabels, ByResult, FORCE_RESULTS, KindLabels, OpLabels, PassedOnLabels,
     QueueLabels, RELEASE_RESULTS, RENEW_RESULTS, SessionLabels, SpaceLabels, by_space, kind_label,
     space_label,
 };
+pub use self::labels::{AcquireResult, HolderResult, PassedOn, StoreOp};
 pub use self::outage::Outage;
 
 fn seconds_histogram() -> Histogram {
@@ -64,44 +64,6 @@ pub struct Metrics {
     /// Store outages as the logs tell them: shared here because the lock service, the HTTP
     /// layer and the store all count into the one in progress.
     outage: Arc<Outage>,
-}
-
-/// An acquire's outcome, for `lockbroker_acquisitions_total`.
-#[derive(Debug, Clone, Copy)]
-pub enum AcquireResult {
-    Granted,
-    Locked,
-    Error,
-    /// A semaphore acquire whose limit differs from the holders'.
-    LimitMismatch,
-}
-
-/// Why an offer to one of this broker's waiters passed on to the next in line.
-#[derive(Debug, Clone, Copy)]
-pub enum PassedOn {
-    /// The waiter had left (its wait ran out, its client went away): the offer was ended at once.
-    Gone,
-    /// The offer was not taken within the store's offer window, and the store dropped this
-    /// broker's entries from the key's queue (its waiters joined again).
-    Lapsed,
-}
-
-impl PassedOn {
-    fn label(self) -> &'static str {
-        match self {
-            PassedOn::Gone => "gone",
-            PassedOn::Lapsed => "lapsed",
-        }
-    }
-}
-
-/// A release's or renewal's outcome.
-#[derive(Debug, Clone, Copy)]
-pub enum HolderResult {
-    Done,
-    NotHeld,
-    NotOwner,
-    Error,
 }
 
 impl Default for Metrics {

@@ -121,42 +121,6 @@ impl MemoryStore {
             let _ = notices.try_send(Notice::Look(space, key.clone(), ms));
         }
     }
-
-    /// `lease`, which answers `bid`: its own, or the one an earlier acquire with its request
-    /// id produced — then the bid, answered, leaves the queue if it was in it, so that nothing
-    /// is offered to a token nobody waits on.
-    fn answered(slot: &mut Slot, bid: &Bid, lease: Lease, now_us: u64, tell: &mut Tell) -> Lease {
-        if lease.token != bid.token && slot.leave(&bid.token) {
-            slot.hand_on(now_us, None, &mut tell.offered);
-        }
-        lease
-    }
-
-    /// A claim or a join, once the slot is pruned: a waiting bid is granted if it is the
-    /// queue's head (or the queue is empty) and the key is free for it, else it joins the
-    /// queue (or keeps its place) and is answered `Err(retry_after_ms)`. A bid that does not
-    /// wait never goes ahead of the queue: what is free is handed on to the queued bids first,
-    /// and while some still wait it is refused (`Err`); otherwise it is granted if `free`.
-    fn grant_or_queue(
-        slot: &mut Slot,
-        kind: Kind,
-        bid: &Bid,
-        now_us: u64,
-        free: impl FnOnce(&Slot) -> bool,
-        tell: &mut Tell,
-    ) -> Result<Lease, u64> {
-        let now_ms = now_us / 1000;
-        if bid.waits() {
-            slot.enqueue(kind, bid, now_ms);
-            return slot
-                .hand_on(now_us, Some(bid), &mut tell.offered)
-                .ok_or_else(|| slot.retry_after(kind, now_ms));
-        }
-        if !slot.queue_cleared(now_us, &mut tell.offered) || !free(slot) {
-            return Err(slot.retry_after(kind, now_ms));
-        }
-        Ok(slot.grant(kind, bid, now_us, false))
-    }
 }
 
 /// What a step tells the broker's waiters.
@@ -207,12 +171,12 @@ impl Store for MemoryStore {
         Ok(self.step("claim", Space::Locks, key, |slot, tell| {
             slot.prune(now_ms);
             if let Some(lease) = slot.held_for(Kind::Exclusive, bid, now_ms) {
-                return GrantAnswer::Granted(Self::answered(slot, bid, lease, now_us, tell));
+                return GrantAnswer::Granted(queue::answered(slot, bid, lease, now_us, tell));
             }
             // SETNX: a key holding an expired lease is not free for a bid that does not wait
             // (the recipe takes it over, so that one contender wins it).
             let free = |s: &Slot| s.lease.is_none() && s.free_for(Kind::Exclusive, now_ms);
-            match Self::grant_or_queue(slot, Kind::Exclusive, bid, now_us, free, tell) {
+            match queue::grant_or_queue(slot, Kind::Exclusive, bid, now_us, free, tell) {
                 Ok(lease) => GrantAnswer::Granted(lease),
                 Err(retry_after_ms) if bid.waits() => GrantAnswer::Queued { retry_after_ms },
                 Err(_) => GrantAnswer::Refused,
@@ -316,10 +280,10 @@ impl Store for MemoryStore {
                 return Join::LimitMismatch { limit: used };
             }
             if let Some(lease) = slot.held_for(kind, bid, now_ms) {
-                return Join::Granted(Self::answered(slot, bid, lease, now_us, tell));
+                return Join::Granted(queue::answered(slot, bid, lease, now_us, tell));
             }
             let free = |s: &Slot| s.free_for(kind, now_ms);
-            match Self::grant_or_queue(slot, kind, bid, now_us, free, tell) {
+            match queue::grant_or_queue(slot, kind, bid, now_us, free, tell) {
                 Ok(lease) => Join::Granted(lease),
                 Err(retry_after_ms) if bid.waits() => Join::Queued { retry_after_ms },
                 Err(retry_after_ms) => Join::Busy { retry_after_ms },

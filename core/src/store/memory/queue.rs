@@ -5,6 +5,7 @@
 //! means a waiter vanished between the notice and the take; its broker's other waiters are
 //! alive, so they keep their places).
 
+use super::Tell;
 use super::slot::{QueuedBid, Slot, StoredLease};
 use crate::domain::{Kind, Token};
 use crate::store::{Bid, Lease};
@@ -218,3 +219,45 @@ impl Slot {
 
 #[cfg(test)]
 mod tests;
+
+/// `lease`, which answers `bid`: its own, or the one an earlier acquire with its request
+/// id produced — then the bid, answered, leaves the queue if it was in it, so that nothing
+/// is offered to a token nobody waits on.
+pub(super) fn answered(
+    slot: &mut Slot,
+    bid: &Bid,
+    lease: Lease,
+    now_us: u64,
+    tell: &mut Tell,
+) -> Lease {
+    if lease.token != bid.token && slot.leave(&bid.token) {
+        slot.hand_on(now_us, None, &mut tell.offered);
+    }
+    lease
+}
+
+/// A claim or a join, once the slot is pruned: a waiting bid is granted if it is the
+/// queue's head (or the queue is empty) and the key is free for it, else it joins the
+/// queue (or keeps its place) and is answered `Err(retry_after_ms)`. A bid that does not
+/// wait never goes ahead of the queue: what is free is handed on to the queued bids first,
+/// and while some still wait it is refused (`Err`); otherwise it is granted if `free`.
+pub(super) fn grant_or_queue(
+    slot: &mut Slot,
+    kind: Kind,
+    bid: &Bid,
+    now_us: u64,
+    free: impl FnOnce(&Slot) -> bool,
+    tell: &mut Tell,
+) -> Result<Lease, u64> {
+    let now_ms = now_us / 1000;
+    if bid.waits() {
+        slot.enqueue(kind, bid, now_ms);
+        return slot
+            .hand_on(now_us, Some(bid), &mut tell.offered)
+            .ok_or_else(|| slot.retry_after(kind, now_ms));
+    }
+    if !slot.queue_cleared(now_us, &mut tell.offered) || !free(slot) {
+        return Err(slot.retry_after(kind, now_ms));
+    }
+    Ok(slot.grant(kind, bid, now_us, false))
+}

@@ -1,0 +1,127 @@
+//! `--sessions`: what one keep-alive costs with N leases under the session — the HTTP
+//! round trip as a client sees it, and Redis's script calls and CPU time per keep-alive.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use lockbroker_cli_support::out;
+use redis::aio::MultiplexedConnection;
+use serde_json::Value;
+
+use crate::args::BenchArgs;
+use crate::redis_stats::RedisCost;
+
+/// One session's figures.
+struct Row {
+    leases: usize,
+    mean_us: f64,
+    p50_us: f64,
+    p99_us: f64,
+    /// Per keep-alive, with Redis's statistics.
+    redis: Option<(f64, f64)>,
+}
+
+/// Runs a session for each of `args.sessions` and prints a table.
+pub(super) async fn keep_alive_costs(
+    http: &reqwest::Client,
+    base: &str,
+    redis: &[MultiplexedConnection],
+    args: &BenchArgs,
+    run_id: &str,
+) -> anyhow::Result<()> {
+    if args.keep_alives == 0 {
+        bail!("--keep-alives must be at least 1");
+    }
+    let mut rows = Vec::new();
+    for &leases in &args.sessions {
+        rows.push(one_session(http, base, redis, leases, args.keep_alives, run_id).await?);
+    }
+    out!(
+        "keep-alives of a session with N leases ({} each, one after another):",
+        args.keep_alives
+    );
+    out!(
+        "{:>8} {:>10} {:>10} {:>10} {:>14} {:>16}",
+        "leases",
+        "mean µs",
+        "p50 µs",
+        "p99 µs",
+        "Redis calls",
+        "Redis CPU µs"
+    );
+    for row in rows {
+        let (calls, cpu) = match row.redis {
+            Some((calls, cpu)) => (format!("{calls:.2}"), format!("{cpu:.1}")),
+            None => ("-".into(), "-".into()),
+        };
+        out!(
+            "{:>8} {:>10.0} {:>10.0} {:>10.0} {:>14} {:>16}",
+            row.leases,
+            row.mean_us,
+            row.p50_us,
+            row.p99_us,
+            calls,
+            cpu
+        );
+    }
+    Ok(())
+}
+
+async fn post(http: &reqwest::Client, url: String) -> anyhow::Result<Value> {
+    let answer = http.post(&url).send().await?;
+    let status = answer.status();
+    let body: Value = answer.json().await.unwrap_or(Value::Null);
+    if !status.is_success() {
+        bail!("POST {url}: {status} {body}");
+    }
+    Ok(body)
+}
+
+async fn one_session(
+    http: &reqwest::Client,
+    base: &str,
+    redis: &[MultiplexedConnection],
+    leases: usize,
+    keep_alives: u32,
+    run_id: &str,
+) -> anyhow::Result<Row> {
+    let opened = post(http, format!("{base}/sessions?ttl_ms=60000")).await?;
+    let id = opened["session"]
+        .as_str()
+        .context("no session id")?
+        .to_owned();
+    for i in 0..leases {
+        post(
+            http,
+            format!("{base}/locks/bench-session-{run_id}-{leases}-{i}?session={id}"),
+        )
+        .await?;
+    }
+    let keep = format!("{base}/sessions/{id}/renew");
+    // Warm: every script cached, the connection up.
+    for _ in 0..3 {
+        post(http, keep.clone()).await?;
+    }
+    let cost = RedisCost::start(redis).await?;
+    let mut took = Vec::with_capacity(keep_alives as usize);
+    for _ in 0..keep_alives {
+        let sent = Instant::now();
+        post(http, keep.clone()).await?;
+        took.push(sent.elapsed());
+    }
+    let redis = cost
+        .per(u64::from(keep_alives))
+        .await?
+        .map(|per| (per.calls, per.cpu_us));
+    http.delete(format!("{base}/sessions/{id}")).send().await?;
+    took.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let mean = took.iter().map(|d| us(*d)).sum::<f64>() / took.len() as f64;
+    Ok(Row {
+        leases,
+        mean_us: mean,
+        p50_us: us(took[took.len() / 2]),
+        p99_us: us(took[(took.len() * 99 / 100).min(took.len() - 1)]),
+        redis,
+    })
+}
