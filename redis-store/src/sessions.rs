@@ -12,7 +12,7 @@ use redis::RedisError;
 use tokio::time::Instant;
 
 use crate::RedisStore;
-use crate::scripts::{Keep, KeepReply, SessionAct, SessionCall};
+use crate::scripts::{Keep, KeepReply, SessionCall};
 use lockbroker_core::domain::Token;
 use lockbroker_core::store::{
     AsHolder, EXPIRY_SLACK_MS, Lease, Renewal, SessionEntry, SessionOp, SessionRecord, Store,
@@ -32,23 +32,13 @@ impl RedisStore {
         id: &Token,
         op: SessionOp<'_>,
     ) -> StoreResult<Option<SessionRecord>> {
-        let act = match op {
-            SessionOp::Open(spec) => {
-                if let Some(rid) = &spec.request_id
-                    && let Some(earlier) =
-                        self.opened_by(rid.as_str(), id, spec.ttl.as_ms()).await?
-                {
-                    return Ok(Some(earlier));
-                }
-                SessionAct::Open(spec)
-            }
-            SessionOp::Renew(ttl) => SessionAct::Renew(ttl.map(|t| t.as_ms())),
-            SessionOp::Read => SessionAct::Read,
-            SessionOp::Close => SessionAct::Close,
-            SessionOp::Enter(entry) => SessionAct::Enter(entry),
-            SessionOp::Drop(entry) => SessionAct::Drop(entry),
-        };
-        self.run_session(id, act).await
+        if let SessionOp::Open(spec) = op
+            && let Some(rid) = &spec.request_id
+            && let Some(earlier) = self.opened_by(rid.as_str(), id, spec.ttl.as_ms()).await?
+        {
+            return Ok(Some(earlier));
+        }
+        self.run_session(id, op).await
     }
 
     /// A session's keep-alive on its leases (see `Store::renew_all`): on one Redis one KEEP call
@@ -141,14 +131,14 @@ impl RedisStore {
     async fn run_session(
         &self,
         id: &Token,
-        act: SessionAct<'_>,
+        op: SessionOp<'_>,
     ) -> StoreResult<Option<SessionRecord>> {
         let record = format!("{}session:{{{}}}", self.layout.prefix, id.as_str());
         let reply = self
             .keeper
             .run(&SessionCall {
                 record: &record,
-                act,
+                op,
             })
             .await?;
         Ok(reply.0.map(|mut r| {
@@ -189,7 +179,7 @@ impl RedisStore {
             return Ok(None);
         };
         if let Ok(earlier) = Token::parse(&earlier)
-            && let Some(record) = self.run_session(&earlier, SessionAct::Read).await?
+            && let Some(record) = self.run_session(&earlier, SessionOp::Read).await?
         {
             return Ok(Some(record));
         }

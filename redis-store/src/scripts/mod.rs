@@ -74,7 +74,7 @@ pub(crate) use self::holder::{
     RenewReply, Renewed,
 };
 pub(crate) use self::reads::{Read, ReadPermits};
-pub(crate) use self::session::{SessionAct, SessionCall};
+pub(crate) use self::session::SessionCall;
 use lockbroker_core::store::{Hold, HoldReason, StoreError, StoreResult};
 
 /// One script: its name (for errors), its source, and its SHA1 (from the `redis` crate's

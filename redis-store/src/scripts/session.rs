@@ -5,22 +5,12 @@ use redis::{FromRedisValue, ParsingError, Value};
 use super::Fields;
 use crate::keys::{LOCK_SPACE, SEMAPHORE_SPACE};
 use lockbroker_core::domain::{LockKey, Owner, Space, Token};
-use lockbroker_core::store::{SessionEntry, SessionRecord, SessionSpec};
-
-/// What one SESSION call does (the script's `op` and its arguments).
-pub(crate) enum SessionAct<'a> {
-    Open(&'a SessionSpec),
-    Renew(Option<u64>),
-    Read,
-    Close,
-    Enter(&'a SessionEntry),
-    Drop(&'a SessionEntry),
-}
+use lockbroker_core::store::{SessionEntry, SessionOp, SessionRecord};
 
 /// SESSION's call on the record `record`.
 pub(crate) struct SessionCall<'a> {
     pub record: &'a str,
-    pub act: SessionAct<'a>,
+    pub op: SessionOp<'a>,
 }
 
 /// An entry's field in the record: `e|<space letter>|<token>`.
@@ -37,24 +27,24 @@ script_call! {
     type Reply = SessionReply;
     |this, call| {
         call.key(this.record);
-        match this.act {
-            SessionAct::Open(spec) => {
+        match this.op {
+            SessionOp::Open(spec) => {
                 let owner = spec.owner.as_ref().map_or(String::new(), |o| format!("={}", o.as_str()));
                 call.arg("open").arg(spec.ttl.as_ms()).arg(owner).arg(spec.lock_delay_ms);
             }
-            SessionAct::Renew(ttl) => {
-                call.arg("renew").arg(ttl.map_or(String::new(), |t| t.to_string()));
+            SessionOp::Renew(ttl) => {
+                call.arg("renew").arg(ttl.map_or(String::new(), |t| t.as_ms().to_string()));
             }
-            SessionAct::Read => {
+            SessionOp::Read => {
                 call.arg("read");
             }
-            SessionAct::Close => {
+            SessionOp::Close => {
                 call.arg("close");
             }
-            SessionAct::Enter(entry) => {
+            SessionOp::Enter(entry) => {
                 call.arg("enter").arg(field(entry)).arg(entry.key.as_str());
             }
-            SessionAct::Drop(entry) => {
+            SessionOp::Drop(entry) => {
                 call.arg("drop").arg(field(entry)).arg(entry.key.as_str());
             }
         }
