@@ -1,0 +1,112 @@
+//! The keeper: the background task that keeps a lease (renewing it by its token) or a session
+//! (its keep-alive) until it is released or lost, and says once when it is lost.
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::time::{Instant, sleep_until, timeout_at};
+
+use crate::error::Error;
+use crate::lease::{LeaseState, Loss, MAX_RETRY, MIN_RETRY, Trouble, TroubleHook};
+
+/// When and how often to renew.
+pub(crate) struct Plan {
+    /// When the request that produced the lease (or opened the session) was sent: it cannot
+    /// end before `sent_at + ttl`, and is judged to end then.
+    pub(crate) sent_at: Instant,
+    pub(crate) ttl: Duration,
+    pub(crate) every: Duration,
+    pub(crate) on_trouble: Option<TroubleHook>,
+}
+
+/// Marks `state` lost, unless it was released first.
+pub(crate) fn lose(state: &watch::Sender<LeaseState>, loss: Loss) {
+    state.send_if_modified(|state| match state {
+        LeaseState::Held => {
+            *state = LeaseState::Lost(loss);
+            true
+        }
+        _ => false,
+    });
+}
+
+/// Renews (`renew()`) every `plan.every` until `state` is released or lost. A renewal that
+/// fails transiently (no answer, a `503`) is asked again, with a pause that doubles up to a
+/// quarter of the interval (at most [`MAX_RETRY`]), until the lease or session would have
+/// ended, judged from when the last confirmed renewal was sent (the broker cannot have extended
+/// it past that), less a tenth of the ttl. `renewing`: the URL renewed, for the error that says
+/// the last renewal was still unanswered.
+pub(crate) async fn keep<T, F, Fut>(
+    state: &watch::Sender<LeaseState>,
+    plan: Plan,
+    mut renew: F,
+    renewing: impl FnOnce() -> String,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let most = (plan.every / 4).clamp(MIN_RETRY, MAX_RETRY);
+    let first_pause = most.min(MIN_RETRY * 5);
+    let mut pause = first_pause;
+    // Judged lost a tenth of the ttl before the earliest moment it can end at the broker, so
+    // that the signal comes before the end even when this task's timer fires late.
+    let lasts = plan.ttl - plan.ttl / 10;
+    let mut ends_at = plan.sent_at + lasts;
+    let mut next = plan.sent_at + plan.every;
+    let mut last: Option<Error> = None;
+    let mut watched = state.subscribe();
+    loop {
+        tokio::select! {
+            () = sleep_until(next.min(ends_at)) => {}
+            // Released (or dropped): no renewal starts after that.
+            _ = watched.wait_for(|s| !matches!(s, LeaseState::Held)) => return,
+        }
+        let sent = Instant::now();
+        if sent >= ends_at {
+            return lose(state, Loss::Expired { last });
+        }
+        if !matches!(*watched.borrow(), LeaseState::Held) {
+            return;
+        }
+        match timeout_at(ends_at, renew()).await {
+            Ok(Ok(_)) => {
+                if last.take().is_some()
+                    && let Some(report) = &plan.on_trouble
+                {
+                    report(&Trouble::Recovered);
+                }
+                ends_at = sent + lasts;
+                next = sent + plan.every;
+                pause = first_pause;
+            }
+            // Gone, or a refusal that no later renewal would change (a revoked bearer token's
+            // 401): lost now, with the answer as the reason, not at the end as if the broker
+            // had been out of reach. Any 5xx is asked again until the end, as the Java and
+            // Python clients do: nobody waits on a renewal, and a proxy's 500 says nothing of
+            // the lease.
+            Ok(Err(e)) if !e.is_transient() && !e.is_server_error() => {
+                return lose(state, Loss::Refused(e));
+            }
+            Ok(Err(e)) => {
+                if let (None, Some(report)) = (&last, &plan.on_trouble) {
+                    report(&Trouble::Failing {
+                        error: e.clone(),
+                        ends_in: ends_at.saturating_duration_since(sent),
+                    });
+                }
+                last = Some(e);
+                next = Instant::now() + pause;
+                pause = (pause * 2).min(most);
+            }
+            Err(_) => {
+                let last = last.or_else(|| {
+                    Some(Error::Transport {
+                        url: renewing(),
+                        reason: "the last renewal was still unanswered".into(),
+                    })
+                });
+                return lose(state, Loss::Expired { last });
+            }
+        }
+    }
+}
