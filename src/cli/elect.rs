@@ -15,6 +15,10 @@
 //! any signal, SIGKILL included, the command's whole group gets SIGKILL at once (on Linux; see
 //! [`supervise`](super::supervise)), so a successor, which leads only once the dead leader's
 //! lease has ended, never runs its command beside it.
+//!
+//! With `--session-ttl` it stands and leads under a session of its own, kept alive every third
+//! of its TTL in place of the lease's renewals and closed on exit; a lost session is a lost
+//! lead, and the next term stands under a new session.
 
 use std::ffi::OsString;
 use std::fmt;

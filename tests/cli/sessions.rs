@@ -202,3 +202,39 @@ async fn session_open_show_renew_and_close_round_trip() {
         .await
         .expect_code(0);
 }
+
+/// `elect --session-ttl`: the leader's lease is under its session for the whole term (here
+/// three of the session's TTLs), and free once the command has ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elect_with_a_session_leads_on_its_keep_alives_and_hands_over_on_exit() {
+    let app = spawn_app(None).await;
+    let scratch = TempDir::new("session-elect");
+    let script = r#"sleep 1.5; "$LB" status "$LOCKBROKER_KEY" --json > "$OUT/status""#;
+    let args = [
+        "elect",
+        "leader",
+        "--owner",
+        "node-a",
+        "--session-ttl",
+        "450ms",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ];
+    let outcome = finish(
+        lockbroker_command(&app.address, &args)
+            .env("OUT", scratch.dir())
+            .spawn()
+            .unwrap(),
+    )
+    .await;
+    outcome.expect_code(0);
+    let status: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(scratch.path("status")).unwrap()).unwrap();
+    assert_eq!(status["owner"], "node-a", "{status}");
+    assert_eq!(status["session"], true, "{status}");
+    app.inspect("leader")
+        .await
+        .expect_error(StatusCode::NOT_FOUND, "not_held");
+}
