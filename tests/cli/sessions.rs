@@ -32,20 +32,20 @@ fn start_run(
         .expect("cannot start lockbroker run")
 }
 
-/// The command outlives three session TTLs (450 ms each) before it reads the lock's state: the
+/// The command outlives three session TTLs (900 ms each) before it reads the lock's state: the
 /// session's keep-alives alone keep it. The lock is free once run has exited.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_with_a_session_holds_the_lock_on_its_keep_alives_and_frees_it_on_exit() {
     let app = spawn_app(None).await;
     let scratch = TempDir::new("session-run");
     let script = r#"echo "$LOCKBROKER_FENCE" > "$OUT/fence"
-sleep 1.6
+sleep 2.8
 "$LB" status "$LOCKBROKER_KEY" --json > "$OUT/status""#;
     let outcome = finish(start_run(
         &app.address,
         &scratch,
         "nightly",
-        &["--session-ttl", "450ms"],
+        &["--session-ttl", "900ms"],
         script,
     ))
     .await;
@@ -209,14 +209,14 @@ async fn session_open_show_renew_and_close_round_trip() {
 async fn elect_with_a_session_leads_on_its_keep_alives_and_hands_over_on_exit() {
     let app = spawn_app(None).await;
     let scratch = TempDir::new("session-elect");
-    let script = r#"sleep 1.5; "$LB" status "$LOCKBROKER_KEY" --json > "$OUT/status""#;
+    let script = r#"sleep 2.8; "$LB" status "$LOCKBROKER_KEY" --json > "$OUT/status""#;
     let args = [
         "elect",
         "leader",
         "--owner",
         "node-a",
         "--session-ttl",
-        "450ms",
+        "900ms",
         "--",
         "sh",
         "-c",

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until, timeout_at};
 
 use crate::error::Error;
@@ -17,6 +18,52 @@ pub(crate) struct Plan {
     pub(crate) ttl: Duration,
     pub(crate) every: Duration,
     pub(crate) on_trouble: Option<TroubleHook>,
+}
+
+/// Marks `state` released, unless it was lost first: the keeper sees it and stops.
+pub(crate) fn mark_released(state: &watch::Sender<LeaseState>) {
+    state.send_if_modified(|state| match state {
+        LeaseState::Held => {
+            *state = LeaseState::Released;
+            true
+        }
+        _ => false,
+    });
+}
+
+/// Resolves when `state` is lost (at once if it was already); never if it is released instead.
+pub(crate) async fn lost(state: &watch::Sender<LeaseState>) -> Loss {
+    let mut state = state.subscribe();
+    let lost = state
+        .wait_for(|s| matches!(s, LeaseState::Lost(_)))
+        .await
+        .map(|s| s.clone());
+    match lost {
+        Ok(LeaseState::Lost(loss)) => loss,
+        // The sender outlives this borrow of it.
+        _ => std::future::pending().await,
+    }
+}
+
+/// What a dropped guard does: runs `end(keeper)` (which waits for the keeper, then tells the
+/// broker) on the current tokio runtime; with none, stops the keeper, and what it kept ends by
+/// its ttl.
+pub(crate) fn end_in_background<F>(
+    keeper: Option<JoinHandle<()>>,
+    end: impl FnOnce(Option<JoinHandle<()>>) -> F,
+) where
+    F: Future<Output = ()> + Send + 'static,
+{
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(end(keeper));
+        }
+        Err(_) => {
+            if let Some(keeper) = keeper {
+                keeper.abort();
+            }
+        }
+    }
 }
 
 /// Marks `state` lost, unless it was released first.

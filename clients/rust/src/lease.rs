@@ -13,7 +13,7 @@ use tokio::time::{Instant, timeout};
 
 use crate::client::{Client, REQUEST_TIMEOUT};
 use crate::error::Error;
-use crate::keep::{Plan, keep, lose};
+use crate::keep::{Plan, end_in_background, keep, lose, lost, mark_released};
 use crate::types::{Claim, Grant, Resource, Token};
 
 /// Shortest pause between two attempts while the broker does not answer: keeps a short lease
@@ -272,16 +272,7 @@ impl Lease {
     /// Resolves when the lease is lost (at once if it was already); never if it is released
     /// instead. Made for `tokio::select!` next to the work the lease protects.
     pub async fn lost(&self) -> Loss {
-        let mut state = self.shared.state.subscribe();
-        let lost = state
-            .wait_for(|s| matches!(s, LeaseState::Lost(_)))
-            .await
-            .map(|s| s.clone());
-        match lost {
-            Ok(LeaseState::Lost(loss)) => loss,
-            // The sender lives in `self.shared`, which outlives this borrow.
-            _ => std::future::pending().await,
-        }
+        lost(&self.shared.state).await
     }
 
     /// Stops the renewals for good (a renewal already in flight is let finish, so that the
@@ -294,7 +285,7 @@ impl Lease {
         if self.shared.release_sent.swap(true, Ordering::SeqCst) {
             return Ok(Released::Before);
         }
-        self.shared.mark_released();
+        mark_released(&self.shared.state);
         let renewer = self.renewer.lock().expect("never poisoned").take();
         self.shared.release_after(renewer).await
     }
@@ -311,17 +302,6 @@ impl Shared {
             state: watch::Sender::new(LeaseState::Held),
             release_sent: AtomicBool::new(false),
         }
-    }
-
-    /// `Released`, unless the lease was lost first: the renewal task sees it and stops.
-    fn mark_released(&self) {
-        self.state.send_if_modified(|state| match state {
-            LeaseState::Held => {
-                *state = LeaseState::Released;
-                true
-            }
-            _ => false,
-        });
     }
 
     /// Waits for the renewal task to stop (it does between renewals, or after the one in
@@ -343,23 +323,13 @@ impl Drop for Lease {
         if self.shared.release_sent.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.shared.mark_released();
+        mark_released(&self.shared.state);
         let renewer = self.renewer.get_mut().expect("never poisoned").take();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let shared = self.shared.clone();
-                runtime.spawn(async move {
-                    let bound = shared.ttl.min(REQUEST_TIMEOUT);
-                    let _ = timeout(bound, shared.release_after(renewer)).await;
-                });
-            }
-            // No runtime to release on: stop renewing, and the lease ends by its ttl.
-            Err(_) => {
-                if let Some(renewer) = renewer {
-                    renewer.abort();
-                }
-            }
-        }
+        let shared = self.shared.clone();
+        end_in_background(renewer, |renewer| async move {
+            let bound = shared.ttl.min(REQUEST_TIMEOUT);
+            let _ = timeout(bound, shared.release_after(renewer)).await;
+        });
     }
 }
 
@@ -375,7 +345,7 @@ async fn follow_session(shared: Arc<Shared>, mut session: watch::Receiver<LeaseS
         Ok(LeaseState::Lost(loss)) => lose(&shared.state, loss),
         Ok(_) => {
             shared.release_sent.store(true, Ordering::SeqCst);
-            shared.mark_released();
+            mark_released(&shared.state);
         }
         // The session's guard says `Released` before it goes: not reached.
         Err(_) => {}

@@ -15,7 +15,7 @@ use tokio::time::{Instant, timeout};
 use crate::acquire::asking_again;
 use crate::client::{Client, REQUEST_TIMEOUT};
 use crate::error::Error;
-use crate::keep::{Plan, keep};
+use crate::keep::{Plan, end_in_background, keep, lost, mark_released};
 use crate::lease::{Lease, LeaseState, Loss, Released, TroubleHook};
 use crate::types::{AcquireParams, Claim, Grant, SessionParams, Token, new_request_id};
 
@@ -200,16 +200,7 @@ impl Session {
     /// Resolves when the session is lost (at once if it was already); never if it is closed
     /// instead.
     pub async fn lost(&self) -> Loss {
-        let mut state = self.shared.state.subscribe();
-        let lost = state
-            .wait_for(|s| matches!(s, LeaseState::Lost(_)))
-            .await
-            .map(|s| s.clone());
-        match lost {
-            Ok(LeaseState::Lost(loss)) => loss,
-            // The sender lives in `self.shared`, which outlives this borrow.
-            _ => std::future::pending().await,
-        }
+        lost(&self.shared.state).await
     }
 
     /// An exclusive lease on `key` under the session, waiting up to `wait` while someone else
@@ -273,25 +264,13 @@ impl Session {
         if self.shared.close_sent.swap(true, Ordering::SeqCst) {
             return Ok(Released::Before);
         }
-        self.shared.mark_closed();
+        mark_released(&self.shared.state);
         let keeper = self.keeper.lock().expect("never poisoned").take();
         self.shared.close_after(keeper).await
     }
 }
 
 impl Shared {
-    /// `Released`, unless the session was lost first: the keep-alive task sees it and stops,
-    /// and so do the leases' followers.
-    fn mark_closed(&self) {
-        self.state.send_if_modified(|state| match state {
-            LeaseState::Held => {
-                *state = LeaseState::Released;
-                true
-            }
-            _ => false,
-        });
-    }
-
     async fn close_after(&self, keeper: Option<JoinHandle<()>>) -> Result<Released, Error> {
         if let Some(keeper) = keeper {
             let _ = keeper.await;
@@ -309,22 +288,12 @@ impl Drop for Session {
         if self.shared.close_sent.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.shared.mark_closed();
+        mark_released(&self.shared.state);
         let keeper = self.keeper.get_mut().expect("never poisoned").take();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let shared = self.shared.clone();
-                runtime.spawn(async move {
-                    let bound = shared.ttl.min(REQUEST_TIMEOUT);
-                    let _ = timeout(bound, shared.close_after(keeper)).await;
-                });
-            }
-            // No runtime to close on: stop the keep-alive; the session ends by its ttl.
-            Err(_) => {
-                if let Some(keeper) = keeper {
-                    keeper.abort();
-                }
-            }
-        }
+        let shared = self.shared.clone();
+        end_in_background(keeper, |keeper| async move {
+            let bound = shared.ttl.min(REQUEST_TIMEOUT);
+            let _ = timeout(bound, shared.close_after(keeper)).await;
+        });
     }
 }
