@@ -278,8 +278,14 @@ async fn lead(
             lost = lease.lost() => break lost,
         }
     };
+    let with = if session.is_some() {
+        " with its session"
+    } else {
+        ""
+    };
     say(format_args!(
-        "lost the lead on {resource}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
+        "lost the lead on {resource}{with}: {lost}; stopping the command (SIGTERM, SIGKILL \
+         after {})",
         humantime::format_duration(args.grace)
     ));
     match terminate(say, &mut child, args.grace, signals).await {

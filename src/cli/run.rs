@@ -167,8 +167,14 @@ async fn hold_and_run(
             lost = lease.lost() => break lost,
         }
     };
+    let with = if session.is_some() {
+        " with its session"
+    } else {
+        ""
+    };
     say(format_args!(
-        "lost the lease on {resource}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
+        "lost the lease on {resource}{with}: {lost}; stopping the command (SIGTERM, SIGKILL \
+         after {})",
         humantime::format_duration(args.grace)
     ));
     let status = terminate(say, &mut child, args.grace, signals).await;

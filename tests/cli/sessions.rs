@@ -3,7 +3,7 @@
 //! session's TTL and a second, and `session open|show|renew|close` for scripts.
 
 use std::os::unix::process::ExitStatusExt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::spawn_app;
 use lockbroker_test_support::send_signal;
@@ -79,6 +79,43 @@ sleep 2.8
     )
     .await
     .expect_code(2);
+}
+
+/// The broker goes away under `run --session-ttl 900ms`: no keep-alive gets through, the
+/// session is lost before its end, and with it the lease: the command is stopped and run exits
+/// 5, as for a lease of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_session_stops_the_command_as_a_lost_lease_does() {
+    let app = spawn_app(None).await;
+    let scratch = TempDir::new("session-gone");
+    let script = r#"trap 'echo term >> "$OUT/term"; exit 0' TERM
+echo started > "$OUT/started"
+i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done"#;
+    let run = start_run(
+        &app.address,
+        &scratch,
+        "orphan",
+        &["--session-ttl", "900ms", "--grace", "5s"],
+        script,
+    );
+    wait_for_line(&scratch.path("started"), MARKER_LIMIT).await;
+    let gone_at = Instant::now();
+    app.shutdown().await;
+    wait_for_line(&scratch.path("term"), MARKER_LIMIT).await;
+    let stopped_after = gone_at.elapsed();
+    let outcome = finish(run).await;
+    outcome.expect_failure(
+        5,
+        &[
+            "cannot renew the session",
+            "lost the lease on orphan with its session",
+        ],
+    );
+    // Allowance for starting processes and delivering signals on a busy machine.
+    assert!(
+        stopped_after < Duration::from_millis(900 + 400),
+        "SIGTERM came {stopped_after:?} after the broker went away"
+    );
 }
 
 /// `run --session-ttl 1s` SIGKILLed: its session gets no keep-alive, and a second run waiting
