@@ -157,3 +157,99 @@ pub(crate) async fn keep<T, F, Fut>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use reqwest::StatusCode;
+
+    use super::*;
+    use crate::types::Space;
+
+    const TTL: Duration = Duration::from_secs(30);
+
+    fn plan(sent_at: Instant) -> Plan {
+        Plan {
+            sent_at,
+            ttl: TTL,
+            every: TTL / 3,
+            on_trouble: None,
+        }
+    }
+
+    fn unavailable() -> Error {
+        Error::Api {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            code: "store_unavailable".into(),
+            message: "down".into(),
+            retry_after: None,
+            url: "http://h:1/sessions/…/renew".into(),
+        }
+    }
+
+    /// Runs a keeper whose every renewal answers `answer()`; when each was sent, from the start.
+    async fn kept(
+        state: &watch::Sender<LeaseState>,
+        answer: fn() -> Result<(), Error>,
+    ) -> Vec<Duration> {
+        let start = Instant::now();
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let log = sent.clone();
+        let renew = move || {
+            log.lock().unwrap().push(start.elapsed());
+            std::future::ready(answer())
+        };
+        keep(state, plan(start), renew, || "http://h:1/renew".into()).await;
+        sent.lock().unwrap().clone()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failing_renewals_are_asked_again_with_growing_pauses_until_the_end() {
+        let state = watch::Sender::new(LeaseState::Held);
+        let sent = kept(&state, || Err(unavailable())).await;
+        assert_eq!(sent[0], TTL / 3, "the first renewal at a third of the ttl");
+        let pauses: Vec<u128> = sent.windows(2).map(|w| (w[1] - w[0]).as_millis()).collect();
+        assert_eq!(pauses[..6], [50, 100, 200, 400, 800, 1000], "{pauses:?}");
+        assert!(pauses[6..].iter().all(|&p| p == 1000), "{pauses:?}");
+        // Lost a tenth of the ttl before its end, with the last failure as the reason.
+        let last = *sent.last().unwrap();
+        assert!(last < TTL - TTL / 10, "{last:?}");
+        match &*state.borrow() {
+            LeaseState::Lost(Loss::Expired { last: Some(e) }) => assert!(e.is_transient()),
+            other => panic!("expected an expiry after failures, got {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_loses_at_once_and_a_release_stops_the_keeper() {
+        let refused = watch::Sender::new(LeaseState::Held);
+        let sent = kept(&refused, || {
+            Err(Error::NotHeld {
+                space: Space::Locks,
+            })
+        })
+        .await;
+        assert_eq!(sent, [TTL / 3], "one renewal, refused");
+        assert!(matches!(
+            *refused.borrow(),
+            LeaseState::Lost(Loss::Refused(Error::NotHeld { .. }))
+        ));
+
+        let released = Arc::new(watch::Sender::new(LeaseState::Held));
+        let keeper = tokio::spawn({
+            let released = released.clone();
+            async move { kept(&released, || Ok(())).await }
+        });
+        // Between the second renewal (at 20 s) and the third (due at 30 s).
+        tokio::time::sleep(TTL * 5 / 6).await;
+        mark_released(&released);
+        let sent = keeper.await.unwrap();
+        assert_eq!(
+            sent,
+            [TTL / 3, TTL * 2 / 3],
+            "renewed until released, then no more"
+        );
+        assert!(matches!(*released.borrow(), LeaseState::Released));
+    }
+}
