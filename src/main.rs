@@ -19,6 +19,7 @@ use cli::elect::{self, ElectArgs};
 use cli::list::{self, ListArgs};
 #[cfg(unix)]
 use cli::run::{self, RunArgs};
+use cli::session::{self, SessionArgs};
 #[cfg(target_os = "linux")]
 use cli::supervise;
 use lockbroker::config::{Config, ServeArgs};
@@ -35,11 +36,12 @@ static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 #[derive(Parser)]
 #[command(name = "lockbroker", version, about)]
 #[command(
-    after_help = "The client commands (acquire, release, renew, status, list, run, elect) talk to \
-                        the broker at --url (LOCKBROKER_URL, default http://127.0.0.1:8080). \
+    after_help = "The client commands (acquire, release, renew, status, list, run, elect, \
+                        session) talk to the broker at --url (LOCKBROKER_URL, default http://127.0.0.1:8080). \
                         Each takes a lock's KEY or --semaphore NAME. Exit codes: 0 done, \
                         1 error, 2 usage, 3 locked by someone else (or every permit taken), \
-                        4 not held, 5 lease lost during `run`; see each command's --help."
+                        4 not held (or the session ended), 5 lease lost during `run`; see each \
+                        command's --help."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -71,6 +73,9 @@ enum Command {
     /// candidate otherwise, and hand over on SIGTERM.
     #[cfg(unix)]
     Elect(ElectArgs),
+    /// A session for scripts: open one (its id printed), renew it, close it (every lease
+    /// under it released), show it. Take leases under it with `acquire --session ID`.
+    Session(SessionArgs),
     /// Starts `run`'s or `elect`'s command so that it dies with them (cli::supervise).
     #[cfg(target_os = "linux")]
     #[command(name = "__exec", hide = true)]
@@ -112,6 +117,7 @@ async fn execute(command: Command) -> ExitCode {
         Command::Run(args) => run::run(args).await,
         #[cfg(unix)]
         Command::Elect(args) => elect::elect(args).await,
+        Command::Session(args) => session::session(args).await,
         #[cfg(target_os = "linux")]
         Command::Exec(_) | Command::Supervise(_) => unreachable!("run by main"),
     }

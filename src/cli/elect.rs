@@ -15,6 +15,10 @@
 //! any signal, SIGKILL included, the command's whole group gets SIGKILL at once (on Linux; see
 //! [`supervise`](super::supervise)), so a successor, which leads only once the dead leader's
 //! lease has ended, never runs its command beside it.
+//!
+//! With `--session-ttl` it stands and leads under a session of its own, kept alive every third
+//! of its TTL in place of the lease's renewals and closed on exit; a lost session is a lost
+//! lead, and the next term stands under a new session.
 
 use std::ffi::OsString;
 use std::fmt;
@@ -22,13 +26,13 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
-use lockbroker_client::{AcquireParams, Claim, Client, Error, Grant, Lease, new_request_id};
+use lockbroker_client::{Claim, Client, Error, Grant, Session};
 use nix::sys::signal::Signal;
 use tokio::time::Instant;
 
 use super::holding::{
-    Signals, bound_again, client_and_signals, default_owner, exit_code_of, release,
-    renewal_options, spawn, terminate,
+    Signals, acquire_params, bound_again, client_and_signals, close_session, default_owner,
+    exit_code_of, hold, open_session, release, spawn, terminate,
 };
 use super::{BrokerArgs, exit, exit_code, parse_duration, parse_key, parse_owner, parse_ttl};
 
@@ -56,6 +60,11 @@ pub(crate) struct ElectArgs {
     /// unless configured]. A leader that dies is succeeded within it.
     #[arg(long, value_parser = parse_ttl, value_name = "DURATION")]
     pub ttl: Option<Duration>,
+    /// Stand and lead under a session of this length (opened first, kept alive every third
+    /// of it, closed on exit) instead of a lease renewed on its own; a lost session is a lost
+    /// lead, and the next term stands under a new session. Not with --ttl.
+    #[arg(long, value_parser = parse_ttl, value_name = "DURATION", conflicts_with = "ttl")]
+    pub session_ttl: Option<Duration>,
     /// How long to wait as a candidate before giving up (exit 3) [default: forever].
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub wait: Option<Duration>,
@@ -89,17 +98,62 @@ pub(crate) async fn elect(args: ElectArgs) -> ExitCode {
         Ok(started) => started,
         Err(code) => return code,
     };
+    let mut session = None;
+    let code = stand(&args, &client, &mut signals, &mut session).await;
+    if let Some(session) = &session {
+        close_session(say, session).await;
+    }
+    code
+}
+
+/// Stands, leads, and stands again after a lost lease, until elect is done. With
+/// `--session-ttl`, under a session of its own in `session`, opened anew when it was lost.
+async fn stand(
+    args: &ElectArgs,
+    client: &Client,
+    signals: &mut Signals,
+    session: &mut Option<Session>,
+) -> ExitCode {
     let claim = Claim::Exclusive(args.key.clone());
     let owner = args.owner.clone().unwrap_or_else(default_owner);
     let deadline = args.wait.map(|wait| Instant::now() + wait);
     loop {
+        if let Some(ttl) = args.session_ttl
+            && session.as_ref().is_none_or(|s| !s.is_alive())
+        {
+            if let Some(lost) = session.take() {
+                lost.close().await;
+            }
+            match open_session(say, client, ttl, &owner).await {
+                Ok(opened) => *session = Some(opened),
+                Err(e)
+                    if e.is_transient() && deadline.is_none_or(|d| Instant::now() + RETRY < d) =>
+                {
+                    say(format_args!(
+                        "cannot open a session ({e}); trying again in {}",
+                        humantime::format_duration(RETRY)
+                    ));
+                    tokio::time::sleep(RETRY).await;
+                    continue;
+                }
+                Err(e) => {
+                    say(format_args!(
+                        "cannot open a session to stand for {}: {e}",
+                        args.key
+                    ));
+                    return ExitCode::from(exit_code(&e));
+                }
+            }
+        }
         let grant = tokio::select! {
-            grant = campaign(&client, &claim, &owner, args.ttl, deadline) => match grant {
+            grant = campaign(client, &claim, (&owner, session.as_ref()), args.ttl, deadline) => match grant {
                 Ok(grant) => grant,
                 Err(e @ Error::Locked { .. }) => {
                     say(format_args!("--wait ran out while another node led {}: {e}; the command did not run", args.key));
                     return ExitCode::from(exit::LOCKED);
                 }
+                // The session ended while this node waited: stand again under a new one.
+                Err(Error::SessionEnded { .. }) if session.is_some() => continue,
                 Err(e) => {
                     say(format_args!("cannot stand for {}: {e}", args.key));
                     return ExitCode::from(exit_code(&e));
@@ -110,7 +164,7 @@ pub(crate) async fn elect(args: ElectArgs) -> ExitCode {
                 return ExitCode::from(128 + signal as u8);
             }
         };
-        match lead(&args, &client, &claim, grant, &mut signals).await {
+        match lead(args, client, &claim, grant, signals, session.as_ref()).await {
             Led::Ended(code) => return code,
             Led::Lost => {}
         }
@@ -122,7 +176,7 @@ pub(crate) async fn elect(args: ElectArgs) -> ExitCode {
 async fn campaign(
     client: &Client,
     claim: &Claim,
-    owner: &str,
+    (owner, session): (&str, Option<&Session>),
     ttl: Option<Duration>,
     deadline: Option<Instant>,
 ) -> Result<(Grant, Instant), Error> {
@@ -131,19 +185,15 @@ async fn campaign(
     loop {
         let now = Instant::now();
         let this_wait = deadline.map_or(wait, |d| wait.min(d.saturating_duration_since(now)));
-        let params = AcquireParams {
-            ttl,
-            wait: Some(this_wait),
-            owner: Some(owner.to_owned()),
-            // The same id for a retry after a lost answer: the broker answers that same grant.
-            request_id: Some(new_request_id()),
-        };
+        let params = acquire_params(ttl, Some(this_wait), owner, session);
         let sent_at = Instant::now();
         let mut answer = client.grant(claim, &params).await;
         if matches!(answer, Err(Error::Transport { .. })) {
             answer = client.grant(claim, &params).await;
         }
         match answer {
+            // Under a session, the session's keep-alive judges the lease's end.
+            Ok(grant) if session.is_some() => return Ok((grant, sent_at)),
             // A grant that waited is renewed at once, so that the renewer judges its end right.
             Ok(grant) => match bound_again(client, claim, grant, sent_at).await {
                 Ok(bounded) => return Ok(bounded),
@@ -193,16 +243,16 @@ async fn lead(
     args: &ElectArgs,
     client: &Client,
     claim: &Claim,
-    (grant, sent_at): (Grant, Instant),
+    grant: (Grant, Instant),
     signals: &mut Signals,
+    session: Option<&Session>,
 ) -> Led {
     let resource = claim.resource();
     say(format_args!(
         "leading {resource} (fence {}); starting the command",
-        grant.fence
+        grant.0.fence
     ));
-    let options = renewal_options(&grant, &resource, say);
-    let lease = Lease::hold(client.clone(), claim, &grant, sent_at, options);
+    let lease = hold(say, client, claim, grant, session);
     let mut child = match spawn(("elect", say), &args.command, &lease, client, claim.mode()).await {
         Ok(child) => child,
         Err(code) => return Led::Ended(code),
@@ -228,8 +278,14 @@ async fn lead(
             lost = lease.lost() => break lost,
         }
     };
+    let with = if session.is_some() {
+        " with its session"
+    } else {
+        ""
+    };
     say(format_args!(
-        "lost the lead on {resource}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
+        "lost the lead on {resource}{with}: {lost}; stopping the command (SIGTERM, SIGKILL \
+         after {})",
         humantime::format_duration(args.grace)
     ));
     match terminate(say, &mut child, args.grace, signals).await {

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use lockbroker_client::{
     AcquireParams, Claim, Client, Error, Grant, Lease, LeaseOptions, REQUEST_TIMEOUT, Released,
-    Resource, Trouble,
+    Resource, Session, SessionOptions, Trouble, TroubleHook,
 };
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal as listen_for};
@@ -210,17 +210,83 @@ pub(super) fn client_and_signals(
 /// trouble and each recovery said on stderr with `say`.
 pub(super) fn renewal_options(grant: &Grant, resource: &Resource, say: Say) -> LeaseOptions {
     let mut options = LeaseOptions::new(Duration::from_millis(grant.ttl_ms.max(1)));
-    let renewing = resource.clone();
-    options.on_trouble = Some(std::sync::Arc::new(
-        move |trouble: &Trouble| match trouble {
-            Trouble::Failing { error, ends_in } => say(format_args!(
-                "cannot renew the lease on {renewing} ({error}); retrying until it ends in {}",
-                format_ms(u64::try_from(ends_in.as_millis()).unwrap_or(0))
-            )),
-            Trouble::Recovered => say(format_args!("renewed the lease on {renewing} again")),
-        },
-    ));
+    options.on_trouble = Some(trouble_said(say, format!("the lease on {resource}")));
     options
+}
+
+/// Says each renewal of `kept` in trouble, and each recovery, on stderr with `say`.
+fn trouble_said(say: Say, kept: String) -> TroubleHook {
+    std::sync::Arc::new(move |trouble: &Trouble| match trouble {
+        Trouble::Failing { error, ends_in } => say(format_args!(
+            "cannot renew {kept} ({error}); retrying until it ends in {}",
+            format_ms(u64::try_from(ends_in.as_millis()).unwrap_or(0))
+        )),
+        Trouble::Recovered => say(format_args!("renewed {kept} again")),
+    })
+}
+
+/// `--session-ttl` for `run` and `elect`: their lock is then taken under a session of their
+/// own, opened before the acquire and kept alive every third of `ttl` (trouble said as for a
+/// lease), in place of the lease's own renewals.
+pub(super) async fn open_session(
+    say: Say,
+    client: &Client,
+    ttl: Duration,
+    owner: &str,
+) -> Result<Session, Error> {
+    let mut options = SessionOptions::new(ttl).owner(owner);
+    options.on_trouble = Some(trouble_said(say, "the session".to_owned()));
+    client.open_session_with(options).await
+}
+
+/// The acquire's parameters: the lease's `ttl`, or, under `session`, none (the session's).
+pub(super) fn acquire_params(
+    ttl: Option<Duration>,
+    wait: Option<Duration>,
+    owner: &str,
+    session: Option<&Session>,
+) -> AcquireParams {
+    AcquireParams {
+        ttl: ttl.filter(|_| session.is_none()),
+        wait,
+        owner: Some(owner.to_owned()),
+        // The same id for a retry after a lost answer: the broker answers that same grant.
+        request_id: Some(lockbroker_client::new_request_id()),
+        session: session.map(|s| s.id().clone()),
+    }
+}
+
+/// The lease granted, kept by `session` if there is one (no renewals of its own), else renewed
+/// every third of its TTL from `sent_at`.
+pub(super) fn hold(
+    say: Say,
+    client: &Client,
+    claim: &Claim,
+    (grant, sent_at): (Grant, Instant),
+    session: Option<&Session>,
+) -> Lease {
+    match session {
+        Some(session) => session.hold(claim, &grant),
+        None => {
+            let options = renewal_options(&grant, &claim.resource(), say);
+            Lease::hold(client.clone(), claim, &grant, sent_at, options)
+        }
+    }
+}
+
+/// Closes `run`'s or `elect`'s session on the way out, which releases its lease. A failure is
+/// reported, not fatal: the session then ends by its TTL.
+pub(super) async fn close_session(say: Say, session: &Session) {
+    match tokio::time::timeout(session.ttl().min(REQUEST_TIMEOUT), session.try_close()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => say(format_args!(
+            "cannot close the session ({e}); it ends by itself within {}",
+            humantime::format_duration(session.ttl())
+        )),
+        Err(_) => say(format_args!(
+            "the broker did not answer the session's close; it has ended by itself"
+        )),
+    }
 }
 
 /// The signals `run` passes on to its command.

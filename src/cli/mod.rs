@@ -20,6 +20,7 @@ mod holding;
 pub(crate) mod list;
 #[cfg(unix)]
 pub(crate) mod run;
+pub(crate) mod session;
 #[cfg(unix)]
 pub(crate) mod supervise;
 
@@ -45,7 +46,7 @@ Exit codes:
   3    locked: someone else holds the lock (every permit of the semaphore is taken) and
        the wait ran out
   4    not held: the lock or semaphore is free, or this token no longer holds it
-       (not_held, not_owner)";
+       (not_held, not_owner); or the session has ended (not_held, no_session)";
 
 /// The exit-code table at the end of `lockbroker run --help`.
 pub(crate) const RUN_EXIT_CODES_HELP: &str = "\
@@ -57,9 +58,9 @@ Exit codes:
   2      usage error (bad flag, key, duration, owner or limit; no command after --)
   3      locked: someone else holds the lock (every permit of the semaphore is taken) and
          the wait ran out; the command did not run
-  5      the lease was lost while the command ran (a renewal answered not_held or
-         not_owner, or the broker stayed unreachable until the lease ended); the command
-         got SIGTERM, then SIGKILL after --grace
+  5      the lease was lost while the command ran (a renewal, or with --session-ttl the
+         session's keep-alive, answered not_held or not_owner, or the broker stayed
+         unreachable until it ended); the command got SIGTERM, then SIGKILL after --grace
   126    the command could not be started
   127    the command was not found
 A command's own statuses 1, 3 and 5 look the same as run's; a job that must tell them apart
@@ -94,7 +95,9 @@ impl BrokerArgs {
 pub(crate) fn exit_code(e: &Error) -> u8 {
     match e {
         Error::Locked { .. } => exit::LOCKED,
-        Error::NotHeld { .. } | Error::NotOwner { .. } => exit::NOT_HELD,
+        Error::NotHeld { .. } | Error::NotOwner { .. } | Error::SessionEnded { .. } => {
+            exit::NOT_HELD
+        }
         _ => exit::ERROR,
     }
 }

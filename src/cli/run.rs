@@ -10,8 +10,12 @@
 //! `LOCKBROKER_TOKEN` and `LOCKBROKER_URL` in its environment, renews the lease every third of
 //! its TTL, and releases it when the command exits, exiting with the command's status.
 //!
-//! If a renewal is answered `not_held` or `not_owner`, or no renewal gets through before the
-//! lease would have ended, the lease is lost: the command's process group gets SIGTERM, then
+//! With `--session-ttl` the lease is taken under a session of `run`'s own instead, opened before
+//! the acquire and closed when the command exits: the session's keep-alive keeps it, and a lost
+//! session is a lost lease.
+//!
+//! If a renewal (or the session's keep-alive) is answered `not_held` or `not_owner`, or none
+//! gets through before the lease would have ended, the lease is lost: the command's process group gets SIGTERM, then
 //! SIGKILL after `--grace`, and `run` exits [`exit::LEASE_LOST`]. Signals sent to `run`
 //! (TERM, INT, HUP, QUIT, USR1, USR2) go to the command's process group. If `run` itself dies,
 //! by any signal, SIGKILL included, the whole group gets SIGKILL at once (on Linux; see
@@ -23,12 +27,12 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
-use lockbroker_client::{AcquireParams, Error, Lease, new_request_id};
+use lockbroker_client::{Client, Error, Session};
 use tokio::time::Instant;
 
 use super::holding::{
-    acquire, bound_again, client_and_signals, default_owner, exit_code_of, release,
-    renewal_options, spawn, terminate,
+    Signals, acquire, acquire_params, bound_again, client_and_signals, close_session,
+    default_owner, exit_code_of, hold, open_session, release, spawn, terminate,
 };
 use super::{
     BrokerArgs, ClaimArgs, RUN_EXIT_CODES_HELP, exit, exit_code, parse_duration, parse_owner,
@@ -47,6 +51,11 @@ pub(crate) struct RunArgs {
     /// broker's, 30s unless configured]. A lost lease is noticed within a third of it.
     #[arg(long, value_parser = parse_ttl, value_name = "DURATION")]
     pub ttl: Option<Duration>,
+    /// Hold the lock under a session of this length (opened first, kept alive every third of
+    /// it, closed when the command exits) instead of a lease renewed on its own; a lost session
+    /// is a lost lease. Not with --ttl.
+    #[arg(long, value_parser = parse_ttl, value_name = "DURATION", conflicts_with = "ttl")]
+    pub session_ttl: Option<Duration>,
     /// How long to wait while someone else holds the lock (or every permit is taken). With 0s,
     /// a lock held elsewhere exits 3 at once and the command does not run.
     #[arg(long, default_value = "0s", value_parser = parse_duration, value_name = "DURATION")]
@@ -75,17 +84,39 @@ pub(crate) async fn run(args: RunArgs) -> ExitCode {
         Ok(started) => started,
         Err(code) => return code,
     };
-    let params = AcquireParams {
-        ttl: args.ttl,
-        wait: Some(args.wait),
-        owner: Some(args.owner.clone().unwrap_or_else(default_owner)),
-        request_id: Some(new_request_id()),
+    let owner = args.owner.clone().unwrap_or_else(default_owner);
+    let Some(ttl) = args.session_ttl else {
+        return hold_and_run(&args, &client, &mut signals, &owner, None).await;
     };
+    let session = match open_session(say, &client, ttl, &owner).await {
+        Ok(session) => session,
+        Err(e) => {
+            say(format_args!(
+                "cannot open a session: {e}; the command did not run"
+            ));
+            return ExitCode::from(exit_code(&e));
+        }
+    };
+    let code = hold_and_run(&args, &client, &mut signals, &owner, Some(&session)).await;
+    close_session(say, &session).await;
+    code
+}
+
+/// Acquires (under `session` if there is one), runs the command while the lease holds, and
+/// releases.
+async fn hold_and_run(
+    args: &RunArgs,
+    client: &Client,
+    signals: &mut Signals,
+    owner: &str,
+    session: Option<&Session>,
+) -> ExitCode {
+    let params = acquire_params(args.ttl, Some(args.wait), owner, session);
     let claim = args.target.claim();
     let resource = claim.resource();
     let sent_at = Instant::now();
     let grant = tokio::select! {
-        result = acquire(say, &client, &claim, &params) => match result {
+        result = acquire(say, client, &claim, &params) => match result {
             Ok(grant) => grant,
             Err(e @ Error::Locked { .. }) => {
                 if !args.quiet {
@@ -103,7 +134,12 @@ pub(crate) async fn run(args: RunArgs) -> ExitCode {
             return ExitCode::from(128 + signal as u8);
         }
     };
-    let (grant, sent_at) = match bound_again(&client, &claim, grant, sent_at).await {
+    // A lease under a session is kept by the session's keep-alive, which judges its end itself.
+    let bounded = match session {
+        Some(_) => Ok((grant, sent_at)),
+        None => bound_again(client, &claim, grant, sent_at).await,
+    };
+    let bounded = match bounded {
         Ok(bounded) => bounded,
         Err(e) => {
             say(format_args!(
@@ -112,11 +148,11 @@ pub(crate) async fn run(args: RunArgs) -> ExitCode {
             return ExitCode::from(exit_code(&e));
         }
     };
-    // From here the lease renews itself every third of its TTL, and says when it is lost.
-    let options = renewal_options(&grant, &resource, say);
-    let lease = Lease::hold(client.clone(), &claim, &grant, sent_at, options);
+    // From here the lease is kept (renewed every third of its TTL, or by the session), and says
+    // when it is lost.
+    let lease = hold(say, client, &claim, bounded, session);
 
-    let mut child = match spawn(("run", say), &args.command, &lease, &client, claim.mode()).await {
+    let mut child = match spawn(("run", say), &args.command, &lease, client, claim.mode()).await {
         Ok(child) => child,
         Err(code) => return code,
     };
@@ -131,11 +167,17 @@ pub(crate) async fn run(args: RunArgs) -> ExitCode {
             lost = lease.lost() => break lost,
         }
     };
+    let with = if session.is_some() {
+        " with its session"
+    } else {
+        ""
+    };
     say(format_args!(
-        "lost the lease on {resource}: {lost}; stopping the command (SIGTERM, SIGKILL after {})",
+        "lost the lease on {resource}{with}: {lost}; stopping the command (SIGTERM, SIGKILL \
+         after {})",
         humantime::format_duration(args.grace)
     ));
-    let status = terminate(say, &mut child, args.grace, &mut signals).await;
+    let status = terminate(say, &mut child, args.grace, signals).await;
     match status {
         Ok(status) => say(format_args!("the command stopped ({status})")),
         Err(e) => say(format_args!("cannot wait for the command: {e}")),

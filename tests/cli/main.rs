@@ -9,4 +9,5 @@ mod elect;
 mod kinds;
 mod run;
 mod secure;
+mod sessions;
 mod support;

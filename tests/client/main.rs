@@ -1,13 +1,15 @@
 //! The `lockbroker-client` crate against a real broker process (`lockbroker serve`, built from
 //! this package), on the embedded store and on a real `redis-server`: grants, waiting, `409`,
 //! shared leases and permits, the renewing guard, the loss signal, retries across `503`s, and
-//! no renewal after a release; and the answers not worth asking again (`refusals`, against a
+//! no renewal after a release; sessions (`sessions`): leases on keep-alives alone, freed by a
+//! close or a drop, lost with their session; and the answers not worth asking again (`refusals`, against a
 //! broker in the test process and a stand-in that is not a broker): a `500`, a revoked bearer
 //! token, a `Leadership` with a wrong token, an empty key. The suite lives in this package, not
 //! in the crate's, because Cargo tells only the package's own tests where its binary is.
 
 mod guard;
 mod refusals;
+mod sessions;
 mod watching;
 
 use std::process::Command;
@@ -166,6 +168,15 @@ on_both_stores! {
     follow_each_change => crate::watching::a_follower_yields_each_change_once_in_order;
     leadership_handover => crate::watching::two_candidates_one_leader_and_a_handover_on_close;
     leadership_loss => crate::watching::a_lost_lease_is_revoked_before_the_campaign_goes_on;
+    session_keeps_leases => crate::sessions::leases_live_past_three_ttls_on_keep_alives_alone;
+    session_close_frees => crate::sessions::a_closed_or_dropped_session_frees_its_keys_at_once;
+    session_ended_elsewhere => crate::sessions::a_session_ended_elsewhere_is_lost_with_its_leases;
+    session_broker_stopped => crate::sessions::a_session_whose_broker_stopped_is_lost_with_its_leases;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_under_a_session_answered_503_is_retried_within_its_wait_and_grants_once() {
+    sessions::an_acquire_under_a_session_answered_503_is_retried_and_grants_once().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

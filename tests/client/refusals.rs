@@ -5,6 +5,7 @@
 //! revoked bearer token) loses the lease at once, saying so, while a renewal answered `500` is
 //! asked again until the lease's end; a `Leadership` whose token is
 //! refused fails instead of campaigning forever; an empty key is refused before anything is sent.
+//! A session's open is asked again as an acquire is, and its keep-alives as renewals are.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -318,5 +319,75 @@ async fn a_renewal_answered_500_is_asked_again_until_the_lease_ends() {
     assert!(matches!(loss, Loss::Expired { .. }), "{loss}");
     assert!(loss.to_string().contains("500"), "{loss}");
     assert!(*renewals.lock().unwrap() >= 2, "renewals were asked again");
+    server.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_open_answered_503_is_asked_again_with_one_request_id_within_its_ttl() {
+    let stand_in = StandIn::answering(503).await;
+    let ttl = Duration::from_millis(400);
+    let started = Instant::now();
+    let unavailable = stand_in
+        .client()
+        .open_session(ttl, Duration::ZERO)
+        .await
+        .expect_err("no session from a stand-in");
+    assert!(started.elapsed() >= ttl, "gave up before the session's ttl");
+    assert!(unavailable.is_transient(), "{unavailable}");
+    let ids: Vec<String> = stand_in
+        .requests()
+        .iter()
+        .map(|body| {
+            let body: serde_json::Value = serde_json::from_str(body).expect("a JSON body");
+            body["request_id"]
+                .as_str()
+                .expect("a request id")
+                .to_owned()
+        })
+        .collect();
+    assert!(ids.len() >= 2, "asked again ({} requests)", ids.len());
+    assert!(ids.iter().all(|id| *id == ids[0]), "one request id");
+}
+
+/// A session's keep-alives answered `500` (by the proxy in front): asked again until the
+/// session's end, then the session is lost, and its lease with it; no error names the id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_whose_keep_alives_fail_is_lost_with_its_leases_by_its_end() {
+    let app = spawn_app_with(None, |_| {}).await;
+    let (url, keep_alives, server) = failing_renewals_in_front_of(&app).await;
+    let ttl = Duration::from_millis(1500);
+    let opened = Instant::now();
+    let session = Client::new(&url)
+        .unwrap()
+        .open_session(ttl, Duration::ZERO)
+        .await
+        .expect("the open passes through");
+    let lease = session
+        .acquire("kept-through-trouble", Duration::ZERO)
+        .await
+        .expect("the acquire passes through");
+    let loss = timeout(ttl * 2, session.lost())
+        .await
+        .expect("the session is lost by its end");
+    assert!(
+        opened.elapsed() >= ttl * 8 / 10,
+        "lost after {:?}: {loss}",
+        opened.elapsed()
+    );
+    assert!(matches!(loss, Loss::Expired { .. }), "{loss}");
+    assert!(loss.to_string().contains("500"), "{loss}");
+    assert!(
+        !loss.to_string().contains(session.id().as_str()),
+        "the loss names the session's id: {loss}"
+    );
+    let lease_loss = timeout(Duration::from_secs(1), lease.lost())
+        .await
+        .expect("the lease is lost with its session");
+    assert!(matches!(lease_loss, Loss::Expired { .. }), "{lease_loss}");
+    assert!(
+        *keep_alives.lock().unwrap() >= 2,
+        "keep-alives were asked again"
+    );
+    session.close().await;
     server.abort();
 }

@@ -10,7 +10,7 @@ use tokio::time::{Instant, sleep};
 use crate::client::Client;
 use crate::error::Error;
 use crate::lease::{Lease, LeaseOptions, MAX_RETRY, MIN_RETRY};
-use crate::types::{AcquireParams, Claim, new_request_id};
+use crate::types::{AcquireParams, Claim, Grant, new_request_id};
 
 impl Client {
     /// An exclusive lease on `key` for `ttl`, waiting up to `wait` while someone else holds it.
@@ -50,46 +50,75 @@ impl Client {
     /// broker's `Retry-After` (or a short pause) until `options.wait` has run out, and at least
     /// once, so a grant whose answer was lost is returned rather than left behind.
     pub async fn acquire_with(&self, claim: Claim, options: LeaseOptions) -> Result<Lease, Error> {
-        let first_sent = Instant::now();
-        let deadline = first_sent + options.wait;
-        let mut params = AcquireParams {
+        let params = AcquireParams {
             ttl: Some(options.ttl),
-            wait: None,
             owner: options.owner.clone(),
-            request_id: Some(new_request_id()),
+            ..AcquireParams::default()
         };
-        let mut retried = false;
-        let mut pause = MIN_RETRY * 5;
-        loop {
-            params.wait = Some(deadline.saturating_duration_since(Instant::now()));
-            match self.grant(&claim, &params).await {
-                Ok(grant) => {
-                    // The lease began after the first attempt was sent, whichever attempt's
-                    // answer brought it: its end is judged from then.
-                    return Ok(Lease::hold(
-                        self.clone(),
-                        &claim,
-                        &grant,
-                        first_sent,
-                        options,
-                    ));
-                }
-                Err(e) if e.is_transient() && (!retried || Instant::now() < deadline) => {
-                    // Never past the caller's deadline, except for the one attempt that settles
-                    // an outcome left unsure when no wait was left at all.
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    let wanted = e.retry_after().unwrap_or(pause);
-                    sleep(if left.is_zero() {
-                        wanted.min(MAX_RETRY)
-                    } else {
-                        wanted.min(left)
-                    })
-                    .await;
-                    pause = (pause * 2).min(MAX_RETRY);
-                    retried = true;
-                }
-                Err(e) => return Err(e),
+        let (grant, first_sent) = self.grant_retrying(&claim, params, options.wait).await?;
+        Ok(Lease::hold(
+            self.clone(),
+            &claim,
+            &grant,
+            first_sent,
+            options,
+        ))
+    }
+
+    /// [`Client::grant`] with a new request id, asked again as [`Client::acquire_with`] says
+    /// within `wait`; the grant, and when the first attempt was sent (the lease began after
+    /// that, whichever attempt's answer brought it: its end is judged from then).
+    pub(crate) async fn grant_retrying(
+        &self,
+        claim: &Claim,
+        params: AcquireParams,
+        wait: Duration,
+    ) -> Result<(Grant, Instant), Error> {
+        let first_sent = Instant::now();
+        let params = AcquireParams {
+            request_id: Some(new_request_id()),
+            ..params
+        };
+        let grant = asking_again(first_sent + wait, |left| {
+            let params = AcquireParams {
+                wait: Some(left),
+                ..params.clone()
+            };
+            async move { self.grant(claim, &params).await }
+        })
+        .await?;
+        Ok((grant, first_sent))
+    }
+}
+
+/// Asks `ask(what is left of the wait)` again while it fails transiently (a 503, 429, 502, 504,
+/// or no answer) and the `deadline` has not passed, after the broker's `Retry-After` (or a pause
+/// that doubles up to [`MAX_RETRY`]), and at least twice, so that an outcome left unsure when no
+/// wait was left at all is settled. The caller sends one request id in every attempt.
+pub(crate) async fn asking_again<T, F, Fut>(deadline: Instant, mut ask: F) -> Result<T, Error>
+where
+    F: FnMut(Duration) -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let mut retried = false;
+    let mut pause = MIN_RETRY * 5;
+    loop {
+        match ask(deadline.saturating_duration_since(Instant::now())).await {
+            Err(e) if e.is_transient() && (!retried || Instant::now() < deadline) => {
+                // Never past the caller's deadline, except for the one attempt that settles
+                // an outcome left unsure when no wait was left at all.
+                let left = deadline.saturating_duration_since(Instant::now());
+                let wanted = e.retry_after().unwrap_or(pause);
+                sleep(if left.is_zero() {
+                    wanted.min(MAX_RETRY)
+                } else {
+                    wanted.min(left)
+                })
+                .await;
+                pause = (pause * 2).min(MAX_RETRY);
+                retried = true;
             }
+            other => return other,
         }
     }
 }

@@ -177,7 +177,8 @@ impl Client {
     /// `POST /locks/{key}` (`?mode=shared` for a shared lease) or
     /// `POST /semaphores/{key}?limit=N`: one request, no retry. Waits up to `params.wait` (the
     /// broker's default when `None`) for a holder to let go. [`Client::acquire`] is the
-    /// retrying, renewing acquire.
+    /// retrying, renewing acquire. Under a session that has ended (or never was):
+    /// [`Error::SessionEnded`].
     pub async fn grant(&self, claim: &Claim, params: &AcquireParams) -> Result<Grant, Error> {
         #[derive(Serialize)]
         struct Body<'a> {
@@ -189,12 +190,15 @@ impl Client {
             owner: Option<&'a str>,
             #[serde(skip_serializing_if = "Option::is_none")]
             request_id: Option<&'a str>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            session: Option<&'a str>,
         }
         let body = Body {
             ttl_ms: params.ttl.map(millis),
             wait_ms: params.wait.map(millis),
             owner: params.owner.as_deref(),
             request_id: params.request_id.as_deref(),
+            session: params.session.as_ref().map(Token::as_str),
         };
         let resource = claim.resource();
         let request = self

@@ -33,6 +33,11 @@ pub enum Error {
     /// `409 not_owner`: someone else holds the lock; this token's lease has ended.
     #[error("{}", not_owner_words(*.space))]
     NotOwner { space: Space },
+    /// The session has ended (no keep-alive within its ttl, or closed) or never was, and every
+    /// lease under it with it: `404 no_session` from an acquire under it, `404 not_held` from
+    /// its own calls (keep-alive, close, read). `code` is the broker's.
+    #[error("the session has ended (or never existed); every lease under it is gone")]
+    SessionEnded { code: &'static str },
     /// `409 limit_mismatch`: the semaphore's holders took their permits with another limit.
     #[error(
         "its holders use {}; every holder of a semaphore must give the same --limit",
@@ -119,9 +124,13 @@ impl Error {
         matches!(self, Self::Api { status, .. } if status.is_server_error())
     }
 
-    /// Whether the answer says the lease is gone: `not_held` or `not_owner`.
+    /// Whether the answer says the lease is gone: `not_held` or `not_owner`, or its session
+    /// ended ([`Error::SessionEnded`]).
     pub fn is_gone(&self) -> bool {
-        matches!(self, Self::NotHeld { .. } | Self::NotOwner { .. })
+        matches!(
+            self,
+            Self::NotHeld { .. } | Self::NotOwner { .. } | Self::SessionEnded { .. }
+        )
     }
 
     /// The API's error code for this error; `unreachable` and `bad_response` for the two that
@@ -131,6 +140,7 @@ impl Error {
             Self::Locked { .. } => "locked",
             Self::NotHeld { .. } => "not_held",
             Self::NotOwner { .. } => "not_owner",
+            Self::SessionEnded { code } => code,
             Self::LimitMismatch { .. } => "limit_mismatch",
             Self::Api { code, .. } => code,
             Self::Transport { .. } => "unreachable",
@@ -213,6 +223,7 @@ pub(crate) fn error_from_text(
         },
         (StatusCode::NOT_FOUND, Some("not_held")) => Error::NotHeld { space },
         (StatusCode::CONFLICT, Some("not_owner")) => Error::NotOwner { space },
+        (StatusCode::NOT_FOUND, Some("no_session")) => Error::SessionEnded { code: "no_session" },
         (StatusCode::CONFLICT, Some("limit_mismatch")) => {
             let (limit, message) = body.map_or((None, None), |b| (b.limit, b.message));
             Error::LimitMismatch {

@@ -287,6 +287,7 @@ async fn request(
         wait: Some(*wait),
         owner: Some(builder.owner.clone()),
         request_id: Some(new_request_id()),
+        session: None,
     };
     let first_sent = Instant::now();
     let mut pause = MIN_RETRY * 5;

@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio::time::{Instant, sleep_until, timeout, timeout_at};
+use tokio::time::{Instant, timeout};
 
 use crate::client::{Client, REQUEST_TIMEOUT};
 use crate::error::Error;
+use crate::keep::{Plan, end_in_background, keep, lose, lost, mark_released};
 use crate::types::{Claim, Grant, Resource, Token};
 
 /// Shortest pause between two attempts while the broker does not answer: keeps a short lease
@@ -97,7 +98,8 @@ pub enum Trouble {
     Recovered,
 }
 
-/// Why a lease was lost.
+/// Why a lease (or a session) was lost. A lease under a session is lost with it, for the
+/// session's reason: a renewal is then the session's keep-alive.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Loss {
     /// A renewal was refused, and asking again would not change it: `not_held` or `not_owner`
@@ -124,12 +126,13 @@ pub enum Released {
     Before,
 }
 
-/// Where a lease stands.
+/// Where a lease stands (and a [`Session`](crate::Session): `Held` while it is alive,
+/// `Released` once closed).
 #[derive(Debug, Clone)]
 pub enum LeaseState {
-    /// Held, as far as the last confirmed renewal tells.
+    /// Held, as far as the last confirmed renewal (or the session's keep-alive) tells.
     Held,
-    /// Released by its holder ([`Lease::release`] or a drop).
+    /// Released by its holder ([`Lease::release`] or a drop), or closed with its session.
     Released,
     /// Lost: the holder must stop acting on it (the fence still protects the resource).
     Lost(Loss),
@@ -183,19 +186,45 @@ impl Lease {
             .renew_every
             .unwrap_or(ttl / 3)
             .max(Duration::from_millis(1));
-        let shared = Arc::new(Shared {
-            client,
-            resource: claim.resource(),
-            token: grant.token.clone(),
-            fence: grant.fence,
+        let shared = Arc::new(Shared::new(client, claim, grant));
+        let plan = Plan {
+            sent_at,
             ttl,
-            state: watch::Sender::new(LeaseState::Held),
-            release_sent: AtomicBool::new(false),
+            every,
+            on_trouble: options.on_trouble,
+        };
+        let kept = shared.clone();
+        let renewer = tokio::spawn(async move {
+            let renew = || {
+                kept.client
+                    .renew(&kept.resource, &kept.token, Some(kept.ttl))
+            };
+            let url = || {
+                let url = kept.client.resource_url(&kept.resource);
+                url.map_or_else(|_| kept.client.url().to_owned(), |u| format!("{u}/renew"))
+            };
+            keep(&kept.state, plan, renew, url).await;
         });
-        let renewer = tokio::spawn(keep(shared.clone(), sent_at, every, options.on_trouble));
         Self {
             shared,
             renewer: Mutex::new(Some(renewer)),
+        }
+    }
+
+    /// A lease granted under a session: not renewed on its own (the session's keep-alive keeps
+    /// it), lost when the session is lost (with the session's [`Loss`]), and released when the
+    /// session is closed (the broker released it with the session).
+    pub(crate) fn under_session(
+        client: Client,
+        claim: &Claim,
+        grant: &Grant,
+        session: watch::Receiver<LeaseState>,
+    ) -> Self {
+        let shared = Arc::new(Shared::new(client, claim, grant));
+        let follower = tokio::spawn(follow_session(shared.clone(), session));
+        Self {
+            shared,
+            renewer: Mutex::new(Some(follower)),
         }
     }
 
@@ -243,16 +272,7 @@ impl Lease {
     /// Resolves when the lease is lost (at once if it was already); never if it is released
     /// instead. Made for `tokio::select!` next to the work the lease protects.
     pub async fn lost(&self) -> Loss {
-        let mut state = self.shared.state.subscribe();
-        let lost = state
-            .wait_for(|s| matches!(s, LeaseState::Lost(_)))
-            .await
-            .map(|s| s.clone());
-        match lost {
-            Ok(LeaseState::Lost(loss)) => loss,
-            // The sender lives in `self.shared`, which outlives this borrow.
-            _ => std::future::pending().await,
-        }
+        lost(&self.shared.state).await
     }
 
     /// Stops the renewals for good (a renewal already in flight is let finish, so that the
@@ -265,22 +285,23 @@ impl Lease {
         if self.shared.release_sent.swap(true, Ordering::SeqCst) {
             return Ok(Released::Before);
         }
-        self.shared.mark_released();
+        mark_released(&self.shared.state);
         let renewer = self.renewer.lock().expect("never poisoned").take();
         self.shared.release_after(renewer).await
     }
 }
 
 impl Shared {
-    /// `Released`, unless the lease was lost first: the renewal task sees it and stops.
-    fn mark_released(&self) {
-        self.state.send_if_modified(|state| match state {
-            LeaseState::Held => {
-                *state = LeaseState::Released;
-                true
-            }
-            _ => false,
-        });
+    fn new(client: Client, claim: &Claim, grant: &Grant) -> Self {
+        Self {
+            client,
+            resource: claim.resource(),
+            token: grant.token.clone(),
+            fence: grant.fence,
+            ttl: Duration::from_millis(grant.ttl_ms.max(1)),
+            state: watch::Sender::new(LeaseState::Held),
+            release_sent: AtomicBool::new(false),
+        }
     }
 
     /// Waits for the renewal task to stop (it does between renewals, or after the one in
@@ -302,116 +323,31 @@ impl Drop for Lease {
         if self.shared.release_sent.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.shared.mark_released();
+        mark_released(&self.shared.state);
         let renewer = self.renewer.get_mut().expect("never poisoned").take();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let shared = self.shared.clone();
-                runtime.spawn(async move {
-                    let bound = shared.ttl.min(REQUEST_TIMEOUT);
-                    let _ = timeout(bound, shared.release_after(renewer)).await;
-                });
-            }
-            // No runtime to release on: stop renewing, and the lease ends by its ttl.
-            Err(_) => {
-                if let Some(renewer) = renewer {
-                    renewer.abort();
-                }
-            }
-        }
+        let shared = self.shared.clone();
+        end_in_background(renewer, |renewer| async move {
+            let bound = shared.ttl.min(REQUEST_TIMEOUT);
+            let _ = timeout(bound, shared.release_after(renewer)).await;
+        });
     }
 }
 
-/// Marks the lease lost, unless it was released first.
-fn lose(shared: &Shared, loss: Loss) {
-    shared.state.send_if_modified(|state| match state {
-        LeaseState::Held => {
-            *state = LeaseState::Lost(loss);
-            true
+/// A session lease's follower: marks the lease lost when its session is lost, and released
+/// (with nothing left to send) when its session is closed; stops when the lease is released.
+async fn follow_session(shared: Arc<Shared>, mut session: watch::Receiver<LeaseState>) {
+    let mut own = shared.state.subscribe();
+    let ended = tokio::select! {
+        ended = session.wait_for(|s| !matches!(s, LeaseState::Held)) => ended.map(|s| s.clone()),
+        _ = own.wait_for(|s| !matches!(s, LeaseState::Held)) => return,
+    };
+    match ended {
+        Ok(LeaseState::Lost(loss)) => lose(&shared.state, loss),
+        Ok(_) => {
+            shared.release_sent.store(true, Ordering::SeqCst);
+            mark_released(&shared.state);
         }
-        _ => false,
-    });
-}
-
-/// The renewal task: renews every `every` until the lease is released or lost. A renewal that
-/// fails transiently (no answer, a `503`) is retried until the lease would have ended,
-/// judged from when the last confirmed renewal was sent (the broker cannot have extended it past
-/// that), less a tenth of the ttl.
-async fn keep(
-    shared: Arc<Shared>,
-    sent_at: Instant,
-    every: Duration,
-    on_trouble: Option<TroubleHook>,
-) {
-    let retry = (every / 4).clamp(MIN_RETRY, MAX_RETRY);
-    // The lease is judged lost a tenth of its ttl before the earliest moment it can end at the
-    // broker, so that the signal comes before the end even when this task's timer fires late.
-    let lasts = shared.ttl - shared.ttl / 10;
-    let mut ends_at = sent_at + lasts;
-    let mut next = sent_at + every;
-    let mut last: Option<Error> = None;
-    let mut state = shared.state.subscribe();
-    loop {
-        tokio::select! {
-            () = sleep_until(next.min(ends_at)) => {}
-            // Released (or dropped): no renewal starts after that.
-            _ = state.wait_for(|s| !matches!(s, LeaseState::Held)) => return,
-        }
-        let sent = Instant::now();
-        if sent >= ends_at {
-            return lose(&shared, Loss::Expired { last });
-        }
-        if !matches!(*state.borrow(), LeaseState::Held) {
-            return;
-        }
-        let renewed = timeout_at(
-            ends_at,
-            shared
-                .client
-                .renew(&shared.resource, &shared.token, Some(shared.ttl)),
-        )
-        .await;
-        match renewed {
-            Ok(Ok(_)) => {
-                if last.take().is_some()
-                    && let Some(report) = &on_trouble
-                {
-                    report(&Trouble::Recovered);
-                }
-                ends_at = sent + lasts;
-                next = sent + every;
-            }
-            // Gone, or a refusal that no later renewal would change (a revoked bearer token's
-            // 401): lost now, with the answer as the reason, not at the lease's end as if the
-            // broker had been out of reach. Any 5xx is asked again until the lease's end, as
-            // the Java and Python clients do: nobody waits on a renewal, and a proxy's 500
-            // says nothing of the lease.
-            Ok(Err(e)) if !e.is_transient() && !e.is_server_error() => {
-                return lose(&shared, Loss::Refused(e));
-            }
-            Ok(Err(e)) => {
-                if let (None, Some(report)) = (&last, &on_trouble) {
-                    report(&Trouble::Failing {
-                        error: e.clone(),
-                        ends_in: ends_at.saturating_duration_since(sent),
-                    });
-                }
-                last = Some(e);
-                next = Instant::now() + retry;
-            }
-            Err(_) => {
-                let last = last.or_else(|| {
-                    Some(Error::Transport {
-                        url: shared
-                            .client
-                            .resource_url(&shared.resource)
-                            .map(|url| format!("{url}/renew"))
-                            .unwrap_or_else(|_| shared.client.url().to_owned()),
-                        reason: "the last renewal was still unanswered".into(),
-                    })
-                });
-                return lose(&shared, Loss::Expired { last });
-            }
-        }
+        // The session's guard says `Released` before it goes: not reached.
+        Err(_) => {}
     }
 }

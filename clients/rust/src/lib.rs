@@ -10,6 +10,9 @@
 //! `LOCKBROKER_AUTH_TOKEN`. Shared leases and
 //! semaphore permits go through [`Client::acquire_with`] and a [`Claim`].
 //!
+//! [`Client::open_session`] opens a [`Session`]: one keep-alive for every lease taken under it
+//! ([`Session::acquire`]), all lost together when it is lost, all released when it is closed.
+//!
 //! [`Client::watch`] tells who holds a key when that changes, without polling; a [`Follower`]
 //! sees every change; [`Leadership`] elects one leader among the nodes that campaign for a key.
 //!
@@ -36,9 +39,12 @@
 mod acquire;
 mod client;
 mod error;
+mod keep;
 mod leadership;
 mod lease;
 mod request;
+mod session;
+mod session_api;
 mod types;
 mod watch;
 
@@ -48,9 +54,11 @@ pub use crate::client::{
 pub use crate::error::Error;
 pub use crate::leadership::{Leadership, LeadershipBuilder, Revoked};
 pub use crate::lease::{Lease, LeaseOptions, LeaseState, Loss, Released, Trouble, TroubleHook};
+pub use crate::session::{Session, SessionOptions};
 pub use crate::types::{
     AcquireParams, Claim, Grant, Holder, LockEntry, LockMode, LockStatus, MAX_PAGE,
-    MAX_SEMAPHORE_LIMIT, Page, Resource, SemaphoreEntry, SemaphoreStatus, Space, Token, format_ms,
+    MAX_SEMAPHORE_LIMIT, Page, Resource, SemaphoreEntry, SemaphoreStatus, SessionGrant,
+    SessionKept, SessionLeaseEntry, SessionParams, SessionStatus, Space, Token, format_ms,
     new_request_id,
 };
 pub use crate::watch::{FOLLOW_WAIT, Follower, Watched, WatchedFence};

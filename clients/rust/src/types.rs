@@ -8,7 +8,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// The broker's two key spaces: a lock and a semaphore of the same name are unrelated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Space {
     /// `/locks/{key}`: exclusive and shared leases.
     Locks,
@@ -109,8 +110,9 @@ impl Claim {
     }
 }
 
-/// A lease's token: whoever presents it may renew and release the lease. Its `Debug` shows no
-/// token, so a lease logged with `{:?}` gives nothing away.
+/// A lease's token: whoever presents it may renew and release the lease. A session's id is one
+/// too (whoever presents it keeps the session alive, closes it, and takes leases under it). Its
+/// `Debug` shows no token, so a lease or a session logged with `{:?}` gives nothing away.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct Token(String);
@@ -196,6 +198,9 @@ pub struct Holder {
     pub expires_at_ms: u64,
     pub ttl_remaining_ms: u64,
     pub owner: Option<String>,
+    /// Under a session (it lives as long as the session); absent, `false`, otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub session: bool,
 }
 
 /// A lock's state, as `GET /locks/{key}` shows it. Never the token.
@@ -208,6 +213,9 @@ pub struct LockStatus {
     pub expires_at_ms: u64,
     pub ttl_remaining_ms: u64,
     pub owner: Option<String>,
+    /// An exclusive lease under a session (shared holders say it each).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub session: bool,
     /// Every shared holder; absent for an exclusive lease.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holders: Option<Vec<Holder>>,
@@ -231,6 +239,9 @@ pub struct LockEntry {
     pub expires_at_ms: u64,
     pub ttl_remaining_ms: u64,
     pub owner: Option<String>,
+    /// An exclusive lease under a session.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub session: bool,
 }
 
 /// A semaphore with holders, as `GET /semaphores` lists it: how many, the highest fence and the
@@ -254,6 +265,61 @@ pub struct Page<T> {
     pub next_cursor: Option<String>,
 }
 
+/// A session as `POST /sessions` answers it. `Debug` hides its id (a [`Token`]); serializing
+/// it (the API's body again) does not.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionGrant {
+    /// The session's id: the secret that keeps it alive, closes it and takes leases under it.
+    pub session: Token,
+    pub ttl_ms: u64,
+    pub expires_at_ms: u64,
+    pub owner: Option<String>,
+    pub lock_delay_ms: u64,
+}
+
+/// A session's length, end, label and lock delay, as a keep-alive answers them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionKept {
+    pub ttl_ms: u64,
+    pub expires_at_ms: u64,
+    pub owner: Option<String>,
+    pub lock_delay_ms: u64,
+}
+
+/// A session and its live leases, as `GET /sessions/{id}` shows them. Never its id, never a
+/// token.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionStatus {
+    pub owner: Option<String>,
+    pub ttl_ms: u64,
+    pub expires_at_ms: u64,
+    pub ttl_remaining_ms: u64,
+    pub lock_delay_ms: u64,
+    pub leases: Vec<SessionLeaseEntry>,
+}
+
+/// One lease under a session: a lock's (`mode` exclusive or shared) or a semaphore's permit
+/// (no `mode`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionLeaseEntry {
+    pub space: Space,
+    pub key: String,
+    pub mode: Option<LockMode>,
+    pub fence: u64,
+}
+
+/// What one `POST /sessions` asks for. `None` leaves a parameter to the broker's default (a
+/// lease's default TTL; no lock delay).
+#[derive(Debug, Clone, Default)]
+pub struct SessionParams {
+    pub ttl: Option<Duration>,
+    /// How long the keys of the session stay held after it ends by expiry (at most 60 s).
+    pub lock_delay: Option<Duration>,
+    pub owner: Option<String>,
+    /// Makes the open safe to repeat: the same id while the session lives answers it again.
+    pub request_id: Option<String>,
+}
+
 /// What one acquire request asks for. `None` leaves a parameter to the broker's default.
 #[derive(Debug, Clone, Default)]
 pub struct AcquireParams {
@@ -261,6 +327,11 @@ pub struct AcquireParams {
     pub wait: Option<Duration>,
     pub owner: Option<String>,
     pub request_id: Option<String>,
+    /// Takes the lease under this session (the id [`Client::create_session`] answered): it
+    /// lives as long as the session, so `ttl` must be `None` with it.
+    ///
+    /// [`Client::create_session`]: crate::Client::create_session
+    pub session: Option<Token>,
 }
 
 /// A duration in whole milliseconds, the API's unit (saturating).

@@ -42,6 +42,10 @@ pub(crate) struct AcquireArgs {
     /// random, since whoever knows it gets the token).
     #[arg(long, value_parser = parse_request_id, value_name = "ID")]
     pub request_id: Option<String>,
+    /// Take the lease under this session (the id `session open` printed): it lives as long as
+    /// the session, kept by its keep-alives (`session renew`). Not with --ttl.
+    #[arg(long, value_parser = parse_token, value_name = "ID", conflicts_with = "ttl")]
+    pub session: Option<Token>,
     /// Print the grant (or the error) as one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
@@ -124,6 +128,7 @@ pub(crate) async fn acquire(args: AcquireArgs) -> ExitCode {
         wait: Some(args.wait),
         owner: args.owner,
         request_id: args.request_id,
+        session: args.session,
     };
     match client.grant(&claim, &params).await {
         Ok(grant) => print_grant(&grant, Some(&claim), args.json),
@@ -270,6 +275,9 @@ fn print_status(status: &LockStatus, json: bool) {
     if status.mode == LockMode::Exclusive {
         out!("owner:     {}", status.owner.as_deref().unwrap_or("-"));
     }
+    if status.session {
+        out!("session:   yes (the lease lives as long as its session)");
+    }
     out!("expires:   {}", format_epoch_ms(status.expires_at_ms));
     out!("remaining: {}", format_ms(status.ttl_remaining_ms));
     if let Some(holders) = &status.holders {
@@ -305,7 +313,7 @@ fn print_holders(holders: &[Holder]) {
 }
 
 /// An epoch-milliseconds time as RFC 3339 UTC (`2026-01-31T12:00:00.000Z`).
-fn format_epoch_ms(ms: u64) -> String {
+pub(crate) fn format_epoch_ms(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
