@@ -1,6 +1,6 @@
 //! The bounds of the exhaustive check (docs/model.md says why these).
 
-use crate::model::Config;
+use crate::model::{Config, SessionCfg};
 use crate::store::{Bug, Kind};
 
 /// The configurations `scripts/model-check.sh` checks, each exhaustively.
@@ -11,6 +11,7 @@ pub fn all(bug: Option<Bug>) -> Vec<Config> {
         two_keys(bug),
         clock(bug),
         semaphore(bug),
+        sessions(bug),
     ]
 }
 
@@ -39,6 +40,7 @@ pub fn locks(bug: Option<Bug>) -> Config {
         forces: 0,
         clock_backs: 0,
         slacks: 0,
+        session: None,
         bug,
     }
 }
@@ -111,6 +113,30 @@ pub fn semaphore(bug: Option<Bug>) -> Config {
             (1, 0, Kind::Permit(2)),
             (2, 0, Kind::Permit(2)),
         ],
+        ..locks(bug)
+    }
+}
+
+/// A client under a session on one broker and an exclusive client on another, on one key: the
+/// session (TTL 2, lock delay 1) is opened, kept alive at most twice, closed or abandoned; one
+/// acquire under it, not waiting. A broker may die (the session's: its client abandons it),
+/// the store may be lost once.
+pub fn sessions(bug: Option<Bug>) -> Config {
+    Config {
+        name: "sessions",
+        brokers: 2,
+        clients: vec![(1, 0, Kind::Exclusive)],
+        keys: 1,
+        attempts: vec![1],
+        renews: 0,
+        session: Some(SessionCfg {
+            broker: 0,
+            key: 0,
+            ttl: 2,
+            delay: 1,
+            acquires: 1,
+            keeps: 2,
+        }),
         ..locks(bug)
     }
 }

@@ -26,7 +26,12 @@ impl LockModel {
         };
         let (b, key, _) = self.cfg.clients[i as usize];
         let ttl = self.cfg.ttl;
-        match self.run(s, b, Op::Renew { key, token, ttl }) {
+        match self.run(s, b, Op::Renew {
+                key,
+                token,
+                ttl,
+                until: None,
+            }) {
             Answer::Held { fence } => {
                 if let Phase::Holding { left, renewed, .. } = &mut s.clients[i as usize].phase {
                     *left = ttl;
@@ -55,6 +60,7 @@ impl LockModel {
                 token: e.token,
                 fence: e.fence,
                 left: e.left,
+                session: e.session,
             })
             .collect();
         let answer = self.run(s, b, Op::PutBack { epoch, leases });
@@ -143,6 +149,7 @@ impl LockModel {
             let st = &mut s.stall[k as usize];
             *st = if live_waiter { (*st + 1).min(cap) } else { 0 };
         }
+        self.sess_tick(s);
         self.run(s, 0, Op::Tick);
         for cl in &mut s.clients {
             match &mut cl.phase {

@@ -17,15 +17,23 @@ pub enum Bug {
     LapseKeepsQueue,
     /// RELEASE does not hand the key on: the queue's head is left waiting on a free key.
     ReleaseWithoutHandOn,
+    /// A session's keep-alive renews its leases with RENEW's ttl form instead of `until`: a
+    /// lease under a session keeps its end on such a renewal, so the keep-alive extends none.
+    KeepForTtl,
+    /// A close releases the session's entries first and ends its record after: an acquire
+    /// that enters and is granted between the two is left held.
+    CloseReleasesFirst,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 5] = [
+    pub const ALL: [Bug; 7] = [
         Bug::NoEpochCheck,
         Bug::OfferWithoutFence,
         Bug::ReleaseDropsKeptFence,
         Bug::LapseKeepsQueue,
         Bug::ReleaseWithoutHandOn,
+        Bug::KeepForTtl,
+        Bug::CloseReleasesFirst,
     ];
 
     pub fn name(self) -> &'static str {
@@ -35,6 +43,8 @@ impl Bug {
             Bug::ReleaseDropsKeptFence => "release-drops-kept-fence",
             Bug::LapseKeepsQueue => "lapse-keeps-queue",
             Bug::ReleaseWithoutHandOn => "release-without-hand-on",
+            Bug::KeepForTtl => "keep-for-ttl",
+            Bug::CloseReleasesFirst => "close-releases-first",
         }
     }
 

@@ -164,6 +164,7 @@ pub(super) fn write_lease(
         left,
         offered: offer,
         by: 1 << bid.broker,
+        session: bid.session,
     };
     match bid.kind {
         Kind::Exclusive => k.lock = Some(lease),
