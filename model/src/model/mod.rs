@@ -9,7 +9,7 @@ mod broker;
 mod props;
 mod session;
 
-pub use session::{Acq, Life, SessAction, Sess, SessionCfg};
+pub use session::{Acq, End, Life, Sess, SessAction, SessionCfg};
 
 use crate::store::{Bug, Fence, Key, Kind, Notice, Params, Store, Token};
 
@@ -60,9 +60,7 @@ impl Config {
             + 2 * self.window
             + self.poll
             + self.losses * (self.settle + self.put_back_hold)
-            + self
-                .session
-                .map_or(0, |c| c.ttl * (1 + c.keeps) + c.delay)
+            + self.session.map_or(0, |c| c.ttl * (1 + c.keeps) + c.delay)
     }
 }
 

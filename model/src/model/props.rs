@@ -14,6 +14,7 @@ const DEAD_BROKER: &str = "a dead broker's entries hold a key back at most one o
 const BELIEVED: &str = "a client that believes it holds a lease under a session is its holder";
 const OUTLIVE: &str =
     "no session lease outlives its last answered keep-alive by more than lock delay + TTL";
+const WRITTEN: &str = "a session lease ends by its session's latest end plus the lock delay";
 const CLOSED: &str = "a close leaves no lease of its session held";
 
 impl LockModel {
@@ -144,7 +145,10 @@ impl Model for LockModel {
                 m.believed_ok(s)
             }));
             all.push(Property::always(OUTLIVE, |m: &LockModel, s: &State| {
-                m.outlive_ok(s)
+                m.outlive_ok(s, false)
+            }));
+            all.push(Property::always(WRITTEN, |m: &LockModel, s: &State| {
+                m.outlive_ok(s, true)
             }));
             all.push(Property::always(CLOSED, |_, s: &State| !s.close_fault));
             all.push(Property::sometimes(
@@ -152,7 +156,7 @@ impl Model for LockModel {
                 |m: &LockModel, s: &State| {
                     let ttl = m.cfg.session.map_or(0, |c| c.ttl);
                     s.sess.as_ref().is_some_and(|ss| {
-                        ss.keeps > 0 && ss.believed().is_some() && ss.told == ttl
+                        ss.keeps > 0 && ss.believed().is_some() && ss.told.left == ttl
                     })
                 },
             ));

@@ -23,10 +23,14 @@ pub enum Bug {
     /// A close releases the session's entries first and ends its record after: an acquire
     /// that enters and is granted between the two is left held.
     CloseReleasesFirst,
+    /// A queued bid granted on its own ask gets the TTL it was queued with, not the one it asks
+    /// for now: a lease under a session granted after a wait outlives its session's end by the
+    /// time it waited (what `lib/queue.lua`'s `enqueue` and `hand_on` do today).
+    QueuedTtl,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 7] = [
+    pub const ALL: [Bug; 8] = [
         Bug::NoEpochCheck,
         Bug::OfferWithoutFence,
         Bug::ReleaseDropsKeptFence,
@@ -34,6 +38,7 @@ impl Bug {
         Bug::ReleaseWithoutHandOn,
         Bug::KeepForTtl,
         Bug::CloseReleasesFirst,
+        Bug::QueuedTtl,
     ];
 
     pub fn name(self) -> &'static str {
@@ -45,6 +50,7 @@ impl Bug {
             Bug::ReleaseWithoutHandOn => "release-without-hand-on",
             Bug::KeepForTtl => "keep-for-ttl",
             Bug::CloseReleasesFirst => "close-releases-first",
+            Bug::QueuedTtl => "queued-ttl",
         }
     }
 

@@ -159,7 +159,10 @@ impl SessionRec {
 /// One SESSION call (`SessionOp`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum SessionOp {
-    Open { ttl: u8, delay: u8 },
+    Open {
+        ttl: u8,
+        delay: u8,
+    },
     /// The keep-alive's record step: the end moves to its TTL from now.
     Renew,
     Read,

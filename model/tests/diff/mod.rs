@@ -130,6 +130,7 @@ impl ModelSide {
                 token,
                 fence,
                 left,
+                session: false,
             });
         }
     }
@@ -165,6 +166,7 @@ impl ModelSide {
                         broker,
                         kind,
                         ttl,
+                        session: false,
                     })
                     .clone();
                 let op = if kind != Kind::Exclusive {
@@ -200,6 +202,7 @@ impl ModelSide {
                     broker,
                     kind: Kind::Exclusive,
                     ttl,
+                    session: false,
                 };
                 self.bids.entry(token).or_insert(bid.clone());
                 let answer = self.call(broker, Op::TakeOver { key, bid, seen });
@@ -225,7 +228,15 @@ impl ModelSide {
             } => {
                 let ttl = if long { LONG } else { 1 };
                 let t = token_of(token);
-                let answer = self.call(broker, Op::Renew { key, token: t, ttl });
+                let answer = self.call(
+                    broker,
+                    Op::Renew {
+                        key,
+                        token: t,
+                        ttl,
+                        until: None,
+                    },
+                );
                 let ledger = &mut self.ledgers[broker as usize];
                 let kind = self.bids.get(&token).map_or(Kind::Exclusive, |b| b.kind);
                 ledger.retain(|e| e.token != t);
@@ -236,6 +247,7 @@ impl ModelSide {
                         token: t,
                         fence,
                         left: ttl,
+                        session: false,
                     });
                 }
                 answer
