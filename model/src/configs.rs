@@ -117,10 +117,11 @@ pub fn semaphore(bug: Option<Bug>) -> Config {
     }
 }
 
-/// A client under a session on one broker and an exclusive client on another, on one key: the
-/// session (TTL 2, lock delay 1) is opened, kept alive at most twice, closed or abandoned; one
-/// acquire under it, not waiting. A broker may die (the session's: its client abandons it),
-/// the store may be lost once.
+/// A client under a session on one broker and an exclusive client on another, on one key
+/// (ticks: session TTL 2, lock delay 1, lease TTL 2, offer window 2). The session is opened,
+/// kept alive at most twice (each keep-alive's KEEP may fail), closed or abandoned (its client
+/// stops: ticks run its session out); two acquires under it, each waiting or not. A broker may
+/// die (the session's: its client abandons it mid-step), the store may be lost once.
 pub fn sessions(bug: Option<Bug>) -> Config {
     Config {
         name: "sessions",
@@ -134,7 +135,7 @@ pub fn sessions(bug: Option<Bug>) -> Config {
             key: 0,
             ttl: 2,
             delay: 1,
-            acquires: 1,
+            acquires: 2,
             keeps: 2,
         }),
         ..locks(bug)
