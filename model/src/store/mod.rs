@@ -13,7 +13,10 @@
 //!   key with nothing live and nobody queued loses its records and its fence counter.
 //! - Bids have no deadline in the store: a waiter that stops waiting calls LEAVE (the real
 //!   broker does too); a dead broker's bids stay until the queue drops them (requeue).
-//! - Request ids, owners, watches (`changed`) and the layout check are left out.
+//! - A session's record ([`SessionRec`]) is kept with its end as ticks left; the tick that ends
+//!   it drops it (an ended record answers as a missing one). Of an owner label only the session
+//!   mark is kept ([`Lease::session`]): a renewal by TTL keeps such a lease's end.
+//! - Request ids, owners' labels, watches (`changed`) and the layout check are left out.
 
 mod bugs;
 mod epoch;

@@ -233,7 +233,13 @@ impl ModelSide {
                 };
                 self.bids.entry(token).or_insert(bid.clone());
                 let answer = self.call(broker, Op::TakeOver { key, bid, seen });
-                self.remember(broker, key, (Kind::Exclusive, false), token_of(token), &answer);
+                self.remember(
+                    broker,
+                    key,
+                    (Kind::Exclusive, false),
+                    token_of(token),
+                    &answer,
+                );
                 answer
             }
             Step::Release { broker, key, token } => {

@@ -401,7 +401,12 @@ impl Real {
         r.entries
             .iter()
             .map(|e| {
-                let k = e.key.as_str().trim_start_matches('d').parse().unwrap_or(u8::MAX);
+                let k = e
+                    .key
+                    .as_str()
+                    .trim_start_matches('d')
+                    .parse()
+                    .unwrap_or(u8::MAX);
                 (k, self.index_of(&e.token))
             })
             .collect()

@@ -77,12 +77,22 @@ pub struct Sess {
     pub keeps: u8,
     /// A keep-alive whose record step ran: the end it moves the leases to, the session's end it
     /// will answer, the entries (ticks left).
-    pub keeping: Option<(u8, u8, Vec<(Key, Token)>)>,
+    pub keeping: Option<Keeping>,
     /// The latest session end its client was told (open, keep-alive, acquire).
     pub told: End,
     /// Ghost: the latest end the session's record was given (open, keep-alive), kept across a
     /// store loss.
     pub written: End,
+}
+
+/// A keep-alive between its record step and its KEEP (ticks left).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Keeping {
+    /// The end KEEP moves the leases to: the session's new end plus the lock delay.
+    pub until: u8,
+    /// The session's new end, which the keep-alive answers.
+    pub end: u8,
+    pub entries: Vec<(Key, Token)>,
 }
 
 /// An end on the store's clock: ticks until it, or ticks since it passed (capped).
@@ -357,9 +367,9 @@ impl LockModel {
             Acq::Granted { left, .. } => *left = left.saturating_sub(1),
             _ => {}
         }
-        if let Some((until, end, _)) = &mut ss.keeping {
-            *until = until.saturating_sub(1);
-            *end = end.saturating_sub(1);
+        if let Some(k) = &mut ss.keeping {
+            k.until = k.until.saturating_sub(1);
+            k.end = k.end.saturating_sub(1);
         }
     }
 

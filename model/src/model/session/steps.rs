@@ -1,7 +1,7 @@
 //! The session client's steps: each runs the store calls its broker makes, in order.
 
 use super::super::{Entry, LockModel, State};
-use super::{Acq, ID, Life, Sess, SessAction};
+use super::{Acq, ID, Keeping, Life, Sess, SessAction};
 use crate::store::{Answer, Bid, Bug, Fence, Key, Kind, Op, SessionOp, SessionRec, Token};
 
 impl LockModel {
@@ -142,12 +142,23 @@ impl LockModel {
                 let ss = Self::sess(s);
                 ss.keeps += 1;
                 match rec {
-                    Some(rec) => ss.keeping = Some((rec.leases_left(), rec.left, rec.entries)),
+                    Some(rec) => {
+                        ss.keeping = Some(Keeping {
+                            until: rec.leases_left(),
+                            end: rec.left,
+                            entries: rec.entries,
+                        })
+                    }
                     None => self.sess_lost(ss),
                 }
             }
             SessAction::KeepLeases => {
-                let Some((until, end, entries)) = Self::sess(s).keeping.take() else {
+                let Some(Keeping {
+                    until,
+                    end,
+                    entries,
+                }) = Self::sess(s).keeping.take()
+                else {
                     return;
                 };
                 let op = Op::Keep {
