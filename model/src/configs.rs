@@ -117,11 +117,12 @@ pub fn semaphore(bug: Option<Bug>) -> Config {
     }
 }
 
-/// A client under a session on one broker and an exclusive client on another, on one key
-/// (ticks: session TTL 2, lock delay 1, lease TTL 2, offer window 2). The session is opened,
-/// kept alive at most twice (each keep-alive's KEEP may fail), closed or abandoned (its client
-/// stops: ticks run its session out); two acquires under it, each waiting or not. A broker may
-/// die (the session's: its client abandons it mid-step), the store may be lost once.
+/// A client under a session and an exclusive client on one key (ticks: session TTL 2, lock
+/// delay 1, lease TTL 2, offer window 2). The session's own calls go through broker 1 (the
+/// exclusive client's), its acquires through broker 0. The session is opened, kept alive at
+/// most twice (each keep-alive's KEEP may fail), closed or abandoned (its client stops: ticks
+/// run its session out); two acquires under it, each waiting or not. A broker may die (broker 0
+/// mid-acquire, or broker 1: the session is abandoned), the store may be lost once.
 pub fn sessions(bug: Option<Bug>) -> Config {
     Config {
         name: "sessions",
@@ -131,7 +132,8 @@ pub fn sessions(bug: Option<Bug>) -> Config {
         attempts: vec![1],
         renews: 0,
         session: Some(SessionCfg {
-            broker: 0,
+            broker: 1,
+            acquires_on: 0,
             key: 0,
             ttl: 2,
             delay: 1,

@@ -27,10 +27,14 @@ pub enum Bug {
     /// for now: a lease under a session granted after a wait outlives its session's end by the
     /// time it waited (what `lib/queue.lua`'s `enqueue` and `hand_on` do today).
     QueuedTtl,
+    /// A keep-alive drops the entries whose leases it does not find (what `keep_alive` in
+    /// core/src/lock/sessions.rs does today): an acquire entered but not granted yet loses its
+    /// entry, and if its broker dies between its grant and its confirmation, a close misses it.
+    KeepDropsEntries,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 8] = [
+    pub const ALL: [Bug; 9] = [
         Bug::NoEpochCheck,
         Bug::OfferWithoutFence,
         Bug::ReleaseDropsKeptFence,
@@ -39,6 +43,7 @@ impl Bug {
         Bug::KeepForTtl,
         Bug::CloseReleasesFirst,
         Bug::QueuedTtl,
+        Bug::KeepDropsEntries,
     ];
 
     pub fn name(self) -> &'static str {
@@ -51,6 +56,7 @@ impl Bug {
             Bug::KeepForTtl => "keep-for-ttl",
             Bug::CloseReleasesFirst => "close-releases-first",
             Bug::QueuedTtl => "queued-ttl",
+            Bug::KeepDropsEntries => "keep-drops-entries",
         }
     }
 

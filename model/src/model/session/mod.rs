@@ -15,7 +15,9 @@ use crate::store::{Fence, Key, SessionRec, Token};
 /// The session client's bounds.
 #[derive(Clone, Copy, Debug)]
 pub struct SessionCfg {
+    /// The broker of the session's own calls (open, keep-alive, close), and of its acquires.
     pub broker: u8,
+    pub acquires_on: u8,
     pub key: Key,
     /// The session's TTL and lock delay, in ticks.
     pub ttl: u8,
@@ -215,11 +217,13 @@ impl LockModel {
         let (Some(c), Some(ss)) = (self.cfg.session, s.sess.as_ref()) else {
             return;
         };
-        if !s.brokers[c.broker as usize].alive {
-            return;
-        }
+        let (live_b, live_ab) = (
+            s.brokers[c.broker as usize].alive,
+            s.brokers[c.acquires_on as usize].alive,
+        );
         let mut push = |a| out.push(super::Action::Session(a));
         match &ss.life {
+            _ if !live_b => {}
             Life::NotOpen => push(SessAction::Open),
             Life::Open => {
                 if ss.keeping.is_none() && ss.keeps < c.keeps {
@@ -230,12 +234,13 @@ impl LockModel {
             Life::Closing(_) => push(SessAction::CloseFinish),
             Life::Over => {}
         }
-        if ss.keeping.is_some() {
+        if ss.keeping.is_some() && live_b {
             push(SessAction::KeepLeases);
             push(SessAction::KeepFails);
         }
         let live = matches!(ss.life, Life::Open | Life::Closing(_));
         match ss.acq {
+            _ if !live_ab => {}
             Acq::Idle if live && ss.attempt < c.acquires => push(SessAction::Enter),
             Acq::Entered { .. } => {
                 push(SessAction::Claim(false));
@@ -256,10 +261,10 @@ impl LockModel {
         let (Some(c), Some(ss)) = (self.cfg.session, s.sess.as_ref()) else {
             return false;
         };
-        s.brokers[c.broker as usize].alive
-            && (ss.keeping.is_some()
-                || matches!(ss.life, Life::Closing(_))
-                || matches!(ss.acq, Acq::Waiting { timer, due, .. } if timer == 0 || due))
+        let own = ss.keeping.is_some() || matches!(ss.life, Life::Closing(_));
+        let asks = matches!(ss.acq, Acq::Waiting { timer, due, .. } if timer == 0 || due);
+        (own && s.brokers[c.broker as usize].alive)
+            || (asks && s.brokers[c.acquires_on as usize].alive)
     }
 
     /// Whether the session client waits for key `k` on a live broker.
@@ -267,7 +272,9 @@ impl LockModel {
         let (Some(c), Some(ss)) = (self.cfg.session, s.sess.as_ref()) else {
             return false;
         };
-        c.key == k && s.brokers[c.broker as usize].alive && matches!(ss.acq, Acq::Waiting { .. })
+        c.key == k
+            && s.brokers[c.acquires_on as usize].alive
+            && matches!(ss.acq, Acq::Waiting { .. })
     }
 
     /// A notice for broker `b` reached the session client's waiter: an offer to its token
@@ -283,7 +290,7 @@ impl LockModel {
         let (Some(c), Some(ss)) = (self.cfg.session, s.sess.as_mut()) else {
             return false;
         };
-        if c.broker != b || key.is_some_and(|k| k != c.key) {
+        if c.acquires_on != b || key.is_some_and(|k| k != c.key) {
             return false;
         }
         let Acq::Waiting {
@@ -338,15 +345,20 @@ impl LockModel {
     }
 
     /// After a close answered: a lease of the session still held in the store that no acquire
-    /// in flight will release.
+    /// in flight (on a live broker) will release. (An offer to a waiter of a dead broker is not
+    /// a lease: it lapses after the offer window, as every such offer.)
     pub(in crate::model) fn held_after_close(&self, s: &State) -> bool {
         let me = self.sess_client();
-        let flying = s.sess.as_ref().and_then(Sess::in_flight);
+        let flying = s
+            .sess
+            .as_ref()
+            .and_then(Sess::in_flight)
+            .filter(|_| s.brokers[self.sc().acquires_on as usize].alive);
         s.store.keys.iter().any(|k| {
             k.lock
                 .iter()
                 .chain(k.pool.iter())
-                .any(|l| l.live() && l.token.client == me && Some(l.token) != flying)
+                .any(|l| l.live() && !l.offered && l.token.client == me && Some(l.token) != flying)
         })
     }
 

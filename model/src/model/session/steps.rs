@@ -5,9 +5,10 @@ use super::{Acq, ID, Keeping, Life, Sess, SessAction};
 use crate::store::{Answer, Bid, Bug, Fence, Key, Kind, Op, SessionOp, SessionRec, Token};
 
 impl LockModel {
-    fn session_call(&self, s: &mut State, op: SessionOp) -> Option<SessionRec> {
+    /// SESSION through broker `b`.
+    fn session_call(&self, s: &mut State, b: u8, op: SessionOp) -> Option<SessionRec> {
         let writes = matches!(op, SessionOp::Open { .. } | SessionOp::Renew);
-        match self.run(s, self.sc().broker, Op::Session { id: ID, op }) {
+        match self.run(s, b, Op::Session { id: ID, op }) {
             Answer::Session(Some(rec)) => {
                 if writes {
                     Self::sess(s).written.move_to(rec.left);
@@ -23,14 +24,14 @@ impl LockModel {
     }
 
     /// RELEASE of a lease under the session; whether the store answered (no hold in force).
-    fn sess_release(&self, s: &mut State, key: Key, token: Token) -> bool {
-        let b = self.sc().broker;
+    fn sess_release(&self, s: &mut State, b: u8, key: Key, token: Token) -> bool {
         let answer = self.run(s, b, Op::Release { key, token });
         s.brokers[b as usize].ledger.retain(|e| e.token != token);
         answer != Answer::HoldInForce
     }
 
-    fn sess_remember(&self, s: &mut State, token: Token, fence: Fence, left: u8) {
+    /// Records a lease under the session in broker `b`'s ledger.
+    fn sess_remember(&self, s: &mut State, b: u8, token: Token, fence: Fence, left: u8) {
         let c = self.sc();
         let entry = Entry {
             key: c.key,
@@ -40,19 +41,21 @@ impl LockModel {
             left,
             session: true,
         };
-        crate::model::remember(&mut s.brokers[c.broker as usize].ledger, entry);
+        crate::model::remember(&mut s.brokers[b as usize].ledger, entry);
     }
 
     pub(in crate::model) fn sess_step(&self, s: &mut State, a: &SessAction) {
         let c = self.sc();
         let me = self.sess_client();
+        // The session's own calls go through its broker, the acquires through theirs.
+        let (b, ab) = (c.broker, c.acquires_on);
         match a {
             SessAction::Open => {
                 let op = SessionOp::Open {
                     ttl: c.ttl,
                     delay: c.delay,
                 };
-                let rec = self.session_call(s, op);
+                let rec = self.session_call(s, b, op);
                 let ss = Self::sess(s);
                 match rec {
                     Some(rec) => {
@@ -67,7 +70,7 @@ impl LockModel {
                     client: me,
                     attempt: Self::sess(s).attempt,
                 };
-                let rec = self.session_call(s, SessionOp::Enter(c.key, token));
+                let rec = self.session_call(s, ab, SessionOp::Enter(c.key, token));
                 let ss = Self::sess(s);
                 match rec {
                     Some(rec) => {
@@ -95,15 +98,15 @@ impl LockModel {
                 let Acq::Waiting { token, .. } = Self::sess(s).acq else {
                     return;
                 };
-                self.run(s, c.broker, Op::Leave { key: c.key, token });
-                self.session_call(s, SessionOp::Drop(c.key, token));
+                self.run(s, ab, Op::Leave { key: c.key, token });
+                self.session_call(s, ab, SessionOp::Drop(c.key, token));
                 Self::sess(s).done();
             }
             SessAction::Confirm => {
                 let Acq::Granted { token, fence, left } = Self::sess(s).acq else {
                     return;
                 };
-                let confirmed = match self.session_call(s, SessionOp::Enter(c.key, token)) {
+                let confirmed = match self.session_call(s, ab, SessionOp::Enter(c.key, token)) {
                     None => false,
                     Some(rec) if left >= rec.leases_left() => {
                         Self::sess(s).tell(&rec);
@@ -117,8 +120,8 @@ impl LockModel {
                             ttl: c.ttl,
                             until,
                         };
-                        if let Answer::Held { fence } = self.run(s, c.broker, op) {
-                            self.sess_remember(s, token, fence, rec.leases_left());
+                        if let Answer::Held { fence } = self.run(s, ab, op) {
+                            self.sess_remember(s, ab, token, fence, rec.leases_left());
                             Self::sess(s).tell(&rec);
                             true
                         } else {
@@ -133,12 +136,12 @@ impl LockModel {
                         ended: false,
                     };
                 } else {
-                    self.sess_release(s, c.key, token);
+                    self.sess_release(s, ab, c.key, token);
                     Self::sess(s).done();
                 }
             }
             SessAction::KeepRecord => {
-                let rec = self.session_call(s, SessionOp::Renew);
+                let rec = self.session_call(s, b, SessionOp::Renew);
                 let ss = Self::sess(s);
                 ss.keeps += 1;
                 match rec {
@@ -165,7 +168,7 @@ impl LockModel {
                     until,
                     leases: entries.clone(),
                 };
-                let Answer::Kept(answers) = self.run(s, c.broker, op) else {
+                let Answer::Kept(answers) = self.run(s, b, op) else {
                     return;
                 };
                 let mut failed = false;
@@ -176,12 +179,15 @@ impl LockModel {
                                 .lock
                                 .as_ref()
                                 .map_or(until, |l| l.left);
-                            self.sess_remember(s, token, fence, left);
+                            self.sess_remember(s, b, token, fence, left);
                         }
                         Answer::HoldInForce => failed = true,
-                        _ => {
-                            self.session_call(s, SessionOp::Drop(key, token));
+                        // `keep-drops-entries` (today's `keep_alive`): an entry whose lease is
+                        // not found leaves the record — also one whose acquire is in flight.
+                        _ if self.cfg.bug == Some(Bug::KeepDropsEntries) => {
+                            self.session_call(s, b, SessionOp::Drop(key, token));
                         }
+                        _ => {}
                     }
                 }
                 if !failed {
@@ -198,17 +204,17 @@ impl LockModel {
             SessAction::Close => {
                 let entries = if self.cfg.bug == Some(Bug::CloseReleasesFirst) {
                     // The mistake: the entries are released first, the record ended after.
-                    match self.session_call(s, SessionOp::Read) {
+                    match self.session_call(s, b, SessionOp::Read) {
                         Some(rec) => {
                             for &(key, token) in &rec.entries {
-                                self.sess_release(s, key, token);
+                                self.sess_release(s, b, key, token);
                             }
                             Some(Vec::new())
                         }
                         None => None,
                     }
                 } else {
-                    self.session_call(s, SessionOp::Close).map(|r| r.entries)
+                    self.session_call(s, b, SessionOp::Close).map(|r| r.entries)
                 };
                 let ss = Self::sess(s);
                 if let Acq::Holding { .. } = ss.acq {
@@ -225,10 +231,10 @@ impl LockModel {
                 };
                 let mut answered = true;
                 if self.cfg.bug == Some(Bug::CloseReleasesFirst) {
-                    answered = self.session_call(s, SessionOp::Close).is_some();
+                    answered = self.session_call(s, b, SessionOp::Close).is_some();
                 } else {
                     for (key, token) in entries {
-                        answered &= self.sess_release(s, key, token);
+                        answered &= self.sess_release(s, b, key, token);
                     }
                 }
                 Self::sess(s).life = Life::Over;
@@ -251,13 +257,13 @@ impl LockModel {
         } else {
             let bid = Bid {
                 token,
-                broker: c.broker,
+                broker: c.acquires_on,
                 kind: Kind::Exclusive,
                 ttl: ends,
                 session: true,
             };
             let key = c.key;
-            self.run(s, c.broker, Op::Claim { key, bid, wait })
+            self.run(s, c.acquires_on, Op::Claim { key, bid, wait })
         };
         let waiting = |timer: u8, due: bool| Acq::Waiting {
             token,
@@ -268,7 +274,7 @@ impl LockModel {
         let next = match answer {
             Answer::Granted { fence, left, .. } => {
                 s.stall[c.key as usize] = 0;
-                self.sess_remember(s, token, fence, left);
+                self.sess_remember(s, c.acquires_on, token, fence, left);
                 Acq::Granted { token, fence, left }
             }
             Answer::Queued { retry } if wait => waiting(retry.min(self.cfg.poll).max(1), false),
@@ -277,9 +283,9 @@ impl LockModel {
             Answer::OtherEpoch if wait => waiting(0, true),
             _ => {
                 if wait {
-                    self.run(s, c.broker, Op::Leave { key: c.key, token });
+                    self.run(s, c.acquires_on, Op::Leave { key: c.key, token });
                 }
-                self.session_call(s, SessionOp::Drop(c.key, token));
+                self.session_call(s, c.acquires_on, SessionOp::Drop(c.key, token));
                 Self::sess(s).done();
                 return;
             }
