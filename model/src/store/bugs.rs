@@ -25,10 +25,11 @@ pub enum Bug {
     CloseReleasesFirst,
     /// A queued bid granted on its own ask gets the TTL it was queued with, not the one it asks
     /// for now: a lease under a session granted after a wait outlives its session's end by the
-    /// time it waited (what `lib/queue.lua`'s `enqueue` and `hand_on` do today).
+    /// time it waited (what `lib/queue.lua`'s `hand_on` did before it took the ask's TTL).
     QueuedTtl,
-    /// A keep-alive drops the entries whose leases it does not find (what `keep_alive` in
-    /// core/src/lock/sessions.rs does today): an acquire entered but not granted yet loses its
+    /// A keep-alive drops the entries whose leases it does not find at once (what `keep_alive` in
+    /// core/src/lock/sessions.rs did before `ENTRY_GRACE_MS`): an acquire entered but not granted
+    /// yet loses its
     /// entry, and if its broker dies between its grant and its confirmation, a close misses it.
     KeepDropsEntries,
 }

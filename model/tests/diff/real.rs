@@ -360,6 +360,7 @@ impl Real {
             space: space_of(key),
             key: lock_key(key),
             token: self.token(token),
+            entered_ms: 0,
         }
     }
 

@@ -182,7 +182,7 @@ impl LockModel {
                             self.sess_remember(s, b, token, fence, left);
                         }
                         Answer::HoldInForce => failed = true,
-                        // `keep-drops-entries` (today's `keep_alive`): an entry whose lease is
+                        // `keep-drops-entries` (`keep_alive` before its grace): an entry whose lease is
                         // not found leaves the record — also one whose acquire is in flight.
                         _ if self.cfg.bug == Some(Bug::KeepDropsEntries) => {
                             self.session_call(s, b, SessionOp::Drop(key, token));
