@@ -165,7 +165,7 @@ fn exclusive_under_session(mode: Mode, holders: &[Lease]) -> bool {
     mode == Mode::Exclusive && holders.iter().any(under_session)
 }
 
-fn mode_name(mode: Mode) -> &'static str {
+pub(super) fn mode_name(mode: Mode) -> &'static str {
     match mode {
         Mode::Exclusive => "exclusive",
         Mode::Shared => "shared",

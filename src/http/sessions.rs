@@ -12,6 +12,7 @@ use serde::Serialize;
 use utoipa::{IntoParams, ToSchema};
 
 use super::SharedState;
+use super::bodies::mode_name;
 use super::error::ApiError;
 use super::error::responses::{OpenRefused, SessionRefused};
 use super::params::Params;
@@ -123,10 +124,7 @@ fn lease_body(lease: &SessionLease) -> SessionLeaseBody<'_> {
             Space::Semaphores => "semaphores",
         },
         key: lease.key.as_str(),
-        mode: lease.mode.map(|m| match m {
-            crate::domain::Mode::Exclusive => "exclusive",
-            crate::domain::Mode::Shared => "shared",
-        }),
+        mode: lease.mode.map(mode_name),
         fence: lease.fence,
     }
 }
