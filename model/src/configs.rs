@@ -1,6 +1,6 @@
 //! The bounds of the exhaustive check (docs/model.md says why these).
 
-use crate::model::Config;
+use crate::model::{Config, SessionCfg};
 use crate::store::{Bug, Kind};
 
 /// The configurations `scripts/model-check.sh` checks, each exhaustively.
@@ -11,6 +11,7 @@ pub fn all(bug: Option<Bug>) -> Vec<Config> {
         two_keys(bug),
         clock(bug),
         semaphore(bug),
+        sessions(bug),
     ]
 }
 
@@ -39,6 +40,7 @@ pub fn locks(bug: Option<Bug>) -> Config {
         forces: 0,
         clock_backs: 0,
         slacks: 0,
+        session: None,
         bug,
     }
 }
@@ -111,6 +113,33 @@ pub fn semaphore(bug: Option<Bug>) -> Config {
             (1, 0, Kind::Permit(2)),
             (2, 0, Kind::Permit(2)),
         ],
+        ..locks(bug)
+    }
+}
+
+/// A client under a session and an exclusive client on one key (ticks: session TTL 2, lock
+/// delay 1, lease TTL 2, offer window 2). The session's own calls go through broker 1 (the
+/// exclusive client's), its acquires through broker 0. The session is opened, kept alive at
+/// most twice (each keep-alive's KEEP may fail), closed or abandoned (its client stops: ticks
+/// run its session out); two acquires under it, each waiting or not. A broker may die (broker 0
+/// mid-acquire, or broker 1: the session is abandoned), the store may be lost once.
+pub fn sessions(bug: Option<Bug>) -> Config {
+    Config {
+        name: "sessions",
+        brokers: 2,
+        clients: vec![(1, 0, Kind::Exclusive)],
+        keys: 1,
+        attempts: vec![1],
+        renews: 0,
+        session: Some(SessionCfg {
+            broker: 1,
+            acquires_on: 0,
+            key: 0,
+            ttl: 2,
+            delay: 1,
+            acquires: 2,
+            keeps: 2,
+        }),
         ..locks(bug)
     }
 }

@@ -23,6 +23,7 @@ on_both_stores!(
     a_lease_under_a_session_renews_to_the_session_end_and_releases_alone,
     sessions_refuse_what_the_contract_refuses,
     opening_again_with_a_request_id_answers_the_same_session,
+    a_lease_granted_after_a_wait_ends_with_its_session_not_later,
 );
 
 /// Opens a session with `query`; its id and body.
@@ -335,6 +336,30 @@ async fn opening_again_with_a_request_id_answers_the_same_session(b: &Backend) {
         .expect_status(StatusCode::NO_CONTENT);
     let (after, _) = open(app, "ttl_ms=5000&request_id=open-1").await;
     assert_ne!(after, first, "a closed session is not answered again");
+}
+
+/// A waiter under a session granted when the holder's lease expires (on its own ask, nobody
+/// offering it the key) gets a lease that ends with its session, not the time it waited later.
+async fn a_lease_granted_after_a_wait_ends_with_its_session_not_later(b: &Backend) {
+    let app = &b.app;
+    app.grant("g-key", "ttl_ms=1500").await;
+    let (id, opened) = open(app, "ttl_ms=6000").await;
+    let granted = app
+        .acquire("g-key", &format!("session={id}&wait_ms=5000"))
+        .await
+        .expect_grant(StatusCode::CREATED);
+    assert_eq!(
+        granted.session_expires_at_ms,
+        opened["expires_at_ms"].as_u64()
+    );
+    let shown = app.inspect_held("g-key").await;
+    let ends = shown["expires_at_ms"].as_u64().unwrap();
+    let session_ends = opened["expires_at_ms"].as_u64().unwrap();
+    assert!(
+        ends <= session_ends + 50,
+        "the lease ends {} ms after its session",
+        ends - session_ends
+    );
 }
 
 /// Open on one broker, keep alive on another, acquire on a third: one session for the fleet; its

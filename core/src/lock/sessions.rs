@@ -27,8 +27,8 @@ use super::{AcquireRequest, LockError, LockService};
 use crate::domain::{LockKey, Mode, Owner, Space, Token, Ttl};
 use crate::metrics::StoreOp;
 use crate::store::{
-    AsHolder, Lease, Renewal, SessionEntry, SessionOp, SessionRecord, SessionSpec, Store,
-    StoreResult,
+    AsHolder, ENTRY_GRACE_MS, Lease, Renewal, SessionEntry, SessionOp, SessionRecord, SessionSpec,
+    Store, StoreResult,
 };
 
 /// How often a waiting acquire under a session looks whether its session still lives, at most:
@@ -95,14 +95,20 @@ impl<S: Store> LockService<S> {
         for (entry, outcome) in record.entries.iter().zip(kept) {
             match outcome {
                 Ok(AsHolder::Done(_)) => {}
-                Ok(AsHolder::NotHeld | AsHolder::NotOwner) => gone.push(entry),
+                // Gone: dropped once it has been gone longer than an acquire can be in flight
+                // (an entry entered before its grant, or still waiting, must stay for a close).
+                Ok(AsHolder::NotHeld | AsHolder::NotOwner)
+                    if record.now_ms.saturating_sub(entry.entered_ms) > ENTRY_GRACE_MS =>
+                {
+                    gone.push(entry)
+                }
+                Ok(AsHolder::NotHeld | AsHolder::NotOwner) => {}
                 Ok(AsHolder::OnHold(hold)) => failed = Some(LockError::OnHold(hold)),
                 Err(e) => failed = Some(e.into()),
             }
         }
         // Entries of leases that ended (a release by token, a force release, a grant that never
-        // came) leave the record; one that is dropped while its acquire still waits is entered
-        // again when it is granted.
+        // came) leave the record, ENTRY_GRACE_MS after they were last entered.
         for entry in gone {
             let _ = self.on_session(id, SessionOp::Drop(entry)).await;
         }
@@ -186,6 +192,7 @@ impl<S: Store> LockService<S> {
             space,
             key: key.clone(),
             token,
+            entered_ms: 0,
         };
         let Some(record) = self.on_session(&id, SessionOp::Enter(&entry)).await? else {
             return Err(LockError::NoSession);
@@ -200,7 +207,7 @@ impl<S: Store> LockService<S> {
         let granted = if waits {
             tokio::select! {
                 granted = acquire => granted,
-                () = self.session_ended(&id, record.expires_at_ms - record.now_ms) => Err(LockError::NoSession),
+                () = self.session_ended(&id, &entry, record.expires_at_ms - record.now_ms) => Err(LockError::NoSession),
             }
         } else {
             acquire.await
@@ -265,12 +272,13 @@ impl<S: Store> LockService<S> {
     }
 
     /// Ends when the session `id` has ended (looked at when it would end if not kept alive,
-    /// and at least every [`SESSION_LOOK`]): for a waiting acquire under it.
-    async fn session_ended(&self, id: &Token, first_ms: u64) {
+    /// and at least every [`SESSION_LOOK`]): for a waiting acquire under it, whose `entry` each
+    /// look enters again (an acquire in flight keeps its entry: see [`ENTRY_GRACE_MS`]).
+    async fn session_ended(&self, id: &Token, entry: &SessionEntry, first_ms: u64) {
         let mut next = Duration::from_millis(first_ms).min(SESSION_LOOK);
         loop {
             tokio::time::sleep(next).await;
-            next = match self.on_session(id, SessionOp::Read).await {
+            next = match self.on_session(id, SessionOp::Enter(entry)).await {
                 Ok(None) => return,
                 Ok(Some(r)) => Duration::from_millis(r.expires_at_ms - r.now_ms).min(SESSION_LOOK),
                 // The store did not answer: the acquire's own store calls say so.

@@ -15,7 +15,9 @@ use std::future::Future;
 use tokio::sync::mpsc;
 
 pub use memory::MemoryStore;
-pub use session::{MAX_LOCK_DELAY_MS, SessionEntry, SessionOp, SessionRecord, SessionSpec};
+pub use session::{
+    ENTRY_GRACE_MS, MAX_LOCK_DELAY_MS, SessionEntry, SessionOp, SessionRecord, SessionSpec,
+};
 
 pub use crate::domain::Lease;
 use crate::domain::{Fence, Kind, LockKey, Mode, Owner, Pool, RequestId, Space, Token, Ttl};

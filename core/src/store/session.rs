@@ -30,13 +30,31 @@ pub struct SessionSpec {
 pub const MAX_LOCK_DELAY_MS: u64 = 60_000;
 
 /// A lease entered in a session's record: where it is, and its token (kept in the store, as
-/// every lease's token is; never shown).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// every lease's token is; never shown). Entries are the same entry when they name the same
+/// lease, whenever they were entered.
+#[derive(Debug, Clone)]
 pub struct SessionEntry {
     pub space: Space,
     pub key: LockKey,
     pub token: Token,
+    /// When it was last entered, on the store's clock (set by the store; 0 in a call).
+    pub entered_ms: u64,
 }
+
+impl PartialEq for SessionEntry {
+    fn eq(&self, other: &Self) -> bool {
+        (self.space, &self.key, &self.token) == (other.space, &other.key, &other.token)
+    }
+}
+
+impl Eq for SessionEntry {}
+
+/// How long an entry whose lease is not found stays in its session's record after it was last
+/// entered: an acquire in flight (its grant not yet confirmed, or still waiting — a waiting
+/// acquire enters its lease again every couple of seconds) must stay there, so that a close
+/// finds its lease if its broker dies between the grant and the confirmation. Older entries of
+/// leases gone (released by token, force-released, never granted) leave at a keep-alive.
+pub const ENTRY_GRACE_MS: u64 = 30_000;
 
 /// A live session as the store has it, with the store's clock.
 #[derive(Debug, Clone)]
@@ -50,7 +68,7 @@ pub struct SessionRecord {
     pub lock_delay_ms: u64,
     /// The leases entered under it, in no particular order. An entry whose lease has ended
     /// (released by its token, force-released, or a grant that never came) stays until a
-    /// keep-alive finds it gone.
+    /// keep-alive finds it gone, [`ENTRY_GRACE_MS`] after it was last entered.
     pub entries: Vec<SessionEntry>,
 }
 
@@ -74,7 +92,7 @@ pub enum SessionOp<'a> {
     Read,
     /// Ends the session now; answers the record as it was, entries and all.
     Close,
-    /// Enters a lease under the session (again is harmless).
+    /// Enters a lease under the session, or again (its entry's time moves to now).
     Enter(&'a SessionEntry),
     /// Takes an entry out.
     Drop(&'a SessionEntry),

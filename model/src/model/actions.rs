@@ -39,6 +39,8 @@ pub enum Action {
     Flush,
     Slack(Key),
     ClockBack,
+    /// A step of the client under a session.
+    Session(super::SessAction),
 }
 
 const DEATHS: usize = 0;
@@ -107,6 +109,7 @@ impl LockModel {
                 out.push(Action::Check(b));
             }
         }
+        self.sess_actions(s, out);
         if self.fair_to_tick(s) {
             out.push(Action::Tick);
         }
@@ -142,6 +145,9 @@ impl LockModel {
     /// `store_settle_ms` documents).
     pub(super) fn fair_to_tick(&self, s: &State) -> bool {
         let marker = s.store.marker.map(|m| m.id);
+        if self.sess_due(s) {
+            return false;
+        }
         for (b, br) in s.brokers.iter().enumerate() {
             if br.alive && br.known != marker {
                 return false;
@@ -169,6 +175,7 @@ impl LockModel {
                 broker,
                 kind,
                 ttl: self.cfg.ttl,
+                session: false,
             },
         )
     }
@@ -203,6 +210,7 @@ impl LockModel {
             kind,
             fence,
             left,
+            session: false,
         };
         super::remember(&mut s.brokers[b as usize].ledger, entry);
     }
@@ -355,6 +363,7 @@ impl LockModel {
                         }
                     }
                     s.brokers[b as usize].ledger.retain(|e| e.key != key);
+                    self.sess_ended(s, |t| t.1 == key && fences.contains(&t.0));
                 }
             }
             Action::Deliver {
@@ -405,6 +414,12 @@ impl LockModel {
                         }
                     }
                 }
+                let brokers = s.brokers.clone();
+                self.sess_ended(s, |(_, _, token)| {
+                    !brokers
+                        .iter()
+                        .any(|br| br.alive && br.ledger.iter().any(|e| e.token == token))
+                });
             }
             Action::Slack(k) => {
                 s.used[SLACKS] += 1;
@@ -414,6 +429,7 @@ impl LockModel {
                 s.used[CLOCK_BACKS] += 1;
                 s.store.us = s.store.us.saturating_sub(2 * crate::store::US_STEP);
             }
+            Action::Session(ref a) => self.sess_step(s, a),
         }
     }
 }

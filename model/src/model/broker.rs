@@ -26,7 +26,16 @@ impl LockModel {
         };
         let (b, key, _) = self.cfg.clients[i as usize];
         let ttl = self.cfg.ttl;
-        match self.run(s, b, Op::Renew { key, token, ttl }) {
+        match self.run(
+            s,
+            b,
+            Op::Renew {
+                key,
+                token,
+                ttl,
+                until: None,
+            },
+        ) {
             Answer::Held { fence } => {
                 if let Phase::Holding { left, renewed, .. } = &mut s.clients[i as usize].phase {
                     *left = ttl;
@@ -55,6 +64,7 @@ impl LockModel {
                 token: e.token,
                 fence: e.fence,
                 left: e.left,
+                session: e.session,
             })
             .collect();
         let answer = self.run(s, b, Op::PutBack { epoch, leases });
@@ -68,6 +78,9 @@ impl LockModel {
     pub(super) fn deliver(&self, s: &mut State, b: u8, notice: &Notice) {
         match *notice {
             Notice::Offered(key, token) => {
+                if self.sess_notice(s, b, Some(key), Some(token), None) {
+                    return;
+                }
                 let waiting = s.clients.iter().enumerate().position(|(j, cl)| {
                     self.cfg.clients[j].0 == b
                         && matches!(cl.phase, Phase::Waiting { token: t, .. } if t == token)
@@ -85,6 +98,7 @@ impl LockModel {
                 }
             }
             Notice::Look(key, ticks) => {
+                self.sess_notice(s, b, Some(key), None, Some(ticks));
                 for (j, cl) in s.clients.iter_mut().enumerate() {
                     if self.cfg.clients[j].0 == b
                         && self.cfg.clients[j].1 == key
@@ -104,6 +118,7 @@ impl LockModel {
     }
 
     pub(super) fn all_waiters_due(&self, s: &mut State, b: u8, key: Option<Key>) {
+        self.sess_notice(s, b, key, None, None);
         for (j, cl) in s.clients.iter_mut().enumerate() {
             let (cb, ck, _) = self.cfg.clients[j];
             if cb == b
@@ -131,7 +146,7 @@ impl LockModel {
             let live_waiter = s.clients.iter().enumerate().any(|(j, cl)| {
                 let (b, ck, _) = self.cfg.clients[j];
                 ck == k && s.brokers[b as usize].alive && matches!(cl.phase, Phase::Waiting { .. })
-            });
+            }) || self.sess_waits(s, k);
             let only_dead = !blockers.is_empty() && blockers.iter().all(|l| dead_offer(l));
             let d = &mut s.dead_block[k as usize];
             *d = if only_dead && live_waiter {
@@ -143,6 +158,7 @@ impl LockModel {
             let st = &mut s.stall[k as usize];
             *st = if live_waiter { (*st + 1).min(cap) } else { 0 };
         }
+        self.sess_tick(s);
         self.run(s, 0, Op::Tick);
         for cl in &mut s.clients {
             match &mut cl.phase {

@@ -7,6 +7,9 @@
 mod actions;
 mod broker;
 mod props;
+mod session;
+
+pub use session::{Acq, End, Life, Sess, SessAction, SessionCfg};
 
 use crate::store::{Bug, Fence, Key, Kind, Notice, Params, Store, Token};
 
@@ -34,6 +37,8 @@ pub struct Config {
     pub forces: u8,
     pub clock_backs: u8,
     pub slacks: u8,
+    /// A client under a session, or none.
+    pub session: Option<SessionCfg>,
     pub bug: Option<Bug>,
 }
 
@@ -55,6 +60,7 @@ impl Config {
             + 2 * self.window
             + self.poll
             + self.losses * (self.settle + self.put_back_hold)
+            + self.session.map_or(0, |c| c.ttl * (1 + c.keeps) + c.delay)
     }
 }
 
@@ -99,6 +105,7 @@ pub struct Entry {
     pub kind: Kind,
     pub fence: Fence,
     pub left: u8,
+    pub session: bool,
 }
 
 /// Records a lease in a ledger (a grant or a renewal), replacing its token's entry.
@@ -136,6 +143,11 @@ pub struct State {
     pub dead_block: Vec<u8>,
     pub fence_fault: bool,
     pub lost_offer: bool,
+    /// The session client, if the configuration has one.
+    pub sess: Option<Sess>,
+    /// A close answered while a lease of its session that no acquire in flight releases was
+    /// still held.
+    pub close_fault: bool,
 }
 
 /// The model: a configuration.
@@ -174,6 +186,8 @@ impl LockModel {
             dead_block: vec![0; c.keys as usize],
             fence_fault: false,
             lost_offer: false,
+            sess: c.session.map(|_| Sess::new()),
+            close_fault: false,
         }
     }
 }
@@ -223,6 +237,12 @@ fn visit_fences(s: &mut State, f: &mut impl FnMut(&mut Fence)) {
     for c in &mut s.clients {
         match &mut c.phase {
             Phase::Seen { fence, .. } | Phase::Holding { fence, .. } => f(fence),
+            _ => {}
+        }
+    }
+    if let Some(ss) = &mut s.sess {
+        match &mut ss.acq {
+            Acq::Granted { fence, .. } | Acq::Holding { fence, .. } => f(fence),
             _ => {}
         }
     }

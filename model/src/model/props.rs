@@ -11,6 +11,11 @@ const FENCES_RISE: &str = "fences per key strictly rise in grant order, across s
 const NO_LOST_OFFER: &str = "a freed key goes to its queue's head or stays free";
 const SERVED: &str = "a key a live waiter waits for is granted within the bound (bounded progress)";
 const DEAD_BROKER: &str = "a dead broker's entries hold a key back at most one offer window";
+const BELIEVED: &str = "a client that believes it holds a lease under a session is its holder";
+const OUTLIVE: &str =
+    "no session lease outlives its last answered keep-alive by more than lock delay + TTL";
+const WRITTEN: &str = "a session lease ends by its session's latest end plus the lock delay";
+const CLOSED: &str = "a close leaves no lease of its session held";
 
 impl LockModel {
     /// The ghost state a step updates: the fences it took (each above the key's highest so
@@ -81,6 +86,12 @@ impl LockModel {
                     }
                 }
             }
+            if let (Some(c), Some(ss)) = (self.cfg.session, s.sess.as_ref())
+                && c.key == k
+                && ss.believed().is_some()
+            {
+                x += 1;
+            }
             if x > 1 || (x == 1 && shared > 0) || permits > limit {
                 return false;
             }
@@ -129,6 +140,27 @@ impl Model for LockModel {
                 })
             }),
         ];
+        if self.cfg.session.is_some() {
+            all.push(Property::always(BELIEVED, |m: &LockModel, s: &State| {
+                m.believed_ok(s)
+            }));
+            all.push(Property::always(OUTLIVE, |m: &LockModel, s: &State| {
+                m.outlive_ok(s, false)
+            }));
+            all.push(Property::always(WRITTEN, |m: &LockModel, s: &State| {
+                m.outlive_ok(s, true)
+            }));
+            all.push(Property::always(CLOSED, |_, s: &State| !s.close_fault));
+            all.push(Property::sometimes(
+                "a session lease is held past a keep-alive",
+                |m: &LockModel, s: &State| {
+                    let ttl = m.cfg.session.map_or(0, |c| c.ttl);
+                    s.sess.as_ref().is_some_and(|ss| {
+                        ss.keeps > 0 && ss.believed().is_some() && ss.told.left == ttl
+                    })
+                },
+            ));
+        }
         if self.cfg.losses == 0 {
             return all;
         }

@@ -17,15 +17,34 @@ pub enum Bug {
     LapseKeepsQueue,
     /// RELEASE does not hand the key on: the queue's head is left waiting on a free key.
     ReleaseWithoutHandOn,
+    /// A session's keep-alive renews its leases with RENEW's ttl form instead of `until`: a
+    /// lease under a session keeps its end on such a renewal, so the keep-alive extends none.
+    KeepForTtl,
+    /// A close releases the session's entries first and ends its record after: an acquire
+    /// that enters and is granted between the two is left held.
+    CloseReleasesFirst,
+    /// A queued bid granted on its own ask gets the TTL it was queued with, not the one it asks
+    /// for now: a lease under a session granted after a wait outlives its session's end by the
+    /// time it waited (what `lib/queue.lua`'s `hand_on` did before it took the ask's TTL).
+    QueuedTtl,
+    /// A keep-alive drops the entries whose leases it does not find at once (what `keep_alive` in
+    /// core/src/lock/sessions.rs did before `ENTRY_GRACE_MS`): an acquire entered but not granted
+    /// yet loses its
+    /// entry, and if its broker dies between its grant and its confirmation, a close misses it.
+    KeepDropsEntries,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 5] = [
+    pub const ALL: [Bug; 9] = [
         Bug::NoEpochCheck,
         Bug::OfferWithoutFence,
         Bug::ReleaseDropsKeptFence,
         Bug::LapseKeepsQueue,
         Bug::ReleaseWithoutHandOn,
+        Bug::KeepForTtl,
+        Bug::CloseReleasesFirst,
+        Bug::QueuedTtl,
+        Bug::KeepDropsEntries,
     ];
 
     pub fn name(self) -> &'static str {
@@ -35,6 +54,10 @@ impl Bug {
             Bug::ReleaseDropsKeptFence => "release-drops-kept-fence",
             Bug::LapseKeepsQueue => "lapse-keeps-queue",
             Bug::ReleaseWithoutHandOn => "release-without-hand-on",
+            Bug::KeepForTtl => "keep-for-ttl",
+            Bug::CloseReleasesFirst => "close-releases-first",
+            Bug::QueuedTtl => "queued-ttl",
+            Bug::KeepDropsEntries => "keep-drops-entries",
         }
     }
 

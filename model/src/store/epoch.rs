@@ -39,6 +39,7 @@ pub(super) fn put_back(
             left: back.left,
             offered: false,
             by: me,
+            session: back.session,
         };
         let mut code = BackCode::Written;
         if back.kind == Kind::Exclusive {

@@ -13,12 +13,16 @@
 //!   key with nothing live and nobody queued loses its records and its fence counter.
 //! - Bids have no deadline in the store: a waiter that stops waiting calls LEAVE (the real
 //!   broker does too); a dead broker's bids stay until the queue drops them (requeue).
-//! - Request ids, owners, watches (`changed`) and the layout check are left out.
+//! - A session's record ([`SessionRec`]) is kept with its end as ticks left; the tick that ends
+//!   it drops it (an ended record answers as a missing one). Of an owner label only the session
+//!   mark is kept ([`Lease::session`]): a renewal by TTL keeps such a lease's end.
+//! - Request ids, owners' labels, watches (`changed`) and the layout check are left out.
 
 mod bugs;
 mod epoch;
 mod queue;
 mod scripts;
+mod session;
 
 pub use bugs::Bug;
 
@@ -56,6 +60,9 @@ pub struct Lease {
     pub offered: bool,
     /// The brokers that answer its holder (`by`), as a bit set.
     pub by: u8,
+    /// Held under a session (its owner label carries the session mark): a renewal without
+    /// `until` keeps its end.
+    pub session: bool,
 }
 
 impl Lease {
@@ -71,6 +78,8 @@ pub struct Bid {
     pub broker: Broker,
     pub kind: Kind,
     pub ttl: u8,
+    /// Under a session: the lease it gets carries the session mark.
+    pub session: bool,
 }
 
 /// One key: the exclusive lease record, the pool (shared leases or permits), the queue and the
@@ -128,6 +137,41 @@ pub struct Store {
     pub us: Fence,
     /// The next epoch id a CHECK writes (epoch ids are never reused).
     pub next_epoch: u8,
+    /// Session records by id (`<prefix>session:{<id>}`); `None`: none, or ended (an ended
+    /// record answers as a missing one, so the tick that ends it drops it).
+    pub sessions: Vec<Option<SessionRec>>,
+}
+
+/// A session's record (session.lua): its TTL, ticks until its end, its lock delay, and the
+/// leases entered under it (by key and token).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SessionRec {
+    pub ttl: u8,
+    pub left: u8,
+    pub delay: u8,
+    pub entries: Vec<(Key, Token)>,
+}
+
+impl SessionRec {
+    /// Ticks until its leases end (`leases_end_ms`): its end plus the lock delay.
+    pub fn leases_left(&self) -> u8 {
+        self.left + self.delay
+    }
+}
+
+/// One SESSION call (`SessionOp`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum SessionOp {
+    Open {
+        ttl: u8,
+        delay: u8,
+    },
+    /// The keep-alive's record step: the end moves to its TTL from now.
+    Renew,
+    Read,
+    Close,
+    Enter(Key, Token),
+    Drop(Key, Token),
 }
 
 /// A lease a broker puts back (one of PUT_BACK's seven-field groups).
@@ -138,6 +182,7 @@ pub struct Back {
     pub token: Token,
     pub fence: Fence,
     pub left: u8,
+    pub session: bool,
 }
 
 /// One script call. `known`: the epoch the calling broker knows.
@@ -162,10 +207,23 @@ pub enum Op {
         key: Key,
         token: Token,
     },
+    /// RENEW: the end moves to `ttl` from now, or with `until` to that many ticks from now
+    /// unless it ends later already (a lease under a session keeps its end without `until`).
     Renew {
         key: Key,
         token: Token,
         ttl: u8,
+        until: Option<u8>,
+    },
+    /// SESSION: one call on session `id`'s record.
+    Session {
+        id: u8,
+        op: SessionOp,
+    },
+    /// KEEP: RENEW's `until` form on each lease in turn (a session's keep-alive).
+    Keep {
+        until: u8,
+        leases: Vec<(Key, Token)>,
     },
     Force {
         key: Key,
@@ -244,6 +302,10 @@ pub enum Answer {
     Epoch(u8),
     /// READ: the lease record's fence and whether it is live.
     Record(Option<(Token, Fence, bool)>),
+    /// SESSION: the record as the call left it (close: as it was), or none (missing, ended).
+    Session(Option<SessionRec>),
+    /// KEEP: one RENEW answer per lease.
+    Kept(Vec<Answer>),
     /// TICK, FLUSH, SLACK.
     Done,
 }
@@ -266,6 +328,7 @@ impl Store {
             marker: Some(Marker { id: 0, hold: 0 }),
             us: US_STEP,
             next_epoch: 1,
+            sessions: Vec::new(),
         }
     }
 

@@ -164,6 +164,7 @@ pub(super) fn write_lease(
         left,
         offered: offer,
         by: 1 << bid.broker,
+        session: bid.session,
     };
     match bid.kind {
         Kind::Exclusive => k.lock = Some(lease),
@@ -244,9 +245,15 @@ pub(super) fn hand_on(
     granted
 }
 
-/// `enqueue`: the bid joins the tail, or keeps its place.
-fn enqueue(k: &mut KeyState, bid: &Bid) {
-    if k.queue.iter().any(|b| b.token == bid.token) {
+/// `enqueue`: the bid joins the tail, or keeps its place — with the TTL it asks for now: a bid
+/// under a session asks for what is left until its session's end, and a grant on its own ask
+/// must end then, not that long after (the embedded store computes it at the grant; the
+/// known-bad variant `queued-ttl` keeps the TTL of the first ask, as `lib/queue.lua` does).
+fn enqueue(c: &Ctx, k: &mut KeyState, bid: &Bid) {
+    if let Some(queued) = k.queue.iter_mut().find(|b| b.token == bid.token) {
+        if !c.bug(Bug::QueuedTtl) {
+            queued.ttl = bid.ttl;
+        }
         return;
     }
     k.queue.push(bid.clone());
@@ -256,7 +263,7 @@ fn enqueue(k: &mut KeyState, bid: &Bid) {
 /// else queued with the ticks until what blocks it ends.
 pub(super) fn wait_turn(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid) -> super::Answer {
     settle(s, c, fx);
-    enqueue(&mut s.keys[c.key as usize], bid);
+    enqueue(c, &mut s.keys[c.key as usize], bid);
     if let Some((fence, left)) = hand_on(s, c, fx, Some(bid.token)) {
         return super::Answer::Granted {
             token: bid.token,

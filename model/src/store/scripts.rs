@@ -31,7 +31,26 @@ pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> A
             None => join(s, &mut ctx(*key, true), fx, bid, *wait),
         },
         Op::Release { key, token } => release(s, &mut ctx(*key, s.hand(call.known)), fx, *token),
-        Op::Renew { key, token, ttl } => renew(s, &mut ctx(*key, s.hand(call.known)), *token, *ttl),
+        Op::Renew {
+            key,
+            token,
+            ttl,
+            until,
+        } => renew(s, &mut ctx(*key, s.hand(call.known)), *token, *ttl, *until),
+        Op::Session { id, op } => super::session::session(s, *id, op),
+        Op::Keep { until, leases } => {
+            // The mistake `keep-for-ttl`: RENEW's ttl form (the session's TTL and delay from
+            // now), which a lease under a session answers by keeping its end.
+            let form = (p.bug != Some(Bug::KeepForTtl)).then_some(*until);
+            Answer::Kept(
+                leases
+                    .iter()
+                    .map(|(key, token)| {
+                        renew(s, &mut ctx(*key, s.hand(call.known)), *token, *until, form)
+                    })
+                    .collect(),
+            )
+        }
         Op::Force { key } => force(s, &mut ctx(*key, s.hand(call.known)), fx),
         Op::Leave { key, token } => leave(s, &mut ctx(*key, s.hand(call.known)), fx, *token),
         Op::Read { key } => {
@@ -48,6 +67,7 @@ pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> A
             let n = s.keys.len();
             s.keys = vec![KeyState::default(); n];
             s.marker = None;
+            s.sessions.clear();
             Answer::Done
         }
         Op::Slack { key } => {
@@ -69,6 +89,14 @@ fn tick(s: &mut Store) {
     }
     if let Some(m) = &mut s.marker {
         m.hold = m.hold.saturating_sub(1);
+    }
+    for rec in &mut s.sessions {
+        if let Some(r) = rec {
+            r.left -= 1;
+            if r.left == 0 {
+                *rec = None;
+            }
+        }
     }
 }
 
@@ -129,6 +157,7 @@ fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) ->
             left: bid.ttl,
             offered: false,
             by: 1 << c.broker,
+            session: bid.session,
         });
         fx.fences.push((c.key, fence));
         return granted(bid, (fence, bid.ttl));
@@ -262,9 +291,11 @@ fn release(s: &mut Store, c: &mut Ctx, fx: &mut Effects, token: Token) -> Answer
     Answer::Held { fence: lease.fence }
 }
 
-/// renew.lua: the end moves to `ttl` from now; this broker joins the ones that answer it. (Its
-/// `sooner` look is never needed here: every renewal is by the full TTL.)
-fn renew(s: &mut Store, c: &mut Ctx, token: Token, ttl: u8) -> Answer {
+/// renew.lua (`lib/renewal.lua`): the end moves to `ttl` from now — a lease under a session
+/// keeps its end — or with `until` to that time unless it ends later already; this broker
+/// joins the ones that answer it. (Its `sooner` look is never needed here: a renewal never
+/// shortens a lease in the model — every plain renewal is by the full TTL.)
+fn renew(s: &mut Store, c: &mut Ctx, token: Token, ttl: u8, until: Option<u8>) -> Answer {
     let found = holder(s, c.key, token);
     let k = &mut s.keys[c.key as usize];
     let l = match found {
@@ -273,7 +304,11 @@ fn renew(s: &mut Store, c: &mut Ctx, token: Token, ttl: u8) -> Answer {
         Holder::HeldPooled(_) => k.pool.iter_mut().find(|l| l.token == token),
     };
     let l = l.expect("the holder's lease");
-    l.left = ttl;
+    l.left = match until {
+        Some(until) => l.left.max(until),
+        None if l.session => l.left,
+        None => ttl,
+    };
     l.by |= 1 << c.broker;
     Answer::Held { fence: l.fence }
 }

@@ -3,6 +3,7 @@
 //! side of a run, and the shrinking of a failing sequence.
 
 mod real;
+mod sessions;
 
 use std::collections::HashMap;
 
@@ -13,6 +14,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
 pub(crate) use real::{Outcome, run_steps};
+pub(crate) use sessions::SessStep;
 
 /// The keys (lock keys `d0`, `d1`) and brokers of a run.
 pub(crate) const KEYS: u8 = 3;
@@ -34,6 +36,9 @@ pub(crate) enum Step {
         shared: bool,
         long: bool,
         wait: bool,
+        /// Under a session: the lease carries the session mark (a renewal without `until`
+        /// keeps its end).
+        session: bool,
     },
     /// READ, then TAKE_OVER of the lease record seen.
     TakeOver {
@@ -47,10 +52,24 @@ pub(crate) enum Step {
         key: u8,
         token: usize,
     },
+    /// RENEW, by a TTL or (`until`) to a time unless the lease ends later already.
     Renew {
         broker: u8,
         key: u8,
         token: usize,
+        long: bool,
+        until: bool,
+    },
+    /// SESSION on session `id` (a number; the real side makes one id per number).
+    Session {
+        broker: u8,
+        id: usize,
+        op: SessStep,
+    },
+    /// KEEP: RENEW's `until` form on each lease (key, token), in order.
+    Keep {
+        broker: u8,
+        leases: Vec<(u8, usize)>,
         long: bool,
     },
     Leave {
@@ -120,7 +139,14 @@ impl ModelSide {
         answer
     }
 
-    fn remember(&mut self, broker: u8, key: u8, kind: Kind, token: Token, answer: &Answer) {
+    fn remember(
+        &mut self,
+        broker: u8,
+        key: u8,
+        (kind, session): (Kind, bool),
+        token: Token,
+        answer: &Answer,
+    ) {
         if let Answer::Granted { fence, left, .. } = *answer {
             let ledger = &mut self.ledgers[broker as usize];
             ledger.retain(|e| e.token != token);
@@ -130,6 +156,7 @@ impl ModelSide {
                 token,
                 fence,
                 left,
+                session,
             });
         }
     }
@@ -148,6 +175,7 @@ impl ModelSide {
                 shared,
                 long,
                 wait,
+                session,
             } => {
                 let kind = if key == SEMAPHORE {
                     Kind::Permit(LIMIT)
@@ -165,6 +193,7 @@ impl ModelSide {
                         broker,
                         kind,
                         ttl,
+                        session,
                     })
                     .clone();
                 let op = if kind != Kind::Exclusive {
@@ -181,7 +210,7 @@ impl ModelSide {
                     }
                 };
                 let answer = self.call(broker, op);
-                self.remember(broker, key, kind, bid.token, &answer);
+                self.remember(broker, key, (kind, bid.session), bid.token, &answer);
                 answer
             }
             Step::TakeOver {
@@ -200,10 +229,17 @@ impl ModelSide {
                     broker,
                     kind: Kind::Exclusive,
                     ttl,
+                    session: false,
                 };
                 self.bids.entry(token).or_insert(bid.clone());
                 let answer = self.call(broker, Op::TakeOver { key, bid, seen });
-                self.remember(broker, key, Kind::Exclusive, token_of(token), &answer);
+                self.remember(
+                    broker,
+                    key,
+                    (Kind::Exclusive, false),
+                    token_of(token),
+                    &answer,
+                );
                 answer
             }
             Step::Release { broker, key, token } => {
@@ -222,21 +258,48 @@ impl ModelSide {
                 key,
                 token,
                 long,
+                until,
             } => {
                 let ttl = if long { LONG } else { 1 };
                 let t = token_of(token);
-                let answer = self.call(broker, Op::Renew { key, token: t, ttl });
-                let ledger = &mut self.ledgers[broker as usize];
-                let kind = self.bids.get(&token).map_or(Kind::Exclusive, |b| b.kind);
-                ledger.retain(|e| e.token != t);
-                if let Answer::Held { fence } = answer {
-                    ledger.push(Back {
-                        key,
-                        kind,
-                        token: t,
-                        fence,
-                        left: ttl,
-                    });
+                let until = until.then_some(ttl);
+                let op = Op::Renew {
+                    key,
+                    token: t,
+                    ttl,
+                    until,
+                };
+                let answer = self.call(broker, op);
+                self.ledgers[broker as usize].retain(|e| e.token != t);
+                if let Answer::Held { .. } = answer {
+                    self.remember_held(broker, key, token);
+                }
+                answer
+            }
+            Step::Session { broker, id, ref op } => self.call(
+                broker,
+                Op::Session {
+                    id: id as u8,
+                    op: op.op(),
+                },
+            ),
+            Step::Keep {
+                broker,
+                ref leases,
+                long,
+            } => {
+                let until = if long { LONG } else { 1 };
+                let op = Op::Keep {
+                    until,
+                    leases: leases.iter().map(|&(k, t)| (k, token_of(t))).collect(),
+                };
+                let answer = self.call(broker, op);
+                if let Answer::Kept(answers) = &answer {
+                    for (&(key, token), a) in leases.iter().zip(answers) {
+                        if let Answer::Held { .. } = a {
+                            self.remember_held(broker, key, token);
+                        }
+                    }
                 }
                 answer
             }
@@ -328,6 +391,8 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
             Step::Tick
         } else if rng.random_bool(0.003) {
             Step::Flush
+        } else if rng.random_bool(0.12) {
+            sessions::step(&mut rng, &model, broker, key, &known, next_token)
         } else if roll < 40 {
             let token = pick(&mut rng, &known, next_token);
             match model.bids.get(&token) {
@@ -339,6 +404,7 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
                     shared: b.kind != Kind::Exclusive,
                     long: b.ttl == LONG,
                     wait: true,
+                    session: b.session,
                 },
                 None => Step::Claim {
                     broker,
@@ -347,6 +413,7 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
                     shared: rng.random_bool(0.3),
                     long: rng.random_bool(0.3),
                     wait: rng.random_bool(0.7),
+                    session: rng.random_bool(0.2),
                 },
             }
         } else if roll < 45 {
@@ -362,13 +429,20 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
             let (broker, key) = home(&model, token).unwrap_or((broker, key));
             Step::Release { broker, key, token }
         } else if roll < 78 {
-            let token = pick(&mut rng, &known, next_token);
+            // Half of the renewals are of a lease held now.
+            let held = holding(&model);
+            let token = if !held.is_empty() && rng.random_bool(0.5) {
+                held[rng.random_range(0..held.len())]
+            } else {
+                pick(&mut rng, &known, next_token)
+            };
             let (broker, key) = home(&model, token).unwrap_or((broker, key));
             Step::Renew {
                 broker,
                 key,
                 token,
                 long: rng.random_bool(0.3),
+                until: rng.random_bool(0.3),
             }
         } else if roll < 94 {
             let token = pick(&mut rng, &known, next_token);
@@ -377,7 +451,12 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
         } else {
             Step::Force { broker, key }
         };
-        if let Step::Claim { token, .. } | Step::TakeOver { token, .. } = step
+        if let Step::Claim { token, .. }
+        | Step::TakeOver { token, .. }
+        | Step::Session {
+            op: SessStep::Enter { token, .. },
+            ..
+        } = step
             && token == next_token
         {
             next_token += 1;
@@ -393,7 +472,48 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
     steps
 }
 
-fn key_of(model: &ModelSide, token: usize) -> Option<u8> {
+/// Records a lease that a renewal answered held in the broker's ledger, with its end as the
+/// store now has it (a renewal by `until`, or of a lease under a session, may keep it).
+impl ModelSide {
+    fn remember_held(&mut self, broker: u8, key: u8, token: usize) {
+        let t = token_of(token);
+        let k = &self.store.keys[key as usize];
+        let Some(l) = k.lock.iter().chain(k.pool.iter()).find(|l| l.token == t) else {
+            return;
+        };
+        let (fence, left) = (l.fence, l.left);
+        let (kind, session) = self
+            .bids
+            .get(&token)
+            .map_or((Kind::Exclusive, false), |b| (b.kind, b.session));
+        let ledger = &mut self.ledgers[broker as usize];
+        ledger.retain(|e| e.token != t);
+        ledger.push(Back {
+            key,
+            kind,
+            token: t,
+            fence,
+            left,
+            session,
+        });
+    }
+}
+
+/// The tokens that hold a live lease (not an offer), by the model.
+pub(crate) fn holding(model: &ModelSide) -> Vec<usize> {
+    let mut out: Vec<usize> = model
+        .store
+        .keys
+        .iter()
+        .flat_map(|k| k.lock.iter().chain(k.pool.iter()))
+        .filter(|l| l.live() && !l.offered)
+        .map(|l| l.token.client as usize + 256 * l.token.attempt as usize)
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+pub(crate) fn key_of(model: &ModelSide, token: usize) -> Option<u8> {
     model.keys_of.get(&token).copied()
 }
 

@@ -5,9 +5,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use lockbroker_core::domain::{LockKey, Pool, Space, Token, Ttl};
+use lockbroker_core::domain::{LockKey, Owner, Pool, Space, Token, Ttl};
 use lockbroker_core::store::{
-    AsHolder, Bid, GrantAnswer, Join, Notice, Renewal, Store, StoreError,
+    AsHolder, Bid, GrantAnswer, Join, Notice, Renewal, SessionEntry, SessionOp, SessionRecord,
+    SessionSpec, Store, StoreError,
 };
 use lockbroker_redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
 
@@ -16,7 +17,7 @@ use lockbroker_model::store::{Answer, Fence};
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
 
-use super::{KEYS, LIMIT, ModelSide, SEMAPHORE, Step};
+use super::{KEYS, LIMIT, ModelSide, SEMAPHORE, SessStep, Step};
 
 /// A short lease, offer window and renewal, in ms: one tick of the model.
 const SHORT_MS: u64 = 150;
@@ -49,6 +50,10 @@ enum Said {
     NotHeld,
     NotOwner,
     Forced(Vec<Fence>),
+    /// SESSION: a live record's entries (key, token), or none.
+    Session(Option<BTreeSet<(u8, usize)>>),
+    /// KEEP: each lease's answer.
+    Kept(Vec<Said>),
     Done,
 }
 
@@ -63,6 +68,13 @@ fn model_said(a: &Answer, token: usize) -> Said {
         Answer::NotOwner => Said::NotOwner,
         Answer::Forced(f) if f.is_empty() => Said::NotHeld,
         Answer::Forced(f) => Said::Forced(f.clone()),
+        Answer::Session(rec) => Said::Session(rec.as_ref().map(|r| {
+            r.entries
+                .iter()
+                .map(|(k, t)| (*k, t.client as usize + 256 * t.attempt as usize))
+                .collect()
+        })),
+        Answer::Kept(all) => Said::Kept(all.iter().map(|a| model_said(a, usize::MAX)).collect()),
         _ => Said::Done,
     }
 }
@@ -143,6 +155,8 @@ struct Real {
     stores: [RedisStore; 2],
     notices: [mpsc::Receiver<Notice>; 2],
     tokens: HashMap<usize, Token>,
+    /// Each session number's id.
+    sessions: HashMap<usize, Token>,
 }
 
 impl Real {
@@ -172,6 +186,7 @@ impl Real {
             stores: [a, b],
             notices: [ra, rb],
             tokens: HashMap::new(),
+            sessions: HashMap::new(),
         };
         real.caught_up().await;
         real
@@ -230,8 +245,10 @@ impl Real {
                 shared,
                 long,
                 wait,
+                session,
             } => {
-                let bid = self.bid(token, long, wait);
+                let mut bid = self.bid(token, long, wait);
+                bid.owner = session.then(|| Owner::for_session(None, 0));
                 let s = &self.stores[broker as usize];
                 let pool = if key == SEMAPHORE {
                     Some(Pool::Semaphore {
@@ -279,10 +296,16 @@ impl Real {
                 key,
                 token,
                 long,
+                until,
             } => {
                 let t = self.token(token);
+                let renewal = if until {
+                    Renewal::Until(now_ms() + ttl(long).as_ms())
+                } else {
+                    Renewal::For(ttl(long))
+                };
                 match self.stores[broker as usize]
-                    .renew(space, &lock_key(key), &t, Renewal::For(ttl(long)))
+                    .renew(space, &lock_key(key), &t, renewal)
                     .await?
                 {
                     AsHolder::Done(l) => Said::Held(l.fence),
@@ -305,8 +328,89 @@ impl Real {
                     other => holder(other),
                 }
             }
+            Step::Session { broker, id, ref op } => self.session(broker, id, op).await?,
+            Step::Keep {
+                broker,
+                ref leases,
+                long,
+            } => {
+                let entries: Vec<SessionEntry> = leases
+                    .iter()
+                    .map(|&(key, token)| self.entry(key, token))
+                    .collect();
+                let until = now_ms() + ttl(long).as_ms();
+                let mut out = Vec::new();
+                for kept in self.stores[broker as usize]
+                    .renew_all(&entries, until)
+                    .await
+                {
+                    out.push(match kept? {
+                        AsHolder::Done(l) => Said::Held(l.fence),
+                        other => holder(other),
+                    });
+                }
+                Said::Kept(out)
+            }
             Step::Tick | Step::Flush => Said::Done,
         })
+    }
+
+    fn entry(&mut self, key: u8, token: usize) -> SessionEntry {
+        SessionEntry {
+            space: space_of(key),
+            key: lock_key(key),
+            token: self.token(token),
+            entered_ms: 0,
+        }
+    }
+
+    async fn session(&mut self, broker: u8, id: usize, op: &SessStep) -> StoreResult<Said> {
+        let sid = self
+            .sessions
+            .entry(id)
+            .or_insert_with(Token::generate)
+            .clone();
+        let spec = |long| SessionSpec {
+            ttl: ttl(long),
+            owner: None,
+            lock_delay_ms: 0,
+            request_id: None,
+        };
+        let store = &self.stores[broker as usize];
+        let rec = match *op {
+            SessStep::Open { long } => store.session(&sid, SessionOp::Open(&spec(long))).await?,
+            SessStep::Renew => store.session(&sid, SessionOp::Renew(None)).await?,
+            SessStep::Read => store.session(&sid, SessionOp::Read).await?,
+            SessStep::Close => store.session(&sid, SessionOp::Close).await?,
+            SessStep::Enter { key, token } => {
+                let e = self.entry(key, token);
+                self.stores[broker as usize]
+                    .session(&sid, SessionOp::Enter(&e))
+                    .await?
+            }
+            SessStep::Drop { key, token } => {
+                let e = self.entry(key, token);
+                self.stores[broker as usize]
+                    .session(&sid, SessionOp::Drop(&e))
+                    .await?
+            }
+        };
+        Ok(Said::Session(rec.map(|r| self.entries(&r))))
+    }
+
+    fn entries(&self, r: &SessionRecord) -> BTreeSet<(u8, usize)> {
+        r.entries
+            .iter()
+            .map(|e| {
+                let k = e
+                    .key
+                    .as_str()
+                    .trim_start_matches('d')
+                    .parse()
+                    .unwrap_or(u8::MAX);
+                (k, self.index_of(&e.token))
+            })
+            .collect()
     }
 
     fn grant(&self, a: GrantAnswer) -> Said {
@@ -448,6 +552,8 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
         let key = match *step {
             Step::Claim { key, .. } | Step::TakeOver { key, .. } | Step::Release { key, .. } => key,
             Step::Renew { key, .. } | Step::Leave { key, .. } | Step::Force { key, .. } => key,
+            Step::Keep { ref leases, .. } => leases.first().map_or(0, |l| l.0),
+            Step::Session { .. } => 0,
             Step::Tick | Step::Flush => unreachable!(),
         };
         let token = match *step {
@@ -477,7 +583,18 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
             said_model = Said::Held(0);
         }
         let fenced = !matches!(step, Step::Release { .. });
-        let same = if fenced {
+        let same = if let (Step::Keep { leases, .. }, Said::Kept(m), Said::Kept(r)) =
+            (step, &said_model, &said_real)
+        {
+            if m.len() == r.len() {
+                leases
+                    .iter()
+                    .zip(m.iter().zip(r))
+                    .try_for_each(|(l, (m, r))| fences.same(l.0, m, r))
+            } else {
+                Err(format!("model {said_model:?}, real {said_real:?}"))
+            }
+        } else if fenced {
             fences.same(key, &said_model, &said_real)
         } else if said_model == said_real {
             Ok(())

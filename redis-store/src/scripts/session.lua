@@ -5,8 +5,8 @@
 -- store/session.rs), each in its own key's scripts.
 --
 -- The record: `ttl`, `expires_at` (Redis's clock, ms), `owner` ('' or '=' and the label),
--- `delay` (the lock delay, ms), and one field per lease entered, `e|<space>|<token>` → the client
--- key. A record whose end has passed is ended: every call but open deletes it and answers none.
+-- `delay` (the lock delay, ms), and one field per lease entered, `e|<space>|<token>` → when it
+-- was last entered (ms) and the client key, space-separated. A record whose end has passed is ended: every call but open deletes it and answers none.
 -- Redis drops it by itself a slack after its end.
 --
 -- Joined after lib/prelude.lua. Its call: `SessionCall` in scripts/session.rs.
@@ -51,7 +51,7 @@ if op == 'renew' then
   redis.call('HSET', R, 'ttl', int(ttl), 'expires_at', int(now + ttl))
   redis.call('PEXPIRE', R, ttl + SLACK)
 elseif op == 'enter' then
-  redis.call('HSET', R, ARGV[2], ARGV[3])
+  redis.call('HSET', R, ARGV[2], int(now) .. ' ' .. ARGV[3])
 elseif op == 'drop' then
   redis.call('HDEL', R, ARGV[2])
 elseif op == 'close' then

@@ -75,8 +75,8 @@ impl FromRedisValue for SessionReply {
         let mut entries = Vec::new();
         while !fields.is_empty() {
             let name: String = fields.next()?;
-            let key: String = fields.next()?;
-            entries.push(entry(&name, &key).ok_or_else(|| {
+            let value: String = fields.next()?;
+            entries.push(entry(&name, &value).ok_or_else(|| {
                 ParsingError::from(format!("a malformed session entry {name:?}"))
             })?);
         }
@@ -92,8 +92,9 @@ impl FromRedisValue for SessionReply {
     }
 }
 
-/// An entry from its field and key.
-fn entry(name: &str, key: &str) -> Option<SessionEntry> {
+/// An entry from its field and value (when it was entered, and the key).
+fn entry(name: &str, value: &str) -> Option<SessionEntry> {
+    let (entered_ms, key) = value.split_once(' ')?;
     let mut parts = name.splitn(3, '|');
     let (Some("e"), Some(space), Some(token)) = (parts.next(), parts.next(), parts.next()) else {
         return None;
@@ -107,5 +108,6 @@ fn entry(name: &str, key: &str) -> Option<SessionEntry> {
         space,
         key: LockKey::parse(key).ok()?,
         token: Token::parse(token).ok()?,
+        entered_ms: entered_ms.parse().ok()?,
     })
 }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use crate::domain::Token;
-use crate::store::{SessionOp, SessionRecord};
+use crate::store::{SessionEntry, SessionOp, SessionRecord};
 
 #[derive(Default)]
 pub(super) struct Sessions {
@@ -55,9 +55,11 @@ impl Sessions {
                 record.expires_at_ms = now_ms + record.ttl_ms;
             }
             SessionOp::Enter(entry) => {
-                if !record.entries.contains(entry) {
-                    record.entries.push(entry.clone());
-                }
+                record.entries.retain(|e| e != entry);
+                record.entries.push(SessionEntry {
+                    entered_ms: now_ms,
+                    ..entry.clone()
+                });
             }
             SessionOp::Drop(entry) => record.entries.retain(|e| e != entry),
             SessionOp::Close => {

@@ -163,6 +163,9 @@ local function hand_on(c, me)
       if not fits then break end
       unqueue(head)
       local mine = head == me
+      -- Granted on its own ask, a bid's lease is as long as this ask says (`c.ttl`), not as its
+      -- first ask did: a bid under a session asks with what is left of its session.
+      if mine and c.ttl then ttl = c.ttl end
       local fence, expires = write_lease(c, head, b, kind, tonumber(ttl), rid, owner, not mine)
       if mine then
         granted = {GRANTED, fence, expires, head, tonumber(ttl), c.now_ms}
@@ -194,6 +197,7 @@ local function wait_turn(c, bid)
   -- Settled first: a lapsed offer's broker requeues before this bid joins, not after.
   settle(c)
   enqueue(c, bid)
+  c.ttl = bid.ttl
   local granted = hand_on(c, c.token)
   if granted then return granted end
   return {QUEUED, busy_for(c, bid.kind) or busy_for(c, 'x') or c.window}
