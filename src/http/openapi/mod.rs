@@ -68,6 +68,8 @@ unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key
         super::locks::renew_lock,
         super::locks::inspect_lock,
         super::locks::list_locks,
+        super::several::acquire_locks,
+        super::several::release_locks,
         super::semaphores::acquire_permit,
         super::semaphores::release_permit,
         super::semaphores::renew_permit,
