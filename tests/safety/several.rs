@@ -1,0 +1,142 @@
+//! Several keys at once under torture: clients on two brokers sharing one Redis each take random
+//! subsets of 2 to 4 keys out of 6, named in random order, hold them a moment and release them
+//! all. Every request must be served within its (long) wait — a deadlock would leave requests
+//! waiting until their wait runs out — and per key no two holds overlap and fences rise in grant
+//! order.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lockbroker_test_support::app::spawn_apps;
+use lockbroker_test_support::http::http_client;
+use lockbroker_test_support::redis_server::RedisServer;
+use rand::RngExt;
+use rand::seq::SliceRandom;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+const KEYS: [&str; 6] = ["s-a", "s-b", "s-c", "s-d", "s-e", "s-f"];
+const CLIENTS: usize = 8;
+const ROUNDS: usize = 12;
+
+/// One key's hold, as its client saw it.
+#[derive(Debug, Clone)]
+struct Hold {
+    client: usize,
+    fence: u64,
+    start: Instant,
+    end: Instant,
+}
+
+async fn client(
+    n: usize,
+    brokers: Arc<Vec<String>>,
+    holds: Arc<Mutex<BTreeMap<String, Vec<Hold>>>>,
+) -> Vec<Duration> {
+    let http = http_client();
+    let mut waits = Vec::new();
+    for round in 0..ROUNDS {
+        let (keys, broker, hold_ms) = {
+            let mut rng = rand::rng();
+            let mut keys = KEYS.to_vec();
+            keys.shuffle(&mut rng);
+            keys.truncate(rng.random_range(2..=4));
+            (
+                keys,
+                brokers[(n + round) % brokers.len()].clone(),
+                rng.random_range(1..20u64),
+            )
+        };
+        let asked = Instant::now();
+        let answer = http
+            .post(format!("{broker}/locks"))
+            .json(&json!({"keys": keys, "wait_ms": 20000, "ttl_ms": 10000}))
+            .send()
+            .await
+            .expect("the broker answers");
+        let status = answer.status();
+        let body: Value = answer.json().await.expect("a JSON body");
+        assert_eq!(
+            status,
+            StatusCode::CREATED,
+            "client {n} round {round}: {body}"
+        );
+        let start = Instant::now();
+        waits.push(start - asked);
+        tokio::time::sleep(Duration::from_millis(hold_ms)).await;
+        let end = Instant::now();
+        let released = http
+            .delete(format!("{broker}/locks?keys={}", keys.join(",")))
+            .header("Lock-Token", body["token"].as_str().unwrap())
+            .send()
+            .await
+            .expect("the broker answers");
+        assert_eq!(released.status(), StatusCode::OK);
+        let mut holds = holds.lock().await;
+        for lease in body["leases"].as_array().unwrap() {
+            holds
+                .entry(lease["key"].as_str().unwrap().to_owned())
+                .or_default()
+                .push(Hold {
+                    client: n,
+                    fence: lease["fence"].as_u64().unwrap(),
+                    start,
+                    end,
+                });
+        }
+    }
+    waits
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_key_sets_in_random_orders_on_two_brokers_never_deadlock_nor_overlap() {
+    let redis = RedisServer::start().await;
+    let apps = spawn_apps(&redis.url(), 2, |_| {}).await;
+    let brokers = Arc::new(apps.iter().map(|a| a.address.clone()).collect::<Vec<_>>());
+    let holds = Arc::new(Mutex::new(BTreeMap::new()));
+    let started = Instant::now();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|n| tokio::spawn(client(n, brokers.clone(), holds.clone())))
+        .collect();
+    let mut waits = Vec::new();
+    for c in clients {
+        let client_waits = tokio::time::timeout(Duration::from_secs(60), c)
+            .await
+            .expect("the clients did not finish within 60 s: a deadlock")
+            .expect("a client task");
+        waits.extend(client_waits);
+    }
+    let took = started.elapsed();
+    let holds = holds.lock().await;
+    let mut total = 0;
+    for (key, key_holds) in holds.iter() {
+        let mut key_holds = key_holds.clone();
+        key_holds.sort_by_key(|h| h.start);
+        for pair in key_holds.windows(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            assert!(
+                a.end <= b.start,
+                "{key}: client {} held it (fence {}) while client {} was granted it (fence {})",
+                a.client,
+                a.fence,
+                b.client,
+                b.fence
+            );
+            assert!(b.fence > a.fence, "{key}: fences must rise in grant order");
+        }
+        total += key_holds.len();
+    }
+    waits.sort();
+    let p99 = waits[(waits.len() * 99 / 100).min(waits.len() - 1)];
+    eprintln!(
+        "{} acquisitions of 2-4 keys ({total} key holds) in {took:?}: {:.0} acquisitions/s, wait p50 {:?} p99 {:?}",
+        waits.len(),
+        waits.len() as f64 / took.as_secs_f64(),
+        waits[waits.len() / 2],
+        p99
+    );
+    assert_eq!(waits.len(), CLIENTS * ROUNDS);
+}
