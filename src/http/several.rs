@@ -12,6 +12,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::SharedState;
 use super::error::ApiError;
+use super::error::responses::{AcquireRefused, Locked, SeveralReleaseRefused};
 use super::params::{Params, TokenHeader, token};
 use super::requests::{ModeName, Parameters, acquire_request, int, mode, text};
 use crate::domain::{Kind, LockKey, Space};
@@ -31,6 +32,12 @@ fn keys<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Vec<String>
         Err(_) => Err(D::Error::custom("must be a list of keys")),
     }
 }
+
+/// A lock's key, as a several-keys request names it.
+#[derive(ToSchema)]
+#[schema(value_type = String, min_length = 1, max_length = 200, pattern = r"^[A-Za-z0-9._:-]{1,200}$")]
+#[allow(dead_code)] // documents the keys' items; never built
+pub(crate) struct KeyName(String);
 
 /// The parameters of `POST /locks`: the keys, and those of a single acquire (`ttl_ms`,
 /// `wait_ms`, `owner`, `request_id`, `mode`, `session`).
@@ -197,6 +204,8 @@ pub(super) struct SeveralGrantBody<'a> {
     request_body(content = SeveralBody, content_type = "application/json"),
     responses(
         (status = 201, description = "Granted: every key is held.", body = SeveralGrantBody),
+        Locked,
+        AcquireRefused,
     ),
     security((), ("bearer" = []))
 )]
@@ -241,6 +250,13 @@ pub(super) async fn acquire_locks(
     Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 
+/// A several-keys release's answer: each key's status, in the order of `keys`.
+#[derive(Serialize, ToSchema)]
+#[schema(as = SeveralReleased)]
+pub(super) struct SeveralReleasedBody<'a> {
+    results: Vec<KeyStatus<'a>>,
+}
+
 /// One key's answer to a several-keys release.
 #[derive(Serialize, ToSchema)]
 struct KeyStatus<'a> {
@@ -259,7 +275,10 @@ struct KeyStatus<'a> {
     operation_id = "release_several",
     tag = "locks",
     params(TokenHeader, SeveralRelease),
-    responses((status = 200, description = "Each key's status.")),
+    responses(
+        (status = 200, description = "Each key's status.", body = SeveralReleasedBody),
+        SeveralReleaseRefused,
+    ),
     security((), ("bearer" = []))
 )]
 pub(super) async fn release_locks(
@@ -285,5 +304,5 @@ pub(super) async fn release_locks(
             },
         })
         .collect();
-    Ok(Json(serde_json::json!({ "results": results })).into_response())
+    Ok(Json(SeveralReleasedBody { results }).into_response())
 }

@@ -204,6 +204,7 @@ fn bounds(doc: &mut Value, limits: &Limits) {
                     | "SemaphoreAcquireBody"
                     | "RenewBody"
                     | "SessionBody"
+                    | "SeveralBody"
                     | "SessionRenewBody"
             );
             let Some(properties) = body.get_mut("properties").and_then(Value::as_object_mut) else {
