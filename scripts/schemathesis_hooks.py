@@ -13,7 +13,7 @@ rules tie parameters together, and OpenAPI has no way to say that:
 5. An inspect takes `wait_ms` only with `watch` (it is how long the watch waits).
 6. An acquire under a session (`session`) takes no `ttl_ms`: the lease lives as long as the
    session.
-7. A several-keys release names each key once (`keys=a,b`).
+7. A several-keys request names each key once (`keys`).
 
 Each request generated to be valid is made to keep these rules, and nothing else is changed, so that
 schemathesis checks everything the document says and nothing it cannot say.
@@ -72,9 +72,15 @@ def map_case(context, case):
         # Rule 7: each key once.
         seen = []
         for key in str(query["keys"]).split(","):
-            if key not in seen:
+            key = key.strip()
+            if key and key not in seen:
                 seen.append(key)
-        query["keys"] = ",".join(seen)
+        query["keys"] = ",".join(seen) or "k"
+    if (case.method.upper(), case.path) == ("POST", "/locks") and isinstance(case.body, dict):
+        keys = case.body.get("keys")
+        if isinstance(keys, list):
+            # Rule 7: each key once.
+            case.body["keys"] = list(dict.fromkeys(keys)) or ["k"]
     if (case.method.upper(), case.path) in WATCH_OPERATIONS:
         body = case.body if isinstance(case.body, dict) else {}
         if "watch" not in (query or {}) and "watch" not in body:

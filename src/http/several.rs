@@ -51,7 +51,12 @@ pub(crate) struct SeveralBody {
         deserialize_with = "keys",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schema(value_type = Vec<String>, min_items = 1, max_items = 64)]
+    #[schema(
+        value_type = Vec<KeyName>,
+        required = true,
+        min_items = 1,
+        max_items = 64
+    )]
     #[param(value_type = String, required = false)]
     keys: Option<Vec<String>>,
     #[serde(
@@ -125,13 +130,17 @@ impl SeveralRelease {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct SeveralRelease {
-    /// The keys to release, comma-separated.
+    /// The keys to release, comma-separated (1 to 64, distinct).
     #[serde(
         default,
         deserialize_with = "keys",
         skip_serializing_if = "Option::is_none"
     )]
-    #[param(value_type = String, required = true)]
+    #[param(
+        value_type = String,
+        required = true,
+        pattern = r"^[A-Za-z0-9._:-]{1,200}(,[A-Za-z0-9._:-]{1,200}){0,63}$"
+    )]
     keys: Option<Vec<String>>,
     /// The token, if not in the `Lock-Token` header.
     #[serde(
@@ -139,7 +148,13 @@ pub(crate) struct SeveralRelease {
         deserialize_with = "text",
         skip_serializing_if = "Option::is_none"
     )]
-    #[param(value_type = String, required = false)]
+    #[param(
+        value_type = String,
+        required = false,
+        min_length = 1,
+        max_length = 128,
+        pattern = r"^[A-Za-z0-9._~-]{1,128}$"
+    )]
     token: Option<String>,
 }
 

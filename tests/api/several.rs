@@ -18,6 +18,7 @@ on_both_stores!(
     keys_are_released_together_or_one_by_one_with_the_one_token,
     requests_for_the_same_keys_in_opposite_orders_all_complete,
     bad_key_lists_are_refused,
+    several_keys_under_a_session_are_kept_and_closed_together,
 );
 
 async fn acquire(app: &TestApp, body: Value) -> Answer {
@@ -164,4 +165,34 @@ async fn bad_key_lists_are_refused(b: &Backend) {
     release(app, "", "some-token")
         .await
         .expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+}
+
+/// Several keys under a session: the keep-alive keeps every one of them (one token for all),
+/// and a close releases every one.
+async fn several_keys_under_a_session_are_kept_and_closed_together(b: &Backend) {
+    let app = &b.app;
+    let opened = app
+        .send(app.request(Method::POST, "/sessions?ttl_ms=800"))
+        .await
+        .expect_status(StatusCode::CREATED)
+        .json();
+    let id = opened["session"].as_str().unwrap().to_owned();
+    acquire(app, json!({"keys": ["u-1", "u-2", "u-3"], "session": id}))
+        .await
+        .expect_status(StatusCode::CREATED);
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        app.send(app.request(Method::POST, &format!("/sessions/{id}/renew")))
+            .await
+            .expect_status(StatusCode::OK);
+    }
+    for key in ["u-1", "u-2", "u-3"] {
+        app.expect_locked(key, "").await;
+    }
+    app.send(app.request(Method::DELETE, &format!("/sessions/{id}")))
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    for key in ["u-1", "u-2", "u-3"] {
+        app.grant(key, "").await;
+    }
 }

@@ -140,3 +140,89 @@ async fn random_key_sets_in_random_orders_on_two_brokers_never_deadlock_nor_over
     );
     assert_eq!(waits.len(), CLIENTS * ROUNDS);
 }
+
+/// A broker killed while a several-keys request it serves holds its first key and waits for the
+/// second: the first key is held up no longer than its lease's TTL (the documented bound: nobody
+/// renews it any more), and a waiter on another broker gets it then; a client that gives up
+/// instead releases what its request took at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_killed_mid_acquisition_holds_its_first_key_only_until_that_lease_ends() {
+    let redis = RedisServer::start().await;
+    let [mut doomed, other, _third] = crate::faults::three_broker_processes(&redis, 1000).await;
+    let http = http_client();
+    // `k-2` is held elsewhere, so a request for {k-1, k-2} takes k-1 and waits for k-2.
+    let blocker: Value = http
+        .post(format!("{}/locks/k-2?ttl_ms=30000", other.address()))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let request = http
+        .post(format!("{}/locks", doomed.address()))
+        .json(&json!({"keys": ["k-1", "k-2"], "wait_ms": 20000, "ttl_ms": 2000}));
+    let pending = tokio::spawn(async move { request.send().await.map(|r| r.status()) });
+    // k-1 is taken by the several-keys request (its queue shows nobody; the lock is held).
+    let started = Instant::now();
+    loop {
+        let shown = http
+            .get(format!("{}/locks/k-1", other.address()))
+            .send()
+            .await
+            .unwrap();
+        if shown.status() == StatusCode::OK {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "k-1 was never taken"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let killed = Instant::now();
+    doomed.kill();
+    let _ = pending.await;
+    // Nobody renews k-1 now: a waiter on a surviving broker gets it within its TTL (+ slack).
+    let granted = http
+        .post(format!("{}/locks/k-1?wait_ms=10000", other.address()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(granted.status(), StatusCode::CREATED);
+    assert!(
+        killed.elapsed() < Duration::from_millis(2000 + 1500),
+        "k-1 was held {:?} after its broker died; its lease was 2 s",
+        killed.elapsed()
+    );
+    // A client that gives up mid-way: what its request took is released at once.
+    let request = http
+        .post(format!("{}/locks", other.address()))
+        .json(&json!({"keys": ["k-3", "k-2"], "wait_ms": 20000, "ttl_ms": 30000}));
+    let gave_up = tokio::spawn(async move { request.send().await });
+    loop {
+        let shown = http
+            .get(format!("{}/locks/k-3", other.address()))
+            .send()
+            .await
+            .unwrap();
+        if shown.status() == StatusCode::OK {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gave_up.abort();
+    let left = Instant::now();
+    let next = http
+        .post(format!("{}/locks/k-3?wait_ms=5000", other.address()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(next.status(), StatusCode::CREATED);
+    assert!(
+        left.elapsed() < Duration::from_secs(2),
+        "k-3 was held {:?} after its client left",
+        left.elapsed()
+    );
+    drop(blocker);
+}
