@@ -198,30 +198,35 @@ async fn a_broker_killed_mid_acquisition_holds_its_first_key_only_until_that_lea
     // A client that gives up mid-way: what its request took is released at once.
     let request = http
         .post(format!("{}/locks", other.address()))
-        .json(&json!({"keys": ["k-3", "k-2"], "wait_ms": 20000, "ttl_ms": 30000}));
+        .json(&json!({"keys": ["k-0", "k-2"], "wait_ms": 20000, "ttl_ms": 30000}));
     let gave_up = tokio::spawn(async move { request.send().await });
+    let asked = Instant::now();
     loop {
         let shown = http
-            .get(format!("{}/locks/k-3", other.address()))
+            .get(format!("{}/locks/k-0", other.address()))
             .send()
             .await
             .unwrap();
         if shown.status() == StatusCode::OK {
             break;
         }
+        assert!(
+            asked.elapsed() < Duration::from_secs(5),
+            "k-0 was never taken"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     gave_up.abort();
     let left = Instant::now();
     let next = http
-        .post(format!("{}/locks/k-3?wait_ms=5000", other.address()))
+        .post(format!("{}/locks/k-0?wait_ms=5000", other.address()))
         .send()
         .await
         .unwrap();
     assert_eq!(next.status(), StatusCode::CREATED);
     assert!(
         left.elapsed() < Duration::from_secs(2),
-        "k-3 was held {:?} after its client left",
+        "k-0 was held {:?} after its client left",
         left.elapsed()
     );
     drop(blocker);
