@@ -11,7 +11,7 @@ from typing import Dict, List
 import pytest
 
 from conftest import embedded_only
-from harness import BrokerProcess, Proxy, hold_first_answer, lost_signal, wait_until
+from harness import BrokerProcess, Exchange, Proxy, hold_first_answer, lost_signal, wait_until
 from lockbroker import Broker, Locked
 from lockbroker.aio import AsyncBroker
 
@@ -345,5 +345,45 @@ def test_asyncio_a_waiter_cancelled_holds_nothing(broker: BrokerProcess, key: st
             await holder.release()
             # Nobody takes the keys after the holder: the cancelled waiter is gone.
             assert fences_at(broker, [a, b]) == {a: [], b: []}
+
+    asyncio.run(scenario())
+
+
+def test_a_503_is_retried_with_the_same_request_id(broker: BrokerProcess, key: str) -> None:
+    a, b = names(key, "a", "b")
+    proxy = Proxy(broker.url)
+    refused: List[Exchange] = []
+
+    def refuse_the_first(exchange: Exchange) -> "int | None":
+        if exchange.method == "POST" and exchange.path == "/locks" and not refused:
+            refused.append(exchange)
+            return 503
+        return None
+
+    proxy.refuse = refuse_the_first
+    try:
+        with Broker(proxy.url) as client:
+            lease = client.acquire_all([a, b], ttl=10, wait=5)
+            posts = proxy.seen(lambda e: e.method == "POST" and e.path == "/locks")
+            assert [e.status for e in posts] == [503, 201]
+            assert posts[0].json()["request_id"] == posts[1].json()["request_id"]
+            assert fences_at(broker, [a, b]) == {k: [lease.fences[k]] for k in (a, b)}
+    finally:
+        proxy.close()
+
+
+def test_asyncio_under_a_session(broker: BrokerProcess, key: str) -> None:
+    a, b = names(key, "a", "b")
+
+    async def scenario() -> None:
+        async with AsyncBroker(broker.url) as client:
+            async with await client.open_session(ttl=10) as session:
+                lease = await session.acquire_all([a, b])
+                assert list(lease.fences) == [a, b] and lease.held
+                assert [h.get("session") for k in (a, b) for h in broker.holders(k)] == [True] * 2
+                assert await lease.renew() is True
+                await lease.release()  # these keys only: the session goes on
+                assert not lease.held and session.alive and session.leases == []
+                assert fences_at(broker, [a, b]) == {a: [], b: []}
 
     asyncio.run(scenario())
