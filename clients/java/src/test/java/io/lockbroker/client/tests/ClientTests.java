@@ -96,6 +96,7 @@ public final class ClientTests {
         perStore.put("several_keys_opposite_orders_all_complete", SeveralKeysTests::oppositeOrdersAllComplete);
         perStore.put("several_keys_one_lost_loses_the_lease", SeveralKeysTests::lostKeyLosesTheLease);
         perStore.put("several_keys_release_releases_all", SeveralKeysTests::releaseReleasesAll);
+        perStore.put("several_keys_retry_keeps_request_id", SeveralKeysTests::retryKeepsRequestId);
         Map<String, Body> redisOnly = new LinkedHashMap<>();
         redisOnly.put("store_down_503s_retried_without_double_grant", ClientTests::storeDown);
         Map<String, Body> own = new LinkedHashMap<>();

@@ -5,6 +5,7 @@ import static io.lockbroker.client.tests.ClientTests.check;
 import static io.lockbroker.client.tests.ClientTests.equal;
 import static io.lockbroker.client.tests.ClientTests.fenceOf;
 import static io.lockbroker.client.tests.ClientTests.get;
+import static io.lockbroker.client.tests.ClientTests.requestId;
 import static io.lockbroker.client.tests.ClientTests.send;
 
 import io.lockbroker.client.Lease;
@@ -17,6 +18,7 @@ import java.util.List;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.TimeUnit;
 import java.util.concurrent.atomic.AtomicInteger;
+import java.util.stream.Collectors;
 
 /**
  * Several keys at once ({@code acquireAll}): every key or none, a fence per key, two callers in
@@ -70,6 +72,30 @@ final class SeveralKeysTests {
                 } catch (IllegalArgumentException e) {
                     check(!e.getMessage().isEmpty(), "a clear error for " + bad);
                 }
+            }
+        }
+    }
+
+    /** Granted at the broker, told 503: the retry keeps the request_id and gets the one grant back. */
+    static void retryKeepsRequestId(ClientTests.Env env) throws Exception {
+        try (RecordingProxy proxy = new RecordingProxy(env.url());
+                LockBroker broker = LockBroker.create(proxy.url())) {
+            List<String> keys = List.of(env.key("retry-a"), env.key("retry-b"));
+            proxy.fault(c -> c.isAcquire() && c.path.equals("/locks"), RecordingProxy.Fault.FORWARD_THEN_503, 1);
+            Lease both = broker.acquireAll(keys, Duration.ofSeconds(10), Duration.ofSeconds(5));
+            List<RecordingProxy.Call> posts = proxy.calls().stream()
+                    .filter(c -> c.isAcquire() && c.path.equals("/locks")).collect(Collectors.toList());
+            equal(2, posts.size(), "one retry: " + posts);
+            equal(201, posts.get(0).upstreamStatus, "the first request was granted at the broker");
+            equal(requestId(posts.get(0).body), requestId(posts.get(1).body), "the retry kept the request_id");
+            check(posts.get(0).upstreamBody.contains("\"fence\":" + both.fence(keys.get(1))),
+                    "the lease returned is the first grant: " + posts.get(0).upstreamBody);
+            for (String key : keys) {
+                equal(both.fence(key), fenceOf(get(env.url() + "/locks/" + key).body()), "the broker holds " + key);
+            }
+            both.release();
+            for (String key : keys) {
+                equal(404, get(env.url() + "/locks/" + key).statusCode(), key + " released");
             }
         }
     }
