@@ -86,7 +86,7 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
         for (Lease part : parts()) {
             keys.add(part.key);
         }
-        return keys;
+        return List.copyOf(keys);
     }
 
     /**

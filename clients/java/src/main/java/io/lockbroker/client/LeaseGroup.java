@@ -59,15 +59,19 @@ final class LeaseGroup {
         return parts.get(0);
     }
 
-    /** A part was lost: so is every other one (once), each released in the background. */
+    /**
+     * A part was lost: so is every other one (once), each released in the background, unless
+     * their session has ended (which ended them all at the broker).
+     */
     void lost(Lease from, String reason) {
         if (!lost.compareAndSet(false, true)) {
             return;
         }
+        boolean sessionEnded = from.session != null && !from.session.isAlive();
         String whole = "'" + from.key + "', one of its keys, was lost: " + reason;
         for (Lease part : parts) {
             if (part != from) {
-                part.lost(whole, false);
+                part.lost(whole, sessionEnded);
             }
         }
     }

@@ -9,6 +9,7 @@ import static io.lockbroker.client.tests.ClientTests.requestId;
 import static io.lockbroker.client.tests.ClientTests.send;
 
 import io.lockbroker.client.Lease;
+import io.lockbroker.client.LeaseLostException;
 import io.lockbroker.client.LockBroker;
 import io.lockbroker.client.LockedException;
 import io.lockbroker.client.Session;
@@ -234,6 +235,21 @@ final class SeveralKeysTests {
             for (String key : keys) {
                 equal(404, get(env.url() + "/locks/" + key).statusCode(), key + " released with the session");
             }
+            // One key force-released: the lease's renew() sees it; the lease is lost, the other key released.
+            Session second = broker.openSession(Duration.ofSeconds(10));
+            Lease third = second.acquireAll(keys, Duration.ZERO);
+            check(other.forceRelease(keys.get(1)), "force-released");
+            try {
+                third.renew();
+                throw new AssertionError("renewed a lease one of whose keys was force-released");
+            } catch (LeaseLostException e) {
+                check(e.getMessage().contains(keys.get(1)), "names the key: " + e.getMessage());
+            }
+            check(!third.isHeld() && second.isAlive(), "the lease is lost, the session goes on");
+            Lease next = other.acquire(keys.get(0), Duration.ofSeconds(5), Duration.ofSeconds(5));
+            check(next.fence() > third.fence(), "the other key was released and taken by the next");
+            next.release();
+            second.close();
         }
     }
 }
