@@ -215,15 +215,7 @@ def test_under_a_session_one_keep_alive_keeps_every_key(broker: BrokerProcess, k
         proxy.close()
 
 
-# The broker on Redis leaves the first key of a several-keys grant held when its session is
-# closed (only the last key is released): a broker bug, not the client's; strict, so that the
-# fix shows here.
-@pytest.mark.parametrize("broker", [
-    "embedded",
-    pytest.param("redis", marks=pytest.mark.xfail(
-        strict=True, reason="broker on Redis: closing a session keeps a several-keys grant's "
-                            "first key")),
-], indirect=True)
+@pytest.mark.parametrize("broker", ["embedded", "redis"], indirect=True)
 def test_closing_the_session_releases_every_key(broker: BrokerProcess, key: str) -> None:
     a, b = names(key, "a", "b")
     with Broker(broker.url) as client:

@@ -97,6 +97,7 @@ public final class ClientTests {
         perStore.put("several_keys_one_lost_loses_the_lease", SeveralKeysTests::lostKeyLosesTheLease);
         perStore.put("several_keys_release_releases_all", SeveralKeysTests::releaseReleasesAll);
         perStore.put("several_keys_retry_keeps_request_id", SeveralKeysTests::retryKeepsRequestId);
+        perStore.put("several_keys_under_a_session", SeveralKeysTests::underASession);
         Map<String, Body> redisOnly = new LinkedHashMap<>();
         redisOnly.put("store_down_503s_retried_without_double_grant", ClientTests::storeDown);
         Map<String, Body> own = new LinkedHashMap<>();
@@ -118,9 +119,6 @@ public final class ClientTests {
         own.put("session_close_never_throws", SessionTests::closeNeverThrows);
         own.put("session_open_retried_with_one_request_id", SessionTests::openRetriedWithOneRequestId);
         own.put("session_lease_force_released_seen_by_its_renew", SessionTests::forceReleasedLeaseSeenByItsRenew);
-        // On the embedded store only, for now: the broker on Redis does not yet keep several keys
-        // taken under a session alive with the session's keep-alives.
-        own.put("several_keys_under_a_session", SeveralKeysTests::underASession);
 
         List<String> filters = List.of(args);
         int[] tally = new int[2];
