@@ -80,8 +80,18 @@ pub(crate) struct SeveralBody {
         deserialize_with = "text",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schema(value_type = String, required = false, max_length = 128)]
-    #[param(value_type = String, required = false, max_length = 128)]
+    #[schema(
+        value_type = String,
+        required = false,
+        max_length = 128,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*$"
+    )]
+    #[param(
+        value_type = String,
+        required = false,
+        max_length = 128,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*$"
+    )]
     owner: Option<String>,
     #[serde(
         default,
@@ -104,8 +114,20 @@ pub(crate) struct SeveralBody {
         deserialize_with = "text",
         skip_serializing_if = "Option::is_none"
     )]
-    #[schema(value_type = String, required = false)]
-    #[param(value_type = String, required = false)]
+    #[schema(
+        value_type = String,
+        required = false,
+        min_length = 1,
+        max_length = 128,
+        pattern = r"^[A-Za-z0-9._~-]{1,128}$"
+    )]
+    #[param(
+        value_type = String,
+        required = false,
+        min_length = 1,
+        max_length = 128,
+        pattern = r"^[A-Za-z0-9._~-]{1,128}$"
+    )]
     session: Option<String>,
 }
 
