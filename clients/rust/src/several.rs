@@ -8,11 +8,11 @@ use reqwest::StatusCode;
 use serde::{Deserialize, Serialize};
 
 use crate::acquire::retrying;
-use crate::client::{Client, REQUEST_TIMEOUT};
+use crate::client::{Client, GrantBody, REQUEST_TIMEOUT};
 use crate::error::Error;
 use crate::lease::{Lease, LeaseOptions, Released};
 use crate::request::expect_json;
-use crate::types::{AcquireParams, Resource, Space, Token, millis};
+use crate::types::{AcquireParams, Resource, Space, Token};
 
 /// A grant of several keys, as `POST /locks` answers it: one token for all, a fence per key in
 /// the order asked, and `expires_at_ms` the earliest of the leases' ends. `Debug` hides the
@@ -94,28 +94,8 @@ impl Client {
         keys: &[S],
         params: &AcquireParams,
     ) -> Result<SeveralGrant, Error> {
-        #[derive(Serialize)]
-        struct Body<'a> {
-            keys: Vec<&'a str>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            ttl_ms: Option<u64>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            wait_ms: Option<u64>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            owner: Option<&'a str>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            request_id: Option<&'a str>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            session: Option<&'a str>,
-        }
-        let body = Body {
-            keys: keys.iter().map(AsRef::as_ref).collect(),
-            ttl_ms: params.ttl.map(millis),
-            wait_ms: params.wait.map(millis),
-            owner: params.owner.as_deref(),
-            request_id: params.request_id.as_deref(),
-            session: params.session.as_ref().map(Token::as_str),
-        };
+        let mut body = GrantBody::new(params);
+        body.keys = Some(keys.iter().map(AsRef::as_ref).collect());
         let request = self
             .http
             .post(format!("{}/{}", self.base, Space::Locks.path()))
