@@ -13,6 +13,7 @@ rules tie parameters together, and OpenAPI has no way to say that:
 5. An inspect takes `wait_ms` only with `watch` (it is how long the watch waits).
 6. An acquire under a session (`session`) takes no `ttl_ms`: the lease lives as long as the
    session.
+7. A several-keys request names each key once (`keys`).
 
 Each request generated to be valid is made to keep these rules, and nothing else is changed, so that
 schemathesis checks everything the document says and nothing it cannot say.
@@ -24,6 +25,7 @@ import schemathesis
 NO_SUCH_TOKEN = "schemathesis-no-such-token"
 
 TOKEN_OPERATIONS = {
+    ("DELETE", "/locks"),
     ("DELETE", "/locks/{key}"),
     ("DELETE", "/semaphores/{key}"),
     ("POST", "/locks/{key}/renew"),
@@ -31,6 +33,7 @@ TOKEN_OPERATIONS = {
 }
 
 ACQUIRE_OPERATIONS = {
+    ("POST", "/locks"),
     ("POST", "/locks/{key}"),
     ("POST", "/semaphores/{key}"),
 }
@@ -65,6 +68,19 @@ def map_case(context, case):
             if query:
                 query.pop("ttl_ms", None)
             body.pop("ttl_ms", None)
+    if (case.method.upper(), case.path) == ("DELETE", "/locks") and query and "keys" in query:
+        # Rule 7: each key once.
+        seen = []
+        for key in str(query["keys"]).split(","):
+            key = key.strip()
+            if key and key not in seen:
+                seen.append(key)
+        query["keys"] = ",".join(seen) or "k"
+    if (case.method.upper(), case.path) == ("POST", "/locks") and isinstance(case.body, dict):
+        keys = case.body.get("keys")
+        if isinstance(keys, list):
+            # Rule 7: each key once.
+            case.body["keys"] = list(dict.fromkeys(keys)) or ["k"]
     if (case.method.upper(), case.path) in WATCH_OPERATIONS:
         body = case.body if isinstance(case.body, dict) else {}
         if "watch" not in (query or {}) and "watch" not in body:

@@ -1,6 +1,6 @@
 //! The bounds of the exhaustive check (docs/model.md says why these).
 
-use crate::model::{Config, SessionCfg};
+use crate::model::{Config, SessionCfg, SeveralCfg};
 use crate::store::{Bug, Kind};
 
 /// The configurations `scripts/model-check.sh` checks, each exhaustively.
@@ -12,6 +12,7 @@ pub fn all(bug: Option<Bug>) -> Vec<Config> {
         clock(bug),
         semaphore(bug),
         sessions(bug),
+        several(bug),
     ]
 }
 
@@ -41,6 +42,7 @@ pub fn locks(bug: Option<Bug>) -> Config {
         clock_backs: 0,
         slacks: 0,
         session: None,
+        several: Vec::new(),
         bug,
     }
 }
@@ -140,6 +142,37 @@ pub fn sessions(bug: Option<Bug>) -> Config {
             acquires: 2,
             keeps: 2,
         }),
+        ..locks(bug)
+    }
+}
+
+/// Several keys at once: two brokers, two keys; a several-keys client on broker 0 naming the
+/// keys (0, 1) and one on broker 1 naming them (1, 0) — each takes them sorted — and a
+/// single-key exclusive client on key 1 (broker 1). Each acquires once; each several-keys
+/// client may give up mid-way (its wait ran out, its client went away). A broker may die
+/// (mid-way through a several-keys acquire, leaving its keys to their TTL); one force release.
+/// No store loss, clock step or slack here: `two-keys` and `locks` meet those with the same
+/// scripts.
+pub fn several(bug: Option<Bug>) -> Config {
+    Config {
+        name: "several",
+        brokers: 2,
+        clients: vec![(1, 1, Kind::Exclusive)],
+        keys: 2,
+        attempts: vec![1],
+        renews: 0,
+        losses: 0,
+        forces: 1,
+        several: vec![
+            SeveralCfg {
+                broker: 0,
+                keys: [0, 1],
+            },
+            SeveralCfg {
+                broker: 1,
+                keys: [1, 0],
+            },
+        ],
         ..locks(bug)
     }
 }

@@ -184,6 +184,27 @@ fn summary(model: &LockModel, s: &State) -> String {
         };
         out.push_str(&format!("c{j}@b{b}/key{k} {phase}; "));
     }
+    for (m, sv) in s.several.iter().enumerate() {
+        let took: Vec<String> = sv
+            .took
+            .iter()
+            .map(|t| {
+                format!(
+                    "key{} f{} left{}{}",
+                    t.key,
+                    t.fence,
+                    t.left,
+                    if t.ended { " ended" } else { "" }
+                )
+            })
+            .collect();
+        out.push_str(&format!(
+            "several{m}@b{} {:?} took[{}]; ",
+            model.cfg.several[m].broker,
+            sv.step,
+            took.join(", ")
+        ));
+    }
     for (b, br) in s.brokers.iter().enumerate() {
         out.push_str(&format!(
             "b{b}{} epoch {:?} ledger {} inbox {:?}; ",

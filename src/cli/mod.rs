@@ -161,6 +161,7 @@ mod tests {
             let locked = Error::Locked {
                 space,
                 retry_after_ms: None,
+                held: Vec::new(),
             };
             assert_eq!(exit_code(&locked), exit::LOCKED);
             assert_eq!(exit_code(&Error::NotHeld { space }), exit::NOT_HELD);
@@ -186,6 +187,7 @@ mod tests {
         let locked = Error::Locked {
             space: Space::Semaphores,
             retry_after_ms: Some(1500),
+            held: Vec::new(),
         };
         assert_eq!(error_json(&locked)["retry_after_ms"], 1500);
         assert_eq!(error_json(&locked)["error"], "locked");

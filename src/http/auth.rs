@@ -66,10 +66,49 @@ fn is_session_route(parts: &Parts) -> bool {
 
 /// Whether the matched route is a listing (`GET /locks`, `GET /semaphores`), which has no key.
 fn is_listing(parts: &Parts) -> bool {
-    parts
+    matches!(parts.method, Method::GET | Method::HEAD)
+        && parts
+            .extensions
+            .get::<MatchedPath>()
+            .is_some_and(|route| matches!(route.as_str(), "/locks" | "/semaphores"))
+}
+
+/// What a several-keys acquire or release (`POST`/`DELETE /locks`) asks: its keys, read as its
+/// handler reads them (the body is read here and handed on whole), and whether it acquires.
+/// `Ok(Err(body))`: the request is not one.
+#[allow(clippy::type_complexity)]
+async fn several_keys(
+    parts: &Parts,
+    body: Body,
+) -> Result<Result<(Vec<LockKey>, bool, Body), Body>, Response> {
+    let on_collection = parts
         .extensions
         .get::<MatchedPath>()
-        .is_some_and(|route| matches!(route.as_str(), "/locks" | "/semaphores"))
+        .is_some_and(|route| route.as_str() == "/locks");
+    let acquire = match parts.method {
+        Method::POST => true,
+        Method::DELETE => false,
+        _ => return Ok(Err(body)),
+    };
+    if !on_collection {
+        return Ok(Err(body));
+    }
+    let bytes = axum::body::to_bytes(body, BODY_LIMIT)
+        .await
+        .map_err(|_| ApiError::payload_too_large(BODY_LIMIT).into_response())?;
+    let copy = Request::from_parts(parts.clone(), Body::from(bytes.clone()));
+    let raw = if acquire {
+        Params::<super::several::SeveralBody>::from_request(copy, &())
+            .await
+            .map(|p| p.values.keys_named())
+    } else {
+        Params::<super::several::SeveralRelease>::from_request(copy, &())
+            .await
+            .map(|p| p.values.keys_named())
+    }
+    .map_err(IntoResponse::into_response)?;
+    let keys = super::several::parse_keys(raw).map_err(IntoResponse::into_response)?;
+    Ok(Ok((keys, acquire, Body::from(bytes))))
 }
 
 /// The prefix a listing asks for, read as its handler reads it (query string or JSON body; the
@@ -174,6 +213,24 @@ pub(super) async fn guard_lock_route(
         auth.metrics.authorized(client.name(), "allowed");
         return next.run(Request::from_parts(parts, body)).await;
     }
+    let body = match several_keys(&parts, body).await {
+        Err(refusal) => return refusal,
+        Ok(Ok((keys, acquire, body))) => {
+            for key in &keys {
+                let action = if acquire {
+                    Action::Acquire(key)
+                } else {
+                    Action::Release(key)
+                };
+                if !client.allows(action) {
+                    return forbid(&auth, client.name(), forbidden_message(client, action));
+                }
+            }
+            auth.metrics.authorized(client.name(), "allowed");
+            return next.run(Request::from_parts(parts, body)).await;
+        }
+        Ok(Err(body)) => body,
+    };
     if is_listing(&parts) {
         let (prefix, body) = match listing_prefix(&parts, body).await {
             Ok(read) => read,

@@ -23,6 +23,8 @@ pub(crate) struct ApiError {
     retry_after_ms: Option<u64>,
     /// For `limit_mismatch`: the limit the semaphore's holders use.
     limit: Option<u32>,
+    /// For `locked` on a several-keys acquire: the keys that were busy.
+    held: Option<Vec<String>>,
     /// A `store_unavailable` because the store did not answer (not a hold).
     store_down: bool,
 }
@@ -79,6 +81,11 @@ pub(crate) struct LockedError<'a> {
     /// Milliseconds until the current lease ends (the `Retry-After` header gives it in whole
     /// seconds, rounded up, at least 1).
     retry_after_ms: u64,
+    /// Only for a several-keys acquire (`POST /locks`): the keys that were busy when its wait ran
+    /// out (it holds none of them, nor any other, afterwards).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(required = false)]
+    held: Option<Vec<String>>,
 }
 
 /// The body of a `409` to a semaphore acquire: `locked` with `retry_after_ms`, or
@@ -140,6 +147,7 @@ impl ApiError {
             message: message.into(),
             retry_after_ms: None,
             limit: None,
+            held: None,
             store_down: false,
         }
     }
@@ -242,6 +250,19 @@ impl From<LockError> for ApiError {
                     StatusCode::CONFLICT,
                     ErrorCode::Locked,
                     "The lock is held by someone else.",
+                )
+            },
+            LockError::LockedKeys {
+                keys,
+                retry_after_ms,
+            } => Self {
+                retry_after_ms: Some(retry_after_ms),
+                held: Some(keys.iter().map(|k| k.as_str().to_owned()).collect()),
+                ..Self::new(
+                    StatusCode::CONFLICT,
+                    ErrorCode::Locked,
+                    "Some of the keys were still held by someone else when the wait ran out; \
+                     none is held for you.",
                 )
             },
             LockError::LimitMismatch { limit } => Self {
@@ -389,6 +410,7 @@ impl IntoResponse for ApiError {
                 error: self.code,
                 message,
                 retry_after_ms,
+                held: self.held,
             })
             .into_response(),
             (ErrorCode::LimitMismatch, _, Some(limit)) => Json(PermitConflictError {

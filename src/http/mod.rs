@@ -18,6 +18,7 @@ pub(crate) mod params;
 mod requests;
 mod semaphores;
 mod sessions;
+mod several;
 
 use std::sync::Arc;
 
@@ -41,6 +42,8 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/locks/{key}"),
     ("POST", "/locks/{key}/renew"),
     ("GET", "/locks"),
+    ("POST", "/locks"),
+    ("DELETE", "/locks"),
     ("POST", "/semaphores/{key}"),
     ("DELETE", "/semaphores/{key}"),
     ("GET", "/semaphores/{key}"),
@@ -105,7 +108,12 @@ fn router(state: AppState) -> Router {
     let operations_guard = state.auth.clone().filter(|_| state.auth_metrics);
     let document = openapi::document_json(&state.limits, state.locks.cursor_pattern());
     let lease_routes = Router::new()
-        .route("/locks", get(locks::list_locks))
+        .route(
+            "/locks",
+            get(locks::list_locks)
+                .post(several::acquire_locks)
+                .delete(several::release_locks),
+        )
         .route(
             "/locks/{key}",
             post(locks::acquire_lock)

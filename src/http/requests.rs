@@ -365,7 +365,7 @@ const DEFAULT_LIST_LIMIT: usize = 100;
 
 /// A non-negative integer: a JSON number with no fraction (`5000`, `5000.0`), or its decimal
 /// digits in the query string.
-fn int<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+pub(super) fn int<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
     struct Int;
     impl Visitor<'_> for Int {
         type Value = u64;
@@ -400,7 +400,9 @@ pub(super) fn text<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<
         .map_err(|_| D::Error::custom("must be a string"))
 }
 
-fn mode<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<ModeName>, D::Error> {
+pub(super) fn mode<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<ModeName>, D::Error> {
     ModeName::deserialize(deserializer)
         .map(Some)
         .map_err(|_| D::Error::custom("must be exclusive or shared"))

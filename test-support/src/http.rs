@@ -134,6 +134,8 @@ impl Answer {
             .filter(|k| !matches!(k.as_str(), "error" | "message" | "retry_after_ms"))
             // `limit_mismatch` names the limit the semaphore's holders use.
             .filter(|k| !(code == "limit_mismatch" && k.as_str() == "limit"))
+            // A several-keys acquire's `locked` names the keys that were busy.
+            .filter(|k| !(code == "locked" && k.as_str() == "held"))
             .collect();
         assert!(extra.is_empty(), "unexpected fields {extra:?} in {body}");
         body

@@ -17,6 +17,7 @@ mod process;
 mod round_trips;
 mod semaphores;
 mod sessions;
+mod several;
 mod shared;
 mod store_loss;
 mod store_pools;

@@ -535,6 +535,7 @@ async fn every_documented_status_is_one_a_request_gets_and_no_other() {
     lock_scenarios(&app, &mut cov).await;
     shared_and_semaphore_scenarios(&app, &mut cov).await;
     session_scenarios(&app, &mut cov).await;
+    several_scenarios(&app, &mut cov).await;
     operations_scenarios(&app, &mut cov).await;
     waiting_scenarios(&mut cov).await;
     dead_store_scenarios(&mut cov).await;
@@ -590,6 +591,29 @@ async fn auth_scenarios(cov: &mut Coverage) {
         answer.expect_error(StatusCode::FORBIDDEN, "forbidden");
         cov.record(method.as_str(), documented, &answer);
     }
+    // Several keys: each key is checked; a key outside the token's prefixes is refused.
+    for (method, request) in [
+        (
+            "POST",
+            app.request(Method::POST, "/locks")
+                .json(&json!({"keys": ["mine:a", "theirs"]})),
+        ),
+        (
+            "DELETE",
+            app.request(Method::DELETE, "/locks?keys=mine:a,theirs")
+                .header("Lock-Token", "abcdefghijklmnopqrstuvwx"),
+        ),
+    ] {
+        let unauthorized = request.try_clone().unwrap();
+        let answer = app.send(unauthorized).await;
+        answer.expect_error(StatusCode::UNAUTHORIZED, "unauthorized");
+        cov.record(method, LOCKS, &answer);
+        let answer = app
+            .send(request.bearer_auth("narrow-secret-0123456789"))
+            .await;
+        answer.expect_error(StatusCode::FORBIDDEN, "forbidden");
+        cov.record(method, LOCKS, &answer);
+    }
     // Sessions need `lock` on some prefix: a reader is refused.
     let cases = [
         ("POST", SESSIONS, "/sessions"),
@@ -610,6 +634,69 @@ async fn auth_scenarios(cov: &mut Coverage) {
         cov.record(method.as_str(), documented, &answer);
     }
     let _ = std::fs::remove_file(&file);
+}
+
+/// Several keys at once on the embedded store: every status but 401, 403 and 503.
+async fn several_scenarios(app: &TestApp, cov: &mut Coverage) {
+    let body = json!({"keys": ["oa-m1", "oa-m2"], "ttl_ms": 20000, "wait_ms": 0, "owner": "doc", "request_id": "oa-m", "mode": "exclusive"});
+    cov.check_request("POST", LOCKS, &body);
+    let answer = app
+        .send(app.request(Method::POST, "/locks").json(&body))
+        .await;
+    cov.record("POST", LOCKS, &answer);
+    let token = answer.expect_status(StatusCode::CREATED).json()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let answer = app
+        .send(
+            app.request(Method::POST, "/locks")
+                .json(&json!({"keys": ["oa-m2", "oa-m3"]})),
+        )
+        .await;
+    cov.record("POST", LOCKS, &answer);
+    assert_eq!(
+        answer.expect_error(StatusCode::CONFLICT, "locked")["held"],
+        json!(["oa-m2"])
+    );
+    for bad in [json!({"keys": ["a", "a"]}), json!({"keys": []})] {
+        let answer = app
+            .send(app.request(Method::POST, "/locks").json(&bad))
+            .await;
+        cov.record("POST", LOCKS, &answer);
+        answer.expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+    }
+    let answer = app
+        .send(
+            app.request(Method::POST, "/locks")
+                .json(&json!({"keys": ["oa-m4"], "session": "no-such-session"})),
+        )
+        .await;
+    cov.record("POST", LOCKS, &answer);
+    answer.expect_error(StatusCode::NOT_FOUND, "no_session");
+    refusals(app, cov, "POST", LOCKS, "/locks").await;
+
+    let path = "/locks?keys=oa-m1,oa-m2";
+    let answer = app
+        .send(
+            app.request(Method::DELETE, path)
+                .header("Lock-Token", &token),
+        )
+        .await;
+    cov.record("DELETE", LOCKS, &answer);
+    answer.expect_status(StatusCode::OK);
+    let answer = app
+        .send(
+            app.request(Method::DELETE, "/locks?keys=oa-m1,oa-m1")
+                .header("Lock-Token", &token),
+        )
+        .await;
+    cov.record("DELETE", LOCKS, &answer);
+    answer.expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+    let answer = app.send(app.request(Method::DELETE, path)).await;
+    cov.record("DELETE", LOCKS, &answer);
+    answer.expect_error(StatusCode::BAD_REQUEST, "invalid_request");
+    refusals(app, cov, "DELETE", LOCKS, &format!("{path}&token={token}")).await;
 }
 
 /// Sessions on the embedded store: open, keep alive, read and close, an acquire under one, and
@@ -997,6 +1084,15 @@ async fn dead_store_scenarios(cov: &mut Coverage) {
         ),
         ("GET", SEMAPHORE, app.get(sem).await),
         ("GET", SEMAPHORES, app.get("/semaphores").await),
+        (
+            "POST",
+            LOCKS,
+            app.send(
+                app.request(Method::POST, "/locks")
+                    .json(&json!({"keys": ["oa-dead"]})),
+            )
+            .await,
+        ),
         (
             "POST",
             SESSIONS,

@@ -2,7 +2,8 @@
 //! this package), on the embedded store and on a real `redis-server`: grants, waiting, `409`,
 //! shared leases and permits, the renewing guard, the loss signal, retries across `503`s, and
 //! no renewal after a release; sessions (`sessions`): leases on keep-alives alone, freed by a
-//! close or a drop, lost with their session; and the answers not worth asking again (`refusals`, against a
+//! close or a drop, lost with their session; several keys at once (`several`): all or none,
+//! a fence per key, opposite orders, one lost key losing all; and the answers not worth asking again (`refusals`, against a
 //! broker in the test process and a stand-in that is not a broker): a `500`, a revoked bearer
 //! token, a `Leadership` with a wrong token, an empty key. The suite lives in this package, not
 //! in the crate's, because Cargo tells only the package's own tests where its binary is.
@@ -10,6 +11,7 @@
 mod guard;
 mod refusals;
 mod sessions;
+mod several;
 mod watching;
 
 use std::process::Command;
@@ -172,6 +174,16 @@ on_both_stores! {
     session_close_frees => crate::sessions::a_closed_or_dropped_session_frees_its_keys_at_once;
     session_ended_elsewhere => crate::sessions::a_session_ended_elsewhere_is_lost_with_its_leases;
     session_broker_stopped => crate::sessions::a_session_whose_broker_stopped_is_lost_with_its_leases;
+    several_all_or_none => crate::several::every_key_or_none_with_the_busy_keys_named_and_a_fence_per_key;
+    several_release_all => crate::several::one_release_and_a_drop_let_every_key_go;
+    several_opposite_orders => crate::several::opposite_orders_from_two_tasks_all_complete;
+    several_lost_key => crate::several::a_lost_key_loses_the_lease_and_the_rest_are_released;
+    several_under_a_session => crate::several::several_keys_under_a_session_live_on_its_keep_alives;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_keys_answered_503_are_retried_within_the_wait_and_granted_once() {
+    several::an_acquire_of_several_keys_answered_503_is_retried_and_grants_once().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,6 +18,7 @@ mod kinds;
 mod proxy;
 mod queue;
 mod sessions;
+mod several;
 mod skew;
 mod soak;
 mod store_loss;

@@ -54,6 +54,8 @@ async fn on_a_cluster_locks_spread_over_the_masters_wake_across_brokers_and_surv
         &cluster, &one, &two,
     )
     .await;
+    several_keys_on_every_master_are_taken_together_and_in_opposite_orders(&cluster, &one, &two)
+        .await;
     crate::replica_acks_0_warns_once_at_start(cluster.url()).await;
 }
 
@@ -459,4 +461,70 @@ async fn a_sessions_leases_on_every_master_live_and_end_with_it_across_a_flushed
         "the session's keys ended {:?} after its last keep-alive",
         stopped.elapsed()
     );
+}
+
+/// Several keys at once whose keys live on all three masters: granted together with one token,
+/// seen held from the other broker, released together; two brokers asking for the same keys in
+/// opposite orders both complete.
+async fn several_keys_on_every_master_are_taken_together_and_in_opposite_orders(
+    cluster: &RedisCluster,
+    one: &TestApp,
+    two: &TestApp,
+) {
+    let keys: Vec<String> = (0..9).map(|i| format!("multi-{i}")).collect();
+    let mut masters = BTreeSet::new();
+    for key in &keys {
+        masters.insert(cluster.master_of(&lock_key(key)).await);
+    }
+    assert_eq!(masters.len(), 3, "the keys are on masters {masters:?}");
+    let granted = one
+        .send(
+            one.request(Method::POST, "/locks")
+                .json(&serde_json::json!({"keys": keys, "ttl_ms": 20000})),
+        )
+        .await;
+    let body = granted.expect_status(StatusCode::CREATED).json();
+    let token = body["token"].as_str().unwrap().to_owned();
+    for key in &keys {
+        two.expect_locked(key, "").await;
+    }
+    let released = two
+        .send(
+            two.request(Method::DELETE, &format!("/locks?keys={}", keys.join(",")))
+                .header("Lock-Token", &token),
+        )
+        .await;
+    let results = released.expect_status(StatusCode::OK).json();
+    assert!(
+        results["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["status"] == 204),
+        "{results}"
+    );
+    // {first, last} and {last, first} from the two brokers at once, several times.
+    let pair = [keys[0].clone(), keys[8].clone()];
+    let mut asks = Vec::new();
+    for round in 0..4 {
+        for (i, app) in [one, two].into_iter().enumerate() {
+            let mut order = pair.clone();
+            if (round + i) % 2 == 1 {
+                order.reverse();
+            }
+            let request = app
+                .request(Method::POST, "/locks")
+                .json(&serde_json::json!({"keys": order, "wait_ms": 15000, "ttl_ms": 1000}));
+            asks.push(tokio::spawn(lockbroker_test_support::http::Answer::send(
+                request,
+            )));
+        }
+    }
+    for ask in asks {
+        let answer = tokio::time::timeout(Duration::from_secs(30), ask)
+            .await
+            .expect("an opposite-order request did not complete: a deadlock")
+            .expect("the request task");
+        answer.expect_status(StatusCode::CREATED);
+    }
 }

@@ -66,6 +66,25 @@ def lost_signal(lease: Any) -> threading.Event:
     return fired
 
 
+def hold_first_answer(proxy: "Proxy", method: str, path: str
+                      ) -> Tuple[threading.Event, threading.Event]:
+    """Makes ``proxy`` hold back the broker's answer to the first ``method path`` until
+    ``resume`` is set, then lose it (the broker acted; the client cannot know). Returns
+    (``held``: set once that answer is held, ``resume``)."""
+    held = threading.Event()
+    resume = threading.Event()
+
+    def hold(exchange: "Exchange") -> bool:
+        if exchange.method == method and exchange.path == path and not held.is_set():
+            held.set()
+            resume.wait(10)
+            return True
+        return False
+
+    proxy.drop = hold
+    return held, resume
+
+
 def http_call(
     base: str,
     method: str,

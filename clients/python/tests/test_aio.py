@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import embedded_only
-from harness import BrokerProcess, Exchange, Proxy, threads_since
+from harness import BrokerProcess, Proxy, hold_first_answer, threads_since
 from lockbroker import BrokerError, LeaseLost, Locked
 from lockbroker.aio import AsyncBroker, AsyncLease
 
@@ -82,19 +82,9 @@ def test_a_grant_that_arrives_after_the_cancellation_is_released_at_once(
     broker: BrokerProcess, key: str
 ) -> None:
     proxy = Proxy(broker.url)
-    granted = threading.Event()
-    resume = threading.Event()
-
-    def hold_the_first_grant(exchange: Exchange) -> bool:
-        # The broker granted it; its answer is held back until the client was cancelled, then
-        # lost: the client cannot know, and must find it again by its request_id.
-        if exchange.method == "POST" and exchange.path == f"/locks/{key}" and not granted.is_set():
-            granted.set()
-            resume.wait(10)
-            return True
-        return False
-
-    proxy.drop = hold_the_first_grant
+    # The broker grants it; its answer is held back until the client was cancelled, then lost:
+    # the client cannot know, and must find it again by its request_id.
+    granted, resume = hold_first_answer(proxy, "POST", f"/locks/{key}")
 
     async def scenario() -> None:
         async with AsyncBroker(proxy.url) as client:

@@ -74,21 +74,38 @@ impl Client {
         params: AcquireParams,
         wait: Duration,
     ) -> Result<(Grant, Instant), Error> {
-        let first_sent = Instant::now();
-        let params = AcquireParams {
-            request_id: Some(new_request_id()),
-            ..params
-        };
-        let grant = asking_again(first_sent + wait, |left| {
-            let params = AcquireParams {
-                wait: Some(left),
-                ..params.clone()
-            };
-            async move { self.grant(claim, &params).await }
+        retrying(params, wait, |params| async move {
+            self.grant(claim, &params).await
         })
-        .await?;
-        Ok((grant, first_sent))
+        .await
     }
+}
+
+/// `ask(params)` with a new request id in `params`, asked again by [`asking_again`] within
+/// `wait` (each attempt's `params.wait` what is left of it); the answer, and when the first
+/// attempt was sent.
+pub(crate) async fn retrying<T, F, Fut>(
+    params: AcquireParams,
+    wait: Duration,
+    ask: F,
+) -> Result<(T, Instant), Error>
+where
+    F: Fn(AcquireParams) -> Fut,
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let first_sent = Instant::now();
+    let params = AcquireParams {
+        request_id: Some(new_request_id()),
+        ..params
+    };
+    let answer = asking_again(first_sent + wait, |left| {
+        ask(AcquireParams {
+            wait: Some(left),
+            ..params.clone()
+        })
+    })
+    .await?;
+    Ok((answer, first_sent))
 }
 
 /// Asks `ask(what is left of the wait)` again while it fails transiently (a 503, 429, 502, 504,

@@ -120,6 +120,36 @@ impl ClientBuilder {
     }
 }
 
+/// An acquire's JSON body; `keys` for several keys at once (`POST /locks`).
+#[derive(Serialize)]
+pub(crate) struct GrantBody<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) keys: Option<Vec<&'a str>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ttl_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wait_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    owner: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    request_id: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    session: Option<&'a str>,
+}
+
+impl<'a> GrantBody<'a> {
+    pub(crate) fn new(params: &'a AcquireParams) -> Self {
+        Self {
+            keys: None,
+            ttl_ms: params.ttl.map(millis),
+            wait_ms: params.wait.map(millis),
+            owner: params.owner.as_deref(),
+            request_id: params.request_id.as_deref(),
+            session: params.session.as_ref().map(Token::as_str),
+        }
+    }
+}
+
 impl Client {
     /// A client for the broker at `url` (`http://host:port` or `https://…`, optionally with a
     /// path prefix), with no token and the system's CA roots.
@@ -180,26 +210,7 @@ impl Client {
     /// retrying, renewing acquire. Under a session that has ended (or never was):
     /// [`Error::SessionEnded`].
     pub async fn grant(&self, claim: &Claim, params: &AcquireParams) -> Result<Grant, Error> {
-        #[derive(Serialize)]
-        struct Body<'a> {
-            #[serde(skip_serializing_if = "Option::is_none")]
-            ttl_ms: Option<u64>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            wait_ms: Option<u64>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            owner: Option<&'a str>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            request_id: Option<&'a str>,
-            #[serde(skip_serializing_if = "Option::is_none")]
-            session: Option<&'a str>,
-        }
-        let body = Body {
-            ttl_ms: params.ttl.map(millis),
-            wait_ms: params.wait.map(millis),
-            owner: params.owner.as_deref(),
-            request_id: params.request_id.as_deref(),
-            session: params.session.as_ref().map(Token::as_str),
-        };
+        let body = GrantBody::new(params);
         let resource = claim.resource();
         let request = self
             .http

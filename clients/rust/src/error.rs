@@ -21,11 +21,15 @@ use crate::types::{Space, format_ms};
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     /// `409 locked`: someone else holds the lock, or every permit of the semaphore is taken,
-    /// and the wait ran out.
-    #[error("{}{}", locked_words(*.space), retry_hint(*.space, *.retry_after_ms))]
+    /// and the wait ran out. `held`: for several keys at once ([`Client::acquire_all`]), the
+    /// keys that were busy (none of the keys is held then); empty for one key.
+    ///
+    /// [`Client::acquire_all`]: crate::Client::acquire_all
+    #[error("{}{}", locked_words(*.space, held), retry_hint(*.space, *.retry_after_ms))]
     Locked {
         space: Space,
         retry_after_ms: Option<u64>,
+        held: Vec<String>,
     },
     /// `404 not_held`: nobody holds the lock (or this permit).
     #[error("{}", not_held_words(*.space))]
@@ -68,10 +72,14 @@ pub enum Error {
     Invalid(String),
 }
 
-fn locked_words(space: Space) -> &'static str {
-    match space {
-        Space::Locks => "the lock is held by someone else",
-        Space::Semaphores => "every permit is taken",
+fn locked_words(space: Space, held: &[String]) -> String {
+    match (space, held) {
+        (Space::Locks, []) => "the lock is held by someone else".to_owned(),
+        (Space::Locks, held) => format!(
+            "held by someone else: {} (none of the keys was taken)",
+            held.join(", ")
+        ),
+        (Space::Semaphores, _) => "every permit is taken".to_owned(),
     }
 }
 
@@ -178,6 +186,8 @@ struct ErrorBody {
     retry_after_ms: Option<u64>,
     /// `limit_mismatch`: the limit the semaphore's holders use.
     limit: Option<u32>,
+    /// `locked` for several keys at once: the busy ones.
+    held: Option<Vec<String>>,
 }
 
 /// Turns an error answer from `space` into an [`Error`], keeping the API's code and message.
@@ -217,10 +227,14 @@ pub(crate) fn error_from_text(
     let body: Option<ErrorBody> = serde_json::from_str(text).ok();
     let code = body.as_ref().and_then(|b| b.error.clone());
     match (status, code.as_deref()) {
-        (StatusCode::CONFLICT, Some("locked")) => Error::Locked {
-            space,
-            retry_after_ms: body.and_then(|b| b.retry_after_ms),
-        },
+        (StatusCode::CONFLICT, Some("locked")) => {
+            let (retry_after_ms, held) = body.map_or((None, None), |b| (b.retry_after_ms, b.held));
+            Error::Locked {
+                space,
+                retry_after_ms,
+                held: held.unwrap_or_default(),
+            }
+        }
         (StatusCode::NOT_FOUND, Some("not_held")) => Error::NotHeld { space },
         (StatusCode::CONFLICT, Some("not_owner")) => Error::NotOwner { space },
         (StatusCode::NOT_FOUND, Some("no_session")) => Error::SessionEnded { code: "no_session" },
@@ -344,6 +358,7 @@ mod tests {
         let locked = |space| Error::Locked {
             space,
             retry_after_ms: Some(1500),
+            held: Vec::new(),
         };
         assert_eq!(
             locked(Space::Locks).to_string(),

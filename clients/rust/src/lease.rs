@@ -14,6 +14,7 @@ use tokio::time::{Instant, timeout};
 use crate::client::{Client, REQUEST_TIMEOUT};
 use crate::error::Error;
 use crate::keep::{Plan, end_in_background, keep, lose, lost, mark_released};
+use crate::several::{SeveralGrant, released_all};
 use crate::types::{Claim, Grant, Resource, Token};
 
 /// Shortest pause between two attempts while the broker does not answer: keeps a short lease
@@ -138,7 +139,10 @@ pub enum LeaseState {
     Lost(Loss),
 }
 
-/// A held lease: its key, fence and token, renewed in the background while it lives. Dropping
+/// A held lease: its key, fence and token, renewed in the background while it lives. A lease on
+/// several keys ([`Client::acquire_all`]) holds them all with one token: [`Lease::key`] and
+/// [`Lease::fence`] are the first key's, [`Lease::fences`] each key's; every key is renewed, the
+/// loss of any is the loss of all (the rest are released), and a release releases all. Dropping
 /// it stops the renewals and releases it on a best-effort basis (a task on the current tokio
 /// runtime; if there is none, or the runtime ends first, the lease ends by its ttl). Prefer
 /// [`Lease::release`], which says whether the broker confirmed. `Debug` shows no token.
@@ -152,6 +156,10 @@ struct Shared {
     resource: Resource,
     token: Token,
     fence: u64,
+    /// Every key and its fence, in the order asked (the one key's for a single lease).
+    fences: Vec<(String, u64)>,
+    /// Taken with [`Client::acquire_all`]: renewed key by key, released in one request.
+    several: bool,
     ttl: Duration,
     /// Sent `Released` or `Lost` once; whoever changes it from `Held` first decides.
     state: watch::Sender<LeaseState>,
@@ -181,12 +189,26 @@ impl Lease {
         sent_at: Instant,
         options: LeaseOptions,
     ) -> Self {
-        let ttl = Duration::from_millis(grant.ttl_ms.max(1));
+        Self::renewed(Shared::new(client, claim, grant), sent_at, options)
+    }
+
+    /// [`Lease::hold`] for a grant of several keys ([`Client::grant_all`]).
+    pub fn hold_all(
+        client: Client,
+        grant: &SeveralGrant,
+        sent_at: Instant,
+        options: LeaseOptions,
+    ) -> Self {
+        Self::renewed(Shared::several(client, grant), sent_at, options)
+    }
+
+    fn renewed(shared: Shared, sent_at: Instant, options: LeaseOptions) -> Self {
+        let ttl = shared.ttl;
         let every = options
             .renew_every
             .unwrap_or(ttl / 3)
             .max(Duration::from_millis(1));
-        let shared = Arc::new(Shared::new(client, claim, grant));
+        let shared = Arc::new(shared);
         let plan = Plan {
             sent_at,
             ttl,
@@ -195,15 +217,15 @@ impl Lease {
         };
         let kept = shared.clone();
         let renewer = tokio::spawn(async move {
-            let renew = || {
-                kept.client
-                    .renew(&kept.resource, &kept.token, Some(kept.ttl))
-            };
             let url = || {
                 let url = kept.client.resource_url(&kept.resource);
                 url.map_or_else(|_| kept.client.url().to_owned(), |u| format!("{u}/renew"))
             };
-            keep(&kept.state, plan, renew, url).await;
+            keep(&kept.state, plan, || kept.renew(), url).await;
+            let expired = matches!(*kept.state.borrow(), LeaseState::Lost(Loss::Expired { .. }));
+            if kept.several && expired {
+                let _ = kept.release_now().await; // what the broker still holds goes now
+            }
         });
         Self {
             shared,
@@ -220,7 +242,20 @@ impl Lease {
         grant: &Grant,
         session: watch::Receiver<LeaseState>,
     ) -> Self {
-        let shared = Arc::new(Shared::new(client, claim, grant));
+        Self::followed(Shared::new(client, claim, grant), session)
+    }
+
+    /// [`Lease::under_session`] for several keys.
+    pub(crate) fn under_session_all(
+        client: Client,
+        grant: &SeveralGrant,
+        session: watch::Receiver<LeaseState>,
+    ) -> Self {
+        Self::followed(Shared::several(client, grant), session)
+    }
+
+    fn followed(shared: Shared, session: watch::Receiver<LeaseState>) -> Self {
+        let shared = Arc::new(shared);
         let follower = tokio::spawn(follow_session(shared.clone(), session));
         Self {
             shared,
@@ -242,6 +277,21 @@ impl Lease {
     /// fence lower than one it has seen.
     pub fn fence(&self) -> u64 {
         self.shared.fence
+    }
+
+    /// Every key the lease holds and its fence, in the order they were asked for: the one key's
+    /// for a single lease, each key's for one from [`Client::acquire_all`].
+    pub fn fences(&self) -> &[(String, u64)] {
+        &self.shared.fences
+    }
+
+    /// The fence of `key`, if the lease holds it.
+    pub fn fence_of(&self, key: &str) -> Option<u64> {
+        self.shared
+            .fences
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|&(_, f)| f)
     }
 
     /// The lease's token, for handing the lease to another process.
@@ -298,10 +348,61 @@ impl Shared {
             resource: claim.resource(),
             token: grant.token.clone(),
             fence: grant.fence,
+            fences: vec![(claim.resource().key, grant.fence)],
+            several: false,
             ttl: Duration::from_millis(grant.ttl_ms.max(1)),
             state: watch::Sender::new(LeaseState::Held),
             release_sent: AtomicBool::new(false),
         }
+    }
+
+    /// A grant of several keys; the first one stands for the lease in its key and fence.
+    fn several(client: Client, grant: &SeveralGrant) -> Self {
+        let fences: Vec<(String, u64)> = grant
+            .leases
+            .iter()
+            .map(|lease| (lease.key.clone(), lease.fence))
+            .collect();
+        let (key, fence) = fences.first().cloned().unwrap_or_default();
+        Self {
+            client,
+            resource: Resource::lock(key),
+            token: grant.token.clone(),
+            fence,
+            fences,
+            several: true,
+            ttl: Duration::from_millis(grant.ttl_ms.max(1)),
+            state: watch::Sender::new(LeaseState::Held),
+            release_sent: AtomicBool::new(false),
+        }
+    }
+
+    /// Renews the lease: the one key, or every key ([`Client::renew_every_key`]).
+    async fn renew(&self) -> Result<(), Error> {
+        let (client, token, ttl) = (&self.client, &self.token, self.ttl);
+        if self.several {
+            return client.renew_every_key(&self.fences, token, ttl).await;
+        }
+        client
+            .renew(&self.resource, token, Some(ttl))
+            .await
+            .map(drop)
+    }
+
+    /// Releases at the broker: the one key, or every key in one `DELETE /locks?keys=`.
+    async fn release_now(&self) -> Result<Released, Error> {
+        if self.several {
+            return released_all(self.client.release_all(&self.keys(), &self.token).await?);
+        }
+        match self.client.release(&self.resource, &self.token).await {
+            Ok(()) => Ok(Released::Now),
+            Err(e) if e.is_gone() => Ok(Released::Gone(e)),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.fences.iter().map(|(k, _)| k.as_str()).collect()
     }
 
     /// Waits for the renewal task to stop (it does between renewals, or after the one in
@@ -310,11 +411,7 @@ impl Shared {
         if let Some(renewer) = renewer {
             let _ = renewer.await;
         }
-        match self.client.release(&self.resource, &self.token).await {
-            Ok(()) => Ok(Released::Now),
-            Err(e) if e.is_gone() => Ok(Released::Gone(e)),
-            Err(e) => Err(e),
-        }
+        self.release_now().await
     }
 }
 

@@ -8,10 +8,12 @@
 //! that asking again cannot change (a `401`, a proxy's `500`) is returned at once, naming the
 //! URL (and so the key) it came from. [`Client::from_env`] reads `LOCKBROKER_URL` and
 //! `LOCKBROKER_AUTH_TOKEN`. Shared leases and
-//! semaphore permits go through [`Client::acquire_with`] and a [`Claim`].
+//! semaphore permits go through [`Client::acquire_with`] and a [`Claim`]. [`Client::acquire_all`]
+//! takes several keys at once, all or none, as one [`Lease`] (a fence per key,
+//! [`Lease::fences`]).
 //!
 //! [`Client::open_session`] opens a [`Session`]: one keep-alive for every lease taken under it
-//! ([`Session::acquire`]), all lost together when it is lost, all released when it is closed.
+//! ([`Session::acquire`], [`Session::acquire_all`]), all lost together when it is lost, all released when it is closed.
 //!
 //! [`Client::watch`] tells who holds a key when that changes, without polling; a [`Follower`]
 //! sees every change; [`Leadership`] elects one leader among the nodes that campaign for a key.
@@ -45,6 +47,7 @@ mod lease;
 mod request;
 mod session;
 mod session_api;
+mod several;
 mod types;
 mod watch;
 
@@ -55,6 +58,7 @@ pub use crate::error::Error;
 pub use crate::leadership::{Leadership, LeadershipBuilder, Revoked};
 pub use crate::lease::{Lease, LeaseOptions, LeaseState, Loss, Released, Trouble, TroubleHook};
 pub use crate::session::{Session, SessionOptions};
+pub use crate::several::{KeyFence, KeyReleased, SeveralGrant};
 pub use crate::types::{
     AcquireParams, Claim, Grant, Holder, LockEntry, LockMode, LockStatus, MAX_PAGE,
     MAX_SEMAPHORE_LIMIT, Page, Resource, SemaphoreEntry, SemaphoreStatus, SessionGrant,

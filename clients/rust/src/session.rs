@@ -230,16 +230,37 @@ impl Session {
     /// A lease for `claim` (exclusive, shared, or a semaphore's permit) under the session,
     /// asked again as [`Client::acquire_with`] does.
     pub async fn acquire_with(&self, claim: Claim, wait: Duration) -> Result<Lease, Error> {
-        if !self.is_alive() {
-            return Err(Error::SessionEnded { code: "no_session" });
-        }
-        let params = AcquireParams {
-            session: Some(self.shared.id.clone()),
-            ..AcquireParams::default()
-        };
+        let params = self.params()?;
         let client = &self.shared.client;
         let (grant, _) = client.grant_retrying(&claim, params, wait).await?;
         Ok(self.hold(&claim, &grant))
+    }
+
+    /// An exclusive lease on every one of `keys` under the session, or on none, waiting up to
+    /// `wait` until all are free at once; as [`Client::acquire_all`], except that the session
+    /// keeps the keys (they are not renewed one by one). [`Error::SessionEnded`] when the
+    /// session has ended.
+    pub async fn acquire_all<S: AsRef<str>>(
+        &self,
+        keys: &[S],
+        wait: Duration,
+    ) -> Result<Lease, Error> {
+        let params = self.params()?;
+        let client = &self.shared.client;
+        let (grant, _) = client.grant_all_retrying(keys, params, wait).await?;
+        let session = self.shared.state.subscribe();
+        Ok(Lease::under_session_all(client.clone(), &grant, session))
+    }
+
+    /// An acquire's parameters under this session; [`Error::SessionEnded`] once it has ended.
+    fn params(&self) -> Result<AcquireParams, Error> {
+        if !self.is_alive() {
+            return Err(Error::SessionEnded { code: "no_session" });
+        }
+        Ok(AcquireParams {
+            session: Some(self.shared.id.clone()),
+            ..AcquireParams::default()
+        })
     }
 
     /// Takes over a lease granted under this session by a call of the caller's own

@@ -180,7 +180,8 @@ impl WaitFor {
         Ok(Self(ms))
     }
 
-    #[cfg(test)]
+    /// What is left of a wait already parsed (a several-keys acquire's, key after key), and
+    /// for tests.
     pub const fn from_ms(ms: u64) -> Self {
         Self(ms)
     }

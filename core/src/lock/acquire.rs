@@ -71,7 +71,12 @@ impl<S: Store> LockService<S> {
     ) -> impl Future<Output = Result<Lease, LockError>> + 'a {
         match req.session.take() {
             None => Either::Left(self.acquire_as(key, req, Token::generate(), None)),
-            Some(session) => Either::Right(Box::pin(self.acquire_in_session(key, req, session))),
+            Some(session) => Either::Right(Box::pin(self.acquire_in_session(
+                key,
+                req,
+                session,
+                Token::generate(),
+            ))),
         }
     }
 

@@ -17,8 +17,10 @@ mod inspect;
 mod pending;
 mod release;
 mod sessions;
+mod several;
 
 pub use self::sessions::SessionLease;
+pub use self::several::{Leases, MAX_KEYS};
 mod waiters;
 mod watchers;
 mod watching;
@@ -72,6 +74,12 @@ pub enum LockError {
     TooManyWaiters { limit: usize },
     #[error(transparent)]
     StoreUnavailable(StoreError),
+    /// A several-keys acquire's wait ran out: these keys were busy (held by someone) then.
+    #[error("{} of the keys are held by someone else", keys.len())]
+    LockedKeys {
+        keys: Vec<crate::domain::LockKey>,
+        retry_after_ms: u64,
+    },
     /// The session named on an acquire does not exist or has ended (or ended while it waited).
     #[error("the session does not exist or has ended")]
     NoSession,

@@ -185,12 +185,13 @@ impl<S: Store> LockService<S> {
         key: &LockKey,
         mut req: AcquireRequest,
         id: Token,
+        token: Token,
     ) -> Result<Lease, LockError> {
         let space = req.kind.space();
         let mut entry = SessionEntry {
             space,
             key: key.clone(),
-            token: Token::generate(),
+            token,
             entered_ms: 0,
         };
         let Some(record) = self.on_session(&id, SessionOp::Enter(&entry)).await? else {

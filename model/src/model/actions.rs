@@ -41,6 +41,8 @@ pub enum Action {
     ClockBack,
     /// A step of the client under a session.
     Session(super::SessAction),
+    /// A step of a several-keys client.
+    Several(u8, super::SevAction),
 }
 
 const DEATHS: usize = 0;
@@ -110,6 +112,7 @@ impl LockModel {
             }
         }
         self.sess_actions(s, out);
+        self.sev_actions(s, out);
         if self.fair_to_tick(s) {
             out.push(Action::Tick);
         }
@@ -145,7 +148,7 @@ impl LockModel {
     /// `store_settle_ms` documents).
     pub(super) fn fair_to_tick(&self, s: &State) -> bool {
         let marker = s.store.marker.map(|m| m.id);
-        if self.sess_due(s) {
+        if self.sess_due(s) || self.sev_due(s) {
             return false;
         }
         for (b, br) in s.brokers.iter().enumerate() {
@@ -364,6 +367,7 @@ impl LockModel {
                     }
                     s.brokers[b as usize].ledger.retain(|e| e.key != key);
                     self.sess_ended(s, |t| t.1 == key && fences.contains(&t.0));
+                    self.sev_ended(s, |t| t.1 == key && fences.contains(&t.0));
                 }
             }
             Action::Deliver {
@@ -402,24 +406,25 @@ impl LockModel {
                 self.run(s, 0, Op::Flush);
                 // A lease no live broker remembers is not put back (documented; the paranoid
                 // `store_loss_delay_ms` covers it): its holder no longer counts.
-                for (j, cl) in s.clients.iter_mut().enumerate() {
+                for cl in &mut s.clients {
                     if let Phase::Holding { token, ended, .. } = &mut cl.phase {
                         let remembered = s
                             .brokers
                             .iter()
                             .any(|br| br.alive && br.ledger.iter().any(|e| e.token == *token));
-                        let _ = j;
                         if !remembered {
                             *ended = true;
                         }
                     }
                 }
                 let brokers = s.brokers.clone();
-                self.sess_ended(s, |(_, _, token)| {
-                    !brokers
-                        .iter()
-                        .any(|br| br.alive && br.ledger.iter().any(|e| e.token == token))
-                });
+                let gone = |(_, key, token): (Fence, Key, Token)| {
+                    !brokers.iter().any(|br| {
+                        br.alive && br.ledger.iter().any(|e| e.token == token && e.key == key)
+                    })
+                };
+                self.sess_ended(s, gone);
+                self.sev_ended(s, gone);
             }
             Action::Slack(k) => {
                 s.used[SLACKS] += 1;
@@ -430,6 +435,7 @@ impl LockModel {
                 s.store.us = s.store.us.saturating_sub(2 * crate::store::US_STEP);
             }
             Action::Session(ref a) => self.sess_step(s, a),
+            Action::Several(m, ref a) => self.sev_step(s, m, a),
         }
     }
 }

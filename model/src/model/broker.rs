@@ -78,7 +78,9 @@ impl LockModel {
     pub(super) fn deliver(&self, s: &mut State, b: u8, notice: &Notice) {
         match *notice {
             Notice::Offered(key, token) => {
-                if self.sess_notice(s, b, Some(key), Some(token), None) {
+                if self.sess_notice(s, b, Some(key), Some(token), None)
+                    || self.sev_notice(s, b, Some(key), Some(token), None)
+                {
                     return;
                 }
                 let waiting = s.clients.iter().enumerate().position(|(j, cl)| {
@@ -99,6 +101,7 @@ impl LockModel {
             }
             Notice::Look(key, ticks) => {
                 self.sess_notice(s, b, Some(key), None, Some(ticks));
+                self.sev_notice(s, b, Some(key), None, Some(ticks));
                 for (j, cl) in s.clients.iter_mut().enumerate() {
                     if self.cfg.clients[j].0 == b
                         && self.cfg.clients[j].1 == key
@@ -119,6 +122,7 @@ impl LockModel {
 
     pub(super) fn all_waiters_due(&self, s: &mut State, b: u8, key: Option<Key>) {
         self.sess_notice(s, b, key, None, None);
+        self.sev_notice(s, b, key, None, None);
         for (j, cl) in s.clients.iter_mut().enumerate() {
             let (cb, ck, _) = self.cfg.clients[j];
             if cb == b
@@ -146,7 +150,8 @@ impl LockModel {
             let live_waiter = s.clients.iter().enumerate().any(|(j, cl)| {
                 let (b, ck, _) = self.cfg.clients[j];
                 ck == k && s.brokers[b as usize].alive && matches!(cl.phase, Phase::Waiting { .. })
-            }) || self.sess_waits(s, k);
+            }) || self.sess_waits(s, k)
+                || self.sev_waits(s, k);
             let only_dead = !blockers.is_empty() && blockers.iter().all(|l| dead_offer(l));
             let d = &mut s.dead_block[k as usize];
             *d = if only_dead && live_waiter {
@@ -159,6 +164,7 @@ impl LockModel {
             *st = if live_waiter { (*st + 1).min(cap) } else { 0 };
         }
         self.sess_tick(s);
+        self.sev_tick(s);
         self.run(s, 0, Op::Tick);
         for cl in &mut s.clients {
             match &mut cl.phase {

@@ -8,8 +8,10 @@ mod actions;
 mod broker;
 mod props;
 mod session;
+mod several;
 
 pub use session::{Acq, End, Life, Sess, SessAction, SessionCfg};
+pub use several::{SevAction, Several, SeveralCfg, Step, Took};
 
 use crate::store::{Bug, Fence, Key, Kind, Notice, Params, Store, Token};
 
@@ -39,6 +41,8 @@ pub struct Config {
     pub slacks: u8,
     /// A client under a session, or none.
     pub session: Option<SessionCfg>,
+    /// Clients that acquire two keys at once (one acquire each).
+    pub several: Vec<SeveralCfg>,
     pub bug: Option<Bug>,
 }
 
@@ -61,6 +65,15 @@ impl Config {
             + self.poll
             + self.losses * (self.settle + self.put_back_hold)
             + self.session.map_or(0, |c| c.ttl * (1 + c.keeps) + c.delay)
+            + self.several_hold()
+    }
+
+    /// How long several-keys requests may hold a key back beyond a single holder: each may
+    /// hold it while it waits for its next key (bounded by that key's progress) and then with
+    /// the other once granted (a TTL).
+    fn several_hold(&self) -> u8 {
+        let single = self.ttl * (1 + self.renews) + 2 * self.window + self.poll;
+        self.several.len() as u8 * (single + self.ttl)
     }
 }
 
@@ -148,6 +161,8 @@ pub struct State {
     /// A close answered while a lease of its session that no acquire in flight releases was
     /// still held.
     pub close_fault: bool,
+    /// The several-keys clients.
+    pub several: Vec<Several>,
 }
 
 /// The model: a configuration.
@@ -188,6 +203,7 @@ impl LockModel {
             lost_offer: false,
             sess: c.session.map(|_| Sess::new()),
             close_fault: false,
+            several: c.several.iter().map(|_| Several::new()).collect(),
         }
     }
 }
@@ -245,6 +261,9 @@ fn visit_fences(s: &mut State, f: &mut impl FnMut(&mut Fence)) {
             Acq::Granted { fence, .. } | Acq::Holding { fence, .. } => f(fence),
             _ => {}
         }
+    }
+    for t in s.several.iter_mut().flat_map(|sv| sv.took.iter_mut()) {
+        f(&mut t.fence);
     }
     for t in &mut s.top {
         f(t);

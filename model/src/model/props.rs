@@ -2,7 +2,7 @@
 
 use stateright::{Model, Property};
 
-use super::{Action, LockModel, Phase, State, canonical};
+use super::{Action, LockModel, Phase, State, Step, canonical};
 use crate::store::{Effects, Key, Kind};
 
 /// The properties' names, as the check prints them.
@@ -16,6 +16,10 @@ const OUTLIVE: &str =
     "no session lease outlives its last answered keep-alive by more than lock delay + TTL";
 const WRITTEN: &str = "a session lease ends by its session's latest end plus the lock delay";
 const CLOSED: &str = "a close leaves no lease of its session held";
+const SEVERAL_DONE: &str = "a several-keys request on a live broker completes within the bound";
+const SEVERAL_CYCLE: &str =
+    "no two several-keys requests each wait for a key the other holds (no deadlock)";
+const SEVERAL_NONE: &str = "a several-keys request that is over holds no key afterwards";
 
 impl LockModel {
     /// The ghost state a step updates: the fences it took (each above the key's highest so
@@ -92,6 +96,7 @@ impl LockModel {
             {
                 x += 1;
             }
+            x += self.sev_holders(s, k);
             if x > 1 || (x == 1 && shared > 0) || permits > limit {
                 return false;
             }
@@ -159,6 +164,24 @@ impl Model for LockModel {
                         ss.keeps > 0 && ss.believed().is_some() && ss.told.left == ttl
                     })
                 },
+            ));
+        }
+        if !self.cfg.several.is_empty() {
+            all.push(Property::always(
+                SEVERAL_CYCLE,
+                |m: &LockModel, s: &State| m.sev_no_cycle(s),
+            ));
+            all.push(Property::always(
+                SEVERAL_DONE,
+                |m: &LockModel, s: &State| s.several.iter().all(|sv| sv.waited <= m.sev_bound()),
+            ));
+            all.push(Property::always(
+                SEVERAL_NONE,
+                |m: &LockModel, s: &State| m.sev_over_holds_none(s),
+            ));
+            all.push(Property::sometimes(
+                "a several-keys request is granted both keys",
+                |_, s: &State| s.several.iter().any(|sv| sv.step == Step::Holding),
             ));
         }
         if self.cfg.losses == 0 {

@@ -32,10 +32,16 @@ pub enum Bug {
     /// yet loses its
     /// entry, and if its broker dies between its grant and its confirmation, a close misses it.
     KeepDropsEntries,
+    /// A several-keys acquire takes its keys in the order the client named them, not sorted:
+    /// two requests for the same keys in opposite orders each hold one and wait for the other.
+    GivenOrder,
+    /// A several-keys acquire refused (or given up) mid-way leaves the queue it waits in but
+    /// does not release the keys it took.
+    RefusalKeepsKeys,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 9] = [
+    pub const ALL: [Bug; 11] = [
         Bug::NoEpochCheck,
         Bug::OfferWithoutFence,
         Bug::ReleaseDropsKeptFence,
@@ -45,6 +51,8 @@ impl Bug {
         Bug::CloseReleasesFirst,
         Bug::QueuedTtl,
         Bug::KeepDropsEntries,
+        Bug::GivenOrder,
+        Bug::RefusalKeepsKeys,
     ];
 
     pub fn name(self) -> &'static str {
@@ -58,6 +66,8 @@ impl Bug {
             Bug::CloseReleasesFirst => "close-releases-first",
             Bug::QueuedTtl => "queued-ttl",
             Bug::KeepDropsEntries => "keep-drops-entries",
+            Bug::GivenOrder => "given-order",
+            Bug::RefusalKeepsKeys => "refusal-keeps-keys",
         }
     }
 

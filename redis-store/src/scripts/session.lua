@@ -5,7 +5,7 @@
 -- store/session.rs), each in its own key's scripts.
 --
 -- The record: `ttl`, `expires_at` (Redis's clock, ms), `owner` ('' or '=' and the label),
--- `delay` (the lock delay, ms), and one field per lease entered, `e|<space>|<token>` → when it
+-- `delay` (the lock delay, ms), and one field per lease entered, `e|<space>|<token>|<key>` → when it
 -- was last entered (ms) and the client key, space-separated. A record whose end has passed is ended: every call but open deletes it and answers none.
 -- Redis drops it by itself a slack after its end.
 --

@@ -13,13 +13,14 @@ pub(crate) struct SessionCall<'a> {
     pub op: SessionOp<'a>,
 }
 
-/// An entry's field in the record: `e|<space letter>|<token>`.
+/// An entry's field in the record: `e|<space letter>|<token>|<key>`.
 fn field(entry: &SessionEntry) -> String {
     let space = match entry.space {
         Space::Locks => LOCK_SPACE,
         Space::Semaphores => SEMAPHORE_SPACE,
     };
-    format!("e|{space}|{}", entry.token.as_str())
+    // The key too: the keys of one several-keys grant share a token.
+    format!("e|{space}|{}|{}", entry.token.as_str(), entry.key.as_str())
 }
 
 script_call! {
@@ -95,7 +96,9 @@ impl FromRedisValue for SessionReply {
 /// An entry from its field and value (when it was entered, and the key).
 fn entry(name: &str, value: &str) -> Option<SessionEntry> {
     let (entered_ms, key) = value.split_once(' ')?;
-    let mut parts = name.splitn(3, '|');
+    // `e|<space>|<token>|<key>` (`e|<space>|<token>` as the first brokers with sessions wrote
+    // it); the value names the key either way.
+    let mut parts = name.splitn(4, '|');
     let (Some("e"), Some(space), Some(token)) = (parts.next(), parts.next(), parts.next()) else {
         return None;
     };

@@ -158,7 +158,8 @@ error_responses! {
     }
 
     pub struct Locked {
-        /// `locked`: still held by someone else when `wait_ms` ran out.
+        /// `locked`: still held by someone else when `wait_ms` ran out (a several-keys acquire:
+        /// some of its keys, named in `held`; none is held for it afterwards).
         409 => LockedError, "Retry-After": u64 = "Seconds until the current lease ends, rounded \
             up, at least 1.";
     }
@@ -231,6 +232,8 @@ response_sets! {
     /// What an inspect or a watch refuses.
     pub struct InspectRefused =
         RequestRefused | Unauthorized | Forbidden | InspectNotHeld | InspectUnavailable;
+    /// What a several-keys release refuses (each key's own answer is in its body).
+    pub struct SeveralReleaseRefused = RequestRefused | Unauthorized | Forbidden;
     /// What a listing refuses.
     pub struct ListRefused = RequestRefused | Unauthorized | Forbidden | StoreUnavailable;
 }

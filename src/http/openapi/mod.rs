@@ -68,6 +68,8 @@ unless the broker runs with `auth_metrics` (then `admin`, or `read` on every key
         super::locks::renew_lock,
         super::locks::inspect_lock,
         super::locks::list_locks,
+        super::several::acquire_locks,
+        super::several::release_locks,
         super::semaphores::acquire_permit,
         super::semaphores::release_permit,
         super::semaphores::renew_permit,
@@ -202,6 +204,7 @@ fn bounds(doc: &mut Value, limits: &Limits) {
                     | "SemaphoreAcquireBody"
                     | "RenewBody"
                     | "SessionBody"
+                    | "SeveralBody"
                     | "SessionRenewBody"
             );
             let Some(properties) = body.get_mut("properties").and_then(Value::as_object_mut) else {

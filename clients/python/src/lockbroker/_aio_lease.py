@@ -7,12 +7,14 @@ import asyncio
 import inspect
 import logging
 import time
-from typing import Any, Callable, Optional, Set
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from ._aio_transport import AsyncTransport
 from ._errors import BrokerError
 from ._lease_state import (_GONE, _RENEWED, _STOPPED, _WAIT, EXPIRED, LeaseState,
-                           _takes_an_argument, ttl_ms)
+                           _takes_an_argument, earlier, ttl_ms)
+from ._several import SeveralKeys
+from ._transport import Answer
 
 log = logging.getLogger("lockbroker")
 
@@ -115,9 +117,9 @@ class AsyncLease(LeaseState):
             await asyncio.wait({task})
         while True:
             answer, problem = await self._core.transport.attempt(
-                "DELETE", self._path, headers={"Lock-Token": self._token},
+                "DELETE", self._release_path(), headers={"Lock-Token": self._token},
                 timeout=max(give_up - time.monotonic(), 0.05))
-            done, pause = self._deleted(answer, problem, give_up)
+            done, pause = self._deleted(self._release_answer(answer), problem, give_up)
             if done:
                 break
             await asyncio.sleep(pause)
@@ -134,13 +136,25 @@ class AsyncLease(LeaseState):
         if begun is None:
             return _STOPPED, None, "released"
         ttl, timeout = begun
-        answer, problem = await self._core.transport.attempt(
-            "POST", self._path + "/renew", body={"ttl_ms": ttl_ms(ttl)},
-            headers={"Lock-Token": self._token}, timeout=timeout)
+        answer, problem = await self._send_renewal({"ttl_ms": ttl_ms(ttl)}, timeout)
         outcome, reason, problem = self._settle(now, ttl, answer, problem, confirming)
         if reason is not None:
             self._lose(reason, problem)
         return outcome, answer, problem
+
+    async def _send_renewal(self, body: Optional[Dict[str, Any]], timeout: float
+                            ) -> Tuple[Optional[Answer], str]:
+        """As :meth:`lockbroker.Lease._send_renewal`: every key renewed within ``timeout``."""
+        give_up = time.monotonic() + timeout
+        kept: Optional[Answer] = None
+        for path in self._renew_paths():
+            answer, problem = await self._core.transport.attempt(
+                "POST", path, body=body, headers={"Lock-Token": self._token},
+                timeout=max(give_up - time.monotonic(), 0.05))
+            if answer is None or answer.status != 200:
+                return answer, problem
+            kept = earlier(kept, answer)
+        return kept, ""
 
     async def _confirm(self) -> str:
         """The renewal that fixes the end of a lease granted after a wait (see
@@ -167,6 +181,11 @@ class AsyncLease(LeaseState):
         if self._on_trouble is not None:
             self._core.call(self._on_trouble, (trouble,),
                             f"the on_trouble hook of the lease on {self.key!r}")
+
+
+class AsyncSeveralLease(SeveralKeys, AsyncLease):
+    """The lease of ``AsyncBroker.acquire_all``: an :class:`AsyncLease` on several keys (as
+    :class:`lockbroker.SeveralLease`)."""
 
 
 async def keep(kept: Any) -> None:

@@ -4,12 +4,13 @@ close; and the leases taken under it (:class:`AsyncSessionLease`)."""
 
 import asyncio
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from ._aio_lease import AsyncLease, keep
 from ._errors import BrokerError, Locked
 from ._lease_state import _STOPPED, NOT_HELD, _takes_an_argument
 from ._session_state import SessionBound, SessionState
+from ._several import SeveralKeys, session_run
 from ._transport import Answer
 
 
@@ -26,13 +27,16 @@ class AsyncSessionLease(SessionBound, AsyncLease):
         release is seen here, not by the session's keep-alive); ``ttl`` is not used."""
         if self._renew_check() is False:
             return False
-        answer, problem = await self._core.transport.attempt(
-            "POST", self._path + "/renew", headers={"Lock-Token": self._token},
-            timeout=self._core.timeout)
+        answer, problem = await self._send_renewal(None, self._core.timeout)
         outcome, reason, problem = self._renew_answer(answer, problem)
         if reason is not None:
             self._lose(reason, problem)
         return self._renew_result(outcome, answer, problem)
+
+
+class AsyncSessionSeveralLease(SeveralKeys, AsyncSessionLease):
+    """The lease of :meth:`AsyncSession.acquire_all`: an ``AsyncSessionLease`` on several
+    keys."""
 
 
 class AsyncSession(SessionState):
@@ -79,12 +83,21 @@ class AsyncSession(SessionState):
         except Locked:
             return None
 
+    async def acquire_all(self, keys: Iterable[str], wait: float = 0.0, *,
+                          shared: bool = False, owner: Optional[str] = None) -> AsyncLease:
+        """As :meth:`lockbroker.Session.acquire_all`. Cancelled while it waits, it leaves
+        nothing behind."""
+        return await self._take(session_run(self, keys, wait, shared, owner),
+                                lambda args: AsyncSessionSeveralLease(self._core, self, **args))
+
     async def _acquire(self, space: str, key: str, wait: float, params: Dict[str, Any],
                        mode: str, owner: Optional[str]) -> AsyncLease:
-        run = self._acquire_run(space, key, wait, params, mode, owner)
+        return await self._take(self._acquire_run(space, key, wait, params, mode, owner),
+                                lambda args: AsyncSessionLease(self._core, self, **args))
+
+    async def _take(self, run: Any, make: Callable[[Dict[str, Any]], AsyncLease]) -> AsyncLease:
         try:
-            return await self._client._grant(
-                run, lambda args: AsyncSessionLease(self._core, self, **args), self._adopt)
+            return await self._client._grant(run, make, self._adopt)
         except BrokerError as e:
             if e.code == "no_session" and e.status == 404:
                 self._lose(NOT_HELD, str(e))

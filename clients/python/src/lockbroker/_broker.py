@@ -7,7 +7,7 @@ import logging
 import os
 import ssl
 import time
-from typing import Any, Callable, Dict, Optional, Type, TypeVar
+from typing import Any, Callable, Dict, Iterable, Optional, Type, TypeVar
 
 from ._calls import (
     AGAIN,
@@ -24,10 +24,11 @@ from ._calls import (
     list_request,
 )
 from ._errors import BrokerError, Locked
-from ._lease import Lease, _Core
+from ._lease import Lease, SeveralLease, _Core
 from ._lease_state import _GONE, _RENEWED
 from ._session import Session
 from ._session_state import OpenRun
+from ._several import acquire_all_run
 from ._transport import ClosedOnExit, NoAnswer, Transport
 from ._watch import Follower, KeyView, watch_once
 
@@ -235,6 +236,21 @@ class Broker(ClientBase, ClosedOnExit):
                                        on_trouble=on_trouble)
         except Locked:
             return None
+
+    def acquire_all(self, keys: Iterable[str], ttl: float = 30.0, wait: float = 0.0, *,
+                    shared: bool = False, owner: Optional[str] = None, auto_renew: bool = True,
+                    renew_every: Optional[float] = None,
+                    on_trouble: Optional[Callable[[Optional[str]], Any]] = None) -> Lease:
+        """Takes every key of ``keys`` (1 to 64 distinct keys) or none, in one request that
+        cannot deadlock with others on the same keys, whatever their order: one lease for all
+        (``key``/``fence`` the first key's, ``fences`` a dict key → fence). It renews every key,
+        ``release()`` releases them all, and it is lost as a whole when any key is (the others
+        are released). Raises :class:`Locked` (its ``busy`` naming the keys held by others) when
+        not granted within ``wait``; otherwise as :meth:`acquire`."""
+        run = acquire_all_run(self, keys, ttl, wait, shared, owner, auto_renew, renew_every,
+                              on_trouble)
+        return self._grant(run, lambda args: SeveralLease(self._core, **args),
+                           self._register_lease)
 
     def with_lease(self, key: str, ttl: float, wait: float, work: Callable[[Lease], T],
                    **options: Any) -> T:

@@ -177,13 +177,17 @@ class AcquireRun(GrantRun):
                 raise ValueError("renew_every must be shorter than the ttl (less a tenth)")
         if owner is not None:
             body["owner"] = owner
-        super().__init__(key_path(space, key), where("acquire of", key, url), body, ttl, wait,
-                         True, max_wait, timeout)
+        path, context = self._target(url, space, key)
+        super().__init__(path, context, body, ttl, wait, True, max_wait, timeout)
         self.key = key
         self._session = session is not None
         self._lease_args = dict(space=space, key=key, mode=mode, ttl=self.ttl,
                                 renew_every=renew_every, auto_renew=auto_renew,
                                 on_trouble=on_trouble)
+
+    def _target(self, url: str, space: str, key: Any) -> Tuple[str, str]:
+        """Where the acquire goes, and how its errors start."""
+        return key_path(space, key), where("acquire of", key, url)
 
     def args(self, body: Dict[str, Any], sent_at: Optional[float] = None) -> Dict[str, Any]:
         """The arguments of the lease a ``201`` answered (sent at ``first_sent`` unless

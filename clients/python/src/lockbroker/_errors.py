@@ -2,7 +2,7 @@
 has to tell apart from it, :class:`Locked`, :class:`Unavailable` and :class:`LimitMismatch`; and
 how a broker's error answer maps to them."""
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 if TYPE_CHECKING:
     from ._transport import Answer
@@ -26,12 +26,15 @@ class Locked(BrokerError):
     """Not granted: someone else held the key (or every permit) until the wait ran out.
 
     ``retry_after`` is the broker's estimate, in seconds, of when the current lease ends
-    (``None`` if it gave none).
+    (``None`` if it gave none). ``busy``: for ``acquire_all``, the keys that were held by
+    others (none of the keys is held by the caller afterwards); empty for one key.
     """
 
-    def __init__(self, message: str, *, retry_after: Optional[float] = None):
+    def __init__(self, message: str, *, retry_after: Optional[float] = None,
+                 busy: Sequence[str] = ()):
         super().__init__(message, status=409, code="locked")
         self.retry_after = retry_after
+        self.busy: List[str] = list(busy)
 
 
 class Unavailable(BrokerError):
@@ -75,7 +78,9 @@ def error_from(answer: "Answer", context: str) -> BrokerError:
     status = f"HTTP {answer.status}" + (f" {code}" if code else "")
     message = f"{context}: {answer.message} ({status})"
     if answer.status == 409 and code == "locked":
-        return Locked(message, retry_after=answer.retry_after())
+        held = answer.body.get("held")
+        busy = [k for k in held if isinstance(k, str)] if isinstance(held, list) else []
+        return Locked(message, retry_after=answer.retry_after(), busy=busy)
     if answer.status == 409 and code == "limit_mismatch":
         limit = answer.body.get("limit")
         return LimitMismatch(message, limit=limit if isinstance(limit, int) else None)

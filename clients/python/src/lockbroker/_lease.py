@@ -9,11 +9,12 @@ import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ._errors import BrokerError
 from ._lease_state import (_GONE, _RENEWED, _STOPPED, _WAIT, EXPIRED, LeaseState,
-                           _takes_an_argument, ttl_ms)
+                           _takes_an_argument, earlier, ttl_ms)
+from ._several import SeveralKeys
 from ._transport import Answer
 
 if TYPE_CHECKING:
@@ -81,9 +82,9 @@ class Lease(LeaseState):
                 self._cond.wait()
         while True:
             answer, problem = self._core.transport.attempt(
-                "DELETE", self._path, headers={"Lock-Token": self._token},
+                "DELETE", self._release_path(), headers={"Lock-Token": self._token},
                 timeout=max(give_up - time.monotonic(), 0.05))
-            done, pause = self._deleted(answer, problem, give_up)
+            done, pause = self._deleted(self._release_answer(answer), problem, give_up)
             if done:
                 break
             time.sleep(pause)
@@ -123,9 +124,7 @@ class Lease(LeaseState):
             # the others (at least half a second, or the lease's own bound if shorter).
             timeout = min(timeout, max(self._core.horizon(self) - now, 0.5))
         try:
-            answer, problem = self._core.transport.attempt(
-                "POST", self._path + "/renew", body={"ttl_ms": ttl_ms(ttl)},
-                headers={"Lock-Token": self._token}, timeout=timeout)
+            answer, problem = self._send_renewal({"ttl_ms": ttl_ms(ttl)}, timeout)
         finally:
             with self._cond:
                 self._in_flight -= 1
@@ -134,6 +133,21 @@ class Lease(LeaseState):
         if reason is not None:
             self._lose(reason, problem)
         return outcome, answer, problem
+
+    def _send_renewal(self, body: Optional[Dict[str, Any]], timeout: float
+                      ) -> Tuple[Optional[Answer], str]:
+        """Renews every key of the lease within ``timeout``: the first answer that is not a
+        ``200`` (or ``None`` and why no answer came), else the ``200`` that ends first."""
+        give_up = time.monotonic() + timeout
+        kept: Optional[Answer] = None
+        for path in self._renew_paths():
+            answer, problem = self._core.transport.attempt(
+                "POST", path, body=body, headers={"Lock-Token": self._token},
+                timeout=max(give_up - time.monotonic(), 0.05))
+            if answer is None or answer.status != 200:
+                return answer, problem
+            kept = earlier(kept, answer)
+        return kept, ""
 
     def _confirm(self) -> str:
         """The renewal that fixes the end of a lease granted after a wait (see
@@ -304,3 +318,9 @@ class Renewer:
                 following = None
             if following is not None:
                 self.schedule(lease, following)
+
+
+class SeveralLease(SeveralKeys, Lease):
+    """The lease of :meth:`~lockbroker.Broker.acquire_all`: a :class:`Lease` on several keys
+    (``keys``, ``fences``; ``key``/``fence`` the first key's), each renewed with the one token,
+    released together, lost together."""

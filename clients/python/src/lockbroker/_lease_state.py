@@ -301,6 +301,17 @@ class LeaseState:
         return False, min(self._backoff.delay(answer.retry_after() if answer else None),
                           give_up - now)
 
+    def _renew_paths(self) -> List[str]:
+        """Where a renewal goes: one ``POST`` per key (a several-keys lease has more)."""
+        return [self._path + "/renew"]
+
+    def _release_path(self) -> str:
+        return self._path
+
+    def _release_answer(self, answer: Optional[Answer]) -> Optional[Answer]:
+        """The release's answer as the single-key answer would be (see ``_several``)."""
+        return answer
+
     def _release_finished(self) -> None:
         with self._lock:
             self._release_done = True
@@ -368,6 +379,16 @@ def state_word(live: bool, live_word: str, ended_by_caller: Optional[str],
     if lost_reason is not None:
         return f"lost ({lost_reason})"
     return "ended"
+
+
+def earlier(kept: Optional[Answer], answer: Answer) -> Answer:
+    """Of two renewals' answers, the one whose lease ends first (``kept`` may be ``None``)."""
+    if kept is None:
+        return answer
+    ends = [a.body.get("expires_at_ms") for a in (kept, answer)]
+    if all(isinstance(end, int) for end in ends) and ends[1] < ends[0]:
+        return answer
+    return kept
 
 
 def _expires_at(body: Dict[str, Any]) -> Optional[float]:

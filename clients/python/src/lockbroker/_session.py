@@ -5,12 +5,13 @@ session), its lost signal, and its close; and the leases taken under it
 
 import logging
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from ._errors import BrokerError, Locked
 from ._lease import Lease, call_back, step
 from ._lease_state import _STOPPED, NOT_HELD
 from ._session_state import SessionBound, SessionState
+from ._several import SeveralKeys, session_run
 from ._transport import Answer
 
 log = logging.getLogger("lockbroker")
@@ -36,9 +37,7 @@ class SessionLease(SessionBound, Lease):
                 raise BrokerError("the lease was released", code="released")
             self._in_flight += 1
         try:
-            answer, problem = self._core.transport.attempt(
-                "POST", self._path + "/renew", headers={"Lock-Token": self._token},
-                timeout=self._core.timeout)
+            answer, problem = self._send_renewal(None, self._core.timeout)
         finally:
             with self._cond:
                 self._in_flight -= 1
@@ -47,6 +46,10 @@ class SessionLease(SessionBound, Lease):
         if reason is not None:
             self._lose(reason, problem)
         return self._renew_result(outcome, answer, problem)
+
+
+class SessionSeveralLease(SeveralKeys, SessionLease):
+    """The lease of :meth:`Session.acquire_all`: a :class:`SessionLease` on several keys."""
 
 
 class Session(SessionState):
@@ -98,12 +101,22 @@ class Session(SessionState):
         except Locked:
             return None
 
+    def acquire_all(self, keys: Iterable[str], wait: float = 0.0, *, shared: bool = False,
+                    owner: Optional[str] = None) -> Lease:
+        """Every key of ``keys`` under this session, or none: as
+        :meth:`Broker.acquire_all`, but the lease is kept by the session's keep-alive (not
+        renewed key by key) and lost with it."""
+        return self._take(session_run(self, keys, wait, shared, owner),
+                          lambda args: SessionSeveralLease(self._core, self, **args))
+
     def _acquire(self, space: str, key: str, wait: float, params: Dict[str, Any], mode: str,
                  owner: Optional[str]) -> Lease:
-        run = self._acquire_run(space, key, wait, params, mode, owner)
+        return self._take(self._acquire_run(space, key, wait, params, mode, owner),
+                          lambda args: SessionLease(self._core, self, **args))
+
+    def _take(self, run: Any, make: Callable[[Dict[str, Any]], Lease]) -> Lease:
         try:
-            return self._client._grant(
-                run, lambda args: SessionLease(self._core, self, **args), self._adopt)
+            return self._client._grant(run, make, self._adopt)
         except BrokerError as e:
             if e.code == "no_session" and e.status == 404:
                 self._lose(NOT_HELD, str(e))

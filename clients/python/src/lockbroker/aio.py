@@ -19,7 +19,7 @@ import asyncio
 import logging
 import ssl
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, Optional, TypeVar
 
 from ._broker import USER_AGENT, ClientBase
 from ._calls import (
@@ -39,10 +39,11 @@ from ._calls import (
 from ._errors import BrokerError, LeaseLost, LimitMismatch, Locked, Unavailable, where
 from ._lease_state import _GONE, _RENEWED, Backoff
 from ._aio_leadership import AsyncLeadership
-from ._aio_lease import AsyncLease, _AsyncCore
+from ._aio_lease import AsyncLease, AsyncSeveralLease, _AsyncCore
 from ._aio_session import AsyncSession, AsyncSessionLease
 from ._aio_transport import AsyncTransport
 from ._session_state import OpenRun
+from ._several import acquire_all_run
 from ._transport import RETRYABLE, NoAnswer
 from ._watch import KeyView, WatchRun, check_fence, check_wait
 
@@ -119,6 +120,18 @@ class AsyncBroker(ClientBase):
             return await self.acquire_permit(key, limit, ttl, 0.0, **options)
         except Locked:
             return None
+
+    async def acquire_all(self, keys: Iterable[str], ttl: float = 30.0, wait: float = 0.0, *,
+                          shared: bool = False, owner: Optional[str] = None,
+                          auto_renew: bool = True, renew_every: Optional[float] = None,
+                          on_trouble: Optional[Callable[[Optional[str]], Any]] = None
+                          ) -> AsyncLease:
+        """As :meth:`lockbroker.Broker.acquire_all`. Cancelled while it waits, it leaves
+        nothing behind."""
+        run = acquire_all_run(self, keys, ttl, wait, shared, owner, auto_renew, renew_every,
+                              on_trouble)
+        return await self._grant(run, lambda args: AsyncSeveralLease(self._core, **args),
+                                 self._register_lease)
 
     async def with_lease(self, key: str, ttl: float, wait: float,
                          work: Callable[[AsyncLease], Awaitable[T]], **options: Any) -> T:

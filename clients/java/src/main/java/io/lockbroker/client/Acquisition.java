@@ -32,9 +32,9 @@ final class Acquisition {
             throw new IllegalStateException("this LockBroker is closed");
         }
         if (r.session != null) {
-            r.session.checkAlive("acquire '" + r.key + "'");
+            r.session.checkAlive("acquire " + r.quoted() + "");
         }
-        String path = r.path();
+        String path = r.acquirePath();
         long ttlMs = KeyCalls.millis(r.ttl, "ttl", 1);
         // Past a year, a wait is "for ever" (and nanoTime arithmetic stays clear of overflow).
         long waitMs = Math.min(KeyCalls.millis(r.wait, "wait", 0), TimeUnit.DAYS.toMillis(365));
@@ -65,15 +65,15 @@ final class Acquisition {
                 response = http.send("POST", path, Json.object(body), null,
                         Duration.ofMillis(askWait).plus(broker.http.requestTimeout));
             } catch (IOException e) {
-                trouble = http.unreachable("acquire '" + r.key + "'", e);
+                trouble = http.unreachable("acquire " + r.quoted() + "", e);
                 response = null;
             } catch (InterruptedException e) {
                 // The request may still be parked at the broker (JDKs before 16 do not abort it):
                 // nothing it says is conclusive before it would have ended by itself.
-                cleanUpAfter(path, body, unsureSince, ttlMs,
+                cleanUpAfter(r, body, unsureSince, ttlMs,
                         sent + TimeUnit.MILLISECONDS.toNanos(askWait) + broker.http.requestTimeout.toNanos());
                 Thread.currentThread().interrupt();
-                throw new LockBrokerException("interrupted while acquiring '" + r.key + "'", e);
+                throw new LockBrokerException("interrupted while acquiring " + r.quoted() + "", e);
             }
             if (response != null) {
                 int status = response.statusCode();
@@ -82,25 +82,25 @@ final class Acquisition {
                 if (status == 201) {
                     // The grant was made after `sent` (or, on a retry, after the first request
                     // that may have made it): its end is no earlier than that plus the ttl.
-                    Lease lease = new Lease(broker, r, answer, retried ? unsureSince : sent, ttlMs);
-                    if (lease.needsConfirmation() && !lease.confirm(deadline)) {
+                    Lease lease = LeaseGroup.granted(broker, r, answer, retried ? unsureSince : sent, ttlMs);
+                    if (lease.needsConfirmation() && !lease.parts().stream().allMatch(p -> p.confirm(deadline))) {
                         // Granted after a long wait or on a retry, so possibly nearly over, and
                         // no renewal confirmed it: not returned; released in the background.
-                        lease.abandon();
-                        trouble = new BrokerUnavailableException("cannot acquire '" + r.key + "' at " + broker.url
+                        lease.parts().forEach(Lease::abandon);
+                        trouble = new BrokerUnavailableException("cannot acquire " + r.quoted() + " at " + broker.url
                                 + ": the broker granted it but did not confirm it with a renewal", 0, null, null);
                         unsure = false;
                         requestId = newRequestId();
                     } else if (r.session != null) {
                         if (!r.session.adopt(lease)) {
                             // The session ended or was closed meanwhile, and the lease with it.
-                            lease.releasedWithSession();
-                            throw r.session.notAlive("acquire '" + r.key + "'");
+                            lease.parts().forEach(Lease::releasedWithSession);
+                            throw r.session.notAlive("acquire " + r.quoted() + "");
                         }
                         return lease;
                     } else {
                         broker.open.add(lease);
-                        lease.start();
+                        lease.parts().forEach(Lease::start);
                         if (broker.isClosed()) {
                             lease.release();
                             throw new IllegalStateException("this LockBroker was closed while acquiring");
@@ -113,20 +113,20 @@ final class Acquisition {
                         continue; // the wait was split over several requests
                     }
                     Long retryMs = Json.numberField(answer, "retry_after_ms");
-                    throw new LockedException(r.key, retryMs == null ? null : Duration.ofMillis(retryMs), broker.url);
+                    throw r.locked(answer, retryMs == null ? null : Duration.ofMillis(retryMs));
                 } else if (Http.retryable(status)) {
-                    trouble = http.unavailable("acquire '" + r.key + "'", response, answer);
+                    trouble = http.unavailable("acquire " + r.quoted() + "", response, answer);
                     retryAfter = Http.retryAfterMs(response);
                 } else {
                     // A 4xx refused this request, but an earlier one may have been granted; a 5xx
                     // the broker never sends (a proxy's) leaves even this one's outcome unknown.
                     if (retried || status >= 500) {
-                        cleanUpAfter(path, body, unsureSince, ttlMs, System.nanoTime());
+                        cleanUpAfter(r, body, unsureSince, ttlMs, System.nanoTime());
                     }
                     if (r.session != null && status == 404 && "no_session".equals(code)) {
                         r.session.ended(Session.answered(response, answer));
                     }
-                    throw http.refusal("acquire '" + r.key + "'", response, answer);
+                    throw http.refusal("acquire " + r.quoted() + "", response, answer);
                 }
             }
             // Retry with the same request_id (a grant made meanwhile comes back, not a second
@@ -138,7 +138,7 @@ final class Acquisition {
             firstAttempt = false;
             if (left <= 0 && !staleConnection) {
                 if (unsure) {
-                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, broker.owner), unsureSince, ttlMs,
+                    cleanUpAfter(r, r.body(ttlMs, 0, requestId, broker.owner), unsureSince, ttlMs,
                             System.nanoTime());
                 }
                 throw trouble;
@@ -147,10 +147,10 @@ final class Acquisition {
             // pause, but not past the end of the wait: the last try comes then, with wait_ms=0.
             if (!staleConnection && !backoff.sleep(retryAfter, deadline)) {
                 if (unsure) {
-                    cleanUpAfter(path, r.body(ttlMs, 0, requestId, broker.owner), unsureSince, ttlMs,
+                    cleanUpAfter(r, r.body(ttlMs, 0, requestId, broker.owner), unsureSince, ttlMs,
                             System.nanoTime());
                 }
-                throw new LockBrokerException("interrupted while acquiring '" + r.key + "'", new InterruptedException());
+                throw new LockBrokerException("interrupted while acquiring " + r.quoted() + "", new InterruptedException());
             }
         }
     }
@@ -162,7 +162,7 @@ final class Acquisition {
      * means none of ours is live only once no request of ours can still be waiting at the
      * broker ({@code conclusiveAfter}); before that it keeps asking.
      */
-    private void cleanUpAfter(String path, Map<String, Object> body, long unsureSince, long ttlMs,
+    private void cleanUpAfter(LockRequest r, Map<String, Object> body, long unsureSince, long ttlMs,
             long conclusiveAfter) {
         if (broker.isClosed()) {
             return;
@@ -176,13 +176,13 @@ final class Acquisition {
             while (!broker.isClosed() && System.nanoTime() - until < 0) {
                 Long retryAfter = null;
                 try {
-                    HttpResponse<String> response = http.send("POST", path, Json.object(noWait), null,
+                    HttpResponse<String> response = http.send("POST", r.acquirePath(), Json.object(noWait), null,
                             broker.http.requestTimeout);
                     int status = response.statusCode();
                     if (status == 201) {
                         String token = Json.stringField(Json.parseObject(response.body()), "token");
                         if (token != null) {
-                            http.send("DELETE", path, null, token, broker.http.requestTimeout);
+                            http.send("DELETE", r.releasePath(), null, token, broker.http.requestTimeout);
                         }
                         return;
                     }

@@ -52,7 +52,7 @@ final class Json {
         return value instanceof Number ? ((Number) value).longValue() : null;
     }
 
-    /** Writes a flat object; {@code null} values are left out. */
+    /** Writes a flat object (strings, numbers, booleans, lists of strings); {@code null} values are left out. */
     static String object(Map<String, ?> fields) {
         StringBuilder out = new StringBuilder("{");
         for (Map.Entry<String, ?> field : fields.entrySet()) {
@@ -67,6 +67,15 @@ final class Json {
             out.append(':');
             if (value instanceof Number || value instanceof Boolean) {
                 out.append(value);
+            } else if (value instanceof List) {
+                out.append('[');
+                for (Object item : (List<?>) value) {
+                    if (out.charAt(out.length() - 1) != '[') {
+                        out.append(',');
+                    }
+                    string(out, item.toString());
+                }
+                out.append(']');
             } else {
                 string(out, value.toString());
             }

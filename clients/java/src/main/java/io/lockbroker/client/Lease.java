@@ -4,6 +4,8 @@ import java.io.IOException;
 import java.net.http.HttpResponse;
 import java.time.Duration;
 import java.time.Instant;
+import java.util.ArrayList;
+import java.util.List;
 import java.util.Map;
 import java.util.Optional;
 import java.util.concurrent.CompletableFuture;
@@ -30,6 +32,12 @@ import java.util.function.Consumer;
  * keeps it, and it is lost when the session is ({@link Session#onLost(Runnable)}), or when a
  * {@link #renew()} finds it force-released. Releasing it releases that lease only; closing the
  * session releases it too.
+ *
+ * <p>A lease of several keys at once ({@link LockBroker#acquireAll(List, Duration, Duration)})
+ * holds every one of them with one token: {@link #key()} and {@link #fence()} are the first
+ * key's, {@link #fence(String)} each key's. Each key is renewed (unless under a session) and
+ * watched for loss as a lease of one key is; if any key is lost, the whole lease is lost (its
+ * callbacks run once) and the other keys are released. {@link #release()} releases them all.
  *
  * <p>Ownership is this object (it holds the token), not a thread: any thread may release it.
  * The token is never shown by {@link #toString()} nor logged.
@@ -65,6 +73,41 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
      */
     public long fence() {
         return fence;
+    }
+
+    /**
+     * Every key the lease holds: {@link #key()} alone, or the keys of
+     * {@link LockBroker#acquireAll(List, Duration, Duration) acquireAll} in their order.
+     *
+     * @return the keys
+     */
+    public List<String> keys() {
+        List<String> keys = new ArrayList<>();
+        for (Lease part : parts()) {
+            keys.add(part.key);
+        }
+        return List.copyOf(keys);
+    }
+
+    /**
+     * The fence of one of the lease's keys (of a lease of several keys, each key has its own).
+     *
+     * @param key one of {@link #keys()}
+     * @return that key's fence
+     * @throws IllegalArgumentException when the lease does not hold {@code key}
+     */
+    public long fence(String key) {
+        for (Lease part : parts()) {
+            if (part.key.equals(key)) {
+                return part.fence;
+            }
+        }
+        throw new IllegalArgumentException("this lease does not hold '" + key + "'; it holds " + keys());
+    }
+
+    /** This lease's parts: one per key (itself alone for a lease of one key). */
+    List<Lease> parts() {
+        return group == null ? List.of(this) : group.parts;
     }
 
     /**
@@ -112,12 +155,20 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
     /**
      * True while the lease is held: not released, not lost, and its end (as this client counts
      * it, conservatively) not passed; under a session, while the session {@link Session#isAlive()
-     * is alive} too.
+     * is alive} too. Of a lease of several keys: true while every key is held.
      *
      * @return true while held
      */
     @Override
     public boolean isHeld() {
+        boolean all = true;
+        for (Lease part : parts()) {
+            all &= part.heldAlone(); // each part, to notice its end
+        }
+        return all;
+    }
+
+    private boolean heldAlone() {
         if (session != null) {
             // A session found ended loses its leases, this one too.
             boolean alive = session.isAlive();
@@ -196,6 +247,12 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
         if (hook == null) {
             throw new IllegalArgumentException("hook is null");
         }
+        for (Lease part : parts()) {
+            part.troubleAlone(hook);
+        }
+    }
+
+    private void troubleAlone(Consumer<LockBrokerException> hook) {
         LockBrokerException now;
         synchronized (this) {
             if (state == State.HELD) {
@@ -209,7 +266,8 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
     }
 
     /**
-     * Renews the lease now, for its ttl (the background renewal does this by itself).
+     * Renews the lease now, for its ttl (the background renewal does this by itself); every key
+     * of a lease of several keys, one by one.
      *
      * @throws LeaseLostException it was already lost or released, or the broker says it ended
      *     ({@code 404}/{@code 409}), or refused the token ({@code 401}/{@code 403})
@@ -218,6 +276,12 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
      * @throws LockBrokerException any other answer (the broker's {@code 400}, a 5xx that is not)
      */
     public void renew() {
+        for (Lease part : parts()) {
+            part.renewAlone();
+        }
+    }
+
+    private void renewAlone() {
         synchronized (this) {
             if (state != State.HELD) {
                 throw new LeaseLostException(describeLoss());
@@ -256,15 +320,35 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
      * Releases the lease: stops the background renewal first (waiting for one under way), then
      * {@code DELETE}s it with the token. Idempotent; quiet when the lease was already gone
      * ({@code 404}/{@code 409}); when the broker cannot be reached it retries for the release
-     * timeout and gives up, logging a warning, as the lease then ends by its ttl.
+     * timeout and gives up, logging a warning, as the lease then ends by its ttl. A lease of
+     * several keys releases them all with one {@code DELETE /locks?keys=...}.
      */
     @Override
     public void release() {
+        if (group != null) {
+            group.release();
+        } else {
+            releaseOne();
+        }
+    }
+
+    @Override
+    void releaseOne() {
+        if (stop()) {
+            delete();
+        }
+    }
+
+    /**
+     * Stops the renewal for good (waiting for one under way) and marks the lease released;
+     * true when a {@code DELETE} is still to be sent (not released before, not known gone).
+     */
+    boolean stop() {
         CompletableFuture<?> inFlight;
         boolean send;
         synchronized (this) {
             if (state == State.RELEASED || releaseSent) {
-                return;
+                return false;
             }
             send = !(state == State.LOST && lostForSure);
             state = state == State.LOST ? State.LOST : State.RELEASED;
@@ -286,9 +370,7 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
                 // failed or hung: it can no longer renew anything that matters
             }
         }
-        if (send) {
-            delete();
-        }
+        return send;
     }
 
     /** Same as {@link #release()}. */
@@ -303,7 +385,12 @@ public final class Lease extends LeaseRenewal implements AutoCloseable {
         synchronized (this) {
             s = state == State.HELD ? "held" : state == State.LOST ? "lost" : "released";
         }
-        return "Lease[key=" + key + ", kind=" + kind + (kind == Kind.PERMIT ? ", limit=" + limit : "")
-                + ", fence=" + fence + (session != null ? ", under a session" : "") + ", " + s + "]";
+        List<Long> fences = new ArrayList<>();
+        for (Lease part : parts()) {
+            fences.add(part.fence);
+        }
+        return "Lease[" + (group == null ? "key=" + key : "keys=" + keys()) + ", kind=" + kind
+                + (kind == Kind.PERMIT ? ", limit=" + limit : "")
+                + (group == null ? ", fence=" + fence : ", fences=" + fences) + (session != null ? ", under a session" : "") + ", " + s + "]";
     }
 }

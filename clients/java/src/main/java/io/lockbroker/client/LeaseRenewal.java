@@ -31,6 +31,8 @@ abstract class LeaseRenewal {
     final long marginNanos;
     /** The session the lease is under (kept by its keep-alive, lost with it); null for a lease of its own. */
     final Session session;
+    /** The lease of several keys this is one part of (set before it is returned); null for a lease of one key. */
+    LeaseGroup group;
 
     // Guarded by this.
     State state = State.HELD;
@@ -83,6 +85,9 @@ abstract class LeaseRenewal {
 
     /** Releases the lease; see {@link Lease#release()}. */
     public abstract void release();
+
+    /** Releases this key alone (of a lease of several keys: this part). */
+    abstract void releaseOne();
 
     // ---------------------------------------------------------------------------------------
     // Background renewal and loss
@@ -321,11 +326,14 @@ abstract class LeaseRenewal {
         if (!forSure) {
             // The broker may still count it held; if it comes back in time, let the key go.
             broker.open.remove(this);
-            broker.workers.inBackground(this::release);
+            broker.workers.inBackground(this::releaseOne);
         } else {
             broker.open.remove(this);
         }
         broker.workers.runLostCallbacks(toRun, this::runCallback);
+        if (group != null) {
+            group.lost((Lease) this, reason);
+        }
     }
 
     /** Its session was lost: so is the lease (nothing to release: the session's end ends it). */
@@ -394,23 +402,30 @@ abstract class LeaseRenewal {
 
     /** DELETE with the token, retried on 503 and network errors for the release timeout. */
     void delete() {
-        long until = System.nanoTime() + broker.releaseTimeout.toNanos();
+        deleteAt(path, "'" + key + "'", System.nanoTime() + broker.releaseTimeout.toNanos());
+    }
+
+    /**
+     * {@code DELETE at} with the token, retried on 503 and network errors until {@code until}.
+     * Returns the answer when it was 200 (several keys: each key's status), else an empty map.
+     */
+    Map<String, Object> deleteAt(String at, String what, long until) {
         Backoff pauses = new Backoff();
         while (true) {
             String trouble;
             Long retryAfter = null;
             try {
-                HttpResponse<String> response = broker.http.send("DELETE", path, null, token,
+                HttpResponse<String> response = broker.http.send("DELETE", at, null, token,
                         broker.http.requestTimeout);
                 int status = response.statusCode();
                 if (status == 204 || status == 200 || status == 404 || status == 409) {
-                    return; // released, or already gone
+                    return status == 200 ? Json.parseObject(response.body()) : Map.of(); // released, or already gone
                 }
                 if (!Http.retryable(status)) {
-                    LockBroker.warn(broker.http.refusal("release '" + key + "'", response,
+                    LockBroker.warn(broker.http.refusal("release " + what, response,
                             Json.parseObject(response.body()))
                             .getMessage() + "; it ends by its ttl, as it is no longer renewed");
-                    return;
+                    return Map.of();
                 }
                 trouble = "answered " + status;
                 retryAfter = Http.retryAfterMs(response);
@@ -418,15 +433,15 @@ abstract class LeaseRenewal {
                 trouble = "could not be reached: " + e;
             } catch (InterruptedException e) {
                 Thread.currentThread().interrupt();
-                return;
+                return Map.of();
             }
             if (until - System.nanoTime() <= 0) {
-                LockBroker.warn("could not release '" + key + "' at " + broker.url + " (the broker " + trouble
+                LockBroker.warn("could not release " + what + " at " + broker.url + " (the broker " + trouble
                         + "); it ends by its ttl, as it is no longer renewed");
-                return;
+                return Map.of();
             }
             if (!pauses.sleep(retryAfter, until)) {
-                return;
+                return Map.of();
             }
         }
     }

@@ -28,7 +28,7 @@ import java.util.concurrent.TimeUnit;
  * to whoever holds the {@link Lease} object, not to a thread: any thread may release it.
  * {@link #close()} stops every background renewal and releases the leases still open.
  */
-public final class LockBroker extends KeyCalls implements AutoCloseable {
+public final class LockBroker extends SeveralKeysCalls implements AutoCloseable {
     private static final System.Logger LOG = System.getLogger(LockBroker.class.getName());
 
     final String url;

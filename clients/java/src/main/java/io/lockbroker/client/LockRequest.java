@@ -1,7 +1,10 @@
 package io.lockbroker.client;
 
 import java.time.Duration;
+import java.util.ArrayList;
 import java.util.LinkedHashMap;
+import java.util.LinkedHashSet;
+import java.util.List;
 import java.util.Map;
 import java.util.Optional;
 
@@ -25,6 +28,8 @@ public final class LockRequest {
     final String key;
     final Lease.Kind kind;
     final int limit;
+    /** Every key, for a request of several keys at once ({@code POST /locks}); null for one key. */
+    final List<String> keys;
     /** The session the lease is taken under; null for a lease of its own. */
     final Session session;
     Duration ttl = Duration.ofSeconds(30);
@@ -37,8 +42,19 @@ public final class LockRequest {
     }
 
     LockRequest(LockBroker broker, String key, Lease.Kind kind, int limit, Session session) {
+        this(broker, key, null, kind, limit, session);
+    }
+
+    /** A request for every key of {@code keys} at once (1 to 64 distinct keys), exclusive. */
+    LockRequest(LockBroker broker, List<String> keys, Session session) {
+        this(broker, null, checkKeys(keys), Lease.Kind.EXCLUSIVE, 0, session);
+    }
+
+    private LockRequest(LockBroker broker, String key, List<String> keys, Lease.Kind kind, int limit,
+            Session session) {
         this.broker = broker;
-        this.key = Keys.check(key);
+        this.keys = keys;
+        this.key = keys != null ? keys.get(0) : Keys.check(key);
         this.kind = kind;
         this.limit = limit;
         this.session = session;
@@ -83,7 +99,7 @@ public final class LockRequest {
         if (kind == Lease.Kind.PERMIT) {
             throw new IllegalStateException("a semaphore permit has no shared mode");
         }
-        return new LockRequest(broker, key, Lease.Kind.SHARED, 0, session).copy(this);
+        return new LockRequest(broker, key, keys, Lease.Kind.SHARED, 0, session).copy(this);
     }
 
     /**
@@ -149,6 +165,54 @@ public final class LockRequest {
         return this;
     }
 
+    /** The request for {@code k}, one of this request's keys, with its settings: one part of a lease of several keys. */
+    LockRequest forKey(String k) {
+        return new LockRequest(broker, k, null, kind, limit, session).copy(this);
+    }
+
+    /** The keys, quoted, for messages: {@code 'a'} or {@code 'a', 'b'}. */
+    String quoted() {
+        return keys == null ? "'" + key + "'" : "'" + String.join("', '", keys) + "'";
+    }
+
+    /** Where the acquire is sent: {@link #path()}, or {@code /locks} for several keys. */
+    String acquirePath() {
+        return keys == null ? path() : "/locks";
+    }
+
+    /** Where the token releases what the acquire granted: {@link #path()}, or {@code /locks?keys=a,b}. */
+    String releasePath() {
+        return keys == null ? path() : "/locks?keys=" + String.join(",", keys);
+    }
+
+    /** The "not granted" answer ({@code 409 locked}) as an exception: the busy keys, as the broker named them. */
+    LockedException locked(Map<String, Object> answer, Duration retryAfter) {
+        if (keys == null) {
+            return new LockedException(key, retryAfter, broker.url);
+        }
+        List<String> held = new ArrayList<>();
+        if (answer.get("held") instanceof List) {
+            for (Object k : (List<?>) answer.get("held")) {
+                held.add(String.valueOf(k));
+            }
+        }
+        return new LockedException(keys, held, retryAfter, broker.url);
+    }
+
+    private static List<String> checkKeys(List<String> keys) {
+        if (keys == null || keys.isEmpty() || keys.size() > 64) {
+            throw new IllegalArgumentException("several keys at once means 1 to 64 keys, not "
+                    + (keys == null ? "null" : keys.size()));
+        }
+        for (String k : keys) {
+            Keys.check(k);
+        }
+        if (new LinkedHashSet<>(keys).size() != keys.size()) {
+            throw new IllegalArgumentException("the same key twice in " + keys);
+        }
+        return List.copyOf(keys);
+    }
+
     /** {@code /locks/KEY} or {@code /semaphores/KEY}, the key percent-encoded. */
     String path() {
         String space = kind == Lease.Kind.PERMIT ? "/semaphores/" : "/locks/";
@@ -161,6 +225,9 @@ public final class LockRequest {
             body.put("ttl_ms", ttlMs);
         } else {
             body.put("session", session.secret()); // in the body: never in a URL, where logs would show it
+        }
+        if (keys != null) {
+            body.put("keys", keys);
         }
         body.put("wait_ms", waitMs);
         body.put("request_id", requestId);

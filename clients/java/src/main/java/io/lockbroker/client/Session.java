@@ -138,6 +138,28 @@ public final class Session extends SessionKeepAlive implements AutoCloseable {
     }
 
     /**
+     * Takes the exclusive locks on every one of {@code keys} at once under this session, or none
+     * of them ({@code POST /locks} with the session), waiting up to {@code wait} while someone
+     * else holds any. As {@link LockBroker#acquireAll(List, Duration, Duration)}, but the one
+     * lease returned has no ttl of its own: it lives as long as the session, and its keys are not
+     * renewed one by one.
+     *
+     * @param keys 1 to 64 distinct keys
+     * @param wait how long to wait while someone else holds any of them
+     * @return the lease of every key, held while the session lives
+     * @throws LockedException when not every key could be had within {@code wait}
+     *     ({@link LockedException#heldKeys()}: the busy ones); none is held then
+     * @throws BrokerUnavailableException when the broker could not be reached or kept answering
+     *     503 until {@code wait} ran out
+     * @throws LockBrokerException when the session is lost or ended ({@code "no_session"}), or
+     *     for any other refusal
+     * @throws IllegalStateException when the session is closed
+     */
+    public Lease acquireAll(List<String> keys, Duration wait) {
+        return new LockRequest(broker, keys, this).maxWait(wait).acquire();
+    }
+
+    /**
      * A request for the lock on {@code key} under this session, to set more than
      * {@link #acquire(String, Duration)} does ({@code .shared()}, {@code .owner(label)},
      * {@code .maxWait(d)}); it takes no ttl.
@@ -315,7 +337,7 @@ public final class Session extends SessionKeepAlive implements AutoCloseable {
                 lostForSure ? 404 : 0, "no_session", null);
     }
 
-    /** Takes a lease granted under this session; false when the session ended meanwhile. */
+    /** Takes a lease granted under this session (each key's part); false when the session ended meanwhile. */
     boolean adopt(Lease lease) {
         if (!isAlive()) {
             return false;
@@ -324,7 +346,7 @@ public final class Session extends SessionKeepAlive implements AutoCloseable {
             if (state != State.ALIVE) {
                 return false;
             }
-            leases.add(lease);
+            leases.addAll(lease.parts());
             return true;
         }
     }

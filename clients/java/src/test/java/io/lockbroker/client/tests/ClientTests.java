@@ -92,6 +92,12 @@ public final class ClientTests {
         perStore.put("session_of_a_killed_node_its_keys_to_waiters_within_ttl_plus_1s",
                 SessionTests::abandonedSessionLeasesGoToWaiters);
         perStore.put("session_lock_delay_after_expiry_only", SessionTests::lockDelayAfterExpiryOnly);
+        perStore.put("several_keys_all_or_nothing_with_a_fence_each", SeveralKeysTests::allOrNothingWithAFenceEach);
+        perStore.put("several_keys_opposite_orders_all_complete", SeveralKeysTests::oppositeOrdersAllComplete);
+        perStore.put("several_keys_one_lost_loses_the_lease", SeveralKeysTests::lostKeyLosesTheLease);
+        perStore.put("several_keys_release_releases_all", SeveralKeysTests::releaseReleasesAll);
+        perStore.put("several_keys_retry_keeps_request_id", SeveralKeysTests::retryKeepsRequestId);
+        perStore.put("several_keys_under_a_session", SeveralKeysTests::underASession);
         Map<String, Body> redisOnly = new LinkedHashMap<>();
         redisOnly.put("store_down_503s_retried_without_double_grant", ClientTests::storeDown);
         Map<String, Body> own = new LinkedHashMap<>();
