@@ -142,7 +142,7 @@ pub(super) fn newer_layout(layout: u32) -> StoreError {
 }
 
 /// The lease `granted` is, for `bid`.
-fn lease_of(granted: GrantedLease, bid: &Bid, kind: Kind) -> StoreResult<Lease> {
+pub(super) fn lease_of(granted: GrantedLease, bid: &Bid, kind: Kind) -> StoreResult<Lease> {
     Ok(Lease {
         // The bid's own token, or the one of the earlier grant this repeats.
         token: if granted.token == bid.token.as_str() {

@@ -32,6 +32,7 @@ mod replicas;
 mod scripts;
 mod sentinel;
 mod sessions;
+mod several;
 mod shard;
 mod slots;
 pub(crate) mod url;

@@ -40,6 +40,10 @@ impl Store for RedisStore {
         exclusive(self.grant(GrantScript::Claim, key, bid).await?)
     }
 
+    async fn claim_all(&self, keys: &[LockKey], bid: &Bid) -> StoreResult<Option<Vec<Lease>>> {
+        self.grant_all(keys, bid).await
+    }
+
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         let keys = self.layout.names(Space::Locks, key);
         self.keeper

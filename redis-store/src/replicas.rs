@@ -194,6 +194,36 @@ impl Replicas {
         Err(error)
     }
 
+    /// [`Replicas::confirm_grant`] for one write that granted `lease` on every key of `keys`
+    /// (CLAIM_ALL): one wait, and when the replicas do not acknowledge it, every key released.
+    pub(super) async fn confirm_grants(
+        &self,
+        store: &RedisStore,
+        keys: &[LockKey],
+        lease: &Lease,
+        generation: u64,
+    ) -> StoreResult<()> {
+        let Some(first) = keys.first() else {
+            return Ok(());
+        };
+        let Err(error) = self.confirm(store, first, generation).await else {
+            return Ok(());
+        };
+        let releases = keys
+            .iter()
+            .map(|key| store.release(Space::Locks, key, &lease.token));
+        for (key, released) in keys
+            .iter()
+            .zip(futures_util::future::join_all(releases).await)
+        {
+            if let Err(e) = released {
+                tracing::debug!(%key, %error, release_error = %e, "a grant was not acknowledged by the replicas in time, and releasing it failed: it ends at its TTL");
+                store.metrics.outage().cleanup_failed(&e);
+            }
+        }
+        Err(error)
+    }
+
     /// Before a renewal: the lease as its holder knows it (exclusive, shared or a permit), if
     /// acknowledgements are asked for.
     pub(super) async fn before_renew(

@@ -32,6 +32,10 @@ impl Store for AnyStore {
         delegate!(self, s => s.claim(key, bid))
     }
 
+    async fn claim_all(&self, keys: &[LockKey], bid: &Bid) -> StoreResult<Option<Vec<Lease>>> {
+        delegate!(self, s => s.claim_all(keys, bid))
+    }
+
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         delegate!(self, s => s.read(key))
     }

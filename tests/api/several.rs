@@ -19,6 +19,7 @@ on_both_stores!(
     requests_for_the_same_keys_in_opposite_orders_all_complete,
     bad_key_lists_are_refused,
     several_keys_under_a_session_are_kept_and_closed_together,
+    a_key_whose_lease_expired_is_taken_over_beside_free_ones,
 );
 
 async fn acquire(app: &TestApp, body: Value) -> Answer {
@@ -195,4 +196,66 @@ async fn several_keys_under_a_session_are_kept_and_closed_together(b: &Backend) 
     for key in ["u-1", "u-2", "u-3"] {
         app.grant(key, "").await;
     }
+}
+
+async fn a_key_whose_lease_expired_is_taken_over_beside_free_ones(b: &Backend) {
+    let app = &b.app;
+    let gone = app.grant("x-b", "ttl_ms=100").await;
+    // Its holder never releases it: the lease ends at its TTL, and stays in the key.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let body = acquire(app, json!({"keys": ["x-a", "x-b", "x-c"], "ttl_ms": 20000}))
+        .await
+        .expect_status(StatusCode::CREATED)
+        .json();
+    let leases = body["leases"].as_array().unwrap();
+    assert!(leases[1]["fence"].as_u64().unwrap() > gone.fence);
+    for key in ["x-a", "x-b", "x-c"] {
+        app.expect_locked(key, "").await;
+    }
+}
+
+/// On one Redis, keys that are all free cost one script call whatever their number; a busy one
+/// costs that try and then the keys' own calls, in order, up to the busy one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn free_keys_are_granted_in_one_redis_script_call() {
+    let b = Backend::start(lockbroker_test_support::app::StoreKind::Redis).await;
+    let (app, redis) = (&b.app, b.redis.as_ref().unwrap());
+    // Once first, so that every script is cached: a script's first call may be an `EVALSHA`
+    // answered NOSCRIPT and an `EVAL`.
+    acquire(app, json!({"keys": ["warm-1", "warm-2"]}))
+        .await
+        .expect_status(StatusCode::CREATED);
+    for n in [2, 8, 64] {
+        let keys: Vec<String> = (0..n).map(|i| format!("one-{n}-{i:02}")).collect();
+        let before = redis.command_counts().await;
+        let body = acquire(app, json!({"keys": keys}))
+            .await
+            .expect_status(StatusCode::CREATED)
+            .json();
+        let after = redis.command_counts().await;
+        // Script calls (the broker's background epoch check runs with plain `EVAL`).
+        assert_eq!(
+            after["evalsha"] - before["evalsha"],
+            1,
+            "{n} free keys: {before:?} {after:?}"
+        );
+        let leases = body["leases"].as_array().unwrap();
+        assert_eq!(leases.len(), n);
+        for key in [&keys[0], &keys[n - 1]] {
+            app.expect_locked(key, "").await;
+        }
+    }
+    // The third of four keys is busy: the one try, then the first two keys' claims and the
+    // third's refusal and look (then the two taken are released).
+    let holder = app.grant("busy-3", "ttl_ms=20000").await;
+    let before = redis.command_counts().await;
+    acquire(
+        app,
+        json!({"keys": ["busy-1", "busy-2", "busy-3", "busy-4"]}),
+    )
+    .await
+    .expect_error(StatusCode::CONFLICT, "locked");
+    let after = redis.command_counts().await;
+    assert!(after["evalsha"] - before["evalsha"] >= 5, "{after:?}");
+    app.release_ok("busy-3", &holder.token).await;
 }

@@ -21,9 +21,11 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use tokio::time::Instant;
 
+use super::pending::PendingGrant;
 use super::{AcquireRequest, LockError, LockService};
-use crate::domain::{LockKey, Token, Ttl, WaitFor, millis};
-use crate::store::{Lease, Renewal, Store};
+use crate::domain::{Kind, LockKey, Space, Token, Ttl, WaitFor, millis};
+use crate::metrics::{AcquireResult, StoreOp};
+use crate::store::{Bid, Lease, Renewal, Store, StoreError};
 
 /// The most keys one request may name.
 pub const MAX_KEYS: usize = 64;
@@ -84,6 +86,15 @@ impl<S: Store> LockService<S> {
             kept: false,
         };
         let mut token = Token::generate();
+        if keys.len() > 1 && req.session.is_none() && req.kind == Kind::Exclusive {
+            match self.all_free(keys, &req, &token).await {
+                Some(Ok(leases)) => return Ok(leases),
+                // Taken one by one, with another token: the failed call may have granted this
+                // one (its guard releases what it did).
+                Some(Err(_)) => token = Token::generate(),
+                None => {}
+            }
+        }
         let mut granted: Vec<Option<Lease>> = vec![None; keys.len()];
         for (n, &i) in order.iter().enumerate() {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -131,6 +142,58 @@ impl<S: Store> LockService<S> {
             .zip(granted.into_iter().flatten())
             .collect();
         Ok(Leases { token, leases })
+    }
+
+    /// Every key in one store call if each one is free now ([`Store::claim_all`]): the leases, in
+    /// the order of `keys`; `None` when not (nothing taken); a store failure (after which the
+    /// keys the call may have granted are released by `token`, unless a request id lets a retry
+    /// get them back, as for one key: see `PendingGrant`).
+    async fn all_free(
+        &self,
+        keys: &[LockKey],
+        req: &AcquireRequest,
+        token: &Token,
+    ) -> Option<Result<Leases, StoreError>> {
+        let arrived = Instant::now();
+        let bid = Bid {
+            token: token.clone(),
+            ttl: req.ttl,
+            owner: req.owner.clone(),
+            request_id: req.request_id.clone(),
+            wait_ms: 0,
+            ends: None,
+        };
+        let guards: Vec<_> = keys
+            .iter()
+            .map(|key| PendingGrant {
+                store: bid.request_id.is_none().then_some(&self.store),
+                space: Space::Locks,
+                key,
+                token,
+                ttl: bid.ttl,
+                outage: self.metrics.outage(),
+            })
+            .collect();
+        let answer = self
+            .timed(StoreOp::claim_all, self.store.claim_all(keys, &bid))
+            .await;
+        for guard in guards {
+            guard.settle(&answer);
+        }
+        let leases = match answer {
+            Ok(Some(leases)) if leases.len() == keys.len() => leases,
+            Ok(_) => return None,
+            Err(e) => return Some(Err(e)),
+        };
+        for key in keys {
+            self.metrics
+                .acquired(Kind::Exclusive, AcquireResult::Granted, arrived.elapsed());
+            self.watchers.changed(Space::Locks, key);
+        }
+        Some(Ok(Leases {
+            token: token.clone(),
+            leases: keys.iter().cloned().zip(leases).collect(),
+        }))
     }
 
     /// One key of a several-keys acquire, with the request's token.

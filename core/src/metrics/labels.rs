@@ -15,6 +15,8 @@ use crate::domain::{Kind, Space};
 #[allow(non_camel_case_types)] // label values are written as the variants are named
 pub enum StoreOp {
     claim,
+    /// Several free keys in one step (see `Store::claim_all`).
+    claim_all,
     read,
     take_over,
     release,
@@ -30,8 +32,9 @@ pub enum StoreOp {
 }
 
 impl StoreOp {
-    pub(super) const ALL: [Self; 12] = [
+    pub(super) const ALL: [Self; 13] = [
         Self::claim,
+        Self::claim_all,
         Self::read,
         Self::take_over,
         Self::release,

@@ -290,6 +290,21 @@ pub trait Store: Send + Sync + 'static {
         bid: &Bid,
     ) -> impl Future<Output = StoreResult<GrantAnswer>> + Send;
 
+    /// Several keys in one step, when every one is free: grants `bid` an exclusive lease on each
+    /// key of `keys` (distinct) if each holds no lease (live or expired) and nobody queues for it
+    /// or shares it — a fence per key, as [`Store::claim`] takes it — and writes nothing
+    /// otherwise. `Ok(None)`: not granted (some key is not free, a store-wide hold is in force),
+    /// or the store does not do it in one step for these keys; the caller then takes the keys
+    /// one by one through their queues, which also finds a request id's earlier grant. The bid
+    /// does not wait here, and is not under a session.
+    fn claim_all(
+        &self,
+        _keys: &[LockKey],
+        _bid: &Bid,
+    ) -> impl Future<Output = StoreResult<Option<Vec<Lease>>>> + Send {
+        std::future::ready(Ok(None))
+    }
+
     /// GET: the lease in the key, with the store's clock.
     fn read(&self, key: &LockKey) -> impl Future<Output = StoreResult<Snapshot>> + Send;
 

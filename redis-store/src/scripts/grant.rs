@@ -85,12 +85,7 @@ impl Claim<'_> {
         write_queue_keys(call, keys, self.marker);
         call.arg(bid.token.as_str())
             .arg(bid.lease_ttl().as_ms())
-            // An owner label as the scripts take it: '' for none, else '=' and the label.
-            .arg(
-                bid.owner
-                    .as_ref()
-                    .map_or(String::new(), |o| format!("={}", o.as_str())),
-            )
+            .arg(owner_arg(bid))
             .arg(self.epoch)
             .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()))
             .arg(caller.id)
@@ -111,6 +106,47 @@ script_call! {
     |this, call| {
         this.write_bid(call, "x");
     }
+}
+
+/// CLAIM_ALL's call (`claim_all.lua`): every key of `keys` for `bid` in one step if each is free,
+/// in `epoch`. The keys must share a slot on a cluster.
+pub(crate) struct ClaimAll<'a> {
+    pub keys: &'a [RedisKeys],
+    /// The keys' epoch marker.
+    pub marker: &'a str,
+    pub bid: &'a Bid,
+    pub epoch: &'a str,
+    /// The broker's id.
+    pub broker: &'a str,
+}
+
+script_call! {
+    ClaimAll<'_> => claim_all,
+    type Reply = Epoched<GrantReply>;
+    |this, call| {
+        call.key(this.marker);
+        for keys in this.keys {
+            call.key(&keys.lock)
+                .key(&keys.fence)
+                .key(&keys.ends)
+                .key(&keys.queue)
+                .key(&keys.watched);
+        }
+        let bid = this.bid;
+        call.arg(bid.token.as_str())
+            .arg(bid.ttl.as_ms())
+            .arg(owner_arg(bid))
+            .arg(this.epoch)
+            .arg(bid.request_id.as_ref().map_or("", |r| r.as_str()))
+            .arg(this.broker);
+    }
+}
+
+/// An owner label as the scripts take it: '' for none, else '=' and the label.
+fn owner_arg(bid: &Bid) -> String {
+    bid.owner
+        .as_ref()
+        .map_or(String::new(), |o| format!("={}", o.as_str()))
 }
 
 /// TAKE_OVER's call: CLAIM's keys and arguments, then the fence of the expired lease seen.

@@ -67,7 +67,7 @@ pub(crate) use self::epoch::{
     Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
 };
 pub(crate) use self::grant::{
-    Caller, Claim, Epoched, GrantReply, GrantedLease, JoinPool, NoGrant, TakeOver,
+    Caller, Claim, ClaimAll, Epoched, GrantReply, GrantedLease, JoinPool, NoGrant, TakeOver,
 };
 pub(crate) use self::holder::{
     Force, ForceReply, HolderContext, Keep, KeepReply, Leave, Release, ReleaseReply, Renew,
@@ -264,6 +264,8 @@ impl Call<'_> {
 /// Every script of the broker, built once: each one's SHA is computed at construction.
 pub(crate) struct Scripts {
     claim: Lua,
+    /// Several free keys at once.
+    claim_all: Lua,
     take_over: Lua,
     join: Lua,
     read: Lua,
@@ -293,6 +295,7 @@ impl Scripts {
         }
         Self {
             claim: lua!("claim": "lib/prelude.lua", "lib/grant.lua", "lib/keys.lua", "fast/claim.lua", "lib/pools.lua", "lib/queue.lua", "claim.lua"),
+            claim_all: lua!("claim_all": "lib/prelude.lua", "lib/grant.lua", "claim_all.lua"),
             take_over: lua!("take_over": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "take_over.lua"),
             join: lua!("join": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "join.lua"),
             read: lua!("read": "lib/prelude.lua", "lib/pools.lua", "read.lua"),

@@ -118,6 +118,7 @@ fn no_script_answers_a_bare_reply_code() {
     let scripts = Scripts::new();
     for lua in [
         &scripts.claim,
+        &scripts.claim_all,
         &scripts.take_over,
         &scripts.join,
         &scripts.release,

@@ -184,6 +184,15 @@ impl Store for MemoryStore {
         }))
     }
 
+    async fn claim_all(&self, keys: &[LockKey], bid: &Bid) -> StoreResult<Option<Vec<Lease>>> {
+        Ok(slot::grant_all(
+            &mut self.slots(),
+            keys,
+            bid,
+            self.clock.now_us(),
+        ))
+    }
+
     async fn read(&self, key: &LockKey) -> StoreResult<Snapshot> {
         traced("read", Space::Locks, key, || {
             let now_ms = self.clock.now_ms();

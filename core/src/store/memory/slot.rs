@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::domain::{Fence, Kind, Token};
+use crate::domain::{Fence, Kind, LockKey, Space, Token};
 use crate::store::{AsHolder, Bid, EXPIRY_SLACK_MS, Lease, Released, Renewal};
 
 /// A lease with when it was granted (for the hold time reported on release).
@@ -199,4 +199,33 @@ impl Slot {
 /// that lost or rolled back its data (there).
 fn next_fence(last: Option<Fence>, now_us: u64) -> Fence {
     last.map_or(1, |l| l + 1).max(now_us)
+}
+
+/// Several keys in one step (`Store::claim_all`): an exclusive lease on every key of `keys` for
+/// `bid` if each is free as Redis's CLAIM_ALL finds a key free — no lease (live or expired),
+/// nobody sharing it or queued for it — else nothing.
+pub(super) fn grant_all(
+    slots: &mut HashMap<(Space, LockKey), Slot>,
+    keys: &[LockKey],
+    bid: &Bid,
+    now_us: u64,
+) -> Option<Vec<Lease>> {
+    let now_ms = now_us / 1000;
+    let free = |slot: &Slot| {
+        slot.lease.is_none()
+            && slot.queue.is_empty()
+            && !slot.holders.iter().any(|h| h.is_live_at(now_ms))
+    };
+    let all_free = keys
+        .iter()
+        .all(|key| slots.get(&(Space::Locks, key.clone())).is_none_or(free));
+    if !all_free {
+        return None;
+    }
+    let leases = keys.iter().map(|key| {
+        let slot = slots.entry((Space::Locks, key.clone())).or_default();
+        slot.prune(now_ms);
+        slot.grant(Kind::Exclusive, bid, now_us, false)
+    });
+    Some(leases.collect())
 }

@@ -1,0 +1,44 @@
+-- CLAIM_ALL: several keys at once, when every one of them is free — the fast claim's case
+-- (fast/claim.lua) for each: no lease record (an expired one is taken over key by key, as
+-- claim.lua says), nobody queues for it, watches it, shares it, or keeps its fence counter. Then
+-- every key is granted to the bid in this one step, each with its own fence (Redis's clock in µs:
+-- above every fence the key had, by fast/claim.lua's argument, which holds key by key); otherwise
+-- nothing is written and the broker takes the keys one by one through their queues (`acquire_all`
+-- in core/src/lock/several.rs), which is also where a request id's earlier grant is found.
+--
+-- The keys must share a slot on a cluster (a script's keys do): the broker runs it on one Redis
+-- or a Sentinel's master, or on a cluster when every key hashes to one slot.
+--
+-- Joined after lib/prelude.lua and lib/grant.lua (`checked`). Its call: `ClaimAll` in
+-- scripts/grant.rs.
+-- KEYS: the epoch marker, then for each key its lease, fence counter, pool's ends, queue and
+-- watch mark (5 each, as lib/keys.lua names them LOCK, FENCE, ENDS, QUEUE, WATCHED).
+-- ARGV: token, ttl ms, owner ('' or '=' and the label), the epoch the broker knows, request id
+-- ('' for none), broker id.
+-- Replies: {GRANTED, fence, expires_at, token, ttl, now} every key granted, with this fence;
+-- {REFUSED} some key is not free (nothing written); the codes `checked` answers.
+local TOKEN, TTL, OWNER, KNOWN, REQUEST_ID, BROKER = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local now, time = now_us()
+local held = checked(now, KEYS[1], KNOWN)
+if held then return held end
+local n = (#KEYS - 1) / 5
+for i = 0, n - 1 do
+  local at = 2 + 5 * i
+  if redis.call('EXISTS', KEYS[at], KEYS[at + 1], KEYS[at + 2], KEYS[at + 3], KEYS[at + 4]) > 0 then
+    return {REFUSED}
+  end
+end
+local now_ms = math.floor(now / 1000)
+local ttl = tonumber(TTL)
+local expires = now_ms + ttl
+local us = string.rep('0', 6 - #time[2]) .. time[2]
+local fence, granted_at = time[1] .. us, time[1] .. string.sub(us, 1, 3)
+for i = 0, n - 1 do
+  local lock = KEYS[2 + 5 * i]
+  redis.call('HSET', lock, 'token', TOKEN, 'fence', fence, 'expires_at', expires,
+    'ttl', TTL, 'granted_at', granted_at, 'by', BROKER)
+  if OWNER ~= '' then redis.call('HSET', lock, 'owner', string.sub(OWNER, 2)) end
+  if REQUEST_ID ~= '' then redis.call('HSET', lock, 'request_id', REQUEST_ID) end
+  redis.call('PEXPIRE', lock, ttl + SLACK)
+end
+return {GRANTED, now, expires, TOKEN, ttl, now_ms}
