@@ -114,6 +114,15 @@ pub struct BenchArgs {
     /// With --sessions: keep-alives per session.
     #[arg(long, default_value_t = 500)]
     pub keep_alives: u32,
+    /// Instead of the phases: what an acquisition of this many keys at once costs (`1,2,8`):
+    /// for each, --acquisitions acquisitions one after another, with the keys all free and with
+    /// one key's lease expired unreleased — their latency, and with --redis-url the Redis script
+    /// calls and Redis CPU per acquisition (on every data node of a cluster).
+    #[arg(long, value_delimiter = ',', value_name = "KEYS,...")]
+    pub several: Vec<usize>,
+    /// With --several: acquisitions per row.
+    #[arg(long, default_value_t = 300)]
+    pub acquisitions: u32,
 }
 
 /// The tools `lockbroker-bench` runs as processes of their own.

@@ -33,6 +33,7 @@ mod lean;
 mod raw;
 mod redis_stats;
 mod sessions;
+mod several;
 mod table;
 mod waiters;
 
@@ -239,6 +240,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
     }
     if !args.sessions.is_empty() {
         sessions::keep_alive_costs(&http, &base, &redis, &args, &run_id).await?;
+        return Ok(Summary::default());
+    }
+    if !args.several.is_empty() {
+        several::acquisition_costs(&http, &base, &redis, &args, &run_id).await?;
         return Ok(Summary::default());
     }
     let progress = std::io::stderr().is_terminal() && !args.json;

@@ -68,13 +68,28 @@ pub(super) async fn keep_alive_costs(
 }
 
 async fn post(http: &reqwest::Client, url: String) -> anyhow::Result<Value> {
-    let answer = http.post(&url).send().await?;
-    let status = answer.status();
+    send(http.post(url)).await
+}
+
+/// Sends a request: its JSON body (null for none), or an error naming what it was and what came
+/// back when it did not succeed.
+pub(super) async fn send(request: reqwest::RequestBuilder) -> anyhow::Result<Value> {
+    let answer = request.send().await?;
+    let (status, url) = (answer.status(), answer.url().clone());
     let body: Value = answer.json().await.unwrap_or(Value::Null);
     if !status.is_success() {
-        bail!("POST {url}: {status} {body}");
+        bail!("{url}: {status} {body}");
     }
     Ok(body)
+}
+
+/// Mean, p50 and p99 of `took`, in µs (sorted here).
+pub(super) fn percentiles(took: &mut [Duration]) -> (f64, f64, f64) {
+    took.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let n = took.len();
+    let mean = took.iter().map(|d| us(*d)).sum::<f64>() / n as f64;
+    (mean, us(took[n / 2]), us(took[(n * 99 / 100).min(n - 1)]))
 }
 
 async fn one_session(
@@ -114,14 +129,12 @@ async fn one_session(
         .await?
         .map(|per| (per.calls, per.cpu_us));
     http.delete(format!("{base}/sessions/{id}")).send().await?;
-    took.sort();
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    let mean = took.iter().map(|d| us(*d)).sum::<f64>() / took.len() as f64;
+    let (mean_us, p50_us, p99_us) = percentiles(&mut took);
     Ok(Row {
         leases,
-        mean_us: mean,
-        p50_us: us(took[took.len() / 2]),
-        p99_us: us(took[(took.len() * 99 / 100).min(took.len() - 1)]),
+        mean_us,
+        p50_us,
+        p99_us,
         redis,
     })
 }
