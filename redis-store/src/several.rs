@@ -1,12 +1,15 @@
 //! Several keys at once on Redis: CLAIM_ALL (`scripts/claim_all.lua`) grants every key of a
-//! several-keys acquire in one script call when all of them are free and share a slot (always on
-//! one Redis or a Sentinel's master; on a cluster only when they hash to one slot). Then, as for
-//! one grant (`grant.rs`): the epoch it ran in, the wait for replicas (once: one write), and
-//! every lease in the ledger.
+//! several-keys acquire in one script call when all of them are free and share a slot — always
+//! on one Redis or a Sentinel's master. Then, as for one grant (`grant.rs`): the epoch it ran in,
+//! the wait for replicas (once: one write), and every lease in the ledger. On a cluster, one
+//! CLAIM_ALL per slot among the keys, all sent at once (one round trip); when some slot's keys
+//! are not all free, the slots granted are released and the keys are taken one by one.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use futures_util::future::join_all;
 use tokio::time::Instant;
 
 use super::RedisStore;
@@ -14,13 +17,60 @@ use super::grant::{lease_of, newer_layout};
 use super::keys::RedisKeys;
 use super::scripts::{ClaimAll, NoGrant};
 use lockbroker_core::domain::{Kind, Lease, LockKey, Space};
-use lockbroker_core::store::{Bid, StoreResult};
+use lockbroker_core::store::{Bid, Store, StoreResult};
 
 impl RedisStore {
-    /// Every key of `keys` for `bid` in one script call if each one is free, with its lease's
-    /// fence; `None` when some key is not, the keys do not share a slot, or a store-wide hold is in
-    /// force — nothing written then.
+    /// Every key of `keys` for `bid` if each one is free, with its lease's fence, in one script
+    /// call per slot among them; `None` when some key is not or a store-wide hold is in force —
+    /// nothing left written then.
     pub(super) async fn grant_all(
+        &self,
+        keys: &[LockKey],
+        bid: &Bid,
+    ) -> StoreResult<Option<Vec<Lease>>> {
+        let mut slots: BTreeMap<Option<u16>, Vec<usize>> = BTreeMap::new();
+        for (i, key) in keys.iter().enumerate() {
+            slots.entry(self.layout.slot(key)).or_default().push(i);
+        }
+        if slots.len() <= 1 {
+            return self.grant_in_slot(keys, bid).await;
+        }
+        let groups: Vec<Vec<LockKey>> = slots
+            .values()
+            .map(|at| at.iter().map(|&i| keys[i].clone()).collect())
+            .collect();
+        let answers = join_all(groups.iter().map(|group| self.grant_in_slot(group, bid))).await;
+        let mut granted = Vec::with_capacity(groups.len());
+        let mut refused = false;
+        for answer in answers {
+            match answer? {
+                Some(leases) => granted.push(Some(leases)),
+                None => {
+                    refused = true;
+                    granted.push(None);
+                }
+            }
+        }
+        if refused {
+            // Some slot's keys were not all free: what the others granted goes back at once.
+            let taken = groups.iter().zip(&granted).filter(|(_, g)| g.is_some());
+            let releases = taken
+                .flat_map(|(group, _)| group)
+                .map(|key| self.release(Space::Locks, key, &bid.token));
+            join_all(releases).await;
+            return Ok(None);
+        }
+        let mut leases: Vec<Option<Lease>> = vec![None; keys.len()];
+        for (at, group) in slots.values().zip(granted.into_iter().flatten()) {
+            for (&i, lease) in at.iter().zip(group) {
+                leases[i] = Some(lease);
+            }
+        }
+        Ok(leases.into_iter().collect())
+    }
+
+    /// [`RedisStore::grant_all`] for keys that share a slot: one CLAIM_ALL.
+    async fn grant_in_slot(
         &self,
         keys: &[LockKey],
         bid: &Bid,
@@ -29,9 +79,6 @@ impl RedisStore {
             return Ok(Some(Vec::new()));
         };
         let slot = self.layout.slot(first);
-        if keys[1..].iter().any(|key| self.layout.slot(key) != slot) {
-            return Ok(None);
-        }
         let names: Vec<RedisKeys> = keys
             .iter()
             .map(|key| self.layout.names(Space::Locks, key))

@@ -464,8 +464,8 @@ async fn a_sessions_leases_on_every_master_live_and_end_with_it_across_a_flushed
 }
 
 /// Several keys at once whose keys live on all three masters: granted together with one token,
-/// seen held from the other broker, released together; two brokers asking for the same keys in
-/// opposite orders both complete.
+/// seen held from the other broker, released together; refused with one busy key, leaving the
+/// others free; two brokers asking for the same keys in opposite orders both complete.
 async fn several_keys_on_every_master_are_taken_together_and_in_opposite_orders(
     cluster: &RedisCluster,
     one: &TestApp,
@@ -503,6 +503,22 @@ async fn several_keys_on_every_master_are_taken_together_and_in_opposite_orders(
             .all(|r| r["status"] == 204),
         "{results}"
     );
+    // One key busy on one master: the slots whose keys were all free and were granted in the
+    // one round go back at once, and the answer names the busy key alone.
+    let busy = one.grant(&keys[4], "ttl_ms=20000").await;
+    let refused = two
+        .send(
+            two.request(Method::POST, "/locks")
+                .json(&serde_json::json!({"keys": keys, "ttl_ms": 20000})),
+        )
+        .await;
+    let body = refused.expect_error(StatusCode::CONFLICT, "locked");
+    assert_eq!(body["held"], serde_json::json!([keys[4]]));
+    for key in keys.iter().filter(|k| **k != keys[4]) {
+        let free = one.grant(key, "").await;
+        one.release_ok(key, &free.token).await;
+    }
+    one.release_ok(&keys[4], &busy.token).await;
     // {first, last} and {last, first} from the two brokers at once, several times.
     let pair = [keys[0].clone(), keys[8].clone()];
     let mut asks = Vec::new();

@@ -46,6 +46,19 @@ struct Taken<S: Store> {
     kept: bool,
 }
 
+impl<S: Store> Taken<S> {
+    /// Releases the keys taken so far, now (the drop would in the background; it still does if
+    /// this is dropped halfway).
+    async fn release(&mut self) {
+        let taken = self.keys.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let releases = taken
+            .iter()
+            .map(|(key, lease)| self.service.release(self.kind_space, key, &lease.token));
+        join_all(releases).await;
+        self.keys.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
 impl<S: Store> Drop for Taken<S> {
     fn drop(&mut self) {
         if self.kept {
@@ -126,13 +139,18 @@ impl<S: Store> LockService<S> {
                     granted[i] = Some(lease);
                 }
                 Err(LockError::Locked { retry_after_ms }) => {
-                    let busy = self.busy_among(keys, &order[n..]).await;
+                    // Released before the answer, so that none is held once the client has it.
+                    let (busy, ()) =
+                        tokio::join!(self.busy_among(keys, &order[n..]), taken.release());
                     return Err(LockError::LockedKeys {
                         keys: busy,
                         retry_after_ms,
                     });
                 }
-                Err(e) => return Err(e),
+                Err(e) => {
+                    taken.release().await;
+                    return Err(e);
+                }
             }
         }
         taken.kept = true;
