@@ -129,7 +129,11 @@ impl Run<'_> {
         for i in 0..self.n {
             let keys = self.keys(i);
             let sent = Instant::now();
-            let body = send(http.post(format!("{base}/locks")).json(&json!({"keys": keys}))).await?;
+            let body = send(
+                http.post(format!("{base}/locks"))
+                    .json(&json!({"keys": keys})),
+            )
+            .await?;
             took.push(sent.elapsed());
             held.push((keys, body["token"].as_str().unwrap_or_default().to_owned()));
         }
@@ -159,8 +163,18 @@ impl Run<'_> {
     async fn cycle(&self, tag: &str, keys: &[String]) -> anyhow::Result<()> {
         let keys: Vec<String> = keys.iter().map(|k| format!("{k}-{tag}")).collect();
         let (http, base) = (self.http, self.base);
-        let body = send(http.post(format!("{base}/locks")).json(&json!({"keys": keys}))).await?;
-        release(http, base, &keys, body["token"].as_str().unwrap_or_default()).await
+        let body = send(
+            http.post(format!("{base}/locks"))
+                .json(&json!({"keys": keys})),
+        )
+        .await?;
+        release(
+            http,
+            base,
+            &keys,
+            body["token"].as_str().unwrap_or_default(),
+        )
+        .await
     }
 }
 

@@ -70,11 +70,7 @@ impl RedisStore {
     }
 
     /// [`RedisStore::grant_all`] for keys that share a slot: one CLAIM_ALL.
-    async fn grant_in_slot(
-        &self,
-        keys: &[LockKey],
-        bid: &Bid,
-    ) -> StoreResult<Option<Vec<Lease>>> {
+    async fn grant_in_slot(&self, keys: &[LockKey], bid: &Bid) -> StoreResult<Option<Vec<Lease>>> {
         let Some(first) = keys.first() else {
             return Ok(Some(Vec::new()));
         };
