@@ -11,14 +11,10 @@ use serde_json::Value;
 use crate::args::BenchArgs;
 use crate::redis_stats::RedisCost;
 
-/// One session's figures.
+/// One session's figures, per keep-alive.
 struct Row {
     leases: usize,
-    mean_us: f64,
-    p50_us: f64,
-    p99_us: f64,
-    /// Per keep-alive, with Redis's statistics.
-    redis: Option<(f64, f64)>,
+    cost: Cost,
 }
 
 /// Runs a session for each of `args.sessions` and prints a table.
@@ -40,31 +36,52 @@ pub(super) async fn keep_alive_costs(
         "keep-alives of a session with N leases ({} each, one after another):",
         args.keep_alives
     );
-    out!(
-        "{:>8} {:>10} {:>10} {:>10} {:>14} {:>16}",
-        "leases",
-        "mean µs",
-        "p50 µs",
-        "p99 µs",
-        "Redis calls",
-        "Redis CPU µs"
-    );
+    out!("{:>8} {COST_HEADER}", "leases");
     for row in rows {
-        let (calls, cpu) = match row.redis {
+        out!("{:>8} {}", row.leases, row.cost);
+    }
+    Ok(())
+}
+
+/// The columns every cost table ends with: [`Cost`]'s.
+pub(super) const COST_HEADER: &str =
+    "   mean µs     p50 µs     p99 µs    Redis calls     Redis CPU µs";
+
+/// A row's latency (µs) and, with Redis's statistics, its script calls and CPU µs per request.
+pub(super) struct Cost {
+    pub(super) mean_us: f64,
+    pub(super) p50_us: f64,
+    pub(super) p99_us: f64,
+    pub(super) redis: Option<(f64, f64)>,
+}
+
+impl Cost {
+    /// The latency of `took` (sorted here) and Redis's cost per request.
+    pub(super) fn of(took: &mut [Duration], redis: Option<(f64, f64)>) -> Self {
+        took.sort();
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        let n = took.len();
+        Self {
+            mean_us: took.iter().map(|d| us(*d)).sum::<f64>() / n as f64,
+            p50_us: us(took[n / 2]),
+            p99_us: us(took[(n * 99 / 100).min(n - 1)]),
+            redis,
+        }
+    }
+}
+
+impl std::fmt::Display for Cost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (calls, cpu) = match self.redis {
             Some((calls, cpu)) => (format!("{calls:.2}"), format!("{cpu:.1}")),
             None => ("-".into(), "-".into()),
         };
-        out!(
-            "{:>8} {:>10.0} {:>10.0} {:>10.0} {:>14} {:>16}",
-            row.leases,
-            row.mean_us,
-            row.p50_us,
-            row.p99_us,
-            calls,
-            cpu
-        );
+        write!(
+            f,
+            "{:>10.0} {:>10.0} {:>10.0} {:>14} {:>16}",
+            self.mean_us, self.p50_us, self.p99_us, calls, cpu
+        )
     }
-    Ok(())
 }
 
 async fn post(http: &reqwest::Client, url: String) -> anyhow::Result<Value> {
@@ -81,15 +98,6 @@ pub(super) async fn send(request: reqwest::RequestBuilder) -> anyhow::Result<Val
         bail!("{url}: {status} {body}");
     }
     Ok(body)
-}
-
-/// Mean, p50 and p99 of `took`, in µs (sorted here).
-pub(super) fn percentiles(took: &mut [Duration]) -> (f64, f64, f64) {
-    took.sort();
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    let n = took.len();
-    let mean = took.iter().map(|d| us(*d)).sum::<f64>() / n as f64;
-    (mean, us(took[n / 2]), us(took[(n * 99 / 100).min(n - 1)]))
 }
 
 async fn one_session(
@@ -129,12 +137,8 @@ async fn one_session(
         .await?
         .map(|per| (per.calls, per.cpu_us));
     http.delete(format!("{base}/sessions/{id}")).send().await?;
-    let (mean_us, p50_us, p99_us) = percentiles(&mut took);
     Ok(Row {
         leases,
-        mean_us,
-        p50_us,
-        p99_us,
-        redis,
+        cost: Cost::of(&mut took, redis),
     })
 }

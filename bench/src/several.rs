@@ -12,17 +12,13 @@ use serde_json::json;
 
 use crate::args::BenchArgs;
 use crate::redis_stats::RedisCost;
-use crate::sessions::{percentiles, send};
+use crate::sessions::{COST_HEADER, Cost, send};
 
-/// One row: k keys, free or with one expired lease among them.
+/// One row: k keys, free or with one expired lease among them; per acquisition.
 struct Row {
     keys: usize,
     case: &'static str,
-    mean_us: f64,
-    p50_us: f64,
-    p99_us: f64,
-    /// Per acquisition, with Redis's statistics.
-    redis: Option<(f64, f64)>,
+    cost: Cost,
 }
 
 /// Acquisitions of each of `args.several` keys at once, and a table.
@@ -58,31 +54,9 @@ pub(super) async fn acquisition_costs(
         "acquisitions of k keys at once ({} each, one after another; each released before the next):",
         args.acquisitions
     );
-    out!(
-        "{:>5} {:>20} {:>10} {:>10} {:>10} {:>14} {:>16}",
-        "keys",
-        "case",
-        "mean µs",
-        "p50 µs",
-        "p99 µs",
-        "Redis calls",
-        "Redis CPU µs"
-    );
+    out!("{:>5} {:>20} {COST_HEADER}", "keys", "case");
     for row in rows {
-        let (calls, cpu) = match row.redis {
-            Some((calls, cpu)) => (format!("{calls:.2}"), format!("{cpu:.1}")),
-            None => ("-".into(), "-".into()),
-        };
-        out!(
-            "{:>5} {:>20} {:>10.0} {:>10.0} {:>10.0} {:>14} {:>16}",
-            row.keys,
-            row.case,
-            row.mean_us,
-            row.p50_us,
-            row.p99_us,
-            calls,
-            cpu
-        );
+        out!("{:>5} {:>20} {}", row.keys, row.case, row.cost);
     }
     Ok(())
 }
@@ -144,7 +118,6 @@ impl Run<'_> {
         for (keys, token) in held {
             release(http, base, &keys, &token).await?;
         }
-        let (mean_us, p50_us, p99_us) = percentiles(&mut took);
         Ok(Row {
             keys: self.k,
             case: if self.expired {
@@ -152,10 +125,7 @@ impl Run<'_> {
             } else {
                 "all free"
             },
-            mean_us,
-            p50_us,
-            p99_us,
-            redis,
+            cost: Cost::of(&mut took, redis),
         })
     }
 

@@ -19,7 +19,7 @@ use super::params::{KeyPath, Params, TokenHeader};
 use super::requests::{
     AcquireBody, ListQueryParams, ModeName, ReleaseQuery, RenewBody, WatchQuery, acquire_request,
 };
-use crate::domain::{Kind, Space};
+use crate::domain::Space;
 
 /// Acquire a lock
 ///
@@ -51,12 +51,8 @@ pub(super) async fn acquire_lock(
     params: Params<AcquireBody>,
 ) -> Result<Response, ApiError> {
     let values = params.values;
-    let kind = match values.mode {
-        None | Some(ModeName::Exclusive) => Kind::Exclusive,
-        Some(ModeName::Shared) => Kind::Shared,
-    };
     let request = acquire_request(
-        kind,
+        ModeName::lock_kind(values.mode),
         values.ttl_ms,
         values.wait_ms,
         values.owner,

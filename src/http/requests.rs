@@ -57,6 +57,16 @@ pub(super) enum ModeName {
     Shared,
 }
 
+impl ModeName {
+    /// The kind of lease a lock acquire with this `mode` asks for (exclusive when not given).
+    pub(super) fn lock_kind(mode: Option<Self>) -> Kind {
+        match mode {
+            None | Some(Self::Exclusive) => Kind::Exclusive,
+            Some(Self::Shared) => Kind::Shared,
+        }
+    }
+}
+
 /// Declares request parameter types: each field optional, read by the named deserializer
 /// (`int`, `text`, `mode`), left out when serialized if absent (see `Params`), and documented
 /// with the same bounds in a body's schema and as a query parameter.

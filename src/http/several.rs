@@ -15,7 +15,7 @@ use super::error::ApiError;
 use super::error::responses::{AcquireRefused, Locked, SeveralReleaseRefused};
 use super::params::{Params, TokenHeader, token};
 use super::requests::{ModeName, Parameters, acquire_request, int, mode, text};
-use crate::domain::{Kind, LockKey, Space};
+use crate::domain::{LockKey, Space};
 use crate::lock::{LockError, MAX_KEYS};
 
 /// The keys: a JSON array of strings, or in the query string a comma-separated list.
@@ -252,12 +252,8 @@ pub(super) async fn acquire_locks(
 ) -> Result<Response, ApiError> {
     let values = params.values;
     let keys = parse_keys(values.keys)?;
-    let kind = match values.mode {
-        None | Some(ModeName::Exclusive) => Kind::Exclusive,
-        Some(ModeName::Shared) => Kind::Shared,
-    };
     let request = acquire_request(
-        kind,
+        ModeName::lock_kind(values.mode),
         values.ttl_ms,
         values.wait_ms,
         values.owner,
