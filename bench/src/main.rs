@@ -284,6 +284,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
                 store_settle: Duration::from_secs(3),
                 tls: Default::default(),
                 replica_acks: 0,
+                batch_max: 64,
             },
             Arc::default(),
         )?;

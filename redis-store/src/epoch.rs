@@ -36,6 +36,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 
 use super::Broker;
+use super::batch::Batcher;
 use super::connection::RedisConnection;
 use super::keys::KeyLayout;
 use super::scripts::{Epoched, GrantReply, GrantedLease, NoGrant, Scripts};
@@ -93,6 +94,9 @@ pub(super) struct EpochKeeper {
     /// (the queues went with it).
     pub notices: OnceLock<mpsc::Sender<Notice>>,
     pub metrics: Arc<Metrics>,
+    /// Claims and releases gathered into one script call while another is in flight
+    /// (`batch.rs`).
+    pub batcher: Batcher,
 }
 
 impl EpochKeeper {

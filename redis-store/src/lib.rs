@@ -13,6 +13,7 @@
 //! this crate's manifest.
 #![forbid(unsafe_code)]
 
+mod batch;
 mod calls;
 mod check;
 mod connection;
@@ -79,6 +80,9 @@ pub struct RedisSettings {
     /// How many replicas must have a grant or renewal before it is answered (see
     /// `replicas.rs`); 0: answered once the master has it.
     pub replica_acks: u32,
+    /// The most claims and releases one script call carries when they arrive while another
+    /// call is in flight (group commit, `batch.rs`); 1: each call alone.
+    pub batch_max: usize,
 }
 
 /// PEM files for TLS to Redis. Without a CA file the system's roots are trusted.
@@ -241,6 +245,7 @@ impl RedisStore {
             ledger: Ledger::with_linger(settings.timeout * 2 + Duration::from_secs(1)),
             notices: std::sync::OnceLock::new(),
             metrics: metrics.clone(),
+            batcher: batch::Batcher::new(settings.batch_max),
         };
         Ok(Self {
             layout,

@@ -14,7 +14,8 @@ use super::connection::Conn;
 use super::epoch::{EpochKeeper, MARK_CONCURRENCY};
 use super::keys::Site;
 use super::scripts::{
-    Caller, HolderContext, LeaseBack, Placement, PutBack, PutBackReply, Release, ReleaseReply,
+    BatchOp, Caller, HolderContext, LeaseBack, Placement, PutBack, PutBackReply, Release,
+    ReleaseReply,
 };
 use super::shard::Shard;
 use crate::ledger::Entry;
@@ -254,7 +255,15 @@ impl EpochKeeper {
             on: self.holder_context(&site, &caller, &epoch),
             token,
         };
-        let outcome = match self.run(&release).await? {
+        let answer = match space {
+            // Only an exclusive lease is released in a batch.
+            Space::Locks => {
+                self.run_batched(&release, || BatchOp::release(&site.keys, token.as_str()))
+                    .await
+            }
+            Space::Semaphores => self.run_tracked(&release).await,
+        };
+        let outcome = match answer?.0 {
             ReleaseReply::Released { held_ms, fence } => {
                 // The end's mark keeps a renewal answered after it out of the ledger.
                 self.ledger.forget_ended(space, key.as_str(), fence, false);

@@ -169,6 +169,7 @@ impl Config {
                             .map(|(cert, key)| ClientCertificate { cert, key }),
                     },
                     replica_acks: v.redis_replica_acks,
+                    batch_max: v.redis_batch as usize,
                 })),
             },
             lock: LockSettings {
@@ -269,6 +270,9 @@ fn validate(v: &Values, redis_url: Option<&RedisUrl>) -> anyhow::Result<()> {
     }
     if v.redis_replica_acks > 0 && redis_url.is_none() {
         bail!("redis_replica_acks needs a Redis URL: the embedded store has no replicas");
+    }
+    if !(1..=1024).contains(&v.redis_batch) {
+        bail!("redis_batch must be 1 to 1024");
     }
     if v.redis_replica_acks > 100 {
         bail!("redis_replica_acks must be at most 100");

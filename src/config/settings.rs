@@ -139,6 +139,10 @@ settings! {
     /// [default: 0].
     #[arg(long, env = "LOCKBROKER_REDIS_REPLICA_ACKS", value_name = "N")]
     redis_replica_acks: u32 = 0;
+    /// Group commit: the most claims and releases one Redis script call carries when they come
+    /// while another call is in flight (1 to 1024; 1: every call alone) [default: 64].
+    #[arg(long, env = "LOCKBROKER_REDIS_BATCH", value_name = "N")]
+    redis_batch: u32 = 64;
     /// Log format [default: text].
     #[arg(long, env = "LOCKBROKER_LOG_FORMAT", value_name = "FORMAT")]
     log_format: LogFormat = LogFormat::Text;

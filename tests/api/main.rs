@@ -2,6 +2,7 @@
 //! The fixtures (brokers, Redis servers, the HTTP helpers) are in `lockbroker-test-support`.
 
 mod auth;
+mod batching;
 mod concurrency;
 mod contract;
 mod cross_broker;

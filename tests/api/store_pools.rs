@@ -33,6 +33,7 @@ pub(crate) fn store_on(
             store_settle: Duration::from_millis(300),
             tls: RedisTls::default(),
             replica_acks: 0,
+            batch_max: 64,
         },
         Arc::default(),
     )

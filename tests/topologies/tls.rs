@@ -132,6 +132,7 @@ async fn tls_files_are_read_for_cluster_and_sentinel_urls_too() {
         store_settle: Duration::ZERO,
         tls,
         replica_acks: 0,
+        batch_max: 64,
     };
     let files = RedisTls {
         ca: Some(certs.ca()),

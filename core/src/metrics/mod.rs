@@ -48,6 +48,7 @@ pub struct Metrics {
     store_latency: Family<OpLabels, Histogram, fn() -> Histogram>,
     /// Each primitive's latency histogram once it has been called (by `StoreOp as usize`).
     store_latency_by_op: [OnceLock<Histogram>; StoreOp::ALL.len()],
+    store_batch: Histogram,
     waiters: Gauge,
     watchers: Gauge,
     queued: Family<QueueLabels, Gauge>,
@@ -146,6 +147,12 @@ impl Default for Metrics {
             "Latency of store calls, by primitive",
             store_latency.clone(),
         );
+        let store_batch = Histogram::new(exponential_buckets(1.0, 2.0, 11));
+        registry.register(
+            "lockbroker_store_batch_size",
+            "Operations per batched store call (group commit)",
+            store_batch.clone(),
+        );
         let waiters = Gauge::default();
         registry.register(
             "lockbroker_waiters",
@@ -243,6 +250,7 @@ impl Default for Metrics {
             resident_memory.clone(),
         );
         Self {
+            store_batch,
             resident_memory,
             registry,
             acquisitions,
@@ -348,6 +356,11 @@ impl Metrics {
         if failed {
             self.store_errors_by_op[op as usize].inc();
         }
+    }
+
+    /// A batched store call (group commit) carrying `size` operations.
+    pub fn store_batch(&self, size: usize) {
+        self.store_batch.observe(size as f64);
     }
 
     /// A loss this broker detected and caught up with.

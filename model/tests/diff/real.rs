@@ -172,6 +172,7 @@ impl Real {
                     store_settle: Duration::from_millis(200),
                     tls: RedisTls::default(),
                     replica_acks: 0,
+                    batch_max: 64,
                 },
                 Arc::default(),
             )

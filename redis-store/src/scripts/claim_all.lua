@@ -9,8 +9,8 @@
 -- The keys must share a slot on a cluster (a script's keys do): the broker runs it on one Redis
 -- or a Sentinel's master, or on a cluster when every key hashes to one slot.
 --
--- Joined after lib/prelude.lua and lib/grant.lua (`checked`). Its call: `ClaimAll` in
--- scripts/grant.rs.
+-- Joined after lib/prelude.lua, lib/grant.lua (`checked`) and lib/fast.lua (`fast_claim`, which
+-- writes each key once all are known free). Its call: `ClaimAll` in scripts/grant.rs.
 -- KEYS: the epoch marker, then for each key its lease, fence counter, pool's ends, queue and
 -- watch mark (5 each, as lib/keys.lua names them LOCK, FENCE, ENDS, QUEUE, WATCHED).
 -- ARGV: token, ttl ms, owner ('' or '=' and the label), the epoch the broker knows, request id
@@ -28,17 +28,10 @@ for i = 0, n - 1 do
     return {REFUSED}
   end
 end
-local now_ms = math.floor(now / 1000)
-local ttl = tonumber(TTL)
-local expires = now_ms + ttl
-local us = string.rep('0', 6 - #time[2]) .. time[2]
-local fence, granted_at = time[1] .. us, time[1] .. string.sub(us, 1, 3)
 for i = 0, n - 1 do
-  local lock = KEYS[2 + 5 * i]
-  redis.call('HSET', lock, 'token', TOKEN, 'fence', fence, 'expires_at', expires,
-    'ttl', TTL, 'granted_at', granted_at, 'by', BROKER)
-  if OWNER ~= '' then redis.call('HSET', lock, 'owner', string.sub(OWNER, 2)) end
-  if REQUEST_ID ~= '' then redis.call('HSET', lock, 'request_id', REQUEST_ID) end
-  redis.call('PEXPIRE', lock, ttl + SLACK)
+  local at = 2 + 5 * i
+  fast_claim(now, time, KEYS[at], KEYS[at + 1], KEYS[at + 2], KEYS[at + 3], KEYS[at + 4], TOKEN, TTL,
+    OWNER, REQUEST_ID, BROKER)
 end
-return {GRANTED, now, expires, TOKEN, ttl, now_ms}
+local now_ms = math.floor(now / 1000)
+return {GRANTED, now, now_ms + tonumber(TTL), TOKEN, tonumber(TTL), now_ms}

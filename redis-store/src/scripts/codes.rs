@@ -71,4 +71,10 @@ reply_codes! {
         OtherReplaced = 3 as "OTHER_REPLACED",
         EpochMoved = -1 as "EPOCH_MOVED",
     }
+
+    /// What BATCH answers for an operation that is not the common case (the rest of its
+    /// replies are CLAIM's and RELEASE's).
+    BatchCode {
+        Slow = -2 as "SLOW",
+    }
 }

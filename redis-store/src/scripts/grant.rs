@@ -79,6 +79,18 @@ pub(crate) struct Claim<'a> {
 }
 
 impl Claim<'_> {
+    /// The claim as an operation of a BATCH call.
+    pub(crate) fn batch_op(&self) -> super::BatchOp {
+        let bid = self.bid;
+        super::BatchOp::claim(
+            self.keys,
+            bid.token.as_str(),
+            bid.lease_ttl().as_ms(),
+            owner_arg(bid),
+            bid.request_id.as_ref().map_or("", |r| r.as_str()),
+        )
+    }
+
     /// The arguments of `grant_context` (`lib/queue.lua`), for a bid of `kind`.
     fn write_bid(&self, call: &mut Writer<'_>, kind: &str) {
         let (keys, bid, caller) = (self.keys, self.bid, self.caller);

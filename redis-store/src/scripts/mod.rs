@@ -51,6 +51,7 @@ macro_rules! script_call {
     };
 }
 
+mod batch;
 mod codes;
 mod epoch;
 mod grant;
@@ -63,6 +64,7 @@ use std::borrow::Cow;
 use redis::{Arg, Cmd, FromRedisValue, ParsingError, RedisWrite, Script, ToRedisArgs, Value};
 use tokio::time::Instant;
 
+pub(crate) use self::batch::{Batch, BatchOp, is_slow};
 pub(crate) use self::epoch::{
     Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
 };
@@ -266,6 +268,8 @@ pub(crate) struct Scripts {
     claim: Lua,
     /// Several free keys at once.
     claim_all: Lua,
+    /// Many claims and releases in one call (group commit).
+    batch: Lua,
     take_over: Lua,
     join: Lua,
     read: Lua,
@@ -294,13 +298,14 @@ impl Scripts {
             };
         }
         Self {
-            claim: lua!("claim": "lib/prelude.lua", "lib/grant.lua", "lib/keys.lua", "fast/claim.lua", "lib/pools.lua", "lib/queue.lua", "claim.lua"),
-            claim_all: lua!("claim_all": "lib/prelude.lua", "lib/grant.lua", "claim_all.lua"),
+            claim: lua!("claim": "lib/prelude.lua", "lib/grant.lua", "lib/keys.lua", "lib/fast.lua", "fast/claim.lua", "lib/pools.lua", "lib/queue.lua", "claim.lua"),
+            batch: lua!("batch": "lib/prelude.lua", "lib/grant.lua", "lib/fast.lua", "batch.lua"),
+            claim_all: lua!("claim_all": "lib/prelude.lua", "lib/grant.lua", "lib/fast.lua", "claim_all.lua"),
             take_over: lua!("take_over": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "take_over.lua"),
             join: lua!("join": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "join.lua"),
             read: lua!("read": "lib/prelude.lua", "lib/pools.lua", "read.lua"),
             permits: lua!("permits": "lib/prelude.lua", "lib/pools.lua", "permits.lua"),
-            release: lua!("release": "lib/prelude.lua", "lib/keys.lua", "fast/release.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
+            release: lua!("release": "lib/prelude.lua", "lib/keys.lua", "lib/fast.lua", "fast/release.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
             renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "lib/renewal.lua", "renew.lua"),
             keep: lua!("keep": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "lib/renewal.lua", "keep.lua"),
             force: lua!("force": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "force.lua"),

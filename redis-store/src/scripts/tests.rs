@@ -67,6 +67,7 @@ fn the_scripts_and_the_broker_name_the_same_reply_codes() {
         codes::GrantCode::LUA,
         codes::HolderCode::LUA,
         codes::PutBackCode::LUA,
+        codes::BatchCode::LUA,
     ]
     .concat();
     assert!(lua.len() >= 18, "{lua:?}");

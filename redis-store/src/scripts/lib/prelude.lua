@@ -42,6 +42,8 @@ local WRITTEN = 1
 local OTHER_KEPT = 2
 local OTHER_REPLACED = 3
 local EPOCH_MOVED = -1
+-- BATCH, for one operation: not the common case; run it alone.
+local SLOW = -2
 -- Reply codes end.
 -- Redis's clock in µs, and as TIME answers it ({seconds, microseconds}, strings).
 local function now_us()

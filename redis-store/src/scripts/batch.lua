@@ -1,0 +1,37 @@
+-- BATCH: many claims and releases in one call (group commit: while one call is in flight, the
+-- broker gathers the next), each the lock cycle's common case that CLAIM's and RELEASE's fast
+-- paths handle (`fast_claim`, `fast_release` in lib/fast.lua), with Redis's clock read and the
+-- epoch checked once for all. An operation that is not that case writes nothing and answers
+-- SLOW: the broker then runs it alone, with CLAIM or RELEASE, as if it had come after the batch.
+-- Each operation is atomic and answered as its own script would; operations run in order.
+--
+-- Joined after lib/prelude.lua, lib/grant.lua (`checked`) and lib/fast.lua. Its call:
+-- `Batch` in scripts/batch.rs; the broker's side in batch.rs.
+-- KEYS: the epoch marker, then for each operation its key's lease, fence counter, pool's ends,
+-- queue and watch mark (5 each).
+-- ARGV: the epoch the broker knows, the broker's id, then for each operation 5 arguments: `c`
+-- (a claim), the bid's token, ttl ms, owner ('' or '=' and the label) and request id ('' for
+-- none); or `r` (a release), the token and three ''.
+-- Replies: one per operation, in order: a claim's {GRANTED, fence, expires_at, token, ttl, now},
+-- a release's {HELD, held_ms, fence}, or {SLOW}. While the store is not in the broker's epoch
+-- (or a hold is in force, or a newer layout runs), every claim answers SLOW (CLAIM then answers
+-- what `checked` says); releases go on as RELEASE's fast path does, which checks no epoch.
+local KNOWN, BROKER = ARGV[1], ARGV[2]
+local now, time = now_us()
+local held = checked(now, KEYS[1], KNOWN)
+local replies = {}
+for i = 0, (#KEYS - 1) / 5 - 1 do
+  local k, a = 2 + 5 * i, 3 + 5 * i
+  local reply = nil
+  if ARGV[a] == 'c' then
+    if not held then
+      reply = fast_claim(now, time, KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4],
+        ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], BROKER)
+    end
+  else
+    reply = fast_release(now, KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4],
+      ARGV[a + 1], BROKER)
+  end
+  replies[i + 1] = reply or {SLOW}
+end
+return replies

@@ -1,0 +1,106 @@
+//! BATCH's call (`batch.lua`): many claims and releases in one script call, each the lock
+//! cycle's common case, answered one by one.
+
+use redis::Value;
+
+use super::codes::BatchCode;
+use crate::keys::RedisKeys;
+
+/// One operation of a batch: its key's five Redis keys and its five arguments, owned (it waits in
+/// the batcher's queue beyond its caller's borrows).
+pub(crate) struct BatchOp {
+    keys: [String; 5],
+    args: [String; 5],
+}
+
+impl BatchOp {
+    /// A claim of the key of `keys` for the bid's `token`, `ttl_ms`, `owner` ('' or '=' and the
+    /// label) and `request_id` ('' for none).
+    pub(crate) fn claim(
+        keys: &RedisKeys,
+        token: &str,
+        ttl_ms: u64,
+        owner: String,
+        request_id: &str,
+    ) -> Self {
+        Self {
+            keys: Self::keys_of(keys),
+            args: [
+                "c".into(),
+                token.into(),
+                ttl_ms.to_string(),
+                owner,
+                request_id.into(),
+            ],
+        }
+    }
+
+    /// A release of `token`'s exclusive lease on the key of `keys`.
+    pub(crate) fn release(keys: &RedisKeys, token: &str) -> Self {
+        Self {
+            keys: Self::keys_of(keys),
+            args: [
+                "r".into(),
+                token.into(),
+                String::new(),
+                String::new(),
+                String::new(),
+            ],
+        }
+    }
+
+    fn keys_of(keys: &RedisKeys) -> [String; 5] {
+        [
+            keys.lock.clone(),
+            keys.fence.clone(),
+            keys.ends.clone(),
+            keys.queue.clone(),
+            keys.watched.clone(),
+        ]
+    }
+
+    /// The key's lease: which key the operation is on.
+    pub(crate) fn lock(&self) -> &str {
+        &self.keys[0]
+    }
+}
+
+/// BATCH's call: `ops` in the epoch `epoch` this broker knows, on the store's marker.
+pub(crate) struct Batch<'a> {
+    pub marker: &'a str,
+    pub epoch: &'a str,
+    /// The broker's id.
+    pub broker: &'a str,
+    pub ops: &'a [BatchOp],
+}
+
+script_call! {
+    Batch<'_> => batch,
+    type Reply = Vec<Value>;
+    |this, call| {
+        call.key(this.marker);
+        for op in this.ops {
+            for key in &op.keys {
+                call.key(key);
+            }
+        }
+        call.arg(this.epoch).arg(this.broker);
+        for op in this.ops {
+            for arg in &op.args {
+                call.arg(arg);
+            }
+        }
+    }
+}
+
+/// Whether an operation's reply is BATCH's [`BatchCode::Slow`]: not the common case, to run
+/// alone.
+pub(crate) fn is_slow(reply: &Value) -> bool {
+    match reply {
+        Value::Array(fields) => matches!(
+            fields.first(),
+            Some(Value::Int(code)) if BatchCode::try_from(*code) == Ok(BatchCode::Slow)
+        ),
+        _ => false,
+    }
+}

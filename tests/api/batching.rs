@@ -1,0 +1,69 @@
+//! Group commit on one Redis: claims and releases that come while a script call is in flight go
+//! out together in one call, each answered as its own call would be. Counted by Redis itself
+//! (`INFO commandstats`) and by the broker's `lockbroker_store_batch_size`.
+
+use std::sync::Arc;
+
+use lockbroker_test_support::app::spawn_app;
+use lockbroker_test_support::http::metric;
+use lockbroker_test_support::redis_server::RedisServer;
+use reqwest::StatusCode;
+
+const CLIENTS: usize = 32;
+const CYCLES: usize = 25;
+
+/// 32 clients at once, each acquiring and releasing its own key 25 times, then releasing it
+/// again and taking a key that another holds (both refused): every answer is the one a call
+/// alone gives, fences rise per key — and the script calls are fewer than the operations, in
+/// batches the metrics show.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claims_and_releases_share_script_calls_and_keep_their_answers() {
+    let redis = RedisServer::start().await;
+    let app = Arc::new(spawn_app(Some(redis.url())).await);
+    // Every script loaded first (a script's first call may be a NOSCRIPT and a load).
+    let warm = app.grant("warm-up", "").await;
+    app.release_ok("warm-up", &warm.token).await;
+    let held = app.grant("taken", "ttl_ms=60000").await;
+    let before = redis.command_calls("evalsha").await;
+    let clients = (0..CLIENTS).map(|c| {
+        let app = Arc::clone(&app);
+        tokio::spawn(async move {
+            let key = format!("batch-{c}");
+            let (mut fence, mut token) = (0, String::new());
+            for _ in 0..CYCLES {
+                let grant = app.grant(&key, "ttl_ms=10000").await;
+                assert!(grant.fence > fence, "fences rise on {key}");
+                (fence, token) = (grant.fence, grant.token);
+                app.release_ok(&key, &token).await;
+            }
+            // Released means released: the last token holds nothing any more.
+            app.release(&key, &token)
+                .await
+                .expect_error(StatusCode::NOT_FOUND, "not_held");
+            app.expect_locked("taken", "").await;
+        })
+    });
+    for client in futures_util::future::join_all(clients).await {
+        client.expect("a client's cycles");
+    }
+    let calls = redis.command_calls("evalsha").await - before;
+    // Per client: 25 grants, 25 releases, a release of nothing, a refused claim and its look —
+    // each one script call when alone.
+    let alone = (CLIENTS * (CYCLES * 2 + 3)) as u64;
+    let batches = metric(&app.address, "lockbroker_store_batch_size_count").await;
+    let batched = metric(&app.address, "lockbroker_store_batch_size_sum").await;
+    println!("{calls} script calls for {alone} operations; {batched} in {batches} batches");
+    assert!(
+        batches > 0.0,
+        "no batch in {alone} operations from {CLIENTS} clients at once"
+    );
+    assert!(
+        batched > batches,
+        "{batches} batches carried {batched} operations: none carried two"
+    );
+    assert!(
+        calls * 2 < alone,
+        "{calls} script calls for {alone} operations, {batched} of them in {batches} batches"
+    );
+    app.release_ok("taken", &held.token).await;
+}
