@@ -11,6 +11,7 @@
 /// the package's own test targets, so the suite hands it to the fixtures.
 const LOCKBROKER: &str = env!("CARGO_BIN_EXE_lockbroker");
 
+mod batching;
 mod cluster_failover;
 mod demo;
 mod faults;
