@@ -39,7 +39,7 @@ local function requeue(c, broker)
   local all = redis.call('HGETALL', BIDS)
   local mine = broker .. '|'
   for i = 1, #all, 2 do
-    if all[i] ~= '#seq' and string.sub(all[i + 1], 1, #mine) == mine then unqueue(all[i]) end
+    if string.sub(all[i], 1, 1) ~= '#' and string.sub(all[i + 1], 1, #mine) == mine then unqueue(all[i]) end
   end
   tell(c, broker, 'r ' .. c.space .. ' ' .. c.key)
 end
@@ -119,7 +119,11 @@ local function write_lease(c, token, by, kind, ttl, rid, owner, offer)
 end
 -- After offers: the first queued bid of a broker not just offered to is told to look when the
 -- window ends, so that if an offered broker is dead, the key passes on when its offer lapses.
+-- The bids' hash says which broker queued its bids while only one did (`#b`, until another
+-- does: `#mixed`); then, that broker offered to, nobody else has a bid and nothing is read.
 local function look(c, offered)
+  local one = redis.call('HMGET', BIDS, '#b', '#mixed')
+  if one[1] and (not one[2]) and offered[one[1]] then return end
   for _, token in ipairs(redis.call('ZRANGE', QUEUE, 0, 31)) do
     local rec = redis.call('HGET', BIDS, token)
     local b = rec and string.match(rec, '^([^|]*)|')
@@ -186,6 +190,12 @@ end
 local function enqueue(c, bid)
   if redis.call('ZSCORE', QUEUE, c.token) then return end
   local seq = redis.call('HINCRBY', BIDS, '#seq', 1)
+  -- Which broker queues here while only one does, for `look`.
+  if seq == 1 then
+    redis.call('HSET', BIDS, '#b', c.broker)
+  elseif redis.call('HGET', BIDS, '#b') ~= c.broker then
+    redis.call('HSET', BIDS, '#mixed', '1')
+  end
   redis.call('ZADD', QUEUE, seq, c.token)
   redis.call('HSET', BIDS, c.token, c.broker .. '|' .. int(c.now_ms + bid.wait) .. '|' .. bid.kind .. '|' .. int(bid.ttl) .. '|' .. bid.rid .. '|' .. bid.owner)
   keep(QUEUE, bid.wait + c.slack)
