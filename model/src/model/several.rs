@@ -1,9 +1,10 @@
-//! A client that acquires several keys at once, as `core/src/lock/several.rs` does: the keys
+//! A client that acquires several keys at once, as `core/src/lock/several.rs` does: first every
+//! key in one step (CLAIM_ALL, granted only if every key is free); when that is refused, the keys
 //! taken one after another in sorted order (whatever order it named them in), each through its
-//! key's own queue as a single waiting acquire, with one token; the keys it holds kept renewed
-//! while it waits for the next; on a refusal (its wait ran out) or when its client goes away it
-//! leaves the queue it waits in and releases every key it took; a broker that dies mid-way
-//! leaves them to end at their TTL (nothing renews them any more).
+//! key's own queue as a single waiting acquire, with the same token; the keys it holds kept
+//! renewed while it waits for the next; on a refusal (its wait ran out) or when its client goes
+//! away it leaves the queue it waits in and releases every key it took; a broker that dies
+//! mid-way leaves them to end at their TTL (nothing renews them any more).
 
 use super::{Entry, LockModel, State};
 use crate::store::{Answer, Bid, Bug, Fence, Key, Kind, Op, Token};
@@ -54,7 +55,8 @@ pub struct Several {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum SevAction {
-    /// The acquire starts: it asks for the first key of its order.
+    /// The acquire starts: CLAIM_ALL of its keys; refused, it asks for the first key of its
+    /// order next (a step of its own).
     Start,
     /// It asks (again) for the key it waits for.
     Ask,
@@ -210,7 +212,7 @@ impl LockModel {
                     due: true,
                 };
                 sv.waited = 0;
-                self.sev_ask(s, m);
+                self.sev_claim_all(s, m);
             }
             SevAction::Ask => self.sev_ask(s, m),
             SevAction::Keep => {
@@ -299,6 +301,39 @@ impl LockModel {
         s.brokers[b as usize].ledger.retain(|e| e.token != token);
     }
 
+    /// CLAIM_ALL (`all_free` in several.rs): granted, it holds every key (one fence, the
+    /// store's clock); otherwise nothing was written and it goes on with the sorted path, its
+    /// first ask due before time passes. (Another epoch or a hold goes on the same way: the
+    /// first key's CLAIM meets it as any ask.)
+    fn sev_claim_all(&self, s: &mut State, m: usize) {
+        let b = self.cfg.several[m].broker;
+        let token = s.several[m].token;
+        let bid = Bid {
+            token,
+            broker: b,
+            kind: Kind::Exclusive,
+            ttl: self.cfg.ttl,
+            session: false,
+        };
+        let op = Op::ClaimAll {
+            keys: self.cfg.several[m].keys.to_vec(),
+            bid,
+        };
+        if let Answer::Granted { fence, left, .. } = self.run(s, b, op) {
+            for key in self.order(m) {
+                s.stall[key as usize] = 0;
+                self.sev_remember(s, b, key, token, fence);
+                s.several[m].took.push(Took {
+                    key,
+                    fence,
+                    left,
+                    ended: false,
+                });
+            }
+            s.several[m].step = Step::Holding;
+        }
+    }
+
     /// CLAIM that waits, for the key it asks for now, and what it does with the answer.
     fn sev_ask(&self, s: &mut State, m: usize) {
         let b = self.cfg.several[m].broker;
@@ -358,6 +393,16 @@ impl LockModel {
             }
         };
         s.several[m].step = Step::Taking { next, timer, due };
+    }
+
+    /// Whether a several-keys request holds both keys, granted in one step (`one`: one fence,
+    /// CLAIM_ALL's) or one by one (two fences).
+    pub(in crate::model) fn sev_granted(&self, s: &State, one: bool) -> bool {
+        s.several.iter().any(|sv| {
+            sv.step == Step::Holding
+                && sv.took.len() == 2
+                && (sv.took[0].fence == sv.took[1].fence) == one
+        })
     }
 
     /// Every live several-keys client's kept keys count as held (for mutual exclusion).
