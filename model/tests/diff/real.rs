@@ -557,38 +557,33 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
                         "notices: model told {told:?}, brokers heard {heard:?}"
                     ));
                 }
-                if let Step::FlushClaimAll(claim) = step {
+                if *step != Step::Tick {
                     real.redis.flushall().await;
-                    // The broker meets another epoch, catches up (CHECK, PUT_BACK: the settle
-                    // hold, 200 ms, starts) and is refused by the hold: the Store interface
-                    // answers "not granted" for both. Longer than a short lease: stalled.
-                    let called = now_ms();
-                    let Ok(said_real) = real.step(claim, 0).await else {
-                        return Outcome::Spoiled(at);
-                    };
-                    if now_ms() >= called + SHORT_MS {
-                        return Outcome::Spoiled(at);
-                    }
-                    let answer = model.stale_claim_all(claim);
-                    claims.count(&answer, "");
-                    if answer != Answer::OtherEpoch || said_real != Said::Refused {
-                        return disagree(format!(
-                            "CLAIM_ALL in the epoch before a loss: model {answer:?}, real {said_real:?}"
-                        ));
+                    if let Step::FlushClaimAll(claim) = step {
+                        // The broker meets another epoch, catches up (CHECK, PUT_BACK: the settle
+                        // hold, 200 ms, starts) and is refused by the hold: the Store interface
+                        // answers "not granted" for both. Longer than a short lease: stalled.
+                        let called = now_ms();
+                        let Ok(said_real) = real.step(claim, 0).await else {
+                            return Outcome::Spoiled(at);
+                        };
+                        if now_ms() >= called + SHORT_MS {
+                            return Outcome::Spoiled(at);
+                        }
+                        let answer = model.stale_claim_all(claim);
+                        claims.count(&answer, "");
+                        if answer != Answer::OtherEpoch || said_real != Said::Refused {
+                            return disagree(format!(
+                                "CLAIM_ALL in the epoch before a loss: model {answer:?}, real {said_real:?}"
+                            ));
+                        }
+                        // Nothing of it written: the holders compared below are the leases put
+                        // back, on both sides.
+                        model.catch_up();
+                    } else {
+                        model.flush();
                     }
                     real.caught_up().await;
-                    model.catch_up();
-                    flushes += 1;
-                    let _ = real.drain();
-                    model.told.clear();
-                    last_end = now_ms();
-                    // Nothing of the CLAIM_ALL written: the holders compared below are the
-                    // leases put back, on both sides.
-                }
-                if *step == Step::Flush {
-                    real.redis.flushall().await;
-                    real.caught_up().await;
-                    model.flush();
                     flushes += 1;
                     let _ = real.drain();
                     model.told.clear();

@@ -171,14 +171,9 @@ impl ModelSide {
             bid,
         };
         let answer = self.call_as(broker, known, op);
+        let t = token_of(token);
         for &key in keys {
-            self.remember(
-                broker,
-                key,
-                (Kind::Exclusive, false),
-                token_of(token),
-                &answer,
-            );
+            self.remember(broker, key, (Kind::Exclusive, false), t, &answer);
         }
         answer
     }
