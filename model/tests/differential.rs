@@ -18,7 +18,7 @@
 
 mod diff;
 
-use diff::{Outcome, generate, run_steps, shrink};
+use diff::{Outcome, Tally, generate, run_steps, shrink};
 
 /// Steps per run, and the steps the test compares in all.
 const STEPS: usize = 3000;
@@ -37,14 +37,20 @@ async fn the_scripts_answer_as_the_model() {
                 .as_secs()
         });
     let (mut compared, mut spoiled) = (0, 0);
+    let mut claims = Tally::default();
     let mut seed = base;
     while compared < STEPS {
         // A seed's first steps are the same however many are generated: a run after a stall
         // compares what is left.
         let steps = generate(seed, STEPS - compared);
         match run_steps(&steps).await {
-            Outcome::Agreed { ticks, flushes } => {
+            Outcome::Agreed {
+                ticks,
+                flushes,
+                claims: tally,
+            } => {
                 compared += steps.len();
+                claims.add(&tally);
                 eprintln!(
                     "seed {seed}: {} steps ({ticks} ticks, {flushes} flushes): the scripts answered as the model",
                     steps.len()
@@ -81,4 +87,5 @@ async fn the_scripts_answer_as_the_model() {
         }
         seed += 1;
     }
+    eprintln!("CLAIM_ALL compared in agreeing runs: {:?}", claims.0);
 }

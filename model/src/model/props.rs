@@ -2,7 +2,7 @@
 
 use stateright::{Model, Property};
 
-use super::{Action, LockModel, Phase, State, Step, canonical};
+use super::{Action, LockModel, Phase, State, canonical};
 use crate::store::{Effects, Key, Kind};
 
 /// The properties' names, as the check prints them.
@@ -180,8 +180,12 @@ impl Model for LockModel {
                 |m: &LockModel, s: &State| m.sev_over_holds_none(s),
             ));
             all.push(Property::sometimes(
-                "a several-keys request is granted both keys",
-                |_, s: &State| s.several.iter().any(|sv| sv.step == Step::Holding),
+                "a several-keys request is granted both keys in one step (CLAIM_ALL)",
+                |m: &LockModel, s: &State| m.sev_granted(s, true),
+            ));
+            all.push(Property::sometimes(
+                "a several-keys request is granted both keys one by one",
+                |m: &LockModel, s: &State| m.sev_granted(s, false),
             ));
         }
         if self.cfg.losses == 0 {

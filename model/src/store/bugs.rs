@@ -38,10 +38,13 @@ pub enum Bug {
     /// A several-keys acquire refused (or given up) mid-way leaves the queue it waits in but
     /// does not release the keys it took.
     RefusalKeepsKeys,
+    /// CLAIM_ALL grants the free keys among its keys and refuses only because of the busy ones
+    /// (not all or nothing): the request, told "refused", holds keys it does not know of.
+    PartialGrant,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 11] = [
+    pub const ALL: [Bug; 12] = [
         Bug::NoEpochCheck,
         Bug::OfferWithoutFence,
         Bug::ReleaseDropsKeptFence,
@@ -53,6 +56,7 @@ impl Bug {
         Bug::KeepDropsEntries,
         Bug::GivenOrder,
         Bug::RefusalKeepsKeys,
+        Bug::PartialGrant,
     ];
 
     pub fn name(self) -> &'static str {
@@ -68,6 +72,7 @@ impl Bug {
             Bug::KeepDropsEntries => "keep-drops-entries",
             Bug::GivenOrder => "given-order",
             Bug::RefusalKeepsKeys => "refusal-keeps-keys",
+            Bug::PartialGrant => "partial-grant",
         }
     }
 

@@ -203,6 +203,13 @@ pub enum Op {
         bid: Bid,
         wait: bool,
     },
+    /// CLAIM_ALL: an exclusive lease on every key of `keys` (distinct) for `bid` in this one
+    /// step if each is free as the fast claim finds a key free, with the clock as every key's
+    /// fence; nothing written otherwise (`Refused`).
+    ClaimAll {
+        keys: Vec<Key>,
+        bid: Bid,
+    },
     Release {
         key: Key,
         token: Token,

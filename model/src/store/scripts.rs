@@ -30,6 +30,10 @@ pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> A
             Some(no) => no,
             None => join(s, &mut ctx(*key, true), fx, bid, *wait),
         },
+        Op::ClaimAll { keys, bid } => match checked(s, p, call.known) {
+            Some(no) => no,
+            None => claim_all(s, p, call.broker, fx, keys, bid),
+        },
         Op::Release { key, token } => release(s, &mut ctx(*key, s.hand(call.known)), fx, *token),
         Op::Renew {
             key,
@@ -147,21 +151,12 @@ fn still_queued(s: &mut Store, c: &mut Ctx, fx: &mut Effects) -> bool {
 
 /// claim.lua (with fast/claim.lua in front).
 fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) -> Answer {
-    let k = &mut s.keys[c.key as usize];
     // fast/claim.lua: no record, queue, pool, counter: the clock is the fence, no counter kept.
-    if k.lock.is_none() && k.queue.is_empty() && k.pool.is_empty() && k.counter.is_none() {
-        let fence = s.us;
-        k.lock = Some(Lease {
-            token: bid.token,
-            fence,
-            left: bid.ttl,
-            offered: false,
-            by: 1 << c.broker,
-            session: bid.session,
-        });
-        fx.fences.push((c.key, fence));
+    if fast_free(&s.keys[c.key as usize]) {
+        let fence = fast_grant(s, c.broker, fx, c.key, bid);
         return granted(bid, (fence, bid.ttl));
     }
+    let k = &mut s.keys[c.key as usize];
     if let Some(cur) = k.lock.as_mut().filter(|l| l.live() && l.token == bid.token) {
         return taken(cur, bid, c.broker);
     }
@@ -182,6 +177,58 @@ fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) ->
         }
     }
     wait_turn(s, c, fx, bid)
+}
+
+/// Whether fast/claim.lua finds the key free: no lease record (live or expired), queue, pool or
+/// fence counter.
+fn fast_free(k: &KeyState) -> bool {
+    k.lock.is_none() && k.queue.is_empty() && k.pool.is_empty() && k.counter.is_none()
+}
+
+/// The fast claim's write: a lease with the clock as its fence, no counter kept.
+fn fast_grant(s: &mut Store, broker: u8, fx: &mut Effects, key: Key, bid: &Bid) -> Fence {
+    let fence = s.us;
+    s.keys[key as usize].lock = Some(Lease {
+        token: bid.token,
+        fence,
+        left: bid.ttl,
+        offered: false,
+        by: 1 << broker,
+        session: bid.session,
+    });
+    fx.fences.push((key, fence));
+    fence
+}
+
+/// claim_all.lua (after `checked`): every key for the bid, each with the clock as its fence, if
+/// every one is free as the fast claim finds a key free; else nothing written. (The mistake
+/// `partial-grant`: the free ones are granted all the same.)
+fn claim_all(
+    s: &mut Store,
+    p: &Params,
+    broker: u8,
+    fx: &mut Effects,
+    keys: &[Key],
+    bid: &Bid,
+) -> Answer {
+    let free: Vec<Key> = keys
+        .iter()
+        .copied()
+        .filter(|&k| fast_free(&s.keys[k as usize]))
+        .collect();
+    if free.len() < keys.len() {
+        if p.bug == Some(Bug::PartialGrant) {
+            for k in free {
+                fast_grant(s, broker, fx, k, bid);
+            }
+        }
+        return Answer::Refused;
+    }
+    let mut fence = 0;
+    for &k in keys {
+        fence = fast_grant(s, broker, fx, k, bid);
+    }
+    granted(bid, (fence, bid.ttl))
 }
 
 /// take_over.lua: GETSET made safe.

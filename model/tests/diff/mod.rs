@@ -4,6 +4,7 @@
 
 mod real;
 mod sessions;
+mod several;
 
 use std::collections::HashMap;
 
@@ -15,6 +16,7 @@ use rand::{RngExt, SeedableRng};
 
 pub(crate) use real::{Outcome, run_steps};
 pub(crate) use sessions::SessStep;
+pub(crate) use several::Tally;
 
 /// The keys (lock keys `d0`, `d1`) and brokers of a run.
 pub(crate) const KEYS: u8 = 3;
@@ -81,10 +83,21 @@ pub(crate) enum Step {
         broker: u8,
         key: u8,
     },
+    /// CLAIM_ALL of the lock keys (in this order) for a fresh token, as a several-keys acquire's
+    /// first try; the token may then ask key by key (`Claim`), as the one-by-one path does.
+    ClaimAll {
+        broker: u8,
+        keys: Vec<u8>,
+        token: usize,
+        long: bool,
+    },
     /// Every short end passes.
     Tick,
     /// A tick, FLUSHALL, then both brokers catch up.
     Flush,
+    /// A tick, FLUSHALL, this CLAIM_ALL by a broker that has not caught up (the model's in the
+    /// epoch before the loss), then both brokers catch up.
+    FlushClaimAll(Box<Step>),
 }
 
 pub(crate) fn token_of(t: usize) -> Token {
@@ -102,8 +115,10 @@ pub(crate) struct ModelSide {
     pub ledgers: [Vec<Back>; 2],
     /// Each token's bid (its broker, key and kind), once it asked.
     pub bids: HashMap<usize, Bid>,
-    /// Each token's key, once it asked.
+    /// Each token's key, once it asked (a CLAIM_ALL's: its first key).
     pub keys_of: HashMap<usize, u8>,
+    /// A CLAIM_ALL's token's keys.
+    pub several: HashMap<usize, Vec<u8>>,
     pub told: Vec<(u8, Notice)>,
 }
 
@@ -120,12 +135,18 @@ impl ModelSide {
             ledgers: [Vec::new(), Vec::new()],
             bids: HashMap::new(),
             keys_of: HashMap::new(),
+            several: HashMap::new(),
             told: Vec::new(),
         }
     }
 
     fn call(&mut self, broker: u8, op: Op) -> Answer {
         let known = self.store.marker.map(|m| m.id);
+        self.call_as(broker, known, op)
+    }
+
+    /// A call by a broker that knows the epoch `known`.
+    fn call_as(&mut self, broker: u8, known: Option<u8>, op: Op) -> Answer {
         let (answer, fx) = self.store.apply(&self.params, &Call { broker, known, op });
         for (b, n) in fx.notices {
             match n {
@@ -149,7 +170,7 @@ impl ModelSide {
     ) {
         if let Answer::Granted { fence, left, .. } = *answer {
             let ledger = &mut self.ledgers[broker as usize];
-            ledger.retain(|e| e.token != token);
+            ledger.retain(|e| e.token != token || e.key != key);
             ledger.push(Back {
                 key,
                 kind,
@@ -250,7 +271,8 @@ impl ModelSide {
                         token: token_of(token),
                     },
                 );
-                self.ledgers[broker as usize].retain(|e| e.token != token_of(token));
+                let t = token_of(token);
+                self.ledgers[broker as usize].retain(|e| e.token != t || e.key != key);
                 answer
             }
             Step::Renew {
@@ -270,7 +292,7 @@ impl ModelSide {
                     until,
                 };
                 let answer = self.call(broker, op);
-                self.ledgers[broker as usize].retain(|e| e.token != t);
+                self.ledgers[broker as usize].retain(|e| e.token != t || e.key != key);
                 if let Answer::Held { .. } = answer {
                     self.remember_held(broker, key, token);
                 }
@@ -319,6 +341,7 @@ impl ModelSide {
                 }
                 answer
             }
+            Step::ClaimAll { .. } => self.claim_all(step, None),
             Step::Tick => {
                 self.call(0, Op::Tick);
                 for ledger in &mut self.ledgers {
@@ -334,12 +357,23 @@ impl ModelSide {
                 self.flush();
                 Answer::Done
             }
+            Step::FlushClaimAll(ref claim) => {
+                self.step(&Step::Tick);
+                let answer = self.stale_claim_all(claim);
+                self.catch_up();
+                answer
+            }
         }
     }
 
     /// FLUSHALL, then each broker's CHECK and PUT_BACK, and the hold ticked out.
     pub(crate) fn flush(&mut self) {
         self.call(0, Op::Flush);
+        self.catch_up();
+    }
+
+    /// Each broker's CHECK and PUT_BACK after a loss, and the hold ticked out.
+    pub(crate) fn catch_up(&mut self) {
         for b in 0..2u8 {
             let Answer::Epoch(epoch) = self.call(b, Op::Check) else {
                 unreachable!()
@@ -373,6 +407,15 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
     let mut steps = Vec::with_capacity(n);
     let mut next_token = 0usize;
     let mut since_tick = 0;
+    for step in several::prefix(&mut next_token).into_iter().take(n) {
+        since_tick = if step == Step::Tick {
+            0
+        } else {
+            since_tick + 1
+        };
+        model.step(&step);
+        steps.push(step);
+    }
     while steps.len() < n {
         let broker = rng.random_range(0..2u8);
         let key = rng.random_range(0..KEYS);
@@ -390,7 +433,14 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
         let step = if since_tick >= 16 || roll < 2 {
             Step::Tick
         } else if rng.random_bool(0.003) {
-            Step::Flush
+            if rng.random_bool(0.5) {
+                Step::Flush
+            } else {
+                let claim = several::claim_all(&mut rng, broker, next_token);
+                Step::FlushClaimAll(Box::new(claim))
+            }
+        } else if rng.random_bool(several::chance(&model)) {
+            several::claim_all(&mut rng, broker, next_token)
         } else if rng.random_bool(0.12) {
             sessions::step(&mut rng, &model, broker, key, &known, next_token)
         } else if roll < 40 {
@@ -426,7 +476,7 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
             }
         } else if roll < 65 {
             let token = pick(&mut rng, &known, next_token);
-            let (broker, key) = home(&model, token).unwrap_or((broker, key));
+            let (broker, key) = several::home(&mut rng, &model, token).unwrap_or((broker, key));
             Step::Release { broker, key, token }
         } else if roll < 78 {
             // Half of the renewals are of a lease held now.
@@ -436,7 +486,7 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
             } else {
                 pick(&mut rng, &known, next_token)
             };
-            let (broker, key) = home(&model, token).unwrap_or((broker, key));
+            let (broker, key) = several::home(&mut rng, &model, token).unwrap_or((broker, key));
             Step::Renew {
                 broker,
                 key,
@@ -453,6 +503,7 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
         };
         if let Step::Claim { token, .. }
         | Step::TakeOver { token, .. }
+        | Step::ClaimAll { token, .. }
         | Step::Session {
             op: SessStep::Enter { token, .. },
             ..
@@ -461,7 +512,10 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
         {
             next_token += 1;
         }
-        since_tick = if matches!(step, Step::Tick | Step::Flush) {
+        if let Step::FlushClaimAll(_) = step {
+            next_token += 1;
+        }
+        since_tick = if matches!(step, Step::Tick | Step::Flush | Step::FlushClaimAll(_)) {
             0
         } else {
             since_tick + 1
@@ -487,7 +541,7 @@ impl ModelSide {
             .get(&token)
             .map_or((Kind::Exclusive, false), |b| (b.kind, b.session));
         let ledger = &mut self.ledgers[broker as usize];
-        ledger.retain(|e| e.token != t);
+        ledger.retain(|e| e.token != t || e.key != key);
         ledger.push(Back {
             key,
             kind,

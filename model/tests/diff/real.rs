@@ -17,7 +17,8 @@ use lockbroker_model::store::{Answer, Fence};
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
 
-use super::{KEYS, LIMIT, ModelSide, SEMAPHORE, SessStep, Step};
+use super::several::why;
+use super::{KEYS, LIMIT, ModelSide, SEMAPHORE, SessStep, Step, Tally};
 
 /// A short lease, offer window and renewal, in ms: one tick of the model.
 const SHORT_MS: u64 = 150;
@@ -30,6 +31,8 @@ pub(crate) enum Outcome {
     Agreed {
         ticks: usize,
         flushes: usize,
+        /// The CLAIM_ALLs compared.
+        claims: Tally,
     },
     /// The machine stalled: a short end may have passed between two ticks, at this step.
     Spoiled(usize),
@@ -43,6 +46,8 @@ pub(crate) enum Outcome {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Said {
     Granted(usize, Fence),
+    /// CLAIM_ALL: every key granted to the token, each key's fence in the order asked.
+    GrantedEach(usize, Vec<Fence>),
     Queued,
     Refused,
     OnHold,
@@ -130,6 +135,7 @@ impl Fences {
     fn same(&mut self, key: u8, model: &Said, real: &Said) -> Result<(), String> {
         let err = || Err(format!("model {model:?}, real {real:?}"));
         match (model, real) {
+            (Said::GrantedEach(..), _) | (_, Said::GrantedEach(..)) => err(),
             (Said::Granted(a, f), Said::Granted(b, g)) if a == b => self.pair(key, *f, *g),
             (Said::Held(f), Said::Held(g)) => self.pair(key, *f, *g),
             (Said::Forced(f), Said::Forced(g)) if f.len() == g.len() => {
@@ -352,7 +358,30 @@ impl Real {
                 }
                 Said::Kept(out)
             }
-            Step::Tick | Step::Flush => Said::Done,
+            Step::ClaimAll {
+                broker,
+                ref keys,
+                token,
+                long,
+            } => {
+                let bid = self.bid(token, long, false);
+                let names: Vec<LockKey> = keys.iter().map(|&k| lock_key(k)).collect();
+                match self.stores[broker as usize].claim_all(&names, &bid).await? {
+                    Some(leases) => {
+                        let fences = leases.iter().map(|l| l.fence).collect();
+                        let to = leases
+                            .first()
+                            .map_or(usize::MAX, |l| self.index_of(&l.token));
+                        if leases.iter().any(|l| self.index_of(&l.token) != to) {
+                            Said::GrantedEach(usize::MAX, fences)
+                        } else {
+                            Said::GrantedEach(to, fences)
+                        }
+                    }
+                    None => Said::Refused,
+                }
+            }
+            Step::Tick | Step::Flush | Step::FlushClaimAll(_) => Said::Done,
         })
     }
 
@@ -488,6 +517,7 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
     let mut model = ModelSide::new();
     let mut fences = Fences(vec![BTreeMap::new(); KEYS as usize]);
     let (mut ticks, mut flushes) = (0, 0);
+    let mut claims = Tally::default();
     // The first real step since the last tick began then (ms), and the last one ended then.
     let mut segment: Option<u64> = None;
     let mut last_end = now_ms();
@@ -497,7 +527,7 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
             what: format!("{step:?}: {what}"),
         };
         match step {
-            Step::Tick | Step::Flush => {
+            Step::Tick | Step::Flush | Step::FlushClaimAll(_) => {
                 // Every short end passes (and what the brokers told each other arrives).
                 let until = last_end + SHORT_MS + 5;
                 let wait = until.saturating_sub(now_ms());
@@ -528,10 +558,33 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
                         "notices: model told {told:?}, brokers heard {heard:?}"
                     ));
                 }
-                if *step == Step::Flush {
+                if *step != Step::Tick {
                     real.redis.flushall().await;
+                    if let Step::FlushClaimAll(claim) = step {
+                        // The broker meets another epoch, catches up (CHECK, PUT_BACK: the settle
+                        // hold, 200 ms, starts) and is refused by the hold: the Store interface
+                        // answers "not granted" for both. Longer than a short lease: stalled.
+                        let called = now_ms();
+                        let Ok(said_real) = real.step(claim, 0).await else {
+                            return Outcome::Spoiled(at);
+                        };
+                        if now_ms() >= called + SHORT_MS {
+                            return Outcome::Spoiled(at);
+                        }
+                        let answer = model.stale_claim_all(claim);
+                        claims.count(&answer, "");
+                        if answer != Answer::OtherEpoch || said_real != Said::Refused {
+                            return disagree(format!(
+                                "CLAIM_ALL in the epoch before a loss: model {answer:?}, real {said_real:?}"
+                            ));
+                        }
+                        // Nothing of it written: the holders compared below are the leases put
+                        // back, on both sides.
+                        model.catch_up();
+                    } else {
+                        model.flush();
+                    }
                     real.caught_up().await;
-                    model.flush();
                     flushes += 1;
                     let _ = real.drain();
                     model.told.clear();
@@ -554,13 +607,21 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
             Step::Claim { key, .. } | Step::TakeOver { key, .. } | Step::Release { key, .. } => key,
             Step::Renew { key, .. } | Step::Leave { key, .. } | Step::Force { key, .. } => key,
             Step::Keep { ref leases, .. } => leases.first().map_or(0, |l| l.0),
+            Step::ClaimAll { ref keys, .. } => keys[0],
             Step::Session { .. } => 0,
-            Step::Tick | Step::Flush => unreachable!(),
+            Step::Tick | Step::Flush | Step::FlushClaimAll(_) => unreachable!(),
         };
         let token = match *step {
             Step::Claim { token, .. } | Step::TakeOver { token, .. } => token,
+            Step::ClaimAll { token, .. } => token,
             _ => usize::MAX,
         };
+        // Every key a step names (its holders are compared after it).
+        let keys = match step {
+            Step::ClaimAll { keys, .. } => keys.clone(),
+            _ => vec![key],
+        };
+        let why = why(&model, &keys);
         // TAKE_OVER names the record each side sees.
         let seen = match step {
             Step::TakeOver { .. } => match real.holders(key).await {
@@ -574,17 +635,36 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
             return Outcome::Spoiled(at);
         };
         let answer = model.step(step);
+        if let Step::ClaimAll { .. } = step {
+            claims.count(&answer, &why);
+        }
         last_end = now_ms();
         if last_end + MARGIN_MS >= first + SHORT_MS {
             return Outcome::Spoiled(at);
         }
         let mut said_model = model_said(&answer, token);
+        if let (Step::ClaimAll { keys, .. }, Answer::Granted { fence, .. }) = (step, &answer) {
+            said_model = Said::GrantedEach(token, vec![*fence; keys.len()]);
+        }
         // RELEASE answers no fence on the store interface.
         if let (Said::Held(_), Step::Release { .. }) = (&said_model, step) {
             said_model = Said::Held(0);
         }
         let fenced = !matches!(step, Step::Release { .. });
-        let same = if let (Step::Keep { leases, .. }, Said::Kept(m), Said::Kept(r)) =
+        let same = if let (
+            Step::ClaimAll { keys, .. },
+            Said::GrantedEach(a, f),
+            Said::GrantedEach(b, g),
+        ) = (step, &said_model, &said_real)
+        {
+            if a == b && f.len() == g.len() {
+                keys.iter()
+                    .zip(f.iter().zip(g))
+                    .try_for_each(|(&k, (f, g))| fences.pair(k, *f, *g))
+            } else {
+                Err(format!("model {said_model:?}, real {said_real:?}"))
+            }
+        } else if let (Step::Keep { leases, .. }, Said::Kept(m), Said::Kept(r)) =
             (step, &said_model, &said_real)
         {
             if m.len() == r.len() {
@@ -605,13 +685,19 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
         if let Err(e) = same {
             return disagree(e);
         }
-        match compare_holders(&real, &model, &mut fences, key).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return disagree(e),
-            Err(_) => return Outcome::Spoiled(at),
+        for &key in &keys {
+            match compare_holders(&real, &model, &mut fences, key).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return disagree(e),
+                Err(_) => return Outcome::Spoiled(at),
+            }
         }
     }
-    Outcome::Agreed { ticks, flushes }
+    Outcome::Agreed {
+        ticks,
+        flushes,
+        claims,
+    }
 }
 
 /// The key's holders on both sides: a disagreement, or the real store's error.

@@ -1,9 +1,12 @@
-//! A client that acquires several keys at once, as `core/src/lock/several.rs` does: the keys
+//! A client that acquires several keys at once, as `core/src/lock/several.rs` does: first every
+//! key in one step (CLAIM_ALL, granted only if every key is free); when that is refused, the keys
 //! taken one after another in sorted order (whatever order it named them in), each through its
-//! key's own queue as a single waiting acquire, with one token; the keys it holds kept renewed
-//! while it waits for the next; on a refusal (its wait ran out) or when its client goes away it
-//! leaves the queue it waits in and releases every key it took; a broker that dies mid-way
-//! leaves them to end at their TTL (nothing renews them any more).
+//! key's own queue as a single waiting acquire, with the same token; the keys it holds kept
+//! renewed while it waits for the next; on a refusal (its wait ran out) or when its client goes
+//! away it leaves the queue it waits in and releases every key it took; a broker that dies
+//! mid-way leaves them to end at their TTL (nothing renews them any more).
+
+mod props;
 
 use super::{Entry, LockModel, State};
 use crate::store::{Answer, Bid, Bug, Fence, Key, Kind, Op, Token};
@@ -54,7 +57,8 @@ pub struct Several {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum SevAction {
-    /// The acquire starts: it asks for the first key of its order.
+    /// The acquire starts: CLAIM_ALL of its keys; refused, it asks for the first key of its
+    /// order next (a step of its own).
     Start,
     /// It asks (again) for the key it waits for.
     Ask,
@@ -210,7 +214,7 @@ impl LockModel {
                     due: true,
                 };
                 sv.waited = 0;
-                self.sev_ask(s, m);
+                self.sev_claim_all(s, m);
             }
             SevAction::Ask => self.sev_ask(s, m),
             SevAction::Keep => {
@@ -299,6 +303,39 @@ impl LockModel {
         s.brokers[b as usize].ledger.retain(|e| e.token != token);
     }
 
+    /// CLAIM_ALL (`all_free` in several.rs): granted, it holds every key (one fence, the
+    /// store's clock); otherwise nothing was written and it goes on with the sorted path, its
+    /// first ask due before time passes. (Another epoch or a hold goes on the same way: the
+    /// first key's CLAIM meets it as any ask.)
+    fn sev_claim_all(&self, s: &mut State, m: usize) {
+        let b = self.cfg.several[m].broker;
+        let token = s.several[m].token;
+        let bid = Bid {
+            token,
+            broker: b,
+            kind: Kind::Exclusive,
+            ttl: self.cfg.ttl,
+            session: false,
+        };
+        let op = Op::ClaimAll {
+            keys: self.cfg.several[m].keys.to_vec(),
+            bid,
+        };
+        if let Answer::Granted { fence, left, .. } = self.run(s, b, op) {
+            for key in self.order(m) {
+                s.stall[key as usize] = 0;
+                self.sev_remember(s, b, key, token, fence);
+                s.several[m].took.push(Took {
+                    key,
+                    fence,
+                    left,
+                    ended: false,
+                });
+            }
+            s.several[m].step = Step::Holding;
+        }
+    }
+
     /// CLAIM that waits, for the key it asks for now, and what it does with the answer.
     fn sev_ask(&self, s: &mut State, m: usize) {
         let b = self.cfg.several[m].broker;
@@ -358,57 +395,6 @@ impl LockModel {
             }
         };
         s.several[m].step = Step::Taking { next, timer, due };
-    }
-
-    /// Every live several-keys client's kept keys count as held (for mutual exclusion).
-    pub(in crate::model) fn sev_holders(&self, s: &State, k: Key) -> usize {
-        s.several
-            .iter()
-            .flat_map(|sv| sv.took.iter())
-            .filter(|t| t.key == k && t.left > 0 && !t.ended)
-            .count()
-    }
-
-    /// A several-keys request that is over holds no key afterwards (its broker alive: a dead
-    /// broker's leases end at their TTL): no live lease record of its token but an offer.
-    pub(in crate::model) fn sev_over_holds_none(&self, s: &State) -> bool {
-        s.several.iter().enumerate().all(|(m, sv)| {
-            !matches!(sv.step, Step::Done { .. })
-                || !s.brokers[self.cfg.several[m].broker as usize].alive
-                || s.store.keys.iter().all(|ks| {
-                    ks.lock
-                        .iter()
-                        .all(|l| !l.live() || l.offered || l.token != sv.token)
-                })
-        })
-    }
-}
-
-impl LockModel {
-    /// The key live several-keys client `m` waits for, and the token whose lease (or offer)
-    /// holds it now.
-    fn sev_blocked_by(&self, s: &State, m: usize) -> Option<Token> {
-        let Step::Taking { next, .. } = s.several[m].step else {
-            return None;
-        };
-        if !s.brokers[self.cfg.several[m].broker as usize].alive {
-            return None;
-        }
-        let ks = &s.store.keys[self.order(m)[next as usize] as usize];
-        ks.lock.as_ref().filter(|l| l.live()).map(|l| l.token)
-    }
-
-    /// No cycle of waits (a deadlock): no two live several-keys requests each wait for a key
-    /// the other holds.
-    pub(in crate::model) fn sev_no_cycle(&self, s: &State) -> bool {
-        let n = s.several.len();
-        (0..n).all(|a| {
-            (0..n).all(|b| {
-                a == b
-                    || self.sev_blocked_by(s, a) != Some(s.several[b].token)
-                    || self.sev_blocked_by(s, b) != Some(s.several[a].token)
-            })
-        })
     }
 }
 
