@@ -16,6 +16,7 @@ use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use super::batches::{BatchFigures, BatchTotals};
 use super::http::{HttpRun, uncontended_http};
 use super::redis_stats::RedisCost;
 use super::{BenchArgs, BenchMode, Summary, breakdown};
@@ -153,6 +154,10 @@ pub struct FloorRun {
     pub redis_cpu_us: f64,
     /// The bench's own CPU time per cycle (the load generator), µs.
     pub bench_cpu_us: f64,
+    /// Redis script calls per cycle.
+    pub redis_calls: f64,
+    /// The broker's batched calls (group commit); none for the proxy.
+    pub batches: Option<BatchFigures>,
 }
 
 /// One round: the broker's run and the proxy's.
@@ -180,7 +185,7 @@ pub struct FloorSummary {
 /// Loads one server with the uncontended cycle for `--duration`, measuring its process's CPU.
 async fn run_once(
     http: &reqwest::Client,
-    (base, pid): (&str, u32),
+    (base, pid, broker): (&str, u32, bool),
     redis: &[MultiplexedConnection],
     args: &BenchArgs,
     run_id: &str,
@@ -188,6 +193,10 @@ async fn run_once(
     ticks: f64,
 ) -> anyhow::Result<FloorRun> {
     let cost = RedisCost::start(redis).await?;
+    let batched_before = match broker {
+        true => Some(BatchTotals::read(http, base).await?),
+        false => None,
+    };
     let server_before = process_cpu_us(pid, ticks)?;
     let bench_before = process_cpu_us(std::process::id(), ticks)?;
     let phase = uncontended_http(HttpRun {
@@ -202,12 +211,22 @@ async fn run_once(
     let bench_after = process_cpu_us(std::process::id(), ticks)?;
     let redis_cost = cost.per(phase.cycles).await?;
     let cycles = phase.cycles.max(1) as f64;
+    let batches = match batched_before {
+        Some(before) => Some(
+            BatchTotals::read(http, base)
+                .await?
+                .since(&before, 2.0 * cycles),
+        ),
+        None => None,
+    };
     Ok(FloorRun {
         cycles_per_sec: phase.cycles_per_sec,
         errors: phase.errors,
         server_cpu_us: (server_after - server_before) / cycles,
-        redis_cpu_us: redis_cost.map_or(0.0, |c| c.cpu_us),
+        redis_cpu_us: redis_cost.as_ref().map_or(0.0, |c| c.cpu_us),
         bench_cpu_us: (bench_after - bench_before) / cycles,
+        redis_calls: redis_cost.map_or(0.0, |c| c.calls),
+        batches,
     })
 }
 
@@ -228,6 +247,17 @@ fn medians(runs: &[&FloorRun]) -> FloorRun {
         server_cpu_us: of(|r| r.server_cpu_us),
         redis_cpu_us: of(|r| r.redis_cpu_us),
         bench_cpu_us: of(|r| r.bench_cpu_us),
+        redis_calls: of(|r| r.redis_calls),
+        batches: runs
+            .iter()
+            .find_map(|r| r.batches.clone())
+            .map(|_| BatchFigures {
+                batches: of(|r| r.batches.as_ref().map_or(0.0, |b| b.batches)),
+                mean: of(|r| r.batches.as_ref().map_or(0.0, |b| b.mean)),
+                p50: of(|r| r.batches.as_ref().map_or(0.0, |b| b.p50)),
+                p99: of(|r| r.batches.as_ref().map_or(0.0, |b| b.p99)),
+                batched_share: of(|r| r.batches.as_ref().map_or(0.0, |b| b.batched_share)),
+            }),
     }
 }
 
@@ -247,13 +277,16 @@ pub(super) async fn compare(
     let proxy_pid = proxy.pid()?;
     let mut rounds = Vec::new();
     for round in 0..args.rounds {
-        let targets = [(base, broker_pid), (proxy.base.as_str(), proxy_pid)];
+        let targets = [
+            (base, broker_pid, true),
+            (proxy.base.as_str(), proxy_pid, false),
+        ];
         let mut runs = Vec::with_capacity(2);
         // Odd rounds start with the proxy: neither always runs on a machine just warmed (or
         // just loaded) by the other.
         for i in 0..2 {
-            let (url, pid) = targets[(i + round as usize) % 2];
-            runs.push(run_once(http, (url, pid), redis, args, run_id, progress, ticks).await?);
+            let target = targets[(i + round as usize) % 2];
+            runs.push(run_once(http, target, redis, args, run_id, progress, ticks).await?);
         }
         if round % 2 == 1 {
             runs.reverse();
@@ -275,53 +308,6 @@ pub(super) async fn compare(
         broker,
         proxy,
     })
-}
-
-pub(super) fn print(summary: &FloorSummary) {
-    lockbroker_cli_support::out!(
-        "floor: uncontended acquire+release cycles, {} clients each on its own key, {:.0} s per run",
-        summary.clients,
-        summary.seconds_per_run
-    );
-    lockbroker_cli_support::out!(
-        "{:<8} {:<7} {:>10} {:>10} {:>9} {:>9} {:>6}",
-        "round",
-        "server",
-        "cycles/s",
-        "server µs",
-        "redis µs",
-        "bench µs",
-        "errors"
-    );
-    let row = |round: &str, server: &str, r: &FloorRun| {
-        lockbroker_cli_support::out!(
-            "{:<8} {:<7} {:>10.0} {:>10.1} {:>9.1} {:>9.1} {:>6}",
-            round,
-            server,
-            r.cycles_per_sec,
-            r.server_cpu_us,
-            r.redis_cpu_us,
-            r.bench_cpu_us,
-            r.errors
-        );
-    };
-    for (i, r) in summary.rounds.iter().enumerate() {
-        let n = (i + 1).to_string();
-        row(&n, "broker", &r.broker);
-        row(&n, "proxy", &r.proxy);
-    }
-    row("median", "broker", &summary.broker);
-    row("median", "proxy", &summary.proxy);
-    lockbroker_cli_support::out!(
-        "broker / proxy: cycles/s {:.3}, server CPU per cycle {:.2}, Redis CPU per cycle {:.2}",
-        summary.cycles_ratio,
-        summary.server_cpu_ratio,
-        summary.redis_cpu_ratio
-    );
-    lockbroker_cli_support::out!(
-        "µs: CPU time (user+system) per cycle of the server process (/proc/<pid>/stat), of Redis \
-         (INFO cpu) and of this load generator"
-    );
 }
 
 /// `--floor` and `--breakdown`: the broker and the minimal proxy side by side.
@@ -372,7 +358,7 @@ pub(super) async fn run_floor(
         )
         .await?;
         if !args.json {
-            print(&floor);
+            super::table::print_floor(&floor);
         }
         summary.floor = Some(floor);
     }

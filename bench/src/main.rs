@@ -23,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 mod args;
+mod batches;
 mod breakdown;
 mod direct;
 mod fleet;

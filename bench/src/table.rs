@@ -1,5 +1,6 @@
 //! The bench's summary as a table on the terminal (`--json` prints it as JSON instead).
 
+use super::floor::{FloorRun, FloorSummary};
 use super::{BenchMode, Latency, Summary};
 
 /// Prints `summary`: one row per phase, then the ratios to the direct and raw Redis cycles.
@@ -73,4 +74,65 @@ pub(super) fn print_table(summary: &Summary) {
             w.drained_ms
         );
     }
+}
+
+/// Prints `--floor`'s rounds, medians and ratios.
+pub(super) fn print_floor(summary: &FloorSummary) {
+    lockbroker_cli_support::out!(
+        "floor: uncontended acquire+release cycles, {} clients each on its own key, {:.0} s per run",
+        summary.clients,
+        summary.seconds_per_run
+    );
+    lockbroker_cli_support::out!(
+        "{:<8} {:<7} {:>10} {:>10} {:>9} {:>9} {:>6} {:>7}  {}",
+        "round",
+        "server",
+        "cycles/s",
+        "server µs",
+        "redis µs",
+        "bench µs",
+        "errors",
+        "scripts",
+        "batches: ops per call mean/p50/p99, share of ops batched"
+    );
+    let row = |round: &str, server: &str, r: &FloorRun| {
+        let batches = r.batches.as_ref().map_or(String::new(), |b| {
+            format!(
+                "{:.1}/{:.0}/{:.0}, {:.0}%",
+                b.mean,
+                b.p50,
+                b.p99,
+                b.batched_share * 100.0
+            )
+        });
+        lockbroker_cli_support::out!(
+            "{:<8} {:<7} {:>10.0} {:>10.1} {:>9.1} {:>9.1} {:>6} {:>7.2}  {}",
+            round,
+            server,
+            r.cycles_per_sec,
+            r.server_cpu_us,
+            r.redis_cpu_us,
+            r.bench_cpu_us,
+            r.errors,
+            r.redis_calls,
+            batches
+        );
+    };
+    for (i, r) in summary.rounds.iter().enumerate() {
+        let n = (i + 1).to_string();
+        row(&n, "broker", &r.broker);
+        row(&n, "proxy", &r.proxy);
+    }
+    row("median", "broker", &summary.broker);
+    row("median", "proxy", &summary.proxy);
+    lockbroker_cli_support::out!(
+        "broker / proxy: cycles/s {:.3}, server CPU per cycle {:.2}, Redis CPU per cycle {:.2}",
+        summary.cycles_ratio,
+        summary.server_cpu_ratio,
+        summary.redis_cpu_ratio
+    );
+    lockbroker_cli_support::out!(
+        "µs: CPU time (user+system) per cycle of the server process (/proc/<pid>/stat), of Redis \
+         (INFO cpu) and of this load generator; scripts: Redis script calls per cycle"
+    );
 }
