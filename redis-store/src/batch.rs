@@ -26,6 +26,11 @@ use super::epoch::EpochKeeper;
 use super::scripts::{Batch, BatchOp, ScriptCall, is_slow};
 use lockbroker_core::store::{StoreError, StoreResult};
 
+/// How many calls of the batcher may be in flight at once: while one is, the next gathers and
+/// may go before the first is answered (the connection pipelines them), so Redis never waits for
+/// a round trip to the broker between two batches.
+const IN_FLIGHT: usize = 2;
+
 /// How long a key that was not the common case in a batch goes alone.
 const HOT_FOR: Duration = Duration::from_secs(1);
 
@@ -47,8 +52,8 @@ pub(super) struct Batcher {
 
 #[derive(Default)]
 struct State {
-    /// Whether a call of the batcher is in flight (an operation alone or a batch).
-    busy: bool,
+    /// How many calls of the batcher are in flight (operations alone or batches).
+    in_flight: usize,
     waiting: VecDeque<(BatchOp, oneshot::Sender<Answer>)>,
 }
 
@@ -125,7 +130,7 @@ impl Batcher {
             }
         }
         if batch.is_empty() {
-            state.busy = false;
+            state.in_flight -= 1;
             return None;
         }
         Some(batch)
@@ -176,12 +181,12 @@ impl EpochKeeper {
 
     fn enter(self: &Arc<Self>, op: BatchOp) -> Entered {
         let mut state = self.batcher.state();
-        if state.busy {
+        if state.in_flight >= IN_FLIGHT {
             let (answer, waiting) = oneshot::channel();
             state.waiting.push_back((op, answer));
             return Entered::Waiting(waiting);
         }
-        state.busy = true;
+        state.in_flight += 1;
         Entered::Alone(Turn {
             keeper: Arc::clone(self),
         })
@@ -195,7 +200,7 @@ impl EpochKeeper {
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // No runtime (the broker is going away): the callers' answers are dropped.
-            self.batcher.state().busy = false;
+            self.batcher.state().in_flight -= 1;
             return;
         };
         let keeper = Arc::clone(self);
