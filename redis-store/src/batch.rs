@@ -1,9 +1,10 @@
-//! Group commit: claims and releases that arrive while a script call is in flight wait for it,
+//! Group commit: claims and releases that arrive while the batcher's calls are in flight wait,
 //! then go out together in one BATCH call (`scripts/batch.lua`), which pays Redis's clock, the
 //! epoch check and the call's own cost once for all of them. No timer, no added latency when
-//! idle: an operation that finds no call of the batcher in flight runs at once, alone, with its
-//! own script; the ones that arrive meanwhile are gathered, and when that call ends they go out
-//! as one batch (at most `max` operations; more wait for the next), and so on while any wait.
+//! idle: an operation that finds fewer than [`IN_FLIGHT`] calls of the batcher in flight runs at
+//! once, alone, with its own script; the ones that arrive meanwhile are gathered, and when a call
+//! ends they go out as one batch (at most `max` operations; more wait for the next), and so on
+//! while any wait.
 //!
 //! BATCH does each operation's common case alone (a free key claimed, the broker's own lease on
 //! a key nobody queues for released); an operation that is not answers SLOW, having written
