@@ -220,7 +220,7 @@ fn every_setting_s_flag_and_environment_variable_follow_from_its_file_key() {
     without_config.sort_unstable();
     sorted_keys.sort_unstable();
     assert_eq!(sorted_keys, without_config);
-    assert_eq!(flags.len(), 27, "{flags:?}");
+    assert_eq!(flags.len(), 28, "{flags:?}");
 }
 
 #[test]
