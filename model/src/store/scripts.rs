@@ -34,6 +34,7 @@ pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> A
             Some(no) => no,
             None => claim_all(s, p, call.broker, fx, keys, bid),
         },
+        Op::Batch { ops } => super::batch::batch(s, p, call, fx, ops),
         Op::Release { key, token } => release(s, &mut ctx(*key, s.hand(call.known)), fx, *token),
         Op::Renew {
             key,
@@ -105,7 +106,7 @@ fn tick(s: &mut Store) {
 }
 
 /// `checked` (lib/grant.lua): another epoch, or a hold in force.
-fn checked(s: &Store, p: &Params, known: Option<u8>) -> Option<Answer> {
+pub(super) fn checked(s: &Store, p: &Params, known: Option<u8>) -> Option<Answer> {
     let id = s.marker.map(|m| m.id);
     if id != known && p.bug != Some(Bug::NoEpochCheck) {
         return Some(Answer::OtherEpoch);
@@ -116,7 +117,7 @@ fn checked(s: &Store, p: &Params, known: Option<u8>) -> Option<Answer> {
     }
 }
 
-fn granted(bid: &Bid, (fence, left): (Fence, u8)) -> Answer {
+pub(super) fn granted(bid: &Bid, (fence, left): (Fence, u8)) -> Answer {
     Answer::Granted {
         token: bid.token,
         fence,
@@ -181,12 +182,18 @@ fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) ->
 
 /// Whether fast/claim.lua finds the key free: no lease record (live or expired), queue, pool or
 /// fence counter.
-fn fast_free(k: &KeyState) -> bool {
+pub(super) fn fast_free(k: &KeyState) -> bool {
     k.lock.is_none() && k.queue.is_empty() && k.pool.is_empty() && k.counter.is_none()
 }
 
 /// The fast claim's write: a lease with the clock as its fence, no counter kept.
-fn fast_grant(s: &mut Store, broker: u8, fx: &mut Effects, key: Key, bid: &Bid) -> Fence {
+pub(super) fn fast_grant(
+    s: &mut Store,
+    broker: u8,
+    fx: &mut Effects,
+    key: Key,
+    bid: &Bid,
+) -> Fence {
     let fence = s.us;
     s.keys[key as usize].lock = Some(Lease {
         token: bid.token,
