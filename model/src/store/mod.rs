@@ -18,9 +18,9 @@
 //!   mark is kept ([`Lease::session`]): a renewal by TTL keeps such a lease's end.
 //! - Request ids, owners' labels, watches (`changed`) and the layout check are left out.
 
-mod batch;
 mod bugs;
 mod epoch;
+mod fast;
 mod queue;
 mod scripts;
 mod session;

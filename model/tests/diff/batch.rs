@@ -8,7 +8,7 @@
 //! back after a loss by the broker that remembers it, on both sides). The ledger takes a grant
 //! the same way whether it came alone or in a batch (`grant.rs`).
 
-use lockbroker_model::store::{Answer, BatchOp, Bid, Kind};
+use lockbroker_model::store::{Answer, BatchOp, Bid, KeyState, Kind};
 use rand::RngExt;
 use rand::rngs::StdRng;
 
@@ -61,7 +61,8 @@ impl BatchStep {
     }
 }
 
-/// A batch through `broker`: fresh claims and asks again of its own exclusive bids, releases of
+/// A batch through `broker` (half the time, where there is one, through the broker that alone
+/// answers a lease the fast release takes): fresh claims and asks again of its own exclusive bids, releases of
 /// the lock keys' records (live, expired or offered; mostly through the broker that granted them,
 /// sometimes the other) and of a lease claimed earlier in the same batch; keys drawn from the two
 /// lock keys, so that one key often comes twice. `claims_only`: no releases (a batch right after
@@ -74,8 +75,29 @@ pub(crate) fn step(
     claims_only: bool,
 ) -> Step {
     let n = rng.random_range(1..=4);
+    // Half the time through the broker a lease the fast release takes is answered by, if any.
+    let takes = |k: &KeyState, b: u8| {
+        k.lock
+            .as_ref()
+            .is_some_and(|l| l.live() && !l.offered && l.by == 1 << b)
+            && k.queue.is_empty()
+            && k.pool.is_empty()
+            && k.counter.is_none()
+    };
+    let owners: Vec<u8> = (0..2u8)
+        .filter(|&b| {
+            model.store.keys[..SEMAPHORE as usize]
+                .iter()
+                .any(|k| takes(k, b))
+        })
+        .collect();
+    let broker = match owners.len() {
+        0 => broker,
+        _ if rng.random_bool(0.5) => broker,
+        n => owners[rng.random_range(0..n)],
+    };
     let mut ops = Vec::with_capacity(n);
-    let mine: Vec<(usize, &Bid)> = model
+    let mut mine: Vec<(usize, &Bid)> = model
         .bids
         .iter()
         .filter(|(t, b)| {
@@ -86,6 +108,8 @@ pub(crate) fn step(
         })
         .map(|(t, b)| (*t, b))
         .collect();
+    // The bids' map iterates in no fixed order: sorted, a seed replays.
+    mine.sort_unstable_by_key(|(t, _)| *t);
     // The lock keys' records (live, expired, offered), those of this broker's bids first.
     let mut records: Vec<(u8, usize)> = (0..SEMAPHORE)
         .filter_map(|k| {
@@ -94,9 +118,15 @@ pub(crate) fn step(
         })
         .collect();
     let home = |t: &usize| model.bids.get(t).is_some_and(|b| b.broker == broker);
-    if records.iter().any(|(_, t)| home(t)) && rng.random_bool(0.75) {
+    // Half the time, the ones the fast release takes, if any: this broker's alone, live, on a key
+    // with nothing else.
+    let fast = |k: u8| takes(&model.store.keys[k as usize], broker);
+    if records.iter().any(|(k, _)| fast(*k)) && rng.random_bool(0.5) {
+        records.retain(|(k, _)| fast(*k));
+    } else if records.iter().any(|(_, t)| home(t)) && rng.random_bool(0.75) {
         records.retain(|(_, t)| home(t));
     }
+    let free = free_keys(model);
     let mut claimed: Vec<(u8, usize)> = Vec::new();
     for _ in 0..n {
         let release =
@@ -119,7 +149,13 @@ pub(crate) fn step(
                 session: bid.session,
             }
         } else {
-            let (key, token) = (rng.random_range(0..SEMAPHORE), *next);
+            // A key free as the fast claim finds it, mostly, where there is one.
+            let key = match free.len() {
+                0 => rng.random_range(0..SEMAPHORE),
+                _ if rng.random_bool(0.3) => rng.random_range(0..SEMAPHORE),
+                n => free[rng.random_range(0..n)],
+            };
+            let token = *next;
             *next += 1;
             claimed.push((key, token));
             BatchStep::Claim {
@@ -201,6 +237,17 @@ pub(crate) fn prefix(next: &mut usize) -> Vec<Step> {
             vec![claim(0, k, true, true), claim(1, l, true, true)],
         ))),
     ]
+}
+
+/// The lock keys free as the fast claim finds a key free (no record, queue, pool or counter):
+/// while there is one, batches are drawn more often, to meet the fast paths.
+pub(crate) fn free_keys(model: &ModelSide) -> Vec<u8> {
+    (0..SEMAPHORE)
+        .filter(|&k| {
+            let k = &model.store.keys[k as usize];
+            k.lock.is_none() && k.queue.is_empty() && k.pool.is_empty() && k.counter.is_none()
+        })
+        .collect()
 }
 
 impl ModelSide {

@@ -163,7 +163,6 @@ impl ModelSide {
                 Notice::Ended(key, fence, all) => {
                     forget(&mut self.ledgers[b as usize], key, fence, all)
                 }
-                Notice::Look(..) => {}
                 other => self.told.push((b, other)),
             }
         }
@@ -475,7 +474,11 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
                     true,
                 ))),
             }
-        } else if rng.random_bool(0.06) {
+        } else if rng.random_bool(if batch::free_keys(&model).is_empty() {
+            0.05
+        } else {
+            0.2
+        }) {
             batch::step(&mut rng, &model, broker, &mut next_token, false)
         } else if rng.random_bool(several::chance(&model)) {
             several::claim_all(&mut rng, broker, next_token)

@@ -621,7 +621,7 @@ impl Real {
         Ok((lease, shared))
     }
 
-    /// The offers and requeues told to each broker since the last drain.
+    /// The offers, looks and requeues told to each broker since the last drain.
     fn drain(&mut self) -> BTreeSet<(u8, String)> {
         let mut out = BTreeSet::new();
         for b in 0..2 {
@@ -635,6 +635,9 @@ impl Real {
                     }
                     Notice::Requeue(_, k) => {
                         out.insert((b as u8, format!("requeue {}", k.as_str())));
+                    }
+                    Notice::Look(_, k, _) => {
+                        out.insert((b as u8, format!("look {}", k.as_str())));
                     }
                     _ => {}
                 }
@@ -690,6 +693,9 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
                         )),
                         lockbroker_model::store::Notice::Requeue(k) => {
                             Some((b, format!("requeue d{k}")))
+                        }
+                        lockbroker_model::store::Notice::Look(k, _) => {
+                            Some((b, format!("look d{k}")))
                         }
                         _ => None,
                     })
