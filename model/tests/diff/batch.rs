@@ -62,11 +62,12 @@ impl BatchStep {
 }
 
 /// A batch through `broker` (half the time, where there is one, through the broker that alone
-/// answers a lease the fast release takes): fresh claims and asks again of its own exclusive bids, releases of
-/// the lock keys' records (live, expired or offered; mostly through the broker that granted them,
-/// sometimes the other) and of a lease claimed earlier in the same batch; keys drawn from the two
-/// lock keys, so that one key often comes twice. `claims_only`: no releases (a batch right after
-/// a loss: a release there would race with the broker's own put-back).
+/// answers a lease the fast release takes): fresh claims, mostly of a key free for the fast claim,
+/// and asks again of its own exclusive bids; releases of the lock keys' records (live, expired or
+/// offered; those the fast release takes, or this broker's bids', first) and of a lease claimed
+/// earlier in the same batch; keys drawn from the two lock keys, so that one key often comes
+/// twice. `claims_only`: no releases (a batch right after a loss: a release there would race with
+/// the broker's own put-back).
 pub(crate) fn step(
     rng: &mut StdRng,
     model: &ModelSide,
