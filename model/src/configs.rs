@@ -13,6 +13,7 @@ pub fn all(bug: Option<Bug>) -> Vec<Config> {
         semaphore(bug),
         sessions(bug),
         several(bug),
+        batch(bug),
     ]
 }
 
@@ -43,6 +44,7 @@ pub fn locks(bug: Option<Bug>) -> Config {
         slacks: 0,
         session: None,
         several: Vec::new(),
+        batch: false,
         bug,
     }
 }
@@ -173,6 +175,29 @@ pub fn several(bug: Option<Bug>) -> Config {
                 keys: [1, 0],
             },
         ],
+        ..locks(bug)
+    }
+}
+
+/// Group commit: two brokers, two keys; broker 0's two clients on key 0 (a release and a claim
+/// of one key, or two claims, in one batch) and one on key 1 (a batch over both keys), broker
+/// 1's client on key 0. Every claim and release may go alone or in its broker's batch; one store
+/// loss (a batch of a broker that has not caught up). No death, force, clock step or slack: the
+/// other configurations meet those with the same scripts.
+pub fn batch(bug: Option<Bug>) -> Config {
+    Config {
+        name: "batch",
+        brokers: 2,
+        clients: vec![
+            (0, 0, Kind::Exclusive),
+            (0, 0, Kind::Exclusive),
+            (0, 1, Kind::Exclusive),
+        ],
+        keys: 2,
+        attempts: vec![1, 1, 1],
+        renews: 0,
+        deaths: 1,
+        batch: true,
         ..locks(bug)
     }
 }

@@ -182,7 +182,8 @@ fn summary(model: &LockModel, s: &State) -> String {
                 )
             }
         };
-        out.push_str(&format!("c{j}@b{b}/key{k} {phase}; "));
+        let slow = if c.slow.is_some() { " slow" } else { "" };
+        out.push_str(&format!("c{j}@b{b}/key{k} {phase}{slow}; "));
     }
     for (m, sv) in s.several.iter().enumerate() {
         let took: Vec<String> = sv
@@ -207,11 +208,16 @@ fn summary(model: &LockModel, s: &State) -> String {
     }
     for (b, br) in s.brokers.iter().enumerate() {
         out.push_str(&format!(
-            "b{b}{} epoch {:?} ledger {} inbox {:?}; ",
+            "b{b}{} epoch {:?} ledger {} inbox {:?}{}; ",
             if br.alive { "" } else { " dead" },
             br.known,
             br.ledger.len(),
-            br.inbox
+            br.inbox,
+            if br.batch.is_empty() {
+                String::new()
+            } else {
+                format!(" batch {:?}", br.batch)
+            }
         ));
     }
     out

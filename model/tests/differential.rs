@@ -87,5 +87,8 @@ async fn the_scripts_answer_as_the_model() {
         }
         seed += 1;
     }
-    eprintln!("CLAIM_ALL compared in agreeing runs: {:?}", claims.0);
+    eprintln!(
+        "CLAIM_ALL and BATCH operations compared in agreeing runs: {:?}",
+        claims.0
+    );
 }

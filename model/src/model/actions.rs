@@ -43,6 +43,12 @@ pub enum Action {
     Session(super::SessAction),
     /// A step of a several-keys client.
     Several(u8, super::SevAction),
+    /// A claim or release joins its broker's next batch instead of going alone.
+    Batched(u8, super::Pend),
+    /// The broker's gathered operations go out as one BATCH call.
+    Batch(u8),
+    /// An operation that BATCH answered SLOW runs alone.
+    Alone(u8),
 }
 
 const DEATHS: usize = 0;
@@ -57,9 +63,14 @@ impl LockModel {
         for (i, cl) in s.clients.iter().enumerate() {
             let i = i as u8;
             let (b, _, _) = c.clients[i as usize];
-            if !s.brokers[b as usize].alive {
+            if !s.brokers[b as usize].alive || self.in_batch(s, i) {
                 continue;
             }
+            if cl.slow.is_some() {
+                out.push(Action::Alone(i));
+                continue;
+            }
+            let first = out.len();
             match cl.phase {
                 Phase::Idle if cl.attempt < c.attempts[i as usize] => {
                     out.push(Action::ClaimWaiting(i));
@@ -78,6 +89,7 @@ impl LockModel {
                 }
                 _ => {}
             }
+            self.batch_actions(out, first);
         }
         for (b, br) in s.brokers.iter().enumerate() {
             let b = b as u8;
@@ -104,6 +116,9 @@ impl LockModel {
                 for k in 0..c.keys {
                     out.push(Action::Force(b, k));
                 }
+            }
+            if !br.batch.is_empty() {
+                out.push(Action::Batch(b));
             }
             if br.catching.is_some() {
                 out.push(Action::PutBack(b));
@@ -148,7 +163,7 @@ impl LockModel {
     /// `store_settle_ms` documents).
     pub(super) fn fair_to_tick(&self, s: &State) -> bool {
         let marker = s.store.marker.map(|m| m.id);
-        if self.sess_due(s) || self.sev_due(s) {
+        if self.sess_due(s) || self.sev_due(s) || self.batch_due(s) {
             return false;
         }
         for (b, br) in s.brokers.iter().enumerate() {
@@ -169,7 +184,7 @@ impl LockModel {
         true
     }
 
-    fn bid(&self, i: u8, token: Token) -> (Key, Bid) {
+    pub(super) fn bid(&self, i: u8, token: Token) -> (Key, Bid) {
         let (broker, key, kind) = self.cfg.clients[i as usize];
         (
             key,
@@ -218,7 +233,7 @@ impl LockModel {
         super::remember(&mut s.brokers[b as usize].ledger, entry);
     }
 
-    fn on_grant(&self, s: &mut State, i: u8, token: Token, answer: Answer) {
+    pub(super) fn on_grant(&self, s: &mut State, i: u8, token: Token, answer: Answer) {
         let (_, key, _) = self.cfg.clients[i as usize];
         let cl = &mut s.clients[i as usize];
         match answer {
@@ -436,6 +451,12 @@ impl LockModel {
             }
             Action::Session(ref a) => self.sess_step(s, a),
             Action::Several(m, ref a) => self.sev_step(s, m, a),
+            Action::Batched(i, pend) => {
+                let b = self.cfg.clients[i as usize].0;
+                s.brokers[b as usize].batch.push((i, pend));
+            }
+            Action::Batch(b) => self.run_batch(s, b),
+            Action::Alone(i) => self.run_alone(s, i),
         }
     }
 }

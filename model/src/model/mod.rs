@@ -5,11 +5,13 @@
 //! ledger).
 
 mod actions;
+mod batch;
 mod broker;
 mod props;
 mod session;
 mod several;
 
+pub use batch::Pend;
 pub use session::{Acq, End, Life, Sess, SessAction, SessionCfg};
 pub use several::{SevAction, Several, SeveralCfg, Step, Took};
 
@@ -43,6 +45,8 @@ pub struct Config {
     pub session: Option<SessionCfg>,
     /// Clients that acquire two keys at once (one acquire each).
     pub several: Vec<SeveralCfg>,
+    /// Whether brokers batch claims and releases (group commit, BATCH).
+    pub batch: bool,
     pub bug: Option<Bug>,
 }
 
@@ -108,6 +112,8 @@ pub enum Phase {
 pub struct Client {
     pub phase: Phase,
     pub attempt: u8,
+    /// Its operation that BATCH answered SLOW, to run alone.
+    pub slow: Option<Pend>,
 }
 
 /// A ledger entry: a live lease this broker granted or renewed.
@@ -137,6 +143,8 @@ pub struct BrokerState {
     pub ledger: Vec<Entry>,
     /// Notices sent to it and not delivered yet (a set: a duplicate is a delivery that keeps it).
     pub inbox: Vec<Notice>,
+    /// The operations gathered for its next BATCH call (client, operation), in arrival order.
+    pub batch: Vec<(u8, Pend)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -184,6 +192,7 @@ impl LockModel {
                 .map(|_| Client {
                     phase: Phase::Idle,
                     attempt: 0,
+                    slow: None,
                 })
                 .collect(),
             brokers: (0..c.brokers)
@@ -193,6 +202,7 @@ impl LockModel {
                     catching: None,
                     ledger: Vec::new(),
                     inbox: Vec::new(),
+                    batch: Vec::new(),
                 })
                 .collect(),
             used: [0; 5],

@@ -41,10 +41,14 @@ pub enum Bug {
     /// CLAIM_ALL grants the free keys among its keys and refuses only because of the busy ones
     /// (not all or nothing): the request, told "refused", holds keys it does not know of.
     PartialGrant,
+    /// BATCH's claims skip `checked` (as its releases may, RELEASE's fast path checking no
+    /// epoch): a broker that has not caught up with a store loss grants into the emptied store
+    /// before the holders' brokers put their leases back.
+    BatchSkipsEpoch,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 12] = [
+    pub const ALL: [Bug; 13] = [
         Bug::NoEpochCheck,
         Bug::OfferWithoutFence,
         Bug::ReleaseDropsKeptFence,
@@ -57,6 +61,7 @@ impl Bug {
         Bug::GivenOrder,
         Bug::RefusalKeepsKeys,
         Bug::PartialGrant,
+        Bug::BatchSkipsEpoch,
     ];
 
     pub fn name(self) -> &'static str {
@@ -73,6 +78,7 @@ impl Bug {
             Bug::GivenOrder => "given-order",
             Bug::RefusalKeepsKeys => "refusal-keeps-keys",
             Bug::PartialGrant => "partial-grant",
+            Bug::BatchSkipsEpoch => "batch-skips-epoch",
         }
     }
 

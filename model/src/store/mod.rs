@@ -20,6 +20,7 @@
 
 mod bugs;
 mod epoch;
+mod fast;
 mod queue;
 mod scripts;
 mod session;
@@ -214,6 +215,12 @@ pub enum Op {
         key: Key,
         token: Token,
     },
+    /// BATCH: claims and releases, each the common case of CLAIM's or RELEASE's fast path, with
+    /// one clock and one `checked` for all; one answer each, in order ([`Answer::Slow`]: not the
+    /// common case, nothing written).
+    Batch {
+        ops: Vec<BatchOp>,
+    },
     /// RENEW: the end moves to `ttl` from now, or with `until` to that many ticks from now
     /// unless it ends later already (a lease under a session keeps its end without `until`).
     Renew {
@@ -256,6 +263,15 @@ pub enum Op {
     Slack {
         key: Key,
     },
+}
+
+/// One operation of a BATCH call.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum BatchOp {
+    /// `c`: an exclusive claim, granted only if the key is free as the fast claim finds it.
+    Claim { key: Key, bid: Bid },
+    /// `r`: the release of the token's exclusive lease, only as the fast release does it.
+    Release { key: Key, token: Token },
 }
 
 /// A call: who runs it and in which epoch.
@@ -313,6 +329,10 @@ pub enum Answer {
     Session(Option<SessionRec>),
     /// KEEP: one RENEW answer per lease.
     Kept(Vec<Answer>),
+    /// BATCH: one answer per operation, in order.
+    Batch(Vec<Answer>),
+    /// A BATCH operation that is not the common case: nothing written; its broker runs it alone.
+    Slow,
     /// TICK, FLUSH, SLACK.
     Done,
 }

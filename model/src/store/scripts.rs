@@ -3,10 +3,11 @@
 use super::bugs::Bug;
 use super::queue::{
     Ctx, busy_for, drop_holder, ended, exclusive_end, hand_on, kept_fence, live_count, requeue,
-    settle, wait_turn, write_lease,
+    settle, tell, wait_turn, write_lease,
 };
 use super::{
-    Answer, Bid, Call, Effects, Fence, Key, KeyState, Kind, Lease, Marker, Op, Params, Store, Token,
+    Answer, Bid, Call, Effects, Fence, Key, KeyState, Kind, Lease, Marker, Notice, Op, Params,
+    Store, Token,
 };
 
 pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> Answer {
@@ -32,15 +33,23 @@ pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> A
         },
         Op::ClaimAll { keys, bid } => match checked(s, p, call.known) {
             Some(no) => no,
-            None => claim_all(s, p, call.broker, fx, keys, bid),
+            None => super::fast::claim_all(s, p, call.broker, fx, keys, bid),
         },
+        Op::Batch { ops } => super::fast::batch(s, p, call, fx, ops),
         Op::Release { key, token } => release(s, &mut ctx(*key, s.hand(call.known)), fx, *token),
         Op::Renew {
             key,
             token,
             ttl,
             until,
-        } => renew(s, &mut ctx(*key, s.hand(call.known)), *token, *ttl, *until),
+        } => renew(
+            s,
+            &mut ctx(*key, s.hand(call.known)),
+            fx,
+            *token,
+            *ttl,
+            *until,
+        ),
         Op::Session { id, op } => super::session::session(s, *id, op),
         Op::Keep { until, leases } => {
             // The mistake `keep-for-ttl`: RENEW's ttl form (the session's TTL and delay from
@@ -50,7 +59,14 @@ pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> A
                 leases
                     .iter()
                     .map(|(key, token)| {
-                        renew(s, &mut ctx(*key, s.hand(call.known)), *token, *until, form)
+                        renew(
+                            s,
+                            &mut ctx(*key, s.hand(call.known)),
+                            fx,
+                            *token,
+                            *until,
+                            form,
+                        )
                     })
                     .collect(),
             )
@@ -105,7 +121,7 @@ fn tick(s: &mut Store) {
 }
 
 /// `checked` (lib/grant.lua): another epoch, or a hold in force.
-fn checked(s: &Store, p: &Params, known: Option<u8>) -> Option<Answer> {
+pub(super) fn checked(s: &Store, p: &Params, known: Option<u8>) -> Option<Answer> {
     let id = s.marker.map(|m| m.id);
     if id != known && p.bug != Some(Bug::NoEpochCheck) {
         return Some(Answer::OtherEpoch);
@@ -116,7 +132,7 @@ fn checked(s: &Store, p: &Params, known: Option<u8>) -> Option<Answer> {
     }
 }
 
-fn granted(bid: &Bid, (fence, left): (Fence, u8)) -> Answer {
+pub(super) fn granted(bid: &Bid, (fence, left): (Fence, u8)) -> Answer {
     Answer::Granted {
         token: bid.token,
         fence,
@@ -152,8 +168,8 @@ fn still_queued(s: &mut Store, c: &mut Ctx, fx: &mut Effects) -> bool {
 /// claim.lua (with fast/claim.lua in front).
 fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) -> Answer {
     // fast/claim.lua: no record, queue, pool, counter: the clock is the fence, no counter kept.
-    if fast_free(&s.keys[c.key as usize]) {
-        let fence = fast_grant(s, c.broker, fx, c.key, bid);
+    if super::fast::fast_free(&s.keys[c.key as usize]) {
+        let fence = super::fast::fast_grant(s, c.broker, fx, c.key, bid);
         return granted(bid, (fence, bid.ttl));
     }
     let k = &mut s.keys[c.key as usize];
@@ -177,58 +193,6 @@ fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) ->
         }
     }
     wait_turn(s, c, fx, bid)
-}
-
-/// Whether fast/claim.lua finds the key free: no lease record (live or expired), queue, pool or
-/// fence counter.
-fn fast_free(k: &KeyState) -> bool {
-    k.lock.is_none() && k.queue.is_empty() && k.pool.is_empty() && k.counter.is_none()
-}
-
-/// The fast claim's write: a lease with the clock as its fence, no counter kept.
-fn fast_grant(s: &mut Store, broker: u8, fx: &mut Effects, key: Key, bid: &Bid) -> Fence {
-    let fence = s.us;
-    s.keys[key as usize].lock = Some(Lease {
-        token: bid.token,
-        fence,
-        left: bid.ttl,
-        offered: false,
-        by: 1 << broker,
-        session: bid.session,
-    });
-    fx.fences.push((key, fence));
-    fence
-}
-
-/// claim_all.lua (after `checked`): every key for the bid, each with the clock as its fence, if
-/// every one is free as the fast claim finds a key free; else nothing written. (The mistake
-/// `partial-grant`: the free ones are granted all the same.)
-fn claim_all(
-    s: &mut Store,
-    p: &Params,
-    broker: u8,
-    fx: &mut Effects,
-    keys: &[Key],
-    bid: &Bid,
-) -> Answer {
-    let free: Vec<Key> = keys
-        .iter()
-        .copied()
-        .filter(|&k| fast_free(&s.keys[k as usize]))
-        .collect();
-    if free.len() < keys.len() {
-        if p.bug == Some(Bug::PartialGrant) {
-            for k in free {
-                fast_grant(s, broker, fx, k, bid);
-            }
-        }
-        return Answer::Refused;
-    }
-    let mut fence = 0;
-    for &k in keys {
-        fence = fast_grant(s, broker, fx, k, bid);
-    }
-    granted(bid, (fence, bid.ttl))
 }
 
 /// take_over.lua: GETSET made safe.
@@ -340,9 +304,17 @@ fn release(s: &mut Store, c: &mut Ctx, fx: &mut Effects, token: Token) -> Answer
 
 /// renew.lua (`lib/renewal.lua`): the end moves to `ttl` from now — a lease under a session
 /// keeps its end — or with `until` to that time unless it ends later already; this broker
-/// joins the ones that answer it. (Its `sooner` look is never needed here: a renewal never
-/// shortens a lease in the model — every plain renewal is by the full TTL.)
-fn renew(s: &mut Store, c: &mut Ctx, token: Token, ttl: u8, until: Option<u8>) -> Answer {
+/// joins the ones that answer it. A renewal that ends the lease sooner tells the broker of the
+/// queue's first bid to look then (`sooner`; the checker's renewals are all by the full TTL and
+/// never shorten one, the differential test's do).
+fn renew(
+    s: &mut Store,
+    c: &mut Ctx,
+    fx: &mut Effects,
+    token: Token,
+    ttl: u8,
+    until: Option<u8>,
+) -> Answer {
     let found = holder(s, c.key, token);
     let k = &mut s.keys[c.key as usize];
     let l = match found {
@@ -351,13 +323,20 @@ fn renew(s: &mut Store, c: &mut Ctx, token: Token, ttl: u8, until: Option<u8>) -
         Holder::HeldPooled(_) => k.pool.iter_mut().find(|l| l.token == token),
     };
     let l = l.expect("the holder's lease");
+    let before = l.left;
     l.left = match until {
         Some(until) => l.left.max(until),
         None if l.session => l.left,
         None => ttl,
     };
     l.by |= 1 << c.broker;
-    Answer::Held { fence: l.fence }
+    let (fence, left) = (l.fence, l.left);
+    if left < before
+        && let Some(head) = k.queue.first()
+    {
+        tell(fx, head.broker, Notice::Look(c.key, left));
+    }
+    Answer::Held { fence }
 }
 
 /// force.lua: ends every live lease (offers included) without a token.

@@ -2,6 +2,7 @@
 //! so that asks again, releases and renewals name tokens that are queued or hold), the model's
 //! side of a run, and the shrinking of a failing sequence.
 
+mod batch;
 mod real;
 mod sessions;
 mod several;
@@ -14,6 +15,7 @@ use lockbroker_model::store::{
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
+pub(crate) use batch::BatchStep;
 pub(crate) use real::{Outcome, run_steps};
 pub(crate) use sessions::SessStep;
 pub(crate) use several::Tally;
@@ -91,6 +93,11 @@ pub(crate) enum Step {
         token: usize,
         long: bool,
     },
+    /// BATCH through `broker`, then each operation it answered SLOW alone.
+    Batch {
+        broker: u8,
+        ops: Vec<BatchStep>,
+    },
     /// Every short end passes.
     Tick,
     /// A tick, FLUSHALL, then both brokers catch up.
@@ -98,6 +105,9 @@ pub(crate) enum Step {
     /// A tick, FLUSHALL, this CLAIM_ALL by a broker that has not caught up (the model's in the
     /// epoch before the loss), then both brokers catch up.
     FlushClaimAll(Box<Step>),
+    /// A tick, FLUSHALL, this BATCH by a broker that has not caught up (its SLOW operations are
+    /// not run alone), then both brokers catch up.
+    FlushBatch(Box<Step>),
 }
 
 pub(crate) fn token_of(t: usize) -> Token {
@@ -153,7 +163,6 @@ impl ModelSide {
                 Notice::Ended(key, fence, all) => {
                     forget(&mut self.ledgers[b as usize], key, fence, all)
                 }
-                Notice::Look(..) => {}
                 other => self.told.push((b, other)),
             }
         }
@@ -342,6 +351,7 @@ impl ModelSide {
                 answer
             }
             Step::ClaimAll { .. } => self.claim_all(step, None),
+            Step::Batch { .. } => self.batch(step, None),
             Step::Tick => {
                 self.call(0, Op::Tick);
                 for ledger in &mut self.ledgers {
@@ -360,6 +370,12 @@ impl ModelSide {
             Step::FlushClaimAll(ref claim) => {
                 self.step(&Step::Tick);
                 let answer = self.stale_claim_all(claim);
+                self.catch_up();
+                answer
+            }
+            Step::FlushBatch(ref batch) => {
+                self.step(&Step::Tick);
+                let answer = self.stale_batch(batch);
                 self.catch_up();
                 answer
             }
@@ -407,8 +423,19 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
     let mut steps = Vec::with_capacity(n);
     let mut next_token = 0usize;
     let mut since_tick = 0;
-    for step in several::prefix(&mut next_token).into_iter().take(n) {
-        since_tick = if step == Step::Tick {
+    let mut set = batch::prefix(&mut next_token);
+    let batch_set = set.len();
+    set.extend(several::prefix(&mut next_token));
+    for (i, step) in set.into_iter().take(n).enumerate() {
+        if i == batch_set {
+            // CLAIM_ALL's set steps begin on free keys.
+            assert_eq!(
+                several::why(&model, &[0, 1]),
+                "free",
+                "after BATCH's set steps"
+            );
+        }
+        since_tick = if matches!(step, Step::Tick | Step::FlushBatch(_)) {
             0
         } else {
             since_tick + 1
@@ -432,13 +459,27 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
         let roll = rng.random_range(0..100);
         let step = if since_tick >= 16 || roll < 2 {
             Step::Tick
-        } else if rng.random_bool(0.003) {
-            if rng.random_bool(0.5) {
-                Step::Flush
-            } else {
-                let claim = several::claim_all(&mut rng, broker, next_token);
-                Step::FlushClaimAll(Box::new(claim))
+        } else if rng.random_bool(0.004) {
+            match rng.random_range(0..3) {
+                0 => Step::Flush,
+                1 => {
+                    let claim = several::claim_all(&mut rng, broker, next_token);
+                    Step::FlushClaimAll(Box::new(claim))
+                }
+                _ => Step::FlushBatch(Box::new(batch::step(
+                    &mut rng,
+                    &model,
+                    broker,
+                    &mut next_token,
+                    true,
+                ))),
             }
+        } else if rng.random_bool(if batch::free_keys(&model).is_empty() {
+            0.05
+        } else {
+            0.2
+        }) {
+            batch::step(&mut rng, &model, broker, &mut next_token, false)
         } else if rng.random_bool(several::chance(&model)) {
             several::claim_all(&mut rng, broker, next_token)
         } else if rng.random_bool(0.12) {
@@ -515,11 +556,11 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
         if let Step::FlushClaimAll(_) = step {
             next_token += 1;
         }
-        since_tick = if matches!(step, Step::Tick | Step::Flush | Step::FlushClaimAll(_)) {
-            0
-        } else {
-            since_tick + 1
-        };
+        let ticked = matches!(
+            step,
+            Step::Tick | Step::Flush | Step::FlushClaimAll(_) | Step::FlushBatch(_)
+        );
+        since_tick = if ticked { 0 } else { since_tick + 1 };
         model.step(&step);
         steps.push(step);
     }

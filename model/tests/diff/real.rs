@@ -17,8 +17,18 @@ use lockbroker_model::store::{Answer, Fence};
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
 
+use super::batch::keys_of_answers;
 use super::several::why;
-use super::{KEYS, LIMIT, ModelSide, SEMAPHORE, SessStep, Step, Tally};
+use super::{BatchStep, KEYS, LIMIT, ModelSide, SEMAPHORE, SessStep, Step, Tally};
+
+/// `batch.lua` as the Redis store joins it (`redis-store/src/scripts/mod.rs`): the test calls it
+/// itself, to see each operation's answer (SLOW included) in one call.
+const BATCH_LUA: &str = concat!(
+    include_str!("../../../redis-store/src/scripts/lib/prelude.lua"),
+    include_str!("../../../redis-store/src/scripts/lib/grant.lua"),
+    include_str!("../../../redis-store/src/scripts/lib/fast.lua"),
+    include_str!("../../../redis-store/src/scripts/batch.lua"),
+);
 
 /// A short lease, offer window and renewal, in ms: one tick of the model.
 const SHORT_MS: u64 = 150;
@@ -48,6 +58,12 @@ enum Said {
     Granted(usize, Fence),
     /// CLAIM_ALL: every key granted to the token, each key's fence in the order asked.
     GrantedEach(usize, Vec<Fence>),
+    /// BATCH: each operation's answer, then each SLOW one's answer alone.
+    Ops(Vec<Said>),
+    /// A BATCH operation that is not the common case.
+    Slow,
+    /// A reply code BATCH never gives.
+    Code(i64),
     Queued,
     Refused,
     OnHold,
@@ -158,6 +174,9 @@ impl Fences {
 
 struct Real {
     redis: RedisServer,
+    /// The test's own connection (BATCH), and each broker's id as its leases record it.
+    conn: redis::aio::MultiplexedConnection,
+    ids: [String; 2],
     stores: [RedisStore; 2],
     notices: [mpsc::Receiver<Notice>; 2],
     tokens: HashMap<usize, Token>,
@@ -188,15 +207,134 @@ impl Real {
             (s, rx)
         };
         let ((a, ra), (b, rb)) = (store(), store());
-        let real = Real {
+        let conn = redis.connection().await;
+        let mut real = Real {
             redis,
+            conn,
+            ids: [String::new(), String::new()],
             stores: [a, b],
             notices: [ra, rb],
             tokens: HashMap::new(),
             sessions: HashMap::new(),
         };
         real.caught_up().await;
+        for b in 0..2 {
+            real.ids[b] = real.broker_id(b).await;
+        }
         real
+    }
+
+    /// Broker `b`'s id: what a lease it grants records as `by` (a claim of a key of its own,
+    /// released after).
+    async fn broker_id(&mut self, b: usize) -> String {
+        let key = LockKey::parse(&format!("id{b}")).unwrap();
+        let bid = Bid {
+            token: Token::generate(),
+            ttl: Ttl::from_ms(LONG_MS),
+            owner: None,
+            request_id: None,
+            wait_ms: 0,
+            ends: None,
+        };
+        let granted = self.stores[b].claim(&key, &bid).await.expect("a claim");
+        assert!(matches!(granted, GrantAnswer::Granted(_)), "{granted:?}");
+        let id: String = redis::cmd("HGET")
+            .arg(format!("m:{{id{b}}}:lock"))
+            .arg("by")
+            .query_async(&mut self.conn)
+            .await
+            .expect("the lease's broker");
+        self.stores[b]
+            .release(Space::Locks, &key, &bid.token)
+            .await
+            .expect("a release");
+        id
+    }
+
+    /// The store's epoch (the marker's id): the one both brokers know once caught up.
+    async fn epoch(&mut self) -> StoreResult<String> {
+        let id: Option<String> = redis::cmd("HGET")
+            .arg("m:epoch")
+            .arg("id")
+            .query_async(&mut self.conn)
+            .await
+            .map_err(|e| StoreError::Failed(e.to_string()))?;
+        Ok(id.unwrap_or_default())
+    }
+
+    /// BATCH through `broker` in `epoch`, then (unless `stale`) each operation it answered SLOW
+    /// alone through the broker's own store, in order — as `run_batched` does.
+    async fn batch(
+        &mut self,
+        broker: u8,
+        ops: &[BatchStep],
+        epoch: &str,
+        stale: bool,
+    ) -> StoreResult<Said> {
+        let script = redis::Script::new(BATCH_LUA);
+        let mut call = script.prepare_invoke();
+        call.key("m:epoch")
+            .arg(epoch)
+            .arg(self.ids[broker as usize].as_str());
+        for op in ops {
+            for suffix in [":lock", ":fence", ":shared:ends", ":queue", ":watched"] {
+                call.key(format!("m:{{d{}}}{suffix}", op.key()));
+            }
+            match *op {
+                BatchStep::Claim {
+                    token,
+                    long,
+                    session,
+                    ..
+                } => {
+                    let owner = if session {
+                        format!("={}", Owner::for_session(None, 0).as_str())
+                    } else {
+                        String::new()
+                    };
+                    let t = self.token(token);
+                    call.arg("c")
+                        .arg(t.as_str())
+                        .arg(ttl(long).as_ms())
+                        .arg(owner)
+                        .arg("");
+                }
+                BatchStep::Release { token, .. } => {
+                    let t = self.token(token);
+                    call.arg("r").arg(t.as_str()).arg("").arg("").arg("");
+                }
+            }
+        }
+        let replies: Vec<Vec<redis::Value>> = call
+            .invoke_async(&mut self.conn)
+            .await
+            .map_err(|e| StoreError::Failed(e.to_string()))?;
+        let mut out = Vec::new();
+        let mut slow = Vec::new();
+        for (op, reply) in ops.iter().zip(&replies) {
+            let int = |i: usize| match reply.get(i) {
+                Some(redis::Value::Int(n)) => *n,
+                _ => i64::MIN,
+            };
+            out.push(match (int(0), op) {
+                (-2, _) => {
+                    slow.push(op.alone(broker));
+                    Said::Slow
+                }
+                (1, BatchStep::Claim { token, .. }) => Said::Granted(*token, int(1) as Fence),
+                (1, BatchStep::Release { .. }) => Said::Held(int(2) as Fence),
+                (code, _) => Said::Code(code),
+            });
+        }
+        if replies.len() != ops.len() {
+            out.push(Said::Code(replies.len() as i64));
+        }
+        if !stale {
+            for alone in slow {
+                out.push(Box::pin(self.step(&alone, 0)).await?);
+            }
+        }
+        Ok(Said::Ops(out))
     }
 
     /// Waits until both brokers grant (their epoch checks and put-backs done, the hold over).
@@ -381,7 +519,11 @@ impl Real {
                     None => Said::Refused,
                 }
             }
-            Step::Tick | Step::Flush | Step::FlushClaimAll(_) => Said::Done,
+            Step::Batch { broker, ref ops } => {
+                let epoch = self.epoch().await?;
+                self.batch(broker, ops, &epoch, false).await?
+            }
+            Step::Tick | Step::Flush | Step::FlushClaimAll(_) | Step::FlushBatch(_) => Said::Done,
         })
     }
 
@@ -479,7 +621,7 @@ impl Real {
         Ok((lease, shared))
     }
 
-    /// The offers and requeues told to each broker since the last drain.
+    /// The offers, looks and requeues told to each broker since the last drain.
     fn drain(&mut self) -> BTreeSet<(u8, String)> {
         let mut out = BTreeSet::new();
         for b in 0..2 {
@@ -493,6 +635,9 @@ impl Real {
                     }
                     Notice::Requeue(_, k) => {
                         out.insert((b as u8, format!("requeue {}", k.as_str())));
+                    }
+                    Notice::Look(_, k, _) => {
+                        out.insert((b as u8, format!("look {}", k.as_str())));
                     }
                     _ => {}
                 }
@@ -527,7 +672,7 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
             what: format!("{step:?}: {what}"),
         };
         match step {
-            Step::Tick | Step::Flush | Step::FlushClaimAll(_) => {
+            Step::Tick | Step::Flush | Step::FlushClaimAll(_) | Step::FlushBatch(_) => {
                 // Every short end passes (and what the brokers told each other arrives).
                 let until = last_end + SHORT_MS + 5;
                 let wait = until.saturating_sub(now_ms());
@@ -549,6 +694,9 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
                         lockbroker_model::store::Notice::Requeue(k) => {
                             Some((b, format!("requeue d{k}")))
                         }
+                        lockbroker_model::store::Notice::Look(k, _) => {
+                            Some((b, format!("look d{k}")))
+                        }
                         _ => None,
                     })
                     .collect();
@@ -559,6 +707,9 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
                     ));
                 }
                 if *step != Step::Tick {
+                    let Ok(before) = real.epoch().await else {
+                        return Outcome::Spoiled(at);
+                    };
                     real.redis.flushall().await;
                     if let Step::FlushClaimAll(claim) = step {
                         // The broker meets another epoch, catches up (CHECK, PUT_BACK: the settle
@@ -580,6 +731,24 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
                         }
                         // Nothing of it written: the holders compared below are the leases put
                         // back, on both sides.
+                        model.catch_up();
+                    } else if let Step::FlushBatch(batch) = step {
+                        // Every claim answers SLOW (another epoch); its SLOW operations are not
+                        // run alone (their CLAIM would meet the epoch as CLAIM_ALL's does).
+                        let Step::Batch { broker, ops } = &**batch else {
+                            unreachable!("a BATCH step")
+                        };
+                        let Ok(said_real) = real.batch(*broker, ops, &before, true).await else {
+                            return Outcome::Spoiled(at);
+                        };
+                        let answer = model.stale_batch(batch);
+                        count_batch(&mut claims, ops, &answer, "in the epoch before a loss: ");
+                        let said_model = batch_said(ops, &answer);
+                        if said_model != said_real {
+                            return disagree(format!(
+                                "BATCH in the epoch before a loss: model {said_model:?}, real {said_real:?}"
+                            ));
+                        }
                         model.catch_up();
                     } else {
                         model.flush();
@@ -608,8 +777,11 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
             Step::Renew { key, .. } | Step::Leave { key, .. } | Step::Force { key, .. } => key,
             Step::Keep { ref leases, .. } => leases.first().map_or(0, |l| l.0),
             Step::ClaimAll { ref keys, .. } => keys[0],
+            Step::Batch { ref ops, .. } => ops[0].key(),
             Step::Session { .. } => 0,
-            Step::Tick | Step::Flush | Step::FlushClaimAll(_) => unreachable!(),
+            Step::Tick | Step::Flush | Step::FlushClaimAll(_) | Step::FlushBatch(_) => {
+                unreachable!()
+            }
         };
         let token = match *step {
             Step::Claim { token, .. } | Step::TakeOver { token, .. } => token,
@@ -619,6 +791,12 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
         // Every key a step names (its holders are compared after it).
         let keys = match step {
             Step::ClaimAll { keys, .. } => keys.clone(),
+            Step::Batch { ops, .. } => {
+                let mut keys: Vec<u8> = ops.iter().map(BatchStep::key).collect();
+                keys.sort_unstable();
+                keys.dedup();
+                keys
+            }
             _ => vec![key],
         };
         let why = why(&model, &keys);
@@ -650,8 +828,23 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
         if let (Said::Held(_), Step::Release { .. }) = (&said_model, step) {
             said_model = Said::Held(0);
         }
+        if let Step::Batch { ops, .. } = step {
+            count_batch(&mut claims, ops, &answer, "");
+            said_model = batch_said(ops, &answer);
+        }
         let fenced = !matches!(step, Step::Release { .. });
-        let same = if let (
+        let same = if let (Step::Batch { ops, .. }, Said::Ops(m), Said::Ops(r), Answer::Batch(a)) =
+            (step, &said_model, &said_real, &answer)
+        {
+            if m.len() == r.len() {
+                keys_of_answers(ops, a)
+                    .into_iter()
+                    .zip(m.iter().zip(r))
+                    .try_for_each(|(k, (m, r))| fences.same(k, m, r))
+            } else {
+                Err(format!("model {said_model:?}, real {said_real:?}"))
+            }
+        } else if let (
             Step::ClaimAll { keys, .. },
             Said::GrantedEach(a, f),
             Said::GrantedEach(b, g),
@@ -697,6 +890,57 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
         ticks,
         flushes,
         claims,
+    }
+}
+
+/// A BATCH's answers as both sides say them: a grant names its own token; a release run alone
+/// answers no fence on the store interface.
+fn batch_said(ops: &[BatchStep], answer: &Answer) -> Said {
+    let Answer::Batch(all) = answer else {
+        return model_said(answer, usize::MAX);
+    };
+    let alone = ops
+        .iter()
+        .zip(all)
+        .filter(|(_, a)| **a == Answer::Slow)
+        .map(|(op, _)| matches!(op, BatchStep::Release { .. }));
+    let released_alone = std::iter::repeat_n(false, ops.len()).chain(alone);
+    Said::Ops(
+        all.iter()
+            .zip(released_alone)
+            .map(|(a, released_alone)| match a {
+                Answer::Slow => Said::Slow,
+                Answer::Granted { token, .. } => {
+                    model_said(a, token.client as usize + 256 * token.attempt as usize)
+                }
+                Answer::Held { .. } if released_alone => Said::Held(0),
+                _ => model_said(a, usize::MAX),
+            })
+            .collect(),
+    )
+}
+
+/// What a BATCH's operations met, by the model, for the run's tally.
+fn count_batch(tally: &mut Tally, ops: &[BatchStep], answer: &Answer, when: &str) {
+    let Answer::Batch(all) = answer else {
+        return;
+    };
+    for (op, a) in ops.iter().zip(all) {
+        let what = match (op, a) {
+            (BatchStep::Claim { .. }, Answer::Slow) => "claim SLOW",
+            (BatchStep::Claim { .. }, _) => "claim granted",
+            (BatchStep::Release { .. }, Answer::Slow) => "release SLOW",
+            (BatchStep::Release { .. }, _) => "release held",
+        };
+        *tally.0.entry(format!("BATCH {when}{what}")).or_default() += 1;
+    }
+    let mut keys: Vec<u8> = ops.iter().map(BatchStep::key).collect();
+    keys.sort_unstable();
+    if keys.windows(2).any(|w| w[0] == w[1]) {
+        *tally
+            .0
+            .entry(format!("BATCH {when}with one key twice"))
+            .or_default() += 1;
     }
 }
 
