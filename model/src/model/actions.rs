@@ -2,7 +2,7 @@
 //! what a broker does with the answer (`core/src/lock/acquire.rs`, `waiters.rs`, `release.rs`; the
 //! ledger and put-back of `redis-store/src/`).
 
-use super::{Client, Entry, LockModel, Phase, State};
+use super::{Entry, LockModel, Phase, State, finish};
 use crate::store::{Answer, Bid, Call, Fence, Key, Kind, Notice, Op, Token};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -51,9 +51,9 @@ pub enum Action {
     Alone(u8),
 }
 
-const DEATHS: usize = 0;
+pub(super) const DEATHS: usize = 0;
 const LOSSES: usize = 1;
-const FORCES: usize = 2;
+pub(super) const FORCES: usize = 2;
 const CLOCK_BACKS: usize = 3;
 const SLACKS: usize = 4;
 
@@ -91,41 +91,7 @@ impl LockModel {
             }
             self.batch_actions(out, first);
         }
-        for (b, br) in s.brokers.iter().enumerate() {
-            let b = b as u8;
-            if !br.alive {
-                continue;
-            }
-            for n in &br.inbox {
-                for keep in [false, true] {
-                    out.push(Action::Deliver {
-                        broker: b,
-                        notice: n.clone(),
-                        keep,
-                    });
-                }
-                out.push(Action::Lose {
-                    broker: b,
-                    notice: n.clone(),
-                });
-            }
-            if s.used[DEATHS] < c.deaths {
-                out.push(Action::Die(b));
-            }
-            if s.used[FORCES] < c.forces {
-                for k in 0..c.keys {
-                    out.push(Action::Force(b, k));
-                }
-            }
-            if !br.batch.is_empty() {
-                out.push(Action::Batch(b));
-            }
-            if br.catching.is_some() {
-                out.push(Action::PutBack(b));
-            } else if s.store.marker.map(|m| m.id) != br.known {
-                out.push(Action::Check(b));
-            }
-        }
+        self.broker_actions(s, out);
         self.sess_actions(s, out);
         self.sev_actions(s, out);
         if self.fair_to_tick(s) {
@@ -459,10 +425,4 @@ impl LockModel {
             Action::Alone(i) => self.run_alone(s, i),
         }
     }
-}
-
-/// The acquire is over (released, ended, refused, given up): the next one may start.
-pub(super) fn finish(cl: &mut Client) {
-    cl.phase = Phase::Idle;
-    cl.attempt += 1;
 }

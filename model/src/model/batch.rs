@@ -5,7 +5,7 @@
 //! (`Action::Alone`), as if it had come after the batch. Both come before the next tick: a
 //! batch goes out when the call in flight ends, well under a tick after.
 
-use super::actions::finish;
+use super::finish;
 use super::{Action, LockModel, Phase, State};
 use crate::store::{Answer, BatchOp, Token};
 

@@ -1,7 +1,8 @@
 //! What a broker does besides asking: releases, renewals, its put-back after a loss, the
 //! notices it receives, and what a tick does to its waiters' timers and its ledger.
 
-use super::actions::finish;
+use super::actions::{Action, DEATHS, FORCES};
+use super::finish;
 use super::{LockModel, Phase, State};
 use crate::store::{Answer, Back, Key, Notice, Op};
 
@@ -183,6 +184,49 @@ impl LockModel {
                 e.left -= 1;
             }
             br.ledger.retain(|e| e.left > 0);
+        }
+    }
+}
+
+impl LockModel {
+    /// What each live broker may do next: take a notice (or lose it, or take it twice), die,
+    /// force-release a key, send its gathered batch, put its leases back or check the epoch.
+    pub(super) fn broker_actions(&self, s: &State, out: &mut Vec<Action>) {
+        let c = &self.cfg;
+        for (b, br) in s.brokers.iter().enumerate() {
+            let b = b as u8;
+            if !br.alive {
+                continue;
+            }
+            for n in &br.inbox {
+                for keep in [false, true] {
+                    out.push(Action::Deliver {
+                        broker: b,
+                        notice: n.clone(),
+                        keep,
+                    });
+                }
+                out.push(Action::Lose {
+                    broker: b,
+                    notice: n.clone(),
+                });
+            }
+            if s.used[DEATHS] < c.deaths {
+                out.push(Action::Die(b));
+            }
+            if s.used[FORCES] < c.forces {
+                for k in 0..c.keys {
+                    out.push(Action::Force(b, k));
+                }
+            }
+            if !br.batch.is_empty() {
+                out.push(Action::Batch(b));
+            }
+            if br.catching.is_some() {
+                out.push(Action::PutBack(b));
+            } else if s.store.marker.map(|m| m.id) != br.known {
+                out.push(Action::Check(b));
+            }
         }
     }
 }

@@ -279,3 +279,9 @@ fn visit_fences(s: &mut State, f: &mut impl FnMut(&mut Fence)) {
         f(t);
     }
 }
+
+/// The acquire is over (released, ended, refused, given up): the next one may start.
+pub(super) fn finish(cl: &mut Client) {
+    cl.phase = Phase::Idle;
+    cl.attempt += 1;
+}
