@@ -139,22 +139,18 @@ impl Batcher {
 }
 
 impl EpochKeeper {
-    /// Runs `script` — a claim or a release that `op` says as a batch operation — alone or in a
-    /// batch (see the module's comment): its reply and the generation of the connection it went
+    /// Runs `script` — a claim or a release on the key whose lease is `lock`, which `op` says as a
+    /// batch operation — alone or in a batch (see the module's comment): its reply and the generation of the connection it went
     /// over, as [`EpochKeeper::run_tracked`] answers.
     pub(super) async fn run_batched<S: ScriptCall>(
         self: &Arc<Self>,
         script: &S,
+        lock: &str,
         op: impl FnOnce() -> BatchOp,
     ) -> StoreResult<(S::Reply, u64)> {
-        if self.batcher.max <= 1 || self.layout.cluster {
+        if self.batcher.max <= 1 || self.layout.cluster || self.batcher.is_hot(lock) {
             return self.run_tracked(script).await;
         }
-        let op = op();
-        if self.batcher.is_hot(op.lock()) {
-            return self.run_tracked(script).await;
-        }
-        let lock = op.lock().to_owned();
         let waiting = match self.enter(op) {
             Entered::Alone(turn) => {
                 let answer = self.run_tracked(script).await;
@@ -169,7 +165,7 @@ impl EpochKeeper {
             ))
         })?;
         if is_slow(&reply) {
-            self.batcher.mark_hot(&lock);
+            self.batcher.mark_hot(lock);
             return self.run_tracked(script).await;
         }
         let reply = S::Reply::from_redis_value(reply).map_err(|e| {
@@ -180,11 +176,13 @@ impl EpochKeeper {
         Ok((reply, generation))
     }
 
-    fn enter(self: &Arc<Self>, op: BatchOp) -> Entered {
+    /// Joins the batcher: alone if fewer than [`IN_FLIGHT`] calls are in flight, else in the next
+    /// batch (`op` is made only then: an operation that goes alone needs no copy of its keys).
+    fn enter(self: &Arc<Self>, op: impl FnOnce() -> BatchOp) -> Entered {
         let mut state = self.batcher.state();
         if state.in_flight >= IN_FLIGHT {
             let (answer, waiting) = oneshot::channel();
-            state.waiting.push_back((op, answer));
+            state.waiting.push_back((op(), answer));
             return Entered::Waiting(waiting);
         }
         state.in_flight += 1;

@@ -108,7 +108,11 @@ impl RedisStore {
         };
         let keeper = &self.keeper;
         match script {
-            GrantScript::Claim => keeper.run_batched(&claim, || claim.batch_op()).await,
+            GrantScript::Claim => {
+                keeper
+                    .run_batched(&claim, &keys.lock, || claim.batch_op())
+                    .await
+            }
             GrantScript::TakeOver { seen } => keeper.run_tracked(&TakeOver { claim, seen }).await,
             GrantScript::Join(pool) => keeper.run_tracked(&JoinPool { claim, pool }).await,
         }

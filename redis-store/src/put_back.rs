@@ -258,8 +258,10 @@ impl EpochKeeper {
         let answer = match space {
             // Only an exclusive lease is released in a batch.
             Space::Locks => {
-                self.run_batched(&release, || BatchOp::release(&site.keys, token.as_str()))
-                    .await
+                self.run_batched(&release, &site.keys.lock, || {
+                    BatchOp::release(&site.keys, token.as_str())
+                })
+                .await
             }
             Space::Semaphores => self.run_tracked(&release).await,
         };

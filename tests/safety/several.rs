@@ -191,6 +191,17 @@ async fn random_key_sets_keep_their_promises_across_a_redis_restart() {
 /// second: the first key is held up no longer than its lease's TTL (the documented bound: nobody
 /// renews it any more), and a waiter on another broker gets it then; a client that gives up
 /// instead releases what its request took at once.
+/// Waits until `key` is held, seen from `broker`: a watch from "free" (answered when the key's
+/// holders change, within 5 s), not a poll.
+async fn until_held(http: &reqwest::Client, broker: &str, key: &str) {
+    let shown = http
+        .get(format!("{broker}/locks/{key}?watch=0&wait_ms=5000"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(shown.status(), StatusCode::OK, "{key} was never taken");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_killed_mid_acquisition_holds_its_first_key_only_until_that_lease_ends() {
     let redis = RedisServer::start().await;
@@ -210,22 +221,7 @@ async fn a_broker_killed_mid_acquisition_holds_its_first_key_only_until_that_lea
         .json(&json!({"keys": ["k-1", "k-2"], "wait_ms": 20000, "ttl_ms": 2000}));
     let pending = tokio::spawn(async move { request.send().await.map(|r| r.status()) });
     // k-1 is taken by the several-keys request (its queue shows nobody; the lock is held).
-    let started = Instant::now();
-    loop {
-        let shown = http
-            .get(format!("{}/locks/k-1", other.address()))
-            .send()
-            .await
-            .unwrap();
-        if shown.status() == StatusCode::OK {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "k-1 was never taken"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_held(&http, &other.address(), "k-1").await;
     let killed = Instant::now();
     doomed.kill();
     let _ = pending.await;
@@ -246,22 +242,7 @@ async fn a_broker_killed_mid_acquisition_holds_its_first_key_only_until_that_lea
         .post(format!("{}/locks", other.address()))
         .json(&json!({"keys": ["k-0", "k-2"], "wait_ms": 20000, "ttl_ms": 30000}));
     let gave_up = tokio::spawn(async move { request.send().await });
-    let asked = Instant::now();
-    loop {
-        let shown = http
-            .get(format!("{}/locks/k-0", other.address()))
-            .send()
-            .await
-            .unwrap();
-        if shown.status() == StatusCode::OK {
-            break;
-        }
-        assert!(
-            asked.elapsed() < Duration::from_secs(5),
-            "k-0 was never taken"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_held(&http, &other.address(), "k-0").await;
     gave_up.abort();
     let left = Instant::now();
     let next = http

@@ -58,11 +58,6 @@ impl BatchOp {
             keys.watched.clone(),
         ]
     }
-
-    /// The key's lease: which key the operation is on.
-    pub(crate) fn lock(&self) -> &str {
-        &self.keys[0]
-    }
 }
 
 /// BATCH's call: `ops` in the epoch `epoch` this broker knows, on the store's marker.
