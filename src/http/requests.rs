@@ -70,10 +70,15 @@ impl ModeName {
 /// Declares request parameter types: each field optional, read by the named deserializer
 /// (`int`, `text`, `mode`), left out when serialized if absent (see `Params`), and documented
 /// with the same bounds in a body's schema and as a query parameter.
+///
+/// A struct may begin with a block `{ … }` of fields written out in full, for a field these
+/// rules do not fit (a required list, say); they come first.
 macro_rules! parameters {
     ($(
         $(#[$attr:meta])*
-        pub struct $name:ident {$(
+        pub struct $name:ident {
+            $({ $($own:tt)* })?
+            $(
             $(#[$field_attr:meta])*
             $field:ident: $type:ty, $read:literal, ($($bounds:tt)*);
         )+}
@@ -82,7 +87,9 @@ macro_rules! parameters {
         #[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
         #[into_params(parameter_in = Query)]
         #[serde(deny_unknown_fields)]
-        pub(crate) struct $name {$(
+        pub(crate) struct $name {
+            $($($own)*)?
+            $(
             $(#[$field_attr])*
             #[serde(default, deserialize_with = $read, skip_serializing_if = "Option::is_none")]
             #[schema(value_type = $type, required = false, $($bounds)*)]
@@ -91,6 +98,8 @@ macro_rules! parameters {
         )+}
     )+};
 }
+
+pub(super) use parameters;
 
 parameters! {
     /// The parameters of an acquire. Each may come in the query string or in a JSON object body

@@ -14,7 +14,7 @@ use super::SharedState;
 use super::error::ApiError;
 use super::error::responses::{AcquireRefused, Locked, SeveralReleaseRefused};
 use super::params::{Params, TokenHeader, token};
-use super::requests::{ModeName, Parameters, acquire_request, int, mode, text};
+use super::requests::{ModeName, Parameters, acquire_request, int, mode, parameters, text};
 use crate::domain::{LockKey, Space};
 use crate::lock::{LockError, MAX_KEYS};
 
@@ -39,96 +39,25 @@ fn keys<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Vec<String>
 #[allow(dead_code)] // documents the keys' items; never built
 pub(crate) struct KeyName(String);
 
-/// The parameters of `POST /locks`: the keys, and those of a single acquire (`ttl_ms`,
-/// `wait_ms`, `owner`, `request_id`, `mode`, `session`).
-#[derive(Debug, Default, Serialize, Deserialize, ToSchema, IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct SeveralBody {
-    /// 1 to 64 distinct keys; each key's lease has its own fence, all share one token.
-    #[serde(
-        default,
-        deserialize_with = "keys",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(
-        value_type = Vec<KeyName>,
-        required = true,
-        min_items = 1,
-        max_items = 64
-    )]
-    #[param(value_type = String, required = false)]
-    keys: Option<Vec<String>>,
-    #[serde(
-        default,
-        deserialize_with = "int",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = u64, required = false, minimum = 1)]
-    #[param(value_type = u64, required = false, minimum = 1)]
-    ttl_ms: Option<u64>,
-    #[serde(
-        default,
-        deserialize_with = "int",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = u64, required = false, minimum = 0)]
-    #[param(value_type = u64, required = false, minimum = 0)]
-    wait_ms: Option<u64>,
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(
-        value_type = String,
-        required = false,
-        max_length = 128,
-        pattern = r"^[^\x00-\x1f\x7f-\x9f]*$"
-    )]
-    #[param(
-        value_type = String,
-        required = false,
-        max_length = 128,
-        pattern = r"^[^\x00-\x1f\x7f-\x9f]*$"
-    )]
-    owner: Option<String>,
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = String, required = false, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
-    #[param(value_type = String, required = false, pattern = r"^[A-Za-z0-9_-]{1,64}$")]
-    request_id: Option<String>,
-    #[serde(
-        default,
-        deserialize_with = "mode",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(value_type = ModeName, required = false)]
-    #[param(value_type = ModeName, required = false)]
-    mode: Option<ModeName>,
-    #[serde(
-        default,
-        deserialize_with = "text",
-        skip_serializing_if = "Option::is_none"
-    )]
-    #[schema(
-        value_type = String,
-        required = false,
-        min_length = 1,
-        max_length = 128,
-        pattern = r"^[A-Za-z0-9._~-]{1,128}$"
-    )]
-    #[param(
-        value_type = String,
-        required = false,
-        min_length = 1,
-        max_length = 128,
-        pattern = r"^[A-Za-z0-9._~-]{1,128}$"
-    )]
-    session: Option<String>,
+parameters! {
+    /// The parameters of `POST /locks`: the keys, and those of a single acquire (`ttl_ms`,
+    /// `wait_ms`, `owner`, `request_id`, `mode`, `session`), each as for one key.
+    pub struct SeveralBody {
+        {
+            /// 1 to 64 distinct keys; each key's lease has its own fence, all share one token.
+            #[serde(default, deserialize_with = "keys", skip_serializing_if = "Option::is_none")]
+            #[schema(value_type = Vec<KeyName>, required = true, min_items = 1, max_items = 64)]
+            #[param(value_type = String, required = false)]
+            pub(crate) keys: Option<Vec<String>>,
+        }
+        ttl_ms: u64, "int", (minimum = 1);
+        wait_ms: u64, "int", (minimum = 0);
+        owner: String, "text", (max_length = 128, pattern = r"^[^\x00-\x1f\x7f-\x9f]*$");
+        request_id: String, "text", (pattern = r"^[A-Za-z0-9_-]{1,64}$");
+        mode: ModeName, "mode", ();
+        session: String, "text",
+            (min_length = 1, max_length = 128, pattern = r"^[A-Za-z0-9._~-]{1,128}$");
+    }
 }
 
 impl Parameters for SeveralBody {}
