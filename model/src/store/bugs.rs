@@ -45,10 +45,14 @@ pub enum Bug {
     /// epoch): a broker that has not caught up with a store loss grants into the emptied store
     /// before the holders' brokers put their leases back.
     BatchSkipsEpoch,
+    /// `settle` drops an ended lease record without `kept_fence`: the next exclusive grant
+    /// reads the counter but does not write it, so after the clock steps back its fence is
+    /// below the ended lease's.
+    SettleDropsKeptFence,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 13] = [
+    pub const ALL: [Bug; 14] = [
         Bug::NoEpochCheck,
         Bug::OfferWithoutFence,
         Bug::ReleaseDropsKeptFence,
@@ -62,6 +66,7 @@ impl Bug {
         Bug::RefusalKeepsKeys,
         Bug::PartialGrant,
         Bug::BatchSkipsEpoch,
+        Bug::SettleDropsKeptFence,
     ];
 
     pub fn name(self) -> &'static str {
@@ -79,6 +84,7 @@ impl Bug {
             Bug::RefusalKeepsKeys => "refusal-keeps-keys",
             Bug::PartialGrant => "partial-grant",
             Bug::BatchSkipsEpoch => "batch-skips-epoch",
+            Bug::SettleDropsKeptFence => "settle-drops-kept-fence",
         }
     }
 

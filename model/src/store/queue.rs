@@ -31,6 +31,12 @@ pub(super) fn fence_for(k: &mut KeyState, us: Fence, last: Fence) -> Fence {
     fence
 }
 
+/// `exclusive_fence`: an exclusive lease's fence, with the counter read, not written (the
+/// record holds the fence, and every drop of the record keeps it: `kept_fence`).
+pub(super) fn exclusive_fence(k: &KeyState, us: Fence, last: Fence) -> Fence {
+    (k.counter.unwrap_or(0) + 1).max(last + 1).max(us)
+}
+
 /// `kept_fence`: before a lease record is dropped, its fence is kept in the counter if the
 /// clock has not passed it.
 pub(super) fn kept_fence(k: &mut KeyState, f: Option<Fence>, us: Fence) {
@@ -70,10 +76,18 @@ pub(super) fn settle(s: &mut Store, c: &mut Ctx, fx: &mut Effects) {
         if l.offered {
             requeue_by(s, c, fx, l.by);
         }
-        kept_fence(&mut s.keys[k], Some(l.fence), us);
+        if !c.bug(Bug::SettleDropsKeptFence) {
+            kept_fence(&mut s.keys[k], Some(l.fence), us);
+        }
         s.keys[k].lock = None;
         fx.freed.push(c.key);
     }
+    settle_pool(s, c, fx);
+}
+
+/// `settle_pool`: ends ended pool holders (a lapsed offer's broker requeues).
+pub(super) fn settle_pool(s: &mut Store, c: &mut Ctx, fx: &mut Effects) {
+    let k = c.key as usize;
     let gone: Vec<Lease> = s.keys[k]
         .pool
         .iter()
@@ -154,6 +168,8 @@ pub(super) fn write_lease(
         // The mistake: the offer carries the counter as it is; the fence is "taken" when the
         // offer is (it is not: the take keeps the record's fence).
         k.counter.unwrap_or(last).max(last)
+    } else if bid.kind == Kind::Exclusive {
+        exclusive_fence(k, us, last)
     } else {
         fence_for(k, us, last)
     };
@@ -249,7 +265,7 @@ pub(super) fn hand_on(
 /// under a session asks for what is left until its session's end, and a grant on its own ask
 /// must end then, not that long after (the embedded store computes it at the grant; the
 /// known-bad variant `queued-ttl` keeps the TTL of the first ask, as `lib/queue.lua` does).
-fn enqueue(c: &Ctx, k: &mut KeyState, bid: &Bid) {
+pub(super) fn enqueue(c: &Ctx, k: &mut KeyState, bid: &Bid) {
     if let Some(queued) = k.queue.iter_mut().find(|b| b.token == bid.token) {
         if !c.bug(Bug::QueuedTtl) {
             queued.ttl = bid.ttl;

@@ -2,8 +2,8 @@
 
 use super::bugs::Bug;
 use super::queue::{
-    Ctx, busy_for, drop_holder, ended, exclusive_end, hand_on, kept_fence, live_count, requeue,
-    settle, tell, wait_turn, write_lease,
+    Ctx, busy_for, drop_holder, ended, enqueue, exclusive_end, hand_on, kept_fence, live_count,
+    requeue, settle, settle_pool, tell, wait_turn, write_lease,
 };
 use super::{
     Answer, Bid, Call, Effects, Fence, Key, KeyState, Kind, Lease, Marker, Notice, Op, Params,
@@ -175,6 +175,16 @@ fn claim(s: &mut Store, c: &mut Ctx, fx: &mut Effects, bid: &Bid, wait: bool) ->
     let k = &mut s.keys[c.key as usize];
     if let Some(cur) = k.lock.as_mut().filter(|l| l.live() && l.token == bid.token) {
         return taken(cur, bid, c.broker);
+    }
+    // Another's lease or offer is live: the bid is refused, or joins the queue and waits for
+    // its end, without a hand-on.
+    if let Some(left) = exclusive_end(&s.keys[c.key as usize]) {
+        settle_pool(s, c, fx);
+        if !wait {
+            return Answer::Refused;
+        }
+        enqueue(c, &mut s.keys[c.key as usize], bid);
+        return Answer::Queued { retry: left };
     }
     if !wait {
         if still_queued(s, c, fx) {

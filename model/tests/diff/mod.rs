@@ -179,7 +179,7 @@ impl ModelSide {
     ) {
         if let Answer::Granted { fence, left, .. } = *answer {
             let ledger = &mut self.ledgers[broker as usize];
-            ledger.retain(|e| e.token != token || e.key != key);
+            make_room(ledger, key, kind, token);
             ledger.push(Back {
                 key,
                 kind,
@@ -281,6 +281,10 @@ impl ModelSide {
                     },
                 );
                 let t = token_of(token);
+                // As the broker's release: the end's mark (`forget_ended`), then the token.
+                if let Answer::Held { fence } = answer {
+                    forget(&mut self.ledgers[broker as usize], key, fence, false);
+                }
                 self.ledgers[broker as usize].retain(|e| e.token != t || e.key != key);
                 answer
             }
@@ -412,8 +416,22 @@ impl ModelSide {
     }
 }
 
+/// Before a lease of `kind` for `token` on `key` is recorded, as the broker's ledger records it
+/// (`Ledger::record`): the token's entry on the key goes, and an exclusive lease replaces
+/// whatever exclusive lease the key had (the ledger keeps one per key).
+fn make_room(ledger: &mut Vec<Back>, key: u8, kind: Kind, token: Token) {
+    let exclusive = kind == Kind::Exclusive;
+    ledger.retain(|e| e.key != key || (e.token != token && !(exclusive && e.kind == kind)));
+}
+
+/// An end notice, as the broker's ledger takes it (`Ledger::forget_ended`): the lease with
+/// `fence` is over, and so is every exclusive lease on the key with a lower fence (the ended
+/// one came after it) — with `all`, every lease up to `fence`.
 fn forget(ledger: &mut Vec<Back>, key: u8, fence: Fence, all: bool) {
-    ledger.retain(|e| e.key != key || !(e.fence == fence || (all && e.fence <= fence)));
+    ledger.retain(|e| {
+        let up_to = all || e.kind == Kind::Exclusive;
+        e.key != key || !(e.fence == fence || (up_to && e.fence <= fence))
+    });
 }
 
 /// A sequence of `n` steps from `seed`, each chosen from what the model's state offers.
@@ -582,7 +600,7 @@ impl ModelSide {
             .get(&token)
             .map_or((Kind::Exclusive, false), |b| (b.kind, b.session));
         let ledger = &mut self.ledgers[broker as usize];
-        ledger.retain(|e| e.token != t || e.key != key);
+        make_room(ledger, key, kind, t);
         ledger.push(Back {
             key,
             kind,

@@ -35,6 +35,16 @@ end
 if live and bid.rid ~= '' and cur[5] == bid.rid and cur[6] ~= '1' then
   return {GRANTED, cur[2], cur[3], cur[1], cur[4], c.now_ms}
 end
+-- Another's lease or offer is live: nothing can be handed on before it ends (ended pool holders
+-- aside), so a bid that does not wait is refused, and one that waits joins the queue (or keeps
+-- its place) and waits for that end — the hot key's common case, without walking the queue.
+if live then
+  settle_pool(c)
+  if bid.wait == 0 then return {REFUSED} end
+  enqueue(c, bid)
+  return {QUEUED, math.max(1, tonumber(cur[3]) - c.now_ms)}
+end
+c.freed = not cur[1]
 if bid.wait == 0 then
   if redis.call('ZCARD', QUEUE) > 0 then
     hand_on(c, nil)

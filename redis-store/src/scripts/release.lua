@@ -23,6 +23,7 @@ if h ~= HELD then return {h} end
 local granted_at, fence, by = lease[6], lease[5], lease[4]
 kept_fence(FENCE, fence, c.now)
 redis.call('DEL', LOCK)
+c.freed = true
 ended(c, by, tonumber(fence), false)
 hand_on(c, nil)
 return {HELD, math.max(0, c.now_ms - tonumber(granted_at or c.now_ms)), tonumber(fence)}

@@ -27,11 +27,22 @@ end
 -- `last`: the fence of the key's exclusive lease record, live or not (0 for none), which the
 -- counter need not hold: a grant on the fast path (fast/claim.lua) writes its fence in the lease
 -- alone.
+--
+-- A pool's grant writes its fence in the counter: a pool's records are dropped without keeping
+-- their fences (`fence_for`). An exclusive lease's grant only reads it (`exclusive_fence`): the
+-- lease record holds its fence, and every script that drops the record keeps the fence in the
+-- counter while Redis's clock has not passed it (`kept_fence`) — so a key the queue hands on
+-- leaves no counter behind, and its next free claim takes the fast path. `exclusive_fence` also
+-- answers whether the counter exists (the caller then keeps it as long as the lease).
 local function fence_for(counter, now, last)
   local n = redis.call('INCR', counter)
   local fence = math.max(n, last + 1, now)
   if fence ~= n then redis.call('SET', counter, int(fence)) end
   return fence
+end
+local function exclusive_fence(counter, now, last)
+  local n = redis.call('GET', counter)
+  return math.max(tonumber(n or '0') + 1, last + 1, now), n ~= false
 end
 -- Before a script drops an exclusive lease record (fence `f`, a string, or nil): the fence is
 -- kept in the key's `counter` if Redis's clock (`now`, µs) has not passed it (a clock stepped

@@ -43,18 +43,8 @@ local function requeue(c, broker)
   end
   tell(c, broker, 'r ' .. c.space .. ' ' .. c.key)
 end
--- Ends what has ended: an expired exclusive lease or lapsed offer, and up to 100 ended pool
--- holders; a lapsed offer's broker requeues.
-local function settle(c)
-  if EXCL then
-    local v = redis.call('HMGET', LOCK, 'expires_at', 'offered', 'by', 'fence')
-    if v[1] and tonumber(v[1]) <= c.now_ms then
-      if v[2] == '1' then requeue(c, v[3]) end
-      kept_fence(FENCE, v[4], c.now)
-      redis.call('DEL', LOCK)
-      changed(c)
-    end
-  end
+-- Ends up to 100 ended pool holders; a lapsed offer's broker requeues.
+local function settle_pool(c)
   local gone = redis.call('ZRANGEBYSCORE', ENDS, '-inf', int(c.now_ms), 'LIMIT', 0, 100)
   for _, token in ipairs(gone) do
     if redis.call('HEXISTS', POOL, '!' .. token) == 1 then
@@ -64,9 +54,30 @@ local function settle(c)
     changed(c)
   end
 end
+-- Ends what has ended: an expired exclusive lease or lapsed offer, and up to 100 ended pool
+-- holders; a lapsed offer's broker requeues.
+--
+-- `c.freed`: the key has no exclusive lease record — this script read none, or dropped it (a
+-- release, or here an ended one) — so that what follows neither reads nor deletes it again. The
+-- first lease written clears it.
+local function settle(c)
+  if EXCL and not c.freed then
+    local v = redis.call('HMGET', LOCK, 'expires_at', 'offered', 'by', 'fence')
+    if not v[1] then
+      c.freed = true
+    elseif tonumber(v[1]) <= c.now_ms then
+      if v[2] == '1' then requeue(c, v[3]) end
+      kept_fence(FENCE, v[4], c.now)
+      redis.call('DEL', LOCK)
+      c.freed = true
+      changed(c)
+    end
+  end
+  settle_pool(c)
+end
 -- The end of the live exclusive lease or offer, or nil.
 local function exclusive_end(c)
-  if not EXCL then return nil end
+  if c.freed or not EXCL then return nil end
   local e = redis.call('HGET', LOCK, 'expires_at')
   if e and tonumber(e) > c.now_ms then return tonumber(e) end
   return nil
@@ -93,18 +104,22 @@ end
 -- is taken now: an offer is the grant.
 local function write_lease(c, token, by, kind, ttl, rid, owner, offer)
   local last = 0
-  if EXCL then last = tonumber(redis.call('HGET', LOCK, 'fence') or '0') end
-  local fence = fence_for(FENCE, c.now, last)
+  if EXCL and not c.freed then last = tonumber(redis.call('HGET', LOCK, 'fence') or '0') end
   local expires = c.now_ms + ((offer and c.window) or ttl)
   local kept = expires - c.now_ms + c.slack
+  local fence, counted = nil, true
   if kind == 'x' then
-    redis.call('DEL', LOCK)
-    redis.call('HSET', LOCK, 'token', token, 'fence', int(fence), 'expires_at', int(expires), 'ttl', int(ttl), 'granted_at', int(c.now_ms), 'by', by)
-    if owner ~= '' then redis.call('HSET', LOCK, 'owner', string.sub(owner, 2)) end
-    if rid ~= '' then redis.call('HSET', LOCK, 'request_id', rid) end
-    if offer then redis.call('HSET', LOCK, 'offered', '1') end
+    fence, counted = exclusive_fence(FENCE, c.now, last)
+    if not c.freed then redis.call('DEL', LOCK) end
+    c.freed = nil
+    local f = {'token', token, 'fence', int(fence), 'expires_at', int(expires), 'ttl', int(ttl), 'granted_at', int(c.now_ms), 'by', by}
+    if owner ~= '' then f[#f + 1], f[#f + 2] = 'owner', string.sub(owner, 2) end
+    if rid ~= '' then f[#f + 1], f[#f + 2] = 'request_id', rid end
+    if offer then f[#f + 1], f[#f + 2] = 'offered', '1' end
+    redis.call('HSET', LOCK, unpack(f))
     redis.call('PEXPIRE', LOCK, kept)
   else
+    fence = fence_for(FENCE, c.now, last)
     redis.call('HSET', POOL, token, int(fence) .. '|' .. int(expires) .. '|' .. int(ttl) .. '|' .. int(c.now_ms) .. '|' .. rid .. '|' .. owner, '@' .. token, by)
     if rid ~= '' then redis.call('HSET', POOL, '?' .. rid, token) end
     if offer then redis.call('HSET', POOL, '!' .. token, '1') end
@@ -113,7 +128,7 @@ local function write_lease(c, token, by, kind, ttl, rid, owner, offer)
     keep(POOL, kept)
     keep(ENDS, kept)
   end
-  keep(FENCE, kept)
+  if counted then keep(FENCE, kept) end
   changed(c)
   return fence, expires
 end
@@ -144,7 +159,9 @@ local function hand_on(c, me)
   if redis.call('ZCARD', QUEUE) == 0 then return nil end
   local xend = exclusive_end(c)
   local live = live_count(ENDS, c.now_ms)
-  local limit = tonumber(redis.call('HGET', POOL, '#limit') or '0')
+  -- A limit is a semaphore's: a lock key's pool (shared leases) has none.
+  local limit = 0
+  if not EXCL then limit = tonumber(redis.call('HGET', POOL, '#limit') or '0') end
   local offered, any, granted = {}, false, nil
   for _ = 1, WALK do
     local head = redis.call('ZRANGE', QUEUE, 0, 0)[1]
