@@ -94,6 +94,8 @@ pub(crate) struct FleetSummary {
     /// Redis CPU time (user + system, every data node) per acquisition, in µs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub redis_cpu_us_per_acquisition: Option<f64>,
+    /// Of which in scripts (as Redis times them), µs per acquisition.
+    pub script_us_per_acquisition: Option<f64>,
     pub spread: Spread,
     /// Acquisitions of each client, client `i` talking to broker `i % brokers`.
     pub per_client: Vec<u64>,
@@ -322,7 +324,8 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<FleetSummary> {
         wait: Latency::of(waits),
         handoff: (!handoff.is_empty()).then(|| Latency::of(handoff)),
         script_calls_per_acquisition: cost.as_ref().map(|c| c.calls),
-        redis_cpu_us_per_acquisition: cost.map(|c| c.cpu_us),
+        redis_cpu_us_per_acquisition: cost.as_ref().map(|c| c.cpu_us),
+        script_us_per_acquisition: cost.map(|c| c.script_us),
         spread: Spread::of(&per_client),
         per_client,
     };
@@ -338,13 +341,14 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<FleetSummary> {
 /// fleet size.
 fn print_table(s: &FleetSummary) {
     lockbroker_cli_support::out!(
-        "{:>7} {:>7} {:>8} {:>7} {:>11} {:>9} {:>9} {:>9} {:>10} {:>10} {:>11} {:>12} {:>6}",
+        "{:>7} {:>7} {:>8} {:>7} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>11} {:>12} {:>6}",
         "brokers",
         "clients",
         "acquired",
         "acq/s",
         "evalsha/acq",
         "redis µs",
+        "script µs",
         "wait p50",
         "wait p99",
         "handoff50",
@@ -355,13 +359,14 @@ fn print_table(s: &FleetSummary) {
     );
     let opt = |v: Option<f64>, digits: usize| v.map_or("-".into(), |v| format!("{v:.digits$}"));
     lockbroker_cli_support::out!(
-        "{:>7} {:>7} {:>8} {:>7.0} {:>11} {:>9} {:>9.2} {:>9.2} {:>10} {:>10} {:>11} {:>12} {:>6}",
+        "{:>7} {:>7} {:>8} {:>7.0} {:>11} {:>9} {:>9} {:>9.2} {:>9.2} {:>10} {:>10} {:>11} {:>12} {:>6}",
         s.brokers,
         s.clients,
         s.acquisitions,
         s.acquisitions_per_sec,
         opt(s.script_calls_per_acquisition, 2),
         opt(s.redis_cpu_us_per_acquisition, 1),
+        opt(s.script_us_per_acquisition, 1),
         s.wait.p50_ms,
         s.wait.p99_ms,
         opt(s.handoff.as_ref().map(|h| h.p50_ms), 2),

@@ -54,12 +54,16 @@ pub(super) struct RedisCost {
 #[derive(Default, Clone, Copy)]
 struct Totals {
     script_calls: u64,
+    script_us: u64,
     cpu_us: f64,
 }
 
-/// Per cycle: Redis script calls, and Redis CPU microseconds (user + system, all threads).
+/// Per cycle: Redis script calls, the time Redis spent running them (µs, as `INFO
+/// commandstats` counts it: their own commands included, the network and the event loop not),
+/// and Redis CPU microseconds (user + system, all threads).
 pub(super) struct PerCycle {
     pub calls: f64,
+    pub script_us: f64,
     pub cpu_us: f64,
 }
 
@@ -79,6 +83,7 @@ impl RedisCost {
         let cycles = cycles as f64;
         Ok(Some(PerCycle {
             calls: (after.script_calls - self.before.script_calls) as f64 / cycles,
+            script_us: (after.script_us - self.before.script_us) as f64 / cycles,
             cpu_us: (after.cpu_us - self.before.cpu_us) / cycles,
         }))
     }
@@ -88,7 +93,9 @@ async fn totals(nodes: &[MultiplexedConnection]) -> anyhow::Result<Totals> {
     let mut totals = Totals::default();
     for node in nodes {
         let mut node = node.clone();
-        totals.script_calls += script_calls(&mut node).await?;
+        let (calls, usec) = script_stats(&mut node).await?;
+        totals.script_calls += calls;
+        totals.script_us += usec;
         let cpu: String = redis::cmd("INFO").arg("cpu").query_async(&mut node).await?;
         totals.cpu_us += ["used_cpu_sys:", "used_cpu_user:"]
             .iter()
@@ -108,22 +115,36 @@ async fn totals(nodes: &[MultiplexedConnection]) -> anyhow::Result<Totals> {
 pub(crate) async fn script_calls(
     conn: &mut redis::aio::MultiplexedConnection,
 ) -> anyhow::Result<u64> {
+    Ok(script_stats(conn).await?.0)
+}
+
+/// Script calls Redis has served, and the microseconds it spent in them.
+async fn script_stats(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<(u64, u64)> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
         .query_async(conn)
         .await?;
-    Ok(["evalsha", "eval", "fcall", "fcall_ro"]
-        .iter()
-        .map(|name| command_calls(&info, name))
-        .sum())
+    let scripts = ["evalsha", "eval", "fcall", "fcall_ro"];
+    Ok((
+        scripts.iter().map(|name| command_calls(&info, name)).sum(),
+        scripts
+            .iter()
+            .map(|name| command_field(&info, name, "usec="))
+            .sum(),
+    ))
 }
 
 /// `calls=` of `cmdstat_<name>` in an INFO commandstats reply.
 pub(crate) fn command_calls(info: &str, name: &str) -> u64 {
+    command_field(info, name, "calls=")
+}
+
+/// A whole-number field (`calls=`, `usec=`) of `cmdstat_<name>` in an INFO commandstats reply.
+fn command_field(info: &str, name: &str, field: &str) -> u64 {
     let prefix = format!("cmdstat_{name}:");
     info.lines()
         .find_map(|line| line.strip_prefix(&prefix))
-        .and_then(|rest| rest.split(',').find_map(|f| f.strip_prefix("calls=")))
+        .and_then(|rest| rest.split(',').find_map(|f| f.strip_prefix(field)))
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or(0)
 }
@@ -137,6 +158,8 @@ mod tests {
         let info = "# Commandstats\r\ncmdstat_evalsha:calls=12,usec=3,usec_per_call=0.25,rejected_calls=0,failed_calls=0\r\ncmdstat_eval:calls=2,usec=1\r\n";
         assert_eq!(command_calls(info, "evalsha"), 12);
         assert_eq!(command_calls(info, "eval"), 2);
+        assert_eq!(command_field(info, "evalsha", "usec="), 3);
+        assert_eq!(command_field(info, "eval", "usec="), 1);
         assert_eq!(command_calls(info, "get"), 0);
     }
 }
