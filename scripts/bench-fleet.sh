@@ -103,6 +103,7 @@ for b in $fleets; do
 done
 echo "# load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "# evalsha/acq: script calls (EVALSHA, EVAL, FCALL) per acquisition; redis µs: Redis CPU"
-echo "# (user+system) per acquisition; wait: acquire sent → 201 (ms); handoff: a release's 204 →"
+echo "# (user+system) per acquisition; script µs: Redis's time inside those scripts (INFO"
+echo "# commandstats) per acquisition; wait: acquire sent → 201 (ms); handoff: a release's 204 →"
 echo "# the next grant's 201, paired by fence (ms); most/fewest: acquisitions of the luckiest"
 echo "# client over the unluckiest's (inf: a client got none)"
