@@ -1,6 +1,6 @@
 //! What the benchmark costs Redis, from `INFO commandstats` and `INFO cpu` on every data node of
-//! the topology the broker uses: script calls and Redis CPU time per phase ([`RedisCost`]), and
-//! the readers [`script_calls`] and [`command_calls`] (public; tests under `tests/` use them).
+//! the topology the broker uses: script calls, the time spent in them and Redis CPU time per
+//! phase ([`RedisCost`]), and the reader [`command_calls`].
 
 use anyhow::Context;
 use redis::aio::MultiplexedConnection;
@@ -110,15 +110,9 @@ async fn totals(nodes: &[MultiplexedConnection]) -> anyhow::Result<Totals> {
     Ok(totals)
 }
 
-/// Script calls Redis has served: EVALSHA, EVAL and (should the broker's scripts become
-/// functions) FCALL; scripts' inner commands are counted apart by Redis.
-pub(crate) async fn script_calls(
-    conn: &mut redis::aio::MultiplexedConnection,
-) -> anyhow::Result<u64> {
-    Ok(script_stats(conn).await?.0)
-}
-
-/// Script calls Redis has served, and the microseconds it spent in them.
+/// Script calls Redis has served — EVALSHA, EVAL and (should the broker's scripts become
+/// functions) FCALL; scripts' inner commands are counted apart by Redis — and the microseconds
+/// it spent in them.
 async fn script_stats(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<(u64, u64)> {
     let info: String = redis::cmd("INFO")
         .arg("commandstats")
