@@ -6,8 +6,9 @@
 -- bid that does not wait is today's SETNX — checking for the key and writing it are one step, so
 -- two claims cannot both see it free — except that a key with bids queued is refused (and what is
 -- free is handed to the queue's head in this step). A bid that waits is granted a free key that
--- nobody queues for; else it joins the queue (or keeps its place), the key is handed on, and if
--- its turn came it is granted now, else it answers queued.
+-- nobody queues for; it joins the queue (or keeps its place) and answers queued at once while
+-- another's lease or offer is live; else it joins, the key is handed on, and if its turn came it
+-- is granted now, else it answers queued.
 --
 -- Joined after lib/prelude.lua, lib/grant.lua, lib/keys.lua, fast/claim.lua (whose `now` and
 -- epoch check it goes on from), lib/pools.lua and lib/queue.lua. Its call: `Claim` in
