@@ -94,7 +94,7 @@ impl RedisStore {
                 epoch: &epoch,
                 broker,
             };
-            let (reply, generation) = self.keeper.run_tracked(&call).await?;
+            let (reply, generation) = self.keeper.run_acked(&call, first).await?;
             carried_by.store(generation, Ordering::Relaxed);
             Ok(reply)
         };
