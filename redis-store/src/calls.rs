@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::connection::{Conn, Link, breaks_connection};
 use super::epoch::EpochKeeper;
 use super::scripts::{Call, ScriptCall};
-use lockbroker_core::domain::{LockKey, millis};
+use lockbroker_core::domain::millis;
 use lockbroker_core::store::{StoreError, StoreResult};
 
 /// When a script call began, if TRACE lines are on: otherwise nothing is measured, so a broker
@@ -38,15 +38,16 @@ impl EpochKeeper {
         self.run_on(None, script).await
     }
 
-    /// Runs a write on `key` whose replicas will be asked for (a grant or a renewal) as
-    /// [`EpochKeeper::run_tracked`] does, but on the key's ack link if the store has them
-    /// (`connection/ack_links.rs`): the `WAIT` that confirms it then runs there too.
+    /// Runs a write whose replicas will be asked for (a grant or a renewal) as
+    /// [`EpochKeeper::run_tracked`] does, but on ack link `link` if the store has them
+    /// (`connection/ack_links.rs`, chosen by `Replicas::link_for`): the `WAIT` that confirms it
+    /// then runs there too.
     pub(super) async fn run_acked<S: ScriptCall>(
         self: &Arc<Self>,
         script: &S,
-        key: &LockKey,
+        link: Option<usize>,
     ) -> StoreResult<(S::Reply, u64)> {
-        self.run_on(self.connection.ack_link_of(key), script).await
+        self.run_on(link, script).await
     }
 
     /// Runs a script on the main connection (`None`) or on an ack link.

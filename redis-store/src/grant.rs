@@ -108,19 +108,20 @@ impl RedisStore {
             caller: &caller,
         };
         let keeper = &self.keeper;
+        let link = self.replicas.link_for(self, key);
         match script {
-            // A claim whose replicas are asked goes alone over its key's ack link, where its WAIT
+            // A claim whose replicas are asked goes alone over an ack link, where its WAIT
             // follows it (see `replicas.rs`), not in a batch on the main connection.
-            GrantScript::Claim if self.replicas.asked() => keeper.run_acked(&claim, key).await,
+            GrantScript::Claim if self.replicas.asked() => keeper.run_acked(&claim, link).await,
             GrantScript::Claim => {
                 keeper
                     .run_batched(&claim, &keys.lock, || claim.batch_op())
                     .await
             }
             GrantScript::TakeOver { seen } => {
-                keeper.run_acked(&TakeOver { claim, seen }, key).await
+                keeper.run_acked(&TakeOver { claim, seen }, link).await
             }
-            GrantScript::Join(pool) => keeper.run_acked(&JoinPool { claim, pool }, key).await,
+            GrantScript::Join(pool) => keeper.run_acked(&JoinPool { claim, pool }, link).await,
         }
     }
 }

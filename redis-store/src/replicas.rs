@@ -8,10 +8,16 @@
 //!
 //! **Ack links.** On one server or a Sentinel master, the writes that wait for replicas do not go
 //! over the broker's main connection but over a few connections beside it, [`ACK_LINKS`] of them
-//! (`connection/ack_links.rs`): a key's grants and renewals, and their `WAIT`s, all go over the
-//! link its hash picks (one key's writes stay on one connection, in order). So up to
-//! [`ACK_LINKS`] replication round trips are in flight at once, and the broker's other calls
-//! (releases, reads, the epoch check, grants without acks) never queue behind a `WAIT`. On a
+//! (`connection/ack_links.rs`), each write and the `WAIT` that confirms it over the same one. So
+//! up to [`ACK_LINKS`] replication round trips are in flight at once, and the broker's other
+//! calls (releases, reads, the epoch check, grants without acks) never queue behind a `WAIT`.
+//! A write goes over the first link with no `WAIT` in flight, starting from its key's own (by
+//! the key's hash), and over the key's own when every link has one ([`Replicas::link_for`]):
+//! a write sent behind a `WAIT` waits in Redis for that `WAIT` to return before it even runs,
+//! then for a `WAIT` of its own — about one and a half replication round trips instead of one.
+//! Nothing needs one key's writes on one connection: each is answered (after its `WAIT`) before
+//! its holder's next call, and the clean-ups after an unacknowledged write go over the main
+//! connection anyway. On a
 //! cluster the script and its `WAIT` go to the master of the lock's slot, over the cluster
 //! client's connection to that node (see [`Conn::wait_for_replicas`]): one per master already.
 //! Claims that wait for replicas are not batched (`batch.rs`): a batch goes over the main
@@ -71,8 +77,11 @@ use lockbroker_core::store::{EXPIRY_SLACK_MS, Store, StoreError, StoreResult};
 mod group;
 
 /// How many ack links a store keeps beside its main connection when replicas are asked for,
-/// on one server or a Sentinel master: how many `WAIT`s can be in flight at once.
-pub(super) const ACK_LINKS: usize = 4;
+/// on one server or a Sentinel master: how many `WAIT`s can be in flight at once. Each is made
+/// when a write first needs it. With the replica 1 ms away and 64 clients on a 2-core machine,
+/// 16 did best (with 4 or 8 most writes still waited behind a `WAIT`; 32 did no better; see
+/// docs/benchmarks.md, "Replica acknowledgements").
+pub(super) const ACK_LINKS: usize = 16;
 
 /// Puts back the end of an exclusive lease whose renewal the replicas did not acknowledge.
 const RESTORE: &str = include_str!("scripts/restore.lua");
@@ -126,6 +135,20 @@ impl Replicas {
             links: (0..links.max(1)).map(|_| Group::default()).collect(),
             slots: Mutex::default(),
         }
+    }
+
+    /// The ack link a write on `key` that waits for replicas goes over (`None`: the main
+    /// connection, on a cluster or without acks): the first with no `WAIT` in flight, starting
+    /// from the key's own (by its hash), so that the write runs at once rather than behind a
+    /// `WAIT`, then waits for one `WAIT` of its own; the key's own when every link has a `WAIT`
+    /// in flight.
+    pub(super) fn link_for(&self, store: &RedisStore, key: &LockKey) -> Option<usize> {
+        let own = store.keeper.connection.ack_link_of(key)?;
+        let links = store.keeper.connection.ack_links();
+        let idle = (0..links)
+            .map(|i| (own + i) % links)
+            .find(|&i| self.links[i].idle());
+        Some(idle.unwrap_or(own))
     }
 
     /// Whether writes wait for replicas at all (`--redis-replica-acks` above 0). Callers box
@@ -306,9 +329,12 @@ impl Replicas {
         let limit = Duration::from_millis(wait_ms);
         let acked = match store.layout.slot(key) {
             None => {
-                // The group of the ack link that carried the write (the same choice, by key).
-                let link = store.keeper.connection.ack_link_of(key).unwrap_or(0);
-                self.links[link].acknowledged(limit, generation, wait).await
+                // The group of the ack link that carried the write. If it was replaced meanwhile,
+                // any group will do: the WAIT, on that connection only, cannot run.
+                let link = store.keeper.connection.ack_link_with(generation);
+                self.links[link.unwrap_or(0)]
+                    .acknowledged(limit, generation, wait)
+                    .await
             }
             Some(slot) => {
                 let group = self

@@ -252,6 +252,9 @@ async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_
     eprintln!("{summary}");
 }
 
+/// How many ack links a broker keeps with replica acks on one Redis (`ACK_LINKS`).
+const ACK_LINKS: usize = 16;
+
 /// How many clients of `master` are blocked in a `WAIT` now, as `CLIENT LIST` shows them.
 async fn blocked_waits(master: &RedisServer) -> usize {
     let mut conn = master.connection().await;
@@ -287,8 +290,8 @@ async fn grants_on_different_keys_wait_for_the_replica_on_several_connections_at
     .await;
     wait_until_ready(&acked.address, Duration::from_secs(5)).await;
 
-    // With the replica stalled, grants on keys spread over the broker's ack links each end in a
-    // WAIT that blocks: one on each link that carried a grant, at once (over one connection the
+    // With the replica stalled, grants spread over the broker's ack links each end in a WAIT
+    // that blocks: one on each link that carried a grant, at once (over one connection the
     // broker would keep one WAIT in flight, the others' grants waiting behind it), and never
     // more than one per link (group commit on each).
     replica.pause();
@@ -301,7 +304,7 @@ async fn grants_on_different_keys_wait_for_the_replica_on_several_connections_at
     loop {
         let blocked = blocked_waits(&master).await;
         assert!(
-            blocked <= 4,
+            blocked <= ACK_LINKS,
             "{blocked} WAITs in flight at once: more than one per ack link"
         );
         if blocked >= 2 {

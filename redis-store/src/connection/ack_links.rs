@@ -1,8 +1,8 @@
 //! Ack links: a few connections beside the main one, on one server or a Sentinel master, for
 //! the writes that wait for replicas (`--redis-replica-acks` above 0; `replicas.rs` says why).
 //!
-//! A key's grants and renewals go over one ack link, chosen by the key's hash, and so does the
-//! `WAIT` that confirms them. Each link is made like the main connection — opened, then verified
+//! A grant or a renewal goes over one ack link (`Replicas::link_for` chooses it), and so does the
+//! `WAIT` that confirms it. Each link is made like the main connection — opened, then verified
 //! by the epoch check before anything may use it — and to the same server: the main connection's
 //! server, or the master it reached through the sentinels. It belongs to the main connection that
 //! was up when it was made: when that one goes (it broke, or the sentinels named a new master),
@@ -43,11 +43,22 @@ impl Connector {
 }
 
 impl RedisConnection {
-    /// The ack link that carries `key`'s writes that wait for replicas, by the key's hash;
-    /// `None` when there are no ack links.
+    /// How many ack links the store keeps (0: none).
+    pub(crate) fn ack_links(&self) -> usize {
+        self.acks.len()
+    }
+
+    /// `key`'s own ack link, by its hash; `None` when there are no ack links.
     pub(crate) fn ack_link_of(&self, key: &LockKey) -> Option<usize> {
         (!self.acks.is_empty())
             .then(|| usize::from(slot_of(key.as_str().as_bytes())) % self.acks.len())
+    }
+
+    /// Which ack link is connection `generation`, if it is one and still up.
+    pub(crate) fn ack_link_with(&self, generation: u64) -> Option<usize> {
+        self.acks.iter().position(
+            |ack| matches!(&*ack.borrow(), State::Up(link) if link.generation == generation),
+        )
     }
 
     /// Ack link `index` if it is up now; never waits.

@@ -21,6 +21,12 @@ pub(super) struct Group {
 }
 
 impl Group {
+    /// Whether no `WAIT` is in flight on this connection now: a write sent on it now runs at
+    /// once rather than behind one.
+    pub(super) fn idle(&self) -> bool {
+        self.turn.try_lock().is_ok()
+    }
+
     /// How many replicas acknowledged a `WAIT` sent after this call began, so after the
     /// caller's write completed, on the connection `generation` that carried that write: the
     /// last one's answer if it was sent late enough on that connection, or one this call sends
