@@ -17,9 +17,9 @@
 //! then for a `WAIT` of its own — about one and a half replication round trips instead of one.
 //! Nothing needs one key's writes on one connection: each is answered (after its `WAIT`) before
 //! its holder's next call, and the clean-ups after an unacknowledged write go over the main
-//! connection anyway. On a
-//! cluster the script and its `WAIT` go to the master of the lock's slot, over the cluster
-//! client's connection to that node (see [`Conn::wait_for_replicas`]): one per master already.
+//! connection anyway. On a cluster the script and its `WAIT` go to the master of the lock's
+//! slot, over the cluster client's connection to that node (see [`Conn::wait_for_replicas`]):
+//! one per master already.
 //! Claims that wait for replicas are not batched (`batch.rs`): a batch goes over the main
 //! connection, and its operations would each need a `WAIT` there.
 //!
