@@ -13,7 +13,9 @@
 //! claims queue and its releases hand it on, so the batch would only add a round trip).
 //!
 //! One Redis or a Sentinel's master only: on a cluster a script's keys must share a slot, and
-//! each client key is a hash tag of its own, so the calls go alone there.
+//! each client key is a hash tag of its own, so the calls go alone there. Nor claims whose
+//! replicas are asked for (`--redis-replica-acks`): they go alone over their key's ack link, where
+//! the `WAIT` that confirms them runs (`replicas.rs`); releases are still batched.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -35,10 +35,31 @@ impl EpochKeeper {
         self: &Arc<Self>,
         script: &S,
     ) -> StoreResult<(S::Reply, u64)> {
+        self.run_on(None, script).await
+    }
+
+    /// Runs a write whose replicas will be asked for (a grant or a renewal) as
+    /// [`EpochKeeper::run_tracked`] does, but on ack link `link` if the store has them
+    /// (`connection/ack_links.rs`, chosen by `Replicas::link_for`): the `WAIT` that confirms it
+    /// then runs there too.
+    pub(super) async fn run_acked<S: ScriptCall>(
+        self: &Arc<Self>,
+        script: &S,
+        link: Option<usize>,
+    ) -> StoreResult<(S::Reply, u64)> {
+        self.run_on(link, script).await
+    }
+
+    /// Runs a script on the main connection (`None`) or on an ack link.
+    async fn run_on<S: ScriptCall>(
+        self: &Arc<Self>,
+        ack: Option<usize>,
+        script: &S,
+    ) -> StoreResult<(S::Reply, u64)> {
         let call = self.scripts.call(script);
         let started = trace_start();
         let answer = self
-            .with_link_tracked(async |conn| self.invoke(conn, &call).await)
+            .with_link_at(ack, async |conn| self.invoke(conn, &call).await)
             .await;
         call.trace(started, answer.is_err());
         let (reply, generation): (Value, u64) = answer?;
@@ -147,12 +168,33 @@ impl EpochKeeper {
         self: &Arc<Self>,
         call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
     ) -> StoreResult<(T, u64)> {
+        self.with_link_at(None, call).await
+    }
+
+    /// [`EpochKeeper::with_link_tracked`] on the main connection (`None`) or on an ack link.
+    async fn with_link_at<T>(
+        self: &Arc<Self>,
+        ack: Option<usize>,
+        call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
+    ) -> StoreResult<(T, u64)> {
         let deadline = Instant::now() + self.connection.timeout();
-        let link = match self.connection.current() {
+        let now = match ack {
+            None => self.connection.current(),
+            Some(index) => self.connection.current_ack(index),
+        };
+        let link = match now {
             Some(link) => link,
-            None => tokio::time::timeout_at(deadline, self.link())
-                .await
-                .map_err(|_| StoreError::Timeout(millis(self.connection.timeout())))??,
+            None => {
+                let made = async {
+                    match ack {
+                        None => self.link().await,
+                        Some(index) => self.ack_link(index).await,
+                    }
+                };
+                tokio::time::timeout_at(deadline, made)
+                    .await
+                    .map_err(|_| StoreError::Timeout(millis(self.connection.timeout())))??
+            }
         };
         let generation = link.generation;
         self.call_on(link, deadline, call)
@@ -160,18 +202,19 @@ impl EpochKeeper {
             .map(|v| (v, generation))
     }
 
-    /// Runs `call` on connection `generation` only, within the store's time bound: an error,
-    /// without running it, if that connection is no longer the verified one (replaced, or
-    /// down). For a `WAIT` that must count the writes an earlier call made on that connection.
+    /// Runs `call` on connection `generation` only (the main connection or an ack link),
+    /// within the store's time bound: an error, without running it, if that connection is no
+    /// longer a verified one (replaced, or down). For a `WAIT` that must count the writes an
+    /// earlier call made on that connection.
     pub(super) async fn with_link_on<T>(
         &self,
         generation: u64,
         call: impl AsyncFnOnce(&mut Conn) -> Result<T, RedisError>,
     ) -> StoreResult<T> {
         let deadline = Instant::now() + self.connection.timeout();
-        match self.connection.current() {
-            Some(link) if link.generation == generation => self.call_on(link, deadline, call).await,
-            _ => Err(StoreError::Failed(
+        match self.connection.link_of(generation) {
+            Some(link) => self.call_on(link, deadline, call).await,
+            None => Err(StoreError::Failed(
                 "the Redis connection that carried the write was replaced before its replicas \
                  confirmed it"
                     .into(),

@@ -32,6 +32,38 @@ impl EpochKeeper {
             .await
     }
 
+    /// Ack link `index` (see `connection/ack_links.rs`), making one if there is none.
+    pub(super) async fn ack_link(self: &Arc<Self>, index: usize) -> StoreResult<Link> {
+        self.connection
+            .get_ack(index, || {
+                tokio::spawn(Arc::clone(self).reconnect_ack(index));
+            })
+            .await
+    }
+
+    /// Makes ack link `index` beside the main connection (making that first if there is none),
+    /// and verifies it as [`EpochKeeper::reconnect`] does.
+    fn reconnect_ack(self: Arc<Self>, index: usize) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            let timeout = self.connection.timeout();
+            let verified = async {
+                let main = tokio::time::timeout(timeout, self.link())
+                    .await
+                    .map_err(|_| StoreError::Timeout(millis(timeout)))??;
+                let mut conn = self.connection.open_ack().await?;
+                self.check(&mut conn).await?;
+                Ok::<_, StoreError>((conn, main.generation))
+            };
+            match verified.await {
+                Ok((conn, of)) => self.connection.ack_up(index, conn, of),
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot make a Redis connection for replica acknowledgements");
+                    self.connection.ack_down(index, e);
+                }
+            }
+        })
+    }
+
     /// Makes a new connection and runs the epoch check on it (putting leases back if the store
     /// lost them) before anything else may use it.
     ///

@@ -8,6 +8,12 @@
 //! grants on a server whose losses it has not caught up with — whatever its timing. Requests
 //! that find no connection wait for the one being made (within their own time bound), or fail
 //! at once with the last error if the last attempt failed moments ago.
+//!
+//! With replica acknowledgements on one server or a Sentinel master, a few more connections
+//! beside the main one carry the writes that wait for replicas (`ack_links.rs`, and
+//! `replicas.rs` for why).
+
+mod ack_links;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -246,12 +252,16 @@ enum State {
 }
 
 /// The store's connection to Redis: the verified [`Link`] in use (or why there is none), how
-/// one is made, and the master switches that replace it.
+/// one is made, and the master switches that replace it; and the ack links beside it, if any.
 pub(super) struct RedisConnection {
     pub connector: Connector,
     config: AsyncConnectionConfig,
     timeout: Duration,
     state: watch::Sender<State>,
+    /// The ack links (`ack_links.rs`): none unless replica acknowledgements are asked for on one
+    /// server or a Sentinel master. Each belongs to the main connection that was up when it was
+    /// made, and goes down with it.
+    acks: Box<[watch::Sender<State>]>,
     generations: AtomicU64,
     /// Counts the master switches the sentinels made known (see `failovers.rs`). The notice
     /// subscriber watches it to move to the new master.
@@ -262,11 +272,12 @@ pub(super) struct RedisConnection {
 }
 
 impl RedisConnection {
-    pub(super) fn new(connector: Connector, timeout: Duration) -> Self {
+    /// `ack_links`: how many ack links to keep beside the main connection (0: none).
+    pub(super) fn new(connector: Connector, timeout: Duration, ack_links: usize) -> Self {
         let config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout));
-        let never_tried = State::Down {
+        let never_tried = || State::Down {
             error: StoreError::Failed("not connected to Redis yet".into()),
             at: Instant::now() - RECONNECT_PAUSE,
         };
@@ -274,7 +285,10 @@ impl RedisConnection {
             connector,
             config,
             timeout,
-            state: watch::Sender::new(never_tried),
+            state: watch::Sender::new(never_tried()),
+            acks: (0..ack_links)
+                .map(|_| watch::Sender::new(never_tried()))
+                .collect(),
             generations: AtomicU64::new(0),
             switches: watch::Sender::new(0),
             opened_at_switch: AtomicU64::new(0),
@@ -284,31 +298,7 @@ impl RedisConnection {
     /// The verified connection; if there is none, waits for the one being made, calling
     /// `connect` first if nobody is making one. Not bounded here: callers bound it.
     pub(super) async fn get(&self, connect: impl Fn()) -> StoreResult<Link> {
-        let mut rx = self.state.subscribe();
-        loop {
-            let start = match &*rx.borrow_and_update() {
-                State::Up(link) => return Ok(link.clone()),
-                State::Down { error, at } if at.elapsed() < RECONNECT_PAUSE => {
-                    return Err(error.clone());
-                }
-                State::Down { .. } => true,
-                State::Connecting => false,
-            };
-            if start
-                && self.state.send_if_modified(|s| match s {
-                    State::Down { .. } => {
-                        *s = State::Connecting;
-                        true
-                    }
-                    _ => false,
-                })
-            {
-                connect();
-            }
-            if rx.changed().await.is_err() {
-                return Err(StoreError::Failed("the Redis store was shut down".into()));
-            }
-        }
+        wait_for(&self.state, connect).await
     }
 
     /// The bound on one store call, connecting included.
@@ -328,14 +318,16 @@ impl RedisConnection {
     pub(super) async fn open(&self) -> Result<Conn, StoreError> {
         self.opened_at_switch
             .store(*self.switches.borrow(), Ordering::Relaxed);
-        let opening = async {
-            self.connector
-                .open(&self.config)
-                .await
-                .map_err(|e| StoreError::Failed(e.to_string()))
-        };
+        self.bounded_open(self.connector.open(&self.config)).await
+    }
+
+    /// A connection being opened, within the store's time bound.
+    async fn bounded_open(
+        &self,
+        opening: impl Future<Output = RedisResult<Conn>>,
+    ) -> StoreResult<Conn> {
         match tokio::time::timeout(self.timeout, opening).await {
-            Ok(opened) => opened,
+            Ok(opened) => opened.map_err(|e| StoreError::Failed(e.to_string())),
             Err(_) => Err(StoreError::Timeout(millis(self.timeout))),
         }
     }
@@ -365,7 +357,7 @@ impl RedisConnection {
 
     /// Stops using connection `generation` (it broke, or a call on it timed out: a connection
     /// whose far end went silent would otherwise time out every call for minutes). The next
-    /// request makes a new one at once.
+    /// request makes a new one at once. The main connection takes its ack links with it.
     pub(super) fn drop_link(&self, generation: u64, error: &StoreError) {
         let dropped = self.state.send_if_modified(|s| match s {
             State::Up(link) if link.generation == generation => {
@@ -380,12 +372,15 @@ impl RedisConnection {
         if dropped {
             // INFO: the failed call is counted into the store outage, logged at WARN.
             tracing::info!(error = %error, "the Redis connection failed: replacing it");
+            self.drop_ack_links();
+        } else {
+            self.drop_ack_link(generation, error);
         }
     }
 
     /// The sentinels name a new master: stops using the connection that is up (and any being
-    /// made), so the next request reaches the new master through them and checks its epoch
-    /// first; tells the notice subscriber to move too.
+    /// made) and its ack links, so the next request reaches the new master through them and
+    /// checks its epoch first; tells the notice subscriber to move too.
     pub(super) fn master_switched(&self) {
         self.switches.send_modify(|n| *n += 1);
         self.state.send_if_modified(|s| match s {
@@ -398,11 +393,42 @@ impl RedisConnection {
             }
             _ => false,
         });
+        self.drop_ack_links();
     }
 
     /// Changes with every master switch (see [`Connection::master_switched`]).
     pub(super) fn switches(&self) -> watch::Receiver<u64> {
         self.switches.subscribe()
+    }
+}
+
+/// The verified connection `state` holds; if there is none, waits for the one being made,
+/// calling `connect` first if nobody is making one.
+async fn wait_for(state: &watch::Sender<State>, connect: impl Fn()) -> StoreResult<Link> {
+    let mut rx = state.subscribe();
+    loop {
+        let start = match &*rx.borrow_and_update() {
+            State::Up(link) => return Ok(link.clone()),
+            State::Down { error, at } if at.elapsed() < RECONNECT_PAUSE => {
+                return Err(error.clone());
+            }
+            State::Down { .. } => true,
+            State::Connecting => false,
+        };
+        if start
+            && state.send_if_modified(|s| match s {
+                State::Down { .. } => {
+                    *s = State::Connecting;
+                    true
+                }
+                _ => false,
+            })
+        {
+            connect();
+        }
+        if rx.changed().await.is_err() {
+            return Err(StoreError::Failed("the Redis store was shut down".into()));
+        }
     }
 }
 

@@ -56,7 +56,7 @@ impl RedisStore {
         let carried = AtomicU64::new(0);
         let carried_by = &carried;
         let run_in = |epoch: String| async move {
-            let (reply, generation) = self.run_grant_script(script, at, bid, &epoch).await?;
+            let (reply, generation) = self.run_grant_script(script, key, at, bid, &epoch).await?;
             carried_by.store(generation, Ordering::Relaxed);
             Ok(reply)
         };
@@ -88,11 +88,12 @@ impl RedisStore {
         Ok(Ok(lease))
     }
 
-    /// Runs `script` once in `epoch`: its reply, and the generation of the connection it went
-    /// over.
+    /// Runs `script` on `key` (at `site`) once in `epoch`: its reply, and the generation of the
+    /// connection it went over.
     async fn run_grant_script(
         &self,
         script: GrantScript,
+        key: &LockKey,
         site: &Site<'_>,
         bid: &Bid,
         epoch: &str,
@@ -107,14 +108,20 @@ impl RedisStore {
             caller: &caller,
         };
         let keeper = &self.keeper;
+        let link = self.replicas.link_for(self, key);
         match script {
+            // A claim whose replicas are asked goes alone over an ack link, where its WAIT
+            // follows it (see `replicas.rs`), not in a batch on the main connection.
+            GrantScript::Claim if self.replicas.asked() => keeper.run_acked(&claim, link).await,
             GrantScript::Claim => {
                 keeper
                     .run_batched(&claim, &keys.lock, || claim.batch_op())
                     .await
             }
-            GrantScript::TakeOver { seen } => keeper.run_tracked(&TakeOver { claim, seen }).await,
-            GrantScript::Join(pool) => keeper.run_tracked(&JoinPool { claim, pool }).await,
+            GrantScript::TakeOver { seen } => {
+                keeper.run_acked(&TakeOver { claim, seen }, link).await
+            }
+            GrantScript::Join(pool) => keeper.run_acked(&JoinPool { claim, pool }, link).await,
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The Redis store: each primitive is one Lua script (`scripts/`), run by SHA over one
-//! multiplexed connection that is verified before use (`connection.rs`, `calls.rs`), reading
-//! the time from Redis's own `TIME`. The broker's live leases are kept in a ledger and put back
+//! multiplexed connection that is verified before use (`connection.rs`, `calls.rs`; with replica
+//! acknowledgements, a few more beside it: `connection/ack_links.rs`), reading the time from
+//! Redis's own `TIME`. The broker's live leases are kept in a ledger and put back
 //! when the store loses them; release notices reach every broker's waiters (`notices.rs`);
 //! behind Sentinel, the broker follows the master's failovers (`sentinel.rs` finds the master, `failovers.rs` follows it).
 //!
@@ -233,11 +234,17 @@ impl RedisStore {
         });
         let channel: Arc<str> = format!("{prefix}released").into();
         let broker = Arc::new(Broker::new(prefix, settings.timeout));
+        // Ack links only where `WAIT` would otherwise share the one connection of a server.
+        let ack_links = if settings.replica_acks > 0 && !cluster {
+            replicas::ACK_LINKS
+        } else {
+            0
+        };
         let keeper = EpochKeeper {
             layout: layout.clone(),
             channel: channel.clone(),
             broker: broker.clone(),
-            connection: RedisConnection::new(connector, settings.timeout),
+            connection: RedisConnection::new(connector, settings.timeout, ack_links),
             scripts: Scripts::new(),
             epoch: Epoch::new(settings.store_settle, settings.store_loss_delay),
             // An end's mark outlasts the answer of a renewal Redis ran before it: that call's
@@ -252,7 +259,11 @@ impl RedisStore {
             channel,
             broker,
             keeper: Arc::new(keeper),
-            replicas: Arc::new(Replicas::new(settings.replica_acks, settings.timeout)),
+            replicas: Arc::new(Replicas::new(
+                settings.replica_acks,
+                settings.timeout,
+                ack_links,
+            )),
             metrics,
         })
     }

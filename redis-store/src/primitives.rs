@@ -85,7 +85,10 @@ impl Store for RedisStore {
             token,
             how,
         };
-        let (reply, generation) = self.keeper.run_tracked(&renew).await?;
+        let (reply, generation) = self
+            .keeper
+            .run_acked(&renew, self.replicas.link_for(self, key))
+            .await?;
         let answered = Instant::now();
         let (kind, lease, epoch) = match self.renewal(space, key, token, reply)? {
             Ok(renewed) => renewed,

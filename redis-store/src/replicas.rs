@@ -2,29 +2,47 @@
 //! once `N` replicas have it, as Redis's `WAIT` confirms, so a failover to one of them keeps it.
 //!
 //! `WAIT` counts the writes of the connection it runs on, so it follows the script on the same
-//! connection: the multiplexed connection of a single server or Sentinel master, or on a cluster
-//! the connection to the master of the lock's slot (see [`Conn::wait_for_replicas`]). On a
-//! shared multiplexed connection it may wait for other requests' later writes too: a stricter
-//! wait, never a looser one. `WAIT` blocks the connection it runs on: while a replica stalls,
-//! the broker's other calls queue behind it (see docs/topologies.md).
+//! connection. On a shared multiplexed connection it may wait for other requests' later writes
+//! too: a stricter wait, never a looser one. And `WAIT` blocks the connection it runs on: Redis
+//! runs a connection's commands in order, and holds the next ones until the `WAIT` returns.
+//!
+//! **Ack links.** On one server or a Sentinel master, the writes that wait for replicas do not go
+//! over the broker's main connection but over a few connections beside it, [`ACK_LINKS`] of them
+//! (`connection/ack_links.rs`), each write and the `WAIT` that confirms it over the same one. So
+//! up to [`ACK_LINKS`] replication round trips are in flight at once, and the broker's other
+//! calls (releases, reads, the epoch check, grants without acks) never queue behind a `WAIT`.
+//! A write goes over the first link with no `WAIT` in flight, starting from its key's own (by
+//! the key's hash), and over the key's own when every link has one ([`Replicas::link_for`]):
+//! a write sent behind a `WAIT` waits in Redis for that `WAIT` to return before it even runs,
+//! then for a `WAIT` of its own — about one and a half replication round trips instead of one.
+//! Nothing needs one key's writes on one connection: each is answered (after its `WAIT`) before
+//! its holder's next call, and the clean-ups after an unacknowledged write go over the main
+//! connection anyway. On a cluster the script and its `WAIT` go to the master of the lock's
+//! slot, over the cluster client's connection to that node (see [`Conn::wait_for_replicas`]):
+//! one per master already.
+//! Claims that wait for replicas are not batched (`batch.rs`): a batch goes over the main
+//! connection, and its operations would each need a `WAIT` there.
 //!
 //! **Group commit.** One `WAIT` acknowledges every earlier write on its connection, so grants
-//! share them: at most one `WAIT` is in flight per connection ([`Group`]), and the grants whose
-//! writes complete meanwhile are all answered by the next one. One `WAIT` per grant would put
-//! each grant's script behind every earlier grant's replication round trip (Redis runs a
-//! connection's commands in order, and `WAIT` holds the connection until it returns). A grant
-//! is only ever answered by a `WAIT` sent after its own write had completed: each `WAIT` is
-//! numbered when it is sent, a grant notes the number reached once its write is done, and only
-//! a `WAIT` with a higher number answers it.
+//! share them: at most one `WAIT` is in flight per connection — per ack link, and on a cluster per
+//! slot ([`Group`]) — and the grants whose writes complete meanwhile are all answered by the next
+//! one. One `WAIT` per grant would put each grant's script behind every earlier grant's
+//! replication round trip (the connection is held until each `WAIT` returns). A grant is only
+//! ever answered by a `WAIT` sent after its own write had completed: each `WAIT` is numbered when
+//! it is sent, a grant notes the number reached once its write is done, and only a `WAIT` with a
+//! higher number answers it. Each ack link has its own group, so its numbering and its last
+//! answer are its own.
 //!
 //! **The same connection.** `WAIT` counts only the writes of the connection it runs on: on a
 //! connection made after the write (the one that carried it broke, timed out or was replaced
 //! after a master switch), it has nothing to wait for and would answer at once with every
-//! replica — an acknowledgement of nothing. So each write's connection generation is noted,
-//! and only a `WAIT` on that same connection answers it; if the connection was replaced
-//! meanwhile, the write counts as not acknowledged (released or put back, as below). On a
-//! cluster, the cluster client can also remake a node's connection unseen; that case is not
-//! covered (docs/topologies.md).
+//! replica — an acknowledgement of nothing. So each write's connection generation is noted
+//! (main connection and ack links draw theirs from one count: a generation names one
+//! connection), and only a `WAIT` on that same connection answers it; if the connection was
+//! replaced meanwhile, the write counts as not acknowledged (released or put back, as below).
+//! An ack link goes with the main connection it was made beside (a master switch replaces them
+//! all). On a cluster, the cluster client can also remake a node's connection unseen; that case
+//! is not covered (docs/topologies.md).
 //!
 //! When the replicas do not confirm in time, nothing is left that the client was not told:
 //! - a **grant** is released (by its token, holder-checked), and the request answers
@@ -45,16 +63,25 @@
 //! the logs tell once when it begins and once when it ends.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::Script;
 
+use self::group::Group;
 use super::RedisStore;
 use super::connection::Conn;
 use lockbroker_core::domain::{Lease, LockKey, Space, Token, millis};
 use lockbroker_core::store::{EXPIRY_SLACK_MS, Store, StoreError, StoreResult};
+
+mod group;
+
+/// How many ack links a store keeps beside its main connection when replicas are asked for,
+/// on one server or a Sentinel master: how many `WAIT`s can be in flight at once. Each is made
+/// when a write first needs it. With the replica 1 ms away and 64 clients on a 2-core machine,
+/// 16 did best (with 4 or 8 most writes still waited behind a `WAIT`; 32 did no better; see
+/// docs/benchmarks.md, "Replica acknowledgements").
+pub(super) const ACK_LINKS: usize = 16;
 
 /// Puts back the end of an exclusive lease whose renewal the replicas did not acknowledge.
 const RESTORE: &str = include_str!("scripts/restore.lua");
@@ -73,62 +100,12 @@ pub(super) struct Replicas {
     wait_ms: u64,
     restore: Script,
     restore_pooled: Script,
-    /// The group commit of the one connection of a single server or a Sentinel master.
-    single: Group,
+    /// The group commits of the ack links of a single server or a Sentinel master, one per
+    /// link (`connection/ack_links.rs`).
+    links: Box<[Group]>,
     /// On a cluster, one group per slot: `WAIT` goes to the slot's master (see the module's
     /// documentation).
     slots: Mutex<HashMap<u16, Arc<Group>>>,
-}
-
-/// Group commit on one connection: the `WAIT`s sent on it, one at a time, and the outcome of the
-/// last one, which answers every grant whose write completed before it was sent.
-#[derive(Default)]
-struct Group {
-    /// Held while a `WAIT` is in flight: the next grants wait for it, then share one `WAIT`.
-    turn: tokio::sync::Mutex<()>,
-    /// How many `WAIT`s were sent on this connection; counted up just before each is sent.
-    sent: AtomicU64,
-    /// The last `WAIT` that returned: its number, the generation of the connection it ran on,
-    /// and how many replicas acknowledged.
-    last: Mutex<Option<(u64, u64, StoreResult<u64>)>>,
-}
-
-impl Group {
-    /// How many replicas acknowledged a `WAIT` sent after this call began, so after the
-    /// caller's write completed, on the connection `generation` that carried that write: the
-    /// last one's answer if it was sent late enough on that connection, or one this call sends
-    /// (`wait` runs it on that connection, or fails), after the one in flight returns. Waits
-    /// at most `limit` for its turn.
-    async fn acknowledged(
-        &self,
-        limit: Duration,
-        generation: u64,
-        wait: impl AsyncFnOnce() -> StoreResult<u64>,
-    ) -> StoreResult<u64> {
-        // Every WAIT numbered above `mark` is sent after this point.
-        let mark = self.sent.load(Ordering::SeqCst);
-        let answered = || {
-            self.last
-                .lock()
-                .expect("the WAIT record is never poisoned")
-                .as_ref()
-                .filter(|(number, on, _)| *number > mark && *on == generation)
-                .map(|(_, _, acked)| acked.clone())
-        };
-        let Ok(_turn) = tokio::time::timeout(limit, self.turn.lock()).await else {
-            return Err(StoreError::Timeout(millis(limit)));
-        };
-        // A WAIT sent after `mark` returned while this call waited for its turn: it covers
-        // this call's write (group commit).
-        if let Some(acked) = answered() {
-            return acked;
-        }
-        let number = self.sent.fetch_add(1, Ordering::SeqCst) + 1;
-        let acked = wait().await;
-        *self.last.lock().expect("the WAIT record is never poisoned") =
-            Some((number, generation, acked.clone()));
-        acked
-    }
 }
 
 /// A lease a script wrote (granted or renewed), and the generation of the connection that
@@ -148,15 +125,30 @@ pub(super) struct Told {
 }
 
 impl Replicas {
-    pub(super) fn new(acks: u32, store_timeout: Duration) -> Self {
+    /// `links`: how many ack links the connection keeps (`connection/ack_links.rs`).
+    pub(super) fn new(acks: u32, store_timeout: Duration, links: usize) -> Self {
         Self {
             acks,
             wait_ms: (millis(store_timeout) / 2).max(1),
             restore: Script::new(RESTORE),
             restore_pooled: Script::new(RESTORE_POOLED),
-            single: Group::default(),
+            links: (0..links.max(1)).map(|_| Group::default()).collect(),
             slots: Mutex::default(),
         }
+    }
+
+    /// The ack link a write on `key` that waits for replicas goes over (`None`: the main
+    /// connection, on a cluster or without acks): the first with no `WAIT` in flight, starting
+    /// from the key's own (by its hash), so that the write runs at once rather than behind a
+    /// `WAIT`, then waits for one `WAIT` of its own; the key's own when every link has a `WAIT`
+    /// in flight.
+    pub(super) fn link_for(&self, store: &RedisStore, key: &LockKey) -> Option<usize> {
+        let own = store.keeper.connection.ack_link_of(key)?;
+        let links = store.keeper.connection.ack_links();
+        let idle = (0..links)
+            .map(|i| (own + i) % links)
+            .find(|&i| self.links[i].idle());
+        Some(idle.unwrap_or(own))
     }
 
     /// Whether writes wait for replicas at all (`--redis-replica-acks` above 0). Callers box
@@ -336,7 +328,14 @@ impl Replicas {
         // at most, both within the store timeout (each WAIT waits half of it).
         let limit = Duration::from_millis(wait_ms);
         let acked = match store.layout.slot(key) {
-            None => self.single.acknowledged(limit, generation, wait).await,
+            None => {
+                // The group of the ack link that carried the write. If it was replaced meanwhile,
+                // any group will do: the WAIT, on that connection only, cannot run.
+                let link = store.keeper.connection.ack_link_with(generation);
+                self.links[link.unwrap_or(0)]
+                    .acknowledged(limit, generation, wait)
+                    .await
+            }
             Some(slot) => {
                 let group = self
                     .slots
@@ -353,80 +352,5 @@ impl Replicas {
         }
         tracing::debug!(%key, acked, wanted = acks, wait_ms, "replicas did not acknowledge in time");
         Err(StoreError::Timeout(wait_ms))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::atomic::AtomicUsize;
-
-    use tokio::sync::oneshot;
-
-    use super::*;
-
-    /// Lets the spawned tasks run until `done` holds (a current-thread runtime: they run only
-    /// when this task yields).
-    async fn until(done: impl Fn() -> bool) {
-        while !done() {
-            tokio::task::yield_now().await;
-        }
-    }
-
-    /// Three writes on one group: A's `WAIT` in flight, then B and C wait for their turn, C's
-    /// write on connection `c_generation`. Returns how many `WAIT`s were sent in all.
-    async fn waits_sent(c_generation: u64) -> usize {
-        let group = Arc::new(Group::default());
-        let sent = Arc::new(AtomicUsize::new(0));
-        let limit = Duration::from_secs(5);
-        let blocked_wait = |gate: oneshot::Receiver<()>| {
-            let sent = sent.clone();
-            async move || {
-                sent.fetch_add(1, Ordering::SeqCst);
-                gate.await.expect("the test opens the gate");
-                Ok(1)
-            }
-        };
-        let (open_a, gate_a) = oneshot::channel();
-        let (open_b, gate_b) = oneshot::channel();
-        let a = tokio::spawn({
-            let (group, wait) = (group.clone(), blocked_wait(gate_a));
-            async move { group.acknowledged(limit, 1, wait).await }
-        });
-        until(|| sent.load(Ordering::SeqCst) == 1).await;
-        let b = tokio::spawn({
-            let (group, wait) = (group.clone(), blocked_wait(gate_b));
-            async move { group.acknowledged(limit, 1, wait).await }
-        });
-        tokio::task::yield_now().await;
-        let c = tokio::spawn({
-            let (group, sent) = (group.clone(), sent.clone());
-            async move {
-                group
-                    .acknowledged(limit, c_generation, async || {
-                        sent.fetch_add(1, Ordering::SeqCst);
-                        Ok(1)
-                    })
-                    .await
-            }
-        });
-        tokio::task::yield_now().await;
-        open_a.send(()).unwrap();
-        assert_eq!(a.await.unwrap().unwrap(), 1);
-        // B's WAIT is sent after C's write completed.
-        until(|| sent.load(Ordering::SeqCst) == 2).await;
-        open_b.send(()).unwrap();
-        assert_eq!(b.await.unwrap().unwrap(), 1);
-        assert_eq!(c.await.unwrap().unwrap(), 1);
-        sent.load(Ordering::SeqCst)
-    }
-
-    #[tokio::test]
-    async fn a_wait_sent_after_a_write_on_its_connection_answers_it_too() {
-        assert_eq!(waits_sent(1).await, 2);
-    }
-
-    #[tokio::test]
-    async fn a_wait_on_a_newer_connection_never_answers_a_write_made_on_an_older_one() {
-        assert_eq!(waits_sent(2).await, 3);
     }
 }

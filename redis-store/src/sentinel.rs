@@ -180,18 +180,42 @@ impl Sentinels {
         config: &AsyncConnectionConfig,
     ) -> RedisResult<MultiplexedConnection> {
         let addr = self.master().await?;
+        let conn = self.open_master(addr.clone(), config).await?;
+        *self.connected.lock().unwrap_or_else(|e| e.into_inner()) = Some(addr);
+        Ok(conn)
+    }
+
+    /// A connection to the master that the last connection opened reached, confirmed a master
+    /// as [`Sentinels::open`] does: for the connections beside the main one (replica
+    /// acknowledgements, `connection/ack_links.rs`), which must reach the same server.
+    pub(super) async fn open_connected(
+        &self,
+        config: &AsyncConnectionConfig,
+    ) -> RedisResult<MultiplexedConnection> {
+        let addr = self.connected().ok_or_else(|| {
+            RedisError::from((
+                ErrorKind::MasterNameNotFoundBySentinel,
+                "no master reached through the sentinels yet",
+            ))
+        })?;
+        self.open_master(addr, config).await
+    }
+
+    /// A connection to `addr`, confirmed a master with `ROLE` on that connection.
+    async fn open_master(
+        &self,
+        addr: Addr,
+        config: &AsyncConnectionConfig,
+    ) -> RedisResult<MultiplexedConnection> {
         let mut conn = self
-            .client(addr.clone())?
+            .client(addr)?
             .get_multiplexed_async_connection_with_config(config)
             .await?;
         match redis::cmd("ROLE").query_async(&mut conn).await? {
-            Role::Primary { .. } => {
-                *self.connected.lock().unwrap_or_else(|e| e.into_inner()) = Some(addr);
-                Ok(conn)
-            }
+            Role::Primary { .. } => Ok(conn),
             _ => Err(RedisError::from((
                 ErrorKind::MasterNameNotFoundBySentinel,
-                "the server the sentinels name is not a master (yet)",
+                "the server the sentinels named is not a master (not yet, or no longer)",
             ))),
         }
     }

@@ -94,7 +94,8 @@ impl RedisStore {
                 epoch: &epoch,
                 broker,
             };
-            let (reply, generation) = self.keeper.run_tracked(&call).await?;
+            let link = self.replicas.link_for(self, first);
+            let (reply, generation) = self.keeper.run_acked(&call, link).await?;
             carried_by.store(generation, Ordering::Relaxed);
             Ok(reply)
         };

@@ -251,3 +251,80 @@ async fn concurrent_grants_share_waits_yet_each_is_on_the_replica_when_answered_
     );
     eprintln!("{summary}");
 }
+
+/// How many ack links a broker keeps with replica acks on one Redis (`ACK_LINKS`).
+const ACK_LINKS: usize = 16;
+
+/// How many clients of `master` are blocked in a `WAIT` now, as `CLIENT LIST` shows them.
+async fn blocked_waits(master: &RedisServer) -> usize {
+    let mut conn = master.connection().await;
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut conn)
+        .await
+        .expect("CLIENT LIST");
+    clients
+        .lines()
+        .filter(|client| {
+            let field = |name: &str| {
+                client
+                    .split(' ')
+                    .find_map(|f| f.strip_prefix(name)?.strip_prefix('='))
+            };
+            field("cmd") == Some("wait") && field("flags").is_some_and(|f| f.contains('b'))
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_on_different_keys_wait_for_the_replica_on_several_connections_at_once() {
+    let master = RedisServer::start().await;
+    let replica = RedisServer::start().await;
+    replicate(&master, &replica).await;
+    // WAIT waits 5 s: the stalled replica keeps the WAITs blocked long enough to be seen.
+    const STORE_TIMEOUT_MS: u64 = 10_000;
+    let acked = spawn_app_with(Some(master.url()), |c| {
+        c.redis_replica_acks = Some(1);
+        c.store_timeout_ms = Some(STORE_TIMEOUT_MS);
+    })
+    .await;
+    wait_until_ready(&acked.address, Duration::from_secs(5)).await;
+
+    // With the replica stalled, grants spread over the broker's ack links each end in a WAIT
+    // that blocks: one on each link that carried a grant, at once (over one connection the
+    // broker would keep one WAIT in flight, the others' grants waiting behind it), and never
+    // more than one per link (group commit on each).
+    replica.pause();
+    let keys: Vec<String> = (0..16).map(|i| format!("apart-{i}")).collect();
+    let grants: Vec<_> = keys
+        .iter()
+        .map(|key| acked.spawn_acquire(key, "ttl_ms=20000"))
+        .collect();
+    let started = Instant::now();
+    loop {
+        let blocked = blocked_waits(&master).await;
+        assert!(
+            blocked <= ACK_LINKS,
+            "{blocked} WAITs in flight at once: more than one per ack link"
+        );
+        if blocked >= 2 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_millis(STORE_TIMEOUT_MS / 2),
+            "never more than {blocked} WAIT in flight at once"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    replica.resume();
+    for (key, grant) in keys.iter().zip(grants) {
+        grant
+            .await
+            .expect("an acquire task")
+            .expect_grant(StatusCode::CREATED);
+        assert!(
+            lock_exists(&replica, key).await,
+            "{key} was answered before the replica had it"
+        );
+    }
+}
