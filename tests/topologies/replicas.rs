@@ -295,7 +295,8 @@ async fn grants_on_different_keys_wait_for_the_replica_on_several_connections_at
     // broker would keep one WAIT in flight, the others' grants waiting behind it), and never
     // more than one per link (group commit on each).
     replica.pause();
-    let keys: Vec<String> = (0..16).map(|i| format!("apart-{i}")).collect();
+    // Twice as many grants as links: more than one WAIT per link would show.
+    let keys: Vec<String> = (0..2 * ACK_LINKS).map(|i| format!("apart-{i}")).collect();
     let grants: Vec<_> = keys
         .iter()
         .map(|key| acked.spawn_acquire(key, "ttl_ms=20000"))
