@@ -6,9 +6,12 @@
 
 use lockbroker_test_support::app::{spawn_app, spawn_app_with};
 use lockbroker_test_support::auth_entry;
+use lockbroker_test_support::broker::wait_until_ready;
 use lockbroker_test_support::command::run;
 use lockbroker_test_support::redis_server::RedisServer;
 use lockbroker_test_support::temp::temp_file;
+use std::time::Duration;
+
 use serde_json::Value;
 
 /// The binary under test.
@@ -105,7 +108,10 @@ async fn bench_sends_the_bearer_token_on_every_phase_to_a_broker_with_an_auth_fi
         assert!(p["cycles"].as_u64().expect("cycles") > 0, "{p}");
         assert_eq!(p["errors"], 0, "{p}");
     }
-    // Without the token the bench stops at once and says why.
+    // Without the token the bench stops at once and says why — once the broker is ready again:
+    // on a loaded machine a store call of the run above may have timed out, and the broker is
+    // not ready until its connection is made anew.
+    wait_until_ready(&app.address, Duration::from_secs(10)).await;
     let refused = run(
         BENCH,
         &app.url(""),
