@@ -6,9 +6,17 @@
 -- lib/pools.lua, lib/grant.lua, lib/queue.lua and lib/holder.lua. Its call: `Release` in
 -- scripts/holder.rs.
 -- KEYS: as lib/keys.lua's. ARGV: as `holder_context`'s.
--- Replies (codes named in lib/prelude.lua) {HELD, held_ms, fence}; {NOT_HELD}, {NOT_OWNER}; or
+-- Replies (codes named in lib/prelude.lua) {HELD, held_ms, fence} — followed, when the key went
+-- straight to a bid of the caller's own broker (its context's kind `g`, see `hand_on`), by that
+-- grant: its token, fence, expires_at, ttl and Redis's clock; {NOT_HELD}, {NOT_OWNER}; or
 -- {HOLD_IN_FORCE, hold_until, now, reason}.
 local c = holder_context(now)
+-- The reply of a release, and the grant `hand_on` made to the caller's own bid, if one.
+local function released(held_ms, fence)
+  local reply = {HELD, held_ms, fence}
+  for _, v in ipairs(c.handed or {}) do reply[#reply + 1] = v end
+  return reply
+end
 local h, hold, reason = holder(c.now_ms, lease)
 if h == HOLD_IN_FORCE then return {HOLD_IN_FORCE, hold, c.now_ms, reason} end
 if h == HELD_POOLED then
@@ -17,7 +25,7 @@ if h == HELD_POOLED then
   drop_holder(POOL, ENDS, c.token)
   ended(c, by, f, false)
   hand_on(c, nil)
-  return {HELD, math.max(0, c.now_ms - g), f}
+  return released(math.max(0, c.now_ms - g), f)
 end
 if h ~= HELD then return {h} end
 local granted_at, fence, by = lease[6], lease[5], lease[4]
@@ -26,4 +34,4 @@ redis.call('DEL', LOCK)
 c.freed = true
 ended(c, by, tonumber(fence), false)
 hand_on(c, nil)
-return {HELD, math.max(0, c.now_ms - tonumber(granted_at or c.now_ms)), tonumber(fence)}
+return released(math.max(0, c.now_ms - tonumber(granted_at or c.now_ms)), tonumber(fence))

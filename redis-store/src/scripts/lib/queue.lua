@@ -187,9 +187,18 @@ local function hand_on(c, me)
       -- Granted on its own ask, a bid's lease is as long as this ask says (`c.ttl`), not as its
       -- first ask did: a bid under a session asks with what is left of its session.
       if mine and c.ttl then ttl = c.ttl end
-      local fence, expires = write_lease(c, head, b, kind, tonumber(ttl), rid, owner, not mine)
+      -- `c.direct` (a RELEASE that says so): an exclusive bid of the caller's own broker, not
+      -- under a session (its owner label starts with the session mark), is granted, not
+      -- offered: the caller hands the grant (`c.handed`) to its waiter itself, so no notice and
+      -- no second call take it. A session's bid is offered: its lease must end with its session,
+      -- which only its own ask says.
+      local direct = (not mine) and c.direct and kind == 'x' and b == c.broker
+        and string.sub(owner, 1, 2) ~= '=\30'
+      local fence, expires = write_lease(c, head, b, kind, tonumber(ttl), rid, owner, not (mine or direct))
       if mine then
         granted = {GRANTED, fence, expires, head, tonumber(ttl), c.now_ms}
+      elseif direct then
+        c.handed = {head, fence, expires, tonumber(ttl), c.now_ms}
       else
         offered[b] = true
         any = true
@@ -270,11 +279,14 @@ local function grant_context(now)
   return c, bid
 end
 -- The context of a holder script (RELEASE, RENEW, FORCE, LEAVE): ARGV token ('' for FORCE),
--- the epoch this broker knows, broker id, and the context string above — or these four given
+-- the epoch this broker knows, broker id, and the context string above (wait_ms 0, kind `x`, or
+-- for a RELEASE that takes a grant to its own broker's next bid, `g`) — or these four given
 -- (KEEP, one lease after another).
 local function holder_context(now, token, known, broker, ctx)
-  local c = context_of(now, ctx or ARGV[4])
+  local c, _, kind = context_of(now, ctx or ARGV[4])
   c.token, c.broker = token or ARGV[1], broker or ARGV[3]
+  -- Kind `g`: the key may be granted to the caller's own next bid (see `hand_on`).
+  c.direct = kind == 'g'
   local id, hold, _, layout = epoch(MARKER)
   c.hand = id == (known or ARGV[2]) and c.now_ms >= hold and layout <= LAYOUT
   return c
