@@ -208,7 +208,7 @@ fn summary(model: &LockModel, s: &State) -> String {
     }
     for (b, br) in s.brokers.iter().enumerate() {
         out.push_str(&format!(
-            "b{b}{} epoch {:?} ledger {} inbox {:?}{}; ",
+            "b{b}{} epoch {:?} ledger {} inbox {:?}{}{}; ",
             if br.alive { "" } else { " dead" },
             br.known,
             br.ledger.len(),
@@ -217,6 +217,19 @@ fn summary(model: &LockModel, s: &State) -> String {
                 String::new()
             } else {
                 format!(" batch {:?}", br.batch)
+            },
+            if br.handed.is_empty() {
+                String::new()
+            } else {
+                let handed: Vec<String> = br
+                    .handed
+                    .iter()
+                    .map(|h| {
+                        let forced = if h.forced { " forced" } else { "" };
+                        format!("key{} c{} f{} left{}{forced}", h.key, h.token.client, h.fence, h.left)
+                    })
+                    .collect();
+                format!(" handed [{}]", handed.join(", "))
             }
         ));
     }

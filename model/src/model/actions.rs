@@ -164,8 +164,9 @@ impl LockModel {
         )
     }
 
-    /// Runs one script for broker `b`, and records what the properties watch.
-    pub(super) fn run(&self, s: &mut State, b: u8, op: Op) -> Answer {
+    /// Runs one script for broker `b`, and records what the properties watch (`run`, in
+    /// handed.rs, is the Redis store's call around it).
+    pub(super) fn script(&self, s: &mut State, b: u8, op: Op) -> Answer {
         let call = Call {
             broker: b,
             known: s.brokers[b as usize].known,
@@ -338,17 +339,8 @@ impl LockModel {
             Action::Force(b, key) => {
                 s.used[FORCES] += 1;
                 if let Answer::Forced(fences) = self.run(s, b, Op::Force { key }) {
-                    for (j, cl) in s.clients.iter_mut().enumerate() {
-                        if let Phase::Holding { fence, ended, .. } = &mut cl.phase
-                            && self.cfg.clients[j].1 == key
-                            && fences.contains(fence)
-                        {
-                            *ended = true;
-                        }
-                    }
                     s.brokers[b as usize].ledger.retain(|e| e.key != key);
-                    self.sess_ended(s, |t| t.1 == key && fences.contains(&t.0));
-                    self.sev_ended(s, |t| t.1 == key && fences.contains(&t.0));
+                    self.forced(s, key, &fences);
                 }
             }
             Action::Deliver {
@@ -369,6 +361,7 @@ impl LockModel {
                 let br = &mut s.brokers[b as usize];
                 br.alive = false;
                 br.inbox.clear();
+                br.handed.clear();
             }
             Action::Check(b) => {
                 if let Answer::Epoch(id) = self.run(s, b, Op::Check) {

@@ -4,7 +4,7 @@
 use super::actions::{Action, DEATHS, FORCES};
 use super::finish;
 use super::{LockModel, Phase, State};
-use crate::store::{Answer, Back, Key, Notice, Op};
+use crate::store::{Answer, Back, BackCode, Key, Notice, Op};
 
 impl LockModel {
     pub(super) fn release(&self, s: &mut State, i: u8) {
@@ -12,7 +12,7 @@ impl LockModel {
             return;
         };
         let (b, key, _) = self.cfg.clients[i as usize];
-        match self.run(s, b, Op::Release { key, token }) {
+        match self.run(s, b, super::handed::release_op(key, token)) {
             Answer::HoldInForce => {}
             _ => {
                 s.brokers[b as usize].ledger.retain(|e| e.token != token);
@@ -68,8 +68,24 @@ impl LockModel {
                 session: e.session,
             })
             .collect();
-        let answer = self.run(s, b, Op::PutBack { epoch, leases });
+        let answer = self.run(
+            s,
+            b,
+            Op::PutBack {
+                epoch,
+                leases: leases.clone(),
+            },
+        );
         let br = &mut s.brokers[b as usize];
+        // A lease another one with a higher fence displaced leaves the ledger (put_back.rs).
+        if let Answer::PutBack(codes) = &answer {
+            for (back, code) in leases.iter().zip(codes) {
+                if *code == BackCode::OtherKept {
+                    br.ledger
+                        .retain(|e| e.token != back.token || e.key != back.key);
+                }
+            }
+        }
         br.catching = None;
         if answer != Answer::EpochMoved {
             br.known = Some(epoch);
@@ -184,6 +200,10 @@ impl LockModel {
                 e.left -= 1;
             }
             br.ledger.retain(|e| e.left > 0);
+            for h in &mut br.handed {
+                h.left -= 1;
+            }
+            br.handed.retain(|h| h.left > 0);
         }
     }
 }

@@ -7,6 +7,7 @@
 mod actions;
 mod batch;
 mod broker;
+mod handed;
 mod props;
 mod session;
 mod several;
@@ -134,6 +135,18 @@ pub(crate) fn remember(ledger: &mut Vec<Entry>, entry: Entry) {
     ledger.sort();
 }
 
+/// A lease a RELEASE of this broker granted straight to one of its own queued bids, not taken
+/// by its waiter yet (the Redis store's map `(key, token) → lease`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Handed {
+    pub key: Key,
+    pub token: Token,
+    pub fence: Fence,
+    pub left: u8,
+    /// Ghost: a force release ended the lease before its waiter took it.
+    pub forced: bool,
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct BrokerState {
     pub alive: bool,
@@ -145,6 +158,8 @@ pub struct BrokerState {
     pub inbox: Vec<Notice>,
     /// The operations gathered for its next BATCH call (client, operation), in arrival order.
     pub batch: Vec<(u8, Pend)>,
+    /// The grants its RELEASEs handed to its own waiters, not taken yet.
+    pub handed: Vec<Handed>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -171,6 +186,9 @@ pub struct State {
     pub close_fault: bool,
     /// The several-keys clients.
     pub several: Vec<Several>,
+    /// Within one step only (empty between steps): handed leases a waiter took after a force
+    /// release had ended them, its broker not knowing (by design, as a holder's lease forced).
+    pub taken_forced: Vec<(Key, Fence)>,
 }
 
 /// The model: a configuration.
@@ -203,6 +221,7 @@ impl LockModel {
                     ledger: Vec::new(),
                     inbox: Vec::new(),
                     batch: Vec::new(),
+                    handed: Vec::new(),
                 })
                 .collect(),
             used: [0; 5],
@@ -214,6 +233,7 @@ impl LockModel {
             sess: c.session.map(|_| Sess::new()),
             close_fault: false,
             several: c.several.iter().map(|_| Several::new()).collect(),
+            taken_forced: Vec::new(),
         }
     }
 }
@@ -253,6 +273,9 @@ fn visit_fences(s: &mut State, f: &mut impl FnMut(&mut Fence)) {
     for b in &mut s.brokers {
         for e in &mut b.ledger {
             f(&mut e.fence);
+        }
+        for h in &mut b.handed {
+            f(&mut h.fence);
         }
         for n in &mut b.inbox {
             if let Notice::Ended(_, fence, _) = n {

@@ -65,6 +65,25 @@ impl LockModel {
         }
     }
 
+    /// Which hand-ons the configuration can meet: an offer (two brokers act on one key), a
+    /// direct grant (a broker acts twice on one key: a release and a wait). Who acts on a key:
+    /// its clients' brokers, a several-keys client's on both its keys, the session's acquires'
+    /// broker and its own (a close releases the session's leases there).
+    fn hand_ons(&self) -> (bool, bool) {
+        let c = &self.cfg;
+        let mut acts: Vec<(u8, Key)> = c.clients.iter().map(|&(b, k, _)| (b, k)).collect();
+        for sv in &c.several {
+            acts.extend(sv.keys.iter().map(|&k| (sv.broker, k)));
+        }
+        if let Some(sc) = c.session {
+            acts.extend([(sc.acquires_on, sc.key), (sc.broker, sc.key)]);
+        }
+        let on = |k: Key| acts.iter().filter(move |a| a.1 == k).map(|a| a.0);
+        let offers = (0..c.keys).any(|k| on(k).any(|b| on(k).any(|o| o != b)));
+        let direct = (0..c.keys).any(|k| on(k).any(|b| on(k).filter(|o| *o == b).count() > 1));
+        (offers, direct)
+    }
+
     /// Whether the live holders of each key respect its kind: one exclusive holder and nobody
     /// else, or shared holders only, or at most `limit` permits.
     pub fn exclusive_ok(&self, s: &State) -> bool {
@@ -120,6 +139,7 @@ impl Model for LockModel {
     fn next_state(&self, last: &State, action: Action) -> Option<State> {
         let mut next = last.clone();
         self.step(&mut next, &action);
+        self.settle_taken(&mut next);
         canonical(&mut next);
         Some(next)
     }
@@ -136,15 +156,29 @@ impl Model for LockModel {
                 let bound = m.cfg.window * s.used[0];
                 s.dead_block.iter().all(|d| *d <= bound)
             }),
-            Property::sometimes("a key is offered to a queued waiter", |_, s: &State| {
-                s.store.keys.iter().any(|k| {
-                    k.lock
-                        .iter()
-                        .chain(k.pool.iter())
-                        .any(|l| l.live() && l.offered)
-                })
-            }),
         ];
+        // Examples only where the configuration has the bids for them: an offer needs bids of
+        // two brokers on a key, a direct grant a broker that releases a key and waits for it.
+        let (offers, direct) = self.hand_ons();
+        if offers {
+            all.push(Property::sometimes(
+                "a key is offered to a queued waiter",
+                |_, s: &State| {
+                    s.store.keys.iter().any(|k| {
+                        k.lock
+                            .iter()
+                            .chain(k.pool.iter())
+                            .any(|l| l.live() && l.offered)
+                    })
+                },
+            ));
+        }
+        if direct {
+            all.push(Property::sometimes(
+                "a release grants the key straight to its own broker's waiter",
+                |_, s: &State| s.brokers.iter().any(|b| !b.handed.is_empty()),
+            ));
+        }
         if self.cfg.session.is_some() {
             all.push(Property::always(BELIEVED, |m: &LockModel, s: &State| {
                 m.believed_ok(s)

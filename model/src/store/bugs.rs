@@ -49,10 +49,15 @@ pub enum Bug {
     /// reads the counter but does not write it, so after the clock steps back its fence is
     /// below the ended lease's.
     SettleDropsKeptFence,
+    /// A broker answers a waiter's ask from the grants its RELEASE handed straight to its own
+    /// bids (`handed`) without checking that its ledger still holds that lease: after a force
+    /// release it has learned of (or a put-back refused), it tells the waiter "granted" for a
+    /// lease that is gone while the key has another holder.
+    HandedWithoutLedger,
 }
 
 impl Bug {
-    pub const ALL: [Bug; 14] = [
+    pub const ALL: [Bug; 15] = [
         Bug::NoEpochCheck,
         Bug::OfferWithoutFence,
         Bug::ReleaseDropsKeptFence,
@@ -67,6 +72,7 @@ impl Bug {
         Bug::PartialGrant,
         Bug::BatchSkipsEpoch,
         Bug::SettleDropsKeptFence,
+        Bug::HandedWithoutLedger,
     ];
 
     pub fn name(self) -> &'static str {
@@ -85,6 +91,7 @@ impl Bug {
             Bug::PartialGrant => "partial-grant",
             Bug::BatchSkipsEpoch => "batch-skips-epoch",
             Bug::SettleDropsKeptFence => "settle-drops-kept-fence",
+            Bug::HandedWithoutLedger => "handed-without-ledger",
         }
     }
 

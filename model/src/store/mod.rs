@@ -211,9 +211,13 @@ pub enum Op {
         keys: Vec<Key>,
         bid: Bid,
     },
+    /// RELEASE; `direct` (context kind `g`, what the Redis store sends for a lock key without
+    /// replica acks): the hand-on grants the key straight to the queue's head if it is an
+    /// exclusive bid of the caller's own broker not under a session, instead of offering it.
     Release {
         key: Key,
         token: Token,
+        direct: bool,
     },
     /// BATCH: claims and releases, each the common case of CLAIM's or RELEASE's fast path, with
     /// one clock and one `checked` for all; one answer each, in order ([`Answer::Slow`]: not the
@@ -311,6 +315,14 @@ pub enum Answer {
     /// RELEASE/RENEW of the token's lease (its fence).
     Held {
         fence: Fence,
+    },
+    /// RELEASE (`direct`) of the token's lease (its fence) that granted the key straight to a
+    /// queued bid of the caller's own broker: that grant (its token, fence, ticks left).
+    Handed {
+        fence: Fence,
+        token: Token,
+        granted: Fence,
+        left: u8,
     },
     NotHeld,
     NotOwner,

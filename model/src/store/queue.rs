@@ -4,12 +4,16 @@
 use super::{Bid, Bug, Effects, Fence, Key, KeyState, Kind, Lease, Notice, Params, Store, Token};
 
 /// A script's context (`c` in the Lua): the key, the caller, whether it may hand the key on,
-/// the brokers already told to requeue.
+/// the brokers already told to requeue, whether the hand-on may grant the key straight to the
+/// caller's own broker's bid (`c.direct`, a RELEASE's kind `g`) and that grant (`c.handed`:
+/// token, fence, ticks left).
 pub(super) struct Ctx<'a> {
     pub key: Key,
     pub broker: u8,
     pub hand: bool,
     pub requeued: u8,
+    pub direct: bool,
+    pub handed: Option<(Token, Fence, u8)>,
     pub p: &'a Params,
 }
 
@@ -209,7 +213,8 @@ fn look(s: &Store, c: &Ctx, fx: &mut Effects, offered: u8) {
 }
 
 /// `hand_on`: offers the key to the queue's head while it fits; the bid `me` is granted
-/// instead of offered (its grant is returned).
+/// instead of offered (its grant is returned), and so is, with `c.direct`, an exclusive bid of
+/// the caller's own broker not under a session (its grant is `c.handed`; nobody is told).
 pub(super) fn hand_on(
     s: &mut Store,
     c: &mut Ctx,
@@ -239,9 +244,16 @@ pub(super) fn hand_on(
         }
         unqueue(&mut s.keys[k], head.token);
         let mine = Some(head.token) == me;
-        let got = write_lease(s, c, fx, &head, !mine);
+        let direct = !mine
+            && c.direct
+            && head.kind == Kind::Exclusive
+            && head.broker == c.broker
+            && !head.session;
+        let got = write_lease(s, c, fx, &head, !(mine || direct));
         if mine {
             granted = Some(got);
+        } else if direct {
+            c.handed = Some((head.token, got.0, got.1));
         } else {
             offered |= 1 << head.broker;
             any = true;

@@ -16,6 +16,8 @@ pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> A
         broker: call.broker,
         hand,
         requeued: 0,
+        direct: false,
+        handed: None,
         p,
     };
     match &call.op {
@@ -36,7 +38,11 @@ pub(super) fn run(s: &mut Store, p: &Params, call: &Call, fx: &mut Effects) -> A
             None => super::fast::claim_all(s, p, call.broker, fx, keys, bid),
         },
         Op::Batch { ops } => super::fast::batch(s, p, call, fx, ops),
-        Op::Release { key, token } => release(s, &mut ctx(*key, s.hand(call.known)), fx, *token),
+        Op::Release { key, token, direct } => {
+            let mut c = ctx(*key, s.hand(call.known));
+            c.direct = *direct;
+            release(s, &mut c, fx, *token)
+        }
         Op::Renew {
             key,
             token,
@@ -286,7 +292,8 @@ fn holder(s: &Store, key: Key, token: Token) -> Holder {
     Holder::Code(Answer::NotOwner)
 }
 
-/// release.lua (fast/release.lua is the same step on a key with nothing else in it).
+/// release.lua (fast/release.lua is the same step on a key with nothing else in it); with
+/// `direct`, its hand-on may grant the key to the caller's own broker's next bid (answered).
 fn release(s: &mut Store, c: &mut Ctx, fx: &mut Effects, token: Token) -> Answer {
     let us = s.us;
     let lease = match holder(s, c.key, token) {
@@ -309,7 +316,16 @@ fn release(s: &mut Store, c: &mut Ctx, fx: &mut Effects, token: Token) -> Answer
     if !c.bug(super::Bug::ReleaseWithoutHandOn) {
         hand_on(s, c, fx, None);
     }
-    Answer::Held { fence: lease.fence }
+    // `released`: the grant `hand_on` made to the caller's own broker's bid follows.
+    match c.handed {
+        Some((token, granted, left)) => Answer::Handed {
+            fence: lease.fence,
+            token,
+            granted,
+            left,
+        },
+        None => Answer::Held { fence: lease.fence },
+    }
 }
 
 /// renew.lua (`lib/renewal.lua`): the end moves to `ttl` from now — a lease under a session

@@ -25,7 +25,7 @@ impl LockModel {
 
     /// RELEASE of a lease under the session; whether the store answered (no hold in force).
     fn sess_release(&self, s: &mut State, b: u8, key: Key, token: Token) -> bool {
-        let answer = self.run(s, b, Op::Release { key, token });
+        let answer = self.run(s, b, crate::model::handed::release_op(key, token));
         s.brokers[b as usize].ledger.retain(|e| e.token != token);
         answer != Answer::HoldInForce
     }

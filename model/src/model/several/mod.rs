@@ -298,7 +298,7 @@ impl LockModel {
         let token = s.several[m].token;
         let took: Vec<Key> = s.several[m].took.iter().map(|t| t.key).collect();
         for key in took {
-            self.run(s, b, Op::Release { key, token });
+            self.run(s, b, crate::model::handed::release_op(key, token));
         }
         s.brokers[b as usize].ledger.retain(|e| e.token != token);
     }
