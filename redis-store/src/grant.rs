@@ -49,6 +49,12 @@ impl RedisStore {
         key: &LockKey,
         bid: &Bid,
     ) -> StoreResult<Result<Lease, NoGrant>> {
+        // A grant a release of this broker's made to this bid, waiting for its ask.
+        if matches!(script, GrantScript::Claim)
+            && let Some(lease) = self.keeper.take_handed(key, &bid.token)
+        {
+            return Ok(Ok(lease));
+        }
         let kind = script.kind();
         let site = self.layout.site(kind.space(), key);
         let at = &site;

@@ -182,10 +182,54 @@ fn queued_and_newer_layout_replies_decode_by_their_code() {
         ReleaseReply::from_redis_value(reply(vec![int(1), int(40), int(9)])),
         Ok(ReleaseReply::Released {
             held_ms: 40,
-            fence: 9
+            fence: 9,
+            handed: None
         })
     ));
     assert!(ReleaseReply::from_redis_value(reply(vec![int(1), int(40)])).is_err());
+    // Handed straight to a bid of this broker: its grant follows, then its request id and owner.
+    let handed = |rid: &str, owner: &str| {
+        ReleaseReply::from_redis_value(reply(vec![
+            int(1),
+            int(40),
+            int(9),
+            text("t1"),
+            int(10),
+            int(5_000),
+            int(3_000),
+            int(2_000),
+            text(rid),
+            text(owner),
+        ]))
+    };
+    let Ok(ReleaseReply::Released {
+        handed: Some(h), ..
+    }) = handed("r-1", "=worker 2")
+    else {
+        panic!("a release that handed the key on to a bid of this broker")
+    };
+    assert_eq!(
+        (
+            h.granted.token.as_str(),
+            h.granted.fence,
+            h.granted.expires_at_ms
+        ),
+        ("t1", 10, 5_000)
+    );
+    assert_eq!((h.granted.ttl_ms, h.granted.now_ms), (3_000, 2_000));
+    assert_eq!(h.request_id.as_ref().map(|r| r.as_str()), Some("r-1"));
+    assert_eq!(h.owner.as_ref().map(|o| o.as_str()), Some("worker 2"));
+    let Ok(ReleaseReply::Released {
+        handed: Some(h), ..
+    }) = handed("", "")
+    else {
+        panic!("a handed bid without a request id or owner")
+    };
+    assert!(h.request_id.is_none() && h.owner.is_none());
+    assert!(
+        handed("", "=a\nb").is_err(),
+        "an owner label no client could give"
+    );
 }
 
 #[test]
