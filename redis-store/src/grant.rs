@@ -74,6 +74,7 @@ impl RedisStore {
         // What remains on the store's clock: a lease handed back again by request id is older
         // than its TTL.
         let remaining = Duration::from_millis(granted.expires_at_ms.saturating_sub(granted.now_ms));
+        let again = granted.again;
         let lease = lease_of(granted, bid, kind)?;
         if self.replicas.asked() {
             // Boxed: see `Replicas::asked`.
@@ -91,6 +92,11 @@ impl RedisStore {
         }
         self.keeper
             .remember(key, kind, site.slot, &lease, answered + remaining, &epoch);
+        if again && bid.waits() && lease.token == bid.token && self.keeper.handed.enabled {
+            self.keeper
+                .handed
+                .answered(key, &bid.token, answered + remaining);
+        }
         Ok(Ok(lease))
     }
 

@@ -30,42 +30,87 @@ use super::scripts::Handed;
 use lockbroker_core::domain::{Kind, Lease, LockKey, Space, Token};
 use lockbroker_core::store::Notice;
 
-/// How many grants may wait here before the ended ones are swept on the next one.
+/// How many entries may be kept here before the ended ones are swept on the next one.
 const SWEEP_ABOVE: usize = 1024;
+
+/// What is kept for a bid's token on a key.
+enum Slot {
+    /// A grant its waiter has not taken yet, and its end by this host's clock.
+    Waiting(Lease, Instant),
+    /// The bid was answered its live lease by CLAIM before the release that handed it the key
+    /// answered here (its ask raced the release): that release's grant must neither be offered to
+    /// a waiter again nor, its waiter being gone, released. Kept until then or its end.
+    Answered(Instant),
+}
+
+impl Slot {
+    fn ends(&self) -> Instant {
+        match self {
+            Slot::Waiting(_, ends) | Slot::Answered(ends) => *ends,
+        }
+    }
+}
 
 /// The grants RELEASE made to this broker's own bids that their waiters have not taken yet.
 pub(crate) struct HandedGrants {
     /// Whether releases ask for such grants (not while replica acks are asked).
     pub enabled: bool,
-    waiting: Mutex<HashMap<(LockKey, Token), (Lease, Instant)>>,
+    slots: Mutex<HashMap<(LockKey, Token), Slot>>,
 }
 
 impl HandedGrants {
     pub(crate) fn new(enabled: bool) -> Self {
         Self {
             enabled,
-            waiting: Mutex::default(),
+            slots: Mutex::default(),
         }
     }
 
-    fn waiting(&self) -> MutexGuard<'_, HashMap<(LockKey, Token), (Lease, Instant)>> {
-        // Every critical section is one map operation: a poisoned lock is consistent.
-        self.waiting.lock().unwrap_or_else(|e| e.into_inner())
+    fn slots(&self) -> MutexGuard<'_, HashMap<(LockKey, Token), Slot>> {
+        // Every critical section is a few map operations: a poisoned lock is consistent.
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Takes `token`'s grant on `key` out, if one waits here: the lease and its end by this
     /// host's clock.
     pub(crate) fn take(&self, key: &LockKey, token: &Token) -> Option<(Lease, Instant)> {
-        self.waiting().remove(&(key.clone(), token.clone()))
+        let mut slots = self.slots();
+        let at = (key.clone(), token.clone());
+        match slots.remove(&at)? {
+            Slot::Waiting(lease, ends) => Some((lease, ends)),
+            answered @ Slot::Answered(_) => {
+                slots.insert(at, answered);
+                None
+            }
+        }
     }
 
-    fn put(&self, key: &LockKey, lease: Lease, ends: Instant) {
-        let mut waiting = self.waiting();
-        if waiting.len() >= SWEEP_ABOVE {
-            let now = Instant::now();
-            waiting.retain(|_, (_, ends)| *ends > now);
+    /// A grant handed to `lease`'s token on `key`, to keep for its waiter: false when that bid
+    /// was answered the lease already (nothing to keep, nobody to tell).
+    fn put(&self, key: &LockKey, lease: Lease, ends: Instant) -> bool {
+        let mut slots = self.slots();
+        let at = (key.clone(), lease.token.clone());
+        if let Some(Slot::Answered(_)) = slots.get(&at) {
+            slots.remove(&at);
+            return false;
         }
-        waiting.insert((key.clone(), lease.token.clone()), (lease, ends));
+        if slots.len() >= SWEEP_ABOVE {
+            let now = Instant::now();
+            slots.retain(|_, slot| slot.ends() > now);
+        }
+        slots.insert(at, Slot::Waiting(lease, ends));
+        true
+    }
+
+    /// CLAIM answered `token`'s bid on `key` the live lease it held already (ending at `ends`):
+    /// a grant handed to it here is taken that way; one still on its way here must not be.
+    pub(crate) fn answered(&self, key: &LockKey, token: &Token, ends: Instant) {
+        let mut slots = self.slots();
+        let at = (key.clone(), token.clone());
+        if let Some(Slot::Waiting(..)) = slots.remove(&at) {
+            return;
+        }
+        slots.insert(at, Slot::Answered(ends));
     }
 }
 
@@ -108,7 +153,9 @@ impl EpochKeeper {
             ends,
             epoch,
         );
-        self.handed.put(key, lease, ends);
+        if !self.handed.put(key, lease, ends) {
+            return;
+        }
         let Some(notices) = self.notices.get() else {
             return;
         };
@@ -126,5 +173,73 @@ impl EpochKeeper {
     pub(super) fn take_handed(&self, key: &LockKey, token: &Token) -> Option<Lease> {
         let (lease, ends) = self.handed.take(key, token)?;
         (Instant::now() < ends && self.ledger.holds(key, Kind::Exclusive, token)).then_some(lease)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lockbroker_core::domain::Lease;
+
+    fn lease(token: &Token) -> Lease {
+        Lease {
+            token: token.clone(),
+            fence: 7,
+            expires_at_ms: 10_000,
+            ttl_ms: 10_000,
+            owner: None,
+            request_id: None,
+            limit: None,
+        }
+    }
+
+    fn later() -> Instant {
+        Instant::now() + Duration::from_secs(10)
+    }
+
+    #[test]
+    fn a_grant_kept_for_its_waiter_is_taken_once() {
+        let handed = HandedGrants::new(true);
+        let (key, token) = (LockKey::parse("k").unwrap(), Token::generate());
+        assert!(handed.take(&key, &token).is_none());
+        assert!(handed.put(&key, lease(&token), later()));
+        assert!(
+            handed.take(&key, &Token::generate()).is_none(),
+            "another token's"
+        );
+        assert_eq!(handed.take(&key, &token).map(|(l, _)| l.fence), Some(7));
+        assert!(handed.take(&key, &token).is_none(), "taken already");
+    }
+
+    #[test]
+    fn a_grant_its_bid_was_answered_by_claim_first_is_neither_kept_nor_taken() {
+        let handed = HandedGrants::new(true);
+        let (key, token) = (LockKey::parse("k").unwrap(), Token::generate());
+        // The bid's ask ran after the release in Redis, and answered before the release did.
+        handed.answered(&key, &token, later());
+        assert!(handed.take(&key, &token).is_none());
+        assert!(!handed.put(&key, lease(&token), later()), "nobody to tell");
+        assert!(
+            handed.take(&key, &token).is_none(),
+            "nothing to release on a leave"
+        );
+        // The other order: the release answered first, then the bid's ask reached Redis.
+        assert!(handed.put(&key, lease(&token), later()));
+        handed.answered(&key, &token, later());
+        assert!(handed.take(&key, &token).is_none());
+        assert!(handed.slots().is_empty(), "nothing left behind");
+    }
+
+    #[test]
+    fn ended_entries_are_swept_once_many_are_kept() {
+        let handed = HandedGrants::new(true);
+        let key = LockKey::parse("k").unwrap();
+        let ended = Instant::now() - Duration::from_millis(1);
+        for _ in 0..SWEEP_ABOVE {
+            handed.answered(&key, &Token::generate(), ended);
+        }
+        let token = Token::generate();
+        assert!(handed.put(&key, lease(&token), later()));
+        assert_eq!(handed.slots().len(), 1);
     }
 }

@@ -224,6 +224,7 @@ impl Handed {
             expires_at_ms: fields.next()?,
             ttl_ms: fields.next()?,
             now_ms: fields.next()?,
+            again: false,
         };
         let rid: String = fields.next()?;
         let owner: String = fields.next()?;

@@ -178,6 +178,23 @@ fn queued_and_newer_layout_replies_decode_by_their_code() {
         )))
     ));
     assert!(Epoched::<GrantReply>::from_redis_value(reply(vec![int(7)])).is_err());
+    // A lease the bid held already: CLAIM's trailing 1.
+    let again = |fields: Vec<Value>| match Epoched::<GrantReply>::from_redis_value(reply(fields)) {
+        Ok(Epoched::Answered(GrantReply::Granted(g))) => g.again,
+        _ => panic!("a grant"),
+    };
+    let granted = || {
+        vec![
+            int(1),
+            int(9),
+            int(5_000),
+            text("t"),
+            int(3_000),
+            int(2_000),
+        ]
+    };
+    assert!(!again(granted()));
+    assert!(again([granted(), vec![int(1)]].concat()));
     assert!(matches!(
         ReleaseReply::from_redis_value(reply(vec![int(1), int(40), int(9)])),
         Ok(ReleaseReply::Released {
@@ -266,8 +283,9 @@ fn a_grant_reply_decodes_by_its_code_and_nothing_may_be_missing_or_left_over() {
         }
         _ => panic!("not a grant"),
     }
+    // Past the trailing `again` field, nothing may be left over.
     let mut longer = granted.clone();
-    longer.push(int(0));
+    longer.extend([int(1), int(0)]);
     assert!(Epoched::<GrantReply>::from_redis_value(reply(longer)).is_err());
     assert!(Epoched::<GrantReply>::from_redis_value(reply(granted[..5].to_vec())).is_err());
     assert!(matches!(
