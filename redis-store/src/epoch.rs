@@ -38,6 +38,7 @@ use tokio::sync::{Notify, mpsc};
 use super::Broker;
 use super::batch::Batcher;
 use super::connection::RedisConnection;
+use super::handed::HandedGrants;
 use super::keys::KeyLayout;
 use super::scripts::{Epoched, GrantReply, GrantedLease, NoGrant, Scripts};
 use super::shard::Shard;
@@ -97,6 +98,9 @@ pub(super) struct EpochKeeper {
     /// Claims and releases gathered into one script call while another is in flight
     /// (`batch.rs`).
     pub batcher: Batcher,
+    /// Grants releases made to this broker's own bids, until their waiters take them
+    /// (`handed.rs`).
+    pub handed: HandedGrants,
 }
 
 impl EpochKeeper {

@@ -49,6 +49,12 @@ impl RedisStore {
         key: &LockKey,
         bid: &Bid,
     ) -> StoreResult<Result<Lease, NoGrant>> {
+        // A grant a release of this broker's made to this bid, waiting for its ask.
+        if matches!(script, GrantScript::Claim)
+            && let Some(lease) = self.keeper.take_handed(key, &bid.token)
+        {
+            return Ok(Ok(lease));
+        }
         let kind = script.kind();
         let site = self.layout.site(kind.space(), key);
         let at = &site;
@@ -68,6 +74,7 @@ impl RedisStore {
         // What remains on the store's clock: a lease handed back again by request id is older
         // than its TTL.
         let remaining = Duration::from_millis(granted.expires_at_ms.saturating_sub(granted.now_ms));
+        let again = granted.again;
         let lease = lease_of(granted, bid, kind)?;
         if self.replicas.asked() {
             // Boxed: see `Replicas::asked`.
@@ -85,6 +92,11 @@ impl RedisStore {
         }
         self.keeper
             .remember(key, kind, site.slot, &lease, answered + remaining, &epoch);
+        if again && bid.waits() && lease.token == bid.token && self.keeper.handed.enabled {
+            self.keeper
+                .handed
+                .answered(key, &bid.token, answered + remaining);
+        }
         Ok(Ok(lease))
     }
 

@@ -20,6 +20,7 @@ mod check;
 mod connection;
 mod epoch;
 mod grant;
+mod handed;
 mod keys;
 mod ledger;
 // Only for lockbroker-bench (the `bench` feature): the ledger itself stays private.
@@ -253,6 +254,7 @@ impl RedisStore {
             notices: std::sync::OnceLock::new(),
             metrics: metrics.clone(),
             batcher: batch::Batcher::new(settings.batch_max),
+            handed: handed::HandedGrants::new(settings.replica_acks == 0),
         };
         Ok(Self {
             layout,

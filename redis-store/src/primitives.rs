@@ -129,6 +129,11 @@ impl Store for RedisStore {
     }
 
     async fn leave(&self, space: Space, key: &LockKey, token: &Token) -> StoreResult<()> {
+        // A grant a release made to the bid, which its waiter did not take: released, so that
+        // the key passes on (LEAVE leaves a granted lease alone).
+        if space == Space::Locks && self.keeper.handed.take(key, token).is_some() {
+            return self.keeper.release(space, key, token).await.map(|_| ());
+        }
         let site = self.layout.site(space, key);
         let (caller, epoch) = (self.broker.caller(), self.keeper.epoch_for(site.slot));
         let leave = Leave {

@@ -254,6 +254,7 @@ impl EpochKeeper {
         let release = Release {
             on: self.holder_context(&site, &caller, &epoch),
             token,
+            direct: self.handed.enabled && space == Space::Locks,
         };
         let answer = match space {
             // Only an exclusive lease is released in a batch.
@@ -265,10 +266,18 @@ impl EpochKeeper {
             }
             Space::Semaphores => self.run_tracked(&release).await,
         };
+        let answered = Instant::now();
         let outcome = match answer?.0 {
-            ReleaseReply::Released { held_ms, fence } => {
+            ReleaseReply::Released {
+                held_ms,
+                fence,
+                handed,
+            } => {
                 // The end's mark keeps a renewal answered after it out of the ledger.
                 self.ledger.forget_ended(space, key.as_str(), fence, false);
+                if let Some(handed) = handed {
+                    self.handed(key, handed, answered, &epoch);
+                }
                 AsHolder::Done(Released { held_ms })
             }
             ReleaseReply::Refused(refusal) => refusal.answer(),

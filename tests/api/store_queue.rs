@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use lockbroker::domain::{Lease, LockKey, Pool, RequestId, Space, Token, Ttl};
+use lockbroker::domain::{Lease, LockKey, Owner, Pool, RequestId, Space, Token, Ttl};
 use lockbroker::store::redis::RedisStore;
 use lockbroker::store::{AsHolder, Bid, GrantAnswer, Join, Notice, Renewal, Store, StoreError};
 use lockbroker_test_support::redis::{self, AsyncCommands};
@@ -112,7 +112,9 @@ async fn waiters_on_two_brokers_are_served_in_arrival_order_with_rising_fences()
     let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
     let (b, mut b_told) = broker(&redis, Duration::from_secs(2));
     let k = key("orders");
-    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    // Held through B: B's release offers the key to A's bid (a release grants outright only to
+    // its own broker's bids, see below).
+    let holder = granted(claim(&b, &k, &bid(10_000, 0)).await);
     // Arrival order: a1 (on A), b1 (on B), a2 (on A).
     let (a1, b1, a2) = (
         bid(10_000, 10_000),
@@ -133,7 +135,7 @@ async fn waiters_on_two_brokers_are_served_in_arrival_order_with_rising_fences()
     // The release offers the key to the head, on its broker's channel; the next broker in
     // line is told to look when the offer's window ends.
     assert!(matches!(
-        a.release(Space::Locks, &k, &holder.token).await.unwrap(),
+        b.release(Space::Locks, &k, &holder.token).await.unwrap(),
         AsHolder::Done(_)
     ));
     told(&mut a_told, &offered(&k, &a1.token)).await;
@@ -329,8 +331,10 @@ async fn semaphore_permits_go_to_the_queue_heads_while_there_is_room() {
 async fn an_offer_answers_no_request_id_repeat_until_it_is_taken_and_dead_bids_are_skipped() {
     let redis = RedisServer::start().await;
     let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let (b, _b_told) = broker(&redis, Duration::from_secs(2));
     let k = key("jobs");
-    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    // Held through B, which offers the key to A's bids.
+    let holder = granted(claim(&b, &k, &bid(10_000, 0)).await);
     let impatient = bid(5_000, 150);
     let with_id = Bid {
         request_id: Some(RequestId::parse("job-1").unwrap()),
@@ -340,7 +344,7 @@ async fn an_offer_answers_no_request_id_repeat_until_it_is_taken_and_dead_bids_a
     queued(claim(&a, &k, &with_id).await);
     // The first bid's wait runs out in the queue; the release skips it.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    a.release(Space::Locks, &k, &holder.token).await.unwrap();
+    b.release(Space::Locks, &k, &holder.token).await.unwrap();
     told(&mut a_told, &offered(&k, &with_id.token)).await;
     // A repeat of the acquire (a new token, the same request id) does not get the offer.
     let repeat = Bid {
@@ -363,24 +367,111 @@ async fn an_offer_answers_no_request_id_repeat_until_it_is_taken_and_dead_bids_a
     assert_eq!((again.token, again.fence), (lease.token, lease.fence));
 }
 
+/// The script calls Redis has run so far.
+async fn evalsha(c: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(c)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
+}
+
 #[tokio::test]
-async fn an_uncontended_cycle_costs_one_script_each_way_and_a_contended_acquisition_three() {
+async fn a_release_grants_its_own_brokers_next_bid_outright_and_the_bids_ask_takes_it_without_a_call()
+ {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("own");
+    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    let next = bid(10_000, 10_000);
+    queued(claim(&a, &k, &next).await);
+    let mut c = conn(&redis).await;
+    a.release(Space::Locks, &k, &holder.token).await.unwrap();
+    // Its waiter is told as of an offer; in Redis the lease is the bid's, granted, not offered,
+    // and the broker remembers it.
+    told(&mut a_told, &offered(&k, &next.token)).await;
+    let (token, offer): (Option<String>, Option<String>) = redis::cmd("HMGET")
+        .arg("q:{own}:lock")
+        .arg("token")
+        .arg("offered")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(token.as_deref(), Some(next.token.as_str()));
+    assert_eq!(offer, None, "granted, not offered");
+    assert_eq!(a.ledger_len(), 1, "the grant is in the ledger");
+    let before = evalsha(&mut c).await;
+    let lease = granted(claim(&a, &k, &next).await);
+    assert_eq!(evalsha(&mut c).await, before, "taken without a script call");
+    assert_eq!(lease.token, next.token);
+    assert!(lease.fence > holder.fence);
+    // Asked again, the bid gets the same lease, from Redis.
+    assert_eq!(granted(claim(&a, &k, &next).await).fence, lease.fence);
+    assert_eq!(evalsha(&mut c).await, before + 1);
+}
+
+#[tokio::test]
+async fn a_grant_handed_to_a_waiter_that_left_is_released_and_passes_on() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("own-gone");
+    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    let (gone, next) = (bid(10_000, 10_000), bid(10_000, 10_000));
+    queued(claim(&a, &k, &gone).await);
+    queued(claim(&a, &k, &next).await);
+    a.release(Space::Locks, &k, &holder.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &gone.token)).await;
+    // Its waiter went away: the broker leaves, which releases the grant and hands it on.
+    a.leave(Space::Locks, &k, &gone.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &next.token)).await;
+    let lease = granted(claim(&a, &k, &next).await);
+    assert!(lease.fence > holder.fence);
+    assert_eq!(a.ledger_len(), 1, "only the taken grant is remembered");
+    // The gone bid's grant is over: asking with its token joins the queue anew.
+    queued(claim(&a, &k, &gone).await);
+}
+
+#[tokio::test]
+async fn a_sessions_bid_and_another_brokers_bid_are_offered_not_granted() {
+    let redis = RedisServer::start().await;
+    let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
+    let (b, mut b_told) = broker(&redis, Duration::from_secs(2));
+    let k = key("offered");
+    let mut c = conn(&redis).await;
+    let holder = granted(claim(&a, &k, &bid(10_000, 0)).await);
+    // A bid under a session: its lease must end with its session, which only its ask says.
+    let in_session = Bid {
+        owner: Some(Owner::for_session(None, 0)),
+        ..bid(10_000, 10_000)
+    };
+    let elsewhere = bid(10_000, 10_000);
+    queued(claim(&a, &k, &in_session).await);
+    queued(claim(&b, &k, &elsewhere).await);
+    let offer = async |c: &mut redis::aio::MultiplexedConnection| -> Option<String> {
+        c.hget("q:{offered}:lock", "offered").await.unwrap()
+    };
+    a.release(Space::Locks, &k, &holder.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &in_session.token)).await;
+    assert_eq!(offer(&mut c).await.as_deref(), Some("1"));
+    let first = granted(claim(&a, &k, &in_session).await);
+    // A's release, B's bid next: offered.
+    a.release(Space::Locks, &k, &first.token).await.unwrap();
+    told(&mut b_told, &offered(&k, &elsewhere.token)).await;
+    assert_eq!(offer(&mut c).await.as_deref(), Some("1"));
+    assert!(granted(claim(&b, &k, &elsewhere).await).fence > first.fence);
+}
+
+#[tokio::test]
+async fn an_uncontended_cycle_costs_one_script_each_way_and_a_contended_acquisition_two_or_three() {
     let redis = RedisServer::start().await;
     let (a, mut a_told) = broker(&redis, Duration::from_secs(2));
     let (b, mut b_told) = broker(&redis, Duration::from_secs(2));
     let k = key("counted");
     granted(claim(&a, &k, &bid(1_000, 0)).await);
     let mut redis_conn = conn(&redis).await;
-    let evalsha = async |c: &mut redis::aio::MultiplexedConnection| -> u64 {
-        let info: String = redis::cmd("INFO")
-            .arg("commandstats")
-            .query_async(c)
-            .await
-            .unwrap();
-        info.lines()
-            .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-            .map_or(0, |rest| rest.split(',').next().unwrap().parse().unwrap())
-    };
     let k2 = key("uncontended");
     let before = evalsha(&mut redis_conn).await;
     for _ in 0..10 {
@@ -409,8 +500,21 @@ async fn an_uncontended_cycle_costs_one_script_each_way_and_a_contended_acquisit
         on = next;
     }
     let per = (evalsha(&mut redis_conn).await - before) as f64 / 10.0;
-    println!("contended: {per} EVALSHA per acquisition");
+    println!("contended across brokers: {per} EVALSHA per acquisition");
     assert_eq!(per, 3.0);
+
+    // On one broker the release grants the key to the waiter outright: the claim that queues
+    // and the release.
+    let before = evalsha(&mut redis_conn).await;
+    for _ in 0..10 {
+        let waiter = bid(10_000, 10_000);
+        queued(on.claim(&k2, &waiter).await.unwrap());
+        on.release(Space::Locks, &k2, &holder.token).await.unwrap();
+        holder = granted(on.claim(&k2, &waiter).await.unwrap());
+    }
+    let per = (evalsha(&mut redis_conn).await - before) as f64 / 10.0;
+    println!("contended on one broker: {per} EVALSHA per acquisition");
+    assert_eq!(per, 2.0);
 }
 
 #[tokio::test]

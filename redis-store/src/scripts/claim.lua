@@ -14,7 +14,8 @@
 -- epoch check it goes on from), lib/pools.lua and lib/queue.lua. Its call: `Claim` in
 -- scripts/grant.rs.
 -- KEYS: as lib/keys.lua's. ARGV: as `grant_context`'s (kind `x`).
--- Replies (codes named in lib/prelude.lua): {GRANTED, fence, expires_at, token, ttl, now};
+-- Replies (codes named in lib/prelude.lua): {GRANTED, fence, expires_at, token, ttl, now} (and a
+-- trailing 1 when the bid held that live lease already);
 -- {REFUSED}; {QUEUED, retry_after_ms}; {ON_HOLD, hold_until, now, reason} a store-wide hold is
 -- in force; {OTHER_EPOCH, epoch} the store is in another epoch than the broker knows: it must
 -- catch up (put its leases back) before it may grant; {NEWER_LAYOUT, layout} a broker of a newer
@@ -31,7 +32,9 @@ if live and cur[1] == c.token then
     keep(FENCE, bid.ttl + c.slack)
     return {GRANTED, cur[2], expires, c.token, bid.ttl, c.now_ms}
   end
-  return {GRANTED, cur[2], cur[3], cur[1], cur[4], c.now_ms}
+  -- Held already: answered with a trailing 1, so that the broker knows a grant its own release
+  -- handed this bid (`handed.rs`) has reached the bid this way.
+  return {GRANTED, cur[2], cur[3], cur[1], cur[4], c.now_ms, 1}
 end
 if live and bid.rid ~= '' and cur[5] == bid.rid and cur[6] ~= '1' then
   return {GRANTED, cur[2], cur[3], cur[1], cur[4], c.now_ms}

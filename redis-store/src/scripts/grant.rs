@@ -238,6 +238,8 @@ pub(crate) struct GrantedLease {
     pub ttl_ms: u64,
     /// Redis's clock when it granted.
     pub now_ms: u64,
+    /// The bid held this live lease already (CLAIM's trailing 1): granted before this call.
+    pub again: bool,
 }
 
 impl FromRedisValue for Epoched<GrantReply> {
@@ -254,6 +256,7 @@ impl FromRedisValue for Epoched<GrantReply> {
                 token: fields.next()?,
                 ttl_ms: fields.next()?,
                 now_ms: fields.next()?,
+                again: !fields.is_empty() && fields.next::<i64>()? == 1,
             })),
             GrantCode::OnHold => not(NoGrant::OnHold(hold_in(&mut fields)?)),
             GrantCode::OtherEpoch => Epoched::OtherEpoch(fields.next()?),

@@ -4,10 +4,10 @@
 use redis::{FromRedisValue, ParsingError, Value};
 
 use super::codes::HolderCode;
-use super::grant::{Caller, QueueContext, write_queue_keys};
+use super::grant::{Caller, GrantedLease, QueueContext, write_queue_keys};
 use super::{Fields, Writer, hold_in, unknown};
 use crate::keys::RedisKeys;
-use lockbroker_core::domain::{Fence, Owner, Token};
+use lockbroker_core::domain::{Fence, Owner, RequestId, Token};
 use lockbroker_core::store::{AsHolder, Hold, Renewal};
 
 /// What every holder script takes (`holder_context` in `lib/queue.lua`): the key's queue keys,
@@ -26,11 +26,20 @@ pub(crate) struct HolderContext<'a> {
 
 impl<'a> HolderContext<'a> {
     fn write(&self, call: &mut Writer<'_>, token: &str) {
+        self.write_as(call, token, "x");
+    }
+
+    /// As `write`, with the queue context's kind `kind`: `x`, or for a RELEASE that takes a grant
+    /// to this broker's own next bid, `g` (`hand_on` in `lib/queue.lua`).
+    fn write_as(&self, call: &mut Writer<'_>, token: &str, kind: &str) {
         write_queue_keys(call, self.keys, self.marker);
         call.arg(token)
             .arg(self.epoch)
             .arg(self.caller.id)
-            .arg_fmt(self.queue_context());
+            .arg_fmt(QueueContext {
+                kind,
+                ..self.queue_context()
+            });
     }
 
     /// The context string of the key's queue (a holder script's last argument).
@@ -46,17 +55,20 @@ impl<'a> HolderContext<'a> {
     }
 }
 
-/// RELEASE's call: ends `token`'s lease and hands the key on.
+/// RELEASE's call: ends `token`'s lease and hands the key on — with `direct`, straight to this
+/// broker's own next exclusive bid (not under a session) if that bid is the queue's head: the
+/// reply then carries its grant ([`ReleaseReply::Released::handed`]).
 pub(crate) struct Release<'a> {
     pub on: HolderContext<'a>,
     pub token: &'a Token,
+    pub direct: bool,
 }
 
 script_call! {
     Release<'_> => release,
     type Reply = ReleaseReply;
     |this, call| {
-        this.on.write(call, this.token.as_str());
+        this.on.write_as(call, this.token.as_str(), if this.direct { "g" } else { "x" });
     }
 }
 
@@ -190,8 +202,46 @@ pub(crate) enum ReleaseReply {
     Released {
         held_ms: u64,
         fence: Fence,
+        /// The grant the release made to this broker's own next bid, if it made one.
+        handed: Option<Handed>,
     },
     Refused(Refusal),
+}
+
+/// A grant a RELEASE made to a bid of this broker: the lease as written, and what the bid
+/// asked with (its request id and owner label) — what the ledger keeps of it.
+pub(crate) struct Handed {
+    pub granted: GrantedLease,
+    pub request_id: Option<RequestId>,
+    pub owner: Option<Owner>,
+}
+
+impl Handed {
+    fn decode(fields: &mut Fields) -> Result<Self, ParsingError> {
+        let granted = GrantedLease {
+            token: fields.next()?,
+            fence: fields.next()?,
+            expires_at_ms: fields.next()?,
+            ttl_ms: fields.next()?,
+            now_ms: fields.next()?,
+            again: false,
+        };
+        let rid: String = fields.next()?;
+        let owner: String = fields.next()?;
+        let bad = |what: &str| {
+            ParsingError::from(format!("release handed on a bid with a malformed {what}"))
+        };
+        Ok(Self {
+            granted,
+            request_id: (!rid.is_empty())
+                .then(|| RequestId::parse(&rid).map_err(|_| bad("request id")))
+                .transpose()?,
+            owner: owner
+                .strip_prefix('=')
+                .map(|label| Owner::from_stored(label).map_err(|_| bad("owner")))
+                .transpose()?,
+        })
+    }
 }
 
 impl FromRedisValue for ReleaseReply {
@@ -201,6 +251,11 @@ impl FromRedisValue for ReleaseReply {
             HolderCode::Held => ReleaseReply::Released {
                 held_ms: fields.next()?,
                 fence: fields.next()?,
+                handed: if fields.is_empty() {
+                    None
+                } else {
+                    Some(Handed::decode(&mut fields)?)
+                },
             },
             code => ReleaseReply::Refused(Refusal::decode(code, &mut fields, "release")?),
         };

@@ -72,7 +72,7 @@ pub(crate) use self::grant::{
     Caller, Claim, ClaimAll, Epoched, GrantReply, GrantedLease, JoinPool, NoGrant, TakeOver,
 };
 pub(crate) use self::holder::{
-    Force, ForceReply, HolderContext, Keep, KeepReply, Leave, Release, ReleaseReply, Renew,
+    Force, ForceReply, Handed, HolderContext, Keep, KeepReply, Leave, Release, ReleaseReply, Renew,
     RenewReply, Renewed,
 };
 pub(crate) use self::reads::{Read, ReadPermits};

@@ -8,7 +8,8 @@
 -- KEYS: as lib/keys.lua's. ARGV: as `holder_context`'s.
 -- Replies (codes named in lib/prelude.lua) {HELD, held_ms, fence} — followed, when the key went
 -- straight to a bid of the caller's own broker (its context's kind `g`, see `hand_on`), by that
--- grant: its token, fence, expires_at, ttl and Redis's clock; {NOT_HELD}, {NOT_OWNER}; or
+-- grant: its token, fence, expires_at, ttl, Redis's clock, request_id ('' for none) and owner
+-- ('' or '=' and the label); {NOT_HELD}, {NOT_OWNER}; or
 -- {HOLD_IN_FORCE, hold_until, now, reason}.
 local c = holder_context(now)
 -- The reply of a release, and the grant `hand_on` made to the caller's own bid, if one.

@@ -178,14 +178,75 @@ fn queued_and_newer_layout_replies_decode_by_their_code() {
         )))
     ));
     assert!(Epoched::<GrantReply>::from_redis_value(reply(vec![int(7)])).is_err());
+    // A lease the bid held already: CLAIM's trailing 1.
+    let again = |fields: Vec<Value>| match Epoched::<GrantReply>::from_redis_value(reply(fields)) {
+        Ok(Epoched::Answered(GrantReply::Granted(g))) => g.again,
+        _ => panic!("a grant"),
+    };
+    let granted = || {
+        vec![
+            int(1),
+            int(9),
+            int(5_000),
+            text("t"),
+            int(3_000),
+            int(2_000),
+        ]
+    };
+    assert!(!again(granted()));
+    assert!(again([granted(), vec![int(1)]].concat()));
     assert!(matches!(
         ReleaseReply::from_redis_value(reply(vec![int(1), int(40), int(9)])),
         Ok(ReleaseReply::Released {
             held_ms: 40,
-            fence: 9
+            fence: 9,
+            handed: None
         })
     ));
     assert!(ReleaseReply::from_redis_value(reply(vec![int(1), int(40)])).is_err());
+    // Handed straight to a bid of this broker: its grant follows, then its request id and owner.
+    let handed = |rid: &str, owner: &str| {
+        ReleaseReply::from_redis_value(reply(vec![
+            int(1),
+            int(40),
+            int(9),
+            text("t1"),
+            int(10),
+            int(5_000),
+            int(3_000),
+            int(2_000),
+            text(rid),
+            text(owner),
+        ]))
+    };
+    let Ok(ReleaseReply::Released {
+        handed: Some(h), ..
+    }) = handed("r-1", "=worker 2")
+    else {
+        panic!("a release that handed the key on to a bid of this broker")
+    };
+    assert_eq!(
+        (
+            h.granted.token.as_str(),
+            h.granted.fence,
+            h.granted.expires_at_ms
+        ),
+        ("t1", 10, 5_000)
+    );
+    assert_eq!((h.granted.ttl_ms, h.granted.now_ms), (3_000, 2_000));
+    assert_eq!(h.request_id.as_ref().map(|r| r.as_str()), Some("r-1"));
+    assert_eq!(h.owner.as_ref().map(|o| o.as_str()), Some("worker 2"));
+    let Ok(ReleaseReply::Released {
+        handed: Some(h), ..
+    }) = handed("", "")
+    else {
+        panic!("a handed bid without a request id or owner")
+    };
+    assert!(h.request_id.is_none() && h.owner.is_none());
+    assert!(
+        handed("", "=a\nb").is_err(),
+        "an owner label no client could give"
+    );
 }
 
 #[test]
@@ -222,8 +283,9 @@ fn a_grant_reply_decodes_by_its_code_and_nothing_may_be_missing_or_left_over() {
         }
         _ => panic!("not a grant"),
     }
+    // Past the trailing `again` field, nothing may be left over.
     let mut longer = granted.clone();
-    longer.push(int(0));
+    longer.extend([int(1), int(0)]);
     assert!(Epoched::<GrantReply>::from_redis_value(reply(longer)).is_err());
     assert!(Epoched::<GrantReply>::from_redis_value(reply(granted[..5].to_vec())).is_err());
     assert!(matches!(

@@ -198,7 +198,7 @@ local function hand_on(c, me)
       if mine then
         granted = {GRANTED, fence, expires, head, tonumber(ttl), c.now_ms}
       elseif direct then
-        c.handed = {head, fence, expires, tonumber(ttl), c.now_ms}
+        c.handed = {head, fence, expires, tonumber(ttl), c.now_ms, rid, owner}
       else
         offered[b] = true
         any = true
