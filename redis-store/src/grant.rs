@@ -95,7 +95,7 @@ impl RedisStore {
         if again && bid.waits() && lease.token == bid.token && self.keeper.handed.enabled {
             self.keeper
                 .handed
-                .answered(key, &bid.token, answered + remaining);
+                .answered(key, &bid.token, lease.fence, answered + remaining);
         }
         Ok(Ok(lease))
     }

@@ -27,7 +27,7 @@ use tokio::time::Instant;
 
 use super::epoch::EpochKeeper;
 use super::scripts::Handed;
-use lockbroker_core::domain::{Kind, Lease, LockKey, Space, Token};
+use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Space, Token};
 use lockbroker_core::store::Notice;
 
 /// How many entries may be kept here before the ended ones are swept on the next one.
@@ -37,16 +37,17 @@ const SWEEP_ABOVE: usize = 1024;
 enum Slot {
     /// A grant its waiter has not taken yet, and its end by this host's clock.
     Waiting(Lease, Instant),
-    /// The bid was answered its live lease by CLAIM before the release that handed it the key
-    /// answered here (its ask raced the release): that release's grant must neither be offered to
-    /// a waiter again nor, its waiter being gone, released. Kept until then or its end.
-    Answered(Instant),
+    /// The bid was answered its live lease (this fence) by CLAIM before the release that handed
+    /// it the key answered here (its ask raced the release): that release's grant must neither be
+    /// offered to a waiter again nor, its waiter being gone, released. Kept until then or its
+    /// end; a grant of another lease to the same token (queued again later) is kept as any.
+    Answered(Fence, Instant),
 }
 
 impl Slot {
     fn ends(&self) -> Instant {
         match self {
-            Slot::Waiting(_, ends) | Slot::Answered(ends) => *ends,
+            Slot::Waiting(_, ends) | Slot::Answered(_, ends) => *ends,
         }
     }
 }
@@ -78,7 +79,7 @@ impl HandedGrants {
         let at = (key.clone(), token.clone());
         match slots.remove(&at)? {
             Slot::Waiting(lease, ends) => Some((lease, ends)),
-            answered @ Slot::Answered(_) => {
+            answered @ Slot::Answered(..) => {
                 slots.insert(at, answered);
                 None
             }
@@ -86,11 +87,13 @@ impl HandedGrants {
     }
 
     /// A grant handed to `lease`'s token on `key`, to keep for its waiter: false when that bid
-    /// was answered the lease already (nothing to keep, nobody to tell).
+    /// was answered that lease already (nothing to keep, nobody to tell).
     fn put(&self, key: &LockKey, lease: Lease, ends: Instant) -> bool {
         let mut slots = self.slots();
         let at = (key.clone(), lease.token.clone());
-        if let Some(Slot::Answered(_)) = slots.get(&at) {
+        if let Some(Slot::Answered(fence, _)) = slots.get(&at)
+            && *fence == lease.fence
+        {
             slots.remove(&at);
             return false;
         }
@@ -102,15 +105,16 @@ impl HandedGrants {
         true
     }
 
-    /// CLAIM answered `token`'s bid on `key` the live lease it held already (ending at `ends`):
-    /// a grant handed to it here is taken that way; one still on its way here must not be.
-    pub(crate) fn answered(&self, key: &LockKey, token: &Token, ends: Instant) {
+    /// CLAIM answered `token`'s bid on `key` the live lease it held already (`fence`, ending at
+    /// `ends`): a grant handed to it here is taken that way; one still on its way here must not
+    /// be.
+    pub(crate) fn answered(&self, key: &LockKey, token: &Token, fence: Fence, ends: Instant) {
         let mut slots = self.slots();
         let at = (key.clone(), token.clone());
         if let Some(Slot::Waiting(..)) = slots.remove(&at) {
             return;
         }
-        slots.insert(at, Slot::Answered(ends));
+        slots.insert(at, Slot::Answered(fence, ends));
     }
 }
 
@@ -169,10 +173,13 @@ impl EpochKeeper {
     }
 
     /// The grant waiting here for `token`'s ask on `key`, if it is still this broker's: the
-    /// ledger holds it and it has time left.
+    /// ledger holds that lease (its fence) and it has time left — by the ledger's end too, which
+    /// a renewal answered since may have brought nearer.
     pub(super) fn take_handed(&self, key: &LockKey, token: &Token) -> Option<Lease> {
         let (lease, ends) = self.handed.take(key, token)?;
-        (Instant::now() < ends && self.ledger.holds(key, Kind::Exclusive, token)).then_some(lease)
+        let kept = self.ledger.get(key, Kind::Exclusive, token)?;
+        let now = Instant::now();
+        (now < ends && kept.fence == lease.fence && now < kept.ends).then_some(lease)
     }
 }
 
@@ -216,7 +223,7 @@ mod tests {
         let handed = HandedGrants::new(true);
         let (key, token) = (LockKey::parse("k").unwrap(), Token::generate());
         // The bid's ask ran after the release in Redis, and answered before the release did.
-        handed.answered(&key, &token, later());
+        handed.answered(&key, &token, 7, later());
         assert!(handed.take(&key, &token).is_none());
         assert!(!handed.put(&key, lease(&token), later()), "nobody to tell");
         assert!(
@@ -225,9 +232,20 @@ mod tests {
         );
         // The other order: the release answered first, then the bid's ask reached Redis.
         assert!(handed.put(&key, lease(&token), later()));
-        handed.answered(&key, &token, later());
+        handed.answered(&key, &token, 7, later());
         assert!(handed.take(&key, &token).is_none());
         assert!(handed.slots().is_empty(), "nothing left behind");
+    }
+
+    #[test]
+    fn a_mark_for_an_earlier_lease_does_not_swallow_a_later_grant() {
+        let handed = HandedGrants::new(true);
+        let (key, token) = (LockKey::parse("k").unwrap(), Token::generate());
+        // The bid was answered a lease it held (fence 6); it is queued again later, and a
+        // release hands it another (fence 7): that one waits for its ask.
+        handed.answered(&key, &token, 6, later());
+        assert!(handed.put(&key, lease(&token), later()));
+        assert_eq!(handed.take(&key, &token).map(|(l, _)| l.fence), Some(7));
     }
 
     #[test]
@@ -236,7 +254,7 @@ mod tests {
         let key = LockKey::parse("k").unwrap();
         let ended = Instant::now() - Duration::from_millis(1);
         for _ in 0..SWEEP_ABOVE {
-            handed.answered(&key, &Token::generate(), ended);
+            handed.answered(&key, &Token::generate(), 7, ended);
         }
         let token = Token::generate();
         assert!(handed.put(&key, lease(&token), later()));
