@@ -226,7 +226,10 @@ fn summary(model: &LockModel, s: &State) -> String {
                     .iter()
                     .map(|h| {
                         let forced = if h.forced { " forced" } else { "" };
-                        format!("key{} c{} f{} left{}{forced}", h.key, h.token.client, h.fence, h.left)
+                        format!(
+                            "key{} c{} f{} left{}{forced}",
+                            h.key, h.token.client, h.fence, h.left
+                        )
                     })
                     .collect();
                 format!(" handed [{}]", handed.join(", "))

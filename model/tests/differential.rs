@@ -88,7 +88,7 @@ async fn the_scripts_answer_as_the_model() {
         seed += 1;
     }
     eprintln!(
-        "CLAIM_ALL and BATCH operations compared in agreeing runs: {:?}",
+        "CLAIM_ALL and BATCH operations and direct grants compared in agreeing runs: {:?}",
         claims.0
     );
 }

@@ -3,6 +3,7 @@
 //! side of a run, and the shrinking of a failing sequence.
 
 mod batch;
+mod handed;
 mod real;
 mod sessions;
 mod several;
@@ -130,6 +131,10 @@ pub(crate) struct ModelSide {
     /// A CLAIM_ALL's token's keys.
     pub several: HashMap<usize, Vec<u8>>,
     pub told: Vec<(u8, Notice)>,
+    /// Per broker, the grants its releases handed to its own bids, not taken yet.
+    pub handed: [Vec<handed::Handed>; 2],
+    /// What became of them (handed, taken without a script, ...), for the run's tally.
+    pub direct: Tally,
 }
 
 impl ModelSide {
@@ -147,6 +152,8 @@ impl ModelSide {
             keys_of: HashMap::new(),
             several: HashMap::new(),
             told: Vec::new(),
+            handed: [Vec::new(), Vec::new()],
+            direct: Tally::default(),
         }
     }
 
@@ -232,6 +239,9 @@ impl ModelSide {
                         bid: bid.clone(),
                         wait,
                     }
+                } else if let Some(answer) = self.take_handed(broker, key, bid.token) {
+                    // The grant a release of this broker handed the bid: no script.
+                    return answer;
                 } else {
                     Op::Claim {
                         key,
@@ -272,22 +282,7 @@ impl ModelSide {
                 );
                 answer
             }
-            Step::Release { broker, key, token } => {
-                let answer = self.call(
-                    broker,
-                    Op::Release {
-                        key,
-                        token: token_of(token),
-                    },
-                );
-                let t = token_of(token);
-                // As the broker's release: the end's mark (`forget_ended`), then the token.
-                if let Answer::Held { fence } = answer {
-                    forget(&mut self.ledgers[broker as usize], key, fence, false);
-                }
-                self.ledgers[broker as usize].retain(|e| e.token != t || e.key != key);
-                answer
-            }
+            Step::Release { broker, key, token } => self.release(broker, key, token_of(token)),
             Step::Renew {
                 broker,
                 key,
@@ -338,13 +333,16 @@ impl ModelSide {
                 }
                 answer
             }
-            Step::Leave { broker, key, token } => self.call(
-                broker,
-                Op::Leave {
-                    key,
-                    token: token_of(token),
-                },
-            ),
+            Step::Leave { broker, key, token } => {
+                let t = token_of(token);
+                // A grant its waiter did not take is released (LEAVE leaves a granted lease).
+                if key != SEMAPHORE && self.unhand(broker, key, t) {
+                    self.direct.note("direct grant released on a leave");
+                    self.release(broker, key, t);
+                    return Answer::Left(false);
+                }
+                self.call(broker, Op::Leave { key, token: t })
+            }
             Step::Force { broker, key } => {
                 let answer = self.call(broker, Op::Force { key });
                 if let Answer::Forced(fences) = &answer
@@ -364,6 +362,7 @@ impl ModelSide {
                     }
                     ledger.retain(|e| e.left > 0);
                 }
+                self.tick_handed();
                 Answer::Done
             }
             Step::Flush => {
@@ -477,6 +476,8 @@ pub(crate) fn generate(seed: u64, n: usize) -> Vec<Step> {
         let roll = rng.random_range(0..100);
         let step = if since_tick >= 16 || roll < 2 {
             Step::Tick
+        } else if let Some(step) = model.handed_step(&mut rng) {
+            step
         } else if rng.random_bool(0.004) {
             match rng.random_range(0..3) {
                 0 => Step::Flush,

@@ -886,6 +886,7 @@ pub(crate) async fn run_steps(steps: &[Step]) -> Outcome {
             }
         }
     }
+    claims.add(&model.direct);
     Outcome::Agreed {
         ticks,
         flushes,

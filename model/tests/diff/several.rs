@@ -136,6 +136,10 @@ impl Tally {
         *self.0.entry(what).or_default() += 1;
     }
 
+    pub(crate) fn note(&mut self, what: &str) {
+        *self.0.entry(what.to_string()).or_default() += 1;
+    }
+
     pub(crate) fn add(&mut self, other: &Tally) {
         for (what, n) in &other.0 {
             *self.0.entry(what.clone()).or_default() += n;
