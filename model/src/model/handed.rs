@@ -19,15 +19,7 @@ impl LockModel {
             },
             // LEAVE leaves a granted lease alone: the store releases a handed one.
             Op::Leave { key, token } if self.unhand(s, b, key, token) => {
-                let answer = self.run(
-                    s,
-                    b,
-                    Op::Release {
-                        key,
-                        token,
-                        direct: true,
-                    },
-                );
+                let answer = self.run(s, b, release_op(key, token));
                 s.brokers[b as usize]
                     .ledger
                     .retain(|e| e.token != token || e.key != key);
@@ -35,21 +27,24 @@ impl LockModel {
             }
             op => op,
         };
-        let key = match op {
-            Op::Release { key, .. } => key,
-            _ => 0,
+        let released = match op {
+            Op::Release { key, .. } => Some(key),
+            _ => None,
         };
-        match self.script(s, b, op) {
-            Answer::Handed {
-                fence,
-                token,
-                granted,
-                left,
-            } => {
+        match (self.script(s, b, op), released) {
+            (
+                Answer::Handed {
+                    fence,
+                    token,
+                    granted,
+                    left,
+                },
+                Some(key),
+            ) => {
                 self.handed(s, b, key, token, granted, left);
                 Answer::Held { fence }
             }
-            answer => answer,
+            (answer, _) => answer,
         }
     }
 
