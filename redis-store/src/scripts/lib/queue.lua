@@ -156,7 +156,9 @@ end
 local function hand_on(c, me)
   if not c.hand then return nil end
   settle(c)
-  if redis.call('ZCARD', QUEUE) == 0 then return nil end
+  -- The head, read once here for the walk's first step.
+  local first = redis.call('ZRANGE', QUEUE, 0, 0)[1]
+  if not first then return nil end
   local xend = exclusive_end(c)
   local live = live_count(ENDS, c.now_ms)
   -- A limit is a semaphore's: a lock key's pool (shared leases) has none.
@@ -164,7 +166,8 @@ local function hand_on(c, me)
   if not EXCL then limit = tonumber(redis.call('HGET', POOL, '#limit') or '0') end
   local offered, any, granted = {}, false, nil
   for _ = 1, WALK do
-    local head = redis.call('ZRANGE', QUEUE, 0, 0)[1]
+    local head = first or redis.call('ZRANGE', QUEUE, 0, 0)[1]
+    first = nil
     if not head then break end
     local rec = redis.call('HGET', BIDS, head)
     local b, deadline, kind, ttl, rid, owner
@@ -212,6 +215,13 @@ local function hand_on(c, me)
   if any then look(c, offered) end
   return granted
 end
+-- A queue key kept `ms` (a bid's wait and the slack) from now: extended only when it would end a
+-- second or more before that (or has no expiry), so that a busy queue is not extended at every
+-- bid. The slack (a minute) covers the second.
+local function keep_queue(key, ms)
+  local left = redis.call('PTTL', key)
+  if left == -1 or (left >= 0 and left < ms - 1000) then redis.call('PEXPIRE', key, ms) end
+end
 -- The caller's bid joins the queue's tail, or keeps its place (and first deadline) in it.
 local function enqueue(c, bid)
   if redis.call('ZSCORE', QUEUE, c.token) then return end
@@ -224,8 +234,8 @@ local function enqueue(c, bid)
   end
   redis.call('ZADD', QUEUE, seq, c.token)
   redis.call('HSET', BIDS, c.token, c.broker .. '|' .. int(c.now_ms + bid.wait) .. '|' .. bid.kind .. '|' .. int(bid.ttl) .. '|' .. bid.rid .. '|' .. bid.owner)
-  keep(QUEUE, bid.wait + c.slack)
-  keep(BIDS, bid.wait + c.slack)
+  keep_queue(QUEUE, bid.wait + c.slack)
+  keep_queue(BIDS, bid.wait + c.slack)
 end
 -- A waiting bid's turn: it joins the queue (or keeps its place), the key is handed on, and the
 -- bid is granted if its turn came; else {QUEUED, ms until what blocks it ends}.
