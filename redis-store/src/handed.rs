@@ -153,6 +153,7 @@ impl EpochKeeper {
             ends,
             epoch,
         );
+        self.metrics.granted_directly();
         if !self.handed.put(key, lease, ends) {
             return;
         }
