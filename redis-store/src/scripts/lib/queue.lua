@@ -43,16 +43,25 @@ local function requeue(c, broker)
   end
   tell(c, broker, 'r ' .. c.space .. ' ' .. c.key)
 end
--- Ends up to 100 ended pool holders; a lapsed offer's broker requeues.
+-- Ends up to 100 ended pool holders; a lapsed offer's broker requeues. One read, the pool's
+-- first 101 ends (ended ones first): when that was all of them, it also leaves in `c.live` how
+-- many holders are live, for the hand-on that follows (`hand_on` takes it at once).
 local function settle_pool(c)
-  local gone = redis.call('ZRANGEBYSCORE', ENDS, '-inf', int(c.now_ms), 'LIMIT', 0, 100)
-  for _, token in ipairs(gone) do
-    if redis.call('HEXISTS', POOL, '!' .. token) == 1 then
-      requeue(c, redis.call('HGET', POOL, '@' .. token))
+  local first = redis.call('ZRANGE', ENDS, 0, 100, 'WITHSCORES')
+  local live = 0
+  for i = 1, #first, 2 do
+    local token = first[i]
+    if tonumber(first[i + 1]) > c.now_ms then
+      live = live + 1
+    elseif i < 200 then
+      if redis.call('HEXISTS', POOL, '!' .. token) == 1 then
+        requeue(c, redis.call('HGET', POOL, '@' .. token))
+      end
+      drop_holder(POOL, ENDS, token)
+      changed(c)
     end
-    drop_holder(POOL, ENDS, token)
-    changed(c)
   end
+  c.live = (#first <= 200 and live) or nil
 end
 -- Ends what has ended: an expired exclusive lease or lapsed offer, and up to 100 ended pool
 -- holders; a lapsed offer's broker requeues.
@@ -156,11 +165,13 @@ end
 local function hand_on(c, me)
   if not c.hand then return nil end
   settle(c)
+  local live = c.live
+  c.live = nil
   -- The head, read once here for the walk's first step.
   local first = redis.call('ZRANGE', QUEUE, 0, 0)[1]
   if not first then return nil end
   local xend = exclusive_end(c)
-  local live = live_count(ENDS, c.now_ms)
+  if not live then live = live_count(ENDS, c.now_ms) end
   -- A limit is a semaphore's: a lock key's pool (shared leases) has none.
   local limit = 0
   if not EXCL then limit = tonumber(redis.call('HGET', POOL, '#limit') or '0') end
