@@ -157,6 +157,7 @@ impl EpochKeeper {
             ends,
             epoch,
         );
+        self.metrics.granted_directly();
         if !self.handed.put(key, lease, ends) {
             return;
         }

@@ -58,13 +58,18 @@ async fn batched_claims_and_releases_keep_every_key_exclusive_across_a_redis_res
     }
     let mut batches = 0.0;
     let mut batched = 0.0;
+    let mut direct = 0.0;
     for app in &apps {
         batches += metric(&app.address, "lockbroker_store_batch_size_count").await;
         batched += metric(&app.address, "lockbroker_store_batch_size_sum").await;
+        direct += metric(&app.address, "lockbroker_direct_grants_total").await;
     }
     eprintln!(
-        "{after} critical sections after the restart; {batched} operations in {batches} batches"
+        "{after} critical sections after the restart; {batched} operations in {batches} \
+         batches; {direct} direct grants"
     );
+    // The hot key's waiters on the releasing broker are granted the key in the release's answer.
+    assert!(direct >= 1.0, "no direct grant: the run did not test them");
     assert!(
         batched > batches && batches >= 10.0,
         "too little batched to test it: {batched} operations in {batches} batches"

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use lockbroker_test_support::app::{TestApp, spawn_apps};
-use lockbroker_test_support::http::{Answer, Grant, http_client};
+use lockbroker_test_support::http::{Answer, Grant, http_client, metric};
 use lockbroker_test_support::redis::AsyncCommands;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
@@ -363,8 +363,21 @@ async fn clients_that_give_up_mid_wait_never_hold_the_key_up_across_three_broker
         .map(|w| w[1] - w[0])
         .max()
         .unwrap_or_default();
-    eprintln!("{summary}; {gave_up} waiters gave up mid-wait; longest gap {longest:?}");
+    // Releases that granted the key straight to a waiter of their own broker (some of them
+    // waiters that gave up meanwhile, whose grants were released again).
+    let mut direct = 0.0;
+    for app in &apps {
+        direct += metric(&app.address, "lockbroker_direct_grants_total").await;
+    }
+    eprintln!(
+        "{summary}; {gave_up} waiters gave up mid-wait; {direct} direct grants; longest gap \
+         {longest:?}"
+    );
     assert!(gave_up >= 20, "only {gave_up} waiters gave up mid-wait");
+    assert!(
+        direct >= 10.0,
+        "only {direct} direct grants: the run did not test them"
+    );
     assert!(
         longest < Duration::from_millis(STORE_TIMEOUT_MS) + Duration::from_millis(1500),
         "the key stood still for {longest:?}"

@@ -54,6 +54,7 @@ pub struct Metrics {
     queued: Family<QueueLabels, Gauge>,
     handoffs: Family<QueueLabels, Counter>,
     passed_on: Family<PassedOnLabels, Counter>,
+    direct_grants: Counter,
     resident_memory: Gauge,
     ledger: Gauge,
     store_losses: Counter,
@@ -197,6 +198,13 @@ impl Default for Metrics {
              waiter had left) or lapsed (not taken in time; the waiters joined again)",
             passed_on.clone(),
         );
+        let direct_grants = Counter::default();
+        registry.register(
+            "lockbroker_direct_grants",
+            "Keys this broker's releases granted straight to its own next waiter (no offer, no \
+             second store call)",
+            direct_grants.clone(),
+        );
         let ledger = Gauge::default();
         registry.register(
             "lockbroker_ledger_leases",
@@ -268,6 +276,7 @@ impl Default for Metrics {
             queued,
             handoffs,
             passed_on,
+            direct_grants,
             ledger,
             store_losses,
             leases_put_back,
@@ -341,6 +350,11 @@ impl Metrics {
                 reason: why.label(),
             })
             .inc();
+    }
+
+    /// A release of this broker's that granted the key straight to one of its waiters.
+    pub fn granted_directly(&self) {
+        self.direct_grants.inc();
     }
 
     pub fn took_over(&self) {

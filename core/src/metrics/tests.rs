@@ -24,6 +24,7 @@ fn the_exposition_names_every_series_the_docs_promise() {
     m.store_call(StoreOp::claim, Duration::from_micros(200), true);
     m.handed_off(Space::Semaphores);
     m.offer_passed_on(PassedOn::Gone);
+    m.granted_directly();
     let text = m.render(7, [5, 2], 3);
     for line in [
         "lockbroker_acquisitions_total{kind=\"exclusive\",result=\"granted\"} 1",
@@ -47,6 +48,7 @@ fn the_exposition_names_every_series_the_docs_promise() {
         "lockbroker_handoffs_total{space=\"locks\"} 0",
         "lockbroker_offers_passed_on_total{reason=\"gone\"} 1",
         "lockbroker_offers_passed_on_total{reason=\"lapsed\"} 0",
+        "lockbroker_direct_grants_total 1",
         "lockbroker_ledger_leases 3",
         "lockbroker_store_losses_total 0",
         "lockbroker_leases_put_back_total 0",

@@ -43,16 +43,25 @@ local function requeue(c, broker)
   end
   tell(c, broker, 'r ' .. c.space .. ' ' .. c.key)
 end
--- Ends up to 100 ended pool holders; a lapsed offer's broker requeues.
+-- Ends up to 100 ended pool holders; a lapsed offer's broker requeues. One read, the pool's
+-- first 101 ends (ended ones first): when that was all of them, it also leaves in `c.live` how
+-- many holders are live, for the hand-on that follows (`hand_on` takes it at once).
 local function settle_pool(c)
-  local gone = redis.call('ZRANGEBYSCORE', ENDS, '-inf', int(c.now_ms), 'LIMIT', 0, 100)
-  for _, token in ipairs(gone) do
-    if redis.call('HEXISTS', POOL, '!' .. token) == 1 then
-      requeue(c, redis.call('HGET', POOL, '@' .. token))
+  local first = redis.call('ZRANGE', ENDS, 0, 100, 'WITHSCORES')
+  local live = 0
+  for i = 1, #first, 2 do
+    local token = first[i]
+    if tonumber(first[i + 1]) > c.now_ms then
+      live = live + 1
+    elseif i < 200 then
+      if redis.call('HEXISTS', POOL, '!' .. token) == 1 then
+        requeue(c, redis.call('HGET', POOL, '@' .. token))
+      end
+      drop_holder(POOL, ENDS, token)
+      changed(c)
     end
-    drop_holder(POOL, ENDS, token)
-    changed(c)
   end
+  c.live = (#first <= 200 and live) or nil
 end
 -- Ends what has ended: an expired exclusive lease or lapsed offer, and up to 100 ended pool
 -- holders; a lapsed offer's broker requeues.
@@ -156,15 +165,20 @@ end
 local function hand_on(c, me)
   if not c.hand then return nil end
   settle(c)
-  if redis.call('ZCARD', QUEUE) == 0 then return nil end
+  local live = c.live
+  c.live = nil
+  -- The head, read once here for the walk's first step.
+  local first = redis.call('ZRANGE', QUEUE, 0, 0)[1]
+  if not first then return nil end
   local xend = exclusive_end(c)
-  local live = live_count(ENDS, c.now_ms)
+  if not live then live = live_count(ENDS, c.now_ms) end
   -- A limit is a semaphore's: a lock key's pool (shared leases) has none.
   local limit = 0
   if not EXCL then limit = tonumber(redis.call('HGET', POOL, '#limit') or '0') end
   local offered, any, granted = {}, false, nil
   for _ = 1, WALK do
-    local head = redis.call('ZRANGE', QUEUE, 0, 0)[1]
+    local head = first or redis.call('ZRANGE', QUEUE, 0, 0)[1]
+    first = nil
     if not head then break end
     local rec = redis.call('HGET', BIDS, head)
     local b, deadline, kind, ttl, rid, owner
@@ -212,6 +226,13 @@ local function hand_on(c, me)
   if any then look(c, offered) end
   return granted
 end
+-- A queue key kept `ms` (a bid's wait and the slack) from now: extended only when it would end a
+-- second or more before that (or has no expiry), so that a busy queue is not extended at every
+-- bid. The slack (a minute) covers the second.
+local function keep_queue(key, ms)
+  local left = redis.call('PTTL', key)
+  if left == -1 or (left >= 0 and left < ms - 1000) then redis.call('PEXPIRE', key, ms) end
+end
 -- The caller's bid joins the queue's tail, or keeps its place (and first deadline) in it.
 local function enqueue(c, bid)
   if redis.call('ZSCORE', QUEUE, c.token) then return end
@@ -224,8 +245,8 @@ local function enqueue(c, bid)
   end
   redis.call('ZADD', QUEUE, seq, c.token)
   redis.call('HSET', BIDS, c.token, c.broker .. '|' .. int(c.now_ms + bid.wait) .. '|' .. bid.kind .. '|' .. int(bid.ttl) .. '|' .. bid.rid .. '|' .. bid.owner)
-  keep(QUEUE, bid.wait + c.slack)
-  keep(BIDS, bid.wait + c.slack)
+  keep_queue(QUEUE, bid.wait + c.slack)
+  keep_queue(BIDS, bid.wait + c.slack)
 end
 -- A waiting bid's turn: it joins the queue (or keeps its place), the key is handed on, and the
 -- bid is granted if its turn came; else {QUEUED, ms until what blocks it ends}.
