@@ -13,8 +13,12 @@
 //! A grant here whose waiter has gone (its notice found nobody, so the store is asked to
 //! [`leave`](lockbroker_core::store::Store::leave)) is released, which hands the key on again.
 //! A grant taken from here is answered only while the ledger still holds it (a force release or a
-//! refused put-back in between ends it there) and its lease has time left by this host's clock;
-//! otherwise the ask runs CLAIM as any other does.
+//! refused put-back in between ends it there), its lease has time left by this host's clock, and
+//! it was handed on less than [`FRESH`] ago; otherwise the ask runs CLAIM as any other does. A
+//! force release through another broker reaches the ledger by its notice: a grant answered from
+//! here in between is, like any grant whose answer was on its way when the force came, a holder
+//! whose lease was forced (its fence tells); `FRESH` bounds that window to what a slow answer
+//! could take anyway.
 //!
 //! Not while replica acks are asked: a grant is answered only once its replicas have it, and a
 //! release waits for none (the release then offers, as to any bid).
@@ -30,13 +34,18 @@ use super::scripts::Handed;
 use lockbroker_core::domain::{Fence, Kind, Lease, LockKey, Space, Token};
 use lockbroker_core::store::Notice;
 
+/// How long a grant kept here may be answered from here: its waiter normally asks within
+/// microseconds of being told; one that asks later is answered by CLAIM.
+const FRESH: Duration = Duration::from_millis(100);
+
 /// How many entries may be kept here before the ended ones are swept on the next one.
 const SWEEP_ABOVE: usize = 1024;
 
 /// What is kept for a bid's token on a key.
 enum Slot {
     /// A grant its waiter has not taken yet, and its end by this host's clock.
-    Waiting(Lease, Instant),
+    /// The instant last is when it was kept here.
+    Waiting(Lease, Instant, Instant),
     /// The bid was answered its live lease (this fence) by CLAIM before the release that handed
     /// it the key answered here (its ask raced the release): that release's grant must neither be
     /// offered to a waiter again nor, its waiter being gone, released. Kept until then or its
@@ -47,7 +56,7 @@ enum Slot {
 impl Slot {
     fn ends(&self) -> Instant {
         match self {
-            Slot::Waiting(_, ends) | Slot::Answered(_, ends) => *ends,
+            Slot::Waiting(_, ends, _) | Slot::Answered(_, ends) => *ends,
         }
     }
 }
@@ -72,13 +81,13 @@ impl HandedGrants {
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes `token`'s grant on `key` out, if one waits here: the lease and its end by this
-    /// host's clock.
-    pub(crate) fn take(&self, key: &LockKey, token: &Token) -> Option<(Lease, Instant)> {
+    /// Takes `token`'s grant on `key` out, if one waits here: the lease, its end by this host's
+    /// clock, and when it was kept here.
+    pub(crate) fn take(&self, key: &LockKey, token: &Token) -> Option<(Lease, Instant, Instant)> {
         let mut slots = self.slots();
         let at = (key.clone(), token.clone());
         match slots.remove(&at)? {
-            Slot::Waiting(lease, ends) => Some((lease, ends)),
+            Slot::Waiting(lease, ends, kept) => Some((lease, ends, kept)),
             answered @ Slot::Answered(..) => {
                 slots.insert(at, answered);
                 None
@@ -101,7 +110,7 @@ impl HandedGrants {
             let now = Instant::now();
             slots.retain(|_, slot| slot.ends() > now);
         }
-        slots.insert(at, Slot::Waiting(lease, ends));
+        slots.insert(at, Slot::Waiting(lease, ends, Instant::now()));
         true
     }
 
@@ -175,12 +184,16 @@ impl EpochKeeper {
 
     /// The grant waiting here for `token`'s ask on `key`, if it is still this broker's: the
     /// ledger holds that lease (its fence) and it has time left — by the ledger's end too, which
-    /// a renewal answered since may have brought nearer.
+    /// a renewal answered since may have brought nearer — and it was handed on no longer than
+    /// [`FRESH`] ago. Older, the ask runs CLAIM, which answers what Redis holds: a force release
+    /// through another broker reaches this ledger only by its notice, and a grant answered from
+    /// here is, like any grant's answer still on its way, only as current as its age.
     pub(super) fn take_handed(&self, key: &LockKey, token: &Token) -> Option<Lease> {
-        let (lease, ends) = self.handed.take(key, token)?;
+        let (lease, ends, kept_at) = self.handed.take(key, token)?;
         let kept = self.ledger.get(key, Kind::Exclusive, token)?;
         let now = Instant::now();
-        (now < ends && kept.fence == lease.fence && now < kept.ends).then_some(lease)
+        (now < ends && now < kept_at + FRESH && kept.fence == lease.fence && now < kept.ends)
+            .then_some(lease)
     }
 }
 
@@ -215,7 +228,7 @@ mod tests {
             handed.take(&key, &Token::generate()).is_none(),
             "another token's"
         );
-        assert_eq!(handed.take(&key, &token).map(|(l, _)| l.fence), Some(7));
+        assert_eq!(handed.take(&key, &token).map(|(l, ..)| l.fence), Some(7));
         assert!(handed.take(&key, &token).is_none(), "taken already");
     }
 
@@ -246,7 +259,7 @@ mod tests {
         // release hands it another (fence 7): that one waits for its ask.
         handed.answered(&key, &token, 6, later());
         assert!(handed.put(&key, lease(&token), later()));
-        assert_eq!(handed.take(&key, &token).map(|(l, _)| l.fence), Some(7));
+        assert_eq!(handed.take(&key, &token).map(|(l, ..)| l.fence), Some(7));
     }
 
     #[test]

@@ -411,6 +411,18 @@ async fn a_release_grants_its_own_brokers_next_bid_outright_and_the_bids_ask_tak
     // Asked again, the bid gets the same lease, from Redis.
     assert_eq!(granted(claim(&a, &k, &next).await).fence, lease.fence);
     assert_eq!(evalsha(&mut c).await, before + 1);
+
+    // A grant asked for late (more than 100 ms after the release handed it) is answered by
+    // CLAIM, from what Redis holds.
+    let late = bid(10_000, 10_000);
+    queued(claim(&a, &k, &late).await);
+    a.release(Space::Locks, &k, &next.token).await.unwrap();
+    told(&mut a_told, &offered(&k, &late.token)).await;
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let before = evalsha(&mut c).await;
+    let third = granted(claim(&a, &k, &late).await);
+    assert_eq!(evalsha(&mut c).await, before + 1, "answered by CLAIM");
+    assert!(third.fence > lease.fence);
 }
 
 #[tokio::test]
