@@ -7,7 +7,7 @@ use clap::{Parser, ValueEnum};
 use lockbroker_cli_support::{ConnectArgs, parse_limit};
 use serde::Serialize;
 
-use crate::floor_proxy;
+use crate::{delay_link, floor_proxy};
 
 /// Load a running broker and print throughput and latency (and, with --redis-url, the same lock
 /// cycle done directly on Redis, for comparison).
@@ -131,6 +131,9 @@ pub enum BenchTool {
     /// The floor `--floor` measures the broker against: a minimal HTTP lock proxy on Redis.
     #[command(hide = true)]
     FloorProxy(floor_proxy::FloorProxyArgs),
+    /// A TCP link that delays every byte a fixed time each way (a replica another zone away).
+    #[command(hide = true)]
+    DelayLink(delay_link::DelayLinkArgs),
 }
 
 /// The lease a bench cycle takes.

@@ -17,7 +17,9 @@
 //! where one holder follows another (an exclusive lease).
 //!
 //! `--ledger N` measures the lease ledger in this process instead, and `floor-proxy` (a hidden
-//! subcommand) is the minimal lock server `--floor` measures the broker against. The bench is a
+//! subcommand) is the minimal lock server `--floor` measures the broker against; `delay-link`
+//! (hidden too) is the slow link `scripts/measure-replica-acks.sh` puts between a replica and its
+//! master. The bench is a
 //! program of its own, not a command of the shipped `lockbroker`: what only it needs (hyper's
 //! HTTP client, the proxy, the `/proc` and `INFO` readers) stays out of the broker.
 #![forbid(unsafe_code)]
@@ -25,6 +27,7 @@
 mod args;
 mod batches;
 mod breakdown;
+mod delay_link;
 mod direct;
 mod fleet;
 mod floor;
@@ -75,8 +78,10 @@ fn main() -> ExitCode {
 }
 
 async fn execute(args: BenchArgs) -> ExitCode {
-    if let Some(BenchTool::FloorProxy(proxy)) = args.tool {
-        return report(floor_proxy::serve(proxy).await);
+    match args.tool {
+        Some(BenchTool::FloorProxy(proxy)) => return report(floor_proxy::serve(proxy).await),
+        Some(BenchTool::DelayLink(link)) => return report(delay_link::serve(&link)),
+        None => {}
     }
     match args.ledger {
         Some(leases) => {
