@@ -105,9 +105,12 @@ pub(crate) fn carry(mut from: impl Read, mut to: impl WriteHalf + Send + 'static
 mod tests {
     use super::*;
 
-    /// What the far side received, and when each part arrived.
+    /// What the far side received: when each part arrived and how long it was, the bytes, and
+    /// whether it was closed.
+    type Received = (Vec<(Instant, usize)>, Vec<u8>, bool);
+
     #[derive(Clone, Default)]
-    struct Far(std::sync::Arc<std::sync::Mutex<(Vec<(Instant, usize)>, Vec<u8>, bool)>>);
+    struct Far(std::sync::Arc<std::sync::Mutex<Received>>);
 
     impl Write for Far {
         fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
