@@ -226,27 +226,33 @@ local function hand_on(c, me)
   if any then look(c, offered) end
   return granted
 end
--- A queue key kept `ms` (a bid's wait and the slack) from now: extended only when it would end a
--- second or more before that (or has no expiry), so that a busy queue is not extended at every
--- bid. The slack (a minute) covers the second.
-local function keep_queue(key, ms)
-  local left = redis.call('PTTL', key)
-  if left == -1 or (left >= 0 and left < ms - 1000) then redis.call('PEXPIRE', key, ms) end
+-- The queue and its bids kept `ms` (a bid's wait and the slack) from now, together: extended only
+-- when the queue would end a second or more before that (or has no expiry), so that a busy queue
+-- is not extended at every bid, or when the bids' hash is new (`fresh`: it has none). Only here
+-- are their expiries set, both to the same time, so the queue's says the bids' too. The slack (a
+-- minute) covers the second.
+local function keep_queue(ms, fresh)
+  local left = redis.call('PTTL', QUEUE)
+  if fresh or left == -1 or (left >= 0 and left < ms - 1000) then
+    redis.call('PEXPIRE', QUEUE, ms)
+    redis.call('PEXPIRE', BIDS, ms)
+  end
 end
 -- The caller's bid joins the queue's tail, or keeps its place (and first deadline) in it.
 local function enqueue(c, bid)
   if redis.call('ZSCORE', QUEUE, c.token) then return end
   local seq = redis.call('HINCRBY', BIDS, '#seq', 1)
-  -- Which broker queues here while only one does, for `look`.
-  if seq == 1 then
-    redis.call('HSET', BIDS, '#b', c.broker)
-  elseif redis.call('HGET', BIDS, '#b') ~= c.broker then
-    redis.call('HSET', BIDS, '#mixed', '1')
-  end
   redis.call('ZADD', QUEUE, seq, c.token)
-  redis.call('HSET', BIDS, c.token, c.broker .. '|' .. int(c.now_ms + bid.wait) .. '|' .. bid.kind .. '|' .. int(bid.ttl) .. '|' .. bid.rid .. '|' .. bid.owner)
-  keep_queue(QUEUE, bid.wait + c.slack)
-  keep_queue(BIDS, bid.wait + c.slack)
+  local rec = c.broker .. '|' .. int(c.now_ms + bid.wait) .. '|' .. bid.kind .. '|' .. int(bid.ttl) .. '|' .. bid.rid .. '|' .. bid.owner
+  -- Which broker queues here while only one does, for `look`: written with the bid.
+  if seq == 1 then
+    redis.call('HSET', BIDS, c.token, rec, '#b', c.broker)
+  elseif redis.call('HGET', BIDS, '#b') ~= c.broker then
+    redis.call('HSET', BIDS, c.token, rec, '#mixed', '1')
+  else
+    redis.call('HSET', BIDS, c.token, rec)
+  end
+  keep_queue(bid.wait + c.slack, seq == 1)
 end
 -- A waiting bid's turn: it joins the queue (or keeps its place), the key is handed on, and the
 -- bid is granted if its turn came; else {QUEUED, ms until what blocks it ends}.
