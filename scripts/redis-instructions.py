@@ -10,7 +10,15 @@ between the steps. Instruction counts do not move with the machine's load, unlik
 two versions of the scripts compare in one run: `--against REV` measures the scripts of a git
 revision too. Needs valgrind (`apt-get install -y valgrind`) and redis-server.
 
-    scripts/redis-instructions.py [--calls 2000] [--against REV]
+    scripts/redis-instructions.py [--calls 2000] [--against REV] [--contended]
+
+`--batch N` counts the BATCH script instead (group commit): calls of N claims each on new keys,
+then calls of N releases of them, per operation.
+
+`--contended` counts the hot key's two scripts instead, as one broker runs them when a waiter of
+its own is next: RELEASE that grants the key straight to the queue's head (the context's kind
+`g`), then CLAIM of a new bid that queues behind it; each on its own key, after a holder and four
+queued bids were set up there (not counted).
 """
 import argparse, glob, os, random, re, shutil, socket, subprocess, sys, tempfile, time
 
@@ -56,10 +64,82 @@ def resp(commands):
     return bytes(out)
 
 
+def batched(opts, cli, count):
+    """BATCH (group commit): claims, then releases, `opts.batch` operations per call."""
+    per, n = opts.batch, opts.calls
+    print(f'Redis instructions per operation (callgrind, {n} BATCH calls of {per} operations per step, new keys)')
+    print(f'{"scripts":<22}{"claim":>10}{"release":>10}{"cycle":>10}{"keys left":>11}')
+    for rev in ([opts.against] if opts.against else []) + [None]:
+        batch = cli('script', 'load', script(rev, 'batch')).stdout.decode().strip()
+        tag = random.randrange(10 ** 9)
+
+        def call(op, j):
+            keys, args = ['lb:epoch'], ['E1', 'broker1']
+            for i in range(j * per, (j + 1) * per):
+                k = f'lb:{{b{tag}-{i}}}'
+                keys += [f'{k}:lock', f'{k}:fence', f'{k}:shared:ends', f'{k}:queue', f'{k}:watched']
+                args += [op, f'tok{i}', 30000, '', ''] if op == 'c' else [op, f'tok{i}', '', '', '']
+            return ['EVALSHA', batch, len(keys), *keys, *args]
+        before = int(cli('dbsize').stdout)
+        c = count('claim', [call('c', j) for j in range(n)]) / per
+        # Granted in the batch, not answered SLOW (which writes nothing).
+        if cli('exists', f'lb:{{b{tag}-0}}:lock').stdout.strip() != b'1':
+            sys.exit(f'{rev or "working tree"}: the batch granted nothing')
+        r = count('release', [call('r', j) for j in range(n)]) / per
+        left = int(cli('dbsize').stdout) - before
+        print(f'{rev or "working tree":<22}{c:>10.0f}{r:>10.0f}{c + r:>10.0f}{left / (n * per):>11.3f}')
+
+
+def contended(opts, cli, count):
+    """The hot key's two scripts per handoff: RELEASE granting to the next bid, CLAIM queueing."""
+    n = opts.calls
+    print(f'Redis instructions per call (callgrind, {n} calls per step, a key each: a holder and 4 queued bids)')
+    print(f'{"scripts":<22}{"release":>10}{"claim":>10}{"handoff":>10}')
+    for rev in ([opts.against] if opts.against else []) + [None]:
+        if 'context_of' not in script(rev, 'claim') or "'g'" not in script(rev, 'release'):
+            sys.exit(f'{rev}: its scripts have no direct grant (RELEASE with kind g) to count')
+        claim = cli('script', 'load', script(rev, 'claim')).stdout.decode().strip()
+        release = cli('script', 'load', script(rev, 'release')).stdout.decode().strip()
+        tag = random.randrange(10 ** 9)
+
+        def keys(i):
+            k = f'lb:{{h{tag}-{i}}}'
+            return [f'{k}:lock', f'{k}:fence', 'lb:epoch', f'{k}:shared', f'{k}:shared:ends',
+                    f'{k}:queue', f'{k}:bids', f'{k}:watched']
+
+        def ctx(i, wait, kind):
+            # wait|kind|window|space|#chan|#shared| then the channel prefix and the client key;
+            # a long offer window, so that nothing lapses under callgrind's pace.
+            return f'{wait}|{kind}|600000|L|5|0|lb:b:h{tag}-{i}'
+
+        def bid(i, token, wait):
+            return ['EVALSHA', claim, 8, *keys(i), token, 30000, '', 'E1', '', 'broker1',
+                    ctx(i, wait, 'x')]
+        setup = []
+        for i in range(n):
+            setup.append(bid(i, f'a{i}', 0))
+            setup += [bid(i, f'q{q}-{i}', 20000) for q in range(4)]
+        out = cli('--pipe', data=resp(setup)).stdout
+        if b'errors: 0' not in out:
+            sys.exit(f'setup: {out.decode()}')
+        r = count('release', [['EVALSHA', release, 8, *keys(i), f'a{i}', 'E1', 'broker1', ctx(i, 0, 'g')]
+                              for i in range(n)])
+        c = count('claim', [bid(i, f'b{i}', 20000) for i in range(n)])
+        # The release granted q0 outright; the claim queued.
+        granted = cli('hget', keys(0)[0], 'token').stdout.strip()
+        queued = cli('zscore', keys(0)[5], 'b0').stdout.strip()
+        if granted != b'q0-0' or not queued:
+            sys.exit(f'{rev or "working tree"}: not the hot path (holder {granted}, b0 queued {queued})')
+        print(f'{rev or "working tree":<22}{r:>10.0f}{c:>10.0f}{r + c:>10.0f}')
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--calls', type=int, default=2000)
     ap.add_argument('--against', metavar='REV', help='also measure the scripts of this git revision')
+    ap.add_argument('--batch', type=int, metavar='N', help='BATCH calls of N operations instead')
+    ap.add_argument('--contended', action='store_true',
+                    help="the hot key's RELEASE (granting to the next bid) and queued CLAIM instead")
     opts = ap.parse_args()
     for tool in ('valgrind', 'callgrind_control', 'callgrind_annotate', 'redis-server', 'redis-cli'):
         if not shutil.which(tool):
@@ -107,6 +187,12 @@ def main():
         # The minimal proxy's release (the bench's own script).
         cas = source(None, 'bench/src/compare_and_delete.lua')
         rows = []
+        if opts.contended:
+            contended(opts, cli, count)
+            return
+        if opts.batch:
+            batched(opts, cli, count)
+            return
         for rev in ([opts.against] if opts.against else []) + [None]:
             claim = cli('script', 'load', script(rev, 'claim')).stdout.decode().strip()
             release = cli('script', 'load', script(rev, 'release')).stdout.decode().strip()
