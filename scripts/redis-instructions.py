@@ -15,10 +15,11 @@ revision too. Needs valgrind (`apt-get install -y valgrind`) and redis-server.
 `--batch N` counts the BATCH script instead (group commit): calls of N claims each on new keys,
 then calls of N releases of them, per operation.
 
-`--contended` counts the hot key's two scripts instead, as one broker runs them when a waiter of
-its own is next: RELEASE that grants the key straight to the queue's head (the context's kind
-`g`), then CLAIM of a new bid that queues behind it; each on its own key, after a holder and four
-queued bids were set up there (not counted).
+`--contended` counts the hot key's scripts per handoff instead: RELEASE that hands the key to
+the queue's head (the context's kind `g`: granted outright when the head is a bid of the
+releasing broker; offered when it is another broker's, which then takes it with its CLAIM), then
+CLAIM of a new bid that queues behind it; each on its own key, after a holder and four queued
+bids were set up there (not counted).
 """
 import argparse, glob, os, random, re, shutil, socket, subprocess, sys, tempfile, time
 
@@ -91,46 +92,58 @@ def batched(opts, cli, count):
 
 
 def contended(opts, cli, count):
-    """The hot key's two scripts per handoff: RELEASE granting to the next bid, CLAIM queueing."""
+    """The hot key's scripts per handoff: RELEASE handing the key to the next bid (granted outright
+    to a bid of the releasing broker; offered to another broker's, which takes it with its CLAIM),
+    then CLAIM of a new bid that queues."""
     n = opts.calls
     print(f'Redis instructions per call (callgrind, {n} calls per step, a key each: a holder and 4 queued bids)')
-    print(f'{"scripts":<22}{"release":>10}{"claim":>10}{"handoff":>10}')
+    print(f'{"scripts":<14}{"next bid":<16}{"release":>10}{"take":>10}{"claim":>10}{"handoff":>10}')
     for rev in ([opts.against] if opts.against else []) + [None]:
         if 'context_of' not in script(rev, 'claim') or "'g'" not in script(rev, 'release'):
             sys.exit(f'{rev}: its scripts have no direct grant (RELEASE with kind g) to count')
         claim = cli('script', 'load', script(rev, 'claim')).stdout.decode().strip()
         release = cli('script', 'load', script(rev, 'release')).stdout.decode().strip()
-        tag = random.randrange(10 ** 9)
+        for whose, queued_by in (('own broker', 'broker1'), ('another broker', 'broker2')):
+            tag = random.randrange(10 ** 9)
 
-        def keys(i):
-            k = f'lb:{{h{tag}-{i}}}'
-            return [f'{k}:lock', f'{k}:fence', 'lb:epoch', f'{k}:shared', f'{k}:shared:ends',
-                    f'{k}:queue', f'{k}:bids', f'{k}:watched']
+            def keys(i):
+                k = f'lb:{{h{tag}-{i}}}'
+                return [f'{k}:lock', f'{k}:fence', 'lb:epoch', f'{k}:shared', f'{k}:shared:ends',
+                        f'{k}:queue', f'{k}:bids', f'{k}:watched']
 
-        def ctx(i, wait, kind):
-            # wait|kind|window|space|#chan|#shared| then the channel prefix and the client key;
-            # a long offer window, so that nothing lapses under callgrind's pace.
-            return f'{wait}|{kind}|600000|L|5|0|lb:b:h{tag}-{i}'
+            def ctx(i, wait, kind):
+                # wait|kind|window|space|#chan|#shared| then the channel prefix and the client
+                # key; a long offer window, so that nothing lapses under callgrind's pace.
+                return f'{wait}|{kind}|600000|L|5|0|lb:b:h{tag}-{i}'
 
-        def bid(i, token, wait):
-            return ['EVALSHA', claim, 8, *keys(i), token, 30000, '', 'E1', '', 'broker1',
-                    ctx(i, wait, 'x')]
-        setup = []
-        for i in range(n):
-            setup.append(bid(i, f'a{i}', 0))
-            setup += [bid(i, f'q{q}-{i}', 20000) for q in range(4)]
-        out = cli('--pipe', data=resp(setup)).stdout
-        if b'errors: 0' not in out:
-            sys.exit(f'setup: {out.decode()}')
-        r = count('release', [['EVALSHA', release, 8, *keys(i), f'a{i}', 'E1', 'broker1', ctx(i, 0, 'g')]
-                              for i in range(n)])
-        c = count('claim', [bid(i, f'b{i}', 20000) for i in range(n)])
-        # The release granted q0 outright; the claim queued.
-        granted = cli('hget', keys(0)[0], 'token').stdout.strip()
-        queued = cli('zscore', keys(0)[5], 'b0').stdout.strip()
-        if granted != b'q0-0' or not queued:
-            sys.exit(f'{rev or "working tree"}: not the hot path (holder {granted}, b0 queued {queued})')
-        print(f'{rev or "working tree":<22}{r:>10.0f}{c:>10.0f}{r + c:>10.0f}')
+            def bid(i, token, wait, broker='broker1'):
+                return ['EVALSHA', claim, 8, *keys(i), token, 30000, '', 'E1', '', broker,
+                        ctx(i, wait, 'x')]
+            setup = []
+            for i in range(n):
+                setup.append(bid(i, f'a{i}', 0))
+                setup += [bid(i, f'q{q}-{i}', 20000, queued_by) for q in range(4)]
+            out = cli('--pipe', data=resp(setup)).stdout
+            if b'errors: 0' not in out:
+                sys.exit(f'setup: {out.decode()}')
+            r = count('release', [['EVALSHA', release, 8, *keys(i), f'a{i}', 'E1', 'broker1',
+                                   ctx(i, 0, 'g')] for i in range(n)])
+            offered = cli('hget', keys(0)[0], 'offered').stdout.strip() == b'1'
+            take = 0
+            if queued_by != 'broker1':
+                take = count('take', [bid(i, f'q0-{i}', 20000, queued_by) for i in range(n)])
+            c = count('claim', [bid(i, f'b{i}', 20000) for i in range(n)])
+            # The key went to q0 (outright to the releasing broker's bid, by offer and take to
+            # another's), and the new bid queued.
+            holder = cli('hget', keys(0)[0], 'token').stdout.strip()
+            still_offered = cli('hget', keys(0)[0], 'offered').stdout.strip() == b'1'
+            queued = cli('zscore', keys(0)[5], 'b0').stdout.strip()
+            if (holder != b'q0-0' or still_offered or not queued
+                    or offered != (queued_by != 'broker1')):
+                sys.exit(f'{rev or "working tree"}, {whose}: not the hot path (holder {holder}, '
+                         f'offered {offered}, b0 queued {queued})')
+            print(f'{rev or "working tree":<14}{whose:<16}{r:>10.0f}{take:>10.0f}{c:>10.0f}'
+                  f'{r + take + c:>10.0f}')
 
 
 def main():
@@ -139,7 +152,7 @@ def main():
     ap.add_argument('--against', metavar='REV', help='also measure the scripts of this git revision')
     ap.add_argument('--batch', type=int, metavar='N', help='BATCH calls of N operations instead')
     ap.add_argument('--contended', action='store_true',
-                    help="the hot key's RELEASE (granting to the next bid) and queued CLAIM instead")
+                    help="the hot key's scripts per handoff instead (RELEASE, the offer's take, a queued CLAIM)")
     opts = ap.parse_args()
     for tool in ('valgrind', 'callgrind_control', 'callgrind_annotate', 'redis-server', 'redis-cli'):
         if not shutil.which(tool):
