@@ -22,8 +22,12 @@ start_redis "$master" "$work/master" --repl-diskless-sync-delay 0
 # The delaying link (`lockbroker-bench delay-link`): every chunk is forwarded delay_ms after it
 # arrived, in order, both ways. It prints the address it bound.
 "$bench_bin" delay-link --upstream "127.0.0.1:$master" --delay "${delay_ms}ms" >"$work/link.out" 2>"$work/link.log" &
-pids+=($!)
-until [[ -s $work/link.out ]]; do sleep 0.05; done
+link_pid=$!
+pids+=("$link_pid")
+until [[ -s $work/link.out ]]; do
+    kill -0 "$link_pid" 2>/dev/null || { echo "the delaying link did not start:" >&2; cat "$work/link.log" >&2; exit 1; }
+    sleep 0.05
+done
 link=$(sed -n 's/^127\.0\.0\.1://p' "$work/link.out")
 replica=$(free_port)
 start_redis "$replica" "$work/replica" --replicaof 127.0.0.1 "$link"

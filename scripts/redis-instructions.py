@@ -65,13 +65,29 @@ def resp(commands):
     return bytes(out)
 
 
+def revisions(opts):
+    """The scripts to count: `--against`'s revision first, if given, then the work tree (None)."""
+    return ([opts.against] if opts.against else []) + [None]
+
+
+def load(cli, rev, name):
+    """Loads the script `name` of `rev` into Redis: its SHA."""
+    return cli('script', 'load', script(rev, name)).stdout.decode().strip()
+
+
+def key_names(k):
+    """The KEYS of a script on the queue's key `k` (lib/keys.lua's order), the marker `lb:epoch`."""
+    return [f'{k}:lock', f'{k}:fence', 'lb:epoch', f'{k}:shared', f'{k}:shared:ends', f'{k}:queue',
+            f'{k}:bids', f'{k}:watched']
+
+
 def batched(opts, cli, count):
     """BATCH (group commit): claims, then releases, `opts.batch` operations per call."""
     per, n = opts.batch, opts.calls
     print(f'Redis instructions per operation (callgrind, {n} BATCH calls of {per} operations per step, new keys)')
     print(f'{"scripts":<22}{"claim":>10}{"release":>10}{"cycle":>10}{"keys left":>11}')
-    for rev in ([opts.against] if opts.against else []) + [None]:
-        batch = cli('script', 'load', script(rev, 'batch')).stdout.decode().strip()
+    for rev in revisions(opts):
+        batch = load(cli, rev, 'batch')
         tag = random.randrange(10 ** 9)
 
         def call(op, j):
@@ -98,18 +114,15 @@ def contended(opts, cli, count):
     n = opts.calls
     print(f'Redis instructions per call (callgrind, {n} calls per step, a key each: a holder and 4 queued bids)')
     print(f'{"scripts":<14}{"next bid":<16}{"release":>10}{"take":>10}{"claim":>10}{"handoff":>10}')
-    for rev in ([opts.against] if opts.against else []) + [None]:
+    for rev in revisions(opts):
         if 'context_of' not in script(rev, 'claim') or "'g'" not in script(rev, 'release'):
             sys.exit(f'{rev}: its scripts have no direct grant (RELEASE with kind g) to count')
-        claim = cli('script', 'load', script(rev, 'claim')).stdout.decode().strip()
-        release = cli('script', 'load', script(rev, 'release')).stdout.decode().strip()
+        claim, release = load(cli, rev, 'claim'), load(cli, rev, 'release')
         for whose, queued_by in (('own broker', 'broker1'), ('another broker', 'broker2')):
             tag = random.randrange(10 ** 9)
 
             def keys(i):
-                k = f'lb:{{h{tag}-{i}}}'
-                return [f'{k}:lock', f'{k}:fence', 'lb:epoch', f'{k}:shared', f'{k}:shared:ends',
-                        f'{k}:queue', f'{k}:bids', f'{k}:watched']
+                return key_names(f'lb:{{h{tag}-{i}}}')
 
             def ctx(i, wait, kind):
                 # wait|kind|window|space|#chan|#shared| then the channel prefix and the client
@@ -196,25 +209,22 @@ def main():
             total = int(re.search(r'([\d,]+) \(100\.0%\)\s+PROGRAM TOTALS', text).group(1).replace(',', ''))
             return total / len(commands)
 
-        n = opts.calls
-        # The minimal proxy's release (the bench's own script).
-        cas = source(None, 'bench/src/compare_and_delete.lua')
-        rows = []
         if opts.contended:
             contended(opts, cli, count)
             return
         if opts.batch:
             batched(opts, cli, count)
             return
-        for rev in ([opts.against] if opts.against else []) + [None]:
-            claim = cli('script', 'load', script(rev, 'claim')).stdout.decode().strip()
-            release = cli('script', 'load', script(rev, 'release')).stdout.decode().strip()
+        n = opts.calls
+        # The minimal proxy's release (the bench's own script).
+        cas = source(None, 'bench/src/compare_and_delete.lua')
+        rows = []
+        for rev in revisions(opts):
+            claim, release = load(cli, rev, 'claim'), load(cli, rev, 'release')
             tag = random.randrange(10 ** 9)
 
             def keys(i):
-                k = f'lb:{{k{tag}-{i}}}'
-                return [f'{k}:lock', f'{k}:fence', 'lb:epoch', f'{k}:shared', f'{k}:shared:ends',
-                        f'{k}:queue', f'{k}:bids', f'{k}:watched']
+                return key_names(f'lb:{{k{tag}-{i}}}')
             before = int(cli('dbsize').stdout)
             if 'context_of' in script(rev, 'claim'):
                 # One context string for what only the slow paths read (scripts/grant.rs).
