@@ -10,7 +10,11 @@ between the steps. Instruction counts do not move with the machine's load, unlik
 two versions of the scripts compare in one run: `--against REV` measures the scripts of a git
 revision too. Needs valgrind (`apt-get install -y valgrind`) and redis-server.
 
-    scripts/redis-instructions.py [--calls 2000] [--against REV] [--contended]
+    scripts/redis-instructions.py [--calls 2000] [--against REV] [--functions] [--contended]
+
+`--functions` calls the work tree's scripts as the broker runs them on one Redis and Sentinel:
+as functions of its library (`FCALL`; the library printed by `lockbroker-bench redis-library`),
+where `--against`'s revision still runs by SHA.
 
 `--batch N` counts the BATCH script instead (group commit): calls of N claims each on new keys,
 then calls of N releases of them, per operation.
@@ -70,9 +74,23 @@ def revisions(opts):
     return ([opts.against] if opts.against else []) + [None]
 
 
+# The function library loaded (`--functions`): its name, which its functions' names begin with.
+LIBRARY = []
+
+
 def load(cli, rev, name):
-    """Loads the script `name` of `rev` into Redis: its SHA."""
-    return cli('script', 'load', script(rev, name)).stdout.decode().strip()
+    """Loads the script `name` of `rev` into Redis: the command that calls it, up to its keys —
+    `EVALSHA` and its SHA, or, for the work tree with `--functions`, `FCALL` and its function."""
+    if rev is None and LIBRARY:
+        return ['FCALL', f'{LIBRARY[0]}_{name}']
+    return ['EVALSHA', cli('script', 'load', script(rev, name)).stdout.decode().strip()]
+
+
+def load_library(cli):
+    """Loads the work tree's function library (`lockbroker-bench redis-library` prints it)."""
+    text = subprocess.run(['cargo', 'run', '-q', '-p', 'lockbroker-bench', '--',
+                           'redis-library'], cwd=ROOT, capture_output=True, check=True).stdout
+    LIBRARY.append(cli('function', 'load', data=None, arg=text).stdout.decode().strip())
 
 
 def key_names(k):
@@ -96,7 +114,7 @@ def batched(opts, cli, count):
                 k = f'lb:{{b{tag}-{i}}}'
                 keys += [f'{k}:lock', f'{k}:fence', f'{k}:shared:ends', f'{k}:queue', f'{k}:watched']
                 args += [op, f'tok{i}', 30000, '', ''] if op == 'c' else [op, f'tok{i}', '', '', '']
-            return ['EVALSHA', batch, len(keys), *keys, *args]
+            return [*batch, len(keys), *keys, *args]
         before = int(cli('dbsize').stdout)
         c = count('claim', [call('c', j) for j in range(n)]) / per
         # Granted in the batch, not answered SLOW (which writes nothing).
@@ -130,7 +148,7 @@ def contended(opts, cli, count):
                 return f'{wait}|{kind}|600000|L|5|0|lb:b:h{tag}-{i}'
 
             def bid(i, token, wait, broker='broker1'):
-                return ['EVALSHA', claim, 8, *keys(i), token, 30000, '', 'E1', '', broker,
+                return [*claim, 8, *keys(i), token, 30000, '', 'E1', '', broker,
                         ctx(i, wait, 'x')]
             setup = []
             for i in range(n):
@@ -139,7 +157,7 @@ def contended(opts, cli, count):
             out = cli('--pipe', data=resp(setup)).stdout
             if b'errors: 0' not in out:
                 sys.exit(f'setup: {out.decode()}')
-            r = count('release', [['EVALSHA', release, 8, *keys(i), f'a{i}', 'E1', 'broker1',
+            r = count('release', [[*release, 8, *keys(i), f'a{i}', 'E1', 'broker1',
                                    ctx(i, 0, 'g')] for i in range(n)])
             offered = cli('hget', keys(0)[0], 'offered').stdout.strip() == b'1'
             take = 0
@@ -164,6 +182,8 @@ def main():
     ap.add_argument('--calls', type=int, default=2000)
     ap.add_argument('--against', metavar='REV', help='also measure the scripts of this git revision')
     ap.add_argument('--batch', type=int, metavar='N', help='BATCH calls of N operations instead')
+    ap.add_argument('--functions', action='store_true',
+                    help="the work tree's scripts as the broker's function library (FCALL), not by SHA")
     ap.add_argument('--contended', action='store_true',
                     help="the hot key's scripts per handoff instead (RELEASE, the offer's take, a queued CLAIM)")
     opts = ap.parse_args()
@@ -177,9 +197,11 @@ def main():
          '--port', port, '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--dir', work],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def cli(*args, data=None):
-        return subprocess.run(['redis-cli', '-p', port, *args], input=data, capture_output=True,
-                              check=True)
+    def cli(*args, data=None, arg=None):
+        # `arg`: a last argument read from stdin (`-x`), for one too long for a command line.
+        x = ['-x'] if arg is not None else []
+        return subprocess.run(['redis-cli', '-p', port, *x, *args], input=arg if arg is not None else data,
+                              capture_output=True, check=True)
 
     try:
         for _ in range(600):
@@ -189,6 +211,8 @@ def main():
         else:
             sys.exit('redis-server under callgrind did not start')
         cli('hset', 'lb:epoch', 'id', 'E1', 'layout', '2')
+        if opts.functions:
+            load_library(cli)
         dumps = [0]
 
         def count(name, commands):
@@ -241,8 +265,8 @@ def main():
                 def release_args(i):
                     return [f'tok{i}', 'E1', 'broker1', 'lb:b:', 500, f'k{i}', 'L', 60000,
                             'lb:released']
-            c = count('claim', [['EVALSHA', claim, 8, *keys(i), *claim_args(i)] for i in range(n)])
-            r = count('release', [['EVALSHA', release, 8, *keys(i), *release_args(i)] for i in range(n)])
+            c = count('claim', [[*claim, 8, *keys(i), *claim_args(i)] for i in range(n)])
+            r = count('release', [[*release, 8, *keys(i), *release_args(i)] for i in range(n)])
             left = int(cli('dbsize').stdout) - before
             rows.append((rev or 'working tree', c, r, left))
         proxy = cli('script', 'load', cas).stdout.decode().strip()

@@ -134,6 +134,10 @@ pub enum BenchTool {
     /// A TCP link that delays every byte a fixed time each way (a replica another zone away).
     #[command(hide = true)]
     DelayLink(delay_link::DelayLinkArgs),
+    /// Prints the function library the broker loads on Redis (`FUNCTION LOAD`'s text), for
+    /// `scripts/redis-instructions.py --functions`.
+    #[command(hide = true)]
+    RedisLibrary,
 }
 
 /// The lease a bench cycle takes.

@@ -19,7 +19,8 @@
 //! `--ledger N` measures the lease ledger in this process instead, and `floor-proxy` (a hidden
 //! subcommand) is the minimal lock server `--floor` measures the broker against; `delay-link`
 //! (hidden too) is the slow link `scripts/measure-replica-acks.sh` puts between a replica and its
-//! master. The bench is a
+//! master; `redis-library` (hidden) prints the broker's function library for
+//! `scripts/redis-instructions.py --functions`. The bench is a
 //! program of its own, not a command of the shipped `lockbroker`: what only it needs (hyper's
 //! HTTP client, the proxy, the `/proc` and `INFO` readers) stays out of the broker.
 #![forbid(unsafe_code)]
@@ -81,6 +82,10 @@ async fn execute(args: BenchArgs) -> ExitCode {
     match args.tool {
         Some(BenchTool::FloorProxy(proxy)) => return report(floor_proxy::serve(proxy).await),
         Some(BenchTool::DelayLink(link)) => return report(delay_link::serve(&link)),
+        Some(BenchTool::RedisLibrary) => {
+            out!("{}", lockbroker::store::redis::function_library());
+            return ExitCode::SUCCESS;
+        }
         None => {}
     }
     match args.ledger {

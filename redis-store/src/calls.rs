@@ -1,6 +1,7 @@
 //! Running calls on Redis, for the [`EpochKeeper`] that owns the connection: on the one verified
 //! connection (making it if needed, see `check.rs`), within the store's time bound, and scripts
-//! by SHA with the store's own handling of NOSCRIPT. Every script call goes through
+//! by SHA with the store's own handling of NOSCRIPT, or as functions of the library
+//! (`scripts/library.rs`), loaded where a server lacks it. Every script call goes through
 //! [`EpochKeeper::run_tracked`], [`EpochKeeper::run_unchecked`] or [`EpochKeeper::eval`], which
 //! log it at TRACE (script, key, duration).
 
@@ -11,7 +12,7 @@ use tokio::time::Instant;
 
 use super::connection::{Conn, Link, breaks_connection};
 use super::epoch::EpochKeeper;
-use super::scripts::{Call, ScriptCall};
+use super::scripts::{Call, Library, ScriptCall};
 use lockbroker_core::domain::millis;
 use lockbroker_core::store::{StoreError, StoreResult};
 
@@ -132,6 +133,28 @@ impl EpochKeeper {
                         e.to_string(),
                     )));
                 }
+                call.with_source().query_async(conn).await
+            }
+            Err(e) if call.is_function() && Library::missing(&e) => {
+                // A server without this build's library (new, restarted empty, or flushed of
+                // functions): loaded there, then the call runs again.
+                match self.scripts.library().load(conn).await {
+                    Ok(()) => {
+                        tracing::debug!(
+                            library = self.scripts.library().name(),
+                            "loaded the function library on a server without it"
+                        );
+                        call.by_sha().query_async(conn).await
+                    }
+                    Err(e) if Library::refused(&e) => {
+                        self.scripts.functions_off(&e);
+                        call.with_source().query_async(conn).await
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) if call.is_function() && Library::refused(&e) => {
+                self.scripts.functions_off(&e);
                 call.with_source().query_async(conn).await
             }
             result => result,

@@ -27,6 +27,8 @@
 //! that one reached a new server process is NOSCRIPT — Redis 7 neither replicates nor persists
 //! its script cache, so a restarted server or a promoted replica has none of the broker's
 //! scripts, and the broker checks the epoch before it runs one there (`EpochKeeper::invoke`, `calls.rs`).
+//! Hence scripts by SHA on a cluster, not the function library of one Redis and Sentinel
+//! (`scripts/library.rs`): functions are replicated and persisted, and would not tell.
 
 use std::collections::HashMap;
 use std::pin::Pin;

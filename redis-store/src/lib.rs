@@ -43,6 +43,12 @@ pub(crate) mod url;
 #[cfg(feature = "bench")]
 pub use ledger_cost::{LedgerCost, ledger_cost};
 
+/// The function library the broker loads on one Redis or Sentinel (`FUNCTION LOAD`'s text), as
+/// this build makes it: its lock scripts as Redis functions (see `scripts/library.rs`).
+pub fn function_library() -> String {
+    scripts::Scripts::new(true).library().source().to_owned()
+}
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -246,7 +252,8 @@ impl RedisStore {
             channel: channel.clone(),
             broker: broker.clone(),
             connection: RedisConnection::new(connector, settings.timeout, ack_links),
-            scripts: Scripts::new(),
+            // Functions on one Redis and Sentinel; a cluster's NOSCRIPT is news (`library.rs`).
+            scripts: Scripts::new(!cluster),
             epoch: Epoch::new(settings.store_settle, settings.store_loss_delay),
             // An end's mark outlasts the answer of a renewal Redis ran before it: that call's
             // time bound, and as much again for its replicas.

@@ -122,6 +122,13 @@ impl RedisServer {
             .unwrap_or(0)
     }
 
+    /// How many lock script calls this server has run: `EVALSHA`s and `FCALL`s (the broker
+    /// runs its scripts as functions where it can, by SHA where it cannot; its epoch check is a
+    /// plain `EVAL`, not counted).
+    pub async fn script_calls(&self) -> u64 {
+        script_calls(&self.command_counts().await)
+    }
+
     /// The calls this server has served, by command (lower case, as `INFO commandstats` names
     /// them), `info` itself left out.
     pub async fn command_counts(&self) -> BTreeMap<String, u64> {
@@ -368,4 +375,13 @@ pub async fn until_listening(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// The lock script calls among `counts` (as [`RedisServer::command_counts`] gives them):
+/// `EVALSHA`s and `FCALL`s.
+pub fn script_calls(counts: &BTreeMap<String, u64>) -> u64 {
+    ["evalsha", "fcall"]
+        .iter()
+        .filter_map(|name| counts.get(*name))
+        .sum()
 }

@@ -24,7 +24,7 @@ async fn concurrent_claims_and_releases_share_script_calls_and_keep_their_answer
     let warm = app.grant("warm-up", "").await;
     app.release_ok("warm-up", &warm.token).await;
     let held = app.grant("taken", "ttl_ms=60000").await;
-    let before = redis.command_calls("evalsha").await;
+    let before = redis.script_calls().await;
     let clients = (0..CLIENTS).map(|c| {
         let app = Arc::clone(&app);
         tokio::spawn(async move {
@@ -46,7 +46,7 @@ async fn concurrent_claims_and_releases_share_script_calls_and_keep_their_answer
     for client in futures_util::future::join_all(clients).await {
         client.expect("a client's cycles");
     }
-    let calls = redis.command_calls("evalsha").await - before;
+    let calls = redis.script_calls().await - before;
     // Per client: 25 grants, 25 releases, a release of nothing, a refused claim and its look —
     // each one script call when alone.
     let alone = (CLIENTS * (CYCLES * 2 + 3)) as u64;

@@ -4,18 +4,20 @@
 use std::time::Duration;
 
 use lockbroker_test_support::app::{TestApp, spawn_app};
+use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
 
-/// EVALSHA calls Redis has served: each is one round trip of a lock operation (the commands a
-/// script runs inside are counted apart by Redis, under their own names, and the broker's
-/// background epoch check, once a second, runs as plain EVAL).
+/// Lock script calls Redis has served (`FCALL`s of the broker's function library, or
+/// `EVALSHA`s where it cannot run functions): each is one round trip of a lock operation (the
+/// commands a script runs inside are counted apart by Redis, under their own names, and the
+/// broker's background epoch check, once a second, runs as plain EVAL).
 async fn script_calls(redis: &RedisServer) -> u64 {
-    redis.command_calls("evalsha").await
+    redis.script_calls().await
 }
 
-/// A broker on a fresh Redis, its scripts already loaded (the first call of each script costs a
-/// NOSCRIPT and a load, once per Redis).
+/// A broker on a fresh Redis, its scripts already loaded (the first call costs a "Function not
+/// found" and the library's load, once per Redis).
 async fn warmed_up() -> (RedisServer, TestApp) {
     let redis = RedisServer::start().await;
     let app = spawn_app(Some(redis.url())).await;
@@ -83,4 +85,57 @@ async fn an_acquire_that_waits_costs_a_handful_of_round_trips_however_long_it_wa
     // takes that grant without another call.
     let total = script_calls(&redis).await - before;
     assert_eq!(total, waiting + 1, "{total} round trips in all");
+}
+
+/// Counts of `INFO commandstats` lines, by name, with the `FUNCTION` subcommands as Redis names
+/// them (`function|load`).
+async fn count(redis: &RedisServer, name: &str) -> u64 {
+    redis.command_calls(name).await
+}
+
+/// The names of the function libraries loaded on `redis`.
+async fn libraries(redis: &RedisServer) -> Vec<String> {
+    let mut conn = redis.connection().await;
+    let listed: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("FUNCTION")
+        .arg("LIST")
+        .query_async(&mut conn)
+        .await
+        .expect("FUNCTION LIST");
+    listed
+        .iter()
+        .map(|library| redis::from_redis_value_ref(&library["library_name"]).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn the_scripts_run_as_one_library_loaded_once_per_server_and_again_where_it_was_lost() {
+    let (redis, app) = warmed_up().await;
+    let loaded = libraries(&redis).await;
+    assert_eq!(loaded.len(), 1, "{loaded:?}");
+    assert!(loaded[0].starts_with("lockbroker_"), "{loaded:?}");
+    assert_eq!(count(&redis, "function|load").await, 1);
+    assert_eq!(
+        count(&redis, "evalsha").await,
+        0,
+        "every lock script ran as a function"
+    );
+    let before = count(&redis, "fcall").await;
+    let grant = app.grant("k", "").await;
+    app.release_ok("k", &grant.token).await;
+    assert_eq!(count(&redis, "fcall").await - before, 2);
+
+    // An operator's FUNCTION FLUSH: the next call finds no function, loads the library again
+    // and runs; nothing answers an error.
+    let mut conn = redis.connection().await;
+    let () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .expect("FUNCTION FLUSH");
+    assert!(libraries(&redis).await.is_empty());
+    let grant = app.grant("k", "").await;
+    app.release_ok("k", &grant.token).await;
+    assert_eq!(libraries(&redis).await, loaded);
+    assert_eq!(count(&redis, "function|load").await, 2);
+    assert_eq!(count(&redis, "evalsha").await, 0);
 }

@@ -2,8 +2,9 @@
 //! docs/topologies.md, so the two cannot drift apart) is applied to a fresh Redis, and brokers run as that user through the
 //! whole life of a lock — acquire, a waiter woken by the release notice, renew, release,
 //! readiness, and the put-back after a `FLUSHALL` — with no command refused (`ACL LOG` stays
-//! empty). The password appears nowhere: not in the brokers' logs at debug level, not in an
-//! error body, not in `/metrics`.
+//! empty), the lock scripts run as the function library. The password appears nowhere: not in
+//! the brokers' logs at debug level, not in an error body, not in `/metrics`. A user without the
+//! line's `+fcall +function|load` gets its locks all the same, by SHA, after one warning.
 
 use std::time::{Duration, Instant};
 
@@ -34,6 +35,19 @@ fn documented_acl_line() -> String {
     );
     assert!(lines[0].contains(PLACEHOLDER), "the line has {PLACEHOLDER}");
     lines[0].to_owned()
+}
+
+/// Applies the `ACL SETUSER` `line` on `redis`, with [`PASSWORD`] for its placeholder.
+async fn set_user(redis: &RedisServer, line: &str) {
+    let line = line.replace(PLACEHOLDER, &format!(">{PASSWORD}"));
+    let mut setuser = redis::cmd("ACL");
+    for word in line.split_whitespace().skip(1) {
+        setuser.arg(word);
+    }
+    let () = setuser
+        .query_async(&mut redis.connection().await)
+        .await
+        .unwrap_or_else(|e| panic!("the ACL line is refused: {e}"));
 }
 
 /// A broker process running as `user:password`, logging everything at debug level.
@@ -69,15 +83,7 @@ async fn send(method: Method, url: String, token: Option<&str>) -> Answer {
 async fn brokers_run_as_the_documented_acl_user_and_never_show_its_password() {
     let redis = RedisServer::start().await;
     let mut admin = redis.connection().await;
-    let line = documented_acl_line().replace(PLACEHOLDER, &format!(">{PASSWORD}"));
-    let mut setuser = redis::cmd("ACL");
-    for word in line.split_whitespace().skip(1) {
-        setuser.arg(word);
-    }
-    let () = setuser
-        .query_async(&mut admin)
-        .await
-        .unwrap_or_else(|e| panic!("the documented ACL line is refused: {e}"));
+    set_user(&redis, &documented_acl_line()).await;
 
     let one = broker_as(&redis, PASSWORD).await;
     let two = broker_as(&redis, PASSWORD).await;
@@ -151,6 +157,10 @@ async fn brokers_run_as_the_documented_acl_user_and_never_show_its_password() {
     let permit_token = permit.json()["token"].as_str().expect("a token").to_owned();
     released_on(&one, "/semaphores/acl-pool", &permit_token).await;
 
+    // The lock scripts ran as the function library, none by SHA.
+    assert!(redis.command_calls("fcall").await > 0);
+    assert_eq!(redis.command_calls("evalsha").await, 0);
+
     // Every command the brokers sent was allowed.
     let denied: Vec<redis::Value> = redis::cmd("ACL")
         .arg("LOG")
@@ -201,4 +211,48 @@ async fn brokers_run_as_the_documented_acl_user_and_never_show_its_password() {
             }
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_not_allowed_functions_gets_its_locks_by_sha_after_one_warning() {
+    let redis = RedisServer::start().await;
+    let line = documented_acl_line().replace(" +fcall +function|load", "");
+    assert!(
+        !line.contains("fcall") && !line.contains("function"),
+        "{line}"
+    );
+    set_user(&redis, &line).await;
+    let broker = broker_as(&redis, PASSWORD).await;
+    wait_until_ready(&broker.address(), Duration::from_secs(5)).await;
+
+    // A lock cycle, and a waiter handed the lock on release: the queue's scripts too.
+    let holder = send(Method::POST, broker.url("/locks/sha?ttl_ms=20000"), None)
+        .await
+        .expect_grant(StatusCode::CREATED);
+    let waiter = tokio::spawn(send(
+        Method::POST,
+        broker.url("/locks/sha?ttl_ms=20000&wait_ms=10000"),
+        None,
+    ));
+    until_waiting(&broker.address(), 1).await;
+    released_on(&broker, "/locks/sha", &holder.token).await;
+    let next = granted_within(waiter, Instant::now(), Duration::from_millis(500)).await;
+    assert!(next.fence > holder.fence);
+    released_on(&broker, "/locks/sha", &next.token).await;
+
+    // Each script's first run was an EVAL with its source; from then on, by SHA.
+    let by_sha = redis.command_calls("evalsha").await;
+    let again = send(Method::POST, broker.url("/locks/sha"), None)
+        .await
+        .expect_grant(StatusCode::CREATED);
+    released_on(&broker, "/locks/sha", &again.token).await;
+    assert_eq!(redis.command_calls("evalsha").await - by_sha, 2);
+    assert_eq!(redis.command_calls("fcall").await, 0);
+    let log = broker.output();
+    assert_eq!(
+        log.matches("cannot run the broker's function library")
+            .count(),
+        1,
+        "one warning:\n{log}"
+    );
 }

@@ -5,7 +5,9 @@
 //!
 //! Each script is a `.lua` file in this folder, which says what it does, its `KEYS`, its `ARGV`
 //! and its replies. Helpers several scripts share are in `lib/` and joined in front of a script
-//! at build time (the `concat!` in [`Scripts::new`]). Beside the files, for each script, a Rust
+//! (the file lists in [`Scripts::new`]). On one Redis and Sentinel the same files are loaded as
+//! one function library too, each script a function, and calls go out as `FCALL`s
+//! (`library.rs`). Beside the files, for each script, a Rust
 //! type writes its keys and arguments in the order the file reads them ([`ScriptCall::write`]:
 //! the one place that order is written), and a reply type decodes what it answers
 //! ([`FromRedisValue`], reading the fields in order like mini-redis's `Parse` reads a frame), so
@@ -56,12 +58,15 @@ mod codes;
 mod epoch;
 mod grant;
 mod holder;
+mod library;
 mod reads;
+mod reply;
 mod session;
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use redis::{Arg, Cmd, FromRedisValue, ParsingError, RedisWrite, Script, ToRedisArgs, Value};
+use redis::{Arg, Cmd, FromRedisValue, RedisWrite, Script, ToRedisArgs, Value};
 use tokio::time::Instant;
 
 pub(crate) use self::batch::{Batch, BatchOp, is_slow};
@@ -75,33 +80,57 @@ pub(crate) use self::holder::{
     Force, ForceReply, Handed, HolderContext, Keep, KeepReply, Leave, Release, ReleaseReply, Renew,
     RenewReply, Renewed,
 };
+pub(crate) use self::library::Library;
 pub(crate) use self::reads::{Read, ReadPermits};
+use self::reply::{Fields, hold_in, unknown};
 pub(crate) use self::session::SessionCall;
-use lockbroker_core::store::{Hold, HoldReason, StoreError, StoreResult};
+use lockbroker_core::store::{StoreError, StoreResult};
 
-/// One script: its name (for errors), its source, and its SHA1 (from the `redis` crate's
-/// `Script`), computed once.
+/// One script: its name (for errors), the files it joins, its source, its SHA1 (from the
+/// `redis` crate's `Script`), computed once, and its function's name if it is in the function
+/// library (`library.rs`).
 pub(crate) struct Lua {
     name: &'static str,
+    /// The files joined, in order, each with its path (under `scripts/`).
+    files: &'static [(&'static str, &'static str)],
     source: String,
     sha: Script,
+    function: Option<String>,
+}
+
+/// `text` without its comment lines: what a script's file says of it is for readers, not worth
+/// sending to Redis with every `EVAL` (the epoch check's, once a second; a cluster master's
+/// marks, one per slot).
+fn without_comments(text: &str) -> String {
+    text.lines()
+        .filter(|line| !line.trim_start().starts_with("--"))
+        .flat_map(|line| [line, "\n"])
+        .collect()
 }
 
 impl Lua {
-    /// The script of `source` without its comment lines: what a script's file says of it is for
-    /// readers, not worth sending to Redis with every `EVAL` (the epoch check's, once a second;
-    /// a cluster master's marks, one per slot).
-    fn new(name: &'static str, source: &'static str) -> Self {
-        let source: String = source
-            .lines()
-            .filter(|line| !line.trim_start().starts_with("--"))
-            .flat_map(|line| [line, "\n"])
+    /// The script that joins `files`, sent without their comment lines.
+    fn new(name: &'static str, files: &'static [(&'static str, &'static str)]) -> Self {
+        let source: String = files
+            .iter()
+            .map(|(_, text)| without_comments(text))
             .collect();
         Self {
             name,
+            files,
             sha: Script::new(&source),
             source,
+            function: None,
         }
+    }
+
+    /// What the script runs itself, its helpers aside: its files not in `lib/`, joined.
+    fn body(&self) -> String {
+        self.files
+            .iter()
+            .filter(|(path, _)| !path.starts_with("lib/"))
+            .map(|(_, text)| without_comments(text))
+            .collect()
     }
 }
 
@@ -117,16 +146,19 @@ pub(crate) trait ScriptCall {
     fn write(&self, call: &mut Writer<'_>);
 }
 
-/// A script call with its keys and arguments: run by SHA ([`Call::by_sha`]), or with its source
-/// ([`Call::with_source`]) when the server answers NOSCRIPT. What the server does on NOSCRIPT is
+/// A script call with its keys and arguments: run by SHA or as a function ([`Call::by_sha`]), or
+/// with its source ([`Call::with_source`]) when the server answers NOSCRIPT or cannot run the
+/// function. What the server does on NOSCRIPT is
 /// the store's decision (see `RedisStore::invoke`): the crate's own fallback
 /// (`ScriptInvocation::invoke_async`) would load the script on every master of a cluster, and
 /// the crate keeps the command it sends with the source to itself. Made by [`Scripts::call`]
 /// from what a [`Writer`] wrote, so it always has its command.
 pub(crate) struct Call<'a> {
     lua: &'a Lua,
-    /// The `EVALSHA` with its keys and arguments.
+    /// The `EVALSHA` (or `FCALL`) with its keys and arguments.
     cmd: Cmd,
+    /// Whether the command is an `FCALL`.
+    function: bool,
 }
 
 /// What a [`ScriptCall::write`] writes a call's keys and arguments into. The `EVALSHA` command
@@ -135,6 +167,8 @@ pub(crate) struct Call<'a> {
 /// written straight into the command, once.
 pub(crate) struct Writer<'a> {
     lua: &'a Lua,
+    /// The function to call instead of `EVALSHA`, if the store runs functions.
+    function: Option<&'a str>,
     /// The keys, in one buffer (a `Cmd` is a byte buffer and the ends of its arguments): one
     /// allocation, not one per key.
     keys: Cmd,
@@ -162,31 +196,39 @@ impl<'a> Writer<'a> {
         self
     }
 
-    /// The `EVALSHA` with its script's SHA, number of keys and keys, started on first use.
+    /// The `EVALSHA` with its script's SHA (or the `FCALL` with its function's name), number of
+    /// keys and keys, started on first use.
     fn started(&mut self) -> &mut Cmd {
-        let (lua, keys) = (self.lua, &self.keys);
-        self.cmd.get_or_insert_with(|| evalsha(lua, keys))
+        let (lua, function, keys) = (self.lua, self.function, &self.keys);
+        self.cmd.get_or_insert_with(|| evalsha(lua, function, keys))
     }
 
     /// The call as written (a call without arguments has its command made here).
     fn finish(self) -> Call<'a> {
         let cmd = match self.cmd {
             Some(cmd) => cmd,
-            None => evalsha(self.lua, &self.keys),
+            None => evalsha(self.lua, self.function, &self.keys),
         };
-        Call { lua: self.lua, cmd }
+        Call {
+            lua: self.lua,
+            cmd,
+            function: self.function.is_some(),
+        }
     }
 }
 
-/// `EVALSHA` with `lua`'s SHA, the number of keys and the keys, with room for the arguments.
-fn evalsha(lua: &Lua, keys: &Cmd) -> Cmd {
+/// `EVALSHA` with `lua`'s SHA (or `FCALL` with `function`), the number of keys and the keys,
+/// with room for the arguments.
+fn evalsha(lua: &Lua, function: Option<&str>, keys: &Cmd) -> Cmd {
     let keys = keys.args_iter();
     // Room for a claim's fifteen arguments of usual lengths after the keys, so that writing
     // them does not grow the command step by step.
     let mut cmd = Cmd::with_capacity(3 + keys.len() + 16, 64 + keys_len(keys.clone()) + 256);
-    cmd.arg("EVALSHA")
-        .arg(lua.sha.get_hash().as_bytes())
-        .arg(keys.len());
+    match function {
+        Some(name) => cmd.arg("FCALL").arg(name),
+        None => cmd.arg("EVALSHA").arg(lua.sha.get_hash().as_bytes()),
+    };
+    cmd.arg(keys.len());
     for key in keys {
         // Keys are plain bytes: nothing writes a cursor into them.
         if let Arg::Simple(bytes) = key {
@@ -197,13 +239,19 @@ fn evalsha(lua: &Lua, keys: &Cmd) -> Cmd {
 }
 
 impl Call<'_> {
-    /// `EVALSHA`: the server runs the script if it has it cached.
+    /// `EVALSHA`: the server runs the script if it has it cached; or `FCALL`, if the library
+    /// is loaded.
     pub(super) fn by_sha(&self) -> &Cmd {
         &self.cmd
     }
 
-    /// `EVAL` with the source, which also caches it on that server: the `EVALSHA`'s key count,
-    /// keys and arguments after the source instead of the SHA.
+    /// Whether [`Call::by_sha`] is an `FCALL`.
+    pub(super) fn is_function(&self) -> bool {
+        self.function
+    }
+
+    /// `EVAL` with the source, which also caches it on that server: the `EVALSHA`'s (or the
+    /// `FCALL`'s) key count, keys and arguments after the source instead of the SHA.
     pub(super) fn with_source(&self) -> Cmd {
         let rest = self.by_sha().args_iter().skip(2);
         let mut cmd = Cmd::with_capacity(rest.len() + 2, self.lua.source.len() + 512);
@@ -241,7 +289,7 @@ impl Call<'_> {
         );
     }
 
-    /// How many keys the call has (the `EVALSHA`'s third argument).
+    /// How many keys the call has (the command's third argument).
     fn keys(&self) -> usize {
         match self.cmd.args_iter().nth(2) {
             Some(Arg::Simple(bytes)) => std::str::from_utf8(bytes)
@@ -288,40 +336,88 @@ pub(crate) struct Scripts {
     repair: Lua,
     put_back: Lua,
     session: Lua,
+    /// The scripts above that are functions too, as one library (`library.rs`).
+    library: Library,
+    /// Whether calls go out as functions (`FCALL`): until the server or its user cannot run them.
+    functions: AtomicBool,
 }
 
 impl Scripts {
-    pub(super) fn new() -> Self {
+    /// Every script; the lock scripts as functions too, which calls use if `functions` (the store
+    /// is not a cluster: see `library.rs`).
+    pub(super) fn new(functions: bool) -> Self {
         macro_rules! lua {
             ($name:literal: $($file:literal),+) => {
-                Lua::new($name, concat!($(include_str!($file)),+))
+                Lua::new($name, &[$(($file, include_str!($file))),+])
             };
         }
-        Self {
-            claim: lua!("claim": "lib/prelude.lua", "lib/grant.lua", "lib/keys.lua", "lib/fast.lua", "fast/claim.lua", "lib/pools.lua", "lib/queue.lua", "claim.lua"),
-            batch: lua!("batch": "lib/prelude.lua", "lib/grant.lua", "lib/fast.lua", "batch.lua"),
-            claim_all: lua!("claim_all": "lib/prelude.lua", "lib/grant.lua", "lib/fast.lua", "claim_all.lua"),
-            take_over: lua!("take_over": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "take_over.lua"),
-            join: lua!("join": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "join.lua"),
-            read: lua!("read": "lib/prelude.lua", "lib/pools.lua", "read.lua"),
-            permits: lua!("permits": "lib/prelude.lua", "lib/pools.lua", "permits.lua"),
-            release: lua!("release": "lib/prelude.lua", "lib/keys.lua", "lib/fast.lua", "fast/release.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
-            renew: lua!("renew": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "lib/renewal.lua", "renew.lua"),
-            keep: lua!("keep": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "lib/renewal.lua", "keep.lua"),
-            force: lua!("force": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "force.lua"),
-            leave: lua!("leave": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "leave.lua"),
-            check: lua!("check": "lib/prelude.lua", "check.lua"),
+        let mut scripts = Self {
+            claim: lua!("claim": "lib/eval.lua", "lib/prelude.lua", "lib/grant.lua", "lib/keys.lua", "lib/fast.lua", "fast/claim.lua", "lib/pools.lua", "lib/queue.lua", "claim.lua"),
+            batch: lua!("batch": "lib/eval.lua", "lib/prelude.lua", "lib/grant.lua", "lib/fast.lua", "batch.lua"),
+            claim_all: lua!("claim_all": "lib/eval.lua", "lib/prelude.lua", "lib/grant.lua", "lib/fast.lua", "claim_all.lua"),
+            take_over: lua!("take_over": "lib/eval.lua", "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "take_over.lua"),
+            join: lua!("join": "lib/eval.lua", "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "join.lua"),
+            read: lua!("read": "lib/eval.lua", "lib/prelude.lua", "lib/pools.lua", "read.lua"),
+            permits: lua!("permits": "lib/eval.lua", "lib/prelude.lua", "lib/pools.lua", "permits.lua"),
+            release: lua!("release": "lib/eval.lua", "lib/prelude.lua", "lib/keys.lua", "lib/fast.lua", "fast/release.lua", "lib/pools.lua", "lib/grant.lua", "lib/queue.lua", "lib/holder.lua", "release.lua"),
+            renew: lua!("renew": "lib/eval.lua", "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "lib/renewal.lua", "renew.lua"),
+            keep: lua!("keep": "lib/eval.lua", "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/name_keys.lua", "lib/queue.lua", "lib/holder.lua", "lib/renewal.lua", "keep.lua"),
+            force: lua!("force": "lib/eval.lua", "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "lib/holder.lua", "force.lua"),
+            leave: lua!("leave": "lib/eval.lua", "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "lib/keys.lua", "lib/queue.lua", "leave.lua"),
+            check: lua!("check": "lib/eval.lua", "lib/prelude.lua", "check.lua"),
             mark: lua!("mark": "mark.lua"),
             repair: lua!("repair": "repair.lua"),
-            put_back: lua!("put_back": "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "put_back.lua"),
-            session: lua!("session": "lib/prelude.lua", "session.lua"),
+            put_back: lua!("put_back": "lib/eval.lua", "lib/prelude.lua", "lib/pools.lua", "lib/grant.lua", "put_back.lua"),
+            session: lua!("session": "lib/eval.lua", "lib/prelude.lua", "session.lua"),
+            library: Library::default(),
+            functions: AtomicBool::new(functions),
+        };
+        use library::Flags::{AllowOom, Plain};
+        let s = &mut scripts;
+        s.library = Library::build(&mut [
+            (&mut s.claim, Plain),
+            (&mut s.batch, Plain),
+            (&mut s.claim_all, Plain),
+            (&mut s.take_over, Plain),
+            (&mut s.join, Plain),
+            (&mut s.read, AllowOom),
+            (&mut s.permits, AllowOom),
+            (&mut s.release, AllowOom),
+            (&mut s.renew, Plain),
+            (&mut s.keep, Plain),
+            (&mut s.force, AllowOom),
+            (&mut s.leave, AllowOom),
+            (&mut s.put_back, Plain),
+            (&mut s.session, Plain),
+        ]);
+        scripts
+    }
+
+    /// The function library.
+    pub(super) fn library(&self) -> &Library {
+        &self.library
+    }
+
+    /// Calls go out by SHA from now on: the server or the user cannot run functions (`why`).
+    pub(super) fn functions_off(&self, why: &redis::RedisError) {
+        if self.functions.swap(false, Ordering::Relaxed) {
+            tracing::warn!(
+                error = %why,
+                "Redis cannot run the broker's function library ({why}): its scripts run by SHA \
+                 (EVALSHA) instead, which costs Redis more per call"
+            );
         }
     }
 
     /// `call`'s script with its keys and arguments.
     pub(super) fn call<S: ScriptCall>(&self, call: &S) -> Call<'_> {
+        let lua = S::script(self);
         let mut writer = Writer {
-            lua: S::script(self),
+            lua,
+            function: lua
+                .function
+                .as_deref()
+                .filter(|_| self.functions.load(Ordering::Relaxed)),
             // Room for a claim's eight keys of usual lengths, so that writing them does not grow
             // the buffer step by step.
             keys: Cmd::with_capacity(8, 384),
@@ -339,62 +435,6 @@ fn keys_len<'a>(args: impl Iterator<Item = Arg<&'a [u8]>>) -> usize {
         _ => 0,
     })
     .sum()
-}
-
-/// The fields of a script's array reply, read in order, as mini-redis's `Parse` reads a frame:
-/// each read says what type it expects, and a reply that ends early or has fields left over is
-/// malformed.
-pub(crate) struct Fields(std::vec::IntoIter<Value>);
-
-impl Fields {
-    pub(super) fn of(reply: Value) -> Result<Self, ParsingError> {
-        match reply {
-            Value::Array(items) => Ok(Self(items.into_iter())),
-            other => Err(format!("expected an array, got {other:?}").into()),
-        }
-    }
-
-    /// The next field, as a `T`.
-    pub(super) fn next<T: FromRedisValue>(&mut self) -> Result<T, ParsingError> {
-        let value = self
-            .0
-            .next()
-            .ok_or_else(|| ParsingError::from("the reply ended early"))?;
-        T::from_redis_value(value)
-    }
-
-    pub(super) fn is_empty(&self) -> bool {
-        self.0.len() == 0
-    }
-
-    /// The end of the reply: nothing may be left.
-    pub(super) fn finish(self) -> Result<(), ParsingError> {
-        if self.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{} fields left over", self.0.len()).into())
-        }
-    }
-}
-
-/// A store-wide hold as the scripts report it: its end and Redis's clock (ms), and its reason.
-fn hold_in(fields: &mut Fields) -> Result<Hold, ParsingError> {
-    let hold_until_ms: u64 = fields.next()?;
-    let now_ms: u64 = fields.next()?;
-    let reason: String = fields.next()?;
-    Ok(Hold {
-        reason: if reason == "loss" {
-            HoldReason::Loss
-        } else {
-            HoldReason::Settling
-        },
-        retry_after_ms: hold_until_ms.saturating_sub(now_ms).max(1),
-    })
-}
-
-/// A reply code that `script` never answers.
-fn unknown(script: &str, code: i64) -> ParsingError {
-    format!("unexpected {script} reply code {code}").into()
 }
 
 #[cfg(test)]

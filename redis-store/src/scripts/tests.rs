@@ -116,7 +116,7 @@ fn each_reply_code_decodes_to_its_own_variant_and_an_unknown_one_is_given_back()
 
 #[test]
 fn no_script_answers_a_bare_reply_code() {
-    let scripts = Scripts::new();
+    let scripts = Scripts::new(true);
     for lua in [
         &scripts.claim,
         &scripts.claim_all,
@@ -251,7 +251,7 @@ fn queued_and_newer_layout_replies_decode_by_their_code() {
 
 #[test]
 fn scripts_go_to_redis_without_their_comments_and_with_all_their_code() {
-    let scripts = Scripts::new();
+    let scripts = Scripts::new(true);
     let claim = &scripts.claim.source;
     assert!(!claim.lines().any(|l| l.trim_start().starts_with("--")));
     let file = include_str!("claim.lua");
@@ -361,4 +361,108 @@ fn a_put_back_reply_is_one_outcome_per_lease_or_the_epoch_moved() {
     ));
     assert!(PutBackReply::from_redis_value(reply(vec![int(1), int(0)])).is_err());
     assert!(PutBackReply::from_redis_value(reply(vec![int(7), int(0), int(0)])).is_err());
+}
+
+#[test]
+fn the_library_defines_each_helper_once_and_every_script_but_the_epochs_as_a_function() {
+    let scripts = Scripts::new(true);
+    let library = scripts.library().source();
+    assert!(library.starts_with(&format!("#!lua name={}\n", scripts.library().name())));
+    assert!(!library.contains("replicate_commands"), "EVAL's head alone");
+    for helper in [
+        "local function checked(",
+        "local function name_keys(",
+        "local function hand_on(",
+        "local function holder(",
+        "local function renewal(",
+    ] {
+        assert_eq!(library.matches(helper).count(), 1, "{helper}");
+    }
+    for lua in [
+        &scripts.claim,
+        &scripts.release,
+        &scripts.keep,
+        &scripts.put_back,
+    ] {
+        let function = lua.function.as_deref().expect("a function");
+        assert_eq!(
+            function,
+            format!("{}_{}", scripts.library().name(), lua.name)
+        );
+        assert_eq!(library.matches(&format!("'{function}'")).count(), 1);
+    }
+    for lua in [&scripts.check, &scripts.mark, &scripts.repair] {
+        assert!(lua.function.is_none(), "{}: plain EVAL", lua.name);
+    }
+    // The name follows the text: another build's library is another library.
+    assert!(scripts.library().name().len() > "lockbroker_".len() + 8);
+}
+
+#[test]
+fn each_function_on_a_queue_names_its_keys_before_anything_else() {
+    let scripts = Scripts::new(true);
+    let library = scripts.library().source();
+    for lua in [
+        &scripts.claim,
+        &scripts.take_over,
+        &scripts.join,
+        &scripts.release,
+        &scripts.renew,
+        &scripts.force,
+        &scripts.leave,
+        &scripts.keep,
+    ] {
+        let head = format!(
+            "'{}', flags={{",
+            lua.function.as_deref().expect("a function")
+        );
+        let at = library.find(&head).expect("registered");
+        let callback = &library[at..];
+        let start = "callback=function(keys, args)\nKEYS, ARGV = keys, args\nname_keys()\n";
+        let body = &callback[callback.find("callback=").unwrap()..];
+        assert!(body.starts_with(start), "{}: {body:.120}", lua.name);
+    }
+    let batch = scripts.batch.function.as_deref().unwrap();
+    let at = library.find(&format!("'{batch}'")).unwrap();
+    assert!(
+        !library[at..]
+            .split("end}")
+            .next()
+            .unwrap()
+            .contains("name_keys")
+    );
+}
+
+#[test]
+fn calls_go_out_as_functions_until_turned_off_and_by_sha_on_a_cluster() {
+    let layout = crate::keys::KeyLayout {
+        prefix: "lb:".into(),
+        marker: "lb:epoch".into(),
+        cluster: false,
+    };
+    let key = lockbroker_core::domain::LockKey::parse("k").unwrap();
+    let keys = layout.names(lockbroker_core::domain::Space::Locks, &key);
+    let read = Read { keys: &keys };
+    let scripts = Scripts::new(true);
+    let call = scripts.call(&read);
+    assert!(call.is_function());
+    assert_eq!(first_arg(&call), "FCALL");
+    scripts.functions_off(&redis::RedisError::from((redis::ErrorKind::Io, "test")));
+    let call = scripts.call(&read);
+    assert!(!call.is_function());
+    assert_eq!(first_arg(&call), "EVALSHA");
+    // The EVAL fallback carries the same keys and arguments either way.
+    assert_eq!(
+        call.with_source().args_iter().count(),
+        call.by_sha().args_iter().count()
+    );
+    let cluster = Scripts::new(false);
+    assert_eq!(first_arg(&cluster.call(&read)), "EVALSHA");
+}
+
+fn first_arg(call: &Call<'_>) -> String {
+    match call.by_sha().args_iter().next() {
+        Some(redis::Arg::Simple(bytes)) => String::from_utf8_lossy(bytes).into_owned(),
+        _ => String::new(),
+    }
 }

@@ -1,8 +1,7 @@
 -- Shared head of every script but MARK and REPAIR (joined in front of it at build time, see
--- `scripts/mod.rs`): helpers, and the constants both sides of the boundary agree on.
---
--- `TIME` in a script that then writes needs effects replication: the default since Redis 5 and
--- the only mode since 7; `replicate_commands` turns it on for older servers.
+-- `scripts/mod.rs`), and the top of the function library: helpers, and the constants both sides
+-- of the boundary agree on. Nothing here runs a command: a library's top runs once, when it is
+-- loaded, where only the functions are registered.
 --
 -- Numbers are formatted by `int` before they are written, because Lua hands `redis.call`
 -- numbers as `%.14g`, which would round a 16-digit fence: a whole number (every one the scripts
@@ -12,7 +11,6 @@
 -- LAYOUT: the version of what this broker keeps in Redis (the broker's `STORE_LAYOUT`; a unit
 -- test checks that the two agree). The epoch marker's `layout` field records the newest layout a
 -- broker on the store runs; a granting script refuses to grant on a marker of a newer layout.
-if redis.replicate_commands then redis.replicate_commands() end
 local LAYOUT = 2
 -- How long a key outlives the lease (or the wait) that last set its expiry, ms: the broker's
 -- `EXPIRY_SLACK_MS` (a unit test checks that the two agree).
