@@ -1,11 +1,12 @@
-//! Redis going away, freezing and coming back: the broker answers 503 `store_unavailable` within
-//! its store timeout, never a grant it is not sure of, and recovers by itself.
+//! Redis going away, freezing, filling up and coming back: the broker answers 503
+//! `store_unavailable` within its store timeout, never a grant it is not sure of, and recovers by
+//! itself; a full Redis still takes releases.
 
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::{TestApp, spawn_app, spawn_app_with};
 use lockbroker_test_support::broker::{self, BrokerProcess, BrokerSpec};
-use lockbroker_test_support::http::{Answer, http_client};
+use lockbroker_test_support::http::{Answer, http_client, until_waiting};
 use lockbroker_test_support::redis;
 use lockbroker_test_support::redis_server::RedisServer;
 use reqwest::StatusCode;
@@ -530,4 +531,28 @@ async fn a_redis_restart_under_load_is_logged_as_two_warnings_and_no_error() {
         (3_000..20_000).contains(&lasted_ms),
         "an outage of about 3 s lasted {lasted_ms} ms: {end}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_redis_refuses_grants_with_503_and_still_releases_and_hands_on() {
+    let redis = RedisServer::start().await;
+    let app = broker_on(&redis).await;
+    let held = app.grant("full", "ttl_ms=30000").await;
+    let other = app.grant("full-2", "ttl_ms=30000").await;
+    let waiter = app.spawn_acquire("full-2", "ttl_ms=30000&wait_ms=10000");
+    until_waiting(&app.address, 1).await;
+
+    // Over maxmemory (noeviction, Redis's default): nothing that adds a lease runs.
+    redis.config_set("maxmemory", 1).await;
+    expect_unavailable("a grant", app.acquire("full-3", "")).await;
+    expect_unavailable("a renewal", app.renew("full", &held.token, "ttl_ms=60000")).await;
+    // A release frees memory: it runs, and hands the key on to the bid queued before.
+    app.release_ok("full", &held.token).await;
+    app.release_ok("full-2", &other.token).await;
+    let next = waiter.await.unwrap().expect_grant(StatusCode::CREATED);
+    assert!(next.fence > other.fence);
+
+    redis.config_set("maxmemory", 0).await;
+    app.release_ok("full-2", &next.token).await;
+    app.grant("full-3", "").await;
 }
