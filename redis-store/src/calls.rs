@@ -150,6 +150,12 @@ impl EpochKeeper {
                         self.scripts.functions_off(&e);
                         call.with_source().query_async(conn).await
                     }
+                    // The server refused this load (a full Redis refuses one, as a write):
+                    // this call runs by its source, as a script, and the next tries again.
+                    Err(e) if e.code().is_some() => {
+                        tracing::debug!(error = %e, "the function library could not be loaded");
+                        call.with_source().query_async(conn).await
+                    }
                     Err(e) => Err(e),
                 }
             }

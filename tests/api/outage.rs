@@ -546,8 +546,15 @@ async fn a_full_redis_refuses_grants_with_503_and_still_releases_and_hands_on() 
     redis.config_set("maxmemory", 1).await;
     expect_unavailable("a grant", app.acquire("full-3", "")).await;
     expect_unavailable("a renewal", app.renew("full", &held.token, "ttl_ms=60000")).await;
-    // A release frees memory: it runs, and hands the key on to the bid queued before.
+    // A release frees memory: it runs, and hands the key on to the bid queued before — even
+    // where the function library went and a full Redis refuses to load it again (the release
+    // then runs by its source).
     app.release_ok("full", &held.token).await;
+    let () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut redis.connection().await)
+        .await
+        .unwrap();
     app.release_ok("full-2", &other.token).await;
     let next = waiter.await.unwrap().expect_grant(StatusCode::CREATED);
     assert!(next.fence > other.fence);
