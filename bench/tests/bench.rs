@@ -281,11 +281,12 @@ async fn floor_runs_the_broker_and_the_minimal_proxy_and_breaks_down_their_redis
         "{proxy}"
     );
     assert!(acquire["script_overhead_usec"].is_null(), "{proxy}");
-    // The broker: a script call per step (its background epoch check may add one to a step),
-    // and the commands the scripts call beside it.
+    // The broker: a script call per step (its background epoch check may add one to a step) —
+    // an `FCALL` of its function library on one Redis — and the commands the scripts call
+    // beside it.
     for step in breakdown[0]["steps"].as_array().unwrap() {
         let calls = step_calls(step);
-        assert_eq!(calls[0].0, "evalsha", "{step}");
+        assert_eq!(calls[0].0, "fcall", "{step}");
         assert!((1.0..1.5).contains(&calls[0].1), "{step}");
         assert!(calls.len() > 1, "{step}");
     }
