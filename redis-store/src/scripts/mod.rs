@@ -12,7 +12,8 @@
 //! the one place that order is written), and a reply type decodes what it answers
 //! ([`FromRedisValue`], reading the fields in order like mini-redis's `Parse` reads a frame), so
 //! no other code orders arguments or indexes a reply. To add a script: its `.lua` file, a field in
-//! [`Scripts`], a call type that implements [`ScriptCall`], and its reply type.
+//! [`Scripts`] (and its line in the library's list there, with its flags, unless it must run by
+//! `EVAL`), a call type that implements [`ScriptCall`], and its reply type.
 //!
 //! Reply codes — the first field of a script's reply — are named on both sides: in
 //! `lib/prelude.lua` for the scripts, and in `codes.rs` for the reply types, with a unit test
