@@ -534,10 +534,11 @@ async fn a_redis_restart_under_load_is_logged_as_two_warnings_and_no_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_redis_refuses_grants_with_503_and_still_releases_and_hands_on() {
+async fn a_full_redis_refuses_grants_with_503_and_still_releases_closes_sessions_and_hands_on() {
     let redis = RedisServer::start().await;
     let app = broker_on(&redis).await;
     let held = app.grant("full", "ttl_ms=30000").await;
+    let (session, _) = crate::sessions::open(&app, "ttl_ms=30000").await;
     let other = app.grant("full-2", "ttl_ms=30000").await;
     let waiter = app.spawn_acquire("full-2", "ttl_ms=30000&wait_ms=10000");
     until_waiting(&app.address, 1).await;
@@ -546,10 +547,14 @@ async fn a_full_redis_refuses_grants_with_503_and_still_releases_and_hands_on() 
     redis.config_set("maxmemory", 1).await;
     expect_unavailable("a grant", app.acquire("full-3", "")).await;
     expect_unavailable("a renewal", app.renew("full", &held.token, "ttl_ms=60000")).await;
-    // A release frees memory: it runs, and hands the key on to the bid queued before — even
-    // where the function library went and a full Redis refuses to load it again (the release
-    // then runs by its source).
+    // A release frees memory: it runs. So does a session's close.
     app.release_ok("full", &held.token).await;
+    crate::sessions::close(&app, &session)
+        .await
+        .expect_status(StatusCode::NO_CONTENT);
+    // Even where the function library went and a full Redis refuses to load it again (the
+    // release then runs by its source), a release runs and hands the key on to the bid queued
+    // before.
     let () = redis::cmd("FUNCTION")
         .arg("FLUSH")
         .query_async(&mut redis.connection().await)

@@ -44,7 +44,8 @@ pub(crate) async fn keep_alive(app: &TestApp, id: &str) -> Answer {
         .await
 }
 
-async fn close(app: &TestApp, id: &str) -> Answer {
+/// `DELETE /sessions/{id}`.
+pub(crate) async fn close(app: &TestApp, id: &str) -> Answer {
     app.send(app.request(Method::DELETE, &format!("/sessions/{id}")))
         .await
 }

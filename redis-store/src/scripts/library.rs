@@ -52,7 +52,9 @@ pub(super) enum Flags {
     /// Refused over `maxmemory`, as a grant or a renewal by `EVAL` is at its first write.
     Plain,
     /// Runs over `maxmemory`: a release, a forced release or a bid that leaves frees memory, and
-    /// a read writes nothing, as by `EVAL` (whose `DEL` first lets the hand-on's writes follow).
+    /// a read writes nothing, as by `EVAL` (whose `DEL` first lets the hand-on's writes follow);
+    /// a session's calls too, so that closing one (or dropping an entry, or a read) runs on a
+    /// full Redis as by `EVAL` — opening or renewing one then adds its small record as well.
     AllowOom,
 }
 

@@ -389,7 +389,7 @@ impl Scripts {
             (&mut s.force, AllowOom),
             (&mut s.leave, AllowOom),
             (&mut s.put_back, Plain),
-            (&mut s.session, Plain),
+            (&mut s.session, AllowOom),
         ]);
         scripts
     }
