@@ -10,7 +10,9 @@
 //! a key nobody queues for released); an operation that is not answers SLOW, having written
 //! nothing, and its caller runs it alone with its own script, as if it had come after the batch.
 //! A key that answered SLOW goes alone, without the batch, for a second after (a hot key: its
-//! claims queue and its releases hand it on, so the batch would only add a round trip).
+//! claims queue and its releases hand it on, so the batch would only add a round trip). A claim
+//! asked in another epoch than the batch runs in (the broker caught up while it waited) is
+//! answered SLOW without being sent.
 //!
 //! One Redis or a Sentinel's master only: on a cluster a script's keys must share a slot, and
 //! each client key is a hash tag of its own, so the calls go alone there. Nor claims whose
@@ -26,7 +28,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::epoch::EpochKeeper;
-use super::scripts::{Batch, BatchOp, ScriptCall, is_slow};
+use super::scripts::{Batch, BatchOp, ScriptCall, fits, is_slow, slow};
 use lockbroker_core::store::{StoreError, StoreResult};
 
 /// How many calls of the batcher may be in flight at once: while one is, the next gathers and
@@ -219,9 +221,21 @@ impl EpochKeeper {
 
     /// One BATCH call, and each operation's answer to its caller.
     async fn run_batch(self: &Arc<Self>, batch: Vec<(BatchOp, oneshot::Sender<Answer>)>) {
+        let epoch = self.epoch_for(None);
+        // A claim asked in another epoch than this batch's — the broker caught up while it
+        // waited, say its first check while its first claims gathered — goes alone, as SLOW: a
+        // grant made here would be remembered in the epoch it asked in, taken for one that
+        // raced a loss, and put back late under a store-wide hold.
+        let (batch, apart): (Vec<_>, Vec<_>) =
+            batch.into_iter().partition(|(op, _)| fits(op, &epoch));
+        for (_, answer) in apart {
+            let _ = answer.send(Ok((slow(), 0)));
+        }
+        if batch.is_empty() {
+            return;
+        }
         let (ops, answers): (Vec<BatchOp>, Vec<_>) = batch.into_iter().unzip();
         self.metrics.store_batch(ops.len());
-        let epoch = self.epoch_for(None);
         let call = Batch {
             marker: &self.layout.marker,
             epoch: &epoch,

@@ -3,6 +3,7 @@
 //! (`INFO commandstats`) and by the broker's `lockbroker_store_batch_size`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use lockbroker_test_support::app::spawn_app;
 use lockbroker_test_support::http::metric;
@@ -66,4 +67,76 @@ async fn concurrent_claims_and_releases_share_script_calls_and_keep_their_answer
         "{calls} script calls for {alone} operations, {batched} of them in {batches} batches"
     );
     app.release_ok("taken", &held.token).await;
+}
+
+/// A broker joining a store whose epoch another began: its first claims, many at once, gather
+/// in a batch while its first epoch check runs. Each is granted, and none is taken for a grant
+/// that raced a loss: nothing is put back, so no store-wide hold follows (a batch runs only the
+/// claims asked in its own epoch; the others go alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_brokers_first_claims_at_once_set_no_hold() {
+    use lockbroker::store::{GrantAnswer, Store};
+    use lockbroker_test_support::redis;
+
+    let redis = RedisServer::start().await;
+    let (first, _notices) = crate::store_pools::store_on(&redis, "lb:", Duration::from_secs(2));
+    let warm = crate::store_pools::key("warm-up");
+    // The first broker begins the epoch and waits out its settle time.
+    loop {
+        match first
+            .claim(&warm, &crate::store_queue::bid(1000, 0))
+            .await
+            .unwrap()
+        {
+            GrantAnswer::Granted(_) => break,
+            GrantAnswer::OnHold(hold) => {
+                tokio::time::sleep(Duration::from_millis(hold.retry_after_ms.min(50))).await;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let mut conn = redis.connection().await;
+    let hold_before: Option<u64> = redis::cmd("HGET")
+        .arg("lb:epoch")
+        .arg("hold_until")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    let (second, _notices) = crate::store_pools::store_on(&redis, "lb:", Duration::from_secs(2));
+    let second = Arc::new(second);
+    let claims = (0..CLIENTS).map(|c| {
+        let second = Arc::clone(&second);
+        tokio::spawn(async move {
+            let k = crate::store_pools::key(&format!("first-{c}"));
+            second.claim(&k, &crate::store_queue::bid(10_000, 0)).await
+        })
+    });
+    for claim in futures_util::future::join_all(claims).await {
+        match claim.expect("a claim").expect("an answer") {
+            GrantAnswer::Granted(_) => {}
+            other => panic!("a first claim answered {other:?}"),
+        }
+    }
+    // A put-back (of a grant taken for one that raced a loss) would move the hold out a second.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let hold_after: Option<u64> = redis::cmd("HGET")
+        .arg("lb:epoch")
+        .arg("hold_until")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        hold_after, hold_before,
+        "a put-back hold followed the first claims"
+    );
+    let next = crate::store_pools::key("after");
+    match second
+        .claim(&next, &crate::store_queue::bid(1000, 0))
+        .await
+        .unwrap()
+    {
+        GrantAnswer::Granted(_) => {}
+        other => panic!("the claim after them answered {other:?}"),
+    }
 }

@@ -7,23 +7,27 @@ use super::codes::BatchCode;
 use crate::keys::RedisKeys;
 
 /// One operation of a batch: its key's five Redis keys and its five arguments, owned (it waits in
-/// the batcher's queue beyond its caller's borrows).
+/// the batcher's queue beyond its caller's borrows), and for a claim the epoch it was asked in.
 pub(crate) struct BatchOp {
     keys: [String; 5],
     args: [String; 5],
+    asked_in: Option<String>,
 }
 
 impl BatchOp {
     /// A claim of the key of `keys` for the bid's `token`, `ttl_ms`, `owner` ('' or '=' and the
-    /// label) and `request_id` ('' for none).
+    /// label) and `request_id` ('' for none), asked in the epoch `epoch` (its caller remembers a
+    /// grant as made there).
     pub(crate) fn claim(
         keys: &RedisKeys,
         token: &str,
         ttl_ms: u64,
         owner: String,
         request_id: &str,
+        epoch: &str,
     ) -> Self {
         Self {
+            asked_in: Some(epoch.into()),
             keys: Self::keys_of(keys),
             args: [
                 "c".into(),
@@ -38,6 +42,7 @@ impl BatchOp {
     /// A release of `token`'s exclusive lease on the key of `keys`.
     pub(crate) fn release(keys: &RedisKeys, token: &str) -> Self {
         Self {
+            asked_in: None,
             keys: Self::keys_of(keys),
             args: [
                 "r".into(),
@@ -86,6 +91,18 @@ script_call! {
             }
         }
     }
+}
+
+/// Whether this operation may go in a batch run in `epoch`: a claim asked in another epoch may
+/// not (the broker caught up while it waited), since its caller remembers a grant as made in
+/// the epoch it asked in.
+pub(crate) fn fits(op: &BatchOp, epoch: &str) -> bool {
+    op.asked_in.as_deref().is_none_or(|asked| asked == epoch)
+}
+
+/// BATCH's answer for an operation to run alone: [`BatchCode::Slow`].
+pub(crate) fn slow() -> Value {
+    Value::Array(vec![Value::Int(BatchCode::Slow as i64)])
 }
 
 /// Whether an operation's reply is BATCH's [`BatchCode::Slow`]: not the common case, to run

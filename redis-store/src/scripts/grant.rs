@@ -88,6 +88,7 @@ impl Claim<'_> {
             bid.lease_ttl().as_ms(),
             owner_arg(bid),
             bid.request_id.as_ref().map_or("", |r| r.as_str()),
+            self.epoch,
         )
     }
 
