@@ -299,7 +299,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
             },
             Arc::default(),
         )?;
-        ready(&store).await?;
         let cost = RedisCost::start(&redis).await?;
         let mut direct = uncontended_direct(Arc::new(store), &args, &run_id, progress).await;
         direct.set_redis_cost(cost.per(direct.cycles).await?);
@@ -348,24 +347,6 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         print_table(&summary);
     }
     Ok(summary)
-}
-
-/// Waits until `store` has checked the store's epoch and no hold is in force, as a broker's
-/// `/readyz` does before it takes requests: the direct phase then times grants, not the first
-/// check racing them.
-async fn ready(store: &RedisStore) -> anyhow::Result<()> {
-    use lockbroker::store::Store;
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        match store.ready().await {
-            Ok(None) => return Ok(()),
-            Ok(Some(_)) | Err(_) if tokio::time::Instant::now() < give_up => {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Ok(Some(hold)) => bail!("Redis is on hold ({:?}) for the direct phase", hold.reason),
-            Err(e) => bail!("Redis is not ready for the direct phase: {e}"),
-        }
-    }
 }
 
 #[cfg(test)]

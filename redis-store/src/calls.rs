@@ -146,14 +146,15 @@ impl EpochKeeper {
                         );
                         call.by_sha().query_async(conn).await
                     }
-                    Err(e) if Library::refused(&e) => {
-                        self.scripts.functions_off(&e);
-                        call.with_source().query_async(conn).await
-                    }
-                    // The server refused this load (a full Redis refuses one, as a write):
-                    // this call runs by its source, as a script, and the next tries again.
+                    // The server refused the load: for good (no functions, or a user not
+                    // allowed them), which turns them off; or for now (a full Redis refuses it,
+                    // as a write), and the next call tries again. This call runs by its source.
                     Err(e) if e.code().is_some() => {
-                        tracing::debug!(error = %e, "the function library could not be loaded");
+                        if Library::refused(&e) {
+                            self.scripts.functions_off(&e);
+                        } else {
+                            tracing::debug!(error = %e, "the function library could not be loaded");
+                        }
                         call.with_source().query_async(conn).await
                     }
                     Err(e) => Err(e),

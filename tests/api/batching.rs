@@ -76,7 +76,6 @@ async fn concurrent_claims_and_releases_share_script_calls_and_keep_their_answer
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_brokers_first_claims_at_once_set_no_hold() {
     use lockbroker::store::{GrantAnswer, Store};
-    use lockbroker_test_support::redis;
 
     let redis = RedisServer::start().await;
     let (first, _notices) = crate::store_pools::store_on(&redis, "lb:", Duration::from_secs(2));
@@ -95,13 +94,7 @@ async fn a_new_brokers_first_claims_at_once_set_no_hold() {
             other => panic!("{other:?}"),
         }
     }
-    let mut conn = redis.connection().await;
-    let hold_before: Option<u64> = redis::cmd("HGET")
-        .arg("lb:epoch")
-        .arg("hold_until")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let hold_before = hold_until(&redis).await;
 
     let (second, _notices) = crate::store_pools::store_on(&redis, "lb:", Duration::from_secs(2));
     let second = Arc::new(second);
@@ -120,14 +113,9 @@ async fn a_new_brokers_first_claims_at_once_set_no_hold() {
     }
     // A put-back (of a grant taken for one that raced a loss) would move the hold out a second.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let hold_after: Option<u64> = redis::cmd("HGET")
-        .arg("lb:epoch")
-        .arg("hold_until")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
     assert_eq!(
-        hold_after, hold_before,
+        hold_until(&redis).await,
+        hold_before,
         "a put-back hold followed the first claims"
     );
     let next = crate::store_pools::key("after");
@@ -139,4 +127,14 @@ async fn a_new_brokers_first_claims_at_once_set_no_hold() {
         GrantAnswer::Granted(_) => {}
         other => panic!("the claim after them answered {other:?}"),
     }
+}
+
+/// The store-wide hold's end the epoch marker `lb:epoch` records (ms), if any.
+async fn hold_until(redis: &RedisServer) -> Option<u64> {
+    lockbroker_test_support::redis::cmd("HGET")
+        .arg("lb:epoch")
+        .arg("hold_until")
+        .query_async(&mut redis.connection().await)
+        .await
+        .unwrap()
 }

@@ -87,12 +87,6 @@ async fn an_acquire_that_waits_costs_a_handful_of_round_trips_however_long_it_wa
     assert_eq!(total, waiting + 1, "{total} round trips in all");
 }
 
-/// Counts of `INFO commandstats` lines, by name, with the `FUNCTION` subcommands as Redis names
-/// them (`function|load`).
-async fn count(redis: &RedisServer, name: &str) -> u64 {
-    redis.command_calls(name).await
-}
-
 /// The names of the function libraries loaded on `redis`.
 async fn libraries(redis: &RedisServer) -> Vec<String> {
     let mut conn = redis.connection().await;
@@ -113,16 +107,16 @@ async fn the_scripts_run_as_one_library_loaded_once_per_server_and_again_where_i
     let loaded = libraries(&redis).await;
     assert_eq!(loaded.len(), 1, "{loaded:?}");
     assert!(loaded[0].starts_with("lockbroker_"), "{loaded:?}");
-    assert_eq!(count(&redis, "function|load").await, 1);
+    assert_eq!(redis.command_calls("function|load").await, 1);
     assert_eq!(
-        count(&redis, "evalsha").await,
+        redis.command_calls("evalsha").await,
         0,
         "every lock script ran as a function"
     );
-    let before = count(&redis, "fcall").await;
+    let before = redis.command_calls("fcall").await;
     let grant = app.grant("k", "").await;
     app.release_ok("k", &grant.token).await;
-    assert_eq!(count(&redis, "fcall").await - before, 2);
+    assert_eq!(redis.command_calls("fcall").await - before, 2);
 
     // An operator's FUNCTION FLUSH: the next call finds no function, loads the library again
     // and runs; nothing answers an error.
@@ -136,6 +130,6 @@ async fn the_scripts_run_as_one_library_loaded_once_per_server_and_again_where_i
     let grant = app.grant("k", "").await;
     app.release_ok("k", &grant.token).await;
     assert_eq!(libraries(&redis).await, loaded);
-    assert_eq!(count(&redis, "function|load").await, 2);
-    assert_eq!(count(&redis, "evalsha").await, 0);
+    assert_eq!(redis.command_calls("function|load").await, 2);
+    assert_eq!(redis.command_calls("evalsha").await, 0);
 }

@@ -367,20 +367,6 @@ async fn an_offer_answers_no_request_id_repeat_until_it_is_taken_and_dead_bids_a
     assert_eq!((again.token, again.fence), (lease.token, lease.fence));
 }
 
-/// The lock script calls Redis has run so far (`EVALSHA`s and `FCALL`s).
-async fn evalsha(c: &mut redis::aio::MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(c)
-        .await
-        .unwrap();
-    ["cmdstat_evalsha:calls=", "cmdstat_fcall:calls="]
-        .iter()
-        .filter_map(|name| info.lines().find_map(|l| l.strip_prefix(name)))
-        .map(|rest| rest.split(',').next().unwrap().parse::<u64>().unwrap())
-        .sum()
-}
-
 #[tokio::test]
 async fn a_release_grants_its_own_brokers_next_bid_outright_and_the_bids_ask_takes_it_without_a_call()
  {
@@ -405,14 +391,18 @@ async fn a_release_grants_its_own_brokers_next_bid_outright_and_the_bids_ask_tak
     assert_eq!(token.as_deref(), Some(next.token.as_str()));
     assert_eq!(offer, None, "granted, not offered");
     assert_eq!(a.ledger_len(), 1, "the grant is in the ledger");
-    let before = evalsha(&mut c).await;
+    let before = redis.script_calls().await;
     let lease = granted(claim(&a, &k, &next).await);
-    assert_eq!(evalsha(&mut c).await, before, "taken without a script call");
+    assert_eq!(
+        redis.script_calls().await,
+        before,
+        "taken without a script call"
+    );
     assert_eq!(lease.token, next.token);
     assert!(lease.fence > holder.fence);
     // Asked again, the bid gets the same lease, from Redis.
     assert_eq!(granted(claim(&a, &k, &next).await).fence, lease.fence);
-    assert_eq!(evalsha(&mut c).await, before + 1);
+    assert_eq!(redis.script_calls().await, before + 1);
 
     // A grant asked for late (more than 100 ms after the release handed it) is answered by
     // CLAIM, from what Redis holds.
@@ -421,9 +411,9 @@ async fn a_release_grants_its_own_brokers_next_bid_outright_and_the_bids_ask_tak
     a.release(Space::Locks, &k, &next.token).await.unwrap();
     told(&mut a_told, &offered(&k, &late.token)).await;
     tokio::time::sleep(Duration::from_millis(150)).await;
-    let before = evalsha(&mut c).await;
+    let before = redis.script_calls().await;
     let third = granted(claim(&a, &k, &late).await);
-    assert_eq!(evalsha(&mut c).await, before + 1, "answered by CLAIM");
+    assert_eq!(redis.script_calls().await, before + 1, "answered by CLAIM");
     assert!(third.fence > lease.fence);
 }
 
@@ -485,21 +475,20 @@ async fn an_uncontended_cycle_costs_one_script_each_way_and_a_contended_acquisit
     let (b, mut b_told) = broker(&redis, Duration::from_secs(2));
     let k = key("counted");
     granted(claim(&a, &k, &bid(1_000, 0)).await);
-    let mut redis_conn = conn(&redis).await;
     let k2 = key("uncontended");
-    let before = evalsha(&mut redis_conn).await;
+    let before = redis.script_calls().await;
     for _ in 0..10 {
         let lease = granted(a.claim(&k2, &bid(1_000, 5_000)).await.unwrap());
         a.release(Space::Locks, &k2, &lease.token).await.unwrap();
     }
-    assert_eq!(evalsha(&mut redis_conn).await - before, 20);
+    assert_eq!(redis.script_calls().await - before, 20);
     println!("uncontended: 2 EVALSHA per acquire + release");
 
     // Contended: the holder on A, a waiter on B; per acquisition: the claim that queues, the
     // claim that takes the offer, and the release that hands on.
     let mut holder = granted(a.claim(&k2, &bid(10_000, 0)).await.unwrap());
     let mut on = &a;
-    let before = evalsha(&mut redis_conn).await;
+    let before = redis.script_calls().await;
     for i in 0..10 {
         let (next, told_rx) = if i % 2 == 0 {
             (&b, &mut b_told)
@@ -513,20 +502,20 @@ async fn an_uncontended_cycle_costs_one_script_each_way_and_a_contended_acquisit
         holder = granted(next.claim(&k2, &waiter).await.unwrap());
         on = next;
     }
-    let per = (evalsha(&mut redis_conn).await - before) as f64 / 10.0;
+    let per = (redis.script_calls().await - before) as f64 / 10.0;
     println!("contended across brokers: {per} EVALSHA per acquisition");
     assert_eq!(per, 3.0);
 
     // On one broker the release grants the key to the waiter outright: the claim that queues
     // and the release.
-    let before = evalsha(&mut redis_conn).await;
+    let before = redis.script_calls().await;
     for _ in 0..10 {
         let waiter = bid(10_000, 10_000);
         queued(on.claim(&k2, &waiter).await.unwrap());
         on.release(Space::Locks, &k2, &holder.token).await.unwrap();
         holder = granted(on.claim(&k2, &waiter).await.unwrap());
     }
-    let per = (evalsha(&mut redis_conn).await - before) as f64 / 10.0;
+    let per = (redis.script_calls().await - before) as f64 / 10.0;
     println!("contended on one broker: {per} EVALSHA per acquisition");
     assert_eq!(per, 2.0);
 }
