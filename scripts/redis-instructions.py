@@ -113,7 +113,7 @@ def batched(opts, cli, count):
             for i in range(j * per, (j + 1) * per):
                 k = f'lb:{{b{tag}-{i}}}'
                 keys += [f'{k}:lock', f'{k}:fence', f'{k}:shared:ends', f'{k}:queue', f'{k}:watched']
-                args += [op, f'tok{i}', 30000, '', ''] if op == 'c' else [op, f'tok{i}', '', '', '']
+                args += [op, f'tok{i}', 30000] if op == 'c' else [op, f'tok{i}']
             return [*batch, len(keys), *keys, *args]
         before = int(cli('dbsize').stdout)
         c = count('claim', [call('c', j) for j in range(n)]) / per

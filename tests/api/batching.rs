@@ -16,7 +16,9 @@ const CYCLES: usize = 25;
 /// 32 clients at once, each acquiring and releasing its own key 25 times, then releasing it
 /// again and taking a key that another holds (both refused): every answer is the one a call
 /// alone gives, fences rise per key — and the script calls are fewer than the operations, in
-/// batches the metrics show.
+/// batches the metrics show. Half the clients name an owner and a request id (a batched claim's
+/// longer form): their leases show the owner, and a retry with the request id gets the same
+/// grant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_claims_and_releases_share_script_calls_and_keep_their_answers() {
     let redis = RedisServer::start().await;
@@ -30,10 +32,33 @@ async fn concurrent_claims_and_releases_share_script_calls_and_keep_their_answer
         let app = Arc::clone(&app);
         tokio::spawn(async move {
             let key = format!("batch-{c}");
+            let named = c % 2 == 1;
             let (mut fence, mut token) = (0, String::new());
-            for _ in 0..CYCLES {
-                let grant = app.grant(&key, "ttl_ms=10000").await;
+            for i in 0..CYCLES {
+                let query = if named {
+                    format!("ttl_ms=10000&owner=worker-{c}&request_id=r{c}-{i}")
+                } else {
+                    "ttl_ms=10000".to_owned()
+                };
+                let grant = app.grant(&key, &query).await;
                 assert!(grant.fence > fence, "fences rise on {key}");
+                if named && (i == 0 || i == CYCLES - 1) {
+                    let shown = app.inspect_held(&key).await;
+                    assert_eq!(shown["owner"], format!("worker-{c}"), "{key}: {shown}");
+                }
+                // The retry last: a claim the batch cannot take (the key is held) makes the key
+                // go alone for a while.
+                if named && i == CYCLES - 1 {
+                    let again = app.grant(&key, &query).await;
+                    assert_eq!(
+                        again.token, grant.token,
+                        "{key}: a retry of request r{c}-{i}"
+                    );
+                    assert_eq!(
+                        again.fence, grant.fence,
+                        "{key}: a retry of request r{c}-{i}"
+                    );
+                }
                 (fence, token) = (grant.fence, grant.token);
                 app.release_ok(&key, &token).await;
             }
@@ -49,8 +74,8 @@ async fn concurrent_claims_and_releases_share_script_calls_and_keep_their_answer
     }
     let calls = redis.script_calls().await - before;
     // Per client: 25 grants, 25 releases, a release of nothing, a refused claim and its look —
-    // each one script call when alone.
-    let alone = (CLIENTS * (CYCLES * 2 + 3)) as u64;
+    // each one script call when alone; per named client also two reads and a retry.
+    let alone = (CLIENTS * (CYCLES * 2 + 3) + CLIENTS / 2 * 3) as u64;
     let batches = metric(&app.address, "lockbroker_store_batch_size_count").await;
     let batched = metric(&app.address, "lockbroker_store_batch_size_sum").await;
     println!("{calls} script calls for {alone} operations; {batched} in {batches} batches");

@@ -293,15 +293,21 @@ impl Real {
                         String::new()
                     };
                     let t = self.token(token);
-                    call.arg("c")
-                        .arg(t.as_str())
-                        .arg(ttl(long).as_ms())
-                        .arg(owner)
-                        .arg("");
+                    // As the broker sends them (`BatchOp` in scripts/batch.rs): `c` without an
+                    // owner or request id, `C` with them.
+                    if owner.is_empty() {
+                        call.arg("c").arg(t.as_str()).arg(ttl(long).as_ms());
+                    } else {
+                        call.arg("C")
+                            .arg(t.as_str())
+                            .arg(ttl(long).as_ms())
+                            .arg(owner)
+                            .arg("");
+                    }
                 }
                 BatchStep::Release { token, .. } => {
                     let t = self.token(token);
-                    call.arg("r").arg(t.as_str()).arg("").arg("").arg("");
+                    call.arg("r").arg(t.as_str());
                 }
             }
         }
@@ -312,8 +318,13 @@ impl Real {
         let mut out = Vec::new();
         let mut slow = Vec::new();
         for (op, reply) in ops.iter().zip(&replies) {
+            // A number, or one given as text (a release's fence).
             let int = |i: usize| match reply.get(i) {
                 Some(redis::Value::Int(n)) => *n,
+                Some(redis::Value::BulkString(text)) => std::str::from_utf8(text)
+                    .ok()
+                    .and_then(|t| t.parse().ok())
+                    .unwrap_or(i64::MIN),
                 _ => i64::MIN,
             };
             out.push(match (int(0), op) {

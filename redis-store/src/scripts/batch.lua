@@ -9,28 +9,38 @@
 -- `Batch` in scripts/batch.rs; the broker's side in batch.rs.
 -- KEYS: the epoch marker, then for each operation its key's lease, fence counter, pool's ends,
 -- queue and watch mark (5 each).
--- ARGV: the epoch the broker knows, the broker's id, then for each operation 5 arguments: `c`
--- (a claim), the bid's token, ttl ms, owner ('' or '=' and the label) and request id ('' for
--- none); or `r` (a release), the token and three ''.
+-- ARGV: the epoch the broker knows, the broker's id, then each operation's arguments, as many as
+-- its kind needs (each is one more string for Redis to read and hand the script): `c` (a claim)
+-- and the bid's token and ttl ms; `C` (a claim with an owner or a request id) and the token,
+-- ttl ms, owner ('' or '=' and the label) and request id ('' for none); `r` (a release) and the
+-- token.
 -- Replies: one per operation, in order: a claim's {GRANTED, fence, expires_at, token, ttl, now},
--- a release's {HELD, held_ms, fence}, or {SLOW}. While the store is not in the broker's epoch
--- (or a hold is in force, or a newer layout runs), every claim answers SLOW (CLAIM then answers
--- what `checked` says); releases go on as RELEASE's fast path does, which checks no epoch.
+-- a release's {HELD, held_ms, fence} (the fence as text), or {SLOW}. While the store is not in
+-- the broker's epoch (or a hold is in force, or a newer layout runs), every claim answers SLOW
+-- (CLAIM then answers what `checked` says); releases go on as RELEASE's fast path does, which
+-- checks no epoch.
 local KNOWN, BROKER = ARGV[1], ARGV[2]
 local now, time = now_us()
 local held = checked(now, KEYS[1], KNOWN)
+-- The clock as text, made once for every operation (`clock_text`).
+local text = {clock_text(time)}
 local replies = {}
+local a = 3
 for i = 0, (#KEYS - 1) / 5 - 1 do
-  local k, a = 2 + 5 * i, 3 + 5 * i
+  local k, op = 2 + 5 * i, ARGV[a]
   local reply = nil
-  if ARGV[a] == 'c' then
-    if not held then
-      reply = fast_claim(now, time, KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4],
-        ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], BROKER)
-    end
-  else
-    reply = fast_release(now, KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4],
+  if op == 'r' then
+    reply = fast_release(now, text, KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4],
       ARGV[a + 1], BROKER)
+    a = a + 2
+  else
+    local owner, rid = '', ''
+    if op == 'C' then owner, rid = ARGV[a + 3], ARGV[a + 4] end
+    if not held then
+      reply = fast_claim(now, time, text, KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3], KEYS[k + 4],
+        ARGV[a + 1], ARGV[a + 2], owner, rid, BROKER)
+    end
+    a = a + ((op == 'C' and 5) or 3)
   end
   replies[i + 1] = reply or {SLOW}
 end

@@ -6,11 +6,12 @@ use redis::Value;
 use super::codes::BatchCode;
 use crate::keys::RedisKeys;
 
-/// One operation of a batch: its key's five Redis keys and its five arguments, owned (it waits in
-/// the batcher's queue beyond its caller's borrows), and for a claim the epoch it was asked in.
+/// One operation of a batch: its key's five Redis keys and its arguments (as many as its kind
+/// needs, see `batch.lua`), owned (it waits in the batcher's queue beyond its caller's borrows),
+/// and for a claim the epoch it was asked in.
 pub(crate) struct BatchOp {
     keys: [String; 5],
-    args: [String; 5],
+    args: Vec<String>,
     asked_in: Option<String>,
 }
 
@@ -29,13 +30,17 @@ impl BatchOp {
         Self {
             asked_in: Some(epoch.into()),
             keys: Self::keys_of(keys),
-            args: [
-                "c".into(),
-                token.into(),
-                ttl_ms.to_string(),
-                owner,
-                request_id.into(),
-            ],
+            args: if owner.is_empty() && request_id.is_empty() {
+                vec!["c".into(), token.into(), ttl_ms.to_string()]
+            } else {
+                vec![
+                    "C".into(),
+                    token.into(),
+                    ttl_ms.to_string(),
+                    owner,
+                    request_id.into(),
+                ]
+            },
         }
     }
 
@@ -44,13 +49,7 @@ impl BatchOp {
         Self {
             asked_in: None,
             keys: Self::keys_of(keys),
-            args: [
-                "r".into(),
-                token.into(),
-                String::new(),
-                String::new(),
-                String::new(),
-            ],
+            args: vec!["r".into(), token.into()],
         }
     }
 

@@ -26,9 +26,9 @@ local live = cur[1] and tonumber(cur[3]) > c.now_ms
 if live and cur[1] == c.token then
   if cur[6] == '1' then
     local expires = c.now_ms + bid.ttl
-    redis.call('HSET', LOCK, 'expires_at', int(expires), 'ttl', int(bid.ttl), 'granted_at', int(c.now_ms), 'by', c.broker)
-    redis.call('HDEL', LOCK, 'offered')
-    redis.call('PEXPIRE', LOCK, bid.ttl + c.slack)
+    -- Taken: `offered` is no longer '1' (every reader asks for '1'), in the same write.
+    redis.call('HSET', LOCK, 'expires_at', int(expires), 'ttl', int(bid.ttl), 'granted_at', int(c.now_ms), 'by', c.broker, 'offered', '0')
+    redis.call('PEXPIRE', LOCK, int(bid.ttl + c.slack))
     keep(FENCE, bid.ttl + c.slack)
     return {GRANTED, cur[2], expires, c.token, bid.ttl, c.now_ms}
   end

@@ -30,7 +30,7 @@ for i = 0, n - 1 do
 end
 for i = 0, n - 1 do
   local at = 2 + 5 * i
-  fast_claim(now, time, KEYS[at], KEYS[at + 1], KEYS[at + 2], KEYS[at + 3], KEYS[at + 4], TOKEN, TTL,
+  fast_claim(now, time, nil, KEYS[at], KEYS[at + 1], KEYS[at + 2], KEYS[at + 3], KEYS[at + 4], TOKEN, TTL,
     OWNER, REQUEST_ID, BROKER)
 end
 local now_ms = math.floor(now / 1000)

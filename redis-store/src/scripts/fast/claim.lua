@@ -10,5 +10,5 @@ local TOKEN, TTL, OWNER, KNOWN, REQUEST_ID, BROKER = ARGV[1], ARGV[2], ARGV[3], 
 local now, time = now_us()
 local held = checked(now, MARKER, KNOWN)
 if held then return held end
-local granted = fast_claim(now, time, LOCK, FENCE, ENDS, QUEUE, WATCHED, TOKEN, TTL, OWNER, REQUEST_ID, BROKER)
+local granted = fast_claim(now, time, nil, LOCK, FENCE, ENDS, QUEUE, WATCHED, TOKEN, TTL, OWNER, REQUEST_ID, BROKER)
 if granted then return granted end

@@ -12,6 +12,6 @@ local now = now_us()
 local lease = nil
 if EXCL then
   local released
-  released, lease = fast_release(now, LOCK, FENCE, ENDS, QUEUE, WATCHED, ARGV[1], ARGV[3])
+  released, lease = fast_release(now, nil, LOCK, FENCE, ENDS, QUEUE, WATCHED, ARGV[1], ARGV[3])
   if released then return released end
 end

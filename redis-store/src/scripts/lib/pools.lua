@@ -10,8 +10,7 @@ local function live_count(ends, now_ms)
 end
 local function keep(key, ms)
   local left = redis.call('PTTL', key)
-  if left >= 0 and left < ms then redis.call('PEXPIRE', key, ms) end
-  if left == -1 then redis.call('PEXPIRE', key, ms) end
+  if left == -1 or (left >= 0 and left < ms) then redis.call('PEXPIRE', key, int(ms)) end
 end
 -- Drops a holder's request id from its pool, unless the id now names a later holder.
 local function drop_rid(pool, rid, token)

@@ -34,7 +34,10 @@ end
 -- A broker that let an offer lapse is dead or cut off: its other bids on the key leave the
 -- queue, and it is told to requeue them (if it is alive, its waiters join anew).
 local function requeue(c, broker)
-  if (not broker) or broker == '' or c.requeued[broker] then return end
+  if (not broker) or broker == '' then return end
+  -- The brokers told already in this call: made at the first (most calls tell none).
+  c.requeued = c.requeued or {}
+  if c.requeued[broker] then return end
   c.requeued[broker] = true
   local all = redis.call('HGETALL', BIDS)
   local mine = broker .. '|'
@@ -126,7 +129,7 @@ local function write_lease(c, token, by, kind, ttl, rid, owner, offer)
     if rid ~= '' then f[#f + 1], f[#f + 2] = 'request_id', rid end
     if offer then f[#f + 1], f[#f + 2] = 'offered', '1' end
     redis.call('HSET', LOCK, unpack(f))
-    redis.call('PEXPIRE', LOCK, kept)
+    redis.call('PEXPIRE', LOCK, int(kept))
   else
     fence = fence_for(FENCE, c.now, last)
     redis.call('HSET', POOL, token, int(fence) .. '|' .. int(expires) .. '|' .. int(ttl) .. '|' .. int(c.now_ms) .. '|' .. rid .. '|' .. owner, '@' .. token, by)
@@ -148,13 +151,19 @@ end
 local function look(c, offered)
   local one = redis.call('HMGET', BIDS, '#b', '#mixed')
   if one[1] and (not one[2]) and offered[one[1]] then return end
-  for _, token in ipairs(redis.call('ZRANGE', QUEUE, 0, 31)) do
-    local rec = redis.call('HGET', BIDS, token)
-    local b = rec and string.match(rec, '^([^|]*)|')
-    if b and not offered[b] then
-      tell(c, b, 'l ' .. c.space .. ' ' .. int(c.window) .. ' ' .. c.key)
-      return
+  -- The queue's first 32 bids at most, the first 4 read first: the next broker's is usually
+  -- among them, and every bid read is a string more for Redis to hand the script.
+  local from, to = 0, 3
+  while from < 32 do
+    for _, token in ipairs(redis.call('ZRANGE', QUEUE, from, to)) do
+      local rec = redis.call('HGET', BIDS, token)
+      local b = rec and string.match(rec, '^([^|]*)|')
+      if b and not offered[b] then
+        tell(c, b, 'l ' .. c.space .. ' ' .. int(c.window) .. ' ' .. c.key)
+        return
+      end
     end
+    from, to = to + 1, 31
   end
 end
 -- The hand-on: walks the queue from its head, dropping bids whose deadline passed, and offers
@@ -234,23 +243,28 @@ end
 local function keep_queue(ms, fresh)
   local left = redis.call('PTTL', QUEUE)
   if fresh or left == -1 or (left >= 0 and left < ms - 1000) then
-    redis.call('PEXPIRE', QUEUE, ms)
-    redis.call('PEXPIRE', BIDS, ms)
+    local at = int(ms)
+    redis.call('PEXPIRE', QUEUE, at)
+    redis.call('PEXPIRE', BIDS, at)
   end
 end
--- The caller's bid joins the queue's tail, or keeps its place (and first deadline) in it.
+-- The caller's bid joins the queue's tail, or keeps its place (and first deadline) in it. One
+-- read of the bids' hash (the last place number, which broker queues here while only one does,
+-- whether several do), the queue's `ZADD NX` (nothing more if the bid is there already), one write
+-- of the bids' hash (the bid, the place number, and for `look` the broker or the mark that several
+-- queue): three calls, where reading the bid's place first and counting the place up apart took
+-- five.
 local function enqueue(c, bid)
-  if redis.call('ZSCORE', QUEUE, c.token) then return end
-  local seq = redis.call('HINCRBY', BIDS, '#seq', 1)
-  redis.call('ZADD', QUEUE, seq, c.token)
+  local m = redis.call('HMGET', BIDS, '#seq', '#b', '#mixed')
+  local seq = tonumber(m[1] or '0') + 1
+  if redis.call('ZADD', QUEUE, 'NX', int(seq), c.token) == 0 then return end
   local rec = c.broker .. '|' .. int(c.now_ms + bid.wait) .. '|' .. bid.kind .. '|' .. int(bid.ttl) .. '|' .. bid.rid .. '|' .. bid.owner
-  -- Which broker queues here while only one does, for `look`: written with the bid.
   if seq == 1 then
-    redis.call('HSET', BIDS, c.token, rec, '#b', c.broker)
-  elseif redis.call('HGET', BIDS, '#b') ~= c.broker then
-    redis.call('HSET', BIDS, c.token, rec, '#mixed', '1')
+    redis.call('HSET', BIDS, c.token, rec, '#seq', '1', '#b', c.broker)
+  elseif m[2] ~= c.broker and not m[3] then
+    redis.call('HSET', BIDS, c.token, rec, '#seq', int(seq), '#mixed', '1')
   else
-    redis.call('HSET', BIDS, c.token, rec)
+    redis.call('HSET', BIDS, c.token, rec, '#seq', int(seq))
   end
   keep_queue(bid.wait + c.slack, seq == 1)
 end
@@ -292,7 +306,7 @@ local function context_of(now, arg)
   nc, ns = tonumber(nc), tonumber(ns)
   local c = {chan = string.sub(rest, 1, nc), shared = string.sub(rest, nc + 1, nc + ns),
     key = string.sub(rest, nc + ns + 1), window = tonumber(window), space = space, slack = SLACK,
-    now = now, now_ms = math.floor(now / 1000), requeued = {}}
+    now = now, now_ms = math.floor(now / 1000), requeued = false}
   return c, tonumber(wait), kind
 end
 -- The context of a granting script (CLAIM, TAKE_OVER, JOIN): ARGV token, ttl_ms, owner (''
