@@ -60,6 +60,7 @@ impl EpochKeeper {
         epoch: &str,
     ) {
         if self.ledger.record(key, kind, lease, ends) && self.epoch.is_behind(slot, epoch) {
+            self.metrics.late_put_back();
             self.put_back_late(key.clone(), kind, lease.token.clone());
         }
     }

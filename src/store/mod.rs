@@ -5,6 +5,8 @@
 mod any;
 
 pub(crate) use any::AnyStore;
+/// The counters a store reports into (`RedisStore::connect` takes them), rendered as `/metrics`.
+pub use lockbroker_core::metrics::Metrics;
 pub use lockbroker_core::store::*;
 /// The Redis store's crate, under the name its settings are known by here.
 pub use lockbroker_redis as redis;

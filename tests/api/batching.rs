@@ -121,7 +121,13 @@ async fn a_new_brokers_first_claims_at_once_set_no_hold() {
     }
     let hold_before = hold_until(&redis).await;
 
-    let (second, _notices) = crate::store_pools::store_on(&redis, "lb:", Duration::from_secs(2));
+    let metrics = Arc::new(lockbroker::store::Metrics::default());
+    let (second, _notices) = crate::store_pools::store_on_with(
+        &redis,
+        "lb:",
+        Duration::from_secs(2),
+        Arc::clone(&metrics),
+    );
     let second = Arc::new(second);
     let claims = (0..CLIENTS).map(|c| {
         let second = Arc::clone(&second);
@@ -136,8 +142,14 @@ async fn a_new_brokers_first_claims_at_once_set_no_hold() {
             other => panic!("a first claim answered {other:?}"),
         }
     }
-    // A put-back (of a grant taken for one that raced a loss) would move the hold out a second.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A put-back of a grant taken for one that raced a loss is decided as the grant is recorded,
+    // before its claim answers, and counted then; it would also move the hold out a second.
+    assert!(
+        metrics
+            .render(0, [0, 0], 0)
+            .contains("lockbroker_late_put_backs_total 0\n"),
+        "a first claim was put back as one that raced a loss"
+    );
     assert_eq!(
         hold_until(&redis).await,
         hold_before,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use lockbroker::domain::{LockKey, Mode, Pool, RequestId, Space, Ttl};
 use lockbroker::store::redis::{RedisSettings, RedisStore, RedisTls, RedisUrl};
 use lockbroker::store::{
-    AsHolder, Bid, GrantAnswer, Join, ListQuery, Notice, Renewal, Store, StoreError,
+    AsHolder, Bid, GrantAnswer, Join, ListQuery, Metrics, Notice, Renewal, Store, StoreError,
 };
 use lockbroker_test_support::redis_server::RedisServer;
 use tokio::sync::mpsc;
@@ -24,6 +24,16 @@ pub(crate) fn store_on(
     prefix: &str,
     timeout: Duration,
 ) -> (RedisStore, mpsc::Receiver<Notice>) {
+    store_on_with(redis, prefix, timeout, Arc::default())
+}
+
+/// [`store_on`], counting into `metrics`.
+pub(crate) fn store_on_with(
+    redis: &RedisServer,
+    prefix: &str,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+) -> (RedisStore, mpsc::Receiver<Notice>) {
     let store = RedisStore::connect(
         &RedisSettings {
             url: RedisUrl::parse(&redis.url()).unwrap(),
@@ -35,7 +45,7 @@ pub(crate) fn store_on(
             replica_acks: 0,
             batch_max: 64,
         },
-        Arc::default(),
+        metrics,
     )
     .unwrap();
     let (tx, rx) = mpsc::channel(1024);

@@ -69,13 +69,17 @@ async fn hammer(n: usize, shared: Arc<Shared>, until: Instant) {
                 rng.random::<u32>() as usize,
             )
         };
+        // The session's end, as this client can vouch for it: the send time of the open, then
+        // of each confirmed keep-alive, plus the TTL (the store measures the TTL from when it
+        // got the request, which is later). An acquire under the session does not renew it.
+        let opening = Instant::now();
         let Some((StatusCode::CREATED, opened)) =
             post(&http, format!("{}/sessions?ttl_ms={TTL_MS}", pick(r1))).await
         else {
             continue;
         };
         let id = opened["session"].as_str().unwrap().to_owned();
-        let asked = Instant::now();
+        let renewed = std::sync::Mutex::new(opening);
         let acquire = post(
             &http,
             format!("{}/locks/hot?session={id}&wait_ms=3000", pick(r2)),
@@ -87,7 +91,7 @@ async fn hammer(n: usize, shared: Arc<Shared>, until: Instant) {
             acquire.await
         } else {
             // Keep the session alive while the acquire waits.
-            let keeping = keep_alive_until_done(&http, &shared, &id, r1);
+            let keeping = keep_alive_until_done(&http, &shared, &id, r1, &renewed);
             tokio::pin!(keeping);
             tokio::select! {
                 answer = acquire => answer,
@@ -99,9 +103,9 @@ async fn hammer(n: usize, shared: Arc<Shared>, until: Instant) {
         };
         let start = Instant::now();
         let fence = grant["fence"].as_u64().unwrap();
-        // Believed held until the grant's session end, on this clock: the acquire was sent before
-        // the store measured the session's remaining time, so `asked` plus the TTL is safe.
-        let mut believed = asked + Duration::from_millis(TTL_MS);
+        // Believed held until the session's end, on this clock: a lease under a session ends
+        // with it.
+        let mut believed = *renewed.lock().unwrap() + Duration::from_millis(TTL_MS);
         let hold_ms = rand::rng().random_range(50..400u64);
         let hold_until = start + Duration::from_millis(hold_ms);
         let mut lost = false;
@@ -162,8 +166,15 @@ async fn hammer(n: usize, shared: Arc<Shared>, until: Instant) {
     }
 }
 
-/// Keeps session `id` alive every third of its TTL (never ends by itself: the caller races it).
-async fn keep_alive_until_done(http: &Client, shared: &Shared, id: &str, r: usize) {
+/// Keeps session `id` alive every third of its TTL (never ends by itself: the caller races it),
+/// booking in `renewed` the send time of each keep-alive the broker confirmed.
+async fn keep_alive_until_done(
+    http: &Client,
+    shared: &Shared,
+    id: &str,
+    r: usize,
+    renewed: &std::sync::Mutex<Instant>,
+) {
     let mut i = r;
     loop {
         tokio::time::sleep(Duration::from_millis(TTL_MS / 3)).await;
@@ -172,7 +183,10 @@ async fn keep_alive_until_done(http: &Client, shared: &Shared, id: &str, r: usiz
             "{}/sessions/{id}/renew",
             shared.brokers[i % shared.brokers.len()]
         );
-        let _ = post(http, url).await;
+        let sent = Instant::now();
+        if let Some((StatusCode::OK, _)) = post(http, url).await {
+            *renewed.lock().unwrap() = sent;
+        }
     }
 }
 

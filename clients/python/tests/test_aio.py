@@ -298,6 +298,33 @@ def test_an_acquire_cancelled_while_the_broker_is_unreachable_ends_at_once() -> 
     asyncio.run(scenario())
 
 
+def test_an_acquire_cancelled_while_it_connects_sends_nothing_and_cleans_up_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cancellation that lands while the attempt is still connecting: none of its bytes left,
+    so the broker cannot have granted it, and the acquire ends without a clean-up request."""
+    from harness import free_port
+
+    connects = []
+
+    async def never_connects(*args: object, **kwargs: object) -> None:
+        connects.append(args)
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(asyncio, "open_connection", never_connects)
+
+    async def scenario() -> None:
+        async with AsyncBroker(f"http://127.0.0.1:{free_port()}", timeout=5) as client:
+            started = time.monotonic()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.acquire("k", ttl=5, wait=10), 0.3)
+            assert len(connects) == 1, "the cancelled acquire started a clean-up"
+            assert time.monotonic() - started < 1.0
+
+    asyncio.run(scenario())
+    assert len(connects) == 1
+
+
 @embedded_only
 def test_async_leadership_elects_one_hands_over_on_close_and_revokes_a_lost_term(
     broker: BrokerProcess, key: str

@@ -4,7 +4,6 @@
 //! and result, takeovers of expired leases, store errors and latency, current waiters. And the
 //! broker's store outage in progress, as the logs tell it (`outage.rs`).
 
-use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -18,6 +17,7 @@ use prometheus_client::registry::Registry;
 use crate::domain::{Kind, Space};
 
 mod labels;
+mod losses;
 mod outage;
 
 use self::labels::{
@@ -26,6 +26,7 @@ use self::labels::{
     space_label,
 };
 pub use self::labels::{AcquireResult, HolderResult, PassedOn, StoreOp};
+use self::losses::Losses;
 pub use self::outage::Outage;
 
 fn seconds_histogram() -> Histogram {
@@ -57,10 +58,7 @@ pub struct Metrics {
     direct_grants: Counter,
     resident_memory: Gauge,
     ledger: Gauge,
-    store_losses: Counter,
-    leases_put_back: Counter,
-    double_claims: Counter,
-    store_hold_seconds: Counter<f64, AtomicU64>,
+    losses: Losses,
     auth: Family<AuthLabels, Counter>,
     sessions: Family<SessionLabels, Counter>,
     /// Store outages as the logs tell them: shared here because the lock service, the HTTP
@@ -211,32 +209,7 @@ impl Default for Metrics {
             "Live leases this broker granted or renewed and would put back after a store loss",
             ledger.clone(),
         );
-        let store_losses = Counter::default();
-        registry.register(
-            "lockbroker_store_losses",
-            "Times this broker found the store in a new epoch after it had lost or may have lost \
-             writes (restart, flush, failover) and put its live leases back",
-            store_losses.clone(),
-        );
-        let leases_put_back = Counter::default();
-        registry.register(
-            "lockbroker_leases_put_back",
-            "Live leases this broker wrote back into the store after a loss",
-            leases_put_back.clone(),
-        );
-        let double_claims = Counter::default();
-        registry.register(
-            "lockbroker_double_claims",
-            "Keys found held by another lease while putting a lease back (a lock had two \
-             holders; the higher fence was kept)",
-            double_claims.clone(),
-        );
-        let store_hold_seconds = Counter::<f64, AtomicU64>::default();
-        registry.register(
-            "lockbroker_store_hold_seconds",
-            "Length of the store-wide holds this broker found after detected losses",
-            store_hold_seconds.clone(),
-        );
+        let losses = Losses::register(&mut registry);
         let auth = Family::<AuthLabels, Counter>::default();
         registry.register(
             "lockbroker_auth_requests",
@@ -278,10 +251,7 @@ impl Default for Metrics {
             passed_on,
             direct_grants,
             ledger,
-            store_losses,
-            leases_put_back,
-            double_claims,
-            store_hold_seconds,
+            losses,
             auth,
             sessions,
             outage: Arc::default(),
@@ -379,10 +349,7 @@ impl Metrics {
 
     /// A loss this broker detected and caught up with.
     pub fn store_loss(&self, put_back: usize, double_claims: usize, hold_ms: u64) {
-        self.store_losses.inc();
-        self.leases_put_back(put_back);
-        self.double_claims.inc_by(double_claims as u64);
-        self.store_hold_seconds.inc_by(hold_ms as f64 / 1000.0);
+        self.losses.caught_up(put_back, double_claims, hold_ms);
     }
 
     /// A decision of the auth layer about a request from the token named `token`.
@@ -401,7 +368,12 @@ impl Metrics {
     }
 
     pub fn leases_put_back(&self, n: usize) {
-        self.leases_put_back.inc_by(n as u64);
+        self.losses.put_back.inc_by(n as u64);
+    }
+
+    /// A lease whose answer raced a store loss, put back on its own (started, not yet done).
+    pub fn late_put_back(&self) {
+        self.losses.late_put_backs.inc();
     }
 
     /// The OpenMetrics text exposition, with the current number of waiters (in all, and queued

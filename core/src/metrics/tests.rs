@@ -52,6 +52,7 @@ fn the_exposition_names_every_series_the_docs_promise() {
         "lockbroker_ledger_leases 3",
         "lockbroker_store_losses_total 0",
         "lockbroker_leases_put_back_total 0",
+        "lockbroker_late_put_backs_total 0",
         "lockbroker_double_claims_total 0",
         "lockbroker_store_hold_seconds_total 0.0",
     ] {

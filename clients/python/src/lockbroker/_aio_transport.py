@@ -16,7 +16,7 @@ import json
 import socket
 import ssl
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ._transport import Answer, Endpoint, NoAnswer, decode_body, describe
 
@@ -64,6 +64,7 @@ class AsyncTransport(Endpoint):
         body: Optional[Dict[str, Any]] = None,
         headers: Optional[Dict[str, str]] = None,
         ordered: bool = False,
+        sending: Optional[Callable[[], None]] = None,
     ) -> Answer:
         """Sends one request and reads its answer within ``timeout`` seconds. Raises
         :class:`NoAnswer` when no HTTP answer came. Cancelled, it closes its connection: a
@@ -74,12 +75,16 @@ class AsyncTransport(Endpoint):
         path waits its turn or is unanswered, a request sends its head with ``Expect:
         100-continue``, its body after the broker's ``100 Continue`` (which comes when the
         broker's handler reads the body, just before it queues the request), and lets the next
-        one go only then."""
+        one go only then.
+
+        ``sending``, if given, is called just before the request's first bytes are written:
+        a request cancelled or failed before it (waiting its turn, connecting) cannot have
+        reached the broker."""
         head, payload = self._encode(method, self._prefix + path, body, headers)
         timeout = max(timeout, 0.05)
         deadline = time.monotonic() + timeout
         if not ordered:
-            conn, reused = await self._send(head + payload, deadline)
+            conn, reused = await self._send(head + payload, deadline, sending)
             return await self._exchanged(conn, reused, method, head + payload, deadline)
         turn = self._turns.get(path)
         if turn is None:
@@ -88,12 +93,12 @@ class AsyncTransport(Endpoint):
         try:
             async with turn.lock:
                 if turn.users > 1 and payload:
-                    sent = await self._send_in_turn(method, head, payload, deadline)
+                    sent = await self._send_in_turn(method, head, payload, deadline, sending)
                     if isinstance(sent, Answer):
                         return sent
                     conn, reused = sent
                 else:
-                    conn, reused = await self._send(head + payload, deadline)
+                    conn, reused = await self._send(head + payload, deadline, sending)
             return await self._exchanged(conn, reused, method, head + payload, deadline)
         finally:
             turn.users -= 1
@@ -146,20 +151,26 @@ class AsyncTransport(Endpoint):
         lines += [f"{name}: {value}" for name, value in all_headers.items()]
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), payload
 
-    async def _send(self, data: bytes, deadline: float) -> Tuple[_Connection, bool]:
+    async def _send(self, data: bytes, deadline: float,
+                    sending: Optional[Callable[[], None]]) -> Tuple[_Connection, bool]:
         conn = self._take()
         if conn is not None:
+            if sending is not None:
+                sending()
             try:
                 await self._write(conn, data, True)
                 return conn, True
             except _Stale:
                 pass
         conn = await self._connect(deadline)
+        if sending is not None:
+            sending()
         await self._write(conn, data, False)
         return conn, False
 
-    async def _send_in_turn(self, method: str, head: bytes, payload: bytes,
-                            deadline: float) -> "Tuple[_Connection, bool] | Answer":
+    async def _send_in_turn(self, method: str, head: bytes, payload: bytes, deadline: float,
+                            sending: Optional[Callable[[], None]]
+                            ) -> "Tuple[_Connection, bool] | Answer":
         """Sends the head with ``Expect: 100-continue``, then the body once the broker said
         ``100 Continue`` (or did not within :data:`_CONTINUE_WAIT`: something in front that
         does not pass it on). A final answer instead of the 100 is returned as it is."""
@@ -169,6 +180,8 @@ class AsyncTransport(Endpoint):
         for _ in range(2):
             if conn is None:
                 conn, reused = await self._connect(deadline), False
+            if sending is not None:
+                sending()
             try:
                 await self._write(conn, expecting, reused)
                 early = await self._await_continue(conn, reused, method, deadline)

@@ -57,7 +57,7 @@ class GrantRun:
         #: was granted can have begun earlier.
         self.first_sent: Optional[float] = None
         # Whether an attempt reached the broker, or may have (then it may have granted), and
-        # whether one is under way (its fate unknown).
+        # whether one is under way, its bytes leaving (its fate unknown: `sending`).
         self._reached = False
         self._in_flight = False
         self._asked = 0.0
@@ -70,7 +70,6 @@ class GrantRun:
         for a call that does not wait, what is left of the deadline)."""
         now = time.monotonic()
         self._asked_at = now
-        self._in_flight = True
         if not self._waits:
             return self.body, max(self.deadline - now, 0.05)
         self._asked = min(max(self.deadline - now, 0.0), self._max_wait)
@@ -80,6 +79,12 @@ class GrantRun:
     def again_body(self) -> Dict[str, Any]:
         """The body that asks again, without waiting, whether this call was granted."""
         return dict(self.body, wait_ms=0) if self._waits else dict(self.body)
+
+    def sending(self) -> None:
+        """Books that the attempt's bytes are about to leave (the transport calls it just
+        before its first write): from here the broker may grant it. Before, while the
+        attempt waits its turn or connects, nothing of it can reach the broker."""
+        self._in_flight = True
 
     @property
     def may_have_reached(self) -> bool:

@@ -292,7 +292,8 @@ class AsyncBroker(ClientBase):
                 body, timeout = run.request()
                 try:
                     answer = await self._core.transport.request(
-                        "POST", run.path, body=body, timeout=timeout, ordered=run.ordered)
+                        "POST", run.path, body=body, timeout=timeout, ordered=run.ordered,
+                        sending=run.sending)
                 except NoAnswer as e:
                     action, delay = PAUSE, run.no_answer(e)
                 else:
