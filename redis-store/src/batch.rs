@@ -28,7 +28,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::epoch::EpochKeeper;
-use super::scripts::{Batch, BatchOp, ScriptCall, fits, is_slow, slow};
+use super::scripts::{Batch, BatchOp, ScriptCall, fits, is_slow, slow, unpack};
 use lockbroker_core::store::{StoreError, StoreResult};
 
 /// How many calls of the batcher may be in flight at once: while one is, the next gathers and
@@ -242,20 +242,23 @@ impl EpochKeeper {
             broker: &self.broker.id,
             ops: &ops,
         };
-        match self.run_tracked(&call).await {
-            Ok((replies, generation)) if replies.len() == answers.len() => {
+        let replies = self
+            .run_tracked(&call)
+            .await
+            .and_then(|(reply, generation)| {
+                let count = reply.len();
+                let replies = unpack(&ops, reply).map_err(|why| {
+                    StoreError::Failed(format!(
+                        "Redis answered a batch of {} operations with {count} values: {why}",
+                        ops.len()
+                    ))
+                })?;
+                Ok((replies, generation))
+            });
+        match replies {
+            Ok((replies, generation)) => {
                 for (reply, answer) in replies.into_iter().zip(answers) {
                     let _ = answer.send(Ok((reply, generation)));
-                }
-            }
-            Ok((replies, _)) => {
-                let e = StoreError::Failed(format!(
-                    "Redis answered a batch of {} operations with {} replies",
-                    answers.len(),
-                    replies.len()
-                ));
-                for answer in answers {
-                    let _ = answer.send(Err(e.clone()));
                 }
             }
             Err(e) => {

@@ -311,34 +311,42 @@ impl Real {
                 }
             }
         }
-        let replies: Vec<Vec<redis::Value>> = call
+        // One flat reply (`batch.lua`): a granted claim's fence as text, a release's held_ms and
+        // fence as text, or SLOW alone.
+        let reply: Vec<redis::Value> = call
             .invoke_async(&mut self.conn)
             .await
             .map_err(|e| StoreError::Failed(e.to_string()))?;
+        // A number, or one given as text (a fence).
+        let int = |v: Option<&redis::Value>| match v {
+            Some(redis::Value::Int(n)) => *n,
+            Some(redis::Value::BulkString(text)) => std::str::from_utf8(text)
+                .ok()
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(i64::MIN),
+            _ => i64::MIN,
+        };
+        let mut values = reply.iter();
         let mut out = Vec::new();
         let mut slow = Vec::new();
-        for (op, reply) in ops.iter().zip(&replies) {
-            // A number, or one given as text (a release's fence).
-            let int = |i: usize| match reply.get(i) {
-                Some(redis::Value::Int(n)) => *n,
-                Some(redis::Value::BulkString(text)) => std::str::from_utf8(text)
-                    .ok()
-                    .and_then(|t| t.parse().ok())
-                    .unwrap_or(i64::MIN),
-                _ => i64::MIN,
-            };
-            out.push(match (int(0), op) {
-                (-2, _) => {
+        for op in ops {
+            let first = values.next();
+            out.push(match (first, op) {
+                (Some(redis::Value::Int(-2)), _) => {
                     slow.push(op.alone(broker));
                     Said::Slow
                 }
-                (1, BatchStep::Claim { token, .. }) => Said::Granted(*token, int(1) as Fence),
-                (1, BatchStep::Release { .. }) => Said::Held(int(2) as Fence),
-                (code, _) => Said::Code(code),
+                (Some(redis::Value::BulkString(_)), BatchStep::Claim { token, .. }) => {
+                    Said::Granted(*token, int(first) as Fence)
+                }
+                (Some(redis::Value::Int(held_ms)), BatchStep::Release { .. }) if *held_ms >= 0 => {
+                    Said::Held(int(values.next()) as Fence)
+                }
+                (first, _) => Said::Code(int(first)),
             });
         }
-        if replies.len() != ops.len() {
-            out.push(Said::Code(replies.len() as i64));
+        if values.next().is_some() {
+            out.push(Said::Code(reply.len() as i64));
         }
         if !stale {
             for alone in slow {

@@ -3,7 +3,7 @@
 
 use redis::Value;
 
-use super::codes::BatchCode;
+use super::codes::{BatchCode, GrantCode, HolderCode};
 use crate::keys::RedisKeys;
 
 /// One operation of a batch: its key's five Redis keys and its arguments (as many as its kind
@@ -97,6 +97,55 @@ script_call! {
 /// the epoch it asked in.
 pub(crate) fn fits(op: &BatchOp, epoch: &str) -> bool {
     op.asked_in.as_deref().is_none_or(|asked| asked == epoch)
+}
+
+/// BATCH's flat reply (see `batch.lua`: a granted claim's fence as text, a release's held_ms and
+/// fence, or SLOW alone), read back into one reply per operation of `ops`, each as CLAIM's or
+/// RELEASE's fast path answers it alone — what their decoders read: a claim's
+/// `{GRANTED, fence, expires_at, token, ttl, now_ms}` (the fence is Redis's clock in µs, the
+/// token and ttl the claim's own), a release's `{HELD, held_ms, fence}`, or [`slow`].
+pub(crate) fn unpack(ops: &[BatchOp], reply: Vec<Value>) -> Result<Vec<Value>, String> {
+    let mut values = reply.into_iter();
+    let mut next = || values.next().ok_or("fewer values than its operations need");
+    let mut answers = Vec::with_capacity(ops.len());
+    for op in ops {
+        let first = next()?;
+        if matches!(first, Value::Int(code) if BatchCode::try_from(code) == Ok(BatchCode::Slow)) {
+            answers.push(slow());
+            continue;
+        }
+        answers.push(match op.args.as_slice() {
+            [kind, ..] if kind == "r" => {
+                Value::Array(vec![Value::Int(HolderCode::Held as i64), first, next()?])
+            }
+            [_, token, ttl, ..] => {
+                let fence = match &first {
+                    Value::BulkString(text) => std::str::from_utf8(text)
+                        .ok()
+                        .and_then(|text| text.parse::<i64>().ok()),
+                    _ => None,
+                }
+                .ok_or("a claim's fence that is not a number")?;
+                let ttl: i64 = ttl
+                    .parse()
+                    .map_err(|_| "a claim's ttl that is not a number")?;
+                let now_ms = fence / 1000;
+                Value::Array(vec![
+                    Value::Int(GrantCode::Granted as i64),
+                    Value::Int(fence),
+                    Value::Int(now_ms + ttl),
+                    Value::BulkString(token.as_bytes().to_vec()),
+                    Value::Int(ttl),
+                    Value::Int(now_ms),
+                ])
+            }
+            _ => return Err("an operation without its arguments".into()),
+        });
+    }
+    if values.next().is_some() {
+        return Err("more values than its operations need".into());
+    }
+    Ok(answers)
 }
 
 /// BATCH's answer for an operation to run alone: [`BatchCode::Slow`].

@@ -70,7 +70,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use redis::{Arg, Cmd, FromRedisValue, RedisWrite, Script, ToRedisArgs, Value};
 use tokio::time::Instant;
 
-pub(crate) use self::batch::{Batch, BatchOp, fits, is_slow, slow};
+pub(crate) use self::batch::{Batch, BatchOp, fits, is_slow, slow, unpack};
 pub(crate) use self::epoch::{
     Check, Checked, LeaseBack, Mark, Placement, PutBack, PutBackReply, Repair,
 };

@@ -466,3 +466,64 @@ fn first_arg(call: &Call<'_>) -> String {
         _ => String::new(),
     }
 }
+
+#[test]
+fn a_batchs_flat_reply_unpacks_into_each_operations_own_reply_or_is_refused_whole() {
+    use lockbroker_core::domain::{LockKey, Space};
+
+    let layout = crate::keys::KeyLayout {
+        prefix: "lb:".into(),
+        marker: "lb:epoch".into(),
+        cluster: false,
+    };
+    let keys = layout.names(Space::Locks, &LockKey::parse("k").unwrap());
+    let ops = [
+        BatchOp::claim(&keys, "tok-a", 500, String::new(), "", "E1"),
+        BatchOp::release(&keys, "tok-b"),
+        BatchOp::claim(&keys, "tok-c", 900, "=label".into(), "rid", "E1"),
+        BatchOp::release(&keys, "tok-d"),
+    ];
+    // A grant's fence as text, a release's held_ms and fence, SLOW alone for either kind.
+    let flat = vec![
+        text("1700000000123456"),
+        int(40),
+        text("1699999999000001"),
+        int(-2),
+        int(-2),
+    ];
+    let replies = unpack(&ops, flat.clone()).unwrap();
+    assert_eq!(replies.len(), 4);
+    match Epoched::<GrantReply>::from_redis_value(replies[0].clone()) {
+        Ok(Epoched::Answered(GrantReply::Granted(g))) => {
+            assert_eq!(
+                (g.fence, g.expires_at_ms, g.ttl_ms, g.now_ms, g.again),
+                (
+                    1_700_000_000_123_456,
+                    1_700_000_000_623,
+                    500,
+                    1_700_000_000_123,
+                    false
+                )
+            );
+            assert_eq!(g.token, "tok-a");
+        }
+        _ => panic!("not a grant"),
+    }
+    match ReleaseReply::from_redis_value(replies[1].clone()) {
+        Ok(ReleaseReply::Released {
+            held_ms,
+            fence,
+            handed: None,
+        }) => assert_eq!((held_ms, fence), (40, 1_699_999_999_000_001)),
+        _ => panic!("not a release"),
+    }
+    assert!(is_slow(&replies[2]) && is_slow(&replies[3]));
+    // A value short, one over, or a claim's fence that is not a number: the whole batch fails.
+    assert!(unpack(&ops, flat[..4].to_vec()).is_err());
+    let mut over = flat.clone();
+    over.push(int(-2));
+    assert!(unpack(&ops, over).is_err());
+    let mut bad = flat;
+    bad[0] = text("soon");
+    assert!(unpack(&ops, bad).is_err());
+}

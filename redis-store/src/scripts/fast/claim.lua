@@ -10,5 +10,6 @@ local TOKEN, TTL, OWNER, KNOWN, REQUEST_ID, BROKER = ARGV[1], ARGV[2], ARGV[3], 
 local now, time = now_us()
 local held = checked(now, MARKER, KNOWN)
 if held then return held end
-local granted = fast_claim(now, time, nil, LOCK, FENCE, ENDS, QUEUE, WATCHED, TOKEN, TTL, OWNER, REQUEST_ID, BROKER)
-if granted then return granted end
+local expires, ms, now_ms = fast_claim(now, time, nil, LOCK, FENCE, ENDS, QUEUE, WATCHED, TOKEN, TTL, OWNER,
+  REQUEST_ID, BROKER)
+if expires then return {GRANTED, now, expires, TOKEN, ms, now_ms} end

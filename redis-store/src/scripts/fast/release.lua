@@ -11,7 +11,7 @@ local now = now_us()
 -- semaphore. Nothing writes before release.lua reads it again.
 local lease = nil
 if EXCL then
-  local released
-  released, lease = fast_release(now, nil, LOCK, FENCE, ENDS, QUEUE, WATCHED, ARGV[1], ARGV[3])
-  if released then return released end
+  local held_ms, fence
+  held_ms, fence, lease = fast_release(now, nil, LOCK, FENCE, ENDS, QUEUE, WATCHED, ARGV[1], ARGV[3])
+  if held_ms then return {HELD, held_ms, fence} end
 end

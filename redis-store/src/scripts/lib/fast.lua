@@ -27,7 +27,9 @@ end
 -- (`kept_fence`, lib/grant.lua). So with no counter, no pool and no lease record, Redis's clock in
 -- µs is above every fence granted before (as long as it does not step back while nothing holds
 -- the key). `owner`: '' or '=' and the label; `text`: `clock_text`'s answer as a pair, if the
--- caller made it already (else it is made here, once the key is found free).
+-- caller made it already (else it is made here, once the key is found free). Granted, it answers
+-- the lease's expires_at, ttl and Redis's clock in ms (its fence is `now`): numbers, no table,
+-- which only a single call's reply needs.
 local function fast_claim(now, time, text, lock, fence, ends, queue, watched, token, ttl, owner, rid, broker)
   if redis.call('EXISTS', lock, queue, ends, watched, fence) ~= 0 then return nil end
   local now_ms = math.floor(now / 1000)
@@ -43,14 +45,14 @@ local function fast_claim(now, time, text, lock, fence, ends, queue, watched, to
   if owner ~= '' then redis.call('HSET', lock, 'owner', string.sub(owner, 2)) end
   if rid ~= '' then redis.call('HSET', lock, 'request_id', rid) end
   redis.call('PEXPIRE', lock, int(ms + SLACK))
-  return {GRANTED, now, expires, token, ms, now_ms}
+  return expires, ms, now_ms
 end
 -- The token's own live exclusive lease, remembered by this broker (`broker`) alone, on a key that
 -- nobody queues for, watches or shares, with no fence counter and a fence below Redis's clock
--- (nothing then needs the fence kept), released: its reply, or nil with nothing written. Either
--- way also the lease as read (token, expires_at, offered, by, fence, granted_at), for RELEASE's
--- slow path to go on from. `text`: `clock_text`'s answer as a pair, if the caller made it
--- already.
+-- (nothing then needs the fence kept), released: how long it was held (ms) and its fence (as
+-- text), or nil with nothing written. Either way also the lease as read (token, expires_at,
+-- offered, by, fence, granted_at), for RELEASE's slow path to go on from. `text`: `clock_text`'s
+-- answer as a pair, if the caller made it already.
 local function fast_release(now, text, lock, fence, ends, queue, watched, token, broker)
   local now_ms = math.floor(now / 1000)
   local v = redis.call('HMGET', lock, 'token', 'expires_at', 'offered', 'by', 'fence', 'granted_at')
@@ -68,7 +70,7 @@ local function fast_release(now, text, lock, fence, ends, queue, watched, token,
   end
   if live and old and redis.call('EXISTS', queue, ends, watched, fence) == 0 then
     redis.call('DEL', lock)
-    return {HELD, math.max(0, now_ms - tonumber(v[6])), f}, v
+    return math.max(0, now_ms - tonumber(v[6])), f, v
   end
-  return nil, v
+  return nil, nil, v
 end
