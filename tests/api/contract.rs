@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::app::Backend;
-use lockbroker_test_support::http::{Grant, assert_fields};
+use lockbroker_test_support::http::{Grant, assert_fields, until_waiting};
 use lockbroker_test_support::{now_ms, on_both_stores};
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{Method, StatusCode};
@@ -567,8 +567,9 @@ async fn a_held_lock_is_409_locked_with_retry_after_in_the_body_and_the_header(b
 async fn a_waiting_acquire_is_granted_when_the_holder_releases(b: &Backend) {
     let holder = b.app.grant("queue", "ttl_ms=30000").await;
     let waiter = b.app.spawn_acquire("queue", "wait_ms=10000");
-    // Let the waiter find the lock held; it must still be waiting while the lease is held.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The waiter finds the lock held and parks (the broker counts it); it must still be waiting
+    // while the lease is held.
+    until_waiting(&b.app.address, 1).await;
     assert!(
         !waiter.is_finished(),
         "the waiter must wait while the lock is held"

@@ -171,8 +171,8 @@ async fn a_waiting_acquire_ends_by_its_wait_plus_the_store_timeout_when_redis_st
     const WAIT_MS: u64 = 1500;
     let started = Instant::now();
     let waiter = app.spawn_acquire("stuck", &format!("wait_ms={WAIT_MS}"));
-    // Let the waiter start waiting, then freeze Redis under it.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Once the waiter is parked (the broker counts it), freeze Redis under it.
+    until_waiting(&app.address, 1).await;
     assert!(!waiter.is_finished());
     redis.pause();
     let answer = tokio::time::timeout(Duration::from_secs(10), waiter)

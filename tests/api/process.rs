@@ -6,7 +6,7 @@ use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use lockbroker_test_support::broker::{BrokerCommand, BrokerProcess, serve_command};
-use lockbroker_test_support::http::{Answer, http_client};
+use lockbroker_test_support::http::{Answer, http_client, until_waiting};
 use lockbroker_test_support::redis_server::RedisServer;
 use lockbroker_test_support::send_signal;
 use lockbroker_test_support::temp::{temp_file, temp_log};
@@ -27,8 +27,8 @@ async fn sigterm_answers_waiting_requests_with_503_shutting_down_and_exits_0() {
         let request = client.post(broker.url("/locks/job?wait_ms=20000"));
         tokio::spawn(async move { Answer::send(request).await })
     };
-    // Let the waiter find the lock held and start waiting.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The waiter finds the lock held and parks (the broker counts it).
+    until_waiting(&broker.address(), 1).await;
     assert!(!waiter.is_finished(), "the waiter must be waiting");
 
     let signalled = Instant::now();

@@ -39,6 +39,28 @@ async fn brokers<const N: usize>(redis: &RedisServer) -> [TestApp; N] {
     apps.try_into().unwrap_or_else(|_| unreachable!())
 }
 
+/// Waits until a bid is in `key`'s queue in Redis (the brokers' default key prefix), for at most
+/// 5 s.
+async fn until_queued(redis: &RedisServer, key: &str) {
+    let started = Instant::now();
+    let mut conn = redis.connection().await;
+    loop {
+        let queued: u64 = lockbroker_test_support::redis::cmd("ZCARD")
+            .arg(format!("lockbroker:{{{key}}}:queue"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if queued > 0 {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "no bid in {key}'s queue after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Asks `app` for `key` until it is granted, and says how long that took from `since`. Every
 /// answer before is a 503 `store_unavailable` with a Retry-After (a hold, or Redis not back yet)
 /// or a 409 `locked`.
@@ -215,7 +237,8 @@ async fn a_waiter_parked_across_a_loss_is_granted_when_the_put_back_lease_is_rel
     let [one, two] = brokers::<2>(&redis).await;
     let held = one.grant("queue", "ttl_ms=30000").await;
     let waiter = two.spawn_acquire("queue", "wait_ms=20000&ttl_ms=1000");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Its bid in the key's queue in Redis before Redis restarts empty.
+    until_queued(&redis, "queue").await;
     redis.restart().await;
     let back = Instant::now();
     first_grant(&one, "free", back).await;
