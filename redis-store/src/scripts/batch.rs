@@ -1,7 +1,7 @@
 //! BATCH's call (`batch.lua`): many claims and releases in one script call, each the lock
 //! cycle's common case, answered one by one.
 
-use redis::Value;
+use redis::{FromRedisValue, Value};
 
 use super::codes::{BatchCode, GrantCode, HolderCode};
 use crate::keys::RedisKeys;
@@ -119,13 +119,8 @@ pub(crate) fn unpack(ops: &[BatchOp], reply: Vec<Value>) -> Result<Vec<Value>, S
                 Value::Array(vec![Value::Int(HolderCode::Held as i64), first, next()?])
             }
             [_, token, ttl, ..] => {
-                let fence = match &first {
-                    Value::BulkString(text) => std::str::from_utf8(text)
-                        .ok()
-                        .and_then(|text| text.parse::<i64>().ok()),
-                    _ => None,
-                }
-                .ok_or("a claim's fence that is not a number")?;
+                let fence = i64::from_redis_value(first)
+                    .map_err(|_| "a claim's fence that is not a number")?;
                 let ttl: i64 = ttl
                     .parse()
                     .map_err(|_| "a claim's ttl that is not a number")?;
